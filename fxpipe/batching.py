@@ -1,0 +1,175 @@
+"""Which dimension of each input and output is the batch: found by checking separability.
+
+A dimension is the batch dimension when running the model on two halves of the batch along it
+and concatenating the results reproduces the whole-batch result. That is what micro-batching
+relies on, so it is checked rather than assumed to be dim 0 (an LSTM with batch_first=False has
+its batch in dim 1; a causal model is not separable along time).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxpipe.errors import CaptureError
+from fxpipe.signature import is_tensor
+
+__all__ = ["BatchLayout", "infer_batch_layout", "seeded"]
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Runs a block with a fixed RNG seed, leaving the caller's RNG state untouched."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    input_dims: tuple[int | None, ...]  # per tensor input leaf
+    output_dims: tuple[int | None, ...]  # per output leaf
+    output_is_tensor: tuple[bool, ...]
+    out_spec: pytree.TreeSpec
+    batch_size: int
+
+    def slice_inputs(self, args: tuple, kwargs: dict, start: int, length: int) -> tuple[tuple, dict]:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        dims = iter(self.input_dims)
+        out = []
+        for leaf in leaves:
+            if is_tensor(leaf):
+                d = next(dims)
+                out.append(leaf if d is None else leaf.narrow(d, start, length))
+            else:
+                out.append(leaf)
+        return pytree.tree_unflatten(out, spec)
+
+    def trial_batches(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+        """The example batch and a smaller one, to check a captured graph beyond the example."""
+        small = max(1, self.batch_size // 2)
+        return [(args, kwargs), self.slice_inputs(args, kwargs, 0, small)]
+
+
+def _candidates(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int | None, ...]]:
+    """Assignments of batch dims to tensor inputs, most likely first (dim 0 everywhere)."""
+    seen = set()
+    depth = max((t.dim() for t in tensors), default=0)
+    for d in range(depth):
+        for t in tensors:
+            if d >= t.dim() or t.shape[d] < 2:
+                continue
+            size = t.shape[d]
+            dims = tuple(d if (d < u.dim() and u.shape[d] == size) else
+                         next((e for e in range(u.dim()) if u.shape[e] == size), None)
+                         for u in tensors)
+            if dims not in seen:
+                seen.add(dims)
+                yield dims
+
+
+def _output_dims(full: list, first: list, second: list) -> tuple[int | None, ...] | None:
+    """Each output's batch dim, or None if the halves do not concatenate to the whole."""
+    dims = []
+    for f, a, b in zip(full, first, second):
+        if not is_tensor(f):
+            dims.append(None)
+            continue
+        changed = [d for d in range(f.dim()) if a.shape[d] != f.shape[d]]
+        if not changed:
+            dims.append(None)
+            continue
+        if len(changed) != 1:
+            return None
+        d = changed[0]
+        if a.shape[d] + b.shape[d] != f.shape[d]:
+            return None
+        joined = torch.cat([a, b], dim=d)
+        if not _allclose(f, joined):
+            return None
+        dims.append(d)
+    return tuple(dims)
+
+
+def _allclose(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    scale = a.abs().max().item() if a.numel() else 0.0
+    return bool(torch.allclose(a, b, rtol=1e-3, atol=1e-5 + 1e-4 * scale, equal_nan=True))
+
+
+def infer_batch_layout(model: nn.Module, args: tuple, kwargs: dict, leaves: list,
+                       batch_dims: Sequence[int | None] | None) -> BatchLayout:
+    """Finds (or checks the given) batch dims; runs the model in eval mode, without grad.
+
+    The caller restores the model's training flags and buffers afterwards.
+    """
+    tensors = [x for x in leaves if is_tensor(x)]
+    training = model.training
+    with torch.no_grad(), seeded(0):
+        out = model(*args, **kwargs)
+    out_leaves, out_spec = pytree.tree_flatten(out)
+    out_is_tensor = tuple(is_tensor(x) for x in out_leaves)
+    if batch_dims is not None:
+        candidates: Iterator[tuple[int | None, ...]] = iter([_check_given(batch_dims, tensors)])
+    else:
+        candidates = _candidates(tensors)
+    model.eval()
+    tried = []
+    try:
+        with torch.no_grad():
+            full = pytree.tree_leaves(model(*args, **kwargs))
+            for dims in candidates:
+                tried.append(dims)
+                layout = _try(model, args, kwargs, dims, full, out_spec, out_is_tensor, tensors)
+                if layout is not None:
+                    return layout
+    finally:
+        model.train(training)
+    shapes = [tuple(t.shape) for t in tensors]
+    raise CaptureError(
+        f"found no batch dimension along which {type(model).__name__} is separable "
+        f"(tensor input shapes {shapes}; tried batch dims {tried})",
+        hint="pass batch_dims=[...] (one entry per tensor input, None for unbatched ones); "
+             "pipelining needs a model whose examples do not interact (no BatchNorm in "
+             "train mode across the batch, no in-batch losses)",
+    )
+
+
+def _check_given(batch_dims: Sequence[int | None], tensors: list) -> tuple[int | None, ...]:
+    dims = tuple(batch_dims)
+    if len(dims) != len(tensors):
+        raise CaptureError(f"batch_dims has {len(dims)} entries for {len(tensors)} tensor inputs",
+                           hint="give one entry per tensor input, None for unbatched ones")
+    sizes = {t.shape[d] for t, d in zip(tensors, dims) if d is not None}
+    if len(sizes) != 1:
+        raise CaptureError(f"batch_dims {dims} select different batch sizes ({sorted(sizes)})",
+                           hint="every batched input must have the same batch size")
+    return dims
+
+
+def _try(model, args, kwargs, dims, full, out_spec, out_is_tensor, tensors) -> BatchLayout | None:
+    size = next(t.shape[d] for t, d in zip(tensors, dims) if d is not None)
+    if size < 2:
+        return None
+    probe = BatchLayout(dims, (), out_is_tensor, out_spec, size)
+    half = size // 2
+    try:
+        first = pytree.tree_leaves(model(*probe.slice_inputs(args, kwargs, 0, half)[0],
+                                         **probe.slice_inputs(args, kwargs, 0, half)[1]))
+        a2, k2 = probe.slice_inputs(args, kwargs, half, size - half)
+        second = pytree.tree_leaves(model(*a2, **k2))
+    except Exception:  # noqa: BLE001 - a wrong dim often makes the model fail
+        return None
+    if len(first) != len(full) or len(second) != len(full):
+        return None
+    out_dims = _output_dims(full, first, second)
+    if out_dims is None:
+        return None
+    return BatchLayout(dims, out_dims, out_is_tensor, out_spec, size)

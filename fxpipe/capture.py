@@ -1,0 +1,452 @@
+"""Capture any nn.Module as a torch.fx GraphModule that is checked against the eager model.
+
+Two front ends: torch.fx symbolic tracing (readable, module-level) and torch.export (captures
+Python control flow on shapes, LSTMs, Hugging Face models). "auto" tries fx, runs the captured
+graph against the eager model on the example batch and on a smaller one, and falls back to export
+when tracing fails or computes something else (a trace can succeed and still be wrong, e.g. when
+forward hooks are skipped).
+
+Writes: TENSOR on every node (fxpipe.shapes), GraphModule.meta[CAPTURE] = CaptureInfo.
+"""
+from __future__ import annotations
+
+import builtins
+import io
+import contextlib
+import keyword
+import logging
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxpipe import ir, shapes, source
+from fxpipe.batching import BatchLayout, infer_batch_layout, seeded
+from fxpipe.errors import CaptureError, ConfigError
+from fxpipe.signature import LeafSpec, Signature, is_tensor
+
+__all__ = ["capture", "CaptureInfo", "METHODS"]
+
+METHODS = ("auto", "fx", "export")
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """How the graph was obtained; stored in GraphModule.meta[ir.CAPTURE]."""
+
+    method: str  # "fx" or "export": the front end that produced the graph
+    requested: str  # what the caller asked for ("auto", "fx", "export")
+    fallback_reason: str | None  # why "auto" did not keep the fx graph
+    training: bool  # the model's mode at capture time, baked into the graph
+    signature: Signature
+    batch_size: int
+    inline_modules: bool
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Any,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    method: str = "auto",
+    leaf_modules: Sequence[Any] = (),
+    inline_modules: bool = False,
+    batch_dims: Sequence[int | None] | None = None,
+) -> fx.GraphModule:
+    """Captures `model` as a GraphModule that computes what the model computes.
+
+    Args:
+        model: any nn.Module; its train/eval mode is captured and recorded.
+        example_inputs: a tensor or a tuple of positional inputs (batch size >= 2).
+        example_kwargs: keyword inputs.
+        method: "auto" (fx, checked, falling back to export), "fx" or "export".
+        leaf_modules: module types, instances or qualified names to keep as opaque
+            call_module nodes under fx.
+        inline_modules: trace through torch.nn modules (functional graph with get_attr
+            parameters) instead of calling them as leaves.
+        batch_dims: the batch dimension of each tensor input (None = not batched); inferred
+            when omitted by checking that the model is separable along it.
+
+    Returns:
+        A GraphModule with flat tensor placeholders, callable like the model
+        (`gm(*example_inputs, **example_kwargs)`), with ir.TENSOR on every node and
+        `gm.meta[ir.CAPTURE]`.
+
+    Raises:
+        CaptureError: neither front end captures the model; says where and what to do.
+    """
+    if method not in METHODS:
+        raise ConfigError(f"unknown capture method {method!r}", hint=f"use one of {METHODS}")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be an nn.Module (got {type(model).__name__})",
+                          hint="wrap the function in an nn.Module")
+    args, kwargs = _normalize(example_inputs, example_kwargs)
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    tensors = [x for x in leaves if is_tensor(x)]
+    if not tensors:
+        raise CaptureError("the example inputs contain no tensor",
+                           hint="pass at least one tensor input (a batch of examples)")
+    names = _leaf_names(model, args, kwargs)
+    with preserved_state(model):
+        layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims)
+        signature = _signature(leaves, in_spec, names, layout)
+        gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
+                                         leaf_modules, inline_modules, args, kwargs)
+        shapes.propagate_shapes(gm, tensors, signature.input_batch_dims)
+    name_nodes_after_modules(gm)
+    gm.meta[ir.CAPTURE] = CaptureInfo(used, method, reason, model.training, signature,
+                                      layout.batch_size, inline_modules)
+    return gm
+
+
+def _capture_with(method, model, signature, leaves, tensors, layout, leaf_modules, inline,
+                  args, kwargs) -> tuple[fx.GraphModule, str, str | None]:
+    reason = None
+    if method in ("auto", "fx"):
+        try:
+            gm = _trace_fx(model, signature, leaves, leaf_modules, inline)
+            problem = _compare_with_eager(gm, model, args, kwargs, layout)
+            if problem is None:
+                return gm, "fx", None
+            if method == "fx":
+                raise CaptureError(f"the fx trace computes something else than the model: {problem}",
+                                   hint="use method='export' (or 'auto')")
+            reason = f"fx trace differs from the eager model: {problem}"
+        except CaptureError as e:
+            if method == "fx":
+                raise
+            reason = e.message
+    gm = _export(model, signature, leaves, tensors, layout)
+    problem = _compare_with_eager(gm, model, args, kwargs, layout)
+    if problem is not None:
+        raise CaptureError(f"the exported graph computes something else than the model: {problem}",
+                           hint="please report this model; as a workaround capture a submodule")
+    return gm, "export", reason
+
+
+# --- inputs and signature -------------------------------------------------------------------------
+
+def _normalize(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
+    if example_inputs is None:
+        raise ConfigError("capture needs example inputs", hint="pass a batch the model accepts")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise ConfigError(f"example_kwargs must be a dict (got {type(example_kwargs).__name__})",
+                          hint="pass keyword inputs as example_kwargs={'name': value}")
+    return args, dict(example_kwargs or {})
+
+
+def _identifier(text: str, taken: set[str]) -> str:
+    name = re.sub(r"\W", "_", text.encode("ascii", "replace").decode()) or "x"
+    if name[0].isdigit():
+        name = "_" + name
+    if keyword.iskeyword(name) or hasattr(builtins, name) or name == "self":
+        name = name + "_"
+    base, i = name, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+def _leaf_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """Placeholder names from the forward signature: idx, targets, xs_0, xs_1 ..."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    positional = [params[i].name if i < len(params) else f"arg{i}" for i in range(len(args))]
+    taken: set[str] = set()
+    names = []
+    for label, value in [*zip(positional, args), *kwargs.items()]:
+        leaves = pytree.tree_leaves(value)
+        if len(leaves) == 1 and not isinstance(value, (tuple, list, dict)):
+            names.append(_identifier(label, taken))
+        else:
+            names += [_identifier(f"{label}_{i}", taken) for i in range(len(leaves))]
+    return names
+
+
+def _signature(leaves, in_spec, names, layout: BatchLayout) -> Signature:
+    specs, k = [], 0
+    for name, leaf in zip(names, leaves):
+        if is_tensor(leaf):
+            bd = layout.input_dims[k]
+            shape = tuple(-1 if d == bd else s for d, s in enumerate(leaf.shape))
+            specs.append(LeafSpec(name, True, leaf.dtype, shape, bd))
+            k += 1
+        else:
+            specs.append(LeafSpec(name, False, constant=leaf))
+    return Signature(in_spec, specs, layout.out_spec, layout.output_dims, layout.output_is_tensor)
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Restores training flags and buffers (BatchNorm statistics) after trial runs."""
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+# --- the flat root that both front ends trace ---------------------------------------------------
+
+def _flat_root(model: nn.Module, signature: Signature, leaves: list) -> nn.Module:
+    """A module that shares `model`'s children and parameters (so qualified names are the
+    model's) and whose forward takes the tensor leaves and returns the flat output leaves."""
+    tensor_names = [leaf.name for leaf in signature.tensor_leaves]
+    positions = [i for i, leaf in enumerate(signature.leaves) if leaf.is_tensor]
+    in_spec = signature.in_spec
+    n_out = len(signature.out_is_tensor)
+
+    def impl(*tensors: Any) -> tuple:
+        values = list(leaves)
+        for pos, t in zip(positions, tensors):
+            values[pos] = t
+        args, kwargs = pytree.tree_unflatten(values, in_spec)
+        out = model.forward(*args, **kwargs)
+        flat = pytree.tree_leaves(out)
+        if len(flat) == 1 and n_out > 1 and isinstance(flat[0], fx.Proxy):
+            flat = [flat[0][i] for i in range(n_out)]
+        return tuple(flat)
+
+    src = f"def forward(self, {', '.join(tensor_names)}):\n    return impl({', '.join(tensor_names)})\n"
+    namespace: dict[str, Any] = {"impl": impl}
+    exec(compile(src, "<fxpipe flat root>", "exec"), namespace)  # names are sanitised identifiers
+    root = type(type(model).__name__, (nn.Module,), {"forward": namespace["forward"]})()
+    object.__setattr__(root, "_modules", model._modules)
+    object.__setattr__(root, "_parameters", model._parameters)
+    object.__setattr__(root, "_buffers", model._buffers)
+    root.training = model.training
+    return root
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaf_modules: Sequence[Any], inline: bool) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self.inline = inline
+        self.leaf_types = tuple(x for x in leaf_modules if isinstance(x, type))
+        self.leaf_names = {x for x in leaf_modules if isinstance(x, str)}
+        self.leaf_ids = {id(x) for x in leaf_modules if isinstance(x, nn.Module)}
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if id(m) in self.leaf_ids or qualname in self.leaf_names or isinstance(m, self.leaf_types):
+            return True
+        return False if self.inline else super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if (self.inline and isinstance(m, nn.modules.batchnorm._BatchNorm)
+                and m.momentum is not None and not self.is_leaf_module(m, self.path_of_module(m))):
+            # _BatchNorm.forward checks the input rank with Python control flow; trace the
+            # functional call it makes instead.
+            return super().call_module(m, lambda x: _batch_norm(m, x), args, kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+
+def _batch_norm(m: nn.modules.batchnorm._BatchNorm, x: Any) -> Any:
+    """What _BatchNorm.forward computes when momentum is set, without its input-rank check."""
+    if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+        m.num_batches_tracked.add_(1)
+    use_batch_stats = m.training or (m.running_mean is None and m.running_var is None)
+    keep_stats = not m.training or m.track_running_stats
+    return torch.nn.functional.batch_norm(
+        x, m.running_mean if keep_stats else None, m.running_var if keep_stats else None,
+        m.weight, m.bias, use_batch_stats, m.momentum, m.eps)
+
+
+def _trace_fx(model, signature, leaves, leaf_modules, inline) -> fx.GraphModule:
+    root = _flat_root(model, signature, leaves)
+    tracer = _Tracer(leaf_modules, inline)
+    try:
+        graph = tracer.trace(root)
+    except Exception as e:  # noqa: BLE001 - fx raises TraceError, TypeError, AttributeError ...
+        where = source.from_exception(e)
+        raise CaptureError(
+            f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}"
+            + (f"\n  at {where}" if where else ""),
+            hint="use method='export' (or 'auto'), mark the submodule as a leaf with "
+                 "leaf_modules=[...], or replace Python control flow on tensors with torch.where/torch.cond",
+        ) from e
+    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    _set_signature_codegen(gm, signature)
+    return gm
+
+
+def _export(model, signature, leaves, tensors, layout: BatchLayout) -> fx.GraphModule:
+    root = _flat_root(model, signature, leaves)
+    attempts = [torch.export.Dim("batch", min=1), torch.export.Dim("batch", min=2),
+                torch.export.Dim.AUTO]
+    errors = []
+    ep = None
+    for dim in attempts:
+        dynamic = tuple({bd: dim} if bd is not None else None for bd in layout.input_dims)
+        try:
+            with _quiet_export():
+                ep = torch.export.export(root, tuple(tensors), dynamic_shapes=dynamic,
+                                         strict=False)
+            break
+        except Exception as e:  # noqa: BLE001 - export raises many kinds
+            errors.append(e)
+            if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
+                break  # another batch range will not help
+    if ep is None:
+        e = errors[0]
+        where = source.from_exception(e)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(
+            f"neither torch.fx nor torch.export can capture {type(model).__name__}: "
+            f"{type(e).__name__}: {first}" + (f"\n  at {where}" if where else ""),
+            hint="data-dependent control flow (if on tensor values, .item(), nonzero) cannot be "
+                 "captured: rewrite it with torch.where or torch.cond, or move it out of forward",
+        ) from e
+    gm = ep.module()
+    gm._forward_pre_hooks.clear()  # export's input-spec check; the signature checks instead
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            gm.graph.erase_node(node)
+    _bind_model_state(gm, model)
+    gm.graph.eliminate_dead_code()
+    _set_signature_codegen(gm, signature)
+    return gm
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Keeps export's own diagnostics (partial graphs, LSTM weight warnings) off the console;
+    failures are reported by CaptureError instead."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.filterwarnings("ignore", message=".*were assigned during export.*")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _bind_model_state(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Points the graph's attributes at the model's own parameters and buffers (not copies)."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(dict(model.named_buffers(remove_duplicate=False)))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in own:
+            owner_path, _, attr = node.target.rpartition(".")
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+            value = own[node.target]
+            if isinstance(value, nn.Parameter):
+                owner._parameters[attr] = value
+            else:
+                owner._buffers[attr] = value
+
+
+class _SignatureCodeGen(fx.graph.CodeGen):
+    """Makes the GraphModule callable like the model: (args, kwargs) in, structured output out."""
+
+    def __init__(self, signature: Signature) -> None:
+        super().__init__()
+        self.signature = signature
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *,
+                   expanded_def: bool = False) -> str:
+        names = [v.split(":")[0].split("#")[0].strip() for v in free_vars if v != "self"]
+        unpack = f"{', '.join(names)}, = " if names else ""
+        return (f"def forward(self, *args, **kwargs){maybe_return_annotation}:\n"
+                f"    {unpack}_fxpipe_signature.flatten_inputs(args, kwargs)")
+
+    def generate_output(self, output_args: Any, *args: Any, **kwargs: Any) -> str:
+        return f"return _fxpipe_signature.unflatten_outputs({output_args!r})"
+
+    def additional_globals(self) -> list[tuple[str, Any]]:
+        return [("_fxpipe_signature", self.signature)]
+
+    def process_inputs(self, *args: Any) -> Any:
+        return args
+
+    def process_outputs(self, outputs: Any) -> Any:
+        return outputs
+
+
+def _set_signature_codegen(gm: fx.GraphModule, signature: Signature) -> None:
+    gm.graph.set_codegen(_SignatureCodeGen(signature))
+    gm.recompile()
+
+
+def run_flat(gm: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> tuple:
+    """Runs a captured graph on its flat tensor leaves, returning the flat output leaves."""
+    return tuple(fx.Interpreter(gm).run(*tensors, enable_io_processing=False))
+
+
+# --- the check against eager ----------------------------------------------------------------------
+
+def _compare_with_eager(gm, model, args, kwargs, layout: BatchLayout) -> str | None:
+    """None if the graph matches the model on the example batch and on a smaller batch."""
+    for batch_args, batch_kwargs in layout.trial_batches(args, kwargs):
+        try:
+            with seeded(0):
+                expected = pytree.tree_leaves(model(*batch_args, **batch_kwargs))
+            with seeded(0):
+                got = pytree.tree_leaves(gm(*batch_args, **batch_kwargs))
+        except Exception as e:  # noqa: BLE001 - a wrong trace may crash on other shapes
+            return f"running it raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if len(expected) != len(got):
+            return f"{len(got)} outputs instead of {len(expected)}"
+        for i, (e, g) in enumerate(zip(expected, got)):
+            if is_tensor(e) != is_tensor(g):
+                return f"output {i} is {type(g).__name__}, expected {type(e).__name__}"
+            if is_tensor(e):
+                if e.shape != g.shape:
+                    return f"output {i} has shape {tuple(g.shape)}, expected {tuple(e.shape)}"
+                if not _close(e, g):
+                    diff = (e.double() - g.double()).abs().max().item()
+                    return f"output {i} differs by up to {diff:.3g}"
+    return None
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    scale = a.detach().abs().max().item() if a.numel() else 0.0
+    return bool(torch.allclose(a.detach(), b.detach(), rtol=1e-4, atol=1e-5 + 1e-5 * scale,
+                               equal_nan=True))
+
+
+# --- readable node names --------------------------------------------------------------------------
+
+def name_nodes_after_modules(gm: fx.GraphModule) -> None:
+    """Renames call nodes after the module they come from: `blocks_1_fc1` rather than `linear_3`.
+
+    A module with a single call node lends it its name; a module with several gives them its name
+    as a prefix (`blocks_1_attn_view`). Placeholders and attributes keep their names.
+    """
+    groups: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            path = ir.module_path(node)
+            if path:
+                groups.setdefault(path, []).append(node)
+    for path, nodes in groups.items():
+        base = re.sub(r"\W", "_", path)
+        if len(nodes) == 1:
+            nodes[0]._rename(base)
+            continue
+        for node in nodes:
+            if not node.name.startswith(base):
+                node._rename(f"{base}_{node.name}")
+    gm.recompile()

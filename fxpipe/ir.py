@@ -1,0 +1,333 @@
+"""The node.meta contract: fxpipe's metadata keys, their typed payloads, accessors and verify().
+
+Every key fxpipe writes on an fx node is defined here once, with the pass that writes it:
+
+    TENSOR = "fxpipe.tensor"  TensorInfo | ScalarInfo | tuple    fxpipe.capture
+    COST   = "fxpipe.cost"    Cost (sympy in the micro-batch b)   passes.cost.annotate_costs
+    TIME   = "fxpipe.time"    MeasuredTime                        passes.cost.measure_times
+    STAGE  = "fxpipe.stage"   int, 0-based                        passes.partition.partition
+    COMM   = "fxpipe.comm"    CommInfo                            passes.split.split_stages
+    REMAT  = "fxpipe.remat"   str region id, e.g. "remat_0"       passes.remat.mark_remat
+
+torch.fx's own keys ("val", "tensor_meta", "stack_trace", "nn_module_stack", "recompute") are read,
+never written.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import sympy
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from fxpipe.errors import InvariantError, MissingMetaError
+
+__all__ = [
+    "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "BATCH",
+    "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "MeasuredTime", "CommInfo",
+    "value_info", "tensor_info", "cost", "measured_time", "stage", "comm", "remat_region",
+    "is_comm", "compute_nodes", "module_path", "format_shape", "dtype_abbr", "evaluate",
+    "verify",
+]
+
+TENSOR = "fxpipe.tensor"
+COST = "fxpipe.cost"
+TIME = "fxpipe.time"
+STAGE = "fxpipe.stage"
+COMM = "fxpipe.comm"
+REMAT = "fxpipe.remat"
+CAPTURE = "fxpipe.capture"  # GraphModule.meta: CaptureInfo written by fxpipe.capture
+
+BATCH = sympy.Symbol("b", positive=True, integer=True)
+"""The micro-batch size: every shape, byte count and FLOP count is a polynomial in it."""
+
+Expr = Union[sympy.Expr, int]
+
+
+def evaluate(expr: Expr, b: int) -> int | float:
+    """Evaluates a cost or size expression at micro-batch size `b`."""
+    if isinstance(expr, (int, float)):
+        return expr
+    value = expr.subs(BATCH, b)
+    return int(value) if value.is_Integer else float(value)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape (sympy in b), dtype and batch dimension of a tensor value."""
+
+    shape: tuple[sympy.Expr, ...]
+    dtype: torch.dtype
+    batch_dim: int | None  # the dimension that scales with b, or None (parameters, constants)
+    requires_grad: bool = False
+
+    @property
+    def numel(self) -> sympy.Expr:
+        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        return sympy.expand(self.numel * _itemsize(self.dtype))
+
+    def concrete_shape(self, b: int) -> tuple[int, ...]:
+        return tuple(int(evaluate(d, b)) for d in self.shape)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+@dataclass(frozen=True)
+class ScalarInfo:
+    """A non-tensor value (int, SymInt, float, bool, None); `value` may depend on b."""
+
+    value: Any
+
+    @property
+    def depends_on_batch(self) -> bool:
+        return isinstance(self.value, sympy.Expr) and BATCH in self.value.free_symbols
+
+
+ValueInfo = Union[TensorInfo, ScalarInfo, tuple]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Per-node cost, every field a sympy polynomial in the micro-batch size b.
+
+    fwd_flops / bwd_flops: floating-point operations of the forward and of its backward.
+    param_bytes: bytes of parameters first used by this node (tied parameters counted once).
+    output_bytes: bytes of the node's output. saved_bytes: bytes this node makes autograd keep
+    until backward (its output if any consumer saves it, plus internal buffers it saves).
+    fwd_bytes / bwd_bytes: memory traffic, the bandwidth side of the roofline.
+    """
+
+    fwd_flops: sympy.Expr
+    bwd_flops: sympy.Expr
+    param_bytes: sympy.Expr
+    output_bytes: sympy.Expr
+    saved_bytes: sympy.Expr
+    fwd_bytes: sympy.Expr
+    bwd_bytes: sympy.Expr
+    grad_param_bytes: sympy.Expr = field(default=sympy.Integer(0))  # params that need grads
+
+    def at(self, b: int) -> dict[str, float]:
+        """All fields evaluated at micro-batch size `b`."""
+        return {name: evaluate(getattr(self, name), b) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class MeasuredTime:
+    """Wall time of a node measured on the device at micro-batch size `b` (seconds)."""
+
+    fwd: float
+    bwd: float
+    b: int
+
+
+@dataclass(frozen=True)
+class CommInfo:
+    """A send or recv node: what crosses a stage boundary, to or from which stage."""
+
+    kind: str  # "send" | "recv"
+    peer: int  # the other stage
+    tag: str  # the value's name, the same on both ends
+    value: ValueInfo  # shape/dtype for a tensor, so buffers can be allocated up front
+
+
+def _meta(node: Node, key: str, run_first: str) -> Any:
+    try:
+        return node.meta[key]
+    except KeyError:
+        raise MissingMetaError(node, key, run_first=run_first) from None
+
+
+def value_info(node: Node) -> ValueInfo:
+    """What fxpipe.capture recorded about the node's value."""
+    return _meta(node, TENSOR, "fxpipe.capture (or passes.shapes.propagate_shapes)")
+
+
+def tensor_info(node: Node) -> TensorInfo:
+    info = value_info(node)
+    if not isinstance(info, TensorInfo):
+        raise TypeError(f"node {node.name} does not produce a tensor ({info!r})")
+    return info
+
+
+def cost(node: Node) -> Cost:
+    return _meta(node, COST, "passes.cost.annotate_costs")
+
+
+def measured_time(node: Node) -> MeasuredTime:
+    return _meta(node, TIME, "passes.cost.measure_times")
+
+
+def stage(node: Node) -> int:
+    return _meta(node, STAGE, "passes.partition.partition")
+
+
+def comm(node: Node) -> CommInfo:
+    return _meta(node, COMM, "passes.split.split_stages")
+
+
+def remat_region(node: Node) -> str | None:
+    return node.meta.get(REMAT)
+
+
+def is_comm(node: Node) -> bool:
+    return COMM in node.meta
+
+
+def compute_nodes(graph: Graph) -> list[Node]:
+    """Nodes that do work: calls, in program order (no placeholders, attributes, outputs, comm)."""
+    return [
+        n for n in graph.nodes
+        if n.op in ("call_function", "call_method", "call_module") and not is_comm(n)
+    ]
+
+
+def module_path(node: Node) -> str:
+    """Qualified name of the innermost module the node came from ("" for the top level)."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    for key, path in reversed(list((stack or {}).items())):
+        path = path[0] if isinstance(path, tuple) else path
+        if not str(key).startswith("_empty") and not str(path).startswith("_empty"):
+            return _clean_module_path(str(path))
+    return ""
+
+
+def _clean_module_path(path: str) -> str:
+    # torch.export spells nested paths as "L['self'].layers[0]" in some versions; normalise.
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    out = []
+    for part in path.replace("[", ".").replace("]", "").split("."):
+        if part:
+            out.append(part.strip("'\""))
+    return ".".join(out)
+
+
+_ABBR = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+def dtype_abbr(dtype: torch.dtype) -> str:
+    return _ABBR.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def format_shape(info: ValueInfo) -> str:
+    """FX-style annotation: "f32[b, 64]", "i64[2*b, 16]", "(f32[b, 8], f32[b, 8])", "int"."""
+    if isinstance(info, TensorInfo):
+        return f"{dtype_abbr(info.dtype)}[{', '.join(str(d) for d in info.shape)}]"
+    if isinstance(info, tuple):
+        return "(" + ", ".join(format_shape(i) for i in info) + ")"
+    if isinstance(info, ScalarInfo):
+        v = info.value
+        if isinstance(v, sympy.Expr):
+            return "int" if v.is_integer else "float"
+        return type(v).__name__
+    return type(info).__name__
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# --- invariants -------------------------------------------------------------------------------
+
+_GLUE_TARGETS = {operator.getitem, getattr}
+
+
+def verify(gm: GraphModule, *, after: str) -> None:
+    """Checks fxpipe's invariants for the passes run so far; raises once, listing every problem.
+
+    after: "capture" | "cost" | "partition" | "split" | "remat".
+    """
+    problems: list[str] = []
+    graph = gm.graph
+    try:
+        graph.lint()
+    except Exception as e:  # noqa: BLE001 - lint raises plain RuntimeErrors
+        problems.append(f"graph.lint failed: {e}")
+    order = ("capture", "cost", "partition", "split", "remat")
+    if after not in order:
+        raise ValueError(f"unknown pass {after!r}; expected one of {order}")
+    done = order[: order.index(after) + 1]
+    for node in graph.nodes:
+        if node.op in ("output",):
+            continue
+        if "capture" in done and TENSOR not in node.meta and node.op != "get_attr":
+            problems.append(f"{node.name} ({node.op} {node.target}) has no {TENSOR}")
+        if "cost" in done and node.op not in ("placeholder", "output", "get_attr") \
+                and not is_comm(node) and COST not in node.meta:
+            problems.append(f"{node.name} ({node.op} {node.target}) has no {COST}")
+    if "partition" in done and "split" not in done:
+        problems += list(_check_stages(graph))
+    if "split" in done or "remat" in done:
+        problems += list(_check_stage_graph(graph))
+    if "remat" in done:
+        problems += list(_check_remat(graph))
+    if problems:
+        raise InvariantError(
+            f"{len(problems)} invariant(s) broken after {after}:\n"
+            + "\n".join(f"  - {p}" for p in problems),
+            hint="this is a bug in the pass named above; please report it with the model",
+        )
+
+
+def _check_stages(graph: Graph) -> Iterator[str]:
+    last = 0
+    for node in compute_nodes(graph):
+        if STAGE not in node.meta:
+            yield f"{node.name} ({node.op} {node.target}) has no stage"
+            continue
+        s = node.meta[STAGE]
+        if s < last:
+            yield f"{node.name} is in stage {s} after a node of stage {last} (stages must not decrease)"
+        last = max(last, s)
+        for user in node.users:
+            if user.op != "output" and STAGE in user.meta and user.meta[STAGE] < s:
+                yield f"{node.name} (stage {s}) feeds {user.name} in earlier stage {user.meta[STAGE]}"
+
+
+def _check_stage_graph(graph: Graph) -> Iterator[str]:
+    """A stage graph: recvs read values, sends ship them, nothing else crosses."""
+    sent: set[str] = set()
+    for node in graph.nodes:
+        if is_comm(node):
+            info = node.meta[COMM]
+            if info.kind == "send":
+                if info.tag in sent and False:
+                    yield f"value {info.tag} sent twice to stage {info.peer}"
+                sent.add(f"{info.tag}->{info.peer}")
+                if not node.args or not isinstance(node.args[0], Node):
+                    yield f"send {node.name} carries no value"
+            elif info.kind != "recv":
+                yield f"{node.name} has unknown comm kind {info.kind!r}"
+
+
+def _check_remat(graph: Graph) -> Iterable[str]:
+    regions: dict[str, list[Node]] = {}
+    for node in graph.nodes:
+        region = node.meta.get(REMAT)
+        if region is not None:
+            regions.setdefault(region, []).append(node)
+            if is_comm(node):
+                yield f"remat region {region} contains communication node {node.name}"
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    for region, members in regions.items():
+        span = range(index[members[0]], index[members[-1]] + 1)
+        inside = [nodes[i] for i in span if nodes[i].op in ("call_function", "call_method",
+                                                             "call_module")]
+        if len(inside) != len(members):
+            yield f"remat region {region} is not contiguous"

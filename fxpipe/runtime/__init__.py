@@ -1,0 +1,1 @@
+"""Runtime: the schedule, communication, and the executors that run generated stage code."""

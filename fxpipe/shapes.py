@@ -1,0 +1,185 @@
+"""Symbolic shape propagation: every value's shape as a polynomial in the batch size b.
+
+Writes TENSOR (ir.TensorInfo / ir.ScalarInfo / tuple) on every node by running the graph on fake
+tensors whose batch dimension is one symbolic size. torch.fx's own "val" key is left alone.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+from fxpipe import ir
+from fxpipe.errors import CaptureError
+from fxpipe import source
+
+__all__ = ["propagate_shapes", "symbolic_inputs"]
+
+
+class _FakeInterpreter(Interpreter):
+    """Runs the graph under a fake mode, with parameters and buffers converted to fakes once.
+
+    Ops without symbolic-shape support (e.g. aten.lstm on CPU) are run on static fakes at three
+    batch sizes and their output shapes interpolated: exact for shapes polynomial in b.
+    """
+
+    def __init__(self, gm: GraphModule, mode: FakeTensorMode, sym: sympy.Symbol) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.mode = mode
+        self.sym = sym
+        self.values: dict[Node, Any] = {}
+        self._fakes: dict[int, torch.Tensor] = {}
+
+    def _fake(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor):
+            key = id(t)
+            if key not in self._fakes:
+                fake = self.mode.from_tensor(t, static_shapes=True)
+                self._fakes[key] = fake
+            return self._fakes[key]
+        return t
+
+    def fetch_attr(self, target: str) -> Any:
+        return self._fake(super().fetch_attr(target))
+
+    def run_node(self, n: Node) -> Any:
+        try:
+            result = super().run_node(n)
+        except Exception as e:  # noqa: BLE001 - retried on static shapes, then re-raised
+            try:
+                result = self._interpolated(n)
+            except Exception:  # noqa: BLE001 - report the symbolic failure, it names the op
+                where = source.from_stack_trace(n.meta.get("stack_trace"))
+                raise CaptureError(
+                    f"cannot propagate shapes through {n.name} ({n.op} {n.target}): "
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                    + (f"\n  at {where}" if where else ""),
+                    hint="this operation needs concrete values; mark the module that contains "
+                         "it as a leaf (leaf_modules=...) or rewrite it without data-dependent "
+                         "shapes",
+                ) from e
+        self.values[n] = result
+        return result
+
+    def _interpolated(self, n: Node) -> Any:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        samples = {b: self._run_static(n, args, kwargs, b) for b in SAMPLE_SIZES}
+        return self._symbolic_like(samples)
+
+    def _run_static(self, n: Node, args: Any, kwargs: Any, b: int) -> Any:
+        static = FakeTensorMode(allow_non_fake_inputs=True)
+
+        def concrete(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                shape = [int(ir.evaluate(_expr(d, {self.sym: ir.BATCH}), b)) for d in x.shape]
+                with static:
+                    t = torch.empty(shape, dtype=x.dtype, device=x.device)
+                return t.requires_grad_(x.requires_grad) if x.is_floating_point() else t
+            if isinstance(x, torch.SymInt):
+                return int(ir.evaluate(_expr(x, {self.sym: ir.BATCH}), b))
+            return x
+
+        args, kwargs = torch.utils._pytree.tree_map(concrete, (args, kwargs))
+        with static:
+            if n.op == "call_module":
+                return self.fetch_attr_module(n.target)(*args, **kwargs)
+            if n.op == "call_method":
+                self_obj, *rest = args
+                return getattr(self_obj, n.target)(*rest, **kwargs)
+            return n.target(*args, **kwargs)
+
+    def fetch_attr_module(self, target: str) -> Any:
+        return self.module.get_submodule(target)
+
+    def _symbolic_like(self, samples: dict[int, Any]) -> Any:
+        first = samples[SAMPLE_SIZES[0]]
+        if isinstance(first, torch.Tensor):
+            shape = []
+            for d in range(first.dim()):
+                expr = interpolate([(b, samples[b].shape[d]) for b in SAMPLE_SIZES])
+                shape.append(self._symint(expr))
+            out = torch.empty(shape, dtype=first.dtype, device=first.device)
+            return out.requires_grad_(first.requires_grad) if first.is_floating_point() else out
+        if isinstance(first, (tuple, list)):
+            return type(first)(self._symbolic_like({b: s[i] for b, s in samples.items()})
+                               for i in range(len(first)))
+        if isinstance(first, int):
+            return self._symint(interpolate([(b, samples[b]) for b in SAMPLE_SIZES]))
+        return first
+
+    def _symint(self, expr: sympy.Expr) -> Any:
+        if not expr.free_symbols:
+            return int(expr)
+        hint = self.mode.shape_env.backed_var_to_val.get(self.sym) if hasattr(
+            self.mode.shape_env, "backed_var_to_val") else self.mode.shape_env.var_to_val[self.sym]
+        return self.mode.shape_env.create_symintnode(expr.xreplace({ir.BATCH: self.sym}),
+                                                      hint=int(expr.subs(ir.BATCH, int(hint))))
+
+
+SAMPLE_SIZES = (2, 3, 5)
+
+
+def interpolate(points: list[tuple[int, int | float]]) -> sympy.Expr:
+    """The polynomial in b (degree < len(points)) through `points`: exact for polynomial sizes."""
+    return sympy.expand(sympy.interpolate([(b, sympy.nsimplify(v)) for b, v in points], ir.BATCH))
+
+
+def symbolic_inputs(
+    mode: FakeTensorMode, batch_symbol: torch.SymInt, tensors: Sequence[torch.Tensor],
+    batch_dims: Sequence[int | None],
+) -> list[torch.Tensor]:
+    """Fake copies of `tensors` whose batch dimension is the one symbolic size."""
+    fakes = []
+    with mode:
+        for t, bd in zip(tensors, batch_dims):
+            shape = [batch_symbol if d == bd else s for d, s in enumerate(t.shape)]
+            fake = torch.empty(shape, dtype=t.dtype, device=t.device)
+            if t.requires_grad:
+                fake.requires_grad_(True)
+            fakes.append(fake)
+    return fakes
+
+
+def propagate_shapes(gm: GraphModule, tensors: Sequence[torch.Tensor],
+                     batch_dims: Sequence[int | None]) -> dict[Node, Any]:
+    """Writes ir.TENSOR on every node; returns the fake value of each node (for cost passes)."""
+    batch = next(t.shape[d] for t, d in zip(tensors, batch_dims) if d is not None)
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    sym = shape_env.create_symbol(batch, source=ConstantSource("fxpipe_batch"),
+                                  dynamic_dim=DimDynamic.DYNAMIC)
+    batch_symbol = shape_env.create_symintnode(sym, hint=batch)
+    fakes = symbolic_inputs(mode, batch_symbol, tensors, batch_dims)
+    interp = _FakeInterpreter(gm, mode, sym)
+    with mode:
+        interp.run(*fakes, enable_io_processing=False)
+    substitution = {sym: ir.BATCH}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        node.meta[ir.TENSOR] = _info(interp.values.get(node), substitution)
+    return interp.values
+
+
+def _expr(value: Any, substitution: dict) -> Any:
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return sympy.sympify(value.node.expr).xreplace(substitution)
+    return value
+
+
+def _info(value: Any, substitution: dict) -> ir.ValueInfo:
+    if isinstance(value, torch.Tensor):
+        shape = tuple(sympy.sympify(_expr(d, substitution)) for d in value.shape)
+        batch_dim = next((i for i, d in enumerate(shape) if ir.BATCH in d.free_symbols), None)
+        return ir.TensorInfo(shape, value.dtype, batch_dim, bool(value.requires_grad))
+    if isinstance(value, torch.Size):
+        return tuple(ir.ScalarInfo(_expr(d, substitution)) for d in value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_info(v, substitution) for v in value)
+    return ir.ScalarInfo(_expr(value, substitution))

@@ -1,0 +1,158 @@
+"""A model's call signature as flat tensor leaves: flatten, check, split into micro-batches, join."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxpipe.errors import RuntimeInputError
+
+__all__ = ["LeafSpec", "Signature", "is_tensor"]
+
+
+def is_tensor(x: object) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """One input leaf: a tensor (dtype, shape with the batch dim as -1) or a baked constant."""
+
+    name: str
+    is_tensor: bool
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()  # batch dimension written as -1
+    batch_dim: int | None = None
+    constant: Any = None
+
+
+class Signature:
+    """How (args, kwargs) map to the graph's flat tensor placeholders and back to outputs.
+
+    Non-tensor inputs (flags, ints, None) are baked into the graph at capture time; a call that
+    passes other values is rejected instead of silently computing something else.
+    """
+
+    def __init__(self, in_spec: pytree.TreeSpec, leaves: Sequence[LeafSpec],
+                 out_spec: pytree.TreeSpec, out_batch_dims: Sequence[int | None],
+                 out_is_tensor: Sequence[bool]) -> None:
+        self.in_spec = in_spec
+        self.leaves = tuple(leaves)
+        self.out_spec = out_spec
+        self.out_batch_dims = tuple(out_batch_dims)
+        self.out_is_tensor = tuple(out_is_tensor)
+
+    @property
+    def tensor_leaves(self) -> tuple[LeafSpec, ...]:
+        return tuple(leaf for leaf in self.leaves if leaf.is_tensor)
+
+    @property
+    def input_batch_dims(self) -> tuple[int | None, ...]:
+        return tuple(leaf.batch_dim for leaf in self.tensor_leaves)
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+        """The tensor leaves of a call, checked against the compiled signature."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        if spec != self.in_spec:
+            raise RuntimeInputError(
+                f"inputs have another structure than at compile time "
+                f"(got {len(leaves)} leaves {spec}, compiled for {len(self.leaves)} leaves {self.in_spec})",
+                hint="call the program with the same positional and keyword arguments as the "
+                     "example inputs, or compile again",
+            )
+        tensors = []
+        for leaf, value in zip(self.leaves, leaves):
+            if leaf.is_tensor:
+                self._check_tensor(leaf, value)
+                tensors.append(value)
+            elif not _same_constant(leaf.constant, value):
+                raise RuntimeInputError(
+                    f"input {leaf.name} is {value!r} but the program was compiled with "
+                    f"{leaf.constant!r} (non-tensor inputs are baked into the graph)",
+                    hint="compile again with this value, or pass it as a tensor",
+                )
+        self.batch_size(tensors)  # checks that batched inputs agree
+        return tensors
+
+    def _check_tensor(self, leaf: LeafSpec, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeInputError(
+                f"input {leaf.name} must be a tensor (got {type(value).__name__})",
+                hint="pass the same kinds of inputs as at compile time")
+        if value.dtype != leaf.dtype:
+            raise RuntimeInputError(
+                f"input {leaf.name} has dtype {value.dtype} but the program was compiled for "
+                f"{leaf.dtype}", hint=f"convert it with .to({leaf.dtype})")
+        got = tuple(-1 if d == leaf.batch_dim else s for d, s in enumerate(value.shape))
+        if got != leaf.shape:
+            want = "(" + ", ".join("B" if s == -1 else str(s) for s in leaf.shape) + ")"
+            raise RuntimeInputError(
+                f"input {leaf.name} has shape {tuple(value.shape)} but the program was compiled "
+                f"for {want} (B = batch size, dimension {leaf.batch_dim})",
+                hint="only the batch dimension may change between calls; compile again for "
+                     "other sizes")
+
+    def batch_size(self, tensors: Sequence[torch.Tensor]) -> int:
+        sizes = {leaf.name: t.shape[leaf.batch_dim]
+                 for leaf, t in zip(self.tensor_leaves, tensors) if leaf.batch_dim is not None}
+        if not sizes:
+            raise RuntimeInputError("no input has a batch dimension",
+                                    hint="pass at least one batched tensor input")
+        if len(set(sizes.values())) > 1:
+            raise RuntimeInputError(f"inputs disagree on the batch size ({sizes})",
+                                    hint="give every batched input the same batch size")
+        return next(iter(sizes.values()))
+
+    def split_inputs(self, tensors: Sequence[torch.Tensor], chunks: int) -> list[list[torch.Tensor]]:
+        """Micro-batches: every batched input split into `chunks` equal parts along its batch dim."""
+        batch = self.batch_size(tensors)
+        if chunks < 1 or batch % chunks:
+            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+            raise RuntimeInputError(
+                f"batch size {batch} cannot be split into {chunks} equal micro-batches",
+                hint=f"use chunks in {divisors}, or a batch size that is a multiple of {chunks} "
+                     "(e.g. DataLoader(drop_last=True))")
+        parts = []
+        for leaf, t in zip(self.tensor_leaves, tensors):
+            if leaf.batch_dim is None:
+                parts.append([t] * chunks)
+            else:
+                parts.append(list(t.tensor_split(chunks, dim=leaf.batch_dim)))
+        return [[p[i] for p in parts] for i in range(chunks)]
+
+    # -- outputs --------------------------------------------------------------------------------
+
+    def unflatten_outputs(self, leaves: Sequence[Any]) -> Any:
+        return pytree.tree_unflatten(list(leaves), self.out_spec)
+
+    def join_outputs(self, per_microbatch: Sequence[Sequence[Any]]) -> list[Any]:
+        """Concatenates each output leaf along its batch dimension."""
+        joined = []
+        for i, (is_t, dim) in enumerate(zip(self.out_is_tensor, self.out_batch_dims)):
+            values = [mb[i] for mb in per_microbatch]
+            if not is_t:
+                joined.append(values[0])
+            elif dim is None:
+                if len(values) == 1:
+                    joined.append(values[0])
+                    continue
+                raise RuntimeInputError(
+                    f"output {i} (shape {tuple(values[0].shape)}) has no batch dimension, so "
+                    f"{len(values)} micro-batch results cannot be joined",
+                    hint="return per-example values (compute reductions such as the loss "
+                         "outside the model, e.g. with loss_fn), or use chunks=1")
+            else:
+                joined.append(torch.cat(values, dim=dim))
+        return joined
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - exotic __eq__
+        return a is b

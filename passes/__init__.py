@@ -1,0 +1,1 @@
+"""Graph passes, one per module; each states what node metadata it reads and writes."""

@@ -1,0 +1,828 @@
+"""Exact bottleneck-optimal cutting of a chain of atoms into K contiguous pipeline stages.
+
+Objective: atoms 0..n-1 (a fixed topological order) are cut at positions
+0 = c_0 < c_1 < ... < c_K = n into exactly K non-empty stages.  Stage s holds atoms
+[c_s, c_{s+1}) and takes ``T(i, j) = sum(compute[i:j]) + cut_comm[i] + cut_comm[j]``
+(``cut_comm[0]`` and ``cut_comm[n]`` count as 0: they are the model's own ends).  We minimise the
+bottleneck ``max_s T(c_s, c_{s+1})``, optionally subject to a per-stage memory limit
+``Mem(s, i, j) = sum(mem_fixed[i:j]) + inflight[s] * (sum(mem_act[i:j]) + cut_mem[i]) <= limit``;
+among (numerically) optimal partitions the one with the least interior communication wins.
+
+Algorithm: bisection on the bottleneck B with an exact feasibility probe, "is there a partition
+into exactly K stages with every T <= B and every Mem <= limit?", answered by layered
+reachability over cut positions.  With prefix sums P, ``T(i, j) <= B`` iff ``g[i] <= h[j]`` where
+``g[i] = c[i] - P[i]`` and ``h[j] = B - c[j] - P[j]``; layer s+1 holds the positions j reachable
+from some reached i < j of layer s.  Without a memory limit that is a prefix minimum of g
+(``np.minimum.accumulate``); with one, the j allowed by memory for a given i form an interval
+(i, e_i] (``np.searchsorted`` on a non-decreasing prefix), and layer s+1 is an interval-stabbing
+minimum computed top-down on a power-of-two sparse table.  Each layer is restricted to a window of
+positions that can still be reached from 0 and can still reach n within B, which near the optimum
+is a thin band, so a probe costs far less than O(n K).  Every feasible probe is walked back into
+concrete cuts whose exact bottleneck tightens the upper end of the bisection.  Finally a
+min-plus pass over the last probe's layers picks, among partitions no worse than the best found,
+the one with the least interior ``cut_comm`` (skipped, deterministically, when the layers are too
+wide).  All reported times and memories are recomputed exactly (``math.fsum``) from the cuts.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from fxpipe.errors import PartitionError
+
+__all__ = [
+    "Partition",
+    "solve_partition",
+    "brute_force_partition",
+    "min_memory_limit",
+    "evaluate",
+    "equal_count_cuts",
+    "benchmark",
+]
+
+# A stage fits the memory limit when Mem <= limit + slack, with slack this fraction of the
+# problem's memory scale; it absorbs the rounding of prefix sums (bytes are exact below 2**53).
+_MEM_RTOL = 1e-12
+# Most cells the least-communication tie-break may build (sum over layers of |R_s| * |R_s+1|).
+_TIE_BREAK_BUDGET = 4_000_000
+# Enumerations the brute force accepts before refusing.
+_BRUTE_FORCE_MAX = 5_000_000
+
+_INF = math.inf
+
+
+@dataclass(frozen=True)
+class Partition:
+    """K contiguous stages: the cut positions and their exact costs."""
+
+    cuts: tuple[int, ...]
+    """K+1 positions, ``cuts[0] == 0``, ``cuts[-1] == n``; stage s holds ``[cuts[s], cuts[s+1])``."""
+    bottleneck: float
+    """The largest stage time, computed exactly from the cuts."""
+    stage_times: tuple[float, ...]
+    """``T(cuts[s], cuts[s+1])`` for each stage s."""
+    stage_memory: tuple[float, ...] | None
+    """``Mem(s, cuts[s], cuts[s+1])`` per stage when a memory model was given, else None."""
+
+    def sizes(self) -> list[int]:
+        """Number of atoms in each stage."""
+        return [b - a for a, b in zip(self.cuts, self.cuts[1:])]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.cuts) - 1
+
+
+# --------------------------------------------------------------------------------------------
+# validation and problem set-up
+# --------------------------------------------------------------------------------------------
+
+
+def _fmt(x: float, digits: int = 4) -> str:
+    return f"{x:.{digits}g}"
+
+
+def _fmt_pair(x: float, y: float) -> tuple[str, str]:
+    """Format two numbers with the fewest digits (at least 4) that tell them apart."""
+    for digits in range(4, 18):
+        a, b = _fmt(x, digits), _fmt(y, digits)
+        if a != b:
+            return a, b
+    return _fmt(x, 17), _fmt(y, 17)
+
+
+def _check_num_stages(n: int, num_stages: object) -> int:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
+        raise PartitionError(
+            f"num_stages must be an integer (got {num_stages!r})",
+            hint="pass the number of pipeline stages as an int",
+        )
+    k = int(num_stages)
+    if k < 1:
+        raise PartitionError(
+            f"num_stages must be at least 1 (got {k})", hint="use 1 or more pipeline stages"
+        )
+    if n == 0:
+        raise PartitionError(
+            f"cannot split 0 atoms into {k} stages: the model has no atoms",
+            hint="check that the model graph was captured and costed",
+        )
+    if k > n:
+        raise PartitionError(
+            f"cannot split {n} atoms into {k} stages: more stages than atoms ({k} > {n})",
+            hint=f"use at most {n} stages (the maximum number of stages: one atom per stage), "
+            "or cut the model into finer atoms",
+        )
+    return k
+
+
+def _vector(
+    name: str, values: object, length: int | None, why: str, *, positive: bool = False
+) -> np.ndarray:
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise PartitionError(
+            f"{name} must be a sequence of numbers ({exc})", hint=f"pass {name} as a list of floats"
+        ) from None
+    if arr.ndim != 1:
+        raise PartitionError(
+            f"{name} must be one-dimensional (got shape {arr.shape})",
+            hint=f"pass {name} as a flat list of floats",
+        )
+    if length is not None and arr.shape[0] != length:
+        raise PartitionError(
+            f"{name} has {arr.shape[0]} entries but needs {length} ({why}; "
+            f"{arr.shape[0]} != {length})",
+            hint=f"give {name} exactly {length} entries",
+        )
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        i = int(bad[0])
+        kind = "NaN" if math.isnan(arr[i]) else "infinite"
+        raise PartitionError(
+            f"{name}[{i}] is {kind} ({arr[i]!r})", hint=f"every {name} entry must be a finite number"
+        )
+    bad = np.flatnonzero(arr <= 0) if positive else np.flatnonzero(arr < 0)
+    if bad.size:
+        i = int(bad[0])
+        word = "not positive" if positive else "negative"
+        need = "> 0" if positive else ">= 0"
+        raise PartitionError(
+            f"{name}[{i}] is {word} ({float(arr[i])!r})",
+            hint=f"every {name} entry must be {need}",
+        )
+    return arr
+
+
+@dataclass
+class _Problem:
+    n: int
+    K: int
+    compute: np.ndarray
+    comm: np.ndarray  # n+1, ends zeroed
+    P: np.ndarray  # prefix sums of compute, n+1
+    g: np.ndarray  # comm - P
+    cP: np.ndarray  # comm + P
+    has_mem: bool
+    limit: float | None  # finite limit to enforce, or None
+    Fp: np.ndarray | None
+    Ap: np.ndarray | None
+    cm: np.ndarray | None
+    f: np.ndarray | None
+    mem_slack: float
+    lim_eff: float
+    # plain lists for the exact (fsum) evaluation
+    compute_l: list[float]
+    comm_l: list[float]
+    mf_l: list[float] | None
+    ma_l: list[float] | None
+    cm_l: list[float] | None
+    f_l: list[float] | None
+
+
+def _prepare(
+    compute: object,
+    num_stages: object,
+    cut_comm: object,
+    memory_limit: object,
+    mem_fixed: object,
+    mem_act: object,
+    cut_mem: object,
+    inflight: object,
+) -> _Problem:
+    comp = _vector("compute", compute, None, "")
+    n = int(comp.shape[0])
+    K = _check_num_stages(n, num_stages)
+    if cut_comm is None:
+        comm = np.zeros(n + 1)
+    else:
+        comm = _vector(
+            "cut_comm", cut_comm, n + 1, f"one per cut position 0..{n} for n = {n} atoms"
+        ).copy()
+    comm[0] = 0.0
+    comm[n] = 0.0
+
+    limit: float | None = None
+    if memory_limit is not None:
+        try:
+            limit = float(memory_limit)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise PartitionError(
+                f"memory_limit must be a number (got {memory_limit!r})",
+                hint="pass the per-stage memory limit in bytes, or None",
+            ) from None
+        if math.isnan(limit) or limit < 0:
+            raise PartitionError(
+                f"memory_limit must be a non-negative number (got {limit!r})",
+                hint="pass the per-stage memory limit in bytes, or None for no limit",
+            )
+        if mem_fixed is None:
+            raise PartitionError(
+                f"memory_limit is given ({_fmt(limit)}) but mem_fixed is not",
+                hint="pass mem_fixed (and mem_act, cut_mem, inflight) to describe stage memory",
+            )
+        if math.isinf(limit):
+            limit = None
+    if mem_fixed is None:
+        for name, val in (("mem_act", mem_act), ("cut_mem", cut_mem), ("inflight", inflight)):
+            if val is not None:
+                raise PartitionError(
+                    f"{name} is given but mem_fixed is not",
+                    hint="the memory model needs mem_fixed (use zeros if nothing is fixed)",
+                )
+    has_mem = mem_fixed is not None
+    Fp = Ap = cm = f = None
+    mf_l = ma_l = cm_l = f_l = None
+    slack = 0.0
+    if has_mem:
+        mf = _vector("mem_fixed", mem_fixed, n, f"one per atom, like compute with {n} atoms")
+        ma = (
+            np.zeros(n)
+            if mem_act is None
+            else _vector("mem_act", mem_act, n, f"one per atom, like compute with {n} atoms")
+        )
+        cm = (
+            np.zeros(n + 1)
+            if cut_mem is None
+            else _vector("cut_mem", cut_mem, n + 1, f"one per cut position 0..{n} for {n} atoms")
+        )
+        f = (
+            np.ones(K)
+            if inflight is None
+            else _vector("inflight", inflight, K, f"one per stage, {K} stages", positive=True)
+        )
+        Fp = np.concatenate(([0.0], np.cumsum(mf)))
+        Ap = np.concatenate(([0.0], np.cumsum(ma)))
+        scale = float(Fp[-1]) + float(f.max()) * (float(Ap[-1]) + float(cm.max()))
+        slack = _MEM_RTOL * max(scale, limit or 0.0)
+        mf_l, ma_l, cm_l, f_l = mf.tolist(), ma.tolist(), cm.tolist(), f.tolist()
+    P = np.concatenate(([0.0], np.cumsum(comp)))
+    return _Problem(
+        n=n,
+        K=K,
+        compute=comp,
+        comm=comm,
+        P=P,
+        g=comm - P,
+        cP=comm + P,
+        has_mem=has_mem,
+        limit=limit,
+        Fp=Fp,
+        Ap=Ap,
+        cm=cm,
+        f=f,
+        mem_slack=slack,
+        lim_eff=(limit + slack) if limit is not None else _INF,
+        compute_l=comp.tolist(),
+        comm_l=comm.tolist(),
+        mf_l=mf_l,
+        ma_l=ma_l,
+        cm_l=cm_l,
+        f_l=f_l,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# exact costs
+# --------------------------------------------------------------------------------------------
+
+
+def _stage_time(prob: _Problem, i: int, j: int) -> float:
+    return math.fsum(itertools.chain(prob.compute_l[i:j], (prob.comm_l[i], prob.comm_l[j])))
+
+
+def _stage_mem(prob: _Problem, s: int, i: int, j: int) -> float:
+    assert prob.mf_l is not None and prob.ma_l is not None
+    assert prob.cm_l is not None and prob.f_l is not None
+    act = math.fsum(itertools.chain(prob.ma_l[i:j], (prob.cm_l[i],)))
+    return math.fsum(prob.mf_l[i:j]) + prob.f_l[s] * act
+
+
+def _fits(prob: _Problem, mem: float) -> bool:
+    return prob.limit is None or mem <= prob.lim_eff
+
+
+def _build(prob: _Problem, cuts: Sequence[int]) -> Partition:
+    cuts = tuple(int(c) for c in cuts)
+    times = tuple(_stage_time(prob, i, j) for i, j in zip(cuts, cuts[1:]))
+    mem = None
+    if prob.has_mem:
+        mem = tuple(_stage_mem(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
+    return Partition(cuts=cuts, bottleneck=max(times), stage_times=times, stage_memory=mem)
+
+
+def _comm_sum(prob: _Problem, cuts: Sequence[int]) -> float:
+    return math.fsum(prob.comm_l[c] for c in cuts[1:-1])
+
+
+# --------------------------------------------------------------------------------------------
+# the feasibility probe
+# --------------------------------------------------------------------------------------------
+
+
+def _windows(prob: _Problem, B: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer s, the positions [a_s, b_s] that a cut c_s can take under bottleneck B."""
+    n, K = prob.n, prob.K
+    s = np.arange(K + 1)
+    a = s.copy()
+    b = n - K + s
+    if not math.isinf(B):
+        P = prob.P
+        slack = 1e-9 * (float(P[-1]) + K * B)
+        with np.errstate(over="ignore", invalid="ignore"):
+            # every stage time is at least its compute, so P[c_s] <= s*B and P[n]-P[c_s] <= (K-s)*B
+            up = np.searchsorted(P, s * B + slack, side="right") - 1
+            low = np.searchsorted(P, P[-1] - (K - s) * B - slack, side="left")
+        a = np.maximum(a, low)
+        b = np.minimum(b, up)
+    a[0] = b[0] = 0
+    a[K] = b[K] = n
+    return a, b
+
+
+def _stab_min(lo: np.ndarray, hi: np.ndarray, val: np.ndarray, w: int) -> np.ndarray:
+    """For every j in 0..w-1 the minimum of val over the intervals [lo, hi] that contain j."""
+    length = hi - lo + 1
+    k = (np.frexp(length.astype(np.float64))[1] - 1).astype(np.int64)  # floor(log2(length))
+    kmax = int(k.max())
+    table = np.full((kmax + 1) * w, _INF)
+    size = np.left_shift(np.int64(1), k)
+    idx = np.concatenate((k * w + lo, k * w + hi - size + 1))
+    np.minimum.at(table, idx, np.concatenate((val, val)))
+    table = table.reshape(kmax + 1, w)
+    for lev in range(kmax, 0, -1):
+        half = 1 << (lev - 1)
+        row = table[lev]
+        below = table[lev - 1]
+        np.minimum(below, row, out=below)
+        np.minimum(below[half:], row[: w - half], out=below[half:])
+    return table[0]
+
+
+_Layers = list[tuple[int, np.ndarray]]
+
+
+def _probe(prob: _Problem, B: float) -> _Layers | None:
+    """Layers (a_s, reached mask over [a_s, ...]) if a K-stage partition with all T <= B and all
+    Mem <= limit exists, else None.  B = inf checks memory only."""
+    n, K = prob.n, prob.K
+    P, g, cP = prob.P, prob.g, prob.cP
+    time_free = math.isinf(B)
+    use_mem = prob.limit is not None
+    wa, wb = _windows(prob, B)
+    if np.any(wa > wb):
+        return None
+    tslack = 0.0 if time_free else 1e-9 * (float(P[-1]) + K * B)
+    layers: _Layers = [(0, np.ones(1, dtype=bool))]
+    first = last = 0
+    for s in range(K):
+        a, r = layers[-1]
+        a2 = max(int(wa[s + 1]), first + 1)
+        b2 = int(wb[s + 1])
+        if not time_free:
+            b2 = min(b2, int(np.searchsorted(P, P[last] + B + tslack, side="right")) - 1)
+        if a2 > b2:
+            return None
+        w = b2 - a2 + 1
+        seg = r[first - a : last - a + 1]
+        if use_mem:
+            assert prob.Fp is not None and prob.Ap is not None
+            assert prob.cm is not None and prob.f is not None
+            I = first + np.flatnonzero(seg)
+            fs = prob.f[s]
+            Q = prob.Fp[first : b2 + 1] + fs * prob.Ap[first : b2 + 1]
+            lim = (prob.lim_eff + Q[I - first]) - fs * prob.cm[I]
+            e = first - 1 + np.searchsorted(Q, lim, side="right")
+            lo = np.maximum(I + 1, a2)
+            hi = np.minimum(e, b2)
+            keep = lo <= hi
+            if not keep.any():
+                return None
+            lo = lo[keep] - a2
+            hi = hi[keep] - a2
+            if time_free:
+                diff = np.bincount(lo, minlength=w + 1) - np.bincount(hi + 1, minlength=w + 1)
+                r2 = np.cumsum(diff[:w]) > 0
+            else:
+                stab = _stab_min(lo, hi, g[I[keep]], w)
+                r2 = stab <= B - cP[a2 : b2 + 1]
+        elif time_free:
+            r2 = np.ones(w, dtype=bool)
+        else:
+            pm = np.minimum.accumulate(np.where(seg, g[first : last + 1], _INF))
+            m = last - first
+            lo_i, hi_i = a2 - 1 - first, b2 - 1 - first
+            if hi_i <= m:
+                vals = pm[lo_i : hi_i + 1]
+            elif lo_i >= m:
+                vals = np.full(w, pm[m])
+            else:
+                vals = np.concatenate((pm[lo_i:], np.full(hi_i - m, pm[m])))
+            r2 = vals <= B - cP[a2 : b2 + 1]
+        nz = np.flatnonzero(r2)
+        if nz.size == 0:
+            return None
+        first, last = a2 + int(nz[0]), a2 + int(nz[-1])
+        layers.append((a2, r2))
+    if not (layers[-1][0] == n and layers[-1][1][0]):
+        return None
+    return layers
+
+
+def _valid_from(
+    prob: _Problem, B: float, s: int, cand: np.ndarray, j: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Which candidate starts i (of layer s) may precede cut j, with the same arithmetic as the probe;
+    also the prefix-sum stage memory when a limit is enforced."""
+    ok = prob.g[cand] <= B - prob.cP[j]
+    mem = None
+    if prob.limit is not None:
+        assert prob.Fp is not None and prob.Ap is not None
+        assert prob.cm is not None and prob.f is not None
+        fs = prob.f[s]
+        Qj = prob.Fp[j] + fs * prob.Ap[j]
+        Qi = prob.Fp[cand] + fs * prob.Ap[cand]
+        ok &= Qj <= (prob.lim_eff + Qi) - fs * prob.cm[cand]
+        mem = (Qj - Qi) + fs * prob.cm[cand]
+    return ok, mem
+
+
+def _walk_back(prob: _Problem, B: float, layers: _Layers, *, by_memory: bool = False) -> tuple:
+    """Concrete cuts through the probe's layers: from n backwards, each step takes the admissible
+    start with the shortest stage (or the smallest stage memory)."""
+    j = prob.n
+    cuts = [j]
+    for s in range(prob.K - 1, -1, -1):
+        a, r = layers[s]
+        top = min(j - 1, a + r.shape[0] - 1)
+        cand = a + np.flatnonzero(r[: top - a + 1])
+        ok, mem = _valid_from(prob, B, s, cand, j)
+        if by_memory and mem is not None:
+            key = mem[ok]
+        else:
+            key = prob.g[cand[ok]]
+        cand = cand[ok]
+        if cand.size == 0:  # pragma: no cover - the probe guarantees a predecessor
+            raise AssertionError("partition walk-back found no predecessor")
+        j = int(cand[int(np.argmin(key))])
+        cuts.append(j)
+    return tuple(reversed(cuts))
+
+
+def _least_comm_cuts(prob: _Problem, B: float, layers: _Layers) -> tuple | None:
+    """Among the partitions the layers encode (all T <= B, Mem <= limit), one with the least
+    interior cut_comm (ties: shortest stage walking back); None when the layers are too wide."""
+    K = prob.K
+    pos = [a + np.flatnonzero(r) for a, r in layers]
+    if sum(len(pos[s]) * len(pos[s + 1]) for s in range(K)) > _TIE_BREAK_BUDGET:
+        return None
+    g, cP = prob.g, prob.cP
+    costs = [np.zeros(1)]
+    mats = []
+    for s in range(K):
+        I, J = pos[s], pos[s + 1]
+        V = (I[:, None] < J[None, :]) & (g[I][:, None] <= (B - cP[J])[None, :])
+        if prob.limit is not None:
+            assert prob.Fp is not None and prob.Ap is not None
+            assert prob.cm is not None and prob.f is not None
+            fs = prob.f[s]
+            QI = prob.Fp[I] + fs * prob.Ap[I]
+            QJ = prob.Fp[J] + fs * prob.Ap[J]
+            V &= QJ[None, :] <= ((prob.lim_eff + QI) - fs * prob.cm[I])[:, None]
+        cost = np.where(V, costs[-1][:, None], _INF).min(axis=0) + prob.comm[J]
+        mats.append(V)
+        costs.append(cost)
+    if not np.isfinite(costs[K][0]):  # pragma: no cover - the probe reached n
+        return None
+    y = 0
+    cuts = [prob.n]
+    for s in range(K - 1, -1, -1):
+        col = mats[s][:, y]
+        c = costs[s]
+        cand = np.flatnonzero(col & np.isfinite(c))
+        best = c[cand].min()
+        tied = cand[c[cand] == best]
+        x = int(tied[int(np.argmin(g[pos[s][tied]]))])
+        cuts.append(int(pos[s][x]))
+        y = x
+    return tuple(reversed(cuts))
+
+
+# --------------------------------------------------------------------------------------------
+# baselines and bounds
+# --------------------------------------------------------------------------------------------
+
+
+def equal_count_cuts(n: int, num_stages: int) -> tuple[int, ...]:
+    """Cuts giving every stage floor(n/K) or ceil(n/K) atoms (the baseline partition)."""
+    K = _check_num_stages(int(n), num_stages)
+    return tuple((s * int(n)) // K for s in range(K + 1))
+
+
+def _balanced_cuts(P: np.ndarray, K: int) -> tuple[int, ...]:
+    """Cuts nearest the K-quantiles of the compute prefix sum (a cheap upper-bound partition)."""
+    n = P.shape[0] - 1
+    s = np.arange(K + 1)
+    t = s * (P[-1] / K)
+    x = np.clip(np.searchsorted(P, t), 1, n)
+    x = np.where(np.abs(P[x - 1] - t) <= np.abs(P[x] - t), x - 1, x)
+    x = np.clip(x, s, n - K + s)
+    x = np.maximum.accumulate(x - s) + s
+    x[0], x[K] = 0, n
+    return tuple(int(v) for v in x)
+
+
+def _memory_error(prob: _Problem, minimum: float) -> PartitionError:
+    assert prob.limit is not None
+    lim_s, min_s = _fmt_pair(prob.limit, minimum)
+    return PartitionError(
+        f"no {prob.K}-stage partition fits the memory limit "
+        f"(limit {lim_s} < minimum {min_s} bytes)",
+        hint=f"raise the memory limit to at least {min_s} bytes, use more stages, or keep less "
+        "per micro-batch in flight (fewer micro-batches, activation recomputation)",
+    )
+
+
+def _min_memory(prob: _Problem) -> float:
+    """Smallest limit admitting a K-stage partition (memory only); prob.limit is ignored."""
+    assert prob.has_mem and prob.Fp is not None and prob.f is not None
+    n, K = prob.n, prob.K
+    probe_prob = _Problem(**{**prob.__dict__})
+    probe_prob.compute = np.zeros(n)
+
+    def max_mem(cuts: Sequence[int]) -> float:
+        return max(_stage_mem(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
+
+    if K == 1 or K == n:
+        return max_mem(tuple(range(n + 1)) if K == n else (0, n))
+    mf = np.diff(prob.Fp)
+    ma = np.diff(prob.Ap)
+    fmin = float(prob.f.min())
+    lo = max(float((mf + fmin * ma).max()), (float(prob.Fp[-1]) + fmin * float(prob.Ap[-1])) / K)
+    weights = np.concatenate(([0.0], np.cumsum(mf + float(prob.f.mean()) * ma)))
+    best = min(max_mem(c) for c in (equal_count_cuts(n, K), _balanced_cuts(weights, K)))
+    hi = best
+    rtol = 1e-11
+    for _ in range(200):
+        if hi - lo <= rtol * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if not lo < mid < hi:
+            break
+        probe_prob.limit = mid
+        probe_prob.lim_eff = mid + prob.mem_slack
+        layers = _probe(probe_prob, _INF)
+        if layers is None:
+            lo = mid
+        else:
+            m = max_mem(_walk_back(probe_prob, _INF, layers, by_memory=True))
+            best = min(best, m)
+            hi = min(mid, best)
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def min_memory_limit(
+    num_stages: int,
+    *,
+    mem_fixed: Sequence[float] | np.ndarray,
+    mem_act: Sequence[float] | np.ndarray | None = None,
+    cut_mem: Sequence[float] | np.ndarray | None = None,
+    inflight: Sequence[float] | np.ndarray | None = None,
+) -> float:
+    """The smallest memory_limit for which some num_stages-stage partition fits (time ignored).
+
+    The value is the exact peak stage memory of a partition found by bisection (relative
+    precision 1e-11), so a solve with exactly this limit is feasible.
+    """
+    if mem_fixed is None:
+        raise PartitionError("min_memory_limit needs mem_fixed", hint="pass mem_fixed")
+    mf = _vector("mem_fixed", mem_fixed, None, "")
+    prob = _prepare(mf, num_stages, None, None, mf, mem_act, cut_mem, inflight)
+    return _min_memory(prob)
+
+
+def evaluate(
+    cuts: Sequence[int],
+    compute: Sequence[float] | np.ndarray,
+    *,
+    cut_comm: Sequence[float] | np.ndarray | None = None,
+    memory_limit: float | None = None,
+    mem_fixed: Sequence[float] | np.ndarray | None = None,
+    mem_act: Sequence[float] | np.ndarray | None = None,
+    cut_mem: Sequence[float] | np.ndarray | None = None,
+    inflight: Sequence[float] | np.ndarray | None = None,
+) -> Partition:
+    """The exact cost of a given partition; raises PartitionError when a stage exceeds
+    memory_limit (pass no limit to just measure)."""
+    cuts_t = tuple(cuts)
+    if len(cuts_t) < 2:
+        raise PartitionError(
+            f"cuts must have at least 2 positions (got {len(cuts_t)})",
+            hint="pass K+1 positions 0 = c_0 < ... < c_K = n",
+        )
+    for c in cuts_t:
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+            raise PartitionError(
+                f"cut positions must be integers (got {c!r})", hint="pass integer cut positions"
+            )
+    prob = _prepare(
+        compute, len(cuts_t) - 1, cut_comm, memory_limit, mem_fixed, mem_act, cut_mem, inflight
+    )
+    n = prob.n
+    if cuts_t[0] != 0 or cuts_t[-1] != n:
+        raise PartitionError(
+            f"cuts must start at 0 and end at n = {n} (got {cuts_t[0]} and {cuts_t[-1]})",
+            hint="the first cut is the model's input (0), the last its output (n)",
+        )
+    for s, (i, j) in enumerate(zip(cuts_t, cuts_t[1:])):
+        if j <= i:
+            raise PartitionError(
+                f"stage {s} is empty or reversed (cuts[{s}] = {i} >= cuts[{s + 1}] = {j})",
+                hint="cut positions must be strictly increasing",
+            )
+    part = _build(prob, cuts_t)
+    if prob.limit is not None and part.stage_memory is not None:
+        for s, m in enumerate(part.stage_memory):
+            if not _fits(prob, m):
+                m_s, l_s = _fmt_pair(m, prob.limit)
+                raise PartitionError(
+                    f"stage {s} needs more memory than the limit ({m_s} > {l_s} bytes)",
+                    hint="move cuts to shrink that stage, or raise the memory limit",
+                )
+    return part
+
+
+def solve_partition(
+    compute: Sequence[float] | np.ndarray,
+    num_stages: int,
+    *,
+    cut_comm: Sequence[float] | np.ndarray | None = None,
+    memory_limit: float | None = None,
+    mem_fixed: Sequence[float] | np.ndarray | None = None,
+    mem_act: Sequence[float] | np.ndarray | None = None,
+    cut_mem: Sequence[float] | np.ndarray | None = None,
+    inflight: Sequence[float] | np.ndarray | None = None,
+    rel_tol: float = 1e-9,
+) -> Partition:
+    """The K-stage partition minimising the bottleneck stage time within rel_tol (relative),
+    subject to the memory limit; among such partitions, the least interior communication."""
+    rel_tol = float(rel_tol)
+    if not rel_tol >= 0 or math.isinf(rel_tol):
+        raise PartitionError(
+            f"rel_tol must be a finite non-negative number (got {rel_tol!r})",
+            hint="use e.g. 1e-9",
+        )
+    prob = _prepare(
+        compute, num_stages, cut_comm, memory_limit, mem_fixed, mem_act, cut_mem, inflight
+    )
+    n, K = prob.n, prob.K
+
+    mem_layers = None
+    if prob.limit is not None:
+        mem_layers = _probe(prob, _INF)
+        if mem_layers is None:
+            raise _memory_error(prob, _min_memory(prob))
+    if K == 1 or K == n:
+        return _build(prob, (0, n) if K == 1 else tuple(range(n + 1)))
+
+    best: Partition | None = None
+
+    def consider(cuts: Sequence[int]) -> None:
+        nonlocal best
+        part = _build(prob, cuts)
+        if part.stage_memory is not None and not all(_fits(prob, m) for m in part.stage_memory):
+            return
+        if best is None or part.bottleneck < best.bottleneck:
+            best = part
+
+    consider(_balanced_cuts(prob.P, K))
+    consider(equal_count_cuts(n, K))
+    if best is None:
+        assert mem_layers is not None
+        consider(_walk_back(prob, _INF, mem_layers))
+    assert best is not None
+
+    total = float(prob.P[-1])
+    lo = max(total / K, float(prob.compute.max()))
+    hi = best.bottleneck
+
+    def attempt(B: float) -> bool:
+        layers = _probe(prob, B)
+        if layers is None:
+            return False
+        consider(_walk_back(prob, B, layers))
+        return True
+
+    if lo < hi and attempt(lo):
+        hi = min(hi, best.bottleneck)
+    for _ in range(400):
+        if hi - lo <= 0.5 * rel_tol * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if not lo < mid < hi:
+            break
+        if attempt(mid):
+            hi = min(mid, best.bottleneck)
+        else:
+            lo = mid
+
+    # Least-communication tie-break among partitions no worse than the best found.
+    b = best.bottleneck
+    B_final = b + min(1e-12, 0.25 * rel_tol) * b
+    layers = _probe(prob, B_final)
+    if layers is not None:
+        cuts = _least_comm_cuts(prob, B_final, layers)
+        if cuts is not None and cuts != best.cuts:
+            cand = _build(prob, cuts)
+            c_new, c_old = _comm_sum(prob, cuts), _comm_sum(prob, best.cuts)
+            eps = 1e-12 * (abs(c_old) + abs(c_new))
+            if c_new < c_old - eps or (
+                c_new <= c_old + eps and cand.bottleneck <= best.bottleneck
+            ):
+                best = cand
+    return best
+
+
+def brute_force_partition(
+    compute: Sequence[float] | np.ndarray,
+    num_stages: int,
+    *,
+    cut_comm: Sequence[float] | np.ndarray | None = None,
+    memory_limit: float | None = None,
+    mem_fixed: Sequence[float] | np.ndarray | None = None,
+    mem_act: Sequence[float] | np.ndarray | None = None,
+    cut_mem: Sequence[float] | np.ndarray | None = None,
+    inflight: Sequence[float] | np.ndarray | None = None,
+    rel_tol: float = 1e-9,
+) -> Partition:
+    """Reference solver: enumerates every cut set (for tests, n <= ~14).  Minimises the exact
+    bottleneck, then the interior communication, then the cut tuple."""
+    del rel_tol  # exact
+    prob = _prepare(
+        compute, num_stages, cut_comm, memory_limit, mem_fixed, mem_act, cut_mem, inflight
+    )
+    n, K = prob.n, prob.K
+    count = math.comb(n - 1, K - 1)
+    if count > _BRUTE_FORCE_MAX:
+        raise PartitionError(
+            f"brute force would enumerate {count} cut sets (more than {_BRUTE_FORCE_MAX})",
+            hint="use solve_partition for instances this large",
+        )
+    T = {(i, j): _stage_time(prob, i, j) for i in range(n) for j in range(i + 1, n + 1)}
+    best_key = None
+    best_cuts: tuple[int, ...] | None = None
+    min_peak = _INF
+    for inner in itertools.combinations(range(1, n), K - 1):
+        cuts = (0, *inner, n)
+        if prob.limit is not None:
+            peak = max(_stage_mem(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
+            min_peak = min(min_peak, peak)
+            if not _fits(prob, peak):
+                continue
+        key = (max(T[i, j] for i, j in zip(cuts, cuts[1:])), _comm_sum(prob, cuts), cuts)
+        if best_key is None or key < best_key:
+            best_key, best_cuts = key, cuts
+    if best_cuts is None:
+        raise _memory_error(prob, min_peak)
+    return _build(prob, best_cuts)
+
+
+def benchmark(
+    n: int = 100_000, stages: int = 64, seed: int = 0, *, with_memory: bool = False
+) -> dict:
+    """Time solve_partition on a random instance: compute in [0, 1), cut_comm in [0, 0.5).
+
+    With ``with_memory`` a random memory model (1F1B in-flight counts with 2*stages micro-batches)
+    is added and the limit is set halfway between the smallest feasible limit and the peak memory
+    of the unconstrained optimum, so that it binds; only the constrained solve is timed.
+    """
+    rng = np.random.default_rng(seed)
+    compute = rng.random(n)
+    cut_comm = 0.5 * rng.random(n + 1)
+    kwargs: dict = {}
+    if with_memory:
+        mem_fixed = rng.random(n)
+        mem_act = rng.random(n)
+        cut_mem = 0.5 * rng.random(n + 1)
+        inflight = [min(stages - s, 2 * stages) for s in range(stages)]
+        mem = dict(mem_fixed=mem_fixed, mem_act=mem_act, cut_mem=cut_mem, inflight=inflight)
+        free = solve_partition(compute, stages, cut_comm=cut_comm, **mem)
+        assert free.stage_memory is not None
+        low = min_memory_limit(stages, **mem)
+        kwargs = dict(mem, memory_limit=0.5 * (low + max(free.stage_memory)))
+    t0 = time.perf_counter()
+    part = solve_partition(compute, stages, cut_comm=cut_comm, **kwargs)
+    seconds = time.perf_counter() - t0
+    return {"n": n, "stages": stages, "seconds": seconds, "bottleneck": part.bottleneck}

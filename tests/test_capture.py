@@ -1,0 +1,220 @@
+"""fxpipe.capture: any model to a checked GraphModule with symbolic shapes."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import sympy
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe import ir
+from fxpipe.batching import seeded
+from fxpipe.errors import CaptureError, RuntimeInputError
+from fxpipe.models import MODELS
+
+
+def _load(name):
+    mod = importlib.import_module(f"fxpipe.models.{name}")
+    model, inputs = mod.build()
+    kwargs = mod.example_kwargs(inputs) if hasattr(mod, "example_kwargs") else {}
+    return model, inputs, kwargs
+
+
+def _assert_same(gm, model, inputs, kwargs):
+    with seeded(1):
+        expected = model(*inputs, **kwargs)
+    with seeded(1):
+        got = gm(*inputs, **kwargs)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["modules", "functional"])
+@pytest.mark.parametrize("name", MODELS)
+def test_capture_reproduces_every_reference_model(name, inline):
+    model, inputs, kwargs = _load(name)
+    gm = fxpipe.capture(model, inputs, kwargs, inline_modules=inline)
+    _assert_same(gm, model, inputs, kwargs)
+    info = gm.meta[ir.CAPTURE]
+    assert info.method == ("export" if name == "recurrent" else "fx")
+    assert info.training is True
+    # the batch dimension of every input and output
+    expected_dim = 1 if name == "recurrent" else 0
+    assert set(info.signature.input_batch_dims) == {expected_dim}
+    assert set(info.signature.out_batch_dims) == {expected_dim}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_captured_graph_runs_at_another_batch_size(name):
+    model, inputs, kwargs = _load(name)
+    gm = fxpipe.capture(model, inputs, kwargs, inline_modules=True)
+    layout_dim = 1 if name == "recurrent" else 0
+    small = tuple(x.narrow(layout_dim, 0, 3) for x in inputs)
+    small_kwargs = {k: v.narrow(layout_dim, 0, 3) for k, v in kwargs.items()}
+    _assert_same(gm, model, small, small_kwargs)
+
+
+def test_every_value_gets_a_symbolic_tensor_info():
+    model, inputs, _ = _load("gpt")
+    gm = fxpipe.capture(model, inputs, inline_modules=True)
+    b = ir.BATCH
+    seen_batched = 0
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        info = ir.value_info(node)
+        if isinstance(info, ir.TensorInfo):
+            if info.batch_dim is not None:
+                seen_batched += 1
+                assert b in info.shape[info.batch_dim].free_symbols
+            if node.op == "get_attr":
+                assert info.batch_dim is None
+    logits = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert ir.tensor_info(logits).shape == (b, sympy.Integer(32), sympy.Integer(512))
+    assert seen_batched > 10
+
+
+def test_module_level_capture_calls_submodules_by_qualified_name():
+    model, inputs, _ = _load("mlp")
+    gm = fxpipe.capture(model, inputs, method="fx")
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    assert "blocks.0.fc1" in targets and "head" in targets
+
+
+def test_functional_capture_keeps_parameters_of_the_model():
+    model, inputs, _ = _load("gpt")
+    gm = fxpipe.capture(model, inputs, inline_modules=True)
+    params = {id(p) for p in model.parameters()}
+    assert {id(p) for p in gm.parameters()} <= params
+    # tied embedding / head: one parameter, one get_attr
+    attrs = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    assert sum(gm.get_parameter(t) is model.wte.weight for t in attrs) == 1
+
+
+def test_gradients_of_the_captured_graph_reach_the_model_parameters():
+    model, inputs, _ = _load("mlp")
+    gm = fxpipe.capture(model, inputs, inline_modules=True)
+    gm(*inputs).square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_capture_restores_batchnorm_statistics_and_mode():
+    model, inputs, _ = _load("resnet")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fxpipe.capture(model, inputs, inline_modules=True)
+    after = model.state_dict()
+    assert model.training
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k
+
+
+def test_capture_records_eval_mode():
+    model, inputs, _ = _load("gpt")
+    model.eval()
+    gm = fxpipe.capture(model, inputs, inline_modules=True)
+    assert gm.meta[ir.CAPTURE].training is False
+    _assert_same(gm, model, inputs, {})
+
+
+class _Hooked(nn.Module):
+    """A skip connection carried by a forward hook on a leaf module: fx does not run hooks of
+    the modules it keeps as leaves, so the trace silently drops the skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mid, self.dec = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(8, 4)
+        self.skips: list[torch.Tensor] = []
+        self.enc.register_forward_hook(lambda m, i, o: self.skips.append(o))
+
+    def forward(self, x):
+        h = self.mid(self.enc(x))
+        skip = self.skips.pop() if self.skips else torch.zeros_like(h)
+        return self.dec(torch.cat([h, skip], -1))
+
+
+def test_auto_falls_back_to_export_when_the_fx_trace_is_wrong():
+    model, x = _Hooked(), torch.randn(6, 4)
+    gm = fxpipe.capture(model, (x,))
+    info = gm.meta[ir.CAPTURE]
+    assert info.method == "export"
+    assert "differs" in info.fallback_reason
+    _assert_same(gm, model, (x,), {})
+
+
+def test_explicit_fx_rejects_a_wrong_trace():
+    with pytest.raises(CaptureError, match="computes something else.*\n.*export"):
+        fxpipe.capture(_Hooked(), (torch.randn(6, 4),), method="fx")
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.abs().max() > 1e6:  # data-dependent: neither fx nor export can capture it
+            return h * 2
+        return h
+
+
+def test_uncapturable_model_names_the_source_line_and_gives_a_hint():
+    with pytest.raises(CaptureError) as err:
+        fxpipe.capture(_DataDependent(), (torch.randn(4, 4),))
+    message = str(err.value)
+    assert "test_capture.py" in message and "if h.abs().max() > 1e6" in message
+    assert "hint:" in message and "torch.cond" in message
+
+
+def test_recurrent_model_has_its_batch_in_dim_1():
+    model, inputs, _ = _load("recurrent")
+    gm = fxpipe.capture(model, inputs)
+    info = gm.meta[ir.CAPTURE]
+    assert info.signature.input_batch_dims == (1,)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert ir.tensor_info(out).batch_dim == 1
+
+
+def test_keyword_inputs_and_dict_outputs():
+    model, inputs, kwargs = _load("branchy")
+    gm = fxpipe.capture(model, inputs, kwargs)
+    out = gm(*inputs, **kwargs)
+    assert set(out) == {"logits", "aux"}
+    assert [leaf.name for leaf in gm.meta[ir.CAPTURE].signature.leaves] == ["x", "y", "gate"]
+
+
+def test_non_tensor_inputs_are_baked_and_checked():
+    class Scaled(nn.Module):
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    gm = fxpipe.capture(Scaled(), (torch.randn(4, 3), 2.0))
+    torch.testing.assert_close(gm(torch.ones(2, 3), 2.0), torch.full((2, 3), 2.0))
+    with pytest.raises(RuntimeInputError, match="compiled with 2.0"):
+        gm(torch.ones(2, 3), 3.0)
+
+
+def test_inputs_of_another_shape_are_rejected_with_the_expected_shape():
+    model, inputs, _ = _load("mlp")
+    gm = fxpipe.capture(model, inputs)
+    with pytest.raises(RuntimeInputError, match=r"shape \(8, 16\).*\(B, 32\)"):
+        gm(torch.randn(8, 16))
+    with pytest.raises(RuntimeInputError, match="dtype"):
+        gm(inputs[0].double())
+
+
+def test_explicit_batch_dims_are_checked():
+    model, inputs, _ = _load("mlp")
+    with pytest.raises(CaptureError, match="1 tensor inputs"):
+        fxpipe.capture(model, inputs, batch_dims=[0, 0])
+
+
+def test_non_separable_model_is_refused_with_a_hint():
+    class Mixer(nn.Module):
+        def forward(self, x):
+            return x - x.mean()  # every example depends on the whole batch
+
+    with pytest.raises(CaptureError, match="separable") as err:
+        fxpipe.capture(Mixer(), (torch.randn(4, 3),))
+    assert "batch_dims" in str(err.value)

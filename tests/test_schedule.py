@@ -1,0 +1,481 @@
+"""Tests for fxpipe.runtime.schedule: schedule shapes, the tick grid, rendering and timing."""
+from __future__ import annotations
+
+import itertools
+import textwrap
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxpipe.errors import ConfigError
+from fxpipe.runtime.schedule import (
+    SCHEDULES,
+    Action,
+    TimedEvent,
+    bubble_fraction,
+    clock_cycles,
+    get_schedule,
+    gpipe,
+    one_f_one_b,
+    peak_inflight,
+    render_grid,
+    simulate,
+    validate,
+)
+
+ALL_SIZES = list(itertools.product(range(1, 9), range(1, 6)))  # (M, K)
+
+
+def rows(schedule):
+    """Each stage's actions as one space-separated string, for aligned literals."""
+    return [" ".join(str(a) for a in actions) for actions in schedule]
+
+
+def grid_rows(grid):
+    return [[None if a is None else str(a) for a in row] for row in grid]
+
+
+def parse(stage_rows):
+    """The inverse of rows(): ["F0 B0", ...] -> a schedule."""
+    return [
+        [Action(tok[0], s, int(tok[1:])) for tok in line.split()]
+        for s, line in enumerate(stage_rows)
+    ]
+
+
+def assert_grid_respects_dependencies(schedule, grid):
+    """Checked independently of clock_cycles: completeness, list order and data dependencies."""
+    num_stages = len(schedule)
+    num_microbatches = len(schedule[0]) // 2
+    tick_of = {}
+    for tick, row in enumerate(grid):
+        assert len(row) == num_stages
+        for s, a in enumerate(row):
+            if a is not None:
+                assert a.stage == s
+                assert a not in tick_of, f"{a} runs twice"
+                tick_of[a] = tick
+    expected = {
+        Action(kind, s, m)
+        for kind in "FB"
+        for s in range(num_stages)
+        for m in range(num_microbatches)
+    }
+    assert set(tick_of) == expected
+    for s, actions in enumerate(schedule):
+        assert len(actions) == 2 * num_microbatches
+        assert sorted(actions, key=tick_of.__getitem__) == actions, f"stage {s} out of list order"
+    for a, t in tick_of.items():
+        s, m = a.stage, a.microbatch
+        if a.kind == "F" and s > 0:
+            assert tick_of[Action("F", s - 1, m)] < t
+        if a.kind == "B":
+            assert tick_of[Action("F", s, m)] < t
+            if s < num_stages - 1:
+                assert tick_of[Action("B", s + 1, m)] < t
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def test_action_prints_as_kind_and_microbatch():
+    assert str(Action("F", 2, 3)) == "F3"
+    assert str(Action("B", 0, 0)) == "B0"
+
+
+def test_gpipe_runs_all_forwards_then_backwards_in_reverse():
+    assert rows(gpipe(4, 3)) == [
+        "F0 F1 F2 F3 B3 B2 B1 B0",
+        "F0 F1 F2 F3 B3 B2 B1 B0",
+        "F0 F1 F2 F3 B3 B2 B1 B0",
+    ]
+    assert gpipe(4, 3)[1][0] == Action("F", 1, 0)
+
+
+def test_1f1b_warms_up_then_alternates_then_drains():
+    assert rows(one_f_one_b(4, 3)) == [
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_degenerates_to_fill_drain():
+    assert rows(one_f_one_b(2, 4)) == [
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 B0 F1 B1",
+    ]
+
+
+def test_single_stage_1f1b_alternates_from_the_start():
+    assert rows(one_f_one_b(3, 1)) == ["F0 B0 F1 B1 F2 B2"]
+
+
+def test_get_schedule_finds_both_schedules_by_name():
+    assert get_schedule("gpipe") is gpipe
+    assert get_schedule("1f1b") is one_f_one_b
+    assert set(SCHEDULES) == {"gpipe", "1f1b"}
+
+
+# --------------------------------------------------------------------------- clock grid
+
+
+def test_clock_cycles_of_gpipe_2x3_is_the_fill_drain_staircase():
+    _ = None
+    assert grid_rows(clock_cycles(gpipe(3, 2))) == [
+        ["F0", _],
+        ["F1", "F0"],
+        ["F2", "F1"],
+        [_, "F2"],
+        [_, "B2"],
+        ["B2", "B1"],
+        ["B1", "B0"],
+        ["B0", _],
+    ]
+
+
+def test_clock_cycles_of_1f1b_2x3_interleaves_backwards():
+    _ = None
+    assert grid_rows(clock_cycles(one_f_one_b(3, 2))) == [
+        ["F0", _],
+        ["F1", "F0"],
+        [_, "B0"],
+        ["B0", "F1"],
+        ["F2", "B1"],
+        ["B1", "F2"],
+        [_, "B2"],
+        ["B2", _],
+    ]
+
+
+def test_gpipe_4x3_renders_exactly_like_the_reference_grid():
+    expected = textwrap.dedent(
+        """\
+        clock  stage 0  stage 1  stage 2        GPipe, 3 stages x 4 microbatches
+            0  F0                               bubble = (S-1)/(M+S-1) = 2/6 = 33%
+            1  F1       F0
+            2  F2       F1       F0
+            3  F3       F2       F1
+            4           F3       F2
+            5                    F3
+            6                    B3
+            7           B3       B2
+            8  B3       B2       B1
+            9  B2       B1       B0
+           10  B1       B0
+           11  B0"""
+    )
+    assert render_grid(gpipe(4, 3), title="GPipe") == expected
+
+
+def test_1f1b_4x3_renders_with_the_same_bubble_and_length():
+    expected = textwrap.dedent(
+        """\
+        clock  stage 0  stage 1  stage 2        1F1B, 3 stages x 4 microbatches
+            0  F0                               bubble = (S-1)/(M+S-1) = 2/6 = 33%
+            1  F1       F0
+            2  F2       F1       F0
+            3                    B0
+            4           B0       F1
+            5  B0       F2       B1
+            6  F3       B1       F2
+            7  B1       F3       B2
+            8           B2       F3
+            9  B2                B3
+           10           B3
+           11  B3"""
+    )
+    assert render_grid(one_f_one_b(4, 3), title="1F1B") == expected
+
+
+def test_render_grid_without_title_notes_only_the_size_and_widens_for_two_digit_labels():
+    text = render_grid(gpipe(11, 1))
+    lines = text.splitlines()
+    assert lines[0] == "clock  stage 0        1 stages x 11 microbatches"
+    assert lines[1] == "    0  F0             bubble = (S-1)/(M+S-1) = 0/11 = 0%"
+    assert lines[-1] == "   21  B0"
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_render_grid_reports_measured_idle_time_when_a_schedule_idles_more_than_the_formula():
+    # Stage 1 takes micro-batches out of order (F1 before F0): valid, but it idles longer.
+    slow = parse(["F0 F1 B1 B0", "F1 F0 B0 B1"])
+    text = render_grid(slow)
+    assert "bubble = idle/total" in text.splitlines()[1]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_schedule_runs_each_action_once_in_dependency_order(name):
+    for num_microbatches, num_stages in ALL_SIZES:
+        schedule = get_schedule(name)(num_microbatches, num_stages)
+        assert validate(schedule) == (num_microbatches, num_stages)
+        assert_grid_respects_dependencies(schedule, clock_cycles(schedule))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(SCHEDULES)),
+    num_microbatches=st.integers(1, 24),
+    num_stages=st.integers(1, 10),
+)
+def test_schedules_are_valid_for_any_size(name, num_microbatches, num_stages):
+    schedule = get_schedule(name)(num_microbatches, num_stages)
+    assert_grid_respects_dependencies(schedule, clock_cycles(schedule))
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), num_microbatches=st.integers(1, 4), num_stages=st.integers(1, 4))
+def test_clock_cycles_either_rejects_a_shuffled_schedule_or_respects_its_dependencies(
+    data, num_microbatches, num_stages
+):
+    schedule = [
+        data.draw(st.permutations(actions)) for actions in gpipe(num_microbatches, num_stages)
+    ]
+    try:
+        grid = clock_cycles(schedule)
+    except ConfigError as err:
+        assert "deadlocks" in str(err)
+    else:
+        assert_grid_respects_dependencies(schedule, grid)
+
+
+@pytest.mark.parametrize(("num_microbatches", "num_stages"), ALL_SIZES)
+def test_gpipe_and_1f1b_take_the_same_ticks_and_bubble(num_microbatches, num_stages):
+    ticks = 2 * (num_microbatches + num_stages - 1)
+    for fn in (gpipe, one_f_one_b):
+        grid = clock_cycles(fn(num_microbatches, num_stages))
+        assert len(grid) == ticks
+        idle = sum(a is None for row in grid for a in row)
+        assert idle / (ticks * num_stages) == pytest.approx(
+            bubble_fraction(num_microbatches, num_stages)
+        )
+
+
+def test_bubble_fraction_is_stages_minus_one_over_microbatches_plus_stages_minus_one():
+    assert bubble_fraction(4, 3) == pytest.approx(2 / 6)
+    assert bubble_fraction(1, 1) == 0.0
+    assert bubble_fraction(8, 4) == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize(("num_microbatches", "num_stages"), ALL_SIZES)
+def test_1f1b_holds_at_most_stages_left_microbatches_and_gpipe_holds_all(
+    num_microbatches, num_stages
+):
+    assert peak_inflight(one_f_one_b(num_microbatches, num_stages)) == [
+        min(num_stages - s, num_microbatches) for s in range(num_stages)
+    ]
+    assert peak_inflight(gpipe(num_microbatches, num_stages)) == [num_microbatches] * num_stages
+
+
+# --------------------------------------------------------------------------- simulate
+
+
+def compute_events(events):
+    return {(e.kind, e.stage, e.microbatch): (e.start, e.end) for e in events if e.kind != "send"}
+
+
+@pytest.mark.parametrize(("num_microbatches", "num_stages"), ALL_SIZES)
+def test_simulate_with_unit_times_reproduces_the_clock_grid(num_microbatches, num_stages):
+    for fn in (gpipe, one_f_one_b):
+        schedule = fn(num_microbatches, num_stages)
+        events, makespan = simulate(
+            schedule, forward_time=[1] * num_stages, backward_time=[1] * num_stages
+        )
+        grid = clock_cycles(schedule)
+        assert makespan == len(grid)
+        starts = compute_events(events)
+        for tick, row in enumerate(grid):
+            for a in row:
+                if a is not None:
+                    assert starts[(a.kind, a.stage, a.microbatch)] == (tick, tick + 1)
+
+
+def test_simulate_gpipe_with_equal_times_takes_microbatches_plus_stages_minus_one_rounds():
+    events, makespan = simulate(gpipe(4, 3), forward_time=[1.5] * 3, backward_time=[2.5] * 3)
+    assert makespan == (4 + 3 - 1) * (1.5 + 2.5)
+    assert len(events) == 2 * 4 * 3
+    assert all(e.kind in ("F", "B") for e in events)
+    assert [e.start for e in events] == sorted(e.start for e in events)
+
+
+def test_simulate_gpipe_2x2_with_unequal_times_matches_the_hand_computed_timeline():
+    # stage 0: F=1, B=2; stage 1: F=3, B=1.
+    #   s0 F0 [0,1]  F1 [1,2]                               B1 [8,10] B0 [10,12]
+    #   s1           F0 [1,4]  F1 [4,7]  B1 [7,8]  B0 [8,9]
+    events, makespan = simulate(gpipe(2, 2), forward_time=[1, 3], backward_time=[2, 1])
+    assert compute_events(events) == {
+        ("F", 0, 0): (0, 1), ("F", 0, 1): (1, 2), ("B", 0, 1): (8, 10), ("B", 0, 0): (10, 12),
+        ("F", 1, 0): (1, 4), ("F", 1, 1): (4, 7), ("B", 1, 1): (7, 8), ("B", 1, 0): (8, 9),
+    }  # fmt: skip
+    assert makespan == 12
+    # (M-1) * (max F + max B) + sum(F + B); (M-1) * max(F + B) + sum(F + B) would say 11.
+    assert makespan == (2 - 1) * (3 + 2) + (1 + 2 + 3 + 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_microbatches=st.integers(1, 8),
+    times=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=5),
+)
+def test_simulate_gpipe_makespan_is_dominated_by_the_slowest_stage(num_microbatches, times):
+    fwd = [f for f, _ in times]
+    bwd = [b for _, b in times]
+    _, makespan = simulate(
+        gpipe(num_microbatches, len(times)), forward_time=fwd, backward_time=bwd
+    )
+    assert makespan == (num_microbatches - 1) * (max(fwd) + max(bwd)) + sum(fwd) + sum(bwd)
+    equal = (num_microbatches + len(times) - 1) * (min(fwd) + min(bwd))
+    assert makespan >= equal
+
+
+def test_simulate_one_slow_stage_lengthens_gpipe():
+    _, fast = simulate(gpipe(4, 3), forward_time=[1, 1, 1], backward_time=[2, 2, 2])
+    _, slow = simulate(gpipe(4, 3), forward_time=[1, 3, 1], backward_time=[2, 6, 2])
+    assert fast == 6 * 3
+    assert slow == (4 - 1) * 9 + (3 + 9 + 3)
+
+
+def test_simulate_per_stage_comm_delays_activations_and_gradients_by_the_producer_time():
+    # comm_time[0] = 0.5 ships stage 0's outputs forward and their gradients back.
+    # comm_time[1] is never used: stage 1 sends nothing (it has no consumers).
+    #   s0 F0 [0,1]  F1 [1,2]                                             B1 [5,6]  B0 [6,7]
+    #   s1   F0 [1.5,2.5]  F1 [2.5,3.5]  B1 [3.5,4.5]  B0 [4.5,5.5]
+    events, makespan = simulate(
+        gpipe(2, 2), forward_time=[1, 1], backward_time=[1, 1], comm_time=[0.5, 7]
+    )
+    assert makespan == 7
+    assert compute_events(events) == {
+        ("F", 0, 0): (0, 1), ("F", 0, 1): (1, 2), ("B", 0, 1): (5, 6), ("B", 0, 0): (6, 7),
+        ("F", 1, 0): (1.5, 2.5), ("F", 1, 1): (2.5, 3.5),
+        ("B", 1, 1): (3.5, 4.5), ("B", 1, 0): (4.5, 5.5),
+    }  # fmt: skip
+    sends = sorted(
+        (e.stage, e.peer, e.microbatch, e.start, e.end) for e in events if e.kind == "send"
+    )
+    assert sends == [
+        (0, 1, 0, 1, 1.5), (0, 1, 1, 2, 2.5),  # activations 0 -> 1
+        (1, 0, 0, 5.5, 6), (1, 0, 1, 4.5, 5),  # gradients 1 -> 0
+    ]  # fmt: skip
+
+
+def test_simulate_scalar_comm_adds_one_message_per_hop_each_way():
+    _, makespan = simulate(
+        gpipe(1, 3), forward_time=[1] * 3, backward_time=[1] * 3, comm_time=0.25
+    )
+    assert makespan == 6 + 4 * 0.25
+
+
+def test_simulate_skip_edge_delays_stage_2_by_its_own_message():
+    # Edges 0->1, 1->2 and a skip 0->2 whose message takes 5; the chain hops are free.
+    #   s0 F0 [0,1]  F1 [1,2]                                            B1 [14,15] B0 [15,16]
+    #   s1           F0 [1,2]  F1 [2,3]                  B1 [9,10] B0 [10,11]
+    #   s2   F0 waits for s0's F0 + 5: [6,7]  F1 [7,8]  B1 [8,9]  B0 [9,10]
+    # s0's B1 waits for s2's B1 (ends 9) + 5 = 14; its B0 for s2's B0 (10) + 5 = 15.
+    edges = [(0, 1), (1, 2), (0, 2)]
+    events, makespan = simulate(
+        gpipe(2, 3),
+        forward_time=[1, 1, 1],
+        backward_time=[1, 1, 1],
+        comm_time={(0, 2): 5},
+        edges=edges,
+    )
+    assert compute_events(events) == {
+        ("F", 0, 0): (0, 1), ("F", 0, 1): (1, 2), ("B", 0, 1): (14, 15), ("B", 0, 0): (15, 16),
+        ("F", 1, 0): (1, 2), ("F", 1, 1): (2, 3), ("B", 1, 1): (9, 10), ("B", 1, 0): (10, 11),
+        ("F", 2, 0): (6, 7), ("F", 2, 1): (7, 8), ("B", 2, 1): (8, 9), ("B", 2, 0): (9, 10),
+    }  # fmt: skip
+    assert makespan == 16
+    assert TimedEvent(0, "send", 0, 1, 6, peer=2) in events
+    assert TimedEvent(2, "send", 1, 9, 14, peer=0) in events
+    _, chain = simulate(gpipe(2, 3), forward_time=[1, 1, 1], backward_time=[1, 1, 1])
+    assert chain == (2 + 3 - 1) * 2
+
+
+def test_simulate_skip_edge_alone_lets_stage_2_start_right_after_stage_0():
+    # 0 -> 1 and 0 -> 2 only: stages 1 and 2 both wait on stage 0, neither on the other,
+    # and stage 0's backward waits for both.
+    events, makespan = simulate(
+        gpipe(1, 3),
+        forward_time=[1, 4, 1],
+        backward_time=[1, 1, 1],
+        edges=[(0, 1), (0, 2)],
+    )
+    times = compute_events(events)
+    assert times[("F", 2, 0)] == (1, 2)
+    assert times[("B", 2, 0)] == (2, 3)
+    assert times[("B", 1, 0)] == (5, 6)
+    assert times[("B", 0, 0)] == (6, 7)
+    assert makespan == 7
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("fn", [gpipe, one_f_one_b, bubble_fraction])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0, 3), "num_microbatches must be >= 1 (got 0)"),
+        ((4, 0), "num_stages must be >= 1 (got 0)"),
+        ((-2, 3), "num_microbatches must be >= 1 (got -2)"),
+        ((2.5, 3), "num_microbatches must be an int"),
+        ((4, True), "num_stages must be an int"),
+    ],
+)
+def test_bad_sizes_raise_config_error_with_the_value_and_a_hint(fn, args, message):
+    with pytest.raises(ConfigError) as info:
+        fn(*args)
+    assert message in info.value.message
+    assert info.value.hint
+
+
+def test_unknown_schedule_name_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown schedule 'zb'") as info:
+        get_schedule("zb")
+    assert "'gpipe'" in info.value.message and "'1f1b'" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("stage_rows", "message"),
+    [
+        (["F0 B0 B0"], "runs B0 twice"),
+        (["F0 F1 B0"], "never runs B1"),
+        ([], "no stages"),
+    ],
+)
+def test_incomplete_schedules_are_rejected(stage_rows, message):
+    with pytest.raises(ConfigError, match=message):
+        clock_cycles(parse(stage_rows))
+
+
+def test_action_under_the_wrong_stage_is_rejected():
+    with pytest.raises(ConfigError, match="listed under stage 0"):
+        validate([[Action("F", 1, 0), Action("B", 1, 0)], []])
+
+
+def test_backward_before_forward_deadlocks():
+    with pytest.raises(ConfigError, match="deadlocks"):
+        clock_cycles(parse(["F0 B0", "B0 F0"]))
+    with pytest.raises(ConfigError, match="deadlocks"):
+        simulate(parse(["F0 B0", "B0 F0"]), forward_time=[1, 1], backward_time=[1, 1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"forward_time": [1, 1]}, r"forward_time needs one value per stage \(3 stages, got 2"),
+        ({"backward_time": 1.0}, "backward_time needs one value per stage"),
+        ({"forward_time": [1, -1, 1]}, r"forward_time\[1\] must be >= 0"),
+        ({"comm_time": -1.0}, "comm_time must be >= 0"),
+        ({"comm_time": {(0, 2): 1.0}}, "not among the edges"),
+        ({"edges": [(2, 1)]}, "not a forward edge"),
+        ({"edges": [(0, 3)]}, "not a forward edge"),
+    ],
+)
+def test_simulate_rejects_bad_times_and_edges(kwargs, message):
+    args = {"forward_time": [1, 1, 1], "backward_time": [1, 1, 1], **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        simulate(gpipe(2, 3), **args)
