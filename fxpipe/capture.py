@@ -443,6 +443,8 @@ def name_nodes_after_modules(gm: fx.GraphModule) -> None:
                 groups.setdefault(path, []).append(node)
     for path, nodes in groups.items():
         base = re.sub(r"\W", "_", path)
+        if base[0].isdigit():  # children of a top-level Sequential: "linear_0", not "_0"
+            base = f"{_module_kind(gm, nodes[0], path)}_{base}"
         if len(nodes) == 1:
             nodes[0]._rename(base)
             continue
@@ -450,3 +452,16 @@ def name_nodes_after_modules(gm: fx.GraphModule) -> None:
             if not node.name.startswith(base):
                 node._rename(f"{base}_{node.name}")
     gm.recompile()
+
+
+def _module_kind(gm: fx.GraphModule, node: fx.Node, path: str) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    for value in stack.values():
+        if isinstance(value, tuple) and ir._clean_module_path(str(value[0])) == path:
+            kind = value[1]
+            name = kind.__name__ if isinstance(kind, type) else str(kind).rpartition(".")[2]
+            return re.sub(r"\W", "_", name).lower() or "module"
+    try:
+        return type(gm.get_submodule(path)).__name__.lower()
+    except AttributeError:
+        return "module"

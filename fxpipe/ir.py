@@ -113,6 +113,8 @@ class Cost:
     fwd_bytes: sympy.Expr
     bwd_bytes: sympy.Expr
     grad_param_bytes: sympy.Expr = field(default=sympy.Integer(0))  # params that need grads
+    fwd_kernels: int = 0  # aten kernels launched by the forward (per-kernel overhead)
+    bwd_kernels: int = 0
 
     def at(self, b: int) -> dict[str, float]:
         """All fields evaluated at micro-batch size `b`."""

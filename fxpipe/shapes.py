@@ -69,57 +69,64 @@ class _FakeInterpreter(Interpreter):
 
     def _interpolated(self, n: Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        samples = {b: self._run_static(n, args, kwargs, b) for b in SAMPLE_SIZES}
-        return self._symbolic_like(samples)
+        samples = {}
+        for b in SAMPLE_SIZES:
+            static = FakeTensorMode(allow_non_fake_inputs=True)
+            a, k = at_size((args, kwargs), self.sym, b, static)
+            with static:
+                samples[b] = call_node(self.module, n, a, k)
+        return symbolic_like(samples, self.mode.shape_env, self.sym)
 
-    def _run_static(self, n: Node, args: Any, kwargs: Any, b: int) -> Any:
-        static = FakeTensorMode(allow_non_fake_inputs=True)
 
-        def concrete(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                shape = [int(ir.evaluate(_expr(d, {self.sym: ir.BATCH}), b)) for d in x.shape]
-                with static:
-                    t = torch.empty(shape, dtype=x.dtype, device=x.device)
-                return t.requires_grad_(x.requires_grad) if x.is_floating_point() else t
-            if isinstance(x, torch.SymInt):
-                return int(ir.evaluate(_expr(x, {self.sym: ir.BATCH}), b))
-            return x
+def call_node(module: torch.nn.Module, n: Node, args: Any, kwargs: Any) -> Any:
+    """Runs one node's operation on the given values."""
+    if n.op == "call_module":
+        return module.get_submodule(n.target)(*args, **kwargs)
+    if n.op == "call_method":
+        obj, *rest = args
+        return getattr(obj, n.target)(*rest, **kwargs)
+    return n.target(*args, **kwargs)
 
-        args, kwargs = torch.utils._pytree.tree_map(concrete, (args, kwargs))
-        with static:
-            if n.op == "call_module":
-                return self.fetch_attr_module(n.target)(*args, **kwargs)
-            if n.op == "call_method":
-                self_obj, *rest = args
-                return getattr(self_obj, n.target)(*rest, **kwargs)
-            return n.target(*args, **kwargs)
 
-    def fetch_attr_module(self, target: str) -> Any:
-        return self.module.get_submodule(target)
+def at_size(values: Any, sym: sympy.Symbol, b: int, static: FakeTensorMode) -> Any:
+    """Static fake copies of (symbolic) values with the batch symbol set to `b`."""
 
-    def _symbolic_like(self, samples: dict[int, Any]) -> Any:
-        first = samples[SAMPLE_SIZES[0]]
-        if isinstance(first, torch.Tensor):
-            shape = []
-            for d in range(first.dim()):
-                expr = interpolate([(b, samples[b].shape[d]) for b in SAMPLE_SIZES])
-                shape.append(self._symint(expr))
-            out = torch.empty(shape, dtype=first.dtype, device=first.device)
-            return out.requires_grad_(first.requires_grad) if first.is_floating_point() else out
-        if isinstance(first, (tuple, list)):
-            return type(first)(self._symbolic_like({b: s[i] for b, s in samples.items()})
-                               for i in range(len(first)))
-        if isinstance(first, int):
-            return self._symint(interpolate([(b, samples[b]) for b in SAMPLE_SIZES]))
-        return first
+    def concrete(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            shape = [int(ir.evaluate(_expr(d, {sym: ir.BATCH}), b)) for d in x.shape]
+            with static:
+                t = torch.empty(shape, dtype=x.dtype, device=x.device)
+            return t.requires_grad_(x.requires_grad) if x.is_floating_point() else t
+        if isinstance(x, torch.SymInt):
+            return int(ir.evaluate(_expr(x, {sym: ir.BATCH}), b))
+        return x
 
-    def _symint(self, expr: sympy.Expr) -> Any:
-        if not expr.free_symbols:
-            return int(expr)
-        hint = self.mode.shape_env.backed_var_to_val.get(self.sym) if hasattr(
-            self.mode.shape_env, "backed_var_to_val") else self.mode.shape_env.var_to_val[self.sym]
-        return self.mode.shape_env.create_symintnode(expr.xreplace({ir.BATCH: self.sym}),
-                                                      hint=int(expr.subs(ir.BATCH, int(hint))))
+    return torch.utils._pytree.tree_map(concrete, values)
+
+
+def symbolic_like(samples: dict[int, Any], shape_env: ShapeEnv, sym: sympy.Symbol) -> Any:
+    """A symbolic fake value whose sizes interpolate the static `samples` (keyed by b)."""
+    sizes = sorted(samples)
+    first = samples[sizes[0]]
+    if isinstance(first, torch.Tensor):
+        shape = [_symint(interpolate([(b, samples[b].shape[d]) for b in sizes]), shape_env, sym)
+                 for d in range(first.dim())]
+        out = torch.empty(shape, dtype=first.dtype, device=first.device)
+        return out.requires_grad_(first.requires_grad) if first.is_floating_point() else out
+    if isinstance(first, (tuple, list)):
+        return type(first)(symbolic_like({b: s[i] for b, s in samples.items()}, shape_env, sym)
+                           for i in range(len(first)))
+    if isinstance(first, int) and not isinstance(first, bool):
+        return _symint(interpolate([(b, samples[b]) for b in sizes]), shape_env, sym)
+    return first
+
+
+def _symint(expr: sympy.Expr, shape_env: ShapeEnv, sym: sympy.Symbol) -> Any:
+    if not expr.free_symbols:
+        return int(expr)
+    hint = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    value = int(expr.subs(ir.BATCH, int(hint[sym])))
+    return shape_env.create_symintnode(expr.xreplace({ir.BATCH: sym}), hint=value)
 
 
 SAMPLE_SIZES = (2, 3, 5)

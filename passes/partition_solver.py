@@ -51,6 +51,8 @@ __all__ = [
 _MEM_RTOL = 1e-12
 # Most cells the least-communication tie-break may build (sum over layers of |R_s| * |R_s+1|).
 _TIE_BREAK_BUDGET = 4_000_000
+# Most entries of the per-layer memory interval cache (n * K); above it ends are searched per probe.
+_ECACHE_MAX = 20_000_000
 # Enumerations the brute force accepts before refusing.
 _BRUTE_FORCE_MAX = 5_000_000
 
@@ -185,6 +187,8 @@ class _Problem:
     ma_l: list[float] | None
     cm_l: list[float] | None
     f_l: list[float] | None
+    # per-layer memory interval ends, filled lazily by the probe when set to a dict
+    ecache: dict | None = None
 
 
 def _prepare(
@@ -327,8 +331,24 @@ def _comm_sum(prob: _Problem, cuts: Sequence[int]) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def _windows(prob: _Problem, B: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer s, the positions [a_s, b_s] that a cut c_s can take under bottleneck B."""
+def _last_true(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Vectorised binary search: per entry, the last x in [lo, hi) with pred(x) true, where pred
+    is true then false on [lo - 1, hi] and pred(lo - 1) is taken as true, pred(hi) as false."""
+    lo = lo - 1
+    while True:
+        open_ = hi - lo > 1
+        if not open_.any():
+            return lo
+        mid = (lo + hi) // 2
+        ok = pred(np.where(open_, mid, lo.clip(0)))
+        lo = np.where(open_ & ok, mid, lo)
+        hi = np.where(open_ & ~ok, mid, hi)
+
+
+def _windows(prob: _Problem, B: float, L: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer s, the positions [a_s, b_s] that cut c_s can take with all T <= B (B may be inf)
+    and all Mem <= L (None: no limit): stage times are at least their compute, stage memories at
+    least sum(mem_fixed + min_inflight * mem_act) over their atoms."""
     n, K = prob.n, prob.K
     s = np.arange(K + 1)
     a = s.copy()
@@ -337,9 +357,23 @@ def _windows(prob: _Problem, B: float) -> tuple[np.ndarray, np.ndarray]:
         P = prob.P
         slack = 1e-9 * (float(P[-1]) + K * B)
         with np.errstate(over="ignore", invalid="ignore"):
-            # every stage time is at least its compute, so P[c_s] <= s*B and P[n]-P[c_s] <= (K-s)*B
+            # P[c_s] <= s*B and P[n] - P[c_s] <= (K - s)*B
             up = np.searchsorted(P, s * B + slack, side="right") - 1
             low = np.searchsorted(P, P[-1] - (K - s) * B - slack, side="left")
+        a = np.maximum(a, low)
+        b = np.minimum(b, up)
+    if L is not None and not math.isinf(L):
+        assert prob.Fp is not None and prob.Ap is not None and prob.f is not None
+        Fp, Ap = prob.Fp, prob.Ap
+        fwd = np.concatenate(([prob.f[0]], np.minimum.accumulate(prob.f)))  # min f over t < s
+        bwd = np.concatenate((np.minimum.accumulate(prob.f[::-1])[::-1], [prob.f[-1]]))  # t >= s
+        slack = 1e-9 * (float(Fp[-1]) + float(prob.f.max()) * float(Ap[-1]) + K * L)
+        with np.errstate(over="ignore", invalid="ignore"):
+            t_up = s * L + slack
+            t_low = (Fp[-1] + bwd * Ap[-1]) - (K - s) * L - slack
+        up = _last_true(lambda j: Fp[j] + fwd * Ap[j] <= t_up, a, b + 1)
+        # first j with Fp[j] + bwd*Ap[j] >= t_low: one past the last j where it is below
+        low = _last_true(lambda j: Fp[j] + bwd * Ap[j] < t_low, a, b + 1) + 1
         a = np.maximum(a, low)
         b = np.minimum(b, up)
     a[0] = b[0] = 0
@@ -369,6 +403,28 @@ def _stab_min(lo: np.ndarray, hi: np.ndarray, val: np.ndarray, w: int) -> np.nda
 _Layers = list[tuple[int, np.ndarray]]
 
 
+def _memory_ends(prob: _Problem, s: int) -> tuple[int, np.ndarray]:
+    """For layer s, e_i = the last j with Mem(s, i, j) <= limit (prefix arithmetic, as in the
+    probe) for every i of the memory-only window of layer s; independent of B, so cached."""
+    assert prob.ecache is not None
+    hit = prob.ecache.get(s)
+    if hit is not None:
+        return hit
+    assert prob.Fp is not None and prob.Ap is not None
+    assert prob.cm is not None and prob.f is not None
+    if "windows" not in prob.ecache:
+        prob.ecache["windows"] = _windows(prob, _INF, prob.limit)
+    wa, wb = prob.ecache["windows"]
+    lo, top = int(wa[s]), int(wb[s + 1])
+    hi = min(int(wb[s]), top)
+    fs = prob.f[s]
+    Q = prob.Fp[lo : top + 1] + fs * prob.Ap[lo : top + 1]
+    lim = (prob.lim_eff + Q[: hi - lo + 1]) - fs * prob.cm[lo : hi + 1]
+    e = (lo - 1 + np.searchsorted(Q, lim, side="right")).astype(np.int64)
+    prob.ecache[s] = (lo, e)
+    return lo, e
+
+
 def _probe(prob: _Problem, B: float) -> _Layers | None:
     """Layers (a_s, reached mask over [a_s, ...]) if a K-stage partition with all T <= B and all
     Mem <= limit exists, else None.  B = inf checks memory only."""
@@ -376,7 +432,7 @@ def _probe(prob: _Problem, B: float) -> _Layers | None:
     P, g, cP = prob.P, prob.g, prob.cP
     time_free = math.isinf(B)
     use_mem = prob.limit is not None
-    wa, wb = _windows(prob, B)
+    wa, wb = _windows(prob, B, prob.limit)
     if np.any(wa > wb):
         return None
     tslack = 0.0 if time_free else 1e-9 * (float(P[-1]) + K * B)
@@ -390,21 +446,28 @@ def _probe(prob: _Problem, B: float) -> _Layers | None:
             b2 = min(b2, int(np.searchsorted(P, P[last] + B + tslack, side="right")) - 1)
         if a2 > b2:
             return None
-        w = b2 - a2 + 1
         seg = r[first - a : last - a + 1]
         if use_mem:
             assert prob.Fp is not None and prob.Ap is not None
             assert prob.cm is not None and prob.f is not None
             I = first + np.flatnonzero(seg)
-            fs = prob.f[s]
-            Q = prob.Fp[first : b2 + 1] + fs * prob.Ap[first : b2 + 1]
-            lim = (prob.lim_eff + Q[I - first]) - fs * prob.cm[I]
-            e = first - 1 + np.searchsorted(Q, lim, side="right")
+            if not time_free:  # starts whose g exceeds every h of the next window reach nothing
+                I = I[g[I] <= (B - cP[a2 : b2 + 1]).max()]
+            if prob.ecache is not None:
+                start, E = _memory_ends(prob, s)
+                e = E[I - start]
+            else:
+                fs = prob.f[s]
+                Q = prob.Fp[first : b2 + 1] + fs * prob.Ap[first : b2 + 1]
+                lim = (prob.lim_eff + Q[I - first]) - fs * prob.cm[I]
+                e = first - 1 + np.searchsorted(Q, lim, side="right")
             lo = np.maximum(I + 1, a2)
             hi = np.minimum(e, b2)
             keep = lo <= hi
             if not keep.any():
                 return None
+            b2 = min(b2, int(hi[keep].max()))
+            w = b2 - a2 + 1
             lo = lo[keep] - a2
             hi = hi[keep] - a2
             if time_free:
@@ -414,8 +477,9 @@ def _probe(prob: _Problem, B: float) -> _Layers | None:
                 stab = _stab_min(lo, hi, g[I[keep]], w)
                 r2 = stab <= B - cP[a2 : b2 + 1]
         elif time_free:
-            r2 = np.ones(w, dtype=bool)
+            r2 = np.ones(b2 - a2 + 1, dtype=bool)
         else:
+            w = b2 - a2 + 1
             pm = np.minimum.accumulate(np.where(seg, g[first : last + 1], _INF))
             m = last - first
             lo_i, hi_i = a2 - 1 - first, b2 - 1 - first
@@ -556,6 +620,7 @@ def _min_memory(prob: _Problem) -> float:
     n, K = prob.n, prob.K
     probe_prob = _Problem(**{**prob.__dict__})
     probe_prob.compute = np.zeros(n)
+    probe_prob.ecache = None
 
     def max_mem(cuts: Sequence[int]) -> float:
         return max(_stage_mem(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
@@ -688,6 +753,8 @@ def solve_partition(
         compute, num_stages, cut_comm, memory_limit, mem_fixed, mem_act, cut_mem, inflight
     )
     n, K = prob.n, prob.K
+    if prob.limit is not None and n * K <= _ECACHE_MAX:
+        prob.ecache = {}
 
     mem_layers = None
     if prob.limit is not None:

@@ -1,0 +1,422 @@
+"""Per-node costs as exact polynomials in the micro-batch size b.
+
+Reads:  TENSOR on placeholders (fxpipe.capture)
+Writes: COST on every compute node
+Graph:  unchanged (annotation only)
+
+Each node runs once on fake tensors whose batch dimension is a symbol, under a dispatch mode that
+sees every aten kernel of its forward and of its backward (autograd.grad of the node alone):
+matmul, convolution and attention FLOPs come from torch's FLOP formulas (plus CPU flash
+attention, which torch's counter reports as 0); every other kernel costs its elements times a
+per-op factor, and its bytes read and written. Saved-for-backward bytes come from autograd's
+saved-tensor hooks and are charged to the node whose output they keep alive, once per storage,
+so their sum is what a real run keeps. Identical nodes (the blocks of a transformer) are
+annotated once and the result reused.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fxpipe import ir
+from fxpipe.errors import CostError
+from fxpipe.profile import DeviceProfile
+from fxpipe import shapes, source
+
+__all__ = ["annotate_costs", "CostSummary", "estimate_time", "ELEMENTWISE_FACTOR"]
+
+# FLOPs per output element of kernels that torch's counter does not count (default 1).
+ELEMENTWISE_FACTOR = {
+    "native_layer_norm": 8, "native_layer_norm_backward": 12, "native_batch_norm": 8,
+    "native_batch_norm_backward": 12, "_native_batch_norm_legit": 8,
+    "_native_batch_norm_legit_functional": 8, "native_group_norm": 8,
+    "native_group_norm_backward": 12, "_softmax": 5, "_softmax_backward_data": 4,
+    "_log_softmax": 5, "_log_softmax_backward_data": 4, "gelu": 8, "gelu_backward": 12,
+    "silu": 4, "silu_backward": 6, "sigmoid": 4, "tanh": 4, "exp": 2, "log": 2, "erf": 4,
+    "native_dropout": 2, "bernoulli_": 2, "rsqrt": 2, "sqrt": 2, "pow": 2,
+}
+_SDPA_CPU = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+class _KernelCounter(TorchDispatchMode):
+    """Counts FLOPs, bytes moved and kernels of every aten op it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops: list[Any] = []
+        self.bytes: list[Any] = []
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim" or func.is_view or func._overloadpacket in _FREE_OPS:
+            return out
+        self.kernels += 1
+        self.flops.append(_kernel_flops(func, args, kwargs, out))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        self.bytes.append(sum(t.numel() * t.element_size() for t in tensors))
+        return out
+
+
+_FREE_OPS = {torch.ops.aten.detach, torch.ops.aten.sym_size, torch.ops.aten.sym_numel,
+             torch.ops.aten.sym_stride, torch.ops.aten.lift_fresh}
+
+
+def _kernel_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    packet = func._overloadpacket
+    if packet in flop_counter.flop_registry:
+        return flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
+    name = packet.__name__
+    if name == _SDPA_CPU:
+        q, k, v = args[:3]
+        return flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
+    if name == _SDPA_CPU + "_backward":
+        grad_out, q, k, v = args[:4]
+        return flop_counter.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+    largest = max((t.numel() for t in pytree.tree_leaves((args, out))
+                   if isinstance(t, torch.Tensor)), default=0, key=_hint)
+    return ELEMENTWISE_FACTOR.get(name, 1) * largest
+
+
+def _hint(x: Any) -> int:
+    if isinstance(x, torch.SymInt):
+        return x.node.hint if x.node.hint is not None else 0
+    return int(x)
+
+
+@dataclass
+class _NodeCost:
+    fwd_flops: Any
+    bwd_flops: Any
+    fwd_bytes: Any
+    bwd_bytes: Any
+    fwd_kernels: int
+    bwd_kernels: int
+    saved: list[tuple[str, int, Any]]  # ("arg", flat index, _) | ("out", index, _) | ("new", _, nbytes)
+
+
+@dataclass
+class CostSummary:
+    """Totals over the graph, as polynomials in b."""
+
+    nodes: int
+    fwd_flops: sympy.Expr
+    bwd_flops: sympy.Expr
+    param_bytes: sympy.Expr
+    saved_bytes: sympy.Expr
+    cache_hits: int = 0
+    by_node: dict[str, ir.Cost] = field(default_factory=dict)
+
+
+def annotate_costs(gm: GraphModule, *, batch_hint: int | None = None) -> CostSummary:
+    """Writes ir.COST on every compute node of `gm` (needs ir.TENSOR on its placeholders).
+
+    Returns totals; `ir.cost(node).at(b)` evaluates one node at a micro-batch size.
+    """
+    hint = batch_hint or getattr(gm.meta.get(ir.CAPTURE), "batch_size", None) or 8
+    runner = _CostRunner(gm, hint)
+    runner.run_all()
+    return runner.summary()
+
+
+class _CostRunner(Interpreter):
+    def __init__(self, gm: GraphModule, hint: int) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.shape_env = ShapeEnv()
+        self.mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
+        self.sym = self.shape_env.create_symbol(hint, source=ConstantSource("fxpipe_b"),
+                                                dynamic_dim=DimDynamic.DYNAMIC)
+        self.hint = hint
+        self.fakes: dict[int, torch.Tensor] = {}
+        self.param_keys: set[int] = set()
+        self.seen_params: set[int] = set()
+        self.owner: dict[int, tuple[Node, Any]] = {}  # storage -> (allocating node, nbytes)
+        self.kept: set[int] = set()  # storages some node saves for backward
+        self.internal: dict[Node, list[Any]] = {}
+        self.raw: dict[Node, _NodeCost] = {}
+        self.cache: dict[Any, _NodeCost] = {}
+        self.cache_hits = 0
+
+    # -- values ---------------------------------------------------------------------------------
+
+    def _expr(self, x: Any) -> sympy.Expr:
+        if isinstance(x, torch.SymInt):
+            return sympy.sympify(x.node.expr).xreplace({self.sym: ir.BATCH})
+        return sympy.Integer(int(x))
+
+    def _symint(self, expr: sympy.Expr) -> Any:
+        if not expr.free_symbols:
+            return int(expr)
+        return self.shape_env.create_symintnode(expr.xreplace({ir.BATCH: self.sym}),
+                                                hint=int(expr.subs(ir.BATCH, self.hint)))
+
+    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        info = ir.value_info(self._current)
+        if not isinstance(info, ir.TensorInfo):
+            raise CostError(f"input {self._current.name} is not a tensor ({info})",
+                            hint="capture the model with fxpipe.capture first")
+        with self.mode:
+            t = torch.empty([self._symint(d) for d in info.shape], dtype=info.dtype)
+        return t.requires_grad_(info.requires_grad) if info.is_float else t
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        real = super().get_attr(target, args, kwargs)
+        if not isinstance(real, torch.Tensor):
+            return real
+        if id(real) not in self.fakes:
+            self.fakes[id(real)] = self.mode.from_tensor(real, static_shapes=True)
+        fake = self.fakes[id(real)]
+        self.param_keys.add(_storage(fake))
+        return fake
+
+    def run_all(self) -> None:
+        with self.mode:
+            for node in self.module.graph.nodes:
+                self._current = node
+                self.env[node] = self.run_node(node)
+                if node.op in ("placeholder", "get_attr"):
+                    self._record_outputs(node, self.env[node])
+
+    # -- per node -------------------------------------------------------------------------------
+
+    def run_node(self, n: Node) -> Any:
+        if n.op in ("placeholder", "get_attr", "output"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        try:
+            out, cost = self._measure(n, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - name the node, keep the cause
+            where = source.from_stack_trace(n.meta.get("stack_trace"))
+            raise CostError(f"cannot cost {n.name} ({n.op} {n.target}): {type(e).__name__}: {e}"
+                            + (f"\n  at {where}" if where else ""),
+                            hint="mark the module as a leaf or report the operation") from e
+        self.raw[n] = cost
+        flat_in = [a for a in pytree.tree_leaves((args, kwargs))]
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for kind, index, nbytes in cost.saved:
+            if kind == "arg":
+                self._keep(_storage(flat_in[index]), n)
+            elif kind == "out":
+                self._keep(_storage(outs[index]), n, own=True, out=outs[index])
+            else:
+                self.internal.setdefault(n, []).append(nbytes)
+        self._record_outputs(n, out)
+        return out
+
+    def _record_outputs(self, n: Node, out: Any) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = _storage(t)
+                if key not in self.owner:
+                    self.owner[key] = (n, t.untyped_storage().nbytes())
+
+    def _keep(self, key: int, by: Node, own: bool = False, out: Any = None) -> None:
+        if key in self.param_keys or key in self.kept:
+            return
+        if own and key not in self.owner:
+            self.owner[key] = (by, out.untyped_storage().nbytes())
+        owner = self.owner.get(key)
+        if owner is None or owner[0].op == "get_attr":
+            return
+        self.kept.add(key)
+        if owner[0].op == "placeholder":  # a model input kept alive: charge its first saver
+            self.internal.setdefault(by, []).append(self._expr(owner[1]))
+
+    def _measure(self, n: Node, args: tuple, kwargs: dict) -> tuple[Any, _NodeCost]:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = self._cache_key(n, leaves)
+        if key is not None and key in self.cache:
+            self.cache_hits += 1
+            fresh = [_fresh_leaf(x) for x in leaves]
+            return shapes.call_node(self.module, n, *pytree.tree_unflatten(fresh, spec)), self.cache[key]
+        try:
+            out, cost = self._run_counted(n, leaves, spec, self.param_keys)
+        except Exception:  # noqa: BLE001 - ops without symbolic shapes: sample and interpolate
+            out, cost = self._interpolated(n, args, kwargs)
+        if key is not None:
+            self.cache[key] = cost
+        return out, cost
+
+    def _run_counted(self, n: Node, leaves: list, spec: Any, params: set[int]) -> tuple[Any, _NodeCost]:
+        """Runs the node once, counting its forward and backward kernels and saved tensors."""
+        fresh = [_fresh_leaf(x) for x in leaves]
+        a, k = pytree.tree_unflatten(fresh, spec)
+        saved_keys: list[tuple[int, Any]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved_keys.append((_storage(t), t.untyped_storage().nbytes()))
+            return t
+
+        fwd = _KernelCounter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
+            out = shapes.call_node(self.module, n, a, k)
+        bwd = _KernelCounter()
+        outs = [t for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+        wrt = [t for t in fresh if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs and wrt:
+            grads = [torch.ones_like(t) for t in outs]
+            with bwd:
+                torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+        cost = _NodeCost(self._sum(fwd.flops), self._sum(bwd.flops), self._sum(fwd.bytes),
+                         self._sum(bwd.bytes), fwd.kernels, bwd.kernels,
+                         self._classify(saved_keys, fresh, out, params))
+        return out, cost
+
+    def _interpolated(self, n: Node, args: tuple, kwargs: dict) -> tuple[Any, _NodeCost]:
+        """Costs of an op without symbolic-shape support, from static runs at a few sizes."""
+        samples: dict[int, tuple[Any, _NodeCost]] = {}
+        for b in shapes.SAMPLE_SIZES:
+            static = FakeTensorMode(allow_non_fake_inputs=True)
+            values = shapes.at_size((args, kwargs), self.sym, b, static)
+            leaves, spec = pytree.tree_flatten(values)
+            params = {_storage(v) for v, orig in zip(leaves, pytree.tree_leaves((args, kwargs)))
+                      if isinstance(orig, torch.Tensor) and _storage(orig) in self.param_keys}
+            with static:
+                samples[b] = self._run_counted(n, leaves, spec, params)
+        fit = lambda field: shapes.interpolate(  # noqa: E731
+            [(b, int(getattr(c, field))) for b, (_, c) in samples.items()])
+        first = samples[shapes.SAMPLE_SIZES[0]][1]
+        saved = [(kind, index, shapes.interpolate([(b, int(c.saved[i][2])) for b, (_, c) in
+                                                   samples.items()]) if kind == "new" else None)
+                 for i, (kind, index, _) in enumerate(first.saved)]
+        cost = _NodeCost(fit("fwd_flops"), fit("bwd_flops"), fit("fwd_bytes"), fit("bwd_bytes"),
+                         first.fwd_kernels, first.bwd_kernels, saved)
+        out = shapes.symbolic_like({b: o for b, (o, _) in samples.items()}, self.shape_env,
+                                   self.sym)
+        return out, cost
+
+    def _classify(self, saved: list[tuple[int, Any]], fresh: list, out: Any,
+                  params: set[int]) -> list:
+        args = {_storage(t): i for i, t in enumerate(fresh) if isinstance(t, torch.Tensor)}
+        outs = {_storage(t): i for i, t in enumerate(
+            [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])}
+        result, seen = [], set()
+        for key, nbytes in saved:
+            if key in seen or key in params:
+                continue
+            seen.add(key)
+            if key in args:
+                result.append(("arg", args[key], None))
+            elif key in outs:
+                result.append(("out", outs[key], None))
+            else:
+                result.append(("new", -1, self._expr(nbytes)))
+        return result
+
+    def _cache_key(self, n: Node, leaves: list) -> Any:
+        if n.op == "call_module":
+            return None
+        parts: list[Any] = [n.op, n.target]
+        storages: dict[int, int] = {}
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                alias = storages.setdefault(_storage(x), len(storages))
+                parts.append((tuple(str(self._expr(d)) for d in x.shape), x.dtype,
+                              x.requires_grad, _storage(x) in self.param_keys, alias,
+                              tuple(str(self._expr(s)) for s in x.stride())))
+            elif isinstance(x, torch.SymInt):
+                parts.append(("sym", str(self._expr(x))))
+            else:
+                try:
+                    hash(x)
+                    parts.append(x)
+                except TypeError:
+                    return None
+        return tuple(parts)
+
+    def _sum(self, terms: Sequence[Any]) -> sympy.Expr:
+        return sympy.expand(sympy.Add(*[self._expr(t) for t in terms])) if terms else sympy.Integer(0)
+
+    # -- results --------------------------------------------------------------------------------
+
+    def summary(self) -> CostSummary:
+        graph = self.module.graph
+        kept_by_owner: dict[Node, list[Any]] = {}
+        for key in self.kept:
+            node, nbytes = self.owner[key]
+            if node.op not in ("placeholder", "get_attr"):
+                kept_by_owner.setdefault(node, []).append(self._expr(nbytes))
+        totals = {"fwd": [], "bwd": [], "params": [], "saved": []}
+        by_node = {}
+        for node in ir.compute_nodes(graph):
+            raw = self.raw[node]
+            params, grad_params = self._param_bytes(node)
+            saved = sympy.expand(sympy.Add(*kept_by_owner.get(node, []),
+                                           *self.internal.get(node, [])))
+            info = node.meta.get(ir.TENSOR)
+            cost = ir.Cost(
+                fwd_flops=raw.fwd_flops, bwd_flops=raw.bwd_flops, param_bytes=params,
+                output_bytes=_value_bytes(info), saved_bytes=saved, fwd_bytes=raw.fwd_bytes,
+                bwd_bytes=raw.bwd_bytes, grad_param_bytes=grad_params,
+                fwd_kernels=raw.fwd_kernels, bwd_kernels=raw.bwd_kernels)
+            node.meta[ir.COST] = cost
+            by_node[node.name] = cost
+            totals["fwd"].append(cost.fwd_flops)
+            totals["bwd"].append(cost.bwd_flops)
+            totals["params"].append(params)
+            totals["saved"].append(saved)
+        add = lambda xs: sympy.expand(sympy.Add(*xs))  # noqa: E731
+        return CostSummary(len(by_node), add(totals["fwd"]), add(totals["bwd"]),
+                           add(totals["params"]), add(totals["saved"]), self.cache_hits, by_node)
+
+    def _param_bytes(self, node: Node) -> tuple[sympy.Expr, sympy.Expr]:
+        """Bytes of parameters and buffers this node is the first to use (tied ones once)."""
+        total, grad = 0, 0
+        for arg in node.all_input_nodes:
+            if arg.op != "get_attr":
+                continue
+            real = self.fetch_attr(arg.target)
+            if not isinstance(real, torch.Tensor) or id(real) in self.seen_params:
+                continue
+            self.seen_params.add(id(real))
+            total += real.numel() * real.element_size()
+            if real.requires_grad:
+                grad += real.numel() * real.element_size()
+        if node.op == "call_module":
+            for p in self.fetch_attr(node.target).parameters():
+                if id(p) not in self.seen_params:
+                    self.seen_params.add(id(p))
+                    total += p.numel() * p.element_size()
+                    grad += p.numel() * p.element_size() if p.requires_grad else 0
+        return sympy.Integer(total), sympy.Integer(grad)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _fresh_leaf(x: Any) -> Any:
+    """The node's own input: same storage, no history, so its backward is the node's alone."""
+    if isinstance(x, torch.Tensor):
+        leaf = x.detach()
+        return leaf.requires_grad_(x.requires_grad) if x.is_floating_point() else leaf
+    return x
+
+
+def _value_bytes(info: Any) -> sympy.Expr:
+    if isinstance(info, ir.TensorInfo):
+        return info.nbytes
+    if isinstance(info, tuple):
+        return sympy.expand(sympy.Add(*[_value_bytes(i) for i in info]))
+    return sympy.Integer(0)
+
+
+def estimate_time(cost: ir.Cost, profile: DeviceProfile, b: int) -> tuple[float, float]:
+    """Roofline forward and backward seconds of one node at micro-batch size b."""
+    at = cost.at(b)
+    fwd = profile.compute_time(at["fwd_flops"], at["fwd_bytes"], cost.fwd_kernels)
+    bwd = profile.compute_time(at["bwd_flops"], at["bwd_bytes"], cost.bwd_kernels)
+    return fwd, bwd

@@ -1,0 +1,294 @@
+"""Balanced, contiguous pipeline stages.
+
+Reads:  COST (passes.cost), TIME (passes.timing) for balance="time"
+Writes: STAGE on every compute node
+Graph:  unchanged (annotation only)
+
+The graph is first coarsened into atoms: glue (views, getitem, sizes, constants: nodes that launch
+no kernel or produce no tensor) stays with the node that produces its input, so cuts fall between
+real operations. Each atom gets a time (forward + backward + recompute at the micro-batch size)
+and each cut the time of the values crossing it (activations forward, gradients backward); the
+exact solver in passes.partition_solver minimises the slowest stage, within a memory limit.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.fx import GraphModule, Node
+
+from fxpipe import ir
+from fxpipe.errors import ConfigError, PartitionError
+from fxpipe.passes import partition_solver as solver
+from fxpipe.passes.cost import estimate_time
+from fxpipe.profile import DeviceProfile
+
+__all__ = ["partition", "StagePlan", "PartitionPlan", "atoms_of", "BALANCE_MODES", "REMAT_MODES",
+           "OPTIMIZER_STATE_FACTOR"]
+
+BALANCE_MODES = ("cost", "time", "params")
+REMAT_MODES = ("never", "always", "except_last", "auto")
+OPTIMIZER_STATE_FACTOR = 2.0  # Adam keeps two moments per parameter
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    nodes: tuple[str, ...]  # compute node names in order
+    time: float  # predicted seconds per micro-batch: fwd + bwd (+ recompute) + communication
+    compute_time: float
+    comm_time: float
+    memory: float | None  # predicted peak bytes under the memory model
+    first_module: str
+    last_module: str
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    stages: tuple[StagePlan, ...]
+    microbatch_size: int
+    chunks: int
+    balance: str
+    bottleneck: float
+    predicted_step_time: float  # (M + K - 1) x slowest stage
+    candidates: tuple[tuple[int, float], ...] = ()  # (chunks, predicted step time) for "auto"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def imbalance(self) -> float:
+        times = [s.time for s in self.stages]
+        mean = sum(times) / len(times)
+        return max(times) / mean if mean else 1.0
+
+
+@dataclass
+class _Atoms:
+    groups: list[list[Node]]  # compute nodes per atom, in a valid topological order
+    compute: list[float]  # seconds per atom
+    cut_comm: list[float]  # seconds per cut position (len n + 1)
+    cut_bytes: list[float]  # forward bytes crossing each cut
+    mem_fixed: list[float]
+    mem_act: list[float]
+    saved: list[float]
+
+
+def _is_glue(node: Node) -> bool:
+    info = node.meta.get(ir.TENSOR)
+    cost = node.meta.get(ir.COST)
+    if not isinstance(info, ir.TensorInfo):
+        return True
+    return cost is not None and cost.fwd_kernels == 0
+
+
+def atoms_of(gm: GraphModule) -> list[list[Node]]:
+    """Groups compute nodes into atoms; glue joins the atom of its latest compute input, and
+    glue without compute inputs (constants, sizes of inputs) joins its first user's atom."""
+    nodes = ir.compute_nodes(gm.graph)
+    atom: dict[Node, int] = {}
+    pending: list[Node] = []
+    count = 0
+    for node in nodes:
+        inputs = [atom[a] for a in node.all_input_nodes if a in atom]
+        if not _is_glue(node):
+            atom[node] = count
+            count += 1
+        elif inputs:
+            atom[node] = max(inputs)
+        else:
+            pending.append(node)
+    for node in reversed(pending):  # users come later in program order: already placed
+        users = [atom[u] for u in node.users if u in atom]
+        atom[node] = min(users) if users else max(count - 1, 0)
+    groups: list[list[Node]] = [[] for _ in range(max(count, 1))]
+    for node in nodes:
+        groups[atom[node]].append(node)
+    return [g for g in groups if g]
+
+
+def _atom_index(groups: list[list[Node]]) -> dict[Node, int]:
+    return {n: i for i, g in enumerate(groups) for n in g}
+
+
+def _node_time(node: Node, balance: str, profile: DeviceProfile, b: int) -> tuple[float, float]:
+    if balance == "time":
+        t = ir.measured_time(node)
+        scale = b / t.b  # measured at one size; per-example time scales with b
+        return t.fwd * scale, t.bwd * scale
+    if balance == "params":
+        return float(ir.evaluate(ir.cost(node).param_bytes, b)), 0.0
+    return estimate_time(ir.cost(node), profile, b)
+
+
+def _value_bytes(node: Node, b: int) -> tuple[float, float]:
+    """Forward bytes of a value and the bytes of its gradient (floating tensors only)."""
+    info = node.meta.get(ir.TENSOR)
+    if isinstance(info, ir.TensorInfo):
+        size = float(ir.evaluate(info.nbytes, b))
+        return size, size if (info.is_float and info.requires_grad) else 0.0
+    if isinstance(info, tuple):
+        parts = [x for x in info if isinstance(x, ir.TensorInfo)]
+        fwd = sum(float(ir.evaluate(x.nbytes, b)) for x in parts)
+        bwd = sum(float(ir.evaluate(x.nbytes, b)) for x in parts if x.is_float and x.requires_grad)
+        return fwd, bwd
+    return 0.0, 0.0
+
+
+def _measure_atoms(gm: GraphModule, groups, *, balance, profile, b, remat, chunks) -> _Atoms:
+    index = _atom_index(groups)
+    n = len(groups)
+    recompute = 0.0 if remat == "never" else ((chunks - 1) / chunks if remat == "except_last" else 1.0)
+    compute, mem_fixed, mem_act, saved = [], [], [], []
+    for group in groups:
+        fwd = sum(_node_time(x, balance, profile, b)[0] for x in group)
+        bwd = sum(_node_time(x, balance, profile, b)[1] for x in group)
+        compute.append(fwd + bwd + recompute * fwd)
+        costs = [ir.cost(x) for x in group]
+        params = sum(float(ir.evaluate(c.param_bytes, b)) for c in costs)
+        grads = sum(float(ir.evaluate(c.grad_param_bytes, b)) for c in costs)
+        act = sum(float(ir.evaluate(c.saved_bytes, b)) for c in costs)
+        saved.append(act)
+        mem_fixed.append(params + grads * (1 + OPTIMIZER_STATE_FACTOR) + (act if remat != "never" else 0))
+        mem_act.append(0.0 if remat != "never" else act)
+    # values crossing each cut: produced in atom i, last used in atom j > i -> cuts i+1 .. j
+    diff_f = [0.0] * (n + 2)
+    diff_b = [0.0] * (n + 2)
+    messages = [0] * (n + 2)
+    for group in groups:
+        for node in group:
+            users = [index.get(u, n) for u in node.users]  # the output node counts as atom n
+            last = max(users, default=index[node])
+            if last > index[node]:
+                fwd, bwd = _value_bytes(node, b)
+                diff_f[index[node] + 1] += fwd
+                diff_f[last + 1] -= fwd
+                diff_b[index[node] + 1] += bwd
+                diff_b[last + 1] -= bwd
+                messages[index[node] + 1] += 1
+                messages[last + 1] -= 1
+    cut_f, cut_b, cut_m = [0.0], [0.0], [0]
+    for c in range(1, n + 1):
+        cut_f.append(cut_f[-1] + diff_f[c])
+        cut_b.append(cut_b[-1] + diff_b[c])
+        cut_m.append(cut_m[-1] + messages[c])
+    if balance == "params":
+        comm = [0.0] * (n + 1)
+    else:
+        comm = [profile.comm_time(f, m) + profile.comm_time(bw, m if bw else 0)
+                for f, bw, m in zip(cut_f, cut_b, cut_m)]
+    comm[0] = comm[n] = 0.0
+    return _Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved)
+
+
+def partition(
+    gm: GraphModule,
+    num_stages: int,
+    *,
+    microbatch_size: int,
+    chunks: int,
+    profile: DeviceProfile,
+    balance: str | Sequence[int] = "cost",
+    split_points: Sequence[str] | None = None,
+    remat: str = "except_last",
+    memory_limit: float | None = None,
+    schedule: str = "gpipe",
+) -> PartitionPlan:
+    """Assigns a stage to every compute node; returns the plan with predicted times.
+
+    Raises:
+        PartitionError: more stages than atoms, or no partition fits the memory limit.
+    """
+    if not isinstance(balance, str):
+        cuts = _cuts_from_counts(gm, list(balance), num_stages)
+        groups = [[n] for n in ir.compute_nodes(gm.graph)]
+        mode = "explicit"
+    else:
+        if balance not in BALANCE_MODES:
+            raise ConfigError(f"unknown balance mode {balance!r}",
+                              hint=f"use one of {BALANCE_MODES}, or a list of node counts per stage")
+        groups = atoms_of(gm)
+        mode = balance
+        cuts = None
+    b = microbatch_size
+    atoms = _measure_atoms(gm, groups, balance=mode if mode != "explicit" else "cost",
+                           profile=profile, b=b, remat=remat, chunks=chunks)
+    inflight = [min(num_stages - s, chunks) if schedule == "1f1b" else chunks
+                for s in range(num_stages)]
+    if split_points is not None:
+        cuts = _cuts_from_split_points(groups, split_points, num_stages)
+    if cuts is None:
+        if len(groups) < num_stages:
+            raise PartitionError(
+                f"cannot split {type(gm).__name__} into {num_stages} stages: more stages than "
+                f"atoms ({num_stages} > {len(groups)})",
+                hint=f"use at most {len(groups)} stages, or capture with inline_modules=True / "
+                     "fewer leaf_modules to expose more operations")
+        result = solver.solve_partition(
+            atoms.compute, num_stages, cut_comm=atoms.cut_comm, memory_limit=memory_limit,
+            mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
+            cut_mem=atoms.cut_bytes if remat != "never" else [0.0] * (len(groups) + 1),
+            inflight=inflight)
+        cuts = result.cuts
+    evaluated = solver.evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
+                                mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
+                                cut_mem=atoms.cut_bytes if remat != "never" else None,
+                                inflight=inflight)
+    return _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages)
+
+
+def _write_stages(groups, cuts, atoms: _Atoms, evaluated, b, chunks, mode, k) -> PartitionPlan:
+    stages = []
+    for s in range(k):
+        members = [n for g in groups[cuts[s]:cuts[s + 1]] for n in g]
+        for node in members:
+            node.meta[ir.STAGE] = s
+        comm = atoms.cut_comm[cuts[s]] + atoms.cut_comm[cuts[s + 1]]
+        modules = [ir.module_path(n) for n in members if ir.module_path(n)] or ["(top level)"]
+        stages.append(StagePlan(
+            s, tuple(n.name for n in members), evaluated.stage_times[s],
+            evaluated.stage_times[s] - comm, comm,
+            evaluated.stage_memory[s] if evaluated.stage_memory else None,
+            modules[0], modules[-1]))
+    bottleneck = max(st.time for st in stages)
+    return PartitionPlan(tuple(stages), b, chunks, mode, bottleneck, (chunks + k - 1) * bottleneck)
+
+
+def _cuts_from_counts(gm: GraphModule, counts: list[int], k: int) -> tuple[int, ...]:
+    nodes = ir.compute_nodes(gm.graph)
+    if len(counts) != k or any((not isinstance(c, int)) or c < 1 for c in counts) \
+            or sum(counts) != len(nodes):
+        raise PartitionError(
+            f"balance {counts} must list {k} positive node counts summing to the number of "
+            f"compute nodes ({sum(c for c in counts if isinstance(c, int))} != {len(nodes)})"
+            if len(counts) == k else
+            f"balance {counts} has {len(counts)} entries for {k} stages",
+            hint=f"give {k} counts that sum to {len(nodes)}, or use balance='cost'")
+    cuts = [0]
+    for c in counts:
+        cuts.append(cuts[-1] + c)
+    return tuple(cuts)
+
+
+def _cuts_from_split_points(groups: list[list[Node]], points: Sequence[str], k: int) -> tuple[int, ...]:
+    if len(points) != k - 1:
+        raise PartitionError(f"{len(points)} split points make {len(points) + 1} stages, "
+                             f"not {k}", hint=f"give {k - 1} module names, or stages={len(points) + 1}")
+    cuts = [0]
+    for point in points:
+        start = next((i for i, g in enumerate(groups)
+                      if any(_in_module(ir.module_path(n), point) for n in g)), None)
+        if start is None:
+            known = sorted({ir.module_path(n).split(".")[0] for g in groups for n in g} - {""})
+            raise PartitionError(f"split point {point!r} names no module of the model",
+                                 hint=f"use qualified module names such as {known[:6]}")
+        if start <= cuts[-1]:
+            raise PartitionError(
+                f"split point {point!r} (atom {start}) does not come after the previous cut "
+                f"(atom {cuts[-1]})", hint="list split points in the order the model runs them")
+        cuts.append(start)
+    cuts.append(len(groups))
+    return tuple(cuts)
+
+
+def _in_module(path: str, point: str) -> bool:
+    return path == point or path.startswith(point + ".")
