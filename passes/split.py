@@ -96,6 +96,7 @@ class _StageBuilder:
         self.graph = Graph()
         self.env: dict[Node, Any] = {}
         self.comm = self.graph.placeholder("comm")
+        self.comm.meta[ir.COMM] = ir.CommInfo("channel", -1, "comm", None)
         self.inputs: list[str] = []
         self.attrs: list[str] = []
         self.recvs: list[ir.CommInfo] = []

@@ -1,0 +1,250 @@
+"""Partition reports, stage headers and cost tables (text, markdown, JSON)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tabulate import tabulate
+from torch.fx import GraphModule
+
+from fxpipe import ir
+from fxpipe.codegen import StageHeader
+from fxpipe.passes.cost import estimate_time
+from fxpipe.profile import DeviceProfile
+from fxpipe.runtime.schedule import bubble_fraction, get_schedule, render_grid
+
+__all__ = ["Report", "stage_header", "cost_table", "human_bytes", "human_flops", "human_time"]
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def human_flops(n: float) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} FLOP"
+
+
+def human_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _at(expr: Any, b: int) -> float:
+    return float(ir.evaluate(expr, b))
+
+
+def _value_bytes(info: Any, b: int) -> float:
+    if isinstance(info, ir.TensorInfo):
+        return _at(info.nbytes, b)
+    if isinstance(info, tuple):
+        return sum(_value_bytes(i, b) for i in info)
+    return 8.0
+
+
+def _stage_nodes(graph: Any) -> list:
+    return [n for n in ir.compute_nodes(graph.graph_module.graph) if ir.COST in n.meta]
+
+
+def _stage_figures(graph: Any, regions: Sequence[Any], b: int) -> dict[str, float]:
+    nodes = _stage_nodes(graph)
+    saved = sum(_at(ir.cost(n).saved_bytes, b) for n in nodes)
+    in_region = {name for r in regions for name in r.nodes}
+    outside = sum(_at(ir.cost(n).saved_bytes, b) for n in nodes if n.name not in in_region)
+    kept = outside + sum(r.kept_bytes for r in regions)
+    params = sum(p.numel() * p.element_size() for p in graph.graph_module.parameters())
+    return {
+        "fwd_flops": sum(_at(ir.cost(n).fwd_flops, b) for n in nodes),
+        "params": float(params),
+        "param_count": float(sum(p.numel() for p in graph.graph_module.parameters())),
+        "saved": saved,
+        "kept_with_remat": min(kept, saved) if regions else saved,
+        "recv_bytes": sum(_value_bytes(c.value, b) for c in graph.recvs),
+        "send_bytes": sum(_value_bytes(c.value, b) for c in graph.sends),
+    }
+
+
+def _command(config: Any, model: str) -> str:
+    if config.command:
+        return config.command
+    return (f"fxpipe.compile({model}, stages={config.stages}, chunks={config.chunks}, "
+            f"remat={config.remat!r}, balance={config.balance!r})")
+
+
+def stage_header(graph: Any, regions: Sequence[Any], plan: Any, config: Any,
+                 model: str, total_flops: float) -> StageHeader:
+    """The deterministic facts at the top of a generated stage file."""
+    b = plan.microbatch_size
+    figures = _stage_figures(graph, regions, b)
+    stage_plan = plan.stages[graph.index]
+    share = figures["fwd_flops"] / total_flops if total_flops else 0.0
+    lines = [f"cost    {human_flops(figures['fwd_flops'])} fwd / micro-batch   "
+             f"({share:.1%} of the model, ideal {1 / len(plan.stages):.1%})"]
+    lines.append(f"params  {human_bytes(figures['params'])}   saved activations "
+                 f"{human_bytes(figures['saved'])} / micro-batch"
+                 + (f" ({human_bytes(figures['kept_with_remat'])} kept with remat)"
+                    if regions else ""))
+    for c in graph.recvs:
+        lines.append(f"recv    {c.tag}  {ir.format_shape(c.value)}  <- stage {c.peer}")
+    for c in graph.sends:
+        lines.append(f"send    {c.tag}  {ir.format_shape(c.value)}  -> stage {c.peer}")
+    for r in regions:
+        lines.append(f"remat   {r.name} = {len(r.nodes)} ops ({r.nodes[0]} .. {r.nodes[-1]}), "
+                     f"keeps {human_bytes(r.kept_bytes)} instead of {human_bytes(r.saved_bytes)}")
+    lines.append(f"b = micro-batch size ({b} at compile time: batch {b * plan.chunks} / "
+                 f"{plan.chunks} chunks)")
+    span = f"{stage_plan.first_module} -> {stage_plan.last_module} ({len(stage_plan.nodes)} ops)"
+    return StageHeader(_command(config, model), model, graph.index, len(plan.stages), span,
+                       tuple(lines))
+
+
+@dataclass
+class Report:
+    """The partition report of a compiled program; str() gives the text form."""
+
+    model: str
+    plan: Any
+    stages: list[dict[str, Any]]
+    profile: str
+    schedule: str
+    measured: dict[str, Any] = field(default_factory=dict)
+    shared: dict[str, list[int]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        plan = self.plan
+        k, m = len(plan.stages), plan.chunks
+        return {
+            "stages": k, "chunks": m, "microbatch_size": plan.microbatch_size,
+            "balance": plan.balance, "schedule": self.schedule,
+            "imbalance": plan.imbalance, "bubble": bubble_fraction(m, k),
+            "predicted_step_time_s": plan.predicted_step_time,
+            "chunk_candidates": [{"chunks": c, "predicted_step_time_s": t}
+                                 for c, t in plan.candidates],
+        }
+
+    def rows(self) -> list[list[Any]]:
+        out = []
+        for s in self.stages:
+            out.append([s["stage"], s["first_module"], s["last_module"], s["nodes"],
+                        f"{int(s['param_count']):,}", human_flops(s["fwd_flops"]),
+                        human_time(s["time_s"]), human_bytes(s["params_bytes"]),
+                        human_bytes(s["activations_bytes"]), human_bytes(s["kept_with_remat_bytes"]),
+                        human_bytes(s["recv_bytes"]), human_bytes(s["send_bytes"])]
+                       + ([human_time(s["measured_busy_s"])] if "measured_busy_s" in s else []))
+        return out
+
+    def headers(self) -> list[str]:
+        h = ["stage", "first", "last", "ops", "params", "fwd FLOPs/mb", "est fwd+bwd/mb",
+             "param mem", "act/mb", "kept/mb (remat)", "recv/mb", "send/mb"]
+        if any("measured_busy_s" in s for s in self.stages):
+            h.append("measured busy")
+        return h
+
+    def text(self, fmt: str = "simple") -> str:
+        s = self.summary()
+        lines = [f"fxpipe partition of {self.model}: {s['stages']} stages x {s['chunks']} "
+                 f"micro-batches of {s['microbatch_size']} (balance={s['balance']}, "
+                 f"schedule={s['schedule']})",
+                 f"device profile: {self.profile}", "",
+                 tabulate(self.rows(), headers=self.headers(), tablefmt=fmt), "",
+                 f"imbalance (slowest / mean stage): {s['imbalance']:.3f}",
+                 f"bubble (K-1)/(M+K-1): {s['bubble']:.1%}",
+                 f"predicted step time: {human_time(s['predicted_step_time_s'])} "
+                 f"((M+K-1) x slowest stage)"]
+        if self.shared:
+            lines.append("tied parameters (gradients summed across stages): "
+                         + ", ".join(f"{k} in stages {v}" for k, v in self.shared.items()))
+        if s["chunk_candidates"]:
+            lines.append("chunks='auto' candidates: " + ", ".join(
+                f"{c['chunks']}: {human_time(c['predicted_step_time_s'])}"
+                for c in s["chunk_candidates"]))
+        for key, value in self.measured.items():
+            lines.append(f"measured {key}: {value}")
+        k, m = s["stages"], s["chunks"]
+        lines += ["", render_grid(get_schedule(self.schedule)(m, k),
+                                  title="GPipe" if self.schedule == "gpipe" else "1F1B")]
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        return self.text(fmt="github")
+
+    def json(self) -> str:
+        return json.dumps({"model": self.model, "summary": self.summary(), "stages": self.stages,
+                           "profile": self.profile, "measured": self.measured,
+                           "shared_parameters": self.shared}, indent=2, sort_keys=True)
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def build_report(built: Any, model: str) -> Report:
+    plan = built.plan
+    b = plan.microbatch_size
+    stages = []
+    for st, sp in zip(built.stages, plan.stages):
+        figures = _stage_figures(st.graph, st.regions, b)
+        stages.append({
+            "stage": st.index, "first_module": sp.first_module, "last_module": sp.last_module,
+            "nodes": len(sp.nodes), "param_count": figures["param_count"],
+            "fwd_flops": figures["fwd_flops"], "time_s": sp.time, "compute_s": sp.compute_time,
+            "comm_s": sp.comm_time, "params_bytes": figures["params"],
+            "activations_bytes": figures["saved"],
+            "kept_with_remat_bytes": figures["kept_with_remat"],
+            "recv_bytes": figures["recv_bytes"], "send_bytes": figures["send_bytes"],
+            "memory_model_bytes": sp.memory,
+        })
+    return Report(model, plan, stages, f"{built.profile.name} ({built.profile.source})",
+                  built.config.schedule, shared=dict(built.shared))
+
+
+def cost_table(gm: GraphModule, *, b: int, profile: DeviceProfile, sort: str | None = None,
+               by_module: bool = False, top: int | None = None, fmt: str = "simple") -> str:
+    """Per-node (or per-module) costs at micro-batch size b, optionally sorted."""
+    rows = []
+    for node in ir.compute_nodes(gm.graph):
+        if ir.COST not in node.meta:
+            continue
+        c = ir.cost(node)
+        fwd, bwd = estimate_time(c, profile, b)
+        row = {"node": node.name, "module": ir.module_path(node) or "(top)",
+               "fwd_flops": _at(c.fwd_flops, b), "bwd_flops": _at(c.bwd_flops, b),
+               "params": _at(c.param_bytes, b), "output": _at(c.output_bytes, b),
+               "saved": _at(c.saved_bytes, b), "time": fwd + bwd}
+        if ir.TIME in node.meta:
+            t = ir.measured_time(node)
+            row["measured"] = (t.fwd + t.bwd) * b / t.b
+        rows.append(row)
+    if by_module:
+        grouped: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            g = grouped.setdefault(r["module"], {"node": "", "module": r["module"]})
+            for key in ("fwd_flops", "bwd_flops", "params", "output", "saved", "time", "measured"):
+                if key in r:
+                    g[key] = g.get(key, 0.0) + r[key]
+            g["node"] = f"{int(g.get('count', 0)) + 1} ops"
+            g["count"] = g.get("count", 0) + 1
+        rows = list(grouped.values())
+    if sort:
+        rows.sort(key=lambda r: -r.get(sort, 0.0))
+    if top:
+        rows = rows[:top]
+    headers = ["node", "module", "fwd FLOPs", "bwd FLOPs", "params", "output", "saved", "est time"]
+    has_measured = any("measured" in r for r in rows)
+    if has_measured:
+        headers.append("measured")
+    table = [[r["node"], r["module"], human_flops(r["fwd_flops"]), human_flops(r["bwd_flops"]),
+              human_bytes(r["params"]), human_bytes(r["output"]), human_bytes(r["saved"]),
+              human_time(r["time"])] + ([human_time(r["measured"])] if has_measured and
+                                        "measured" in r else [""] if has_measured else [])
+             for r in rows]
+    return tabulate(table, headers=headers, tablefmt=fmt)

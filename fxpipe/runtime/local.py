@@ -1,0 +1,116 @@
+"""The local executor: every stage in one process, one worker thread per device (as torchgpipe).
+
+Micro-batch m enters stage s at clock tick m + s, so at each tick the stages work on different
+micro-batches at once. Values move between devices with a differentiable copy, so the outputs
+belong to one autograd graph and `loss.backward()` reaches every parameter of the model; remat
+regions recompute during that backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxpipe.errors import FxPipeError, PipelineRuntimeError
+from fxpipe.runtime.comm import LocalComm, MicrobatchComm
+from fxpipe.runtime.stage import StageModule
+from fxpipe.signature import Signature
+
+__all__ = ["LocalExecutor", "remat_enabled", "microbatch_seed", "seeded_forward"]
+
+_RNG_LOCK = threading.Lock()
+
+
+def remat_enabled(mode: str, microbatch: int, chunks: int) -> bool:
+    """Whether micro-batch `microbatch` recomputes its activations in backward."""
+    if mode in ("always", "auto"):
+        return True
+    if mode == "except_last":
+        return microbatch < chunks - 1
+    return False
+
+
+def microbatch_seed(base: int, stage: int, microbatch: int) -> int:
+    """Each (stage, micro-batch) draws from its own seed: the same masks whatever runs first."""
+    return (base * 1_000_003 + stage * 10_007 + microbatch) % (2**63 - 1)
+
+
+@contextlib.contextmanager
+def seeded_forward(base: int | None, stage: int, microbatch: int,
+                   device: torch.device) -> Iterator[None]:
+    """Runs a stage forward on its own RNG stream (when the stage draws random numbers)."""
+    if base is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with _RNG_LOCK, torch.random.fork_rng(devices=devices):
+        seed = microbatch_seed(base, stage, microbatch)
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        yield
+
+
+@dataclass
+class LocalStage:
+    module: StageModule
+    device: torch.device
+    inputs: tuple[int, ...]  # indexes into the flat tensor inputs
+    random: bool
+
+
+class LocalExecutor:
+    def __init__(self, stages: Sequence[LocalStage], signature: Signature, chunks: int,
+                 remat: str) -> None:
+        self.stages = list(stages)
+        self.signature = signature
+        self.chunks = chunks
+        self.remat = remat
+        devices = sorted({str(s.device) for s in self.stages})
+        self.workers = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxpipe-{d}")
+                        for d in devices}
+        self.workers_by_stage = [self.workers[str(s.device)] for s in self.stages]
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """Flat tensor inputs in, flat outputs (joined over micro-batches) out."""
+        micro = self.signature.split_inputs(tensors, self.chunks)
+        comm = LocalComm()
+        outputs: list[Any] = [None] * self.chunks
+        base = int(torch.randint(0, 2**62, (1,)).item()) if any(s.random for s in self.stages) \
+            else None
+        grad = torch.is_grad_enabled()
+        k, m = len(self.stages), self.chunks
+        for tick in range(m + k - 1):
+            tasks = [(s, tick - s) for s in range(k) if 0 <= tick - s < m]
+            futures = [(s, mb, self.workers_by_stage[s].submit(
+                self._task, comm, s, mb, micro[mb], base, grad)) for s, mb in tasks]
+            for s, mb, future in futures:
+                try:
+                    result = future.result()
+                except FxPipeError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - add the stage and micro-batch
+                    raise PipelineRuntimeError(
+                        f"stage {s} failed on micro-batch {mb}: {type(e).__name__}: {e}",
+                        hint="run the stage alone (program.stages[i]) to debug it") from e
+                if s == k - 1:
+                    outputs[mb] = result
+        return self.signature.join_outputs([list(o) for o in outputs])
+
+    def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
+              base: int | None, grad: bool) -> Any:
+        stage = self.stages[s]
+        view = MicrobatchComm(comm, s, mb, remat_enabled(self.remat, mb, self.chunks), stage.device)
+        args = [inputs[i].to(stage.device) for i in stage.inputs]
+        with torch.set_grad_enabled(grad), seeded_forward(base if stage.random else None, s, mb,
+                                                            stage.device):
+            return stage.module(view, *args)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.shutdown(wait=False)

@@ -1,0 +1,76 @@
+"""The base class of generated stage modules, and the checkpoint helper their remat regions use."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from fxpipe.errors import CodegenError
+from fxpipe.runtime.memory import active_tracker
+
+__all__ = ["StageModule", "checkpoint"]
+
+
+def checkpoint(region: Callable[..., Any], enabled: bool, *args: Any) -> Any:
+    """Runs a remat region, recomputing it in the backward pass when `enabled`.
+
+    Non-reentrant checkpointing with the RNG state preserved, so dropout inside the region draws
+    the same mask when it is recomputed.
+    """
+    if not enabled or not torch.is_grad_enabled():
+        return region(*args)
+    tracker = active_tracker()
+    if tracker is not None:
+        tracker.add_region_inputs(args)
+    return _torch_checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+class StageModule(nn.Module):
+    """A pipeline stage: binds the model's tensors to the attribute names its code uses.
+
+    Subclasses (generated) declare PARAMETERS / BUFFERS / MODULES as {attribute: qualified name
+    in the model}. Passing the model's own tensors shares them (gradients land in the model);
+    passing a loaded state dict gives the stage its own copies.
+    """
+
+    PARAMETERS: ClassVar[dict[str, str]] = {}
+    FROZEN: ClassVar[tuple[str, ...]] = ()
+    BUFFERS: ClassVar[dict[str, str]] = {}
+    MODULES: ClassVar[dict[str, str]] = {}
+    INPUTS: ClassVar[tuple[str, ...]] = ()
+    STAGE: ClassVar[int] = 0
+
+    def __init__(self, tensors: Mapping[str, Any], modules: Mapping[str, nn.Module] | None = None) -> None:
+        super().__init__()
+        missing = [q for q in [*self.PARAMETERS.values(), *self.BUFFERS.values()] if q not in tensors]
+        if missing:
+            raise CodegenError(f"stage {self.STAGE} needs tensors that were not given: {missing[:5]}",
+                               hint="pass the model's state_dict (original qualified names)")
+        for attr, qualname in self.PARAMETERS.items():
+            value = tensors[qualname]
+            if not isinstance(value, nn.Parameter):
+                value = nn.Parameter(value.detach(), requires_grad=attr not in self.FROZEN)
+            self.register_parameter(attr, value)
+        for attr, qualname in self.BUFFERS.items():
+            self.register_buffer(attr, tensors[qualname])
+        for attr, qualname in self.MODULES.items():
+            if modules is None or qualname not in modules:
+                raise CodegenError(
+                    f"stage {self.STAGE} calls module {qualname!r} as a leaf, which generated "
+                    "code cannot rebuild", hint="pass the model's modules, or capture without "
+                    "leaf_modules (method='export' inlines every module)")
+            self.add_module(attr, modules[qualname])
+
+    @classmethod
+    def qualified_names(cls) -> dict[str, str]:
+        return {**cls.PARAMETERS, **cls.BUFFERS}
+
+    def named_model_tensors(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers under the model's qualified names."""
+        out = {}
+        for attr, qualname in self.qualified_names().items():
+            out[qualname] = getattr(self, attr)
+        return out
