@@ -231,14 +231,25 @@ _RANDOM_MARKERS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uni
 
 
 def _is_random(gm: GraphModule) -> bool:
+    """Whether a stage draws random numbers (then each micro-batch gets its own RNG stream)."""
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method"):
-            name = str(node.target).lower()
-            if any(marker in name for marker in _RANDOM_MARKERS):
-                return True
         if node.op == "call_module":
             return True  # opaque: assume it may draw random numbers
+        if node.op in ("call_function", "call_method"):
+            name = str(node.target).lower()
+            if any(marker in name for marker in _RANDOM_MARKERS) and not _inactive_dropout(node):
+                return True
     return False
+
+
+def _inactive_dropout(node: Any) -> bool:
+    """dropout(x, p=0) or dropout in eval mode draws nothing."""
+    if "dropout" not in str(node.target).lower():
+        return False
+    args = list(node.args) + [None] * 4
+    p = node.kwargs.get("p", args[1])
+    training = node.kwargs.get("training", node.kwargs.get("train", args[2]))
+    return p == 0 or training is False
 
 
 def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,

@@ -28,3 +28,50 @@ def default_loss(output: Any, target: torch.Tensor | None = None) -> torch.Tenso
     if target.is_floating_point():
         return F.mse_loss(prediction, target)
     return F.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1))
+
+
+def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return default_loss(output, target.long())
+
+
+def _mse(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return default_loss(output, target.float())
+
+
+NAMED = {"default": default_loss, "cross_entropy": _cross_entropy, "mse": _mse}
+
+
+def loss_name(loss_fn: Any) -> str:
+    """How a written program refers to a loss: a name above, or "module:function"."""
+    if loss_fn is None:
+        return "default"
+    if isinstance(loss_fn, str):
+        resolve_loss(loss_fn)
+        return loss_fn
+    for name, fn in NAMED.items():
+        if fn is loss_fn:
+            return name
+    module, qualname = getattr(loss_fn, "__module__", None), getattr(loss_fn, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        from fxpipe.errors import ConfigError
+
+        raise ConfigError(f"loss_fn {loss_fn!r} cannot be imported by the written program",
+                          hint=f"pass one of {sorted(NAMED)} or a function defined at module "
+                               "level of an importable module")
+    return f"{module}:{qualname}"
+
+
+def resolve_loss(name: str) -> Any:
+    if name in NAMED:
+        return NAMED[name]
+    import importlib
+
+    from fxpipe.errors import ConfigError
+
+    module, _, qualname = name.partition(":")
+    if not qualname:
+        raise ConfigError(f"unknown loss {name!r}", hint=f"use one of {sorted(NAMED)} or module:function")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -76,6 +76,7 @@ class Program(nn.Module):
         built = build(self.model, args, kwargs, self.config,
                       agree=_broadcast_plan if distributed else None)
         self._built = built
+        self._example_flat = [t.detach() for t in built.signature.flatten_inputs(args, kwargs)]
         classes = [codegen.load_stage_class(s.source, f"<fxpipe stage {s.index}>", s.class_name)
                    for s in built.stages]
         tensors = _graph_tensors(built.captured)

@@ -463,8 +463,6 @@ def _probe(prob: _Problem, B: float) -> _Layers | None:
                 e = first - 1 + np.searchsorted(Q, lim, side="right")
             lo = np.maximum(I + 1, a2)
             hi = np.minimum(e, b2)
-            if not time_free:  # T(i, j) >= P[j] - P[i] + c[i]: shorter intervals, smaller table
-                hi = np.minimum(hi, np.searchsorted(P, B - g[I] + tslack, side="right") - 1)
             keep = lo <= hi
             if not keep.any():
                 return None

@@ -1,0 +1,195 @@
+"""What a written program.py runs: build this rank's stage from the files, train, verify."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import ConfigError, FxPipeError
+from fxpipe.losses import resolve_loss
+from fxpipe.runtime.distributed import DistributedExecutor, Mesh, stage_info
+from fxpipe.runtime.local import LocalExecutor, LocalStage
+from fxpipe.runtime.spec import ProgramSpec
+from fxpipe.runtime.stage import StageModule
+
+__all__ = ["main", "build_stage", "load_spec"]
+
+
+def load_spec(folder: Path) -> ProgramSpec:
+    with open(folder / "program.json", encoding="utf-8") as f:
+        return ProgramSpec.from_json(json.load(f))
+
+
+def _stage_class(folder: Path, spec: ProgramSpec, index: int) -> type[StageModule]:
+    stage = spec.stages[index]
+    module_spec = importlib.util.spec_from_file_location(f"fxpipe_stage_{index}", folder / stage.file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)  # the generated stage file written beside this one
+    return getattr(module, stage.class_name)
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "weights.pt", map_location="cpu", weights_only=True)
+
+
+def build_stage(folder: Path, index: int, weights: dict[str, torch.Tensor] | None = None) -> StageModule:
+    spec = load_spec(Path(folder))
+    return _stage_class(Path(folder), spec, index)(weights if weights is not None else _weights(Path(folder)))
+
+
+def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="program.py", description=f"Train the fxpipe pipeline of {spec.model}.")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    parser.add_argument("--lr", type=float, default=spec.lr, help=f"SGD learning rate ({spec.lr})")
+    parser.add_argument("--verify", action="store_true",
+                        help="check the losses against the plain model's (recorded at write time)")
+    parser.add_argument("--timeline", metavar="PATH",
+                        help="write a Chrome trace of the last step (open in Perfetto)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds a rank waits for a peer before giving up (default 60)")
+    return parser.parse_args(argv)
+
+
+def main(folder: Path, argv: list[str] | None = None) -> int:
+    folder = Path(folder)
+    spec = load_spec(folder)
+    args = _parse(list(argv if argv is not None else sys.argv[1:]), spec)
+    try:
+        return _run(folder, spec, args)
+    except FxPipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
+    batch = torch.load(folder / "batch.pt", map_location="cpu", weights_only=True)
+    inputs, target = batch["inputs"], batch["target"]
+    weights = _weights(folder)
+    loss_fn = resolve_loss(spec.loss)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        step, rank, params = _distributed(folder, spec, weights, args)
+    else:
+        step, rank, params = _local(folder, spec, weights)
+    optimizer = torch.optim.SGD(params, lr=args.lr)
+    losses = []
+    for i in range(args.steps):
+        loss = step(inputs, target, loss_fn)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss)
+        if rank == 0:
+            print(f"step {i} loss {loss:.6f}", flush=True)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return _verify(spec, losses, args.lr) if args.verify and rank == 0 else 0
+
+
+def _local(folder: Path, spec: ProgramSpec, weights: dict) -> tuple[Any, int, list]:
+    stages = []
+    for s in spec.stages:
+        module = _stage_class(folder, spec, s.index)(weights)
+        stages.append(LocalStage(module, torch.device("cpu"), s.inputs, s.random))
+    executor = LocalExecutor(stages, spec.signature, spec.chunks, spec.remat)
+    params = [p for st in stages for p in st.module.parameters()]
+    unique = list({id(p): p for p in params}.values())
+    _tie_local(stages, spec)
+
+    def step(inputs: list, target: Any, loss_fn: Any) -> float:
+        outputs = spec.signature.unflatten_outputs(executor.run(inputs))
+        loss = loss_fn(outputs, target) if target is not None else loss_fn(outputs)
+        loss.backward()
+        return float(loss.detach())
+
+    return step, 0, unique
+
+
+def _tie_local(stages: list, spec: ProgramSpec) -> None:
+    """Stages of one process share tied parameters: one Parameter object, as in the model."""
+    owner: dict[str, torch.nn.Parameter] = {}
+    for st in stages:
+        for attr, qualname in st.module.PARAMETERS.items():
+            if qualname in owner:
+                st.module._parameters[attr] = owner[qualname]
+            else:
+                owner[qualname] = getattr(st.module, attr)
+
+
+def _distributed(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[Any, int, list]:
+    from datetime import timedelta
+
+    from fxpipe.runtime.mesh import average_over_replicas, make_groups
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    world, rank, k = dist.get_world_size(), dist.get_rank(), len(spec.stages)
+    if world % k:
+        raise ConfigError(f"world size {world} is not a multiple of the number of stages ({k})",
+                          hint=f"run torchrun --nproc-per-node {k} (or a multiple of {k})")
+    mesh = Mesh(k, world // k, rank)
+    groups = make_groups(mesh, spec.shared)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" \
+        else torch.device("cpu")
+    stage = spec.stages[mesh.stage]
+    module = _stage_class(folder, spec, stage.index)(weights).to(device)
+    executor = DistributedExecutor(
+        module=module, mesh=mesh, signature=spec.signature, input_indexes=stage.inputs,
+        comm_info=stage_info(stage.recvs, stage.sends, stage.index), edges=spec.edges,
+        random=stage.random, device=device, pp_group=groups.pp, dp_group=groups.dp,
+        shared=spec.shared, shared_groups=groups.shared)
+
+    def step(inputs: list, target: Any, loss_fn: Any) -> float:
+        flat, tgt = inputs, target
+        if mesh.replicas > 1:
+            from fxpipe.program import _shard
+
+            flat, tgt = _shard(spec.signature, inputs, target, mesh)
+        result = executor.step(flat, tgt, loss_fn, chunks=spec.chunks, remat=spec.remat,
+                               schedule=spec.schedule)
+        if args.timeline:
+            _write_timeline(args.timeline, result.events, rank)
+        if mesh.replicas > 1:
+            return average_over_replicas(result.loss, groups.dp, mesh.replicas)
+        return result.loss
+
+    return step, rank, list(module.parameters())
+
+
+def _write_timeline(path: str, events: list, rank: int) -> None:
+    from fxpipe.runtime.timeline import write_chrome_trace
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, events)
+    if rank == 0:
+        merged = [e for evs in gathered for e in evs]
+        write_chrome_trace(path, {"measured": merged})
+
+
+def _verify(spec: ProgramSpec, losses: list[float], lr: float) -> int:
+    reference = spec.reference_losses
+    if not reference:
+        print("verify: no reference losses were recorded (write with reference_steps > 0)")
+        return 1
+    if not spec.deterministic:
+        print("verify: the model draws random numbers (dropout), so its losses cannot match the "
+              "plain model's exactly; compile it in eval mode or without dropout to verify")
+        return 1
+    if abs(lr - spec.lr) > 0:
+        print(f"verify: the reference was recorded with lr={spec.lr}; run with that lr")
+        return 1
+    n = min(len(reference), len(losses))
+    worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses[:n], reference[:n])),
+                default=0.0)
+    ok = worst <= 1e-4
+    print(f"verify: {'OK' if ok else 'MISMATCH'}: {n} steps against the plain model, largest "
+          f"relative loss difference {worst:.2e} (tolerance 1e-4)")
+    return 0 if ok else 1

@@ -1,0 +1,158 @@
+"""program.json: what a written program's launcher needs, as plain JSON (no pickles, no eval).
+
+Shapes are stored as integer polynomial coefficients in the micro-batch size b, dtypes by name,
+so reading the file back never executes anything it contains.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+
+from fxpipe import ir
+from fxpipe.errors import CheckpointError, CodegenError
+from fxpipe.signature import LeafSpec, Signature
+
+__all__ = ["StageSpec", "ProgramSpec", "value_to_json", "value_from_json", "signature_to_json",
+           "signature_from_json"]
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown dtype {name!r} in program.json",
+                              hint="write the program again with this fxpipe version") from None
+
+
+def _poly(expr: Any) -> list[int] | int | float:
+    expr = sympy.sympify(expr)
+    if not expr.free_symbols:
+        return int(expr) if expr.is_Integer else float(expr)
+    if expr.free_symbols != {ir.BATCH}:
+        raise CodegenError(f"size {expr} depends on more than the micro-batch size",
+                           hint="capture with static sizes apart from the batch dimension")
+    poly = sympy.Poly(expr, ir.BATCH)
+    coeffs = poly.all_coeffs()[::-1]  # constant first
+    if not all(c.is_Integer for c in coeffs):
+        raise CodegenError(f"size {expr} is not an integer polynomial in b",
+                           hint="use a batch size that every reshape divides")
+    return [int(c) for c in coeffs]
+
+
+def _unpoly(value: Any) -> sympy.Expr:
+    if isinstance(value, list):
+        return sympy.expand(sum(sympy.Integer(int(c)) * ir.BATCH**i for i, c in enumerate(value)))
+    return sympy.sympify(float(value)) if isinstance(value, float) else sympy.Integer(int(value))
+
+
+def value_to_json(info: Any) -> dict[str, Any]:
+    if isinstance(info, ir.TensorInfo):
+        return {"kind": "tensor", "shape": [_poly(d) for d in info.shape],
+                "dtype": str(info.dtype).removeprefix("torch."), "batch_dim": info.batch_dim,
+                "requires_grad": info.requires_grad}
+    if isinstance(info, tuple):
+        return {"kind": "tuple", "items": [value_to_json(i) for i in info]}
+    value = info.value
+    if isinstance(value, sympy.Expr):
+        return {"kind": "scalar", "value": _poly(value)}
+    if value is None or isinstance(value, (bool, int, float)):
+        return {"kind": "scalar", "value": value}
+    raise CodegenError(f"cannot describe a {type(value).__name__} crossing stages in JSON",
+                       hint="please report this model")
+
+
+def value_from_json(data: dict[str, Any]) -> Any:
+    kind = data["kind"]
+    if kind == "tensor":
+        return ir.TensorInfo(tuple(_unpoly(d) for d in data["shape"]), _dtype(data["dtype"]),
+                             data["batch_dim"], bool(data["requires_grad"]))
+    if kind == "tuple":
+        return tuple(value_from_json(i) for i in data["items"])
+    value = data["value"]
+    return ir.ScalarInfo(_unpoly(value) if isinstance(value, list) else value)
+
+
+def _json_constant(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return None  # not representable: the launcher feeds tensors only, constants are baked
+
+
+def signature_to_json(sig: Signature) -> dict[str, Any]:
+    try:
+        out_spec = pytree.treespec_dumps(sig.out_spec)
+    except Exception:  # noqa: BLE001 - custom containers (e.g. ModelOutput) may not serialise
+        out_spec = None
+    return {
+        "leaves": [{"name": l.name, "is_tensor": l.is_tensor,
+                    "dtype": str(l.dtype).removeprefix("torch.") if l.dtype else None,
+                    "shape": list(l.shape), "batch_dim": l.batch_dim,
+                    "constant": _json_constant(l.constant)} for l in sig.leaves],
+        "out_batch_dims": list(sig.out_batch_dims),
+        "out_is_tensor": list(sig.out_is_tensor),
+        "out_spec": out_spec,
+    }
+
+
+def signature_from_json(data: dict[str, Any]) -> Signature:
+    leaves = [LeafSpec(l["name"], l["is_tensor"], _dtype(l["dtype"]) if l["dtype"] else None,
+                       tuple(l["shape"]), l["batch_dim"], l["constant"]) for l in data["leaves"]]
+    n_out = len(data["out_is_tensor"])
+    out_spec = pytree.treespec_loads(data["out_spec"]) if data["out_spec"] else \
+        pytree.tree_flatten(tuple(range(n_out)))[1]
+    in_spec = pytree.tree_flatten((tuple(range(len(leaves))), {}))[1]
+    return Signature(in_spec, leaves, out_spec, data["out_batch_dims"], data["out_is_tensor"])
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    index: int
+    file: str
+    class_name: str
+    inputs: tuple[int, ...]
+    random: bool
+    recvs: tuple[ir.CommInfo, ...]
+    sends: tuple[ir.CommInfo, ...]
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    model: str
+    stages: tuple[StageSpec, ...]
+    chunks: int
+    remat: str
+    schedule: str
+    signature: Signature
+    shared: dict[str, list[int]]
+    edges: tuple[tuple[str, int, int], ...]
+    loss: str
+    lr: float
+    reference_losses: tuple[float, ...]
+    deterministic: bool
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> ProgramSpec:
+        def comm(c: dict[str, Any], kind: str) -> ir.CommInfo:
+            return ir.CommInfo(kind, c["peer"], c["tag"], value_from_json(c["value"]))
+
+        stages = tuple(StageSpec(s["index"], s["file"], s["class_name"], tuple(s["inputs"]),
+                                 s["random"], tuple(comm(c, "recv") for c in s["recvs"]),
+                                 tuple(comm(c, "send") for c in s["sends"]))
+                       for s in data["stages"])
+        return ProgramSpec(data["model"], stages, data["chunks"], data["remat"],
+                           data["schedule"], signature_from_json(data["signature"]),
+                           {k: list(v) for k, v in data["shared"].items()},
+                           tuple(tuple(e) for e in data["edges"]), data["loss"], data["lr"],
+                           tuple(data["reference_losses"]), data["deterministic"])
+
+
+def comm_to_json(c: ir.CommInfo) -> dict[str, Any]:
+    return {"peer": c.peer, "tag": c.tag, "value": value_to_json(c.value)}
