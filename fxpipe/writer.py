@@ -150,6 +150,7 @@ def write_program(program: Any, directory: str, *, loss_fn: Any, target: Any,
                                       stages=len(built.stages)),
         "program.json": json.dumps(spec, indent=2, sort_keys=True) + "\n",
         "report.txt": program.report().text() + "\n",
+        "report.json": program.report().json() + "\n",
     }
     for fname, text in files.items():
         path = os.path.join(directory, fname)

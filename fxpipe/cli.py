@@ -1,0 +1,253 @@
+"""The `fxpipe` command line: argparse over the public API.
+
+    fxpipe demo                                  compile the bundled GPT, write it, train on 2 processes
+    fxpipe compile MODULE:FACTORY [options]      print the partition report, write the program
+    fxpipe costs MODULE:FACTORY [options]        per-node cost table
+    fxpipe report DIR                            the report of a written program
+    fxpipe run DIR --nproc K [-- program args]   train a written program (torchrun)
+    fxpipe bench MODEL [options]                 fxpipe vs one process vs torch.distributed.pipelining
+    fxpipe bench-partition                       solver quality and speed against baselines
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import traceback
+from typing import Any
+
+from fxpipe.errors import ConfigError, FxPipeError
+
+__all__ = ["main", "load_factory"]
+
+
+def load_factory(spec: str, settings: list[str] | None = None) -> tuple[Any, tuple, dict, Any]:
+    """MODULE:FACTORY -> (model, example_inputs, example_kwargs, target)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"expected MODULE:FACTORY, got {spec!r}",
+                          hint="e.g. fxpipe.models.gpt:build (any importable callable returning "
+                               "(model, example_inputs))")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import module {module_name!r}: {e}",
+                          hint="check the spelling and that it is on PYTHONPATH") from e
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r}",
+                              hint=f"names it has: {sorted(n for n in dir(module) if not n.startswith('_'))[:10]}")
+    config = _settings(settings or [])
+    result = factory(**config)
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise ConfigError(f"{spec} returned {type(result).__name__}, not (model, example_inputs)",
+                          hint="return (model, example_inputs) or (model, inputs, kwargs)")
+    model, inputs = result[0], result[1]
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    kwargs = dict(result[2]) if len(result) == 3 else {}
+    if not kwargs and hasattr(module, "example_kwargs"):
+        kwargs = module.example_kwargs(inputs, **config)
+    target = module.target(inputs, **config) if hasattr(module, "target") else None
+    return model, inputs, kwargs, target
+
+
+def _settings(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}", hint="e.g. --set n_layer=8")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _chunks(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
+def _balance(value: str) -> Any:
+    return [int(x) for x in value.split(",")] if value[0].isdigit() else value
+
+
+def _add_compile_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs), e.g. "
+                                   "fxpipe.models.gpt:build")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the factory (JSON value), repeatable")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--chunks", type=_chunks, default=4, help="micro-batches, or 'auto'")
+    p.add_argument("--remat", default="except_last", help="never|always|except_last|auto")
+    p.add_argument("--balance", type=_balance, default="cost",
+                   help="cost|time|params or node counts like 20,21")
+    p.add_argument("--memory-limit", type=float, default=None, help="bytes per stage")
+    p.add_argument("--schedule", default="gpipe", help="gpipe|1f1b")
+    p.add_argument("--profile", default=None, help="device profile preset (a100, h100, ...)")
+
+
+def _compile(args: argparse.Namespace) -> tuple[Any, Any]:
+    import fxpipe
+
+    model, inputs, kwargs, target = load_factory(args.factory, args.set)
+    command = " ".join(["fxpipe compile", args.factory] + [f"--set {shlex.quote(s)}" for s in args.set]
+                       + [f"--stages {args.stages}", f"--chunks {args.chunks}",
+                          f"--remat {args.remat}"])
+    program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=args.stages,
+                             chunks=args.chunks, remat=args.remat, balance=args.balance,
+                             memory_limit=args.memory_limit, schedule=args.schedule,
+                             profile=args.profile, command=command)
+    return program, target
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    program, target = _compile(args)
+    print(program.report().text())
+    if args.out:
+        files = program.write(args.out, target=target)
+        print(f"\nwrote {len(files)} files to {args.out}/ (run: fxpipe run {args.out} "
+              f"--nproc {args.stages})")
+    return 0
+
+
+def cmd_costs(args: argparse.Namespace) -> int:
+    import fxpipe
+    from fxpipe import ir
+    from fxpipe.passes.cost import annotate_costs
+    from fxpipe.profile import get_profile
+    from fxpipe.report import cost_table
+
+    model, inputs, kwargs, _ = load_factory(args.factory, args.set)
+    gm = fxpipe.capture(model, inputs, kwargs, inline_modules=not args.modules)
+    annotate_costs(gm)
+    b = args.microbatch or gm.meta[ir.CAPTURE].batch_size
+    print(cost_table(gm, b=b, profile=get_profile(args.profile), sort=args.sort,
+                     by_module=args.by_module, top=args.top))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    path = os.path.join(args.dir, "report.json" if args.json else "report.txt")
+    if not os.path.exists(path):
+        raise ConfigError(f"{args.dir} has no {os.path.basename(path)}",
+                          hint="write a program first: fxpipe compile MODULE:FACTORY --out DIR")
+    with open(path, encoding="utf-8") as f:
+        print(f.read(), end="")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    program = os.path.join(args.dir, "program.py")
+    if not os.path.exists(program):
+        raise ConfigError(f"{args.dir} has no program.py",
+                          hint="write a program first: fxpipe compile MODULE:FACTORY --out DIR")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+               "--master-port", str(args.port), program, *args.program_args]
+    if args.nproc == 1:
+        command = [sys.executable, program, *args.program_args]
+    return subprocess.call(command)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fxpipe.demo import run_demo
+
+    return run_demo(args.out, nproc=2, steps=args.steps)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fxpipe.bench import run_bench
+
+    return run_bench(args)
+
+
+def cmd_bench_partition(args: argparse.Namespace) -> int:
+    from fxpipe.bench_partition import run_bench_partition
+
+    return run_bench_partition(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fxpipe", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.split("\n")[2:10]))
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    c = sub.add_parser("compile", help="partition a model, print the report, write the program")
+    _add_compile_options(c)
+    c.add_argument("--out", help="folder to write the program to")
+    c.set_defaults(func=cmd_compile)
+    k = sub.add_parser("costs", help="per-node cost table of a model")
+    k.add_argument("factory")
+    k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    k.add_argument("--microbatch", type=int, default=None, help="micro-batch size to evaluate at")
+    k.add_argument("--sort", choices=["time", "fwd_flops", "params", "saved"], default=None)
+    k.add_argument("--by-module", action="store_true", help="group rows by module")
+    k.add_argument("--modules", action="store_true", help="keep torch.nn modules as single nodes")
+    k.add_argument("--top", type=int, default=None)
+    k.add_argument("--profile", default="measure")
+    k.set_defaults(func=cmd_costs)
+    r = sub.add_parser("report", help="print the report of a written program")
+    r.add_argument("dir")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_report)
+    u = sub.add_parser("run", help="train a written program on local processes (torchrun)")
+    u.add_argument("dir")
+    u.add_argument("--nproc", type=int, required=True, help="processes: stages x replicas")
+    u.add_argument("--port", type=int, default=29500)
+    u.add_argument("program_args", nargs=argparse.REMAINDER,
+                   help="passed to program.py (e.g. --steps 5 --verify)")
+    u.set_defaults(func=cmd_run)
+    d = sub.add_parser("demo", help="compile the bundled GPT, write it, train it on 2 processes")
+    d.add_argument("--out", default="fxpipe-demo")
+    d.add_argument("--steps", type=int, default=3)
+    d.set_defaults(func=cmd_demo)
+    b = sub.add_parser("bench", help="step time against one process and torch pipelining")
+    _add_bench_options(b)
+    b.set_defaults(func=cmd_bench)
+    bp = sub.add_parser("bench-partition", help="partition quality and solve time")
+    bp.add_argument("--sizes", default="1000,10000,100000")
+    bp.add_argument("--stages", type=int, default=8)
+    bp.add_argument("--out", default=".")
+    bp.set_defaults(func=cmd_bench_partition)
+    return p
+
+
+def _add_bench_options(b: argparse.ArgumentParser) -> None:
+    b.add_argument("model", nargs="?", default="gpt", help="bundled model name or MODULE:FACTORY")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    b.add_argument("--stages", type=int, default=2)
+    b.add_argument("--chunks", type=int, default=8)
+    b.add_argument("--remat", default="never")
+    b.add_argument("--steps", type=int, default=5, help="measured steps per variant")
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--out", default=".")
+    b.add_argument("--plot", action="store_true", help="write a PNG Gantt chart (matplotlib)")
+    b.add_argument("--port", type=int, default=29511)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not getattr(args, "func", None):
+        parser().print_help()
+        return 2
+    try:
+        return args.func(args)
+    except FxPipeError as e:
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"fxpipe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""`fxpipe demo`: the main job end to end on the bundled GPT."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+__all__ = ["run_demo"]
+
+
+def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
+    """Compiles the bundled GPT into 2 stages, prints the report, writes the program to `out`,
+    trains it on `nproc` CPU processes and checks the loss against the plain model."""
+    import fxpipe
+    from fxpipe.models import gpt
+
+    config = {"dropout": 0.0}  # dropout off, so the pipeline's losses can equal the model's
+    model, inputs = gpt.build(**config)
+    target = gpt.target(inputs)
+    command = "fxpipe compile fxpipe.models.gpt:build --set dropout=0.0 --stages 2 --chunks 4"
+    print("compiling the bundled GPT into 2 stages x 4 micro-batches ...", flush=True)
+    program = fxpipe.compile(model, inputs, stages=2, chunks=4, command=command)
+    print(program.report().text(), flush=True)
+    files = program.write(out, target=target)
+    print(f"\nwrote {len(files)} files to {out}/: " + ", ".join(os.path.basename(f) for f in files))
+    timeline = os.path.join(out, "timeline.json")
+    print(f"\ntraining {steps} steps on {nproc} CPU processes (torchrun), verifying against the "
+          "plain model ...", flush=True)
+    code = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                            str(nproc), "--master-port", "29531",
+                            os.path.join(out, "program.py"), "--steps", str(steps), "--verify",
+                            "--timeline", timeline],
+                           env={**os.environ, "OMP_NUM_THREADS": "1",
+                                "TORCHELASTIC_ERROR_FILE": ""})
+    if code == 0:
+        print(f"\ntimeline (open in https://ui.perfetto.dev or chrome://tracing): {timeline}")
+        print(f"stage code: {out}/stage_0.py, {out}/stage_1.py; run again: fxpipe run {out} "
+              f"--nproc {nproc} --steps 5 --verify")
+    return code
