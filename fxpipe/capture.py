@@ -255,14 +255,23 @@ class _Tracer(fx.Tracer):
                 and m.momentum is not None and not self.is_leaf_module(m, self.path_of_module(m))):
             # _BatchNorm.forward checks the input rank with Python control flow; trace the
             # functional call it makes instead.
-            return super().call_module(m, lambda x: _batch_norm(m, x), args, kwargs)
+            path = self.path_of_module(m)
+            return super().call_module(m, lambda x: self._batch_norm(m, path, x), args, kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def _batch_norm(self, m: nn.modules.batchnorm._BatchNorm, path: str, x: Any) -> Any:
+        """What _BatchNorm.forward computes when momentum is set, without its input-rank check.
+
+        The counter increment is recorded explicitly: buffers read as attributes are not proxies,
+        so `m.num_batches_tracked.add_(1)` would run once at trace time instead of in the graph.
+        """
+        if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+            counter = self.create_proxy("get_attr", f"{path}.num_batches_tracked", (), {})
+            counter.add_(1)
+        return _batch_norm(m, x)
 
 
 def _batch_norm(m: nn.modules.batchnorm._BatchNorm, x: Any) -> Any:
-    """What _BatchNorm.forward computes when momentum is set, without its input-rank check."""
-    if m.training and m.track_running_stats and m.num_batches_tracked is not None:
-        m.num_batches_tracked.add_(1)
     use_batch_stats = m.training or (m.running_mean is None and m.running_var is None)
     keep_stats = not m.training or m.track_running_stats
     return torch.nn.functional.batch_norm(

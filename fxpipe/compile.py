@@ -22,6 +22,7 @@ from torch.fx import GraphModule
 from fxpipe import codegen, ir
 from fxpipe.capture import METHODS, capture
 from fxpipe.errors import ConfigError, PartitionError
+from fxpipe.passes.batchnorm import defer_batch_norm
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import BALANCE_MODES, PartitionPlan, partition
 from fxpipe.passes.remat import REMAT_MODES, RematRegion, mark_remat
@@ -47,6 +48,7 @@ class CompileConfig:
     schedule: str = "gpipe"
     profile: Any = None  # DeviceProfile, preset name, or None (measured)
     leaf_modules: tuple[Any, ...] = ()
+    deferred_batch_norm: bool = False
     command: str | None = None  # how to regenerate, shown in stage headers
 
 
@@ -142,6 +144,10 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: CompileConfig, *,
                  inline_modules=True)
     ir.verify(gm, after="capture")
     _snapshot(history, "capture", gm)
+    if config.deferred_batch_norm:
+        # Before costs and cuts: the rewritten op is what the stages will run.
+        defer_batch_norm(gm)
+        _snapshot(history, "defer_batch_norm", gm)
     # Costs are symbolic in the micro-batch size, so chunks can be chosen without re-tracing.
     annotate_costs(gm)
     ir.verify(gm, after="cost")
@@ -298,6 +304,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     schedule: str = "gpipe",
     profile: Any = None,
     leaf_modules: Sequence[Any] = (),
+    deferred_batch_norm: bool = False,
     command: str | None = None,
 ) -> Any:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
@@ -321,6 +328,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         schedule: "gpipe" (fill-drain) or "1f1b" (same bubble, fewer activations in flight).
         profile: a DeviceProfile, a preset name ("a100", "h100", ...), or None to measure.
         leaf_modules: modules to keep opaque when tracing.
+        deferred_batch_norm: update BatchNorm running statistics once per batch, from all its
+            micro-batches (equal to the plain model's), instead of once per micro-batch.
         command: the command that regenerates the program, shown in stage headers.
 
     Returns:
@@ -341,7 +350,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         memory_limit=memory_limit,
         devices=tuple(str(d) for d in devices) if devices is not None else None,
         capture=capture, schedule=schedule, profile=profile, leaf_modules=tuple(leaf_modules),
-        command=command)
+        deferred_batch_norm=deferred_batch_norm, command=command)
     check_config(config)
     program = Program(model, config)
     program.train(model.training)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from fxpipe import ir
 from fxpipe.errors import PipelineRuntimeError, RuntimeInputError
+from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import DistComm, MicrobatchComm, TagTable
 from fxpipe.runtime.local import remat_enabled, seeded_forward
 from fxpipe.runtime.memory import KeptMemory
@@ -114,6 +115,7 @@ class DistributedExecutor:
         memory = KeptMemory(self.module.parameters()) if self.record_memory else None
         base = int(torch.randint(0, 2**62, (1,)).item()) if self.random else None
         self.timeline.reset()
+        discard_batch_norms()
         losses: dict[int, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for action in get_schedule(schedule)(chunks, k)[stage]:
@@ -144,6 +146,7 @@ class DistributedExecutor:
                     f"stage {stage} (rank {self.mesh.rank}) failed in {action.kind}{mb}: "
                     f"{type(e).__name__}: {e}", hint="the other ranks stop when this one exits") from e
         comm.finish()
+        commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
         with self.timeline.span("reduce", stage, -1):
             self._reduce_gradients()
         if self.pp_group is not None or dist.is_initialized():

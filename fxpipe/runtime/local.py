@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fxpipe.errors import FxPipeError, PipelineRuntimeError
+from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import LocalComm, MicrobatchComm
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
@@ -79,6 +80,7 @@ class LocalExecutor:
     def run(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
         """Flat tensor inputs in, flat outputs (joined over micro-batches) out."""
         micro = self.signature.split_inputs(tensors, self.chunks)
+        discard_batch_norms()
         comm = LocalComm()
         outputs: list[Any] = [None] * self.chunks
         base = int(torch.randint(0, 2**62, (1,)).item()) if any(s.random for s in self.stages) \
@@ -100,6 +102,7 @@ class LocalExecutor:
                         hint="run the stage alone (program.stages[i]) to debug it") from e
                 if s == k - 1:
                     outputs[mb] = result
+        commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
         return self.signature.join_outputs([list(o) for o in outputs])
 
     def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
