@@ -115,11 +115,27 @@ class Cost:
     grad_param_bytes: sympy.Expr = field(default=sympy.Integer(0))  # params that need grads
     fwd_kernels: int = 0  # aten kernels launched by the forward (per-kernel overhead)
     bwd_kernels: int = 0
+    # What saved_bytes is made of, for per-stage accounting: bytes of buffers the node allocates
+    # and keeps itself, and the outputs of other nodes it keeps alive (producer name, bytes).
+    internal_saved_bytes: sympy.Expr = field(default=sympy.Integer(0))
+    saves: tuple[tuple[str, sympy.Expr], ...] = ()
 
     def at(self, b: int) -> dict[str, float]:
-        """All fields evaluated at micro-batch size `b`."""
-        return {name: evaluate(getattr(self, name), b) for name in self.__dataclass_fields__}
+        """The numeric fields evaluated at micro-batch size `b`."""
+        return {name: evaluate(getattr(self, name), b) for name in self.__dataclass_fields__
+                if name != "saves"}
 
+    fwd_kernels: int = 0  # aten kernels launched by the forward (per-kernel overhead)
+    bwd_kernels: int = 0
+    # What saved_bytes is made of, for per-stage accounting: bytes of buffers the node allocates
+    # and keeps itself, and the outputs of other nodes it keeps alive (producer name, bytes).
+    internal_saved_bytes: sympy.Expr = field(default=sympy.Integer(0))
+    saves: tuple[tuple[str, sympy.Expr], ...] = ()
+
+    def at(self, b: int) -> dict[str, float]:
+        """The numeric fields evaluated at micro-batch size `b`."""
+        return {name: evaluate(getattr(self, name), b) for name in self.__dataclass_fields__
+                if name != "saves"}
 
 @dataclass(frozen=True)
 class MeasuredTime:

@@ -146,6 +146,28 @@ class Program(nn.Module):
         flat = signature.flatten_inputs(args, kwargs)
         return signature.unflatten_outputs(self._local.run(flat))
 
+    def measure_activations(self, *args: Any, **kwargs: Any) -> list[dict[str, float]]:
+        """Activation bytes each stage keeps for backward at the peak of a GPipe step (after all
+        forwards), measured with saved-tensor hooks on a real forward, next to the prediction."""
+        from fxpipe.report import predicted_kept
+        from fxpipe.runtime.memory import KeptMemory
+
+        if self._built is None:
+            self.build(*args, **kwargs)
+        if self._local is None:
+            raise ConfigError("measure_activations runs every stage in this process",
+                              hint="call it on a program compiled outside torchrun")
+        trackers = [KeptMemory(module.parameters()) for module in self.stage_modules]
+        flat = self._built.signature.flatten_inputs(args, kwargs)
+        with torch.enable_grad():
+            outputs = self._local.run(flat, trackers)
+        del outputs  # frees the graph: this was a measurement, not a step
+        predicted = predicted_kept(self._built)
+        result = [{"stage": i, "measured_bytes": float(t.peak), "predicted_bytes": p}
+                  for i, (t, p) in enumerate(zip(trackers, predicted))]
+        self.measured["kept_activations"] = result
+        return result
+
     def step(self, *args: Any, target: torch.Tensor | None = None,
              loss_fn: Callable[..., torch.Tensor] | None = None, **kwargs: Any) -> float:
         """One training step (forward and backward of every micro-batch); returns the loss.

@@ -56,11 +56,22 @@ def _stage_nodes(graph: Any) -> list:
     return [n for n in ir.compute_nodes(graph.graph_module.graph) if ir.COST in n.meta]
 
 
+def _kept_by(nodes: Sequence[Any], b: int) -> float:
+    """Bytes a set of nodes keeps for backward: their own saved buffers, plus every value they
+    save once (a value received from another stage is a copy this stage keeps)."""
+    internal = sum(_at(ir.cost(n).internal_saved_bytes, b) for n in nodes)
+    values: dict[str, float] = {}
+    for n in nodes:
+        for producer, nbytes in ir.cost(n).saves:
+            values[producer] = _at(nbytes, b)
+    return internal + sum(values.values())
+
+
 def _stage_figures(graph: Any, regions: Sequence[Any], b: int) -> dict[str, float]:
     nodes = _stage_nodes(graph)
-    saved = sum(_at(ir.cost(n).saved_bytes, b) for n in nodes)
+    saved = _kept_by(nodes, b)
     in_region = {name for r in regions for name in r.nodes}
-    outside = sum(_at(ir.cost(n).saved_bytes, b) for n in nodes if n.name not in in_region)
+    outside = _kept_by([n for n in nodes if n.name not in in_region], b)
     kept = outside + sum(r.kept_bytes for r in regions)
     params = sum(p.numel() * p.element_size() for p in graph.graph_module.parameters())
     return {
@@ -185,6 +196,24 @@ class Report:
 
     def __str__(self) -> str:
         return self.text()
+
+
+def predicted_kept(built: Any) -> list[float]:
+    """Activation bytes each stage holds after all forwards of a GPipe step (its peak)."""
+    plan = built.plan
+    m, b = plan.chunks, plan.microbatch_size
+    out = []
+    for st in built.stages:
+        figures = _stage_figures(st.graph, st.regions, b)
+        saved, kept = figures["saved"], figures["kept_with_remat"]
+        remat = built.config.remat
+        if remat == "never" or not st.regions:
+            out.append(m * saved)
+        elif remat == "except_last":
+            out.append((m - 1) * kept + saved)
+        else:
+            out.append(m * kept)
+    return out
 
 
 def build_report(built: Any, model: str) -> Report:

@@ -145,6 +145,7 @@ class _CostRunner(Interpreter):
         self.owner: dict[int, tuple[Node, Any]] = {}  # storage -> (allocating node, nbytes)
         self.kept: set[int] = set()  # storages some node saves for backward
         self.internal: dict[Node, list[Any]] = {}
+        self.saves: dict[Node, dict[str, Any]] = {}  # saver -> {producer: bytes} it keeps alive
         self.raw: dict[Node, _NodeCost] = {}
         self.cache: dict[Any, _NodeCost] = {}
         self.cache_hits = 0
@@ -223,12 +224,16 @@ class _CostRunner(Interpreter):
                     self.owner[key] = (n, t.untyped_storage().nbytes())
 
     def _keep(self, key: int, by: Node, own: bool = False, out: Any = None) -> None:
-        if key in self.param_keys or key in self.kept:
+        if key in self.param_keys:
             return
         if own and key not in self.owner:
             self.owner[key] = (by, out.untyped_storage().nbytes())
         owner = self.owner.get(key)
         if owner is None or owner[0].op == "get_attr":
+            return
+        if owner[0].op not in ("placeholder", "get_attr") and owner[0] is not by:
+            self.saves.setdefault(by, {})[owner[0].name] = self._expr(owner[1])
+        if key in self.kept:
             return
         self.kept.add(key)
         if owner[0].op == "placeholder":  # a model input kept alive: charge its first saver
@@ -354,14 +359,16 @@ class _CostRunner(Interpreter):
         for node in ir.compute_nodes(graph):
             raw = self.raw[node]
             params, grad_params = self._param_bytes(node)
-            saved = sympy.expand(sympy.Add(*kept_by_owner.get(node, []),
-                                           *self.internal.get(node, [])))
+            internal = sympy.expand(sympy.Add(*self.internal.get(node, [])))
+            saved = sympy.expand(sympy.Add(*kept_by_owner.get(node, []), internal))
             info = node.meta.get(ir.TENSOR)
             cost = ir.Cost(
                 fwd_flops=raw.fwd_flops, bwd_flops=raw.bwd_flops, param_bytes=params,
                 output_bytes=_value_bytes(info), saved_bytes=saved, fwd_bytes=raw.fwd_bytes,
                 bwd_bytes=raw.bwd_bytes, grad_param_bytes=grad_params,
-                fwd_kernels=raw.fwd_kernels, bwd_kernels=raw.bwd_kernels)
+                fwd_kernels=raw.fwd_kernels, bwd_kernels=raw.bwd_kernels,
+                internal_saved_bytes=internal,
+                saves=tuple(sorted(self.saves.get(node, {}).items())))
             node.meta[ir.COST] = cost
             by_node[node.name] = cost
             totals["fwd"].append(cost.fwd_flops)

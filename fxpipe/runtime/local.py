@@ -77,8 +77,11 @@ class LocalExecutor:
                         for d in devices}
         self.workers_by_stage = [self.workers[str(s.device)] for s in self.stages]
 
-    def run(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
-        """Flat tensor inputs in, flat outputs (joined over micro-batches) out."""
+    def run(self, tensors: Sequence[torch.Tensor], trackers: Sequence[Any] | None = None) -> list[Any]:
+        """Flat tensor inputs in, flat outputs (joined over micro-batches) out.
+
+        trackers: one fxpipe.runtime.memory.KeptMemory per stage, to measure kept activations.
+        """
         micro = self.signature.split_inputs(tensors, self.chunks)
         discard_batch_norms()
         comm = LocalComm()
@@ -90,7 +93,8 @@ class LocalExecutor:
         for tick in range(m + k - 1):
             tasks = [(s, tick - s) for s in range(k) if 0 <= tick - s < m]
             futures = [(s, mb, self.workers_by_stage[s].submit(
-                self._task, comm, s, mb, micro[mb], base, grad)) for s, mb in tasks]
+                self._task, comm, s, mb, micro[mb], base, grad,
+                trackers[s] if trackers else None)) for s, mb in tasks]
             for s, mb, future in futures:
                 try:
                     result = future.result()
@@ -106,12 +110,13 @@ class LocalExecutor:
         return self.signature.join_outputs([list(o) for o in outputs])
 
     def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
-              base: int | None, grad: bool) -> Any:
+              base: int | None, grad: bool, tracker: Any) -> Any:
         stage = self.stages[s]
         view = MicrobatchComm(comm, s, mb, remat_enabled(self.remat, mb, self.chunks), stage.device)
         args = [inputs[i].to(stage.device) for i in stage.inputs]
         with torch.set_grad_enabled(grad), seeded_forward(base if stage.random else None, s, mb,
-                                                            stage.device):
+                                                            stage.device), \
+                (tracker.forward(mb) if tracker is not None else contextlib.nullcontext()):
             return stage.module(view, *args)
 
     def close(self) -> None:
