@@ -100,7 +100,7 @@ def _output_dims(full: list, first: list, second: list) -> tuple[int | None, ...
 def _allclose(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.is_floating_point():
         return bool(torch.equal(a, b))
-    scale = a.abs().max().item() if a.numel() else 0.0
+    scale = _finite_scale(a)
     return bool(torch.allclose(a, b, rtol=1e-3, atol=1e-5 + 1e-4 * scale, equal_nan=True))
 
 
@@ -173,3 +173,9 @@ def _try(model, args, kwargs, dims, full, out_spec, out_is_tensor, tensors) -> B
     if out_dims is None:
         return None
     return BatchLayout(dims, out_dims, out_is_tensor, out_spec, size)
+
+
+def _finite_scale(a: torch.Tensor) -> float:
+    """Largest finite magnitude (NaN and inf outputs are compared with equal_nan, not scaled)."""
+    finite = a.detach()[torch.isfinite(a.detach())]
+    return float(finite.abs().max()) if finite.numel() else 0.0

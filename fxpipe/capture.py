@@ -100,6 +100,7 @@ def capture(
                                          leaf_modules, inline_modules, args, kwargs)
         shapes.propagate_shapes(gm, tensors, signature.input_batch_dims)
     name_nodes_after_modules(gm)
+    gm.meta.setdefault(ir.QUALNAMES, {})
     gm.meta[ir.CAPTURE] = CaptureInfo(used, method, reason, model.training, signature,
                                       layout.batch_size, inline_modules)
     return gm
@@ -292,9 +293,47 @@ def _trace_fx(model, signature, leaves, leaf_modules, inline) -> fx.GraphModule:
             hint="use method='export' (or 'auto'), mark the submodule as a leaf with "
                  "leaf_modules=[...], or replace Python control flow on tensors with torch.where/torch.cond",
         ) from e
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    aliases = _alias_unsafe_targets(graph)
+    if aliases:
+        owner = {alias: _resolve_attr(root, qualname) for alias, qualname in aliases.items()}
+        for node in graph.nodes:
+            if node.op in ("get_attr", "call_module") and node.target not in owner:
+                owner[node.target] = _resolve_attr(root, node.target)
+        gm = fx.GraphModule(owner, graph, class_name=type(model).__name__)
+    else:
+        gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    gm.meta[ir.QUALNAMES] = aliases
     _set_signature_codegen(gm, signature)
     return gm
+
+
+def _safe_path(target: str) -> bool:
+    return all(part.isidentifier() and not keyword.iskeyword(part) and part.isascii()
+               for part in target.split("."))
+
+
+def _alias_unsafe_targets(graph: fx.Graph) -> dict[str, str]:
+    """Renames attributes whose qualified names are not plain identifiers (quotes, newlines,
+    keywords, unicode) to safe aliases, so that no generated code ever contains model text
+    outside a string literal; returns {alias: qualified name}."""
+    aliases: dict[str, str] = {}
+    by_target: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and not _safe_path(str(node.target)):
+            target = str(node.target)
+            if target not in by_target:
+                cleaned = re.sub(r"\W", "_", target.encode("ascii", "replace").decode())
+                by_target[target] = f"fxpipe_attr{len(by_target)}_{cleaned.strip('_')}"
+                aliases[by_target[target]] = target
+            node.target = by_target[target]
+    return aliases
+
+
+def _resolve_attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _export(model, signature, leaves, tensors, layout: BatchLayout) -> fx.GraphModule:
@@ -431,7 +470,7 @@ def _compare_with_eager(gm, model, args, kwargs, layout: BatchLayout) -> str | N
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.is_floating_point():
         return bool(torch.equal(a, b))
-    scale = a.detach().abs().max().item() if a.numel() else 0.0
+    scale = _finite_scale(a)
     return bool(torch.allclose(a.detach(), b.detach(), rtol=1e-4, atol=1e-5 + 1e-5 * scale,
                                equal_nan=True))
 
@@ -474,3 +513,9 @@ def _module_kind(gm: fx.GraphModule, node: fx.Node, path: str) -> str:
         return type(gm.get_submodule(path)).__name__.lower()
     except AttributeError:
         return "module"
+
+
+def _finite_scale(a: torch.Tensor) -> float:
+    """Largest finite magnitude (NaN and inf outputs are compared with equal_nan, not scaled)."""
+    finite = a.detach()[torch.isfinite(a.detach())]
+    return float(finite.abs().max()) if finite.numel() else 0.0

@@ -195,8 +195,13 @@ def _where(node: Node) -> str | None:
 
 # --- the file ---------------------------------------------------------------------------------
 
-def generate_stage(gm: GraphModule, header: StageHeader, *, class_name: str | None = None) -> str:
-    """The source text of one stage (see the module docstring)."""
+def generate_stage(gm: GraphModule, header: StageHeader, *, class_name: str | None = None,
+                   qualnames: dict[str, str] | None = None) -> str:
+    """The source text of one stage (see the module docstring).
+
+    qualnames maps graph attribute names to the model's names where they differ (aliases).
+    """
+    qualnames = qualnames or {}
     ctx = _Context(gm)
     taken: set[str] = set()
     attr_taken: set[str] = set()
@@ -204,17 +209,18 @@ def generate_stage(gm: GraphModule, header: StageHeader, *, class_name: str | No
     params, frozen, buffers, modules = {}, [], {}, {}
     for node in nodes:
         if node.op in ("get_attr", "call_module") and node.target not in ctx.attrs:
-            attr = identifier(str(node.target), attr_taken, attribute=True)
+            name = qualnames.get(str(node.target), str(node.target))
+            attr = identifier(name, attr_taken, attribute=True)
             ctx.attrs[node.target] = attr
             value = _attr(gm, str(node.target))
             if node.op == "call_module":
-                modules[attr] = str(node.target)
+                modules[attr] = name
             elif isinstance(value, nn.Parameter):
-                params[attr] = str(node.target)
+                params[attr] = name
                 if not value.requires_grad:
                     frozen.append(attr)
             elif isinstance(value, torch.Tensor):
-                buffers[attr] = str(node.target)
+                buffers[attr] = name
             else:
                 raise CodegenError(f"attribute {node.target!r} is a {type(value).__name__}, "
                                    "not a tensor", hint="please report this model")

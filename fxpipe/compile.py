@@ -268,7 +268,8 @@ def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
                 for n in ir.compute_nodes(info_graph.graph) if ir.COST in n.meta)
     header = stage_header(g, regions, plan, config, type(model).__name__, total)
     class_name = f"Stage{g.index}"
-    text = codegen.generate_stage(g.graph_module, header, class_name=class_name)
+    text = codegen.generate_stage(g.graph_module, header, class_name=class_name,
+                                  qualnames=info_graph.meta.get(ir.QUALNAMES, {}))
     names = [leaf.name for leaf in info.signature.tensor_leaves]
     indexes = tuple(names.index(n) for n in g.inputs)
     return BuiltStage(g.index, g.graph_module, text, class_name, regions, g,

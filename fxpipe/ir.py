@@ -26,7 +26,7 @@ from torch.fx import Graph, GraphModule, Node
 from fxpipe.errors import InvariantError, MissingMetaError
 
 __all__ = [
-    "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "BATCH",
+    "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "QUALNAMES", "BATCH", "qualname",
     "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "MeasuredTime", "CommInfo",
     "value_info", "tensor_info", "cost", "measured_time", "stage", "comm", "remat_region",
     "is_comm", "compute_nodes", "module_path", "format_shape", "dtype_abbr", "evaluate",
@@ -40,6 +40,12 @@ STAGE = "fxpipe.stage"
 COMM = "fxpipe.comm"
 REMAT = "fxpipe.remat"
 CAPTURE = "fxpipe.capture"  # GraphModule.meta: CaptureInfo written by fxpipe.capture
+QUALNAMES = "fxpipe.qualnames"  # GraphModule.meta: {attribute alias: model qualified name}
+
+
+def qualname(gm: GraphModule, target: str) -> str:
+    """The model's name for a graph attribute (unsafe names are aliased in the graph)."""
+    return gm.meta.get(QUALNAMES, {}).get(target, target)
 
 BATCH = sympy.Symbol("b", positive=True, integer=True)
 """The micro-batch size: every shape, byte count and FLOP count is a polynomial in it."""

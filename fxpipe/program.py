@@ -80,7 +80,7 @@ class Program(nn.Module):
         classes = [codegen.load_stage_class(s.source, f"<fxpipe stage {s.index}>", s.class_name)
                    for s in built.stages]
         tensors = _graph_tensors(built.captured)
-        modules = dict(built.captured.named_modules())
+        modules = {ir.qualname(built.captured, k): v for k, v in built.captured.named_modules()}
         self.stage_modules = nn.ModuleList()
         self._stage_views = []
         if mesh is None:
@@ -298,11 +298,13 @@ class Program(nn.Module):
 
 
 def _graph_tensors(gm: GraphModule) -> dict[str, Any]:
+    """The graph's parameters, buffers and constants by the model's qualified names."""
     out: dict[str, Any] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             owner, _, name = str(node.target).rpartition(".")
-            out[node.target] = getattr(gm.get_submodule(owner) if owner else gm, name)
+            out[ir.qualname(gm, node.target)] = getattr(
+                gm.get_submodule(owner) if owner else gm, name)
     return out
 
 

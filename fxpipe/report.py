@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 from fxpipe import ir
 from fxpipe.codegen import StageHeader
 from fxpipe.passes.cost import estimate_time
+from fxpipe.passes.remat import kept_bytes
 from fxpipe.profile import DeviceProfile
 from fxpipe.runtime.schedule import bubble_fraction, get_schedule, render_grid
 
@@ -56,22 +57,11 @@ def _stage_nodes(graph: Any) -> list:
     return [n for n in ir.compute_nodes(graph.graph_module.graph) if ir.COST in n.meta]
 
 
-def _kept_by(nodes: Sequence[Any], b: int) -> float:
-    """Bytes a set of nodes keeps for backward: their own saved buffers, plus every value they
-    save once (a value received from another stage is a copy this stage keeps)."""
-    internal = sum(_at(ir.cost(n).internal_saved_bytes, b) for n in nodes)
-    values: dict[str, float] = {}
-    for n in nodes:
-        for producer, nbytes in ir.cost(n).saves:
-            values[producer] = _at(nbytes, b)
-    return internal + sum(values.values())
-
-
 def _stage_figures(graph: Any, regions: Sequence[Any], b: int) -> dict[str, float]:
     nodes = _stage_nodes(graph)
-    saved = _kept_by(nodes, b)
+    saved = kept_bytes(nodes, b)
     in_region = {name for r in regions for name in r.nodes}
-    outside = _kept_by([n for n in nodes if n.name not in in_region], b)
+    outside = kept_bytes([n for n in nodes if n.name not in in_region], b)
     kept = outside + sum(r.kept_bytes for r in regions)
     params = sum(p.numel() * p.element_size() for p in graph.graph_module.parameters())
     return {

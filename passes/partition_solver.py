@@ -1,27 +1,22 @@
 """Exact bottleneck-optimal cutting of a chain of atoms into K contiguous pipeline stages.
 
-Objective: atoms 0..n-1 (a fixed topological order) are cut at positions
-0 = c_0 < c_1 < ... < c_K = n into exactly K non-empty stages.  Stage s holds atoms
-[c_s, c_{s+1}) and takes ``T(i, j) = sum(compute[i:j]) + cut_comm[i] + cut_comm[j]``
-(``cut_comm[0]`` and ``cut_comm[n]`` count as 0: they are the model's own ends).  We minimise the
-bottleneck ``max_s T(c_s, c_{s+1})``, optionally subject to a per-stage memory limit
-``Mem(s, i, j) = sum(mem_fixed[i:j]) + inflight[s] * (sum(mem_act[i:j]) + cut_mem[i]) <= limit``;
-among (numerically) optimal partitions the one with the least interior communication wins.
+Objective: cut atoms 0..n-1 (fixed topological order) at 0 = c_0 < ... < c_K = n into exactly K
+non-empty stages minimising the slowest stage time T(i, j) = sum(compute[i:j]) + cut_comm[i] +
+cut_comm[j] (cut_comm[0] and cut_comm[n] count as 0), optionally with every stage's
+Mem(s, i, j) = sum(mem_fixed[i:j]) + inflight[s] * (sum(mem_act[i:j]) + cut_mem[i]) <= limit;
+ties go to the least interior communication.
 
-Algorithm: bisection on the bottleneck B with an exact feasibility probe, "is there a partition
-into exactly K stages with every T <= B and every Mem <= limit?", answered by layered
-reachability over cut positions.  With prefix sums P, ``T(i, j) <= B`` iff ``g[i] <= h[j]`` where
-``g[i] = c[i] - P[i]`` and ``h[j] = B - c[j] - P[j]``; layer s+1 holds the positions j reachable
-from some reached i < j of layer s.  Without a memory limit that is a prefix minimum of g
-(``np.minimum.accumulate``); with one, the j allowed by memory for a given i form an interval
-(i, e_i] (``np.searchsorted`` on a non-decreasing prefix), and layer s+1 is an interval-stabbing
-minimum computed top-down on a power-of-two sparse table.  Each layer is restricted to a window of
-positions that can still be reached from 0 and can still reach n within B, which near the optimum
-is a thin band, so a probe costs far less than O(n K).  Every feasible probe is walked back into
-concrete cuts whose exact bottleneck tightens the upper end of the bisection.  Finally a
-min-plus pass over the last probe's layers picks, among partitions no worse than the best found,
-the one with the least interior ``cut_comm`` (skipped, deterministically, when the layers are too
-wide).  All reported times and memories are recomputed exactly (``math.fsum``) from the cuts.
+Algorithm: bisection on the bottleneck B with an exact probe "is there a K-stage partition with
+every T <= B and Mem <= limit?", answered by layered reachability over cut positions.  With
+prefix sums P, T(i, j) <= B iff g[i] = c[i] - P[i] <= h[j] = B - c[j] - P[j], so a layer is a
+prefix minimum of g (np.minimum.accumulate); under a memory limit the j allowed after i form an
+interval (i, e_i] (np.searchsorted on a non-decreasing prefix, cached per layer) and a layer is an
+interval-stabbing minimum on a top-down power-of-two table.  Layers are restricted to windows of
+positions still reachable from 0 and still able to reach n, a thin band near the optimum; each
+feasible probe is walked back into cuts whose exact bottleneck tightens the bracket, and a
+min-plus pass over the final layers picks the least-communication partition (skipped when the
+layers are too wide).  Reported costs are recomputed exactly (math.fsum) from the cuts; a stage
+fits the memory limit up to a 1e-12 relative slack that absorbs prefix-sum rounding.
 """
 from __future__ import annotations
 
@@ -64,7 +59,7 @@ class Partition:
     """K contiguous stages: the cut positions and their exact costs."""
 
     cuts: tuple[int, ...]
-    """K+1 positions, ``cuts[0] == 0``, ``cuts[-1] == n``; stage s holds ``[cuts[s], cuts[s+1])``."""
+    """K+1 positions, ``cuts[0] == 0``, ``cuts[-1] == n``; stage s is ``[cuts[s], cuts[s+1])``."""
     bottleneck: float
     """The largest stage time, computed exactly from the cuts."""
     stage_times: tuple[float, ...]
@@ -149,7 +144,8 @@ def _vector(
         i = int(bad[0])
         kind = "NaN" if math.isnan(arr[i]) else "infinite"
         raise PartitionError(
-            f"{name}[{i}] is {kind} ({arr[i]!r})", hint=f"every {name} entry must be a finite number"
+            f"{name}[{i}] is {kind} ({arr[i]!r})",
+            hint=f"every {name} entry must be a finite number",
         )
     bad = np.flatnonzero(arr <= 0) if positive else np.flatnonzero(arr < 0)
     if bad.size:
@@ -503,8 +499,8 @@ def _probe(prob: _Problem, B: float) -> _Layers | None:
 def _valid_from(
     prob: _Problem, B: float, s: int, cand: np.ndarray, j: int
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Which candidate starts i (of layer s) may precede cut j, with the same arithmetic as the probe;
-    also the prefix-sum stage memory when a limit is enforced."""
+    """Which candidate starts i (of layer s) may precede cut j, with the probe's arithmetic; also
+    the prefix-sum stage memory when a limit is enforced."""
     ok = prob.g[cand] <= B - prob.cP[j]
     mem = None
     if prob.limit is not None:

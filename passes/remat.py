@@ -23,7 +23,8 @@ from torch.fx import GraphModule, Node
 from fxpipe import ir
 from fxpipe.errors import ConfigError
 
-__all__ = ["mark_remat", "RematRegion", "select_regions", "is_mutating", "REMAT_MODES"]
+__all__ = ["mark_remat", "RematRegion", "select_regions", "is_mutating", "kept_bytes",
+           "REMAT_MODES"]
 
 REMAT_MODES = ("never", "always", "except_last", "auto")
 
@@ -70,9 +71,18 @@ def _runs(gm: GraphModule) -> list[list[Node]]:
     return [r for r in runs if any(ir.cost(n).fwd_kernels for n in r if ir.COST in n.meta)]
 
 
+def kept_bytes(nodes: Sequence[Node], b: int) -> float:
+    """Bytes a set of nodes keeps for backward: the buffers they allocate and keep, plus every
+    value they save, once (a value received from another stage is a copy this stage keeps)."""
+    costs = [ir.cost(n) for n in nodes if ir.COST in n.meta]
+    internal = sum(float(ir.evaluate(c.internal_saved_bytes, b)) for c in costs)
+    values = {producer: float(ir.evaluate(nbytes, b)) for c in costs for producer, nbytes in c.saves}
+    return internal + sum(values.values())
+
+
 def _region_stats(nodes: Sequence[Node], b: int) -> tuple[float, float, float]:
     inside = set(nodes)
-    saved = sum(float(ir.evaluate(ir.cost(n).saved_bytes, b)) for n in nodes if ir.COST in n.meta)
+    saved = kept_bytes(nodes, b)
     flops = sum(float(ir.evaluate(ir.cost(n).fwd_flops, b)) for n in nodes if ir.COST in n.meta)
     inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside and a.op != "get_attr"}
     kept = 0.0
