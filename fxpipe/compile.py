@@ -49,6 +49,7 @@ class CompileConfig:
     profile: Any = None  # DeviceProfile, preset name, or None (measured)
     leaf_modules: tuple[Any, ...] = ()
     deferred_batch_norm: bool = False
+    check_finite: bool = False
     command: str | None = None  # how to regenerate, shown in stage headers
 
 
@@ -306,6 +307,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     profile: Any = None,
     leaf_modules: Sequence[Any] = (),
     deferred_batch_norm: bool = False,
+    check_finite: bool = False,
     command: str | None = None,
 ) -> Any:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
@@ -331,6 +333,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         leaf_modules: modules to keep opaque when tracing.
         deferred_batch_norm: update BatchNorm running statistics once per batch, from all its
             micro-batches (equal to the plain model's), instead of once per micro-batch.
+        check_finite: after every stage forward, check for NaN/Inf and name the stage,
+            micro-batch and node where they first appear.
         command: the command that regenerates the program, shown in stage headers.
 
     Returns:
@@ -351,7 +355,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         memory_limit=memory_limit,
         devices=tuple(str(d) for d in devices) if devices is not None else None,
         capture=capture, schedule=schedule, profile=profile, leaf_modules=tuple(leaf_modules),
-        deferred_batch_norm=deferred_batch_norm, command=command)
+        deferred_batch_norm=deferred_batch_norm, check_finite=check_finite, command=command)
     check_config(config)
     program = Program(model, config)
     program.train(model.training)

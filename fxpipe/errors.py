@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "RuntimeInputError",
     "PipelineRuntimeError",
+    "PeerLostError",
     "NotBuiltError",
     "MissingMetaError",
     "InvariantError",
@@ -60,6 +61,10 @@ class RuntimeInputError(FxPipeError, ValueError):
 
 class PipelineRuntimeError(FxPipeError, RuntimeError):
     """A stage failed while the pipeline ran (names the stage and micro-batch)."""
+
+
+class PeerLostError(PipelineRuntimeError):
+    """Communication with another stage failed: it raised, died, or timed out."""
 
 
 class NotBuiltError(FxPipeError, RuntimeError):

@@ -90,9 +90,11 @@ class Program(nn.Module):
                 module = cls(tensors, modules)
                 _place(module, device)
                 self.stage_modules.append(module)
-                local.append(LocalStage(module, device, st.input_indexes, st.random))
+                local.append(LocalStage(module, device, st.input_indexes, st.random,
+                                        st.graph_module))
                 self._stage_views.append(Stage(st.index, st.graph_module, st.source, module, st))
-            self._local = LocalExecutor(local, built.signature, built.plan.chunks, self.config.remat)
+            self._local = LocalExecutor(local, built.signature, built.plan.chunks, self.config.remat,
+                                        check_finite=self.config.check_finite)
         else:
             self._setup_distributed(built, classes, tensors, modules, mesh)
         return self
@@ -122,7 +124,8 @@ class Program(nn.Module):
             module=module, mesh=mesh, signature=built.signature, input_indexes=st.input_indexes,
             comm_info=stage_info(st.graph.recvs, st.graph.sends, st.index), edges=built.edges,
             random=st.random, device=device, pp_group=groups.pp, dp_group=groups.dp,
-            shared=built.shared, shared_groups=groups.shared)
+            shared=built.shared, shared_groups=groups.shared,
+            check_finite=self.config.check_finite, graph=st.graph_module)
 
     def _require_built(self, what: str) -> Built:
         if self._built is None:

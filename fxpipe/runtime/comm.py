@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxpipe import ir
-from fxpipe.errors import PipelineRuntimeError
+from fxpipe.errors import PeerLostError, PipelineRuntimeError
 
 __all__ = ["LocalComm", "DistComm", "MicrobatchComm", "TagTable"]
 
@@ -44,11 +44,16 @@ class MicrobatchComm:
     microbatch: int
     remat: bool
     device: torch.device
+    received: dict[str, Any] = field(default_factory=dict)  # for the NaN/Inf check
+    sent: dict[str, Any] = field(default_factory=dict)
 
     def recv(self, tag: str, src: int) -> Any:
-        return self.base.recv(tag, src, self.stage, self.microbatch, self.device)
+        value = self.base.recv(tag, src, self.stage, self.microbatch, self.device)
+        self.received[tag] = value
+        return value
 
     def send(self, value: Any, tag: str, dst: int) -> None:
+        self.sent[tag] = value
         self.base.send(value, tag, self.stage, dst, self.microbatch)
 
 
@@ -140,10 +145,10 @@ class DistComm:
     def _recv_leaf(self, info: ir.ValueInfo, rank: int, number: int, device: torch.device) -> Any:
         if isinstance(info, ir.TensorInfo):
             buffer = torch.empty(info.concrete_shape(self.b), dtype=info.dtype, device=device)
-            dist.recv(buffer, src=rank, group=self.group, tag=number)
+            _recv(buffer, rank, self.group, number)
             return buffer.requires_grad_(_needs_grad(info) and torch.is_grad_enabled())
         buffer = torch.empty(1, dtype=torch.float64, device=device)
-        dist.recv(buffer, src=rank, group=self.group, tag=number)
+        _recv(buffer, rank, self.group, number)
         value = buffer.item()
         return int(value) if float(value).is_integer() and not isinstance(info.value, float) else value
 
@@ -157,8 +162,8 @@ class DistComm:
                     data = leaf.detach().contiguous()
                 else:
                     data = torch.tensor([float(leaf)], dtype=torch.float64, device=self._device(value))
-                self.pending.append((dist.isend(data, dst=self.rank_of_stage[dst],
-                                                group=self.group, tag=number), data))
+                self.pending.append((_isend(data, self.rank_of_stage[dst], self.group, number),
+                                     data))
                 if _needs_grad(leaf_info):
                     record.sent.append((leaf, tag, dst, k))
 
@@ -180,7 +185,7 @@ class DistComm:
             number = self.tags.tag(tag, stage, dst, mb, backward=True, element=k)
             grad = torch.empty_like(value, requires_grad=False)
             with self._event("recv_grad", stage, mb, tag):
-                dist.recv(grad, src=self.rank_of_stage[dst], group=self.group, tag=number)
+                _recv(grad, self.rank_of_stage[dst], self.group, number)
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 tensors.append(value)
                 grads.append(grad)
@@ -191,13 +196,17 @@ class DistComm:
             number = self.tags.tag(tag, src, stage, mb, backward=True, element=k)
             data = grad.detach().contiguous()
             with self._event("send_grad", stage, mb, tag):
-                self.pending.append((dist.isend(data, dst=self.rank_of_stage[src],
-                                                group=self.group, tag=number), data))
+                self.pending.append((_isend(data, self.rank_of_stage[src], self.group, number),
+                                     data))
 
     def finish(self) -> None:
         """Waits for every outstanding send of the step."""
         for work, _ in self.pending:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise PeerLostError(f"a send to another stage failed: {e}",
+                                    hint="another rank failed or exited; its error says why") from e
         self.pending.clear()
         self.records.clear()
 
@@ -205,6 +214,22 @@ class DistComm:
         if self.timeline is None:
             return _NULL
         return self.timeline.span(kind, stage, mb, detail=tag)
+
+
+def _recv(buffer: torch.Tensor, rank: int, group: Any, tag: int) -> None:
+    try:
+        dist.recv(buffer, src=rank, group=group, tag=tag)
+    except RuntimeError as e:
+        raise PeerLostError(f"receiving from rank {rank} failed: {str(e).splitlines()[0]}",
+                            hint="another rank failed, exited or timed out; its error says why") from e
+
+
+def _isend(data: torch.Tensor, rank: int, group: Any, tag: int) -> Any:
+    try:
+        return dist.isend(data, dst=rank, group=group, tag=tag)
+    except RuntimeError as e:
+        raise PeerLostError(f"sending to rank {rank} failed: {str(e).splitlines()[0]}",
+                            hint="another rank failed, exited or timed out; its error says why") from e
 
 
 def _rebuild(info: ir.ValueInfo, values: Any) -> Any:

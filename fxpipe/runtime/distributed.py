@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from fxpipe import ir
-from fxpipe.errors import PipelineRuntimeError, RuntimeInputError
+from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import DistComm, MicrobatchComm, TagTable
+from fxpipe.runtime.finite import check_finite
 from fxpipe.runtime.local import remat_enabled, seeded_forward
 from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.schedule import get_schedule
@@ -79,7 +80,7 @@ class DistributedExecutor:
                  input_indexes: Sequence[int], comm_info: dict[tuple[str, int, int], Any],
                  edges: Sequence[tuple[str, int, int]], random: bool, device: torch.device, pp_group: Any = None,
                  shared: dict[str, list[int]] | None = None, shared_groups: dict | None = None,
-                 dp_group: Any = None) -> None:
+                 dp_group: Any = None, check_finite: bool = False, graph: Any = None) -> None:
         self.module = module
         self.mesh = mesh
         self.signature = signature
@@ -92,6 +93,8 @@ class DistributedExecutor:
         self.dp_group = dp_group
         self.shared = shared or {}
         self.shared_groups = shared_groups or {}
+        self.check_finite = check_finite
+        self.graph = graph  # the stage GraphModule when known (names the node of a NaN/Inf)
         self.timeline = Timeline()
         self.record_memory = False
 
@@ -129,6 +132,9 @@ class DistributedExecutor:
                             seeded_forward(base, stage, mb, self.device), \
                             (memory.forward(mb) if memory else _nothing()):
                         out = self.module(view, *args)
+                        if self.check_finite:
+                            check_finite(stage, mb, view.sent, out if self.is_last else None,
+                                         view.received, args, self.graph)
                         if self.is_last:
                             # equal micro-batches: weight 1/M makes the sum the batch mean
                             loss = self._loss(out, targets[mb], loss_fn) / chunks
@@ -147,10 +153,14 @@ class DistributedExecutor:
                     f"{type(e).__name__}: {e}", hint="the other ranks stop when this one exits") from e
         comm.finish()
         commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
-        with self.timeline.span("reduce", stage, -1):
-            self._reduce_gradients()
-        if self.pp_group is not None or dist.is_initialized():
+        try:
+            with self.timeline.span("reduce", stage, -1):
+                self._reduce_gradients()
             dist.broadcast(total, src=self.mesh.rank_of(k - 1), group=self.pp_group)
+        except RuntimeError as e:
+            raise PeerLostError(f"stage {stage} (rank {self.mesh.rank}): a collective with the "
+                                f"other ranks failed: {str(e).splitlines()[0]}",
+                                hint="another rank failed or exited; its error says why") from e
         return StepResult(float(total.item()), list(self.timeline.events),
                           memory.peak if memory else 0)
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import ConfigError, FxPipeError
+from fxpipe.errors import ConfigError, FxPipeError, PeerLostError
 from fxpipe.losses import resolve_loss
 from fxpipe.runtime.distributed import DistributedExecutor, Mesh, stage_info
 from fxpipe.runtime.local import LocalExecutor, LocalStage
@@ -53,6 +53,8 @@ def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
                         help="check the losses against the plain model's (recorded at write time)")
     parser.add_argument("--timeline", metavar="PATH",
                         help="write a Chrome trace of the last step (open in Perfetto)")
+    parser.add_argument("--check-finite", action="store_true",
+                        help="stop with the stage and value where NaN/Inf first appear")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds a rank waits for a peer before giving up (default 60)")
     return parser.parse_args(argv)
@@ -64,8 +66,13 @@ def main(folder: Path, argv: list[str] | None = None) -> int:
     args = _parse(list(argv if argv is not None else sys.argv[1:]), spec)
     try:
         return _run(folder, spec, args)
+    except PeerLostError as e:
+        # Not this rank's fault: the rank that failed prints the error; say why we stop.
+        print(f"rank {os.environ.get('RANK', '?')}: stopping, another rank failed or exited "
+              f"({e.message})", file=sys.stderr)
+        return 1
     except FxPipeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"rank {os.environ.get('RANK', 0)}: error: {e}", file=sys.stderr)
         return 2
 
 
@@ -78,7 +85,7 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     if distributed:
         step, rank, params = _distributed(folder, spec, weights, args)
     else:
-        step, rank, params = _local(folder, spec, weights)
+        step, rank, params = _local(folder, spec, weights, args)
     optimizer = torch.optim.SGD(params, lr=args.lr)
     losses = []
     for i in range(args.steps):
@@ -94,12 +101,13 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     return _verify(spec, losses, args.lr) if args.verify and rank == 0 else 0
 
 
-def _local(folder: Path, spec: ProgramSpec, weights: dict) -> tuple[Any, int, list]:
+def _local(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[Any, int, list]:
     stages = []
     for s in spec.stages:
         module = _stage_class(folder, spec, s.index)(weights)
         stages.append(LocalStage(module, torch.device("cpu"), s.inputs, s.random))
-    executor = LocalExecutor(stages, spec.signature, spec.chunks, spec.remat)
+    executor = LocalExecutor(stages, spec.signature, spec.chunks, spec.remat,
+                             check_finite=args.check_finite)
     params = [p for st in stages for p in st.module.parameters()]
     unique = list({id(p): p for p in params}.values())
     _tie_local(stages, spec)
@@ -145,7 +153,7 @@ def _distributed(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> t
         module=module, mesh=mesh, signature=spec.signature, input_indexes=stage.inputs,
         comm_info=stage_info(stage.recvs, stage.sends, stage.index), edges=spec.edges,
         random=stage.random, device=device, pp_group=groups.pp, dp_group=groups.dp,
-        shared=spec.shared, shared_groups=groups.shared)
+        shared=spec.shared, shared_groups=groups.shared, check_finite=args.check_finite)
 
     def step(inputs: list, target: Any, loss_fn: Any) -> float:
         flat, tgt = inputs, target

@@ -19,6 +19,7 @@ import torch
 from fxpipe.errors import FxPipeError, PipelineRuntimeError
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import LocalComm, MicrobatchComm
+from fxpipe.runtime.finite import check_finite
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
@@ -63,12 +64,14 @@ class LocalStage:
     device: torch.device
     inputs: tuple[int, ...]  # indexes into the flat tensor inputs
     random: bool
+    graph: Any = None  # the stage GraphModule, to name the node of a NaN/Inf
 
 
 class LocalExecutor:
     def __init__(self, stages: Sequence[LocalStage], signature: Signature, chunks: int,
-                 remat: str) -> None:
+                 remat: str, check_finite: bool = False) -> None:
         self.stages = list(stages)
+        self.check_finite = check_finite
         self.signature = signature
         self.chunks = chunks
         self.remat = remat
@@ -117,7 +120,10 @@ class LocalExecutor:
         with torch.set_grad_enabled(grad), seeded_forward(base if stage.random else None, s, mb,
                                                             stage.device), \
                 (tracker.forward(mb) if tracker is not None else contextlib.nullcontext()):
-            return stage.module(view, *args)
+            out = stage.module(view, *args)
+        if self.check_finite:
+            check_finite(s, mb, view.sent, out, view.received, args, stage.graph)
+        return out
 
     def close(self) -> None:
         for worker in self.workers.values():

@@ -1,0 +1,366 @@
+"""`fxpipe bench`: step time of fxpipe against one process and torch.distributed.pipelining.
+
+One invocation runs, on the same model, data, seed and micro-batches, one gloo process per stage
+(one thread each), alternating the variants step by step so that drifts of the machine hit them
+alike:
+
+    (a) the plain model in one process over the same micro-batches (gradient accumulation)
+    (b) fxpipe's distributed GPipe program (remat as asked, and with remat on for its cost)
+    (c) torch.distributed.pipelining with ScheduleGPipe, cut at the same stage boundaries
+
+It reports median step times and samples/s after warm-up, speedups and ratios, fxpipe's
+predicted against measured step time, per-stage busy time and bubble, and the activation bytes
+each stage keeps with remat on and off; writes bench.json and bench.md (and a Chrome trace).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import statistics
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_bench", "BENCH_GPT"]
+
+BENCH_GPT = {"d_model": 256, "n_layer": 8, "n_head": 4, "seq_len": 128, "vocab_size": 4096,
+             "batch": 16, "dropout": 0.0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _factory(model: str, settings: list[str]) -> tuple[str, list[str]]:
+    if ":" in model:
+        return model, settings
+    if model == "gpt" and not settings:
+        settings = [f"{k}={json.dumps(v)}" for k, v in BENCH_GPT.items()]
+    return f"fxpipe.models.{model}:build", settings
+
+
+def _mean_loss(output: Any, target: Any) -> torch.Tensor:
+    from fxpipe.losses import default_loss
+
+    return default_loss(output, target)
+
+
+def _split_points(program: Any) -> list[str]:
+    """Module names where fxpipe's stages 1.. begin, for torch pipelining's split_spec."""
+    points = []
+    for stage in program.plan.stages[1:]:
+        points.append(stage.first_module)
+    return points
+
+
+def _pipelining(model: Any, inputs: tuple, target: Any, chunks: int, points: list[str],
+                rank: int, world: int) -> Any:
+    """A step function for torch.distributed.pipelining cut at `points` (None if unavailable)."""
+    try:
+        from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+    except ImportError:
+        return None
+    mb = tuple(x.tensor_split(chunks, dim=0)[0] for x in inputs)
+    pipe = pipeline(model, mb, split_spec={p: SplitPoint.BEGINNING for p in points})
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, chunks, loss_fn=_mean_loss)
+    module = pipe.get_stage_module(rank)
+    # Tied parameters are copies per stage in torch pipelining: sum their gradients by hand.
+    ties = []
+    for mapping in pipe.replicated_params:
+        ranks = sorted(int(name.rsplit("_", 1)[1]) for name in mapping)
+        group = dist.new_group(ranks)
+        name = mapping.get(f"submod_pp_{rank}")
+        if name is not None:
+            ties.append((module.get_parameter(name), group))
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+
+    def step() -> float:
+        losses: list = []
+        if rank == 0:
+            schedule.step(*inputs)
+        elif rank == world - 1:
+            schedule.step(target=target, losses=losses)
+        else:
+            schedule.step()
+        for param, group in ties:
+            dist.all_reduce(param.grad, group=group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = torch.tensor([float(sum(losses) / len(losses)) if losses else 0.0])
+        dist.broadcast(value, src=world - 1)
+        return float(value)
+
+    return step
+
+
+def _single(model: Any, inputs: tuple, target: Any, chunks: int) -> Any:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    micro = list(zip(*[x.tensor_split(chunks, dim=0) for x in inputs]))
+    targets = target.tensor_split(chunks, dim=0)
+
+    def step() -> float:
+        total = 0.0
+        for args, tgt in zip(micro, targets):
+            loss = _mean_loss(model(*args), tgt) / chunks
+            loss.backward()
+            total += float(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+def _fxpipe(model: Any, inputs: tuple, target: Any, args: dict, remat: str) -> tuple[Any, Any]:
+    import fxpipe
+
+    program = fxpipe.compile(model, inputs, stages=args["stages"], chunks=args["chunks"],
+                             remat=remat, balance="time")
+    optimizer = torch.optim.SGD(program.parameters(), lr=1e-3)
+
+    def step() -> float:
+        loss = program.step(*inputs, target=target)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return program, step
+
+
+def _timed(step: Any) -> tuple[float, float]:
+    dist.barrier()
+    start = time.perf_counter()
+    loss = step()
+    return time.perf_counter() - start, loss
+
+
+def _worker(rank: int, world: int, port: int, args: dict, queue: Any) -> None:
+    try:
+        queue.put((rank, _run_worker(rank, world, port, args)))
+    except Exception:  # noqa: BLE001 - report to the parent, which prints it once
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def _run_worker(rank: int, world: int, port: int, args: dict) -> dict:
+    from fxpipe.cli import load_factory
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    torch.manual_seed(0)
+    model, inputs, _, target = load_factory(args["factory"], args["settings"])
+    chunks = args["chunks"]
+    program, fx_step = _fxpipe(copy.deepcopy(model), inputs, target, args, args["remat"])
+    variants = {"fxpipe": fx_step}
+    other = "always" if args["remat"] == "never" else "never"
+    _, variants[f"fxpipe_remat_{other}"] = _fxpipe(copy.deepcopy(model), inputs, target, args, other)
+    points = _split_points(program)
+    torch_step = _pipelining(copy.deepcopy(model), inputs, target, chunks, points, rank, world)
+    if torch_step is not None:
+        variants["torch_pipelining"] = torch_step
+    single = _single(copy.deepcopy(model), inputs, target, chunks) if rank == 0 else None
+    times: dict[str, list[float]] = {name: [] for name in ["single_process", *variants]}
+    losses: dict[str, float] = {}
+    for i in range(args["warmup"] + args["steps"]):
+        dist.barrier()
+        if rank == 0:
+            t, loss = time.perf_counter(), single()
+            times["single_process"].append(time.perf_counter() - t)
+            losses.setdefault("single_process", loss)
+        dist.barrier()
+        for name, step in variants.items():
+            t, loss = _timed(step)
+            times[name].append(t)
+            losses.setdefault(name, loss)
+        if rank == 0:
+            print(f"  step {i + 1}/{args['warmup'] + args['steps']}"
+                  + ("" if i >= args["warmup"] else " (warm-up)"), flush=True)
+    events = program.measured.get("last_step_events", [])
+    busy = sum(e.end - e.start for e in events if e.kind in ("forward", "backward"))
+    result = {"times": {k: v[args["warmup"]:] for k, v in times.items()}, "losses": losses,
+              "busy": busy, "events": [e.__dict__ for e in events],
+              "predicted": program.plan.predicted_step_time,
+              "stages": [{"first": s.first_module, "last": s.last_module, "ops": len(s.nodes),
+                          "predicted_s": s.time} for s in program.plan.stages],
+              "split_points": points}
+    dist.destroy_process_group()
+    return result
+
+
+def _memory(args: dict) -> dict[str, list[dict]]:
+    """Kept activation bytes per stage with remat never / always (one process, real run)."""
+    import fxpipe
+    from fxpipe.cli import load_factory
+
+    out = {}
+    for remat in ("never", "always"):
+        torch.manual_seed(0)
+        model, inputs, _, _ = load_factory(args["factory"], args["settings"])
+        program = fxpipe.compile(model, inputs, stages=args["stages"], chunks=args["chunks"],
+                                 remat=remat, profile="a100")
+        out[remat] = program.measure_activations(*inputs)
+    return out
+
+
+def run_bench(ns: Any) -> int:
+    factory, settings = _factory(ns.model, list(ns.set))
+    args = {"factory": factory, "settings": settings, "stages": ns.stages, "chunks": ns.chunks,
+            "remat": ns.remat, "steps": ns.steps, "warmup": ns.warmup}
+    print(f"fxpipe bench: {factory} {' '.join(settings)}\n  {ns.stages} stages x {ns.chunks} "
+          f"micro-batches, remat={ns.remat}, {ns.warmup} warm-up + {ns.steps} measured steps, "
+          f"gloo, 1 thread per process", flush=True)
+    print("measuring kept activations (remat never / always) ...", flush=True)
+    memory = _memory(args)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = ns.port or _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, ns.stages, port, args, queue))
+             for r in range(ns.stages)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, result = queue.get(timeout=1800)
+            if "error" in result:
+                print(f"rank {rank} failed:\n{result['error']}")
+                return 1
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    summary = _summarise(results, memory, ns)
+    _write(summary, ns)
+    return 0
+
+
+def _summarise(results: dict, memory: dict, ns: Any) -> dict:
+    ranks = sorted(results)
+    names = [n for n in results[0]["times"]]
+    step = {}
+    for name in names:
+        per_step = [max(results[r]["times"][name][i] for r in ranks if results[r]["times"][name])
+                    for i in range(len(results[0]["times"][name]))]
+        step[name] = statistics.median(per_step)
+    batch = None
+    from fxpipe.cli import load_factory
+
+    _, inputs, _, _ = load_factory(*_factory(ns.model, list(ns.set)))
+    batch = inputs[0].shape[0]
+    measured = step["fxpipe"]
+    remat_name = next(n for n in names if n.startswith("fxpipe_remat_"))
+    summary: dict[str, Any] = {
+        "model": ns.model, "stages": ns.stages, "chunks": ns.chunks, "remat": ns.remat,
+        "batch": batch, "step_time_s": step,
+        "samples_per_s": {k: batch / v for k, v in step.items()},
+        "speedup_vs_single_process": step["single_process"] / measured,
+        "step_time_ratio_vs_torch_pipelining": (measured / step["torch_pipelining"]
+                                                if "torch_pipelining" in step else None),
+        "predicted_step_time_s": results[0]["predicted"],
+        "predicted_over_measured": results[0]["predicted"] / measured,
+        "remat_step_time_ratio": (step[remat_name] / measured if ns.remat == "never"
+                                  else measured / step[remat_name]),
+        "stages_detail": [],
+        "kept_activations": memory,
+        "losses_first_step": results[0]["losses"],
+        "split_points": results[0]["split_points"],
+        "ideal_speedup": ns.stages * ns.chunks / (ns.chunks + ns.stages - 1),
+    }
+    for r in ranks:
+        busy = results[r]["busy"]
+        never = memory["never"][r]["measured_bytes"]
+        always = memory["always"][r]["measured_bytes"]
+        summary["stages_detail"].append({
+            "stage": r, **results[0]["stages"][r], "busy_s": busy,
+            "bubble": max(0.0, 1 - busy / measured), "kept_bytes_remat_never": never,
+            "kept_bytes_remat_always": always, "kept_reduction": never / always if always else None})
+    summary["events"] = {r: results[r]["events"] for r in ranks}
+    return summary
+
+
+def _write(summary: dict, ns: Any) -> None:
+    from tabulate import tabulate
+
+    from fxpipe.report import human_bytes
+    from fxpipe.runtime.timeline import Event, write_chrome_trace
+
+    os.makedirs(ns.out, exist_ok=True)
+    events = summary.pop("events")
+    rows = [[name, f"{t:.3f}", f"{summary['samples_per_s'][name]:.1f}",
+             f"{summary['step_time_s']['single_process'] / t:.2f}x"]
+            for name, t in summary["step_time_s"].items()]
+    lines = [f"# fxpipe bench: {summary['model']}, {summary['stages']} stages x "
+             f"{summary['chunks']} micro-batches, remat={summary['remat']}", "",
+             tabulate(rows, headers=["variant", "step (s)", "samples/s", "speedup vs 1 process"],
+                      tablefmt="github"), "",
+             f"- speedup over one process: **{summary['speedup_vs_single_process']:.2f}x** "
+             f"(ideal {summary['ideal_speedup']:.2f}x)"]
+    if summary["step_time_ratio_vs_torch_pipelining"] is not None:
+        lines.append(f"- step time / torch.distributed.pipelining: "
+                     f"**{summary['step_time_ratio_vs_torch_pipelining']:.3f}**")
+    lines += [f"- predicted step time {summary['predicted_step_time_s']:.3f} s vs measured "
+              f"{summary['step_time_s']['fxpipe']:.3f} s "
+              f"(predicted/measured {summary['predicted_over_measured']:.3f})",
+              f"- remat step time ratio (always / never): {summary['remat_step_time_ratio']:.3f}",
+              f"- stage boundaries (torch pipelining split points): {summary['split_points']}", "",
+              tabulate([[d["stage"], d["first"], d["last"], d["ops"], f"{d['predicted_s'] * 1e3:.1f}",
+                         f"{d['busy_s']:.3f}", f"{d['bubble']:.1%}",
+                         human_bytes(d["kept_bytes_remat_never"]),
+                         human_bytes(d["kept_bytes_remat_always"]),
+                         f"{d['kept_reduction']:.1f}x" if d["kept_reduction"] else "-"]
+                        for d in summary["stages_detail"]],
+                       headers=["stage", "first", "last", "ops", "pred ms/mb", "busy s",
+                                "bubble", "kept (no remat)", "kept (remat)", "reduction"],
+                       tablefmt="github")]
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    with open(os.path.join(ns.out, "bench.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(os.path.join(ns.out, "bench.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, sort_keys=True, default=str)
+    measured = [Event(**e) for evs in events.values() for e in evs]
+    write_chrome_trace(os.path.join(ns.out, "bench_trace.json"), {"fxpipe measured": measured})
+    print(f"wrote {ns.out}/bench.json, {ns.out}/bench.md, {ns.out}/bench_trace.json")
+    if getattr(ns, "plot", False):
+        _plot(measured, os.path.join(ns.out, "bench_timeline.png"))
+
+
+def _plot(events: list, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); skipped")
+        return
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "recv": "tab:gray",
+              "send": "tab:green", "recv_grad": "tab:gray", "send_grad": "tab:green"}
+    fig, ax = plt.subplots(figsize=(12, 1 + len({e.stage for e in events})))
+    for e in events:
+        if e.kind in colors and e.stage >= 0:
+            ax.barh(e.stage, e.end - e.start, left=e.start, color=colors[e.kind],
+                    edgecolor="black", linewidth=0.3)
+            if e.kind in ("forward", "backward"):
+                ax.text(e.start + (e.end - e.start) / 2, e.stage,
+                        f"{'F' if e.kind == 'forward' else 'B'}{e.microbatch}", ha="center",
+                        va="center", fontsize=7)
+    ax.set_yticks(sorted({e.stage for e in events}))
+    ax.set_yticklabels([f"stage {s}" for s in sorted({e.stage for e in events})])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
