@@ -6,10 +6,11 @@
     loss = program.step(x, target=y)   # one GPipe training step (local or under torchrun)
 """
 from fxpipe.capture import capture
+from fxpipe.checkpoint import load_checkpoint
 from fxpipe.compile import compile  # noqa: A004 - fxpipe.compile, as torch.compile
 from fxpipe.errors import FxPipeError
 from fxpipe.program import Program
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "capture", "Program", "FxPipeError", "__version__"]
+__all__ = ["compile", "capture", "load_checkpoint", "Program", "FxPipeError", "__version__"]

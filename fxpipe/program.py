@@ -246,13 +246,41 @@ class Program(nn.Module):
         return report
 
     def write(self, directory: str, *, loss_fn: Any = None, target: torch.Tensor | None = None,
-              reference_steps: int = 3, lr: float = 0.01) -> list[str]:
+              reference_steps: int = 6, lr: float = 0.01) -> list[str]:
         """Writes the stage files, the launcher program.py, weights, example batch and report."""
         from fxpipe.writer import write_program
 
         self._require_built("code to write")
         return write_program(self, directory, loss_fn=loss_fn, target=target,
                              reference_steps=reference_steps, lr=lr)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, directory: str, *, optimizer: torch.optim.Optimizer | None = None,
+             step: int | None = None) -> None:
+        """Writes a checkpoint (this process's stages and optimizer state, in the model's names).
+
+        Under torchrun every rank calls it; fxpipe.load_checkpoint(directory)["model"] loads
+        into the plain model too.
+        """
+        from fxpipe.checkpoint import save_checkpoint
+
+        self._require_built("state to save")
+        save_checkpoint(self, directory, optimizer=optimizer, step=step)
+
+    def load(self, directory: str, *, optimizer: torch.optim.Optimizer | None = None) -> int | None:
+        """Restores parameters, buffers and (if given) optimizer state; returns the saved step."""
+        from fxpipe.checkpoint import load_checkpoint, param_names, restore
+
+        self._require_built("state to load into")
+        checkpoint = load_checkpoint(directory)
+        self.load_state_dict(checkpoint["model"])
+        if optimizer is not None:
+            if checkpoint["optimizer"] is None:
+                raise RuntimeInputError(f"checkpoint {directory} has no optimizer state",
+                                        hint="save it with program.save(dir, optimizer=opt)")
+            restore(optimizer, checkpoint["optimizer"], param_names(self))
+        return checkpoint["step"]
 
     # -- state in the model's own names ---------------------------------------------------------
 

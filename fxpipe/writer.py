@@ -88,7 +88,7 @@ def _reference_losses(program: Any, flat: list, target: Any, loss: Callable, ste
     model = copy.deepcopy(program.model)
     signature = program._built.signature
     args, kwargs = _structured_inputs(signature, flat)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # as the launcher
     losses = []
     for _ in range(steps):
         with seeded(0):
@@ -99,6 +99,15 @@ def _reference_losses(program: Any, flat: list, target: Any, loss: Callable, ste
         optimizer.zero_grad()
         losses.append(float(value.detach()))
     return losses
+
+
+def _aliases(program: Any) -> dict[str, list[str]]:
+    """Every state_dict name of the model for each tensor the stages hold (tied weights have
+    several), so checkpoints of the written program load into the plain model."""
+    from fxpipe.program import _graph_tensors
+
+    by_id = program._aliases()
+    return {q: by_id.get(id(t), [q]) for q, t in sorted(_graph_tensors(program.graph_module).items())}
 
 
 def _structured_inputs(signature: Any, flat: list) -> tuple[tuple, dict]:
@@ -144,6 +153,7 @@ def write_program(program: Any, directory: str, *, loss_fn: Any, target: Any,
                     "sends": [comm_to_json(c) for c in st.graph.sends]} for st in built.stages],
         "shared": built.shared, "edges": [list(e) for e in built.edges],
         "loss": name, "lr": lr, "reference_losses": reference, "deterministic": deterministic,
+        "aliases": _aliases(program),
     }
     files = {
         "program.py": LAUNCHER.format(version="0.1.0", model=type(program.model).__name__,

@@ -48,11 +48,15 @@ def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="program.py", description=f"Train the fxpipe pipeline of {spec.model}.")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    parser.add_argument("--lr", type=float, default=spec.lr, help=f"SGD learning rate ({spec.lr})")
+    parser.add_argument("--lr", type=float, default=spec.lr,
+                        help=f"learning rate of SGD with momentum 0.9 (default {spec.lr})")
     parser.add_argument("--verify", action="store_true",
                         help="check the losses against the plain model's (recorded at write time)")
     parser.add_argument("--timeline", metavar="PATH",
                         help="write a Chrome trace of the last step (open in Perfetto)")
+    parser.add_argument("--save", metavar="DIR", help="write a checkpoint after training")
+    parser.add_argument("--resume", metavar="DIR", help="start from a checkpoint (model and "
+                        "optimizer state; written by --save or program.save)")
     parser.add_argument("--check-finite", action="store_true",
                         help="stop with the stage and value where NaN/Inf first appear")
     parser.add_argument("--timeout", type=float, default=60.0,
@@ -83,22 +87,62 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     loss_fn = resolve_loss(spec.loss)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
-        step, rank, params = _distributed(folder, spec, weights, args)
+        step, rank, modules = _distributed(folder, spec, weights, args)
     else:
-        step, rank, params = _local(folder, spec, weights, args)
-    optimizer = torch.optim.SGD(params, lr=args.lr)
+        step, rank, modules = _local(folder, spec, weights, args)
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+    first = 0
+    if args.resume:
+        first = _resume(args.resume, modules, optimizer, spec)
     losses = []
-    for i in range(args.steps):
+    for i in range(first, first + args.steps):
         loss = step(inputs, target, loss_fn)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss)
         if rank == 0:
             print(f"step {i} loss {loss:.6f}", flush=True)
+    if args.save:
+        _save(args.save, modules, optimizer, spec, first + args.steps)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
-    return _verify(spec, losses, args.lr) if args.verify and rank == 0 else 0
+    return _verify(spec, losses, args.lr, first) if args.verify and rank == 0 else 0
+
+
+def _names(modules: list, spec: ProgramSpec) -> tuple[dict[str, Any], dict[int, str]]:
+    """This process's tensors under every model name, and parameter -> first model name."""
+    state: dict[str, Any] = {}
+    names: dict[int, str] = {}
+    for module in modules:
+        for qualname, tensor in module.named_model_tensors().items():
+            keys = spec.aliases.get(qualname, [qualname])
+            names.setdefault(id(tensor), keys[0])
+            for key in keys:
+                state[key] = tensor
+    return state, names
+
+
+def _save(directory: str, modules: list, optimizer: Any, spec: ProgramSpec, step: int) -> None:
+    from fxpipe.checkpoint import save_shard
+
+    state, names = _names(modules, spec)
+    save_shard(directory, state, optimizer, names, step=step, model=spec.model)
+
+
+def _resume(directory: str, modules: list, optimizer: Any, spec: ProgramSpec) -> int:
+    from fxpipe.checkpoint import load_checkpoint, restore
+
+    checkpoint = load_checkpoint(directory)
+    state, names = _names(modules, spec)
+    with torch.no_grad():
+        for key, tensor in state.items():
+            if key in checkpoint["model"]:
+                tensor.copy_(checkpoint["model"][key])
+    if checkpoint["optimizer"] is not None:
+        restore(optimizer, checkpoint["optimizer"], names)
+    return int(checkpoint["step"] or 0)
 
 
 def _local(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[Any, int, list]:
@@ -108,8 +152,6 @@ def _local(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[A
         stages.append(LocalStage(module, torch.device("cpu"), s.inputs, s.random))
     executor = LocalExecutor(stages, spec.signature, spec.chunks, spec.remat,
                              check_finite=args.check_finite)
-    params = [p for st in stages for p in st.module.parameters()]
-    unique = list({id(p): p for p in params}.values())
     _tie_local(stages, spec)
 
     def step(inputs: list, target: Any, loss_fn: Any) -> float:
@@ -118,7 +160,7 @@ def _local(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[A
         loss.backward()
         return float(loss.detach())
 
-    return step, 0, unique
+    return step, 0, [st.module for st in stages]
 
 
 def _tie_local(stages: list, spec: ProgramSpec) -> None:
@@ -169,7 +211,7 @@ def _distributed(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> t
             return average_over_replicas(result.loss, groups.dp, mesh.replicas)
         return result.loss
 
-    return step, rank, list(module.parameters())
+    return step, rank, [module]
 
 
 def _write_timeline(path: str, events: list, rank: int) -> None:
@@ -182,10 +224,11 @@ def _write_timeline(path: str, events: list, rank: int) -> None:
         write_chrome_trace(path, {"measured": merged})
 
 
-def _verify(spec: ProgramSpec, losses: list[float], lr: float) -> int:
-    reference = spec.reference_losses
+def _verify(spec: ProgramSpec, losses: list[float], lr: float, first: int = 0) -> int:
+    reference = spec.reference_losses[first:]
     if not reference:
-        print("verify: no reference losses were recorded (write with reference_steps > 0)")
+        print(f"verify: no reference losses were recorded for steps {first} and later "
+              f"({len(spec.reference_losses)} recorded; write with a larger reference_steps)")
         return 1
     if not spec.deterministic:
         print("verify: the model draws random numbers (dropout), so its losses cannot match the "
@@ -198,6 +241,7 @@ def _verify(spec: ProgramSpec, losses: list[float], lr: float) -> int:
     worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses[:n], reference[:n])),
                 default=0.0)
     ok = worst <= 1e-4
-    print(f"verify: {'OK' if ok else 'MISMATCH'}: {n} steps against the plain model, largest "
+    print(f"verify: {'OK' if ok else 'MISMATCH'}: steps {first}..{first + n - 1} against the "
+          f"plain model, largest "
           f"relative loss difference {worst:.2e} (tolerance 1e-4)")
     return 0 if ok else 1

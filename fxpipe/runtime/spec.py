@@ -137,6 +137,7 @@ class ProgramSpec:
     lr: float
     reference_losses: tuple[float, ...]
     deterministic: bool
+    aliases: dict[str, list[str]]  # tensor name -> every state_dict name of the model for it
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> ProgramSpec:
@@ -151,7 +152,8 @@ class ProgramSpec:
                            data["schedule"], signature_from_json(data["signature"]),
                            {k: list(v) for k, v in data["shared"].items()},
                            tuple(tuple(e) for e in data["edges"]), data["loss"], data["lr"],
-                           tuple(data["reference_losses"]), data["deterministic"])
+                           tuple(data["reference_losses"]), data["deterministic"],
+                           {k: list(v) for k, v in data.get("aliases", {}).items()})
 
 
 def comm_to_json(c: ir.CommInfo) -> dict[str, Any]:
