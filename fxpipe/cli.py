@@ -4,7 +4,7 @@
     fxpipe compile MODULE:FACTORY [options]      print the partition report, write the program
     fxpipe costs MODULE:FACTORY [options]        per-node cost table
     fxpipe report DIR                            the report of a written program
-    fxpipe run DIR --nproc K [-- program args]   train a written program (torchrun)
+    fxpipe run DIR --nproc K [program args]      train a written program (torchrun)
     fxpipe bench MODEL [options]                 fxpipe vs one process vs torch.distributed.pipelining
     fxpipe bench-partition                       solver quality and speed against baselines
 """
@@ -201,9 +201,8 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("dir")
     u.add_argument("--nproc", type=int, required=True, help="processes: stages x replicas")
     u.add_argument("--port", type=int, default=29500)
-    u.add_argument("program_args", nargs=argparse.REMAINDER,
-                   help="passed to program.py (e.g. --steps 5 --verify)")
-    u.set_defaults(func=cmd_run)
+    u.set_defaults(func=cmd_run, program_args=[])
+    u.epilog = "Other arguments go to program.py, e.g. --steps 5 --verify --timeline t.json"
     d = sub.add_parser("demo", help="compile the bundled GPT, write it, train it on 2 processes")
     d.add_argument("--out", default="fxpipe-demo")
     d.add_argument("--steps", type=int, default=3)
@@ -233,7 +232,11 @@ def _add_bench_options(b: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args, extra = parser().parse_known_args(argv)
+    if extra and getattr(args, "command", None) == "run":
+        args.program_args = [a for a in extra if a != "--"]
+    elif extra:
+        parser().error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser().print_help()
         return 2

@@ -241,7 +241,8 @@ class Program(nn.Module):
 
     def report(self) -> Report:
         built = self._require_built("report")
-        report = build_report(built, type(self.model).__name__)
+        report = build_report(built, type(self.model).__name__,
+                              self._dist.mesh if self._dist is not None else None)
         report.measured.update({k: v for k, v in self.measured.items() if k != "last_step_events"})
         return report
 

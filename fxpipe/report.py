@@ -120,6 +120,8 @@ class Report:
     schedule: str
     measured: dict[str, Any] = field(default_factory=dict)
     shared: dict[str, list[int]] = field(default_factory=dict)
+    mesh: list[tuple[int, int, int]] = field(default_factory=list)  # (rank, replica, stage)
+    comm: dict[str, float] = field(default_factory=dict)  # bytes per step by kind
 
     def summary(self) -> dict[str, Any]:
         plan = self.plan
@@ -169,6 +171,14 @@ class Report:
             lines.append("chunks='auto' candidates: " + ", ".join(
                 f"{c['chunks']}: {human_time(c['predicted_step_time_s'])}"
                 for c in s["chunk_candidates"]))
+        if self.mesh:
+            replicas = 1 + max(r for _, r, _ in self.mesh)
+            lines.append(f"mesh (dp x pp): {replicas} replica(s) x {s['stages']} stages; "
+                         + ", ".join(f"rank {rank} = replica {rep} stage {st}"
+                                     for rank, rep, st in self.mesh))
+        if self.comm:
+            lines.append("communication per step (each replica): " + ", ".join(
+                f"{kind} {human_bytes(v)}" for kind, v in self.comm.items()))
         for key, value in self.measured.items():
             lines.append(f"measured {key}: {value}")
         k, m = s["stages"], s["chunks"]
@@ -182,7 +192,9 @@ class Report:
     def json(self) -> str:
         return json.dumps({"model": self.model, "summary": self.summary(), "stages": self.stages,
                            "profile": self.profile, "measured": self.measured,
-                           "shared_parameters": self.shared}, indent=2, sort_keys=True)
+                           "shared_parameters": self.shared, "mesh": self.mesh,
+                           "communication_bytes_per_step": self.comm},
+                          indent=2, sort_keys=True, default=str)
 
     def __str__(self) -> str:
         return self.text()
@@ -206,7 +218,39 @@ def predicted_kept(built: Any) -> list[float]:
     return out
 
 
-def build_report(built: Any, model: str) -> Report:
+def communication(built: Any, replicas: int = 1) -> dict[str, float]:
+    """Bytes moved per training step: point-to-point (activations forward, gradients back) in
+    one pipeline, the data-parallel gradient all-reduce per replica (ring: 2(R-1)/R of each
+    stage's gradients) and the tied-weight gradient all-reduce."""
+    plan = built.plan
+    m, b = plan.chunks, plan.microbatch_size
+    p2p = 0.0
+    for st in built.stages:
+        for c in st.graph.sends:
+            size = _value_bytes(c.value, b)
+            grads = size if isinstance(c.value, ir.TensorInfo) and c.value.is_float \
+                and c.value.requires_grad else 0.0
+            p2p += m * (size + grads)
+    grads = sum(float(p.numel() * p.element_size()) for st in built.stages
+                for p in st.graph_module.parameters() if p.requires_grad)
+    tied = sum(float(p.numel() * p.element_size()) * (len(stages) - 1)
+               for st in built.stages[:1] for name, stages in built.shared.items()
+               for p in [_tied_param(built, name)] if p is not None)
+    out = {"point-to-point": p2p, "tied-weight all-reduce": tied}
+    if replicas > 1:
+        out["data-parallel all-reduce"] = 2 * (replicas - 1) / replicas * grads
+    return out
+
+
+def _tied_param(built: Any, name: str) -> Any:
+    for st in built.stages:
+        for target, value in st.graph_module.named_parameters(remove_duplicate=False):
+            if target == name:
+                return value
+    return None
+
+
+def build_report(built: Any, model: str, mesh: Any = None) -> Report:
     plan = built.plan
     b = plan.microbatch_size
     stages = []
@@ -222,8 +266,11 @@ def build_report(built: Any, model: str) -> Report:
             "recv_bytes": figures["recv_bytes"], "send_bytes": figures["send_bytes"],
             "memory_model_bytes": sp.memory,
         })
+    replicas = mesh.replicas if mesh is not None else 1
     return Report(model, plan, stages, f"{built.profile.name} ({built.profile.source})",
-                  built.config.schedule, shared=dict(built.shared))
+                  built.config.schedule, shared=dict(built.shared),
+                  mesh=mesh.describe() if mesh is not None else [],
+                  comm=communication(built, replicas))
 
 
 def cost_table(gm: GraphModule, *, b: int, profile: DeviceProfile, sort: str | None = None,

@@ -1,0 +1,200 @@
+"""Data parallel x pipeline parallel: 2 replicas x 2 stages on 4 gloo processes (127.0.0.1)."""
+from __future__ import annotations
+
+import copy
+import io
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fxpipe
+from fxpipe.errors import ConfigError
+from fxpipe.losses import default_loss
+
+pytestmark = pytest.mark.distributed
+
+CASES = {  # name -> (model module, build config)
+    "mlp": ("mlp", {}),
+    "gpt_tied": ("gpt", {"dropout": 0.0, "batch": 8}),
+}
+STEPS = 3
+LR = 0.05
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build(name: str):
+    import importlib
+
+    module, config = CASES[name]
+    mod = importlib.import_module(f"fxpipe.models.{module}")
+    torch.manual_seed(0)
+    model, inputs = mod.build(**config)
+    return model, inputs, mod.target(inputs, **config)
+
+
+def _worker(rank: int, world: int, port: int, queue) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        results = {}
+        for name in CASES:
+            model, inputs, target = _build(name)
+            program = fxpipe.compile(model, inputs, stages=2, chunks=2, profile="a100")
+            optimizer = torch.optim.SGD(program.parameters(), lr=LR)
+            losses = []
+            for _ in range(STEPS):
+                losses.append(program.step(*inputs, target=target))
+                optimizer.step()
+                optimizer.zero_grad()
+            results[name] = {"losses": losses, "state": program.state_dict(),
+                             "report": program.report().text()}
+        dist.destroy_process_group()
+        queue.put((rank, _bytes(results)))  # tensors as bytes: shared memory dies with the child
+    except Exception:  # noqa: BLE001 - sent to the parent
+        queue.put((rank, traceback.format_exc()))
+
+
+def _bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    world = 4
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, value = queue.get(timeout=600)
+            if isinstance(value, str):
+                pytest.fail(f"rank {rank} failed:\n{value}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=True)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _reference(name: str):
+    model, inputs, target = _build(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = default_loss(model(*inputs), target)  # one process, the whole global batch
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_replicas_of_two_stages_train_like_one_process(two_by_two, name):
+    losses, state = _reference(name)
+    for rank, results in two_by_two.items():
+        assert results[name]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6), rank
+    merged = {}
+    for results in two_by_two.values():
+        merged.update(results[name]["state"])
+    assert set(merged) == set(state)
+    for key, value in state.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_replicas_hold_identical_copies_of_each_stage(two_by_two):
+    for name in CASES:
+        for stage in (0, 1):
+            a, b = two_by_two[stage][name]["state"], two_by_two[2 + stage][name]["state"]
+            assert a.keys() == b.keys()
+            for key in a:
+                assert torch.equal(a[key], b[key]), key
+
+
+def test_report_shows_the_mesh_and_both_kinds_of_traffic(two_by_two):
+    text = two_by_two[0]["gpt_tied"]["report"]
+    assert "2 replica(s) x 2 stages" in text
+    assert "rank 3 = replica 1 stage 1" in text
+    assert "point-to-point" in text and "data-parallel all-reduce" in text
+    assert "tied-weight all-reduce" in text
+
+
+def _bad_world(rank: int, world: int, port: int, queue) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        model, inputs, target = _build("mlp")
+        try:
+            fxpipe.compile(model, inputs, stages=2, chunks=2, profile="a100")
+            queue.put((rank, "no error"))
+        except ConfigError as e:
+            queue.put((rank, str(e)))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_world_size_that_is_not_a_multiple_of_the_stages_is_a_clear_error():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_bad_world, args=(r, 3, port, queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    messages = [queue.get(timeout=300)[1] for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    for message in messages:
+        assert "world size 3 is not a multiple of the number of stages (2)" in message
+        assert "hint:" in message
+
+
+@pytest.fixture(scope="module")
+def written_gpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("program")
+    model, inputs, target = _build("gpt_tied")
+    program = fxpipe.compile(copy.deepcopy(model), inputs, stages=2, chunks=2, profile="a100")
+    program.write(str(folder), target=target)
+    return folder
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_written_program_runs_as_two_by_two_under_fxpipe_run(written_gpt):
+    result = _run([sys.executable, "-m", "fxpipe", "run", str(written_gpt), "--nproc", "4",
+                   "--port", str(_free_port()), "--steps", "3", "--verify"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verify: OK" in result.stdout
+
+
+def test_written_program_runs_under_torchrun_with_four_processes(written_gpt):
+    result = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                   "--master-port", str(_free_port()), str(written_gpt / "program.py"),
+                   "--steps", "2", "--verify"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step 1 loss" in result.stdout and "verify: OK" in result.stdout
