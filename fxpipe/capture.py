@@ -308,8 +308,9 @@ def _trace_fx(model, signature, leaves, leaf_modules, inline) -> fx.GraphModule:
 
 
 def _safe_path(target: str) -> bool:
-    return all(part.isidentifier() and not keyword.iskeyword(part) and part.isascii()
-               for part in target.split("."))
+    """Plain identifiers and ModuleList indices, which fx writes safely."""
+    return all(part.isascii() and ((part.isidentifier() and not keyword.iskeyword(part))
+                                   or part.isdigit()) for part in target.split("."))
 
 
 def _alias_unsafe_targets(graph: fx.Graph) -> dict[str, str]:

@@ -4,7 +4,7 @@ Every key fxpipe writes on an fx node is defined here once, with the pass that w
 
     TENSOR = "fxpipe.tensor"  TensorInfo | ScalarInfo | tuple    fxpipe.capture
     COST   = "fxpipe.cost"    Cost (sympy in the micro-batch b)   passes.cost.annotate_costs
-    TIME   = "fxpipe.time"    MeasuredTime                        passes.cost.measure_times
+    TIME   = "fxpipe.time"    MeasuredTime                        passes.timing.measure_times
     STAGE  = "fxpipe.stage"   int, 0-based                        passes.partition.partition
     COMM   = "fxpipe.comm"    CommInfo                            passes.split.split_stages
     REMAT  = "fxpipe.remat"   str region id, e.g. "remat_0"       passes.remat.mark_remat
@@ -105,7 +105,8 @@ class Cost:
     """Per-node cost, every field a sympy polynomial in the micro-batch size b.
 
     fwd_flops / bwd_flops: floating-point operations of the forward and of its backward.
-    param_bytes: bytes of parameters first used by this node (tied parameters counted once).
+    param_bytes: bytes of parameters and buffers first used by this node (tied ones once);
+    grad_param_bytes: the part that are parameters needing gradients.
     output_bytes: bytes of the node's output. saved_bytes: bytes this node makes autograd keep
     until backward (its output if any consumer saves it, plus internal buffers it saves).
     fwd_bytes / bwd_bytes: memory traffic, the bandwidth side of the roofline.
@@ -119,18 +120,6 @@ class Cost:
     fwd_bytes: sympy.Expr
     bwd_bytes: sympy.Expr
     grad_param_bytes: sympy.Expr = field(default=sympy.Integer(0))  # params that need grads
-    fwd_kernels: int = 0  # aten kernels launched by the forward (per-kernel overhead)
-    bwd_kernels: int = 0
-    # What saved_bytes is made of, for per-stage accounting: bytes of buffers the node allocates
-    # and keeps itself, and the outputs of other nodes it keeps alive (producer name, bytes).
-    internal_saved_bytes: sympy.Expr = field(default=sympy.Integer(0))
-    saves: tuple[tuple[str, sympy.Expr], ...] = ()
-
-    def at(self, b: int) -> dict[str, float]:
-        """The numeric fields evaluated at micro-batch size `b`."""
-        return {name: evaluate(getattr(self, name), b) for name in self.__dataclass_fields__
-                if name != "saves"}
-
     fwd_kernels: int = 0  # aten kernels launched by the forward (per-kernel overhead)
     bwd_kernels: int = 0
     # What saved_bytes is made of, for per-stage accounting: bytes of buffers the node allocates
@@ -186,7 +175,7 @@ def cost(node: Node) -> Cost:
 
 
 def measured_time(node: Node) -> MeasuredTime:
-    return _meta(node, TIME, "passes.cost.measure_times")
+    return _meta(node, TIME, "passes.timing.measure_times")
 
 
 def stage(node: Node) -> int:

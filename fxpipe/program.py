@@ -305,7 +305,19 @@ class Program(nn.Module):
                 for name in names:
                     if name in model_keys:
                         out[name] = value.detach()
+        if self._holds_first_stage():
+            # State no stage reads (unused parameters, BatchNorm counters in eval mode) stays
+            # with the model; the process of stage 0 carries it, so shards add up to the model.
+            for name, value in self._unused_state().items():
+                out[name] = value.detach()
         return OrderedDict(sorted(out.items()))
+
+    def _holds_first_stage(self) -> bool:
+        return self._dist is None or self._dist.mesh.stage == 0
+
+    def _unused_state(self) -> dict[str, torch.Tensor]:
+        used = {id(t) for t in _graph_tensors(self._built.captured).values()}
+        return {k: v for k, v in self.model.state_dict(keep_vars=True).items() if id(v) not in used}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:  # type: ignore[override]
@@ -326,6 +338,10 @@ class Program(nn.Module):
                     if name in state_dict:
                         tensor.copy_(state_dict[name])
                         break
+            if self._holds_first_stage():
+                for name, tensor in self._unused_state().items():
+                    if name in state_dict:
+                        tensor.copy_(state_dict[name])
         return None
 
 

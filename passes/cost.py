@@ -23,7 +23,7 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils import flop_counter
@@ -71,7 +71,8 @@ class _KernelCounter(TorchDispatchMode):
 
 
 _FREE_OPS = {torch.ops.aten.detach, torch.ops.aten.sym_size, torch.ops.aten.sym_numel,
-             torch.ops.aten.sym_stride, torch.ops.aten.lift_fresh}
+             torch.ops.aten.sym_stride, torch.ops.aten.lift_fresh, torch.ops.aten._unsafe_view,
+             torch.ops.aten._assert_tensor_metadata}
 
 
 def _kernel_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -85,9 +86,25 @@ def _kernel_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     if name == _SDPA_CPU + "_backward":
         grad_out, q, k, v = args[:4]
         return flop_counter.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+    if name in ("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"):
+        return _lstm_layer_flops(args, backward=name.endswith("backward"))
     largest = max((t.numel() for t in pytree.tree_leaves((args, out))
                    if isinstance(t, torch.Tensor)), default=0, key=_hint)
     return ELEMENTWISE_FACTOR.get(name, 1) * largest
+
+
+def _lstm_layer_flops(args: tuple, backward: bool) -> Any:
+    """One LSTM layer over a sequence: the four gate matmuls per step (2*T*B*4H*(I+H)) plus
+    about ten element-wise operations per hidden unit and step; backward is twice the matmuls
+    (input and weight gradients) plus the element-wise part."""
+    x, w_ih, w_hh = args[0], args[1], args[2]
+    batch_first = bool(args[21] if backward else args[14])
+    steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    four_h, inp = w_ih.shape
+    hidden = w_hh.shape[1]
+    matmul = 2 * steps * batch * four_h * (inp + hidden)
+    pointwise = 10 * steps * batch * hidden
+    return (2 * matmul if backward else matmul) + pointwise
 
 
 def _hint(x: Any) -> int:
@@ -246,10 +263,13 @@ class _CostRunner(Interpreter):
             self.cache_hits += 1
             fresh = [_fresh_leaf(x) for x in leaves]
             return shapes.call_node(self.module, n, *pytree.tree_unflatten(fresh, spec)), self.cache[key]
-        try:
-            out, cost = self._run_counted(n, leaves, spec, self.param_keys)
-        except Exception:  # noqa: BLE001 - ops without symbolic shapes: sample and interpolate
-            out, cost = self._interpolated(n, args, kwargs)
+        if _needs_real_samples(n):
+            out, cost = self._interpolated(n, args, kwargs, real=True)
+        else:
+            try:
+                out, cost = self._run_counted(n, leaves, spec, self.param_keys)
+            except Exception:  # noqa: BLE001 - ops without symbolic shapes: sample, interpolate
+                out, cost = self._interpolated(n, args, kwargs)
         if key is not None:
             self.cache[key] = cost
         return out, cost
@@ -264,13 +284,24 @@ class _CostRunner(Interpreter):
             saved_keys.append((_storage(t), t.untyped_storage().nbytes()))
             return t
 
+        module_state: dict[str, torch.Tensor] = {}
+        if n.op == "call_module":  # its own parameters are inputs too: differentiate them
+            sub = self.module.get_submodule(n.target)
+            for name, t in [*sub.named_parameters(), *sub.named_buffers()]:
+                module_state[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device
+                                                 ).requires_grad_(t.requires_grad)
+            params = params | {_storage(t) for t in module_state.values()}
         fwd = _KernelCounter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
-            out = shapes.call_node(self.module, n, a, k)
+            if module_state:
+                out = torch.func.functional_call(sub, module_state, a, k)
+            else:
+                out = shapes.call_node(self.module, n, a, k)
         bwd = _KernelCounter()
         outs = [t for t in pytree.tree_leaves(out)
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
-        wrt = [t for t in fresh if isinstance(t, torch.Tensor) and t.requires_grad]
+        wrt = [t for t in [*fresh, *module_state.values()]
+               if isinstance(t, torch.Tensor) and t.requires_grad]
         if outs and wrt:
             grads = [torch.ones_like(t) for t in outs]
             with bwd:
@@ -280,10 +311,17 @@ class _CostRunner(Interpreter):
                          self._classify(saved_keys, fresh, out, params))
         return out, cost
 
-    def _interpolated(self, n: Node, args: tuple, kwargs: dict) -> tuple[Any, _NodeCost]:
-        """Costs of an op without symbolic-shape support, from static runs at a few sizes."""
+    def _interpolated(self, n: Node, args: tuple, kwargs: dict,
+                      real: bool = False) -> tuple[Any, _NodeCost]:
+        """Costs from static runs at a few batch sizes, interpolated (exact for polynomials):
+        on fake tensors for ops without symbolic-shape support, on real ones for ops whose
+        fake kernels under-report (recurrent layers keep a workspace for backward)."""
         samples: dict[int, tuple[Any, _NodeCost]] = {}
         for b in shapes.SAMPLE_SIZES:
+            if real:
+                with unset_fake_temporarily():
+                    samples[b] = self._real_sample(n, args, kwargs, b)
+                continue
             static = FakeTensorMode(allow_non_fake_inputs=True)
             values = shapes.at_size((args, kwargs), self.sym, b, static)
             leaves, spec = pytree.tree_flatten(values)
@@ -299,9 +337,38 @@ class _CostRunner(Interpreter):
                  for i, (kind, index, _) in enumerate(first.saved)]
         cost = _NodeCost(fit("fwd_flops"), fit("bwd_flops"), fit("fwd_bytes"), fit("bwd_bytes"),
                          first.fwd_kernels, first.bwd_kernels, saved)
-        out = shapes.symbolic_like({b: o for b, (o, _) in samples.items()}, self.shape_env,
-                                   self.sym)
+        outs = {b: o for b, (o, _) in samples.items()}  # only their shapes are read
+        out = shapes.symbolic_like(outs, self.shape_env, self.sym)
         return out, cost
+
+    def _real_sample(self, n: Node, args: tuple, kwargs: dict, b: int) -> tuple[Any, _NodeCost]:
+        """One real run of the node at batch size b on random data, with the real parameters."""
+        real_params = {id(f): r for r, f in self._real_of_fake()}
+
+        def real(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                if id(x) in real_params:
+                    return real_params[id(x)]
+                shape = [int(ir.evaluate(self._expr(d), b)) for d in x.shape]
+                t = torch.randn(shape, dtype=x.dtype) if x.is_floating_point() \
+                    else torch.zeros(shape, dtype=x.dtype)
+                return t.requires_grad_(x.requires_grad and x.is_floating_point())
+            if isinstance(x, torch.SymInt):
+                return int(ir.evaluate(self._expr(x), b))
+            return x
+
+        leaves, spec = pytree.tree_flatten(pytree.tree_map(real, (args, kwargs)))
+        params = {_storage(t) for t in real_params.values()}
+        return self._run_counted(n, leaves, spec, params)
+
+    def _real_of_fake(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for node in self.module.graph.nodes:
+            if node.op == "get_attr":
+                real = super().get_attr(node.target, (), {})
+                if isinstance(real, torch.Tensor) and id(real) in self.fakes:
+                    out.append((real, self.fakes[id(real)]))
+        return out
 
     def _classify(self, saved: list[tuple[int, Any]], fresh: list, out: Any,
                   params: set[int]) -> list:
@@ -393,12 +460,21 @@ class _CostRunner(Interpreter):
             if real.requires_grad:
                 grad += real.numel() * real.element_size()
         if node.op == "call_module":
-            for p in self.fetch_attr(node.target).parameters():
+            sub = self.fetch_attr(node.target)
+            for p in [*sub.parameters(), *sub.buffers()]:
                 if id(p) not in self.seen_params:
                     self.seen_params.add(id(p))
                     total += p.numel() * p.element_size()
                     grad += p.numel() * p.element_size() if p.requires_grad else 0
         return sympy.Integer(total), sympy.Integer(grad)
+
+
+_REAL_SAMPLED = ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn")
+
+
+def _needs_real_samples(n: Node) -> bool:
+    name = str(n.target).lower() if n.op != "call_module" else ""
+    return any(marker in name for marker in _REAL_SAMPLED)
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch.fx import GraphModule, Node
 
@@ -74,11 +73,11 @@ class _Atoms:
 
 
 def _is_glue(node: Node) -> bool:
-    info = node.meta.get(ir.TENSOR)
+    """Launches no kernel (views, getitem, sizes) or produces no tensor without computing."""
     cost = node.meta.get(ir.COST)
-    if not isinstance(info, ir.TensorInfo):
-        return True
-    return cost is not None and cost.fwd_kernels == 0
+    if cost is not None:
+        return cost.fwd_kernels == 0
+    return not isinstance(node.meta.get(ir.TENSOR), ir.TensorInfo)
 
 
 def atoms_of(gm: GraphModule) -> list[list[Node]]:
@@ -215,6 +214,9 @@ def partition(
     inflight = [min(num_stages - s, chunks) if schedule == "1f1b" else chunks
                 for s in range(num_stages)]
     if split_points is not None:
+        if cuts is not None:
+            raise ConfigError("both split_points and a list of node counts (balance=[...]) "
+                              "say where to cut", hint="give one of them")
         cuts = _cuts_from_split_points(groups, split_points, num_stages)
     if cuts is None:
         if len(groups) < num_stages:
@@ -229,8 +231,12 @@ def partition(
             cut_mem=atoms.cut_bytes if remat != "never" else [0.0] * (len(groups) + 1),
             inflight=inflight)
         cuts = result.cuts
+    if mode == "params":  # balanced on bytes; report the stages in seconds like the others
+        atoms = _measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
+                               chunks=chunks)
     evaluated = solver.evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
-                                mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
+                                memory_limit=memory_limit, mem_fixed=atoms.mem_fixed,
+                                mem_act=atoms.mem_act,
                                 cut_mem=atoms.cut_bytes if remat != "never" else None,
                                 inflight=inflight)
     return _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages)
@@ -255,14 +261,17 @@ def _write_stages(groups, cuts, atoms: _Atoms, evaluated, b, chunks, mode, k) ->
 
 def _cuts_from_counts(gm: GraphModule, counts: list[int], k: int) -> tuple[int, ...]:
     nodes = ir.compute_nodes(gm.graph)
-    if len(counts) != k or any((not isinstance(c, int)) or c < 1 for c in counts) \
-            or sum(counts) != len(nodes):
-        raise PartitionError(
-            f"balance {counts} must list {k} positive node counts summing to the number of "
-            f"compute nodes ({sum(c for c in counts if isinstance(c, int))} != {len(nodes)})"
-            if len(counts) == k else
-            f"balance {counts} has {len(counts)} entries for {k} stages",
-            hint=f"give {k} counts that sum to {len(nodes)}, or use balance='cost'")
+    hint = f"give {k} positive integer counts that sum to {len(nodes)}, or use balance='cost'"
+    if len(counts) != k:
+        raise PartitionError(f"balance {counts} has {len(counts)} entries for {k} stages",
+                             hint=hint)
+    bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+    if bad:
+        raise PartitionError(f"balance {counts} has entries that are not positive integers "
+                             f"({bad})", hint=hint)
+    if sum(counts) != len(nodes):
+        raise PartitionError(f"balance {counts} must sum to the number of compute nodes "
+                             f"({sum(counts)} != {len(nodes)})", hint=hint)
     cuts = [0]
     for c in counts:
         cuts.append(cuts[-1] + c)

@@ -600,12 +600,12 @@ def _balanced_cuts(P: np.ndarray, K: int) -> tuple[int, ...]:
 
 
 def _memory_error(prob: _Problem, minimum: float) -> PartitionError:
-    assert prob.limit is not None
-    lim_s, min_s = _fmt_pair(prob.limit, minimum)
+    limit = prob.limit if prob.limit is not None else 0.0
+    least = math.ceil(minimum)  # whole bytes, rounded up: the hint's value is always enough
     return PartitionError(
         f"no {prob.K}-stage partition fits the memory limit "
-        f"(limit {lim_s} < minimum {min_s} bytes)",
-        hint=f"raise the memory limit to at least {min_s} bytes, use more stages, or keep less "
+        f"(limit {limit:.0f} < minimum {least} bytes)",
+        hint=f"raise the memory limit to at least {least} bytes, use more stages, or keep less "
         "per micro-batch in flight (fewer micro-batches, activation recomputation)",
     )
 

@@ -231,6 +231,8 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
             builder.graph.output(None)
         root = {t: _attr(gm, t) for t in builder.attrs}
         stage_gm = GraphModule(root, builder.graph, class_name=f"Stage{s}")
+        names = gm.meta.get(ir.QUALNAMES, {})
+        stage_gm.meta[ir.QUALNAMES] = {t: names[t] for t in builder.attrs if t in names}
         stages.append(StageGraph(s, stage_gm, tuple(builder.inputs), tuple(builder.recvs),
                                  tuple(sends), tuple(builder.attrs), builder.last))
     _check_pairs(stages)

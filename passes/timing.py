@@ -1,0 +1,262 @@
+"""Measured per-node forward and backward wall times on the current device.
+
+Reads:  CAPTURE (fxpipe.capture: the batch dimension of each input), TENSOR
+Writes: TIME on every compute node
+Graph:  unchanged (annotation only); the model's buffers, parameters' .grad and the caller's RNG
+        state are left as they were
+
+The graph runs once on real inputs cut to the micro-batch size, which gives every node its real
+input values. Each compute node is then timed alone: its forward on those values (with autograd
+recording, as in training), and its backward as autograd.grad of its floating outputs with
+respect to its floating inputs that require grad and its module's parameters. Both are medians
+after warm-up, with a fixed number of threads. A forward or backward that launches no kernel
+(views, getitem, shape arithmetic) gets 0 without timing: timed alone it would show only the
+fixed cost of a Python call or of starting autograd.grad, which the whole graph pays once. On
+CPU, per-node times add up to the whole only with one thread per process (DESIGN.md, "CPU
+timing").
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx import GraphModule, Interpreter, Node
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fxpipe import ir, shapes
+from fxpipe.errors import ConfigError, CostError
+
+__all__ = ["measure_times"]
+
+
+def measure_times(gm: GraphModule, flat_inputs: Sequence[torch.Tensor], *, microbatch_size: int,
+                  warmup: int = 2, repeat: int = 5,
+                  threads: int | None = 1) -> dict[str, ir.MeasuredTime]:
+    """Times every compute node of `gm` alone at `microbatch_size`; writes ir.TIME on each.
+
+    Args:
+        gm: a graph captured by fxpipe.capture (flat tensor placeholders).
+        flat_inputs: the graph's tensor inputs, e.g. `signature.flatten_inputs(args, kwargs)`;
+            each batched input must hold at least `microbatch_size` examples.
+        microbatch_size: the batch size b the nodes are timed at.
+        warmup, repeat: untimed runs, then timed runs whose median is kept.
+        threads: torch.set_num_threads for the duration (restored afterwards); None keeps it.
+
+    Returns:
+        {node name: ir.MeasuredTime(fwd, bwd, b)} in seconds, for every compute node.
+    """
+    if repeat < 1 or warmup < 0:
+        raise ConfigError(f"repeat must be >= 1 and warmup >= 0 (got repeat={repeat}, "
+                          f"warmup={warmup})", hint="use e.g. warmup=2, repeat=5")
+    tensors = _microbatch(gm, flat_inputs, microbatch_size)
+    sync = torch.cuda.synchronize if any(t.is_cuda for t in tensors) else None
+    times: dict[str, ir.MeasuredTime] = {}
+    with _threads(threads), _preserved_state(gm):
+        values = _record_values(gm, tensors)
+        for node in ir.compute_nodes(gm.graph):
+            timer = _NodeTimer(gm, node, values, warmup, repeat, sync)
+            try:
+                fwd, bwd = timer.run()
+            except Exception as e:  # noqa: BLE001 - name the node, keep the cause
+                raise CostError(f"cannot time {node.name} ({node.op} {node.target}) at "
+                                f"micro-batch size {microbatch_size}: {type(e).__name__}: {e}",
+                                hint="check that the graph runs on these inputs "
+                                     "(fxpipe.capture.run_flat)") from e
+            times[node.name] = ir.MeasuredTime(fwd, bwd, b=microbatch_size)
+            node.meta[ir.TIME] = times[node.name]
+    return times
+
+
+# --- inputs and state ---------------------------------------------------------------------------
+
+def _microbatch(gm: GraphModule, flat_inputs: Sequence[torch.Tensor], b: int) -> list[torch.Tensor]:
+    """The first `b` examples of every batched input (unbatched inputs unchanged)."""
+    info = gm.meta.get(ir.CAPTURE)
+    if info is None:
+        raise ConfigError("the graph has no capture information (gm.meta[ir.CAPTURE])",
+                          hint="capture the model with fxpipe.capture before measuring it")
+    leaves = info.signature.tensor_leaves
+    if len(leaves) != len(flat_inputs):
+        raise ConfigError(f"the graph takes {len(leaves)} tensor inputs "
+                          f"(got {len(flat_inputs)})",
+                          hint="pass signature.flatten_inputs(args, kwargs) of the example")
+    if b < 1:
+        raise ConfigError(f"microbatch_size must be >= 1 (got {b})", hint="use e.g. 2")
+    out = []
+    for leaf, t in zip(leaves, flat_inputs):
+        if leaf.batch_dim is None:
+            out.append(t)
+            continue
+        size = t.shape[leaf.batch_dim]
+        if size < b:
+            raise ConfigError(f"input {leaf.name} holds {size} examples along dimension "
+                              f"{leaf.batch_dim}, fewer than the micro-batch size ({b})",
+                              hint=f"use microbatch_size <= {size} or pass a larger batch")
+        out.append(t.narrow(leaf.batch_dim, 0, b))
+    return out
+
+
+@contextlib.contextmanager
+def _threads(threads: int | None) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def _preserved_state(gm: GraphModule) -> Iterator[None]:
+    """Restores every buffer (BatchNorm statistics move when a train-mode node runs) and the
+    caller's RNG streams (dropout nodes draw from them)."""
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def _record_values(gm: GraphModule, tensors: Sequence[torch.Tensor]) -> dict[Node, Any]:
+    """Every node's real value, detached, floating tensors keeping their requires_grad flag."""
+    interp = Interpreter(gm, garbage_collect_values=False)
+    with torch.enable_grad():
+        interp.run(*tensors, enable_io_processing=False)
+    return {n: pytree.tree_map(_fresh_leaf, v) for n, v in interp.env.items()}
+
+
+def _fresh_leaf(x: Any) -> Any:
+    """The same storage without history: timing a node never reaches into its producers."""
+    if isinstance(x, torch.nn.Parameter):
+        return x  # the model's own parameter: autograd.grad w.r.t. it never touches .grad
+    if isinstance(x, torch.Tensor):
+        leaf = x.detach()
+        return leaf.requires_grad_(x.requires_grad) if _is_float(x) else leaf
+    return x
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+# --- one node -----------------------------------------------------------------------------------
+
+class _Kernels(TorchDispatchMode):
+    """Counts the aten kernels that run: views, detach and shape queries launch none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if not (func.namespace == "prim" or func.is_view or func._overloadpacket in _NO_KERNEL):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+_NO_KERNEL = {torch.ops.aten.detach, torch.ops.aten.sym_size, torch.ops.aten.sym_numel,
+              torch.ops.aten.sym_stride, torch.ops.aten.lift_fresh}
+
+
+class _NodeTimer:
+    """Forward and backward median times of one node on its recorded inputs."""
+
+    def __init__(self, gm: GraphModule, node: Node, values: dict[Node, Any], warmup: int,
+                 repeat: int, sync: Callable[[], None] | None) -> None:
+        self.gm, self.node = gm, node
+        self.args = pytree.tree_map(lambda a: values[a] if isinstance(a, Node) else a, node.args)
+        self.kwargs = pytree.tree_map(lambda a: values[a] if isinstance(a, Node) else a,
+                                      dict(node.kwargs))
+        self.warmup, self.repeat, self.sync = warmup, repeat, sync
+        # In-place nodes (BatchNorm's num_batches_tracked.add_, relu_) change their inputs:
+        # each run gets fresh copies so that repeated runs see the recorded values.
+        self.inplace = _is_inplace(node)
+
+    def run(self) -> tuple[float, float]:
+        if self.node.op == "call_function" and self.node.target in (operator.getitem, getattr):
+            return 0.0, 0.0
+        probe = _Kernels()
+        with probe:
+            outs, wrt = self._forward(self._inputs())
+        fwd = self._median(self._inputs, self._forward) if probe.count else 0.0
+        if not outs or not wrt:
+            return fwd, 0.0
+        grads = [torch.ones_like(t) for t in outs]
+
+        def backward(state: tuple[list, list]) -> None:
+            torch.autograd.grad(state[0], state[1], grads, allow_unused=True)
+
+        probe = _Kernels()
+        with probe:
+            backward((outs, wrt))
+        if not probe.count:  # the backward of a view is a view
+            return fwd, 0.0
+        return fwd, self._median(lambda: self._forward(self._inputs()), backward)
+
+    def _inputs(self) -> tuple[tuple, dict, list[torch.Tensor]]:
+        """(args, kwargs, leaves to differentiate with respect to)."""
+        leaves = [t for t in pytree.tree_leaves((self.args, self.kwargs))
+                  if isinstance(t, torch.Tensor) and _is_float(t) and t.requires_grad]
+        if not self.inplace:
+            return self.args, self.kwargs, leaves
+        # An in-place node gets copies, made inside autograd so that in-place ops on them are
+        # allowed, and the gradient still flows to the recorded leaves.
+        with torch.enable_grad():
+            copy = lambda x: x.clone() if isinstance(x, torch.Tensor) \
+                and not isinstance(x, torch.nn.Parameter) else x  # noqa: E731
+            return pytree.tree_map(copy, self.args), pytree.tree_map(copy, self.kwargs), leaves
+
+    def _forward(self, inputs: tuple[tuple, dict, list]) -> tuple[list[torch.Tensor],
+                                                                  list[torch.Tensor]]:
+        """Runs the node once with autograd recording; returns (outputs to differentiate,
+        tensors to differentiate them with respect to)."""
+        args, kwargs, wrt = inputs
+        with torch.enable_grad():
+            out = shapes.call_node(self.gm, self.node, args, kwargs)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                and _is_float(t) and t.requires_grad and t.grad_fn is not None]
+        if self.node.op == "call_module":
+            wrt = wrt + [p for p in self.gm.get_submodule(str(self.node.target)).parameters()
+                         if p.requires_grad]
+        return outs, list({id(t): t for t in wrt}.values())
+
+    def _median(self, setup: Callable[[], Any], timed: Callable[[Any], Any]) -> float:
+        """Median of `repeat` timings of `timed(setup())` after `warmup` untimed runs."""
+        samples = []
+        for i in range(self.warmup + self.repeat):
+            state = setup()
+            if self.sync:
+                self.sync()
+            start = time.perf_counter()
+            timed(state)
+            if self.sync:
+                self.sync()
+            if i >= self.warmup:
+                samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+
+def _is_inplace(node: Node) -> bool:
+    target = node.target
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        return str(target).endswith("_") and not str(target).endswith("__")
+    if node.op != "call_function":
+        return False
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")

@@ -1,0 +1,210 @@
+"""Tests for fxpipe.report: the partition report (text, markdown, JSON), cost tables, and the
+measured-versus-predicted activation memory of a compiled program.
+
+The report is checked on gpt at 3 stages x 4 micro-batches: its tied embedding / LM-head weight
+lives in the first and the last stage. Programs use the deterministic "a100" preset and dropout=0.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+import pytest
+
+import fxpipe
+from fxpipe import ir
+from fxpipe.models import gpt
+from fxpipe.profile import get_profile
+from fxpipe.report import cost_table, human_bytes, human_flops, human_time
+
+STAGES, CHUNKS = 3, 4
+
+
+@functools.cache
+def compiled() -> tuple[Any, Any]:
+    """(model, program) for gpt at 3 stages x 4 micro-batches (shared: do not modify)."""
+    model, inputs = gpt.build(dropout=0.0)
+    program = fxpipe.compile(model, inputs, stages=STAGES, chunks=CHUNKS, profile="a100")
+    return model, program
+
+
+def table_rows(text: str) -> list[str]:
+    """The stage rows of the text report's table (between the dashes and the blank line)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if set(line.strip()) <= {"-", " "}
+                 and line.strip()) + 1
+    end = lines.index("", start)
+    return lines[start:end]
+
+
+def stage_params(stage: Any) -> int:
+    return sum(p.numel() for p in stage.graph_module.parameters())  # unique Parameter objects
+
+
+# --- the text report ---------------------------------------------------------------------------
+
+
+def test_report_text_lists_every_stage_with_modules_nodes_params_flops_time_and_memory():
+    _, program = compiled()
+    plan = program.plan
+    b = plan.microbatch_size
+    rows = table_rows(program.report().text())
+    assert len(rows) == STAGES
+
+    for row, st, sp in zip(rows, program.stages, plan.stages):
+        nodes = ir.compute_nodes(program.graph_module.graph)
+        flops = sum(float(ir.evaluate(ir.cost(n).fwd_flops, b))
+                    for n in nodes if ir.stage(n) == st.index)
+        params = stage_params(st)
+        cells = [str(st.index), sp.first_module, sp.last_module, str(len(sp.nodes)),
+                 f"{params:,}", human_flops(flops), human_time(sp.time), human_bytes(4 * params)]
+        for cell in cells:
+            assert cell in row, f"stage {st.index}: {cell!r} not in {row!r}"
+        assert row.split()[0] == str(st.index)
+        assert len(re.findall(r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)\b", row)) == 5  # memory columns
+
+
+def test_report_text_states_imbalance_bubble_step_time_and_the_schedule_grid():
+    _, program = compiled()
+    plan = program.plan
+    text = program.report().text()
+    times = [s.time for s in plan.stages]
+    bubble = (STAGES - 1) / (CHUNKS + STAGES - 1)
+
+    assert plan.imbalance == pytest.approx(max(times) / (sum(times) / len(times)))
+    assert f"imbalance (slowest / mean stage): {plan.imbalance:.3f}" in text
+    assert f"bubble (K-1)/(M+K-1): {bubble:.1%}" in text and "33.3%" in text
+    assert plan.predicted_step_time == pytest.approx((CHUNKS + STAGES - 1) * plan.bottleneck)
+    assert f"predicted step time: {human_time(plan.predicted_step_time)}" in text
+
+    grid = text[text.index("\nclock"):]
+    assert all(f"stage {s}" in grid.splitlines()[1] for s in range(STAGES))
+    for action in ("F", "B"):
+        tokens = re.findall(rf"\b{action}(\d+)\b", grid)
+        assert sorted(map(int, tokens)) == sorted(list(range(CHUNKS)) * STAGES)
+
+
+def test_report_markdown_is_a_github_table():
+    _, program = compiled()
+    lines = program.report().markdown().splitlines()
+    table = [line for line in lines if line.startswith("|")]
+
+    assert len(table) == 2 + STAGES
+    assert re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", table[1]), table[1]
+    widths = {line.count("|") for line in table}
+    assert len(widths) == 1
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert header[:4] == ["stage", "first", "last", "ops"]
+    for s, row in enumerate(table[2:]):
+        assert row.strip("|").split("|")[0].strip() == str(s)
+
+
+def test_report_json_has_the_summary_and_per_stage_numbers():
+    _, program = compiled()
+    plan = program.plan
+    data = json.loads(program.report().json())
+    summary = data["summary"]
+
+    assert summary["stages"] == STAGES and summary["chunks"] == CHUNKS
+    assert summary["bubble"] == pytest.approx((STAGES - 1) / (CHUNKS + STAGES - 1))
+    assert summary["predicted_step_time_s"] == pytest.approx(plan.predicted_step_time)
+    assert summary["imbalance"] == pytest.approx(plan.imbalance)
+    assert [s["stage"] for s in data["stages"]] == list(range(STAGES))
+    for entry, sp, st in zip(data["stages"], plan.stages, program.stages):
+        assert entry["nodes"] == len(sp.nodes)
+        assert entry["time_s"] == pytest.approx(sp.time)
+        assert entry["first_module"] == sp.first_module and entry["last_module"] == sp.last_module
+        assert entry["param_count"] == stage_params(st)
+        assert entry["params_bytes"] == 4 * stage_params(st)
+        assert entry["memory_model_bytes"] == pytest.approx(sp.memory)
+        for key in ("fwd_flops", "activations_bytes", "kept_with_remat_bytes", "recv_bytes",
+                    "send_bytes", "compute_s", "comm_s"):
+            assert isinstance(entry[key], (int, float)) and entry[key] >= 0, key
+    assert data["stages"][0]["recv_bytes"] == 0 and data["stages"][-1]["send_bytes"] == 0
+
+
+def test_tied_weight_is_counted_in_both_stages_that_hold_it_and_the_report_says_so():
+    model, program = compiled()
+    report = program.report()
+    data = json.loads(report.json())
+    model_count = sum(p.numel() for p in model.parameters())  # the tied weight once
+    tied = model.wte.weight.numel()
+
+    assert data["shared_parameters"] == {"wte.weight": [0, STAGES - 1]}
+    assert "wte.weight in stages [0, 2]" in report.text()
+    # each stage holds (and counts) its own reference to the tied weight
+    assert sum(s["param_count"] for s in data["stages"]) == model_count + tied
+    for s in (0, STAGES - 1):
+        assert any(p is model.wte.weight for p in program.stages[s].graph_module.parameters())
+
+
+# --- cost tables -------------------------------------------------------------------------------
+
+_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def _columns(table: str) -> list[dict[str, str]]:
+    """Parses a tabulate "simple" table into rows of {header: cell}."""
+    lines = table.splitlines()
+    spans = [m.span() for m in re.finditer(r"-+", lines[1])]
+    header = [lines[0][a:b].strip() for a, b in spans]
+    return [{h: line[a:b].strip() for h, (a, b) in zip(header, spans)} for line in lines[2:]]
+
+
+def _seconds(cell: str) -> float:
+    value, unit = cell.split()
+    return float(value) * _UNITS[unit]
+
+
+def test_cost_table_by_module_sorted_by_time_shows_the_top_rows_in_descending_order():
+    _, program = compiled()
+    gm = program.graph_module
+    profile = get_profile("a100")
+
+    table = cost_table(gm, b=4, profile=profile, sort="time", by_module=True, top=5)
+    everything = cost_table(gm, b=4, profile=profile, sort="time", by_module=True)
+
+    rows = _columns(table)
+    assert len(table.splitlines()) == 2 + len(rows) and len(rows) == 5  # header, dashes, rows
+    times = [_seconds(r["est time"]) for r in rows]
+    assert times == sorted(times, reverse=True)
+    all_rows = _columns(everything)
+    assert len(all_rows) > 5
+    assert rows == all_rows[:5]
+    assert max(_seconds(r["est time"]) for r in all_rows[5:]) <= times[-1]
+    modules = [r["module"] for r in all_rows]
+    assert len(set(modules)) == len(modules)  # one row per module
+
+
+# --- measured activation memory ----------------------------------------------------------------
+
+
+@functools.cache
+def kept_activations(remat: str) -> list[dict[str, float]]:
+    model, (idx,) = gpt.build(dropout=0.0, batch=16)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=8, remat=remat, profile="a100")
+    result = program.measure_activations(idx)
+    assert "measured kept_activations" in program.report().text()
+    return result
+
+
+@pytest.mark.parametrize("remat", ("never", "always"))
+def test_measured_kept_activations_are_within_ten_percent_of_the_prediction(remat):
+    result = kept_activations(remat)
+    assert [r["stage"] for r in result] == [0, 1]
+    for r in result:
+        print(f"\nremat={remat} stage {r['stage']}: measured {r['measured_bytes']:.0f} B, "
+              f"predicted {r['predicted_bytes']:.0f} B")
+        assert r["measured_bytes"] > 0
+        assert abs(r["measured_bytes"] - r["predicted_bytes"]) <= 0.1 * r["predicted_bytes"]
+
+
+def test_remat_always_keeps_at_least_three_times_less_than_never_in_every_stage():
+    never, always = kept_activations("never"), kept_activations("always")
+    for n, a in zip(never, always):
+        ratio = n["measured_bytes"] / a["measured_bytes"]
+        print(f"\nstage {n['stage']}: never {n['measured_bytes']:.0f} B, "
+              f"always {a['measured_bytes']:.0f} B ({ratio:.1f}x)")
+        assert 3 * a["measured_bytes"] <= n["measured_bytes"]
