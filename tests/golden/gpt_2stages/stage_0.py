@@ -2,7 +2,7 @@
 #   fxpipe.compile(GPT, stages=2, chunks=4, remat='always', balance='cost')
 #
 # Stage 0 of 2: wte -> blocks.0 (33 ops)
-#   cost    7.06 MFLOP fwd / micro-batch   (38.5% of the model, ideal 50.0%)
+#   cost    7.06 MFLOP fwd / micro-batch   (38.6% of the model, ideal 50.0%)
 #   params  331.2 KiB   saved activations 258.8 KiB / micro-batch (512 B kept with remat)
 #   send    blocks_0_add_2  f32[b, 32, 64]  -> stage 1
 #   remat   remat_0 = 33 ops (size .. blocks_0_add_2), keeps 512 B instead of 258.8 KiB

@@ -2,7 +2,7 @@
 #   fxpipe.compile(GPT, stages=2, chunks=4, remat='always', balance='cost')
 #
 # Stage 1 of 2: blocks.1.ln_1 -> lm_head (28 ops)
-#   cost    11.28 MFLOP fwd / micro-batch   (61.5% of the model, ideal 50.0%)
+#   cost    11.25 MFLOP fwd / micro-batch   (61.4% of the model, ideal 50.0%)
 #   params  323.8 KiB   saved activations 290.5 KiB / micro-batch (16.0 KiB kept with remat)
 #   recv    blocks_0_add_2  f32[b, 32, 64]  <- stage 0
 #   remat   remat_0 = 28 ops (blocks_1_ln_1 .. lm_head), keeps 16.0 KiB instead of 290.5 KiB
