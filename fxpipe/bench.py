@@ -96,7 +96,7 @@ def _pipelining(model: Any, inputs: tuple, target: Any, chunks: int, points: lis
             dist.all_reduce(param.grad, group=group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        value = torch.tensor([float(sum(losses) / len(losses)) if losses else 0.0])
+        value = torch.tensor([float(sum(l.detach() for l in losses) / len(losses)) if losses else 0.0])
         dist.broadcast(value, src=world - 1)
         return float(value)
 
@@ -113,7 +113,7 @@ def _single(model: Any, inputs: tuple, target: Any, chunks: int) -> Any:
         for args, tgt in zip(micro, targets):
             loss = _mean_loss(model(*args), tgt) / chunks
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return total

@@ -192,11 +192,42 @@ def _fixed_chunks(config: CompileConfig, default: int) -> int:
     return config.chunks if isinstance(config.chunks, int) else default
 
 
+def _loss_time(gm: GraphModule, b: int, profile: DeviceProfile, measured: bool) -> float:
+    """Seconds per micro-batch of the default loss on the first floating output (forward and
+    backward): the last stage runs it after the model, so the partition must count it."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    infos = [n.meta.get(ir.TENSOR) for n in outputs]
+    info = next((i for i in infos if isinstance(i, ir.TensorInfo) and i.is_float), None)
+    if info is None:
+        return 0.0
+    shape = info.concrete_shape(b)
+    if measured:
+        from fxpipe.losses import default_loss
+        from fxpipe.profile import median_time
+
+        logits = torch.randn(shape, requires_grad=True)
+        target = torch.zeros(shape[:-1], dtype=torch.long) if len(shape) > 1 else None
+
+        def run() -> None:
+            default_loss(logits, target).backward()
+
+        return median_time(run, warmup=2, repeat=5)
+    numel = float(ir.evaluate(info.numel, b))
+    # log-softmax, gather and mean forward; their gradients backward: ~3 kernels each way
+    return 2 * profile.compute_time(6 * numel, 3 * numel * info.dtype.itemsize, kernels=3)
+
+
 def _partition(gm: GraphModule, config: CompileConfig, batch: int,
                profile: DeviceProfile) -> PartitionPlan:
     kwargs = dict(profile=profile, balance=config.balance if isinstance(config.balance, str)
                   else list(config.balance), split_points=config.split_points,
                   remat=config.remat, memory_limit=config.memory_limit, schedule=config.schedule)
+
+    def plan_for(chunks: int) -> PartitionPlan:
+        loss = _loss_time(gm, batch // chunks, profile, config.balance == "time")
+        return partition(gm, config.stages, microbatch_size=batch // chunks, chunks=chunks,
+                         loss_time=loss, **kwargs)
+
     if config.chunks != "auto":
         chunks = config.chunks
         if chunks > batch:
@@ -206,12 +237,11 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int,
             divisors = [d for d in range(1, batch + 1) if batch % d == 0]
             raise ConfigError(f"batch size {batch} cannot be split into {chunks} equal "
                               "micro-batches", hint=f"use chunks in {divisors} (or chunks='auto')")
-        return partition(gm, config.stages, microbatch_size=batch // chunks, chunks=chunks, **kwargs)
+        return plan_for(chunks)
     candidates, best = [], None
     for chunks in [d for d in range(1, batch + 1) if batch % d == 0]:
         try:
-            plan = partition(gm, config.stages, microbatch_size=batch // chunks, chunks=chunks,
-                             **kwargs)
+            plan = plan_for(chunks)
         except PartitionError:
             continue
         candidates.append((chunks, plan.predicted_step_time))
@@ -220,12 +250,7 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int,
     if best is None:
         raise PartitionError(f"no number of micro-batches (divisors of {batch}) gives a feasible "
                              "partition", hint="raise memory_limit or use more stages")
-    return _with_candidates(gm, config, best, candidates, kwargs)
-
-
-def _with_candidates(gm, config, best: PartitionPlan, candidates, kwargs) -> PartitionPlan:
-    plan = partition(gm, config.stages, microbatch_size=best.microbatch_size, chunks=best.chunks,
-                     **kwargs)  # re-run so STAGE metadata matches the chosen plan
+    plan = plan_for(best.chunks)  # again, so the STAGE metadata is the chosen plan's
     return replace(plan, candidates=tuple(candidates))
 
 

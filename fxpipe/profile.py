@@ -65,9 +65,10 @@ PRESETS: dict[str, DeviceProfile] = {
 }
 
 # gloo point-to-point between two processes on one host (TCP loopback), measured on a 2-core
-# x86-64 VM with 1 MB and 16 MB messages; used for "cpu" unless a link is measured.
-CPU_LOOPBACK_BANDWIDTH = 2.5e9
-CPU_LOOPBACK_LATENCY = 150e-6
+# x86-64 VM with 1 MB messages (0.8 GB/s; 16 MB messages reach 3.4 GB/s, 4 KB ones take 0.1 ms).
+# Activations are about 1 MB per micro-batch, so that is the rate that matters.
+CPU_LOOPBACK_BANDWIDTH = 0.8e9
+CPU_LOOPBACK_LATENCY = 100e-6
 
 
 def median_time(fn: Callable[[], object], *, warmup: int = 3, repeat: int = 7,

@@ -191,8 +191,12 @@ def partition(
     remat: str = "except_last",
     memory_limit: float | None = None,
     schedule: str = "gpipe",
+    loss_time: float = 0.0,
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
+
+    loss_time: seconds per micro-batch of the training loss (forward and backward), which the
+    last stage computes after the model's outputs.
 
     Raises:
         PartitionError: more stages than atoms, or no partition fits the memory limit.
@@ -211,6 +215,8 @@ def partition(
     b = microbatch_size
     atoms = _measure_atoms(gm, groups, balance=mode if mode != "explicit" else "cost",
                            profile=profile, b=b, remat=remat, chunks=chunks)
+    if mode != "params":
+        atoms.compute[-1] += loss_time  # the last atom is always in the last stage
     inflight = [min(num_stages - s, chunks) if schedule == "1f1b" else chunks
                 for s in range(num_stages)]
     if split_points is not None:
@@ -234,6 +240,7 @@ def partition(
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
         atoms = _measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
                                chunks=chunks)
+        atoms.compute[-1] += loss_time
     evaluated = solver.evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
                                 memory_limit=memory_limit, mem_fixed=atoms.mem_fixed,
                                 mem_act=atoms.mem_act,

@@ -126,6 +126,56 @@ class DistComm:
         self.records: dict[int, _Record] = {}
         self.pending: list[Any] = []  # isend works to wait for before buffers are reused
         self.timeline = timeline
+        # irecvs posted ahead of need, so a transfer overlaps the computation before it
+        self.early: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.prefetch = dist.get_backend(group) == "gloo"  # nccl needs both ends in one order
+
+    def prefetch_forward(self, stage: int, mb: int, device: torch.device) -> None:
+        """Posts the receives of micro-batch mb's forward on `stage`."""
+        if not self.prefetch:
+            return
+        for (tag, src, dst), info in self.info.items():
+            if dst != stage:
+                continue
+            for k, leaf in enumerate(_leaves(info)):
+                if isinstance(leaf, ir.TensorInfo):
+                    number = self.tags.tag(tag, src, dst, mb, backward=False, element=k)
+                    buffer = torch.empty(leaf.concrete_shape(self.b), dtype=leaf.dtype,
+                                         device=device)
+                    self._post(number, buffer, self.rank_of_stage[src])
+
+    def prefetch_backward(self, stage: int, mb: int) -> None:
+        """Posts the receives of the gradients micro-batch mb's backward on `stage` needs."""
+        if not self.prefetch:
+            return
+        for value, tag, dst, k in self.records.get(mb, _Record()).sent:
+            number = self.tags.tag(tag, stage, dst, mb, backward=True, element=k)
+            self._post(number, torch.empty_like(value, requires_grad=False),
+                       self.rank_of_stage[dst])
+
+    def _post(self, number: int, buffer: torch.Tensor, rank: int) -> None:
+        if number in self.early:
+            return
+        try:
+            work = dist.irecv(buffer, src=rank, group=self.group, tag=number)
+        except RuntimeError as e:
+            raise PeerLostError(f"receiving from rank {rank} failed: {str(e).splitlines()[0]}",
+                                hint="another rank failed, exited or timed out") from e
+        self.early[number] = (work, buffer)
+
+    def _take(self, number: int, buffer: torch.Tensor, rank: int) -> torch.Tensor:
+        """The buffer of a prefetched receive (waited for), or a blocking receive into buffer."""
+        posted = self.early.pop(number, None)
+        if posted is None:
+            _recv(buffer, rank, self.group, number)
+            return buffer
+        work, early = posted
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise PeerLostError(f"receiving from rank {rank} failed: {str(e).splitlines()[0]}",
+                                hint="another rank failed, exited or timed out") from e
+        return early
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -144,8 +194,9 @@ class DistComm:
 
     def _recv_leaf(self, info: ir.ValueInfo, rank: int, number: int, device: torch.device) -> Any:
         if isinstance(info, ir.TensorInfo):
-            buffer = torch.empty(info.concrete_shape(self.b), dtype=info.dtype, device=device)
-            _recv(buffer, rank, self.group, number)
+            buffer = torch.empty(info.concrete_shape(self.b), dtype=info.dtype, device=device) \
+                if number not in self.early else self.early[number][1]
+            buffer = self._take(number, buffer, rank)
             return buffer.requires_grad_(_needs_grad(info) and torch.is_grad_enabled())
         buffer = torch.empty(1, dtype=torch.float64, device=device)
         _recv(buffer, rank, self.group, number)
@@ -183,9 +234,10 @@ class DistComm:
             grads.append(None)
         for value, tag, dst, k in record.sent:
             number = self.tags.tag(tag, stage, dst, mb, backward=True, element=k)
-            grad = torch.empty_like(value, requires_grad=False)
+            grad = torch.empty_like(value, requires_grad=False) if number not in self.early \
+                else self.early[number][1]
             with self._event("recv_grad", stage, mb, tag):
-                _recv(grad, self.rank_of_stage[dst], self.group, number)
+                grad = self._take(number, grad, self.rank_of_stage[dst])
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 tensors.append(value)
                 grads.append(grad)
@@ -209,6 +261,7 @@ class DistComm:
                                     hint="another rank failed or exited; its error says why") from e
         self.pending.clear()
         self.records.clear()
+        self.early.clear()
 
     def _event(self, kind: str, stage: int, mb: int, tag: str) -> Any:
         if self.timeline is None:

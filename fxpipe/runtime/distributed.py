@@ -121,8 +121,17 @@ class DistributedExecutor:
         discard_batch_norms()
         losses: dict[int, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for action in get_schedule(schedule)(chunks, k)[stage]:
+        actions = get_schedule(schedule)(chunks, k)[stage]
+        for i, action in enumerate(actions):
             mb = action.microbatch
+            if i == 0:
+                comm.prefetch_forward(stage, mb, self.device)
+            if i + 1 < len(actions):  # post the next action's receives: they overlap this one
+                upcoming = actions[i + 1]
+                if upcoming.kind == "F":
+                    comm.prefetch_forward(stage, upcoming.microbatch, self.device)
+                else:  # posts nothing yet if that micro-batch's forward is this action
+                    comm.prefetch_backward(stage, upcoming.microbatch)
             try:
                 if action.kind == "F":
                     view = MicrobatchComm(comm, stage, mb, remat_enabled(remat, mb, chunks),
