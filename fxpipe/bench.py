@@ -153,6 +153,7 @@ def _worker(rank: int, world: int, port: int, args: dict, queue: Any) -> None:
 
 def _run_worker(rank: int, world: int, port: int, args: dict) -> dict:
     from fxpipe.cli import load_factory
+    from fxpipe.runtime.timeline import predicted_events
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -190,6 +191,7 @@ def _run_worker(rank: int, world: int, port: int, args: dict) -> dict:
     result = {"times": {k: v[args["warmup"]:] for k, v in times.items()}, "losses": losses,
               "busy": busy, "events": [e.__dict__ for e in events],
               "predicted": program.plan.predicted_step_time,
+              "predicted_events": [e.__dict__ for e in predicted_events(program.plan)],
               "stages": [{"first": s.first_module, "last": s.last_module, "ops": len(s.nodes),
                           "predicted_s": s.time} for s in program.plan.stages],
               "split_points": points}
@@ -287,6 +289,7 @@ def _summarise(results: dict, memory: dict, ns: Any) -> dict:
             "bubble": max(0.0, 1 - busy / measured), "kept_bytes_remat_never": never,
             "kept_bytes_remat_always": always, "kept_reduction": never / always if always else None})
     summary["events"] = {r: results[r]["events"] for r in ranks}
+    summary["predicted_events"] = results[0]["predicted_events"]
     return summary
 
 
@@ -331,7 +334,9 @@ def _write(summary: dict, ns: Any) -> None:
     with open(os.path.join(ns.out, "bench.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, sort_keys=True, default=str)
     measured = [Event(**e) for evs in events.values() for e in evs]
-    write_chrome_trace(os.path.join(ns.out, "bench_trace.json"), {"fxpipe measured": measured})
+    predicted = [Event(**e) for e in summary.pop("predicted_events")]
+    write_chrome_trace(os.path.join(ns.out, "bench_trace.json"),
+                       {"fxpipe measured": measured, "fxpipe predicted": predicted})
     print(f"wrote {ns.out}/bench.json, {ns.out}/bench.md, {ns.out}/bench_trace.json")
     if getattr(ns, "plot", False):
         _plot(measured, os.path.join(ns.out, "bench_timeline.png"))
@@ -364,3 +369,26 @@ def _plot(events: list, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def run_bench_compile(ns: Any) -> int:
+    """Compile time of the reference GPT with `ns.n_layer` blocks, pass by pass."""
+    from tabulate import tabulate
+
+    import fxpipe
+    from fxpipe.models import gpt
+
+    model, inputs = gpt.build(n_layer=ns.n_layer, dropout=0.0)
+    print(f"compiling gpt.build(n_layer={ns.n_layer}) into {ns.stages} stages ...", flush=True)
+    start = time.perf_counter()
+    program = fxpipe.compile(model, inputs, stages=ns.stages, chunks=4, profile=ns.profile)
+    total = time.perf_counter() - start
+    timings = program._built.timings
+    rows = [[name, f"{seconds:.2f}", f"{seconds / total:.0%}"] for name, seconds in timings.items()]
+    rows.append(["(other: program setup, loading stage classes)",
+                 f"{total - sum(timings.values()):.2f}", ""])
+    rows.append(["total", f"{total:.2f}", "100%"])
+    nodes = len(program.graph_module.graph.nodes)
+    print(tabulate(rows, headers=["pass", "seconds", "share"], tablefmt="github"))
+    print(f"{nodes} graph nodes; target: under 10 s")
+    return 0

@@ -7,6 +7,7 @@
     fxpipe run DIR --nproc K [program args]      train a written program (torchrun)
     fxpipe bench MODEL [options]                 fxpipe vs one process vs torch.distributed.pipelining
     fxpipe bench-partition                       solver quality and speed against baselines
+    fxpipe bench-compile                         compile time of a 48-block GPT, pass by pass
 """
 from __future__ import annotations
 
@@ -167,6 +168,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_bench_compile(args: argparse.Namespace) -> int:
+    from fxpipe.bench import run_bench_compile
+
+    return run_bench_compile(args)
+
+
 def cmd_bench_partition(args: argparse.Namespace) -> int:
     from fxpipe.bench_partition import run_bench_partition
 
@@ -210,6 +217,11 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="step time against one process and torch pipelining")
     _add_bench_options(b)
     b.set_defaults(func=cmd_bench)
+    bc = sub.add_parser("bench-compile", help="compile time of a deep GPT, pass by pass")
+    bc.add_argument("--n-layer", type=int, default=48)
+    bc.add_argument("--stages", type=int, default=4)
+    bc.add_argument("--profile", default="a100")
+    bc.set_defaults(func=cmd_bench_compile)
     bp = sub.add_parser("bench-partition", help="partition quality and solve time")
     bp.add_argument("--sizes", default="1000,10000,100000")
     bp.add_argument("--stages", type=int, default=8)

@@ -8,6 +8,14 @@ import sys
 __all__ = ["run_demo"]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
     """Compiles the bundled GPT into 2 stages, prints the report, writes the program to `out`,
     trains it on `nproc` CPU processes and checks the loss against the plain model."""
@@ -17,7 +25,8 @@ def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
     config = {"dropout": 0.0}  # dropout off, so the pipeline's losses can equal the model's
     model, inputs = gpt.build(**config)
     target = gpt.target(inputs)
-    command = "fxpipe compile fxpipe.models.gpt:build --set dropout=0.0 --stages 2 --chunks 4"
+    command = ("fxpipe compile fxpipe.models.gpt:build --set dropout=0.0 --stages 2 --chunks 4 "
+               "--remat except_last")
     print("compiling the bundled GPT into 2 stages x 4 micro-batches ...", flush=True)
     program = fxpipe.compile(model, inputs, stages=2, chunks=4, command=command)
     print(program.report().text(), flush=True)
@@ -27,7 +36,7 @@ def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
     print(f"\ntraining {steps} steps on {nproc} CPU processes (torchrun), verifying against the "
           "plain model ...", flush=True)
     code = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                            str(nproc), "--master-port", "29531",
+                            str(nproc), "--master-port", str(_free_port()),
                             os.path.join(out, "program.py"), "--steps", str(steps), "--verify",
                             "--timeline", timeline],
                            env={**os.environ, "OMP_NUM_THREADS": "1",

@@ -18,6 +18,7 @@ from fxpipe.batching import seeded
 from fxpipe.errors import CheckpointError, CodegenError
 from fxpipe.losses import loss_name, resolve_loss
 from fxpipe.runtime.spec import comm_to_json, signature_to_json
+from fxpipe.runtime.timeline import predicted_events
 
 __all__ = ["write_program", "atomic_write", "atomic_save"]
 
@@ -154,6 +155,8 @@ def write_program(program: Any, directory: str, *, loss_fn: Any, target: Any,
         "shared": built.shared, "edges": [list(e) for e in built.edges],
         "loss": name, "lr": lr, "reference_losses": reference, "deterministic": deterministic,
         "aliases": _aliases(program),
+        "predicted_events": [e.__dict__ for e in predicted_events(built.plan,
+                                                                 built.config.schedule)],
     }
     files = {
         "program.py": LAUNCHER.format(version="0.1.0", model=type(program.model).__name__,

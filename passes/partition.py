@@ -41,6 +41,7 @@ class StagePlan:
     memory: float | None  # predicted peak bytes under the memory model
     first_module: str
     last_module: str
+    forward_time: float = 0.0  # the part of compute_time spent in forwards (recompute: backward)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class _Atoms:
     mem_fixed: list[float]
     mem_act: list[float]
     saved: list[float]
+    forward: list[float]  # seconds of the forward alone, per atom
 
 
 def _is_glue(node: Node) -> bool:
@@ -137,11 +139,12 @@ def _measure_atoms(gm: GraphModule, groups, *, balance, profile, b, remat, chunk
     index = _atom_index(groups)
     n = len(groups)
     recompute = 0.0 if remat == "never" else ((chunks - 1) / chunks if remat == "except_last" else 1.0)
-    compute, mem_fixed, mem_act, saved = [], [], [], []
+    compute, mem_fixed, mem_act, saved, forward = [], [], [], [], []
     for group in groups:
         fwd = sum(_node_time(x, balance, profile, b)[0] for x in group)
         bwd = sum(_node_time(x, balance, profile, b)[1] for x in group)
         compute.append(fwd + bwd + recompute * fwd)
+        forward.append(fwd)
         costs = [ir.cost(x) for x in group]
         params = sum(float(ir.evaluate(c.param_bytes, b)) for c in costs)
         grads = sum(float(ir.evaluate(c.grad_param_bytes, b)) for c in costs)
@@ -176,7 +179,7 @@ def _measure_atoms(gm: GraphModule, groups, *, balance, profile, b, remat, chunk
         comm = [profile.comm_time(f, m) + profile.comm_time(bw, m if bw else 0)
                 for f, bw, m in zip(cut_f, cut_b, cut_m)]
     comm[0] = comm[n] = 0.0
-    return _Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved)
+    return _Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved, forward)
 
 
 def partition(
@@ -261,7 +264,7 @@ def _write_stages(groups, cuts, atoms: _Atoms, evaluated, b, chunks, mode, k) ->
             s, tuple(n.name for n in members), evaluated.stage_times[s],
             evaluated.stage_times[s] - comm, comm,
             evaluated.stage_memory[s] if evaluated.stage_memory else None,
-            modules[0], modules[-1]))
+            modules[0], modules[-1], sum(atoms.forward[cuts[s]:cuts[s + 1]])))
     bottleneck = max(st.time for st in stages)
     return PartitionPlan(tuple(stages), b, chunks, mode, bottleneck, (chunks + k - 1) * bottleneck)
 

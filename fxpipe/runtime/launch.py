@@ -206,7 +206,7 @@ def _distributed(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> t
         result = executor.step(flat, tgt, loss_fn, chunks=spec.chunks, remat=spec.remat,
                                schedule=spec.schedule)
         if args.timeline:
-            _write_timeline(args.timeline, result.events, rank)
+            _write_timeline(args.timeline, result.events, rank, spec)
         if mesh.replicas > 1:
             return average_over_replicas(result.loss, groups.dp, mesh.replicas)
         return result.loss
@@ -214,14 +214,16 @@ def _distributed(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> t
     return step, rank, [module]
 
 
-def _write_timeline(path: str, events: list, rank: int) -> None:
-    from fxpipe.runtime.timeline import write_chrome_trace
+def _write_timeline(path: str, events: list, rank: int, spec: ProgramSpec) -> None:
+    """The measured step of every rank, and the cost model's prediction, in one trace."""
+    from fxpipe.runtime.timeline import Event, write_chrome_trace
 
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, events)
     if rank == 0:
         merged = [e for evs in gathered for e in evs]
-        write_chrome_trace(path, {"measured": merged})
+        predicted = [Event(**e) for e in spec.predicted_events]
+        write_chrome_trace(path, {"measured": merged, "predicted": predicted})
 
 
 def _verify(spec: ProgramSpec, losses: list[float], lr: float, first: int = 0) -> int:

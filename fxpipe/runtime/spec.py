@@ -138,6 +138,7 @@ class ProgramSpec:
     reference_losses: tuple[float, ...]
     deterministic: bool
     aliases: dict[str, list[str]]  # tensor name -> every state_dict name of the model for it
+    predicted_events: tuple[dict, ...] = ()  # the cost model's timeline of one step
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> ProgramSpec:
@@ -153,7 +154,8 @@ class ProgramSpec:
                            {k: list(v) for k, v in data["shared"].items()},
                            tuple(tuple(e) for e in data["edges"]), data["loss"], data["lr"],
                            tuple(data["reference_losses"]), data["deterministic"],
-                           {k: list(v) for k, v in data.get("aliases", {}).items()})
+                           {k: list(v) for k, v in data.get("aliases", {}).items()},
+                           tuple(data.get("predicted_events", ())))
 
 
 def comm_to_json(c: ir.CommInfo) -> dict[str, Any]:

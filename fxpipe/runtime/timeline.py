@@ -68,3 +68,18 @@ def write_chrome_trace(path: str, runs: dict[str, Sequence[Event]]) -> None:
         events += chrome_trace(run, name=name, pid=pid)
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f, indent=None)
+
+
+def predicted_events(plan: Any, schedule: str = "gpipe") -> list[Event]:
+    """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
+    from fxpipe.runtime.schedule import get_schedule, simulate
+
+    k, m = len(plan.stages), plan.chunks
+    fwd = [s.forward_time for s in plan.stages]
+    bwd = [s.compute_time - s.forward_time for s in plan.stages]
+    comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
+    events, _ = simulate(get_schedule(schedule)(m, k), forward_time=fwd, backward_time=bwd,
+                         comm_time=comm)
+    kinds = {"F": "forward", "B": "backward"}
+    return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end)
+            for e in events]
