@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +98,13 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         first = _resume(args.resume, modules, optimizer, spec)
     losses = []
     for i in range(first, first + args.steps):
+        start = time.perf_counter()
         loss = step(inputs, target, loss_fn)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss)
         if rank == 0:
-            print(f"step {i} loss {loss:.6f}", flush=True)
+            print(f"step {i} loss {loss:.6f} ({time.perf_counter() - start:.3f} s)", flush=True)
     if args.save:
         _save(args.save, modules, optimizer, spec, first + args.steps)
     if distributed:

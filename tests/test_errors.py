@@ -1,0 +1,193 @@
+"""Bad input gets an FxPipeError that states the values involved and a hint, before any work."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.errors import (CaptureError, ConfigError, FxPipeError, NotBuiltError, PartitionError,
+                           RuntimeInputError)
+from fxpipe.models import branchy, mlp
+
+
+@pytest.fixture(scope="module")
+def example():
+    model, (x,) = mlp.build()
+    return model, x
+
+
+def _compile(example, **options):
+    model, x = example
+    options.setdefault("profile", "a100")
+    return fxpipe.compile(model, (x,), **options)
+
+
+def _check(error: FxPipeError, *fragments: str) -> None:
+    text = str(error)
+    for fragment in fragments:
+        assert fragment in text, (fragment, text)
+    assert error.hint, text
+
+
+@pytest.mark.parametrize("stages", [0, -1, 1.5])
+def test_stages_below_one(example, stages):
+    with pytest.raises(ConfigError) as err:
+        _compile(example, stages=stages)
+    _check(err.value, f"stages must be an integer >= 1 (got {stages})")
+
+
+def test_more_stages_than_compute_nodes(example):
+    with pytest.raises(PartitionError) as err:
+        _compile(example, stages=500)
+    _check(err.value, "more stages than atoms (500 >", "use at most")
+
+
+@pytest.mark.parametrize("chunks", [0, -2])
+def test_chunks_below_one(example, chunks):
+    with pytest.raises(ConfigError) as err:
+        _compile(example, chunks=chunks)
+    _check(err.value, f"chunks must be an integer >= 1 or 'auto' (got {chunks})")
+
+
+def test_chunks_larger_than_the_batch(example):
+    with pytest.raises(ConfigError) as err:
+        _compile(example, chunks=16)
+    _check(err.value, "chunks (16) is larger than the batch size (8)")
+
+
+def test_batch_that_chunks_does_not_divide_lists_the_sizes_that_work(example):
+    with pytest.raises(ConfigError) as err:
+        _compile(example, chunks=3)
+    _check(err.value, "batch size 8 cannot be split into 3 equal micro-batches", "[1, 2, 4, 8]")
+
+
+def test_a_call_with_a_batch_that_chunks_does_not_divide(example):
+    program = _compile(example, chunks=4)
+    with pytest.raises(RuntimeInputError) as err:
+        program(torch.randn(6, 32))
+    _check(err.value, "batch size 6 cannot be split into 4 equal micro-batches", "drop_last")
+
+
+def test_memory_limit_too_small_states_the_minimum(example):
+    with pytest.raises(PartitionError) as err:
+        _compile(example, memory_limit=1000)
+    _check(err.value, "limit 1000 < minimum", "raise the memory limit to at least")
+
+
+@pytest.mark.parametrize("option,value,expected", [
+    ("balance", "speed", "unknown balance mode 'speed'"),
+    ("remat", "sometimes", "unknown remat mode 'sometimes'"),
+    ("schedule", "zigzag", "unknown schedule 'zigzag'"),
+    ("capture", "magic", "unknown capture method 'magic'"),
+    ("memory_limit", -5, "memory_limit must be a positive number of bytes (got -5)"),
+])
+def test_unknown_modes(example, option, value, expected):
+    with pytest.raises(ConfigError) as err:
+        _compile(example, **{option: value})
+    _check(err.value, expected)
+
+
+def test_remat_auto_needs_a_memory_limit(example):
+    with pytest.raises(ConfigError) as err:
+        _compile(example, remat="auto")
+    _check(err.value, "remat='auto'", "memory_limit")
+
+
+def test_split_point_that_names_no_module(example):
+    with pytest.raises(PartitionError) as err:
+        _compile(example, split_points=["nowhere"])
+    _check(err.value, "split point 'nowhere' names no module")
+
+
+def test_split_points_in_the_wrong_order(example):
+    with pytest.raises(PartitionError) as err:
+        _compile(example, stages=3, split_points=["blocks.5", "blocks.2"])
+    _check(err.value, "split point 'blocks.2'", "does not come after the previous cut")
+
+
+def test_fewer_devices_than_stages(example):
+    with pytest.raises(ConfigError) as err:
+        _compile(example, stages=3, devices=["cpu", "cpu"])
+    _check(err.value, "fewer devices than stages (2 < 3)")
+
+
+def test_inputs_that_differ_from_compile_time(example):
+    program = _compile(example)
+    with pytest.raises(RuntimeInputError) as err:
+        program(torch.randn(8, 31))
+    _check(err.value, "has shape (8, 31)", "(B, 32)")
+    with pytest.raises(RuntimeInputError) as err:
+        program(torch.randn(8, 32, dtype=torch.float64))
+    _check(err.value, "dtype torch.float64", "torch.float32")
+    with pytest.raises(RuntimeInputError) as err:
+        program(torch.randn(8, 32), torch.randn(8, 32))
+    _check(err.value, "another structure than at compile time")
+
+
+def test_missing_keyword_input():
+    model, inputs = branchy.build()
+    program = fxpipe.compile(model, inputs, example_kwargs=branchy.example_kwargs(inputs),
+                             profile="a100")
+    with pytest.raises(RuntimeInputError) as err:
+        program(*inputs)
+    _check(err.value, "another structure than at compile time")
+
+
+def test_outputs_that_cannot_be_joined_along_a_batch_dimension():
+    class MeanLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.out(self.fc(x)).mean(dim=1), self.fc.weight.sum()  # the second: no batch
+
+    x = torch.randn(8, 4)
+    program = fxpipe.compile(MeanLoss(), (x,), stages=2, chunks=4, profile="a100")
+    with pytest.raises(RuntimeInputError) as err:
+        program(x)
+    _check(err.value, "output 1", "has no batch dimension", "loss_fn")
+
+
+def test_report_before_the_first_call_of_a_lazy_program(example):
+    model, x = example
+    program = fxpipe.compile(model, stages=2)
+    with pytest.raises(NotBuiltError) as err:
+        program.report()
+    _check(err.value, "has not been built yet", "call it once", "example_inputs")
+    with pytest.raises(NotBuiltError):
+        program.stages  # noqa: B018
+
+
+def test_a_model_that_cannot_be_captured_end_to_end():
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if h.abs().max() > 1e6:
+                return h * 2
+            return h
+
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(DataDependent(), (torch.randn(8, 4),), stages=2, profile="a100")
+    _check(err.value, "if h.abs().max() > 1e6", "torch.cond")
+
+
+def test_mode_changed_after_compile(example):
+    program = _compile(example)
+    program.eval()
+    with pytest.raises(RuntimeInputError) as err:
+        program(torch.randn(8, 32))
+    _check(err.value, "compiled in train mode and is now in eval mode")
+    program.train()
+
+
+def test_every_error_is_an_fxpipe_error_and_builtin_where_expected():
+    assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, FxPipeError)
+    assert issubclass(PartitionError, ValueError)
+    assert issubclass(RuntimeInputError, ValueError)
