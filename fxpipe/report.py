@@ -223,7 +223,8 @@ def communication(built: Any, replicas: int = 1) -> dict[str, float]:
     one pipeline, the data-parallel gradient all-reduce per replica (ring: 2(R-1)/R of each
     stage's gradients) and the tied-weight gradient all-reduce."""
     plan = built.plan
-    m, b = plan.chunks, plan.microbatch_size
+    m = plan.chunks
+    b = max(1, plan.microbatch_size // replicas)  # each replica pipelines its share of the batch
     p2p = 0.0
     for st in built.stages:
         for c in st.graph.sends:
