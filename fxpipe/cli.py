@@ -98,6 +98,8 @@ def _compile(args: argparse.Namespace) -> tuple[Any, Any]:
     import fxpipe
 
     model, inputs, kwargs, target = load_factory(args.factory, args.set)
+    print(f"compiling {type(model).__name__} into {args.stages} stages (capture, costs, "
+          "partition, split, remat, codegen) ...", file=sys.stderr, flush=True)
     command = " ".join(["fxpipe compile", args.factory] + [f"--set {shlex.quote(s)}" for s in args.set]
                        + [f"--stages {args.stages}", f"--chunks {args.chunks}",
                           f"--remat {args.remat}"])

@@ -243,8 +243,20 @@ class Program(nn.Module):
         built = self._require_built("report")
         report = build_report(built, type(self.model).__name__,
                               self._dist.mesh if self._dist is not None else None)
-        report.measured.update({k: v for k, v in self.measured.items() if k != "last_step_events"})
+        for entry in self.measured.get("kept_activations", []):
+            report.stages[entry["stage"]]["kept_measured_bytes"] = entry["measured_bytes"]
+        report.measured.update({k: v for k, v in self.measured.items()
+                                if k not in ("last_step_events", "kept_activations")})
         return report
+
+    def cost_table(self, *, sort: str | None = "time", by_module: bool = False,
+                   top: int | None = None) -> str:
+        """Per-node (or per-module) costs at the compiled micro-batch size, as a table."""
+        from fxpipe.report import cost_table
+
+        built = self._require_built("costs")
+        return cost_table(built.captured, b=built.plan.microbatch_size, profile=built.profile,
+                          sort=sort, by_module=by_module, top=top)
 
     def write(self, directory: str, *, loss_fn: Any = None, target: torch.Tensor | None = None,
               reference_steps: int = 6, lr: float = 0.01) -> list[str]:

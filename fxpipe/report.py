@@ -143,14 +143,16 @@ class Report:
                         human_time(s["time_s"]), human_bytes(s["params_bytes"]),
                         human_bytes(s["activations_bytes"]), human_bytes(s["kept_with_remat_bytes"]),
                         human_bytes(s["recv_bytes"]), human_bytes(s["send_bytes"])]
-                       + ([human_time(s["measured_busy_s"])] if "measured_busy_s" in s else []))
+                       + ([human_bytes(s["kept_predicted_bytes"]),
+                           human_bytes(s["kept_measured_bytes"])]
+                          if "kept_measured_bytes" in s else []))
         return out
 
     def headers(self) -> list[str]:
         h = ["stage", "first", "last", "ops", "params", "fwd FLOPs/mb", "est fwd+bwd/mb",
              "param mem", "act/mb", "kept/mb (remat)", "recv/mb", "send/mb"]
-        if any("measured_busy_s" in s for s in self.stages):
-            h.append("measured busy")
+        if any("kept_measured_bytes" in s for s in self.stages):
+            h += ["kept/step predicted", "kept/step measured"]
         return h
 
     def text(self, fmt: str = "simple") -> str:
@@ -254,6 +256,7 @@ def _tied_param(built: Any, name: str) -> Any:
 def build_report(built: Any, model: str, mesh: Any = None) -> Report:
     plan = built.plan
     b = plan.microbatch_size
+    kept = predicted_kept(built)
     stages = []
     for st, sp in zip(built.stages, plan.stages):
         figures = _stage_figures(st.graph, st.regions, b)
@@ -266,6 +269,7 @@ def build_report(built: Any, model: str, mesh: Any = None) -> Report:
             "kept_with_remat_bytes": figures["kept_with_remat"],
             "recv_bytes": figures["recv_bytes"], "send_bytes": figures["send_bytes"],
             "memory_model_bytes": sp.memory,
+            "kept_predicted_bytes": kept[st.index],
         })
     replicas = mesh.replicas if mesh is not None else 1
     return Report(model, plan, stages, f"{built.profile.name} ({built.profile.source})",
