@@ -1,0 +1,225 @@
+"""The two front ends of fxpipe.capture: torch.fx symbolic tracing and torch.export.
+
+Both trace a flat root: a module that shares the model's children and parameters (so qualified
+names are the model's) and takes the tensor leaves of the example inputs, returning the flat
+leaves of the outputs. Attribute names that are not plain identifiers are aliased before fx
+writes any code, so model text never reaches generated code outside a string literal.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import keyword
+import logging
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxpipe import ir, source
+from fxpipe.batching import BatchLayout
+from fxpipe.errors import CaptureError
+from fxpipe.signature import Signature
+
+__all__ = ["trace_fx", "export"]
+
+
+def _flat_root(model: nn.Module, signature: Signature, leaves: list) -> nn.Module:
+    """A module that shares `model`'s children and parameters (so qualified names are the
+    model's) and whose forward takes the tensor leaves and returns the flat output leaves."""
+    tensor_names = [leaf.name for leaf in signature.tensor_leaves]
+    positions = [i for i, leaf in enumerate(signature.leaves) if leaf.is_tensor]
+    in_spec = signature.in_spec
+    n_out = len(signature.out_is_tensor)
+
+    def impl(*tensors: Any) -> tuple:
+        values = list(leaves)
+        for pos, t in zip(positions, tensors):
+            values[pos] = t
+        args, kwargs = pytree.tree_unflatten(values, in_spec)
+        out = model.forward(*args, **kwargs)
+        flat = pytree.tree_leaves(out)
+        if len(flat) == 1 and n_out > 1 and isinstance(flat[0], fx.Proxy):
+            flat = [flat[0][i] for i in range(n_out)]
+        return tuple(flat)
+
+    src = f"def forward(self, {', '.join(tensor_names)}):\n    return impl({', '.join(tensor_names)})\n"
+    namespace: dict[str, Any] = {"impl": impl}
+    exec(compile(src, "<fxpipe flat root>", "exec"), namespace)  # names are sanitised identifiers
+    root = type(type(model).__name__, (nn.Module,), {"forward": namespace["forward"]})()
+    object.__setattr__(root, "_modules", model._modules)
+    object.__setattr__(root, "_parameters", model._parameters)
+    object.__setattr__(root, "_buffers", model._buffers)
+    root.training = model.training
+    return root
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaf_modules: Sequence[Any], inline: bool) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self.inline = inline
+        self.leaf_types = tuple(x for x in leaf_modules if isinstance(x, type))
+        self.leaf_names = {x for x in leaf_modules if isinstance(x, str)}
+        self.leaf_ids = {id(x) for x in leaf_modules if isinstance(x, nn.Module)}
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if id(m) in self.leaf_ids or qualname in self.leaf_names or isinstance(m, self.leaf_types):
+            return True
+        return False if self.inline else super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if (self.inline and isinstance(m, nn.modules.batchnorm._BatchNorm)
+                and m.momentum is not None and not self.is_leaf_module(m, self.path_of_module(m))):
+            # _BatchNorm.forward checks the input rank with Python control flow; trace the
+            # functional call it makes instead.
+            path = self.path_of_module(m)
+            return super().call_module(m, lambda x: self._batch_norm(m, path, x), args, kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def _batch_norm(self, m: nn.modules.batchnorm._BatchNorm, path: str, x: Any) -> Any:
+        """What _BatchNorm.forward computes when momentum is set, without its input-rank check.
+
+        The counter increment is recorded explicitly: buffers read as attributes are not proxies,
+        so `m.num_batches_tracked.add_(1)` would run once at trace time instead of in the graph.
+        """
+        if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+            counter = self.create_proxy("get_attr", f"{path}.num_batches_tracked", (), {})
+            counter.add_(1)
+        return _batch_norm(m, x)
+
+
+def _batch_norm(m: nn.modules.batchnorm._BatchNorm, x: Any) -> Any:
+    use_batch_stats = m.training or (m.running_mean is None and m.running_var is None)
+    keep_stats = not m.training or m.track_running_stats
+    return torch.nn.functional.batch_norm(
+        x, m.running_mean if keep_stats else None, m.running_var if keep_stats else None,
+        m.weight, m.bias, use_batch_stats, m.momentum, m.eps)
+
+
+def trace_fx(model, signature, leaves, leaf_modules, inline) -> fx.GraphModule:
+    root = _flat_root(model, signature, leaves)
+    tracer = _Tracer(leaf_modules, inline)
+    try:
+        graph = tracer.trace(root)
+    except Exception as e:  # noqa: BLE001 - fx raises TraceError, TypeError, AttributeError ...
+        where = source.from_exception(e)
+        raise CaptureError(
+            f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}"
+            + (f"\n  at {where}" if where else ""),
+            hint="use method='export' (or 'auto'), mark the submodule as a leaf with "
+                 "leaf_modules=[...], or replace Python control flow on tensors with torch.where/torch.cond",
+        ) from e
+    aliases = _alias_unsafe_targets(graph)
+    if aliases:
+        owner = {alias: _resolve_attr(root, qualname) for alias, qualname in aliases.items()}
+        for node in graph.nodes:
+            if node.op in ("get_attr", "call_module") and node.target not in owner:
+                owner[node.target] = _resolve_attr(root, node.target)
+        gm = fx.GraphModule(owner, graph, class_name=type(model).__name__)
+    else:
+        gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    gm.meta[ir.QUALNAMES] = aliases
+    return gm
+
+
+def _safe_path(target: str) -> bool:
+    """Plain identifiers and ModuleList indices, which fx writes safely."""
+    return all(part.isascii() and ((part.isidentifier() and not keyword.iskeyword(part))
+                                   or part.isdigit()) for part in target.split("."))
+
+
+def _alias_unsafe_targets(graph: fx.Graph) -> dict[str, str]:
+    """Renames attributes whose qualified names are not plain identifiers (quotes, newlines,
+    keywords, unicode) to safe aliases, so that no generated code ever contains model text
+    outside a string literal; returns {alias: qualified name}."""
+    aliases: dict[str, str] = {}
+    by_target: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and not _safe_path(str(node.target)):
+            target = str(node.target)
+            if target not in by_target:
+                cleaned = re.sub(r"\W", "_", target.encode("ascii", "replace").decode())
+                by_target[target] = f"fxpipe_attr{len(by_target)}_{cleaned.strip('_')}"
+                aliases[by_target[target]] = target
+            node.target = by_target[target]
+    return aliases
+
+
+def _resolve_attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def export(model, signature, leaves, tensors, layout: BatchLayout) -> fx.GraphModule:
+    root = _flat_root(model, signature, leaves)
+    attempts = [torch.export.Dim("batch", min=1), torch.export.Dim("batch", min=2),
+                torch.export.Dim.AUTO]
+    errors = []
+    ep = None
+    for dim in attempts:
+        dynamic = tuple({bd: dim} if bd is not None else None for bd in layout.input_dims)
+        try:
+            with _quiet_export():
+                ep = torch.export.export(root, tuple(tensors), dynamic_shapes=dynamic,
+                                         strict=False)
+            break
+        except Exception as e:  # noqa: BLE001 - export raises many kinds
+            errors.append(e)
+            if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
+                break  # another batch range will not help
+    if ep is None:
+        e = errors[0]
+        where = source.from_exception(e)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(
+            f"neither torch.fx nor torch.export can capture {type(model).__name__}: "
+            f"{type(e).__name__}: {first}" + (f"\n  at {where}" if where else ""),
+            hint="data-dependent control flow (if on tensor values, .item(), nonzero) cannot be "
+                 "captured: rewrite it with torch.where or torch.cond, or move it out of forward",
+        ) from e
+    gm = ep.module()
+    gm._forward_pre_hooks.clear()  # export's input-spec check; the signature checks instead
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            gm.graph.erase_node(node)
+    _bind_model_state(gm, model)
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Keeps export's own diagnostics (partial graphs, LSTM weight warnings) off the console;
+    failures are reported by CaptureError instead."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.filterwarnings("ignore", message=".*were assigned during export.*")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _bind_model_state(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Points the graph's attributes at the model's own parameters and buffers (not copies)."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(dict(model.named_buffers(remove_duplicate=False)))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in own:
+            owner_path, _, attr = node.target.rpartition(".")
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+            value = own[node.target]
+            if isinstance(value, nn.Parameter):
+                owner._parameters[attr] = value
+            else:
+                owner._buffers[attr] = value
