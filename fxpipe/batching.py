@@ -65,12 +65,15 @@ def _candidates(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int | None, .
             if d >= t.dim() or t.shape[d] < 2:
                 continue
             size = t.shape[d]
-            dims = tuple(d if (d < u.dim() and u.shape[d] == size) else
-                         next((e for e in range(u.dim()) if u.shape[e] == size), None)
-                         for u in tensors)
-            if dims not in seen:
-                seen.add(dims)
-                yield dims
+            same = tuple(d if (d < u.dim() and u.shape[d] == size) else None for u in tensors)
+            anywhere = tuple(d if (d < u.dim() and u.shape[d] == size) else
+                             next((e for e in range(u.dim()) if u.shape[e] == size), None)
+                             for u in tensors)
+            # inputs whose other dimension merely equals the batch size are unbatched first
+            for dims in (same, anywhere):
+                if dims not in seen:
+                    seen.add(dims)
+                    yield dims
 
 
 def _output_dims(full: list, first: list, second: list) -> tuple[int | None, ...] | None:

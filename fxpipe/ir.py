@@ -29,7 +29,7 @@ __all__ = [
     "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "QUALNAMES", "BATCH", "qualname",
     "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "MeasuredTime", "CommInfo",
     "value_info", "tensor_info", "cost", "measured_time", "stage", "comm", "remat_region",
-    "is_comm", "compute_nodes", "module_path", "format_shape", "dtype_abbr", "evaluate",
+    "is_comm", "is_inplace", "compute_nodes", "module_path", "format_shape", "dtype_abbr", "evaluate",
     "verify",
 ]
 
@@ -188,6 +188,22 @@ def comm(node: Node) -> CommInfo:
 
 def remat_region(node: Node) -> str | None:
     return node.meta.get(REMAT)
+
+
+def is_inplace(node: Node) -> bool:
+    """Whether the node writes into one of its inputs (relu_, add_, inplace=True ...)."""
+    target = node.target
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        return str(target).endswith("_") and not str(target).endswith("__")
+    if node.op != "call_function":
+        return False
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
 
 def is_comm(node: Node) -> bool:

@@ -262,7 +262,9 @@ class _CostRunner(Interpreter):
         if key is not None and key in self.cache:
             self.cache_hits += 1
             fresh = [_fresh_leaf(x) for x in leaves]
-            return shapes.call_node(self.module, n, *pytree.tree_unflatten(fresh, spec)), self.cache[key]
+            call = _writable(n, fresh)
+            return shapes.call_node(self.module, n, *pytree.tree_unflatten(call, spec)), \
+                self.cache[key]
         if _needs_real_samples(n):
             out, cost = self._interpolated(n, args, kwargs, real=True)
         else:
@@ -277,7 +279,10 @@ class _CostRunner(Interpreter):
     def _run_counted(self, n: Node, leaves: list, spec: Any, params: set[int]) -> tuple[Any, _NodeCost]:
         """Runs the node once, counting its forward and backward kernels and saved tensors."""
         fresh = [_fresh_leaf(x) for x in leaves]
-        a, k = pytree.tree_unflatten(fresh, spec)
+        call = _writable(n, fresh)  # in-place ops write into copies of their leaves
+        a, k = pytree.tree_unflatten(call, spec)
+        copies = {_storage(c): i for i, (c, f) in enumerate(zip(call, fresh))
+                  if isinstance(c, torch.Tensor) and c is not f}
         saved_keys: list[tuple[int, Any]] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -308,7 +313,7 @@ class _CostRunner(Interpreter):
                 torch.autograd.grad(outs, wrt, grads, allow_unused=True)
         cost = _NodeCost(self._sum(fwd.flops), self._sum(bwd.flops), self._sum(fwd.bytes),
                          self._sum(bwd.bytes), fwd.kernels, bwd.kernels,
-                         self._classify(saved_keys, fresh, out, params))
+                         self._classify(saved_keys, fresh, out, params, copies))
         return out, cost
 
     def _interpolated(self, n: Node, args: tuple, kwargs: dict,
@@ -371,8 +376,9 @@ class _CostRunner(Interpreter):
         return out
 
     def _classify(self, saved: list[tuple[int, Any]], fresh: list, out: Any,
-                  params: set[int]) -> list:
+                  params: set[int], copies: dict[int, int] | None = None) -> list:
         args = {_storage(t): i for i, t in enumerate(fresh) if isinstance(t, torch.Tensor)}
+        args.update(copies or {})
         outs = {_storage(t): i for i, t in enumerate(
             [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])}
         result, seen = [], set()
@@ -475,6 +481,15 @@ _REAL_SAMPLED = ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn")
 def _needs_real_samples(n: Node) -> bool:
     name = str(n.target).lower() if n.op != "call_module" else ""
     return any(marker in name for marker in _REAL_SAMPLED)
+
+
+def _writable(n: Node, fresh: list) -> list:
+    """The arguments to call an in-place node with: its fresh leaves that need gradients are
+    leaves, which autograd does not let an operation overwrite, so it writes into copies (made
+    outside the kernel counter, so they cost nothing)."""
+    if not ir.is_inplace(n):
+        return fresh
+    return [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in fresh]
 
 
 def _storage(t: torch.Tensor) -> int:

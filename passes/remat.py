@@ -47,11 +47,9 @@ def is_mutating(node: Node) -> bool:
     target = node.target
     if node.op == "call_module":
         return True  # an opaque module may update buffers (e.g. BatchNorm statistics)
-    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+    if ir.is_inplace(node):  # rewriting a region input would break its recomputation
         return True
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if name.endswith("_") and not name.endswith("__"):
-        return True
     if name in _BATCH_NORMS or str(target).split(".")[-2:-1] == ["batch_norm"]:
         training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
         return bool(training)

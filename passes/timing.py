@@ -181,7 +181,7 @@ class _NodeTimer:
         self.warmup, self.repeat, self.sync = warmup, repeat, sync
         # In-place nodes (BatchNorm's num_batches_tracked.add_, relu_) change their inputs:
         # each run gets fresh copies so that repeated runs see the recorded values.
-        self.inplace = _is_inplace(node)
+        self.inplace = ir.is_inplace(node)
 
     def run(self) -> tuple[float, float]:
         if self.node.op == "call_function" and self.node.target in (operator.getitem, getattr):
@@ -247,16 +247,3 @@ class _NodeTimer:
         return statistics.median(samples)
 
 
-def _is_inplace(node: Node) -> bool:
-    target = node.target
-    if node.kwargs.get("inplace") is True:
-        return True
-    if node.op == "call_method":
-        return str(target).endswith("_") and not str(target).endswith("__")
-    if node.op != "call_function":
-        return False
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return bool(schema.is_mutable)
-    name = getattr(target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
