@@ -14,6 +14,7 @@ never written.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -57,7 +58,12 @@ def evaluate(expr: Expr, b: int) -> int | float:
     """Evaluates a cost or size expression at micro-batch size `b`."""
     if isinstance(expr, (int, float)):
         return expr
-    value = expr.subs(BATCH, b)
+    return _evaluate(expr, b)
+
+
+@functools.lru_cache(maxsize=65536)
+def _evaluate(expr: sympy.Expr, b: int) -> int | float:
+    value = expr.xreplace({BATCH: sympy.Integer(b)})  # much faster than subs for polynomials
     return int(value) if value.is_Integer else float(value)
 
 

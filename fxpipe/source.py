@@ -1,6 +1,7 @@
 """Where a node came from in the user's code: the frame to show, as a safe one-line comment."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -28,6 +29,7 @@ class SourceLine:
         return f"{self.file}:{self.line} in {self.func}: {self.code}"
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_library(path: str) -> bool:
     path = os.path.abspath(path)
     if path.startswith(_TORCH_DIR + os.sep):
@@ -38,6 +40,7 @@ def _is_library(path: str) -> bool:
     return "<" in path  # <string>, <eval_with_key>, <frozen ...>
 
 
+@functools.lru_cache(maxsize=4096)
 def display_path(path: str) -> str:
     """A path that does not depend on where things are installed: module path if importable."""
     absolute = os.path.abspath(path)
@@ -56,6 +59,7 @@ def display_path(path: str) -> str:
     return os.path.basename(absolute)
 
 
+@functools.lru_cache(maxsize=65536)
 def from_stack_trace(stack_trace: str | None) -> SourceLine | None:
     """The innermost user frame of an fx `stack_trace` string (outermost frame first)."""
     if not stack_trace:
