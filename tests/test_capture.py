@@ -1,7 +1,6 @@
 """fxpipe.capture: any model to a checked GraphModule with symbolic shapes."""
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import sympy
@@ -13,12 +12,11 @@ from fxpipe import ir
 from fxpipe.batching import seeded
 from fxpipe.errors import CaptureError, RuntimeInputError
 from fxpipe.models import MODELS
+from fxpipe.models import load as load_model
 
 
 def _load(name):
-    mod = importlib.import_module(f"fxpipe.models.{name}")
-    model, inputs = mod.build()
-    kwargs = mod.example_kwargs(inputs) if hasattr(mod, "example_kwargs") else {}
+    model, inputs, kwargs = load_model(name)
     return model, inputs, kwargs
 
 

@@ -1,7 +1,6 @@
 """fxpipe.codegen: readable, deterministic, valid and safe stage code."""
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
@@ -11,15 +10,14 @@ from torch import nn
 
 import fxpipe
 from fxpipe.models import MODELS
+from fxpipe.models import load as load_model
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("FXPIPE_UPDATE_GOLDEN") == "1"
 
 
 def _compile(name: str, stages: int, remat: str, **config):
-    mod = importlib.import_module(f"fxpipe.models.{name}")
-    model, inputs = mod.build(**config)
-    kwargs = mod.example_kwargs(inputs) if hasattr(mod, "example_kwargs") else {}
+    model, inputs, kwargs = load_model(name, **config)
     return fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=stages, chunks=4,
                           remat=remat, profile="a100")
 

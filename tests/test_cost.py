@@ -24,6 +24,7 @@ from fxpipe.passes.cost import _KernelCounter, annotate_costs
 from fxpipe.passes.cost_bench import benchmark_estimate
 from fxpipe.passes.timing import measure_times
 from fxpipe.profile import median_time
+from fxpipe.models import load as load_model
 
 b = ir.BATCH
 UNSEEN_B = 7  # a micro-batch size annotation never runs at: not the example batch (8 or 4),
@@ -44,9 +45,7 @@ def _gpt2() -> tuple[nn.Module, tuple, dict]:
 def _build(name: str, config: tuple = ()) -> tuple[nn.Module, tuple, dict]:
     if name == "gpt2":
         return _gpt2()
-    mod = importlib.import_module(f"fxpipe.models.{name}")
-    model, inputs = mod.build(**dict(config))
-    kwargs = mod.example_kwargs(inputs) if hasattr(mod, "example_kwargs") else {}
+    model, inputs, kwargs = load_model(name, **dict(config))
     return model, inputs, kwargs
 
 

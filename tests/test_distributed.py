@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import MODELS
+from fxpipe.models import load as load_model
 
 pytestmark = pytest.mark.distributed
 
@@ -67,12 +68,10 @@ CASES = [pytest.param(world, job, id=f"world{world}-{job}") for world, jobs in J
 
 
 def make_case(name: str) -> tuple[torch.nn.Module, tuple, dict, torch.Tensor]:
-    mod = importlib.import_module(f"fxpipe.models.{name}")
-    model, inputs = mod.build(**CONFIG.get(name, {}))
+    model, inputs, kwargs = load_model(name, **CONFIG.get(name, {}))
     if name in EVAL_MODE:
         model.eval()
-    kwargs = mod.example_kwargs(inputs) if hasattr(mod, "example_kwargs") else {}
-    return model, inputs, kwargs, mod.target(inputs)
+    return model, inputs, kwargs, importlib.import_module(f"fxpipe.models.{name}").target(inputs)
 
 
 # -- the worker process -------------------------------------------------------------------------

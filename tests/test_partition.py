@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib
 import operator
 import re
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import PartitionPlan, atoms_of, partition
 from fxpipe.profile import get_profile
 from fxpipe.report import human_time
+from fxpipe.models import load as load_model
 
 PROFILE = get_profile("a100")  # a datasheet preset: deterministic, no CPU micro-benchmark
 CONFIG: dict[str, dict[str, Any]] = {"gpt": {"dropout": 0.0}}
@@ -44,11 +44,9 @@ class Captured:
 @functools.cache
 def captured(name: str) -> Captured:
     """A reference model and its costed capture (shared: tests re-partition it)."""
-    mod = importlib.import_module(f"fxpipe.models.{name}")
-    model, inputs = mod.build(**CONFIG.get(name, {}))
+    model, inputs, kwargs = load_model(name, **CONFIG.get(name, {}))
     if name in EVAL_MODE:
         model.eval()
-    kwargs = mod.example_kwargs(inputs) if hasattr(mod, "example_kwargs") else {}
     gm = fxpipe.capture(model, inputs, kwargs, inline_modules=True)
     annotate_costs(gm)
     return Captured(model, inputs, gm)

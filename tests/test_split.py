@@ -8,7 +8,6 @@ partitions use the deterministic "a100" profile because only their shape matters
 from __future__ import annotations
 
 import functools
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import partition
 from fxpipe.passes.split import StageGraph, shared_parameters, split_stages
 from fxpipe.profile import get_profile
+from fxpipe.models import load as load_model
 
 PROFILE = get_profile("a100")  # a datasheet preset: deterministic, no CPU micro-benchmark
 STAGES = (1, 2, 3, 4)
@@ -64,11 +64,9 @@ class Captured:
 @functools.cache
 def captured(name: str) -> Captured:
     """A reference model, its costed capture and its eager output (shared: do not modify)."""
-    mod = importlib.import_module(f"fxpipe.models.{name}")
-    model, inputs = mod.build(**CONFIG.get(name, {}))
+    model, inputs, kwargs = load_model(name, **CONFIG.get(name, {}))
     if name in EVAL_MODE:
         model.eval()
-    kwargs = mod.example_kwargs(inputs) if hasattr(mod, "example_kwargs") else {}
     gm = fxpipe.capture(model, inputs, kwargs, inline_modules=True)
     annotate_costs(gm)
     with torch.no_grad():

@@ -29,6 +29,7 @@ import fxpipe
 from fxpipe.errors import NotBuiltError
 from fxpipe.losses import default_loss
 from fxpipe.models import MODELS
+from fxpipe.models import load as load_model
 
 REMATS = ("never", "always", "except_last")
 STAGES = (1, 2, 3)
@@ -55,12 +56,11 @@ class Reference:
 
 
 def make_case(name: str, **overrides: Any) -> Case:
-    mod = importlib.import_module(f"fxpipe.models.{name}")
-    model, inputs = mod.build(**{**CONFIG.get(name, {}), **overrides})
+    model, inputs, kwargs = load_model(name, **{**CONFIG.get(name, {}), **overrides})
     if name in EVAL_MODE:
         model.eval()
-    kwargs = mod.example_kwargs(inputs) if hasattr(mod, "example_kwargs") else {}
-    return Case(model, inputs, kwargs, mod.target(inputs))
+    target = importlib.import_module(f"fxpipe.models.{name}").target(inputs)
+    return Case(model, inputs, kwargs, target)
 
 
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
