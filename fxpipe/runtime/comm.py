@@ -76,7 +76,29 @@ class LocalComm:
                 raise PipelineRuntimeError(
                     f"stage {dst} expected {tag!r} from stage {src} for micro-batch {mb}, "
                     "but it was not sent", hint="this is a scheduling bug; please report it") from None
-        return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+        return pytree.tree_map(lambda t: _to_device(t, device) if isinstance(t, torch.Tensor)
+                               else t, value)
+
+
+_COPY_STREAMS: dict[torch.device, Any] = {}
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A differentiable copy to `device`; between GPUs it runs on a copy stream of the target
+    device, so it overlaps the computation there (as torchgpipe does)."""
+    if t.device == device:
+        return t
+    if device.type != "cuda" or t.device.type != "cuda":
+        return t.to(device)
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(t.device))  # the producer has written t
+    with torch.cuda.stream(stream):
+        out = t.to(device, non_blocking=True)
+    t.record_stream(stream)  # keep t's memory until the copy is done
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return out
 
 
 class TagTable:
