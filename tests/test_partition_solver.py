@@ -9,10 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import PartitionError
+from fxpipe.passes.partition_oracle import benchmark, brute_force_partition
 from fxpipe.passes.partition_solver import (
     Partition,
-    benchmark,
-    brute_force_partition,
     equal_count_cuts,
     evaluate,
     min_memory_limit,

@@ -1,0 +1,103 @@
+"""Slow references for the partition solver: a brute force over every cut set (the test oracle)
+and a timing benchmark on random instances."""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from fxpipe.errors import PartitionError
+from fxpipe.passes.partition_solver import (
+    _INF,
+    Partition,
+    _build,
+    _comm_sum,
+    _fits,
+    _memory_error,
+    _prepare,
+    _stage_mem,
+    _stage_time,
+    min_memory_limit,
+    solve_partition,
+)
+
+__all__ = ["brute_force_partition", "benchmark"]
+
+# Enumerations the brute force accepts before refusing.
+_BRUTE_FORCE_MAX = 5_000_000
+
+
+def brute_force_partition(
+    compute: Sequence[float] | np.ndarray,
+    num_stages: int,
+    *,
+    cut_comm: Sequence[float] | np.ndarray | None = None,
+    memory_limit: float | None = None,
+    mem_fixed: Sequence[float] | np.ndarray | None = None,
+    mem_act: Sequence[float] | np.ndarray | None = None,
+    cut_mem: Sequence[float] | np.ndarray | None = None,
+    inflight: Sequence[float] | np.ndarray | None = None,
+    rel_tol: float = 1e-9,
+) -> Partition:
+    """Reference solver: enumerates every cut set (for tests, n <= ~14).  Minimises the exact
+    bottleneck, then the interior communication, then the cut tuple."""
+    del rel_tol  # exact
+    prob = _prepare(
+        compute, num_stages, cut_comm, memory_limit, mem_fixed, mem_act, cut_mem, inflight
+    )
+    n, K = prob.n, prob.K
+    count = math.comb(n - 1, K - 1)
+    if count > _BRUTE_FORCE_MAX:
+        raise PartitionError(
+            f"brute force would enumerate {count} cut sets (more than {_BRUTE_FORCE_MAX})",
+            hint="use solve_partition for instances this large",
+        )
+    T = {(i, j): _stage_time(prob, i, j) for i in range(n) for j in range(i + 1, n + 1)}
+    best_key = None
+    best_cuts: tuple[int, ...] | None = None
+    min_peak = _INF
+    for inner in itertools.combinations(range(1, n), K - 1):
+        cuts = (0, *inner, n)
+        if prob.limit is not None:
+            peak = max(_stage_mem(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
+            min_peak = min(min_peak, peak)
+            if not _fits(prob, peak):
+                continue
+        key = (max(T[i, j] for i, j in zip(cuts, cuts[1:])), _comm_sum(prob, cuts), cuts)
+        if best_key is None or key < best_key:
+            best_key, best_cuts = key, cuts
+    if best_cuts is None:
+        raise _memory_error(prob, min_peak)
+    return _build(prob, best_cuts)
+
+
+def benchmark(
+    n: int = 100_000, stages: int = 64, seed: int = 0, *, with_memory: bool = False
+) -> dict:
+    """Time solve_partition on a random instance: compute in [0, 1), cut_comm in [0, 0.5).
+
+    With ``with_memory`` a random memory model (1F1B in-flight counts with 2*stages micro-batches)
+    is added and the limit is set halfway between the smallest feasible limit and the peak memory
+    of the unconstrained optimum, so that it binds; only the constrained solve is timed.
+    """
+    rng = np.random.default_rng(seed)
+    compute = rng.random(n)
+    cut_comm = 0.5 * rng.random(n + 1)
+    kwargs: dict = {}
+    if with_memory:
+        mem_fixed = rng.random(n)
+        mem_act = rng.random(n)
+        cut_mem = 0.5 * rng.random(n + 1)
+        inflight = [min(stages - s, 2 * stages) for s in range(stages)]
+        mem = dict(mem_fixed=mem_fixed, mem_act=mem_act, cut_mem=cut_mem, inflight=inflight)
+        free = solve_partition(compute, stages, cut_comm=cut_comm, **mem)
+        assert free.stage_memory is not None
+        low = min_memory_limit(stages, **mem)
+        kwargs = dict(mem, memory_limit=0.5 * (low + max(free.stage_memory)))
+    t0 = time.perf_counter()
+    part = solve_partition(compute, stages, cut_comm=cut_comm, **kwargs)
+    seconds = time.perf_counter() - t0
+    return {"n": n, "stages": stages, "seconds": seconds, "bottleneck": part.bottleneck}
