@@ -5,12 +5,12 @@ One invocation runs, on the same model, data, seed and micro-batches, one gloo p
 alike:
 
     (a) the plain model in one process over the same micro-batches (gradient accumulation)
-    (b) fxpipe's distributed GPipe program (remat as asked, and with remat on for its cost)
+    (b) fxpipe's distributed GPipe program, remat as asked and in the other modes for their cost
     (c) torch.distributed.pipelining with ScheduleGPipe, cut at the same stage boundaries
 
 It reports median step times and samples/s after warm-up, speedups and ratios, fxpipe's
 predicted against measured step time, per-stage busy time and bubble, and the activation bytes
-each stage keeps with remat on and off; writes bench.json and bench.md (and a Chrome trace).
+each stage keeps in each remat mode; writes bench.json and bench.md (and a Chrome trace).
 """
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["run_bench", "BENCH_GPT"]
+
+# Remat modes measured side by side: off, the default (every micro-batch but the last, whose
+# backward follows at once), and every micro-batch.
+REMAT_COMPARED = ("never", "except_last", "always")
 
 BENCH_GPT = {"d_model": 256, "n_layer": 8, "n_head": 4, "seq_len": 128, "vocab_size": 4096,
              "batch": 16, "dropout": 0.0}
@@ -153,7 +157,7 @@ def _worker(rank: int, world: int, port: int, args: dict, queue: Any) -> None:
 
 def _run_worker(rank: int, world: int, port: int, args: dict) -> dict:
     from fxpipe.cli import load_factory
-    from fxpipe.runtime.timeline import predicted_events
+    from fxpipe.runtime.timeline import busy_time, predicted_events
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -163,8 +167,10 @@ def _run_worker(rank: int, world: int, port: int, args: dict) -> dict:
     chunks = args["chunks"]
     program, fx_step = _fxpipe(copy.deepcopy(model), inputs, target, args, args["remat"])
     variants = {"fxpipe": fx_step}
-    other = "always" if args["remat"] == "never" else "never"
-    _, variants[f"fxpipe_remat_{other}"] = _fxpipe(copy.deepcopy(model), inputs, target, args, other)
+    for other in REMAT_COMPARED:
+        if other != args["remat"]:
+            _, variants[f"fxpipe_remat_{other}"] = _fxpipe(copy.deepcopy(model), inputs, target,
+                                                           args, other)
     points = _split_points(program)
     torch_step = _pipelining(copy.deepcopy(model), inputs, target, chunks, points, rank, world)
     if torch_step is not None:
@@ -187,7 +193,7 @@ def _run_worker(rank: int, world: int, port: int, args: dict) -> dict:
             print(f"  step {i + 1}/{args['warmup'] + args['steps']}"
                   + ("" if i >= args["warmup"] else " (warm-up)"), flush=True)
     events = program.measured.get("last_step_events", [])
-    busy = sum(e.end - e.start for e in events if e.kind in ("forward", "backward"))
+    busy = busy_time(events)
     result = {"times": {k: v[args["warmup"]:] for k, v in times.items()}, "losses": losses,
               "busy": busy, "events": [e.__dict__ for e in events],
               "predicted": program.plan.predicted_step_time,
@@ -200,12 +206,12 @@ def _run_worker(rank: int, world: int, port: int, args: dict) -> dict:
 
 
 def _memory(args: dict) -> dict[str, list[dict]]:
-    """Kept activation bytes per stage with remat never / always (one process, real run)."""
+    """Kept activation bytes per stage in each remat mode (one process, real run)."""
     import fxpipe
     from fxpipe.cli import load_factory
 
     out = {}
-    for remat in ("never", "always"):
+    for remat in REMAT_COMPARED:
         torch.manual_seed(0)
         model, inputs, _, _ = load_factory(args["factory"], args["settings"])
         program = fxpipe.compile(model, inputs, stages=args["stages"], chunks=args["chunks"],
@@ -221,7 +227,7 @@ def run_bench(ns: Any) -> int:
     print(f"fxpipe bench: {factory} {' '.join(settings)}\n  {ns.stages} stages x {ns.chunks} "
           f"micro-batches, remat={ns.remat}, {ns.warmup} warm-up + {ns.steps} measured steps, "
           f"gloo, 1 thread per process", flush=True)
-    print("measuring kept activations (remat never / always) ...", flush=True)
+    print(f"measuring kept activations (remat {' / '.join(REMAT_COMPARED)}) ...", flush=True)
     memory = _memory(args)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -262,7 +268,7 @@ def _summarise(results: dict, memory: dict, ns: Any) -> dict:
     _, inputs, _, _ = load_factory(*_factory(ns.model, list(ns.set)))
     batch = inputs[0].shape[0]
     measured = step["fxpipe"]
-    remat_name = next(n for n in names if n.startswith("fxpipe_remat_"))
+    by_mode = {m: step["fxpipe" if m == ns.remat else f"fxpipe_remat_{m}"] for m in REMAT_COMPARED}
     summary: dict[str, Any] = {
         "model": ns.model, "stages": ns.stages, "chunks": ns.chunks, "remat": ns.remat,
         "batch": batch, "step_time_s": step,
@@ -272,8 +278,9 @@ def _summarise(results: dict, memory: dict, ns: Any) -> dict:
                                                 if "torch_pipelining" in step else None),
         "predicted_step_time_s": results[0]["predicted"],
         "predicted_over_measured": results[0]["predicted"] / measured,
-        "remat_step_time_ratio": (step[remat_name] / measured if ns.remat == "never"
-                                  else measured / step[remat_name]),
+        # step time with remat on over remat off: the default mode, and each mode
+        "remat_step_time_ratio": by_mode["except_last"] / by_mode["never"],
+        "remat_step_time_ratios": {m: by_mode[m] / by_mode["never"] for m in REMAT_COMPARED[1:]},
         "stages_detail": [],
         "kept_activations": memory,
         "losses_first_step": results[0]["losses"],
@@ -282,15 +289,21 @@ def _summarise(results: dict, memory: dict, ns: Any) -> dict:
     }
     for r in ranks:
         busy = results[r]["busy"]
-        never = memory["never"][r]["measured_bytes"]
-        always = memory["always"][r]["measured_bytes"]
+        kept = {m: memory[m][r]["measured_bytes"] for m in REMAT_COMPARED}
         summary["stages_detail"].append({
             "stage": r, **results[0]["stages"][r], "busy_s": busy,
-            "bubble": max(0.0, 1 - busy / measured), "kept_bytes_remat_never": never,
-            "kept_bytes_remat_always": always, "kept_reduction": never / always if always else None})
+            "bubble": max(0.0, 1 - busy / measured),
+            **{f"kept_bytes_remat_{m}": kept[m] for m in REMAT_COMPARED},
+            # kept activations with remat off over remat on (default mode, and every mode)
+            "kept_reduction": _ratio(kept["never"], kept["except_last"]),
+            "kept_reductions": {m: _ratio(kept["never"], kept[m]) for m in REMAT_COMPARED[1:]}})
     summary["events"] = {r: results[r]["events"] for r in ranks}
     summary["predicted_events"] = results[0]["predicted_events"]
     return summary
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
 
 
 def _write(summary: dict, ns: Any) -> None:
@@ -316,16 +329,18 @@ def _write(summary: dict, ns: Any) -> None:
     lines += [f"- predicted step time {summary['predicted_step_time_s']:.3f} s vs measured "
               f"{summary['step_time_s']['fxpipe']:.3f} s "
               f"(predicted/measured {summary['predicted_over_measured']:.3f})",
-              f"- remat step time ratio (always / never): {summary['remat_step_time_ratio']:.3f}",
+              "- step time with remat on / off: " + ", ".join(
+                  f"{m} {r:.3f}" for m, r in summary["remat_step_time_ratios"].items())
+              + " (except_last is the default)",
               f"- stage boundaries (torch pipelining split points): {summary['split_points']}", "",
               tabulate([[d["stage"], d["first"], d["last"], d["ops"], f"{d['predicted_s'] * 1e3:.1f}",
                          f"{d['busy_s']:.3f}", f"{d['bubble']:.1%}",
-                         human_bytes(d["kept_bytes_remat_never"]),
-                         human_bytes(d["kept_bytes_remat_always"]),
-                         f"{d['kept_reduction']:.1f}x" if d["kept_reduction"] else "-"]
+                         *[human_bytes(d[f"kept_bytes_remat_{m}"]) for m in REMAT_COMPARED],
+                         *[f"{r:.1f}x" if r else "-" for r in d["kept_reductions"].values()]]
                         for d in summary["stages_detail"]],
-                       headers=["stage", "first", "last", "ops", "pred ms/mb", "busy s",
-                                "bubble", "kept (no remat)", "kept (remat)", "reduction"],
+                       headers=["stage", "first", "last", "ops", "pred ms/mb", "busy s", "bubble",
+                                *[f"kept ({m})" for m in REMAT_COMPARED],
+                                *[f"kept never/{m}" for m in REMAT_COMPARED[1:]]],
                        tablefmt="github")]
     text = "\n".join(lines) + "\n"
     print("\n" + text)

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Event", "Timeline", "chrome_trace", "write_chrome_trace"]
+__all__ = ["Event", "Timeline", "busy_time", "chrome_trace", "write_chrome_trace"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,25 @@ class Timeline:
 
     def to_dicts(self) -> list[dict[str, Any]]:
         return [asdict(e) for e in self.events]
+
+
+_COMPUTE = ("forward", "backward", "recompute")
+_WAITS = ("recv", "recv_grad")
+
+
+def busy_time(events: Sequence[Event], stage: int | None = None) -> float:
+    """Seconds a stage computed: its forward, backward and recompute spans, less the receives
+    nested in them (a forward that waits for its input is idle, not busy, while it waits)."""
+    mine = [e for e in events if stage is None or e.stage == stage]
+    compute = [e for e in mine if e.kind in _COMPUTE]
+    total = sum(e.end - e.start for e in compute)
+    for wait in (e for e in mine if e.kind in _WAITS):
+        for span in compute:
+            overlap = min(span.end, wait.end) - max(span.start, wait.start)
+            if overlap > 0:
+                total -= overlap
+                break
+    return total
 
 
 def chrome_trace(events: Sequence[Event], *, name: str = "fxpipe", pid: int = 0) -> list[dict]:

@@ -1,0 +1,44 @@
+"""`fxpipe bench`: the numbers it reports come from runs that compute the same thing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fxpipe.cli import main
+from fxpipe.runtime.timeline import Event, busy_time
+
+
+def test_busy_time_excludes_receive_waits_inside_compute_spans():
+    events = [
+        Event("forward", 1, 0, 0.0, 3.0),
+        Event("recv", 1, 0, 0.0, 2.0),  # waited 2 s for the input: idle
+        Event("backward", 1, 0, 5.0, 9.0),
+        Event("recv_grad", 1, 0, 5.0, 6.5),
+        Event("send_grad", 1, 0, 8.9, 9.0),  # a send posted from inside is not a wait
+        Event("reduce", 1, -1, 9.0, 12.0),  # not compute
+        Event("forward", 0, 0, 0.0, 1.0),  # another stage
+    ]
+    assert busy_time(events, stage=1) == pytest.approx(1.0 + 2.5)
+    assert busy_time(events, stage=0) == pytest.approx(1.0)
+
+
+def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
+    rc = main(["bench", "mlp", "--set", "batch=8", "--stages", "2", "--chunks", "4",
+               "--steps", "1", "--warmup", "0", "--port", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    variants = {"single_process", "fxpipe", "fxpipe_remat_except_last", "fxpipe_remat_always"}
+    assert variants <= set(result["step_time_s"])
+    # same model, data and micro-batches: every variant's first loss is the plain model's
+    losses = result["losses_first_step"]
+    for name in variants | ({"torch_pipelining"} & set(losses)):
+        assert losses[name] == pytest.approx(losses["single_process"], rel=1e-5), name
+    assert result["speedup_vs_single_process"] > 0
+    assert set(result["remat_step_time_ratios"]) == {"except_last", "always"}
+    for stage in result["stages_detail"]:
+        assert 0 < stage["busy_s"] <= result["step_time_s"]["fxpipe"] * 1.05
+        assert stage["kept_bytes_remat_always"] < stage["kept_bytes_remat_never"]
+        assert stage["kept_reductions"]["always"] > 1
+    assert (tmp_path / "bench.md").exists() and (tmp_path / "bench_trace.json").exists()
+    assert "speedup over one process" in capsys.readouterr().out
