@@ -52,6 +52,7 @@ class CompileConfig:
     leaf_modules: tuple[Any, ...] = ()
     deferred_batch_norm: bool = False
     check_finite: bool = False
+    dp_bucket_mb: float = 25.0  # data-parallel gradient buckets; 0 averages after the backward
     command: str | None = None  # how to regenerate, shown in stage headers
 
 
@@ -120,6 +121,9 @@ def check_config(config: CompileConfig) -> None:
         raise ConfigError("remat='auto' chooses what to recompute to fit memory_limit, "
                           "but no memory_limit was given",
                           hint="pass memory_limit (bytes per stage), or remat='always'")
+    if not isinstance(config.dp_bucket_mb, (int, float)) or not config.dp_bucket_mb >= 0:
+        raise ConfigError(f"dp_bucket_mb must be a number >= 0 (got {config.dp_bucket_mb!r})",
+                          hint="use e.g. 25 (DDP's default), or 0 to average after the backward")
     if config.devices is not None and len(config.devices) < config.stages:
         raise ConfigError(f"fewer devices than stages ({len(config.devices)} < {config.stages})",
                           hint=f"give {config.stages} devices (e.g. ['cpu'] * {config.stages}), "
@@ -356,6 +360,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     leaf_modules: Sequence[Any] = (),
     deferred_batch_norm: bool = False,
     check_finite: bool = False,
+    dp_bucket_mb: float = 25.0,
     command: str | None = None,
 ) -> Any:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
@@ -383,6 +388,9 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             micro-batches (equal to the plain model's), instead of once per micro-batch.
         check_finite: after every stage forward, check for NaN/Inf and name the stage,
             micro-batch and node where they first appear.
+        dp_bucket_mb: with data-parallel replicas (torchrun with a multiple of `stages`
+            processes), gradients are averaged in buckets of this size while the last backward
+            still runs, as DDP does; 0 averages them after it.
         command: the command that regenerates the program, shown in stage headers.
 
     Returns:
@@ -403,7 +411,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         memory_limit=memory_limit,
         devices=tuple(str(d) for d in devices) if devices is not None else None,
         capture=capture, schedule=schedule, profile=profile, leaf_modules=tuple(leaf_modules),
-        deferred_batch_norm=deferred_batch_norm, check_finite=check_finite, command=command)
+        deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,
+        dp_bucket_mb=dp_bucket_mb, command=command)
     check_config(config)
     program = Program(model, config)
     program.train(model.training)

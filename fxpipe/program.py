@@ -125,7 +125,8 @@ class Program(nn.Module):
             comm_info=stage_info(st.graph.recvs, st.graph.sends, st.index), edges=built.edges,
             random=st.random, device=device, pp_group=groups.pp, dp_group=groups.dp,
             shared=built.shared, shared_groups=groups.shared,
-            check_finite=self.config.check_finite, graph=st.graph_module)
+            check_finite=self.config.check_finite, graph=st.graph_module,
+            dp_bucket_bytes=int(self.config.dp_bucket_mb * 2**20))
 
     def _require_built(self, what: str) -> Built:
         if self._built is None:

@@ -27,6 +27,9 @@ CASES = {  # name -> (model module, build config)
 }
 STEPS = 3
 LR = 0.05
+# gradient averaging: in 4 KiB buckets during the last backward (several buckets per stage, so
+# their order across replicas matters), or after the backward
+BUCKET_MB = {"overlapped": 4 / 1024, "after_backward": 0}
 
 
 def _free_port() -> int:
@@ -52,16 +55,22 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
         results = {}
         for name in CASES:
-            model, inputs, target = _build(name)
-            program = fxpipe.compile(model, inputs, stages=2, chunks=2, profile="a100")
-            optimizer = torch.optim.SGD(program.parameters(), lr=LR)
-            losses = []
-            for _ in range(STEPS):
-                losses.append(program.step(*inputs, target=target))
-                optimizer.step()
-                optimizer.zero_grad()
-            results[name] = {"losses": losses, "state": program.state_dict(),
-                             "report": program.report().text()}
+            for mode, bucket_mb in BUCKET_MB.items():
+                model, inputs, target = _build(name)
+                program = fxpipe.compile(model, inputs, stages=2, chunks=2, profile="a100",
+                                         dp_bucket_mb=bucket_mb)
+                optimizer = torch.optim.SGD(program.parameters(), lr=LR)
+                losses = []
+                for _ in range(STEPS):
+                    losses.append(program.step(*inputs, target=target))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                averager = program._dist.averager
+                results[name, mode] = {
+                    "losses": losses, "state": program.state_dict(),
+                    "report": program.report().text(),
+                    "buckets": len(averager.buckets) if averager else 0,
+                    "overlapped": averager.overlapped if averager else 0}
         dist.destroy_process_group()
         queue.put((rank, _bytes(results)))  # tensors as bytes: shared memory dies with the child
     except Exception:  # noqa: BLE001 - sent to the parent
@@ -111,30 +120,41 @@ def _reference(name: str):
     return losses, model.state_dict()
 
 
+@pytest.mark.parametrize("mode", list(BUCKET_MB))
 @pytest.mark.parametrize("name", list(CASES))
-def test_two_replicas_of_two_stages_train_like_one_process(two_by_two, name):
+def test_two_replicas_of_two_stages_train_like_one_process(two_by_two, name, mode):
     losses, state = _reference(name)
     for rank, results in two_by_two.items():
-        assert results[name]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6), rank
+        assert results[name, mode]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6), rank
     merged = {}
     for results in two_by_two.values():
-        merged.update(results[name]["state"])
+        merged.update(results[name, mode]["state"])
     assert set(merged) == set(state)
     for key, value in state.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_replicas_hold_identical_copies_of_each_stage(two_by_two):
-    for name in CASES:
+    for key in two_by_two[0]:
         for stage in (0, 1):
-            a, b = two_by_two[stage][name]["state"], two_by_two[2 + stage][name]["state"]
+            a, b = two_by_two[stage][key]["state"], two_by_two[2 + stage][key]["state"]
             assert a.keys() == b.keys()
-            for key in a:
-                assert torch.equal(a[key], b[key]), key
+            for name in a:
+                assert torch.equal(a[name], b[name]), (key, name)
+
+
+def test_small_buckets_are_averaged_while_the_last_backward_runs(two_by_two):
+    for rank, results in two_by_two.items():
+        for name in CASES:
+            overlapped = results[name, "overlapped"]
+            assert overlapped["buckets"] > 2, (rank, name)
+            # every bucket whose gradients the last backward produced left before it ended
+            assert overlapped["overlapped"] == overlapped["buckets"], (rank, name)
+            assert results[name, "after_backward"]["buckets"] == 0
 
 
 def test_report_shows_the_mesh_and_both_kinds_of_traffic(two_by_two):
-    text = two_by_two[0]["gpt_tied"]["report"]
+    text = two_by_two[0]["gpt_tied", "overlapped"]["report"]
     assert "2 replica(s) x 2 stages" in text
     assert "rank 3 = replica 1 stage 1" in text
     assert "point-to-point" in text and "data-parallel all-reduce" in text
@@ -198,3 +218,13 @@ def test_written_program_runs_under_torchrun_with_four_processes(written_gpt):
                    "--steps", "2", "--verify"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "step 1 loss" in result.stdout and "verify: OK" in result.stdout
+
+
+def test_buckets_group_consecutive_parameters_up_to_the_size_and_never_mix_dtypes():
+    from fxpipe.runtime.overlap import buckets
+
+    f32, f16 = torch.float32, torch.float16
+    assert buckets([(4, f32), (4, f32), (4, f32)], 8) == [[0, 1], [2]]
+    assert buckets([(16, f32), (4, f32)], 8) == [[0], [1]]  # a large one alone
+    assert buckets([(4, f32), (2, f16), (2, f16)], 100) == [[0], [1, 2]]
+    assert buckets([], 8) == []

@@ -23,12 +23,15 @@ from fxpipe.runtime.comm import DistComm, MicrobatchComm, TagTable
 from fxpipe.runtime.finite import check_finite
 from fxpipe.runtime.local import remat_enabled, seeded_forward
 from fxpipe.runtime.memory import KeptMemory
+from fxpipe.runtime.overlap import ReplicaAverager
 from fxpipe.runtime.schedule import get_schedule
 from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.timeline import Timeline
 from fxpipe.signature import Signature
 
-__all__ = ["DistributedExecutor", "Mesh", "split_target"]
+__all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "Mesh", "split_target"]
+
+DEFAULT_DP_BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class DistributedExecutor:
                  input_indexes: Sequence[int], comm_info: dict[tuple[str, int, int], Any],
                  edges: Sequence[tuple[str, int, int]], random: bool, device: torch.device, pp_group: Any = None,
                  shared: dict[str, list[int]] | None = None, shared_groups: dict | None = None,
-                 dp_group: Any = None, check_finite: bool = False, graph: Any = None) -> None:
+                 dp_group: Any = None, check_finite: bool = False, graph: Any = None,
+                 dp_bucket_bytes: int = DEFAULT_DP_BUCKET_BYTES) -> None:
         self.module = module
         self.mesh = mesh
         self.signature = signature
@@ -97,6 +101,13 @@ class DistributedExecutor:
         self.graph = graph  # the stage GraphModule when known (names the node of a NaN/Inf)
         self.timeline = Timeline()
         self.record_memory = False
+        # Replica averaging of untied gradients overlaps the last backward (0: after it).
+        # Tied parameters wait for their sum over stages, which needs every stage's backward.
+        self.averager = None
+        if dp_group is not None and mesh.replicas > 1 and dp_bucket_bytes > 0:
+            tied = {id(t) for name, t in module.named_model_tensors().items() if name in self.shared}
+            self.averager = ReplicaAverager((p for p in module.parameters() if id(p) not in tied),
+                                            dp_group, mesh.replicas, dp_bucket_bytes)
 
     @property
     def is_last(self) -> bool:
@@ -118,10 +129,13 @@ class DistributedExecutor:
         memory = KeptMemory(self.module.parameters()) if self.record_memory else None
         base = int(torch.randint(0, 2**62, (1,)).item()) if self.random else None
         self.timeline.reset()
+        if self.averager:
+            self.averager.armed = False  # armed only during the last backward
         discard_batch_norms()
         losses: dict[int, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         actions = get_schedule(schedule)(chunks, k)[stage]
+        last_backward = max(i for i, a in enumerate(actions) if a.kind != "F")
         for i, action in enumerate(actions):
             mb = action.microbatch
             if i == 0:
@@ -150,6 +164,8 @@ class DistributedExecutor:
                             losses[mb] = loss
                             total += loss.detach().double()
                 else:
+                    if self.averager and i == last_backward:
+                        self.averager.arm()
                     with self.timeline.span("backward", stage, mb):
                         comm.backward(stage, mb, losses.pop(mb, None))
                     if memory:
@@ -189,8 +205,14 @@ class DistributedExecutor:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
-        if self.dp_group is not None and self.mesh.replicas > 1:
-            for param in self.module.parameters():
+        if self.dp_group is None or self.mesh.replicas == 1:
+            return
+        tied = set()
+        if self.averager is not None:
+            self.averager.finish()
+            tied = {id(t) for name, t in named.items() if name in self.shared}
+        for param in self.module.parameters():
+            if self.averager is None or id(param) in tied:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 dist.all_reduce(param.grad, group=self.dp_group)

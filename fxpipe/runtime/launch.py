@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from fxpipe.errors import ConfigError, FxPipeError, PeerLostError
 from fxpipe.losses import resolve_loss
-from fxpipe.runtime.distributed import DistributedExecutor, Mesh, stage_info
+from fxpipe.runtime.distributed import (DEFAULT_DP_BUCKET_BYTES, DistributedExecutor, Mesh,
+                                        stage_info)
 from fxpipe.runtime.local import LocalExecutor, LocalStage
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.stage import StageModule
@@ -62,6 +63,9 @@ def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
                         help="stop with the stage and value where NaN/Inf first appear")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds a rank waits for a peer before giving up (default 60)")
+    parser.add_argument("--dp-bucket-mb", type=float, default=DEFAULT_DP_BUCKET_BYTES / 2**20,
+                        help="with data-parallel replicas: average gradients in buckets of this "
+                             "size during the last backward (default 25); 0 averages after it")
     return parser.parse_args(argv)
 
 
@@ -197,7 +201,8 @@ def _distributed(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> t
         module=module, mesh=mesh, signature=spec.signature, input_indexes=stage.inputs,
         comm_info=stage_info(stage.recvs, stage.sends, stage.index), edges=spec.edges,
         random=stage.random, device=device, pp_group=groups.pp, dp_group=groups.dp,
-        shared=spec.shared, shared_groups=groups.shared, check_finite=args.check_finite)
+        shared=spec.shared, shared_groups=groups.shared, check_finite=args.check_finite,
+        dp_bucket_bytes=int(args.dp_bucket_mb * 2**20))
 
     def step(inputs: list, target: Any, loss_fn: Any) -> float:
         flat, tgt = inputs, target

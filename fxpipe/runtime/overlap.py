@@ -1,0 +1,99 @@
+"""Data-parallel gradient averaging that overlaps the last backward pass of a step.
+
+A stage's parameter gradients are final once the last micro-batch's backward has reached them;
+the rest of that backward can run while they travel. As DDP does, parameters are grouped into
+buckets of about `bucket_bytes` in the reverse of their order in the stage (the order backward
+produces their gradients). During the step's last backward a post-accumulate-grad hook marks
+each parameter ready; a bucket whose parameters are all ready is flattened and all-reduced
+asynchronously over the replicas of this stage. Buckets are launched strictly in order, so that
+every replica issues the same collectives in the same order whatever order its hooks fire in.
+`finish()` launches what the last backward did not reach, waits, and writes back the averages.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ReplicaAverager", "buckets"]
+
+
+def buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
+    """Indexes of consecutive parameters grouped into buckets of at most `bucket_bytes` (one
+    larger parameter makes a bucket of its own) holding a single dtype each."""
+    out: list[list[int]] = []
+    filled = 0
+    for i, (nbytes, dtype) in enumerate(sizes):
+        if out and filled + nbytes <= bucket_bytes and sizes[out[-1][0]][1] == dtype:
+            out[-1].append(i)
+            filled += nbytes
+        else:
+            out.append([i])
+            filled = nbytes
+    return out
+
+
+class ReplicaAverager:
+    """Averages the gradients of `params` over `replicas` ranks of `group`, bucket by bucket."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], group: Any, replicas: int,
+                 bucket_bytes: int) -> None:
+        self.params = [p for p in reversed(list(params)) if p.requires_grad]
+        self.group, self.replicas = group, replicas
+        sizes = [(p.numel() * p.element_size(), p.dtype) for p in self.params]
+        self.buckets = buckets(sizes, bucket_bytes)
+        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.armed = False
+        self.overlapped = 0  # buckets of the last step launched while its backward ran
+        self._reset()
+        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+
+    def _reset(self) -> None:
+        self.missing = [len(members) for members in self.buckets]
+        self.launched: list[tuple[Any, torch.Tensor]] = []
+
+    def arm(self) -> None:
+        """The next backward is the step's last for every parameter: reduce as gradients land."""
+        self._reset()
+        self.armed = True
+
+    def _ready(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        self.missing[self.bucket_of[self.index[id(param)]]] -= 1
+        while len(self.launched) < len(self.buckets) and not self.missing[len(self.launched)]:
+            self._launch(len(self.launched))
+
+    def _launch(self, b: int) -> None:
+        members = [self.params[i] for i in self.buckets[b]]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in members])
+        self.launched.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
+
+    def finish(self) -> None:
+        """Launches the buckets not yet launched, waits for all, writes the averages back."""
+        self.armed = False
+        self.overlapped = len(self.launched)
+        while len(self.launched) < len(self.buckets):
+            self._launch(len(self.launched))
+        for b, (work, flat) in enumerate(self.launched):
+            work.wait()
+            flat /= self.replicas
+            offset = 0
+            for i in self.buckets[b]:
+                p = self.params[i]
+                n = p.numel()
+                average = flat[offset:offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = average.clone()
+                else:
+                    p.grad.copy_(average)
+                offset += n
+        self.launched = []
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
