@@ -257,11 +257,12 @@ def run_bench(ns: Any) -> int:
 def _summarise(results: dict, memory: dict, ns: Any) -> dict:
     ranks = sorted(results)
     names = [n for n in results[0]["times"]]
-    step = {}
+    step, spread = {}, {}
     for name in names:
         per_step = [max(results[r]["times"][name][i] for r in ranks if results[r]["times"][name])
                     for i in range(len(results[0]["times"][name]))]
         step[name] = statistics.median(per_step)
+        spread[name] = [min(per_step), max(per_step)]
     batch = None
     from fxpipe.cli import load_factory
 
@@ -271,7 +272,7 @@ def _summarise(results: dict, memory: dict, ns: Any) -> dict:
     by_mode = {m: step["fxpipe" if m == ns.remat else f"fxpipe_remat_{m}"] for m in REMAT_COMPARED}
     summary: dict[str, Any] = {
         "model": ns.model, "stages": ns.stages, "chunks": ns.chunks, "remat": ns.remat,
-        "batch": batch, "step_time_s": step,
+        "batch": batch, "step_time_s": step, "step_time_min_max_s": spread,
         "samples_per_s": {k: batch / v for k, v in step.items()},
         "speedup_vs_single_process": step["single_process"] / measured,
         "step_time_ratio_vs_torch_pipelining": (measured / step["torch_pipelining"]
@@ -314,12 +315,15 @@ def _write(summary: dict, ns: Any) -> None:
 
     os.makedirs(ns.out, exist_ok=True)
     events = summary.pop("events")
-    rows = [[name, f"{t:.3f}", f"{summary['samples_per_s'][name]:.1f}",
+    spread = summary["step_time_min_max_s"]
+    rows = [[name, f"{t:.3f}", f"{spread[name][0]:.3f}-{spread[name][1]:.3f}",
+             f"{summary['samples_per_s'][name]:.1f}",
              f"{summary['step_time_s']['single_process'] / t:.2f}x"]
             for name, t in summary["step_time_s"].items()]
     lines = [f"# fxpipe bench: {summary['model']}, {summary['stages']} stages x "
              f"{summary['chunks']} micro-batches, remat={summary['remat']}", "",
-             tabulate(rows, headers=["variant", "step (s)", "samples/s", "speedup vs 1 process"],
+             tabulate(rows, headers=["variant", "median step (s)", "min-max (s)", "samples/s",
+                                     "speedup vs 1 process"],
                       tablefmt="github"), "",
              f"- speedup over one process: **{summary['speedup_vs_single_process']:.2f}x** "
              f"(ideal {summary['ideal_speedup']:.2f}x)"]

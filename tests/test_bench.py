@@ -35,6 +35,8 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     for name in variants | ({"torch_pipelining"} & set(losses)):
         assert losses[name] == pytest.approx(losses["single_process"], rel=1e-5), name
     assert result["speedup_vs_single_process"] > 0
+    for name, (low, high) in result["step_time_min_max_s"].items():
+        assert 0 < low <= result["step_time_s"][name] <= high, name
     assert set(result["remat_step_time_ratios"]) == {"except_last", "always"}
     for stage in result["stages_detail"]:
         assert 0 < stage["busy_s"] <= result["step_time_s"]["fxpipe"] * 1.05
