@@ -41,8 +41,6 @@ CHUNKS = 4
 STEPS = 3
 SGD = dict(lr=0.05, momentum=0.9)
 PROFILE = "a100"  # a preset: every rank gets the same partition without measuring
-CONFIG: dict[str, dict[str, Any]] = {"gpt": {"dropout": 0.0}}
-EVAL_MODE = {"resnet"}
 WORLD_TIMEOUT_S = 300  # the whole group of workers, all its configurations together
 
 class Job(NamedTuple):
@@ -68,9 +66,7 @@ CASES = [pytest.param(world, job, id=f"world{world}-{job}") for world, jobs in J
 
 
 def make_case(name: str) -> tuple[torch.nn.Module, tuple, dict, torch.Tensor]:
-    model, inputs, kwargs = load_model(name, **CONFIG.get(name, {}))
-    if name in EVAL_MODE:
-        model.eval()
+    model, inputs, kwargs = load_model(name, deterministic=True)
     return model, inputs, kwargs, importlib.import_module(f"fxpipe.models.{name}").target(inputs)
 
 

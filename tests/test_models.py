@@ -139,8 +139,30 @@ def test_gpt_target_is_the_input_shifted_by_one():
 def test_model_is_batch_separable_in_eval_mode(name):
     mod = load(name)
     model, inputs = mod.build()
-    kwargs = kwargs_for(mod, inputs)
     model.eval()
+    assert_batch_separable(name, model, inputs, kwargs_for(mod, inputs))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_deterministic_load_gives_a_batch_separable_model_in_its_training_mode(name):
+    from fxpipe.models import load as load_model
+
+    model, inputs, kwargs = load_model(name, deterministic=True)
+    assert_batch_separable(name, model, inputs, kwargs)
+
+
+def test_deterministic_load_keeps_explicit_settings():
+    from fxpipe.models import load as load_model
+
+    model, _, _ = load_model("gpt", deterministic=True, dropout=0.1)
+    assert model.training
+    assert any(isinstance(m, nn.Dropout) and m.p == 0.1 for m in model.modules())
+    resnet, _, _ = load_model("resnet", deterministic=True)
+    assert not resnet.training
+
+
+def assert_batch_separable(name: str, model: nn.Module, inputs: tuple, kwargs: dict) -> None:
+    """The model's output on the whole batch equals its outputs on the two halves, joined."""
     bd, n = batch_dim(name), inputs[0].shape[batch_dim(name)]
     with torch.no_grad():
         whole = outputs(model(*inputs, **kwargs))
@@ -258,3 +280,4 @@ def test_gpt_benchmark_config_builds_and_runs_one_forward():
     assert logits.shape == (16, 128, 4096)
     assert torch.isfinite(logits).all()
     assert gpt.target((idx,), **config).max() < 4096
+

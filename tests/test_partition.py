@@ -29,8 +29,6 @@ from fxpipe.report import human_time
 from fxpipe.models import load as load_model
 
 PROFILE = get_profile("a100")  # a datasheet preset: deterministic, no CPU micro-benchmark
-CONFIG: dict[str, dict[str, Any]] = {"gpt": {"dropout": 0.0}}
-EVAL_MODE = {"resnet"}
 
 
 
@@ -44,9 +42,7 @@ class Captured:
 @functools.cache
 def captured(name: str) -> Captured:
     """A reference model and its costed capture (shared: tests re-partition it)."""
-    model, inputs, kwargs = load_model(name, **CONFIG.get(name, {}))
-    if name in EVAL_MODE:
-        model.eval()
+    model, inputs, kwargs = load_model(name, deterministic=True)
     gm = fxpipe.capture(model, inputs, kwargs, inline_modules=True)
     annotate_costs(gm)
     return Captured(model, inputs, gm)

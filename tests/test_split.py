@@ -27,8 +27,6 @@ from fxpipe.models import load as load_model
 
 PROFILE = get_profile("a100")  # a datasheet preset: deterministic, no CPU micro-benchmark
 STAGES = (1, 2, 3, 4)
-CONFIG: dict[str, dict[str, Any]] = {"gpt": {"dropout": 0.0}}
-EVAL_MODE = {"resnet"}
 
 
 
@@ -64,9 +62,7 @@ class Captured:
 @functools.cache
 def captured(name: str) -> Captured:
     """A reference model, its costed capture and its eager output (shared: do not modify)."""
-    model, inputs, kwargs = load_model(name, **CONFIG.get(name, {}))
-    if name in EVAL_MODE:
-        model.eval()
+    model, inputs, kwargs = load_model(name, deterministic=True)
     gm = fxpipe.capture(model, inputs, kwargs, inline_modules=True)
     annotate_costs(gm)
     with torch.no_grad():

@@ -36,9 +36,6 @@ STAGES = (1, 2, 3)
 CHUNKS = 4
 PROFILE = "a100"  # a preset: skips the CPU micro-benchmark (fast and deterministic)
 
-# Train-mode comparisons need deterministic models (see the module docstring).
-CONFIG: dict[str, dict[str, Any]] = {"gpt": {"dropout": 0.0}}
-EVAL_MODE = {"resnet"}
 
 @dataclass
 class Case:
@@ -56,9 +53,7 @@ class Reference:
 
 
 def make_case(name: str, **overrides: Any) -> Case:
-    model, inputs, kwargs = load_model(name, **{**CONFIG.get(name, {}), **overrides})
-    if name in EVAL_MODE:
-        model.eval()
+    model, inputs, kwargs = load_model(name, deterministic=True, **overrides)
     target = importlib.import_module(f"fxpipe.models.{name}").target(inputs)
     return Case(model, inputs, kwargs, target)
 
