@@ -2,7 +2,7 @@
 
 On every instance (the reference models' atoms under the preset "a100" profile, and synthetic
 chains and skip-edge DAGs of args.sizes atoms) it reports the bottleneck (slowest stage,
-communication included, as `partition_solver.evaluate` computes it) of
+communication included, as `partition_problem.evaluate` computes it) of
 
 - fxpipe: `partition_solver.solve_partition` (bisection with an exact probe), and its solve time;
 - exact: `dp_partition` below, the textbook O(n^2 K) dynamic program, on every instance up to
@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from fxpipe.passes.partition_solver import Partition, equal_count_cuts, evaluate, solve_partition
+from fxpipe.passes.partition_problem import Partition, equal_count_cuts, evaluate
+from fxpipe.passes.partition_solver import solve_partition
 
 __all__ = ["BGResult", "bg_partition", "compare", "dp_partition", "live_bytes",
            "model_instances", "run_bench_partition", "synthetic_chain", "synthetic_dag"]

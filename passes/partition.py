@@ -20,6 +20,7 @@ from torch.fx import GraphModule, Node
 from fxpipe import ir
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.passes import partition_solver as solver
+from fxpipe.passes.partition_problem import evaluate
 from fxpipe.passes.cost import estimate_time
 from fxpipe.profile import DeviceProfile
 
@@ -244,11 +245,11 @@ def partition(
         atoms = _measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
                                chunks=chunks)
         atoms.compute[-1] += loss_time
-    evaluated = solver.evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
-                                memory_limit=memory_limit, mem_fixed=atoms.mem_fixed,
-                                mem_act=atoms.mem_act,
-                                cut_mem=atoms.cut_bytes if remat != "never" else None,
-                                inflight=inflight)
+    evaluated = evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
+                         memory_limit=memory_limit, mem_fixed=atoms.mem_fixed,
+                         mem_act=atoms.mem_act,
+                         cut_mem=atoms.cut_bytes if remat != "never" else None,
+                         inflight=inflight)
     return _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages)
 
 

@@ -10,19 +10,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from fxpipe.errors import PartitionError
-from fxpipe.passes.partition_solver import (
-    _INF,
+from fxpipe.passes.partition_problem import (
     Partition,
-    _build,
-    _comm_sum,
-    _fits,
-    _memory_error,
-    _prepare,
-    _stage_mem,
-    _stage_time,
-    min_memory_limit,
-    solve_partition,
+    build_partition,
+    comm_sum,
+    fits,
+    memory_error,
+    prepare,
+    stage_memory,
+    stage_time,
 )
+from fxpipe.passes.partition_solver import min_memory_limit, solve_partition
 
 __all__ = ["brute_force_partition", "benchmark"]
 
@@ -45,7 +43,7 @@ def brute_force_partition(
     """Reference solver: enumerates every cut set (for tests, n <= ~14).  Minimises the exact
     bottleneck, then the interior communication, then the cut tuple."""
     del rel_tol  # exact
-    prob = _prepare(
+    prob = prepare(
         compute, num_stages, cut_comm, memory_limit, mem_fixed, mem_act, cut_mem, inflight
     )
     n, K = prob.n, prob.K
@@ -55,23 +53,23 @@ def brute_force_partition(
             f"brute force would enumerate {count} cut sets (more than {_BRUTE_FORCE_MAX})",
             hint="use solve_partition for instances this large",
         )
-    T = {(i, j): _stage_time(prob, i, j) for i in range(n) for j in range(i + 1, n + 1)}
+    T = {(i, j): stage_time(prob, i, j) for i in range(n) for j in range(i + 1, n + 1)}
     best_key = None
     best_cuts: tuple[int, ...] | None = None
-    min_peak = _INF
+    min_peak = math.inf
     for inner in itertools.combinations(range(1, n), K - 1):
         cuts = (0, *inner, n)
         if prob.limit is not None:
-            peak = max(_stage_mem(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
+            peak = max(stage_memory(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
             min_peak = min(min_peak, peak)
-            if not _fits(prob, peak):
+            if not fits(prob, peak):
                 continue
-        key = (max(T[i, j] for i, j in zip(cuts, cuts[1:])), _comm_sum(prob, cuts), cuts)
+        key = (max(T[i, j] for i, j in zip(cuts, cuts[1:])), comm_sum(prob, cuts), cuts)
         if best_key is None or key < best_key:
             best_key, best_cuts = key, cuts
     if best_cuts is None:
-        raise _memory_error(prob, min_peak)
-    return _build(prob, best_cuts)
+        raise memory_error(prob, min_peak)
+    return build_partition(prob, best_cuts)
 
 
 def benchmark(

@@ -9,11 +9,8 @@ import json
 import numpy as np
 import pytest
 from fxpipe.passes.partition_oracle import brute_force_partition
-from fxpipe.passes.partition_solver import (
-    equal_count_cuts,
-    evaluate,
-    solve_partition,
-)
+from fxpipe.passes.partition_problem import equal_count_cuts, evaluate
+from fxpipe.passes.partition_solver import solve_partition
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

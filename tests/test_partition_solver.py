@@ -10,13 +10,8 @@ from hypothesis import strategies as st
 
 from fxpipe.errors import PartitionError
 from fxpipe.passes.partition_oracle import benchmark, brute_force_partition
-from fxpipe.passes.partition_solver import (
-    Partition,
-    equal_count_cuts,
-    evaluate,
-    min_memory_limit,
-    solve_partition,
-)
+from fxpipe.passes.partition_problem import Partition, equal_count_cuts, evaluate
+from fxpipe.passes.partition_solver import min_memory_limit, solve_partition
 
 # --------------------------------------------------------------------------------------------
 # helpers
