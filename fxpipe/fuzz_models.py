@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxpipe.transparency import PROFILE, check_dropout_remat, check_transparent
+
 __all__ = ["BATCHES", "REMATS", "ACTIVATIONS", "EDGE_FEATURES", "KINDS", "PROFILE", "Example",
            "FuzzNet", "Op", "Spec", "example_batch", "models_and_configs", "random_config",
            "random_example", "random_model", "random_spec"]
@@ -20,7 +22,6 @@ REMATS = ("never", "always", "except_last")
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 MODULE_OPS = ("linear", "tied", "layernorm", "dropout", *ACTIVATIONS)
 MAX_CAT_WIDTH = 48
-PROFILE = "a100"  # a deterministic preset: no CPU micro-benchmark per example
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -514,8 +515,6 @@ class Example:
         return {} if self.split_points is None else {"split_points": list(self.split_points)}
 
     def check(self) -> None:
-        from fxpipe.fuzz import check_dropout_remat, check_transparent
-
         check_transparent(self.model, self.inputs, self.kwargs, self.stages, self.chunks,
                           self.remat, **self.options)
         if any(op.kind == "dropout" and op.p > 0 for op in self.spec.ops):
