@@ -5,12 +5,11 @@
     program.write("out/")          # one readable Python file per stage, plus a launcher
     loss = program.step(x, target=y)   # one GPipe training step (local or under torchrun)
 """
-from fxpipe.capture import capture
+from fxpipe.api import compile  # noqa: A004 - fxpipe.compile, as torch.compile
 from fxpipe.checkpoint import load_checkpoint
-from fxpipe.compile import compile  # noqa: A004 - fxpipe.compile, as torch.compile
 from fxpipe.errors import FxPipeError
+from fxpipe.frontend.capture import capture
 from fxpipe.program import Program
-
-__version__ = "0.1.0"
+from fxpipe.version import __version__
 
 __all__ = ["compile", "capture", "load_checkpoint", "Program", "FxPipeError", "__version__"]

@@ -1,9 +1,9 @@
 """Checkpoints in the model's own names: save a pipeline, resume it, or load it into the model.
 
 Every process writes its stages' tensors and its optimizer's state keyed by the model's
-state_dict names (one shard per rank), atomically (temporary file, then rename); rank 0 writes
-checkpoint.json last, so a checkpoint without it is incomplete and is refused. Loading merges the
-shards (`weights_only=True`), so a checkpoint can be resumed by the same pipeline, by another
+state_dict names (one shard per rank; fxpipe.state.StateNames gives the names), atomically
+(temporary file, then rename); rank 0 writes checkpoint.json last, so a checkpoint without it is
+incomplete and is refused. Loading merges the shards (`weights_only=True`), so a checkpoint can be resumed by the same pipeline, by another
 number of stages, or by the plain model.
 """
 from __future__ import annotations
@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError
-from fxpipe.writer import atomic_save, atomic_write
+from fxpipe.files import atomic_save, atomic_write
+from fxpipe.version import __version__
 
-__all__ = ["save_checkpoint", "save_shard", "load_checkpoint", "restore", "param_names"]
+__all__ = ["save_shard", "load_checkpoint", "restore"]
 
 META = "checkpoint.json"
 
@@ -30,20 +31,6 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def param_names(program: Any) -> dict[int, str]:
-    """id(parameter or buffer of a stage) -> the model's (first) state_dict name for it."""
-    from fxpipe.program import _graph_tensors
-
-    graph = _graph_tensors(program.graph_module)
-    aliases = program._aliases()
-    names: dict[int, str] = {}
-    for module in program.stage_modules:
-        for attr, qualname in module.qualified_names().items():
-            keys = aliases.get(id(graph.get(qualname)), [qualname])
-            names.setdefault(id(getattr(module, attr)), keys[0])
-    return names
-
-
 def _optimizer_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     raw = optimizer.state_dict()
@@ -52,14 +39,6 @@ def _optimizer_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
             "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
                               "params": [index_to_name[i] for i in g["params"]]}
                              for g in raw["param_groups"]]}
-
-
-def save_checkpoint(program: Any, directory: str, *, optimizer: torch.optim.Optimizer | None = None,
-                    step: int | None = None) -> None:
-    """Writes this process's shard of a Program; rank 0 then writes checkpoint.json."""
-    names = param_names(program) if optimizer is not None else {}
-    save_shard(directory, dict(program.state_dict()), optimizer, names, step=step,
-               model=type(program.model).__name__)
 
 
 def save_shard(directory: str, state: dict[str, torch.Tensor], optimizer: Any,
@@ -74,7 +53,7 @@ def save_shard(directory: str, state: dict[str, torch.Tensor], optimizer: Any,
     if world > 1:
         dist.barrier()
     if rank == 0:
-        meta = {"fxpipe": "0.1.0", "shards": world, "step": step,
+        meta = {"fxpipe": __version__, "shards": world, "step": step,
                 "optimizer": optimizer is not None, "model": model}
         atomic_write(os.path.join(directory, META), json.dumps(meta, indent=2) + "\n")
     if world > 1:

@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import os
 import shlex
 import subprocess
@@ -21,54 +19,20 @@ import sys
 import traceback
 from typing import Any
 
+from fxpipe import ir
+from fxpipe.api import compile as compile_program
 from fxpipe.errors import ConfigError, FxPipeError
+from fxpipe.frontend.capture import capture
+from fxpipe.models import load_factory
+from fxpipe.passes.cost import annotate_costs
+from fxpipe.profile import get_profile
+from fxpipe.program import Program
+from fxpipe.report import cost_table
+from fxpipe.tools.bench import BenchOptions, run_bench, run_bench_compile
+from fxpipe.tools.bench_partition import run_bench_partition
+from fxpipe.tools.demo import run_demo
 
-__all__ = ["main", "load_factory"]
-
-
-def load_factory(spec: str, settings: list[str] | None = None) -> tuple[Any, tuple, dict, Any]:
-    """MODULE:FACTORY -> (model, example_inputs, example_kwargs, target)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"expected MODULE:FACTORY, got {spec!r}",
-                          hint="e.g. fxpipe.models.gpt:build (any importable callable returning "
-                               "(model, example_inputs))")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"cannot import module {module_name!r}: {e}",
-                          hint="check the spelling and that it is on PYTHONPATH") from e
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise ConfigError(f"module {module_name!r} has no attribute {attr!r}",
-                              hint=f"names it has: {sorted(n for n in dir(module) if not n.startswith('_'))[:10]}")
-    config = _settings(settings or [])
-    result = factory(**config)
-    if not isinstance(result, tuple) or len(result) not in (2, 3):
-        raise ConfigError(f"{spec} returned {type(result).__name__}, not (model, example_inputs)",
-                          hint="return (model, example_inputs) or (model, inputs, kwargs)")
-    model, inputs = result[0], result[1]
-    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    kwargs = dict(result[2]) if len(result) == 3 else {}
-    if not kwargs and hasattr(module, "example_kwargs"):
-        kwargs = module.example_kwargs(inputs, **config)
-    target = module.target(inputs, **config) if hasattr(module, "target") else None
-    return model, inputs, kwargs, target
-
-
-def _settings(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}", hint="e.g. --set n_layer=8")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+__all__ = ["main"]
 
 
 def _chunks(value: str) -> int | str:
@@ -94,16 +58,14 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="device profile preset (a100, h100, ...)")
 
 
-def _compile(args: argparse.Namespace) -> tuple[Any, Any]:
-    import fxpipe
-
+def _compile(args: argparse.Namespace) -> tuple[Program, Any]:
     model, inputs, kwargs, target = load_factory(args.factory, args.set)
     print(f"compiling {type(model).__name__} into {args.stages} stages (capture, costs, "
           "partition, split, remat, codegen) ...", file=sys.stderr, flush=True)
     command = " ".join(["fxpipe compile", args.factory] + [f"--set {shlex.quote(s)}" for s in args.set]
                        + [f"--stages {args.stages}", f"--chunks {args.chunks}",
                           f"--remat {args.remat}"])
-    program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=args.stages,
+    program = compile_program(model, inputs, example_kwargs=kwargs, stages=args.stages,
                              chunks=args.chunks, remat=args.remat, balance=args.balance,
                              memory_limit=args.memory_limit, schedule=args.schedule,
                              profile=args.profile, command=command)
@@ -121,14 +83,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_costs(args: argparse.Namespace) -> int:
-    import fxpipe
-    from fxpipe import ir
-    from fxpipe.passes.cost import annotate_costs
-    from fxpipe.profile import get_profile
-    from fxpipe.report import cost_table
-
     model, inputs, kwargs, _ = load_factory(args.factory, args.set)
-    gm = fxpipe.capture(model, inputs, kwargs, inline_modules=not args.modules)
+    gm = capture(model, inputs, kwargs, inline_modules=not args.modules)
     annotate_costs(gm)
     b = args.microbatch or gm.meta[ir.CAPTURE].batch_size
     print(cost_table(gm, b=b, profile=get_profile(args.profile), sort=args.sort,
@@ -159,27 +115,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from fxpipe.demo import run_demo
-
     return run_demo(args.out, nproc=2, steps=args.steps)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fxpipe.bench import run_bench
-
-    return run_bench(args)
+    return run_bench(BenchOptions(model=args.model, settings=tuple(args.set), stages=args.stages,
+                                  chunks=args.chunks, remat=args.remat, steps=args.steps,
+                                  warmup=args.warmup, out=args.out, plot=args.plot,
+                                  port=args.port))
 
 
 def cmd_bench_compile(args: argparse.Namespace) -> int:
-    from fxpipe.bench import run_bench_compile
-
-    return run_bench_compile(args)
+    return run_bench_compile(args.n_layer, args.stages, args.profile)
 
 
 def cmd_bench_partition(args: argparse.Namespace) -> int:
-    from fxpipe.bench_partition import run_bench_partition
-
-    return run_bench_partition(args)
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    return run_bench_partition(sizes, args.stages, args.out)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,7 +13,6 @@ import builtins
 import keyword
 import math
 import operator
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,10 +22,11 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from fxpipe import ir, source
+from fxpipe.source import identifier
 from fxpipe.errors import CodegenError
 from fxpipe.runtime import ops
 
-__all__ = ["StageHeader", "generate_stage", "load_stage_class", "identifier"]
+__all__ = ["StageHeader", "generate_stage", "load_stage_class"]
 
 _RESERVED = {"self", "comm", "torch", "operator", "math", "checkpoint", "StageModule",
              "annotations"}
@@ -51,24 +51,6 @@ class StageHeader:
     lines: tuple[str, ...] = ()  # cost, params, recv/send, remat ... already formatted
     passes: str = "capture > annotate_costs > partition > split_stages > mark_remat"
     version: str = "0.1.0"
-
-
-def identifier(text: str, taken: set[str], *, attribute: bool = False) -> str:
-    """A valid, unused Python identifier derived from `text` (which is never executed)."""
-    name = re.sub(r"\W", "_", text.encode("ascii", "backslashreplace").decode()).strip("_")
-    name = re.sub(r"_+", "_", name) or "v"
-    if name[0].isdigit():
-        name = "v" + name
-    clash = keyword.iskeyword(name) or name in _RESERVED or hasattr(builtins, name)
-    if attribute:
-        clash = clash or hasattr(nn.Module, name) or name.startswith("_")
-    if clash:
-        name += "_"
-    base, i = name, 1
-    while name in taken:
-        name, i = f"{base}_{i}", i + 1
-    taken.add(name)
-    return name
 
 
 @dataclass
@@ -210,7 +192,7 @@ def generate_stage(gm: GraphModule, header: StageHeader, *, class_name: str | No
     for node in nodes:
         if node.op in ("get_attr", "call_module") and node.target not in ctx.attrs:
             name = qualnames.get(str(node.target), str(node.target))
-            attr = identifier(name, attr_taken, attribute=True)
+            attr = identifier(name, attr_taken, reserved=_RESERVED, attribute=True)
             ctx.attrs[node.target] = attr
             value = _attr(gm, str(node.target))
             if node.op == "call_module":
@@ -227,7 +209,7 @@ def generate_stage(gm: GraphModule, header: StageHeader, *, class_name: str | No
     for node in nodes:
         if node.op not in ("get_attr", "output"):
             base = "comm_" if node.op == "placeholder" and node.name == "comm" else node.name
-            ctx.names[node] = "comm" if node is nodes[0] else identifier(base, taken)
+            ctx.names[node] = "comm" if node is nodes[0] else identifier(base, taken, reserved=_RESERVED)
     cls = class_name or f"Stage{header.stage}"
     body = _forward(nodes, ctx)
     lines = _header(header)

@@ -15,7 +15,6 @@ never written.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -29,7 +28,7 @@ from fxpipe.errors import InvariantError, MissingMetaError
 __all__ = [
     "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "QUALNAMES", "BATCH", "qualname",
     "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "MeasuredTime", "CommInfo",
-    "value_info", "tensor_info", "cost", "measured_time", "stage", "comm", "remat_region",
+    "value_info", "tensor_info", "cost", "measured_time", "stage", "comm",
     "is_comm", "is_inplace", "compute_nodes", "module_path", "format_shape", "dtype_abbr", "evaluate",
     "verify",
 ]
@@ -132,11 +131,12 @@ class Cost:
     # and keeps itself, and the outputs of other nodes it keeps alive (producer name, bytes).
     internal_saved_bytes: sympy.Expr = field(default=sympy.Integer(0))
     saves: tuple[tuple[str, sympy.Expr], ...] = ()
+    random: bool = False  # the forward draws random numbers (a kernel tagged nondeterministic_seeded)
 
     def at(self, b: int) -> dict[str, float]:
         """The numeric fields evaluated at micro-batch size `b`."""
         return {name: evaluate(getattr(self, name), b) for name in self.__dataclass_fields__
-                if name != "saves"}
+                if name not in ("saves", "random")}
 
 @dataclass(frozen=True)
 class MeasuredTime:
@@ -192,10 +192,6 @@ def comm(node: Node) -> CommInfo:
     return _meta(node, COMM, "passes.split.split_stages")
 
 
-def remat_region(node: Node) -> str | None:
-    return node.meta.get(REMAT)
-
-
 def is_inplace(node: Node) -> bool:
     """Whether the node writes into one of its inputs (relu_, add_, inplace=True ...)."""
     target = node.target
@@ -234,11 +230,11 @@ def module_path(node: Node) -> str:
     for key, path in reversed(list((stack or {}).items())):
         path = path[0] if isinstance(path, tuple) else path
         if not str(key).startswith("_empty") and not str(path).startswith("_empty"):
-            return _clean_module_path(str(path))
+            return clean_module_path(str(path))
     return ""
 
 
-def _clean_module_path(path: str) -> str:
+def clean_module_path(path: str) -> str:
     # torch.export spells nested paths as "L['self'].layers[0]" in some versions; normalise.
     path = path.replace("L['self'].", "").replace("L['self']", "")
     out = []
@@ -278,9 +274,6 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 # --- invariants -------------------------------------------------------------------------------
-
-_GLUE_TARGETS = {operator.getitem, getattr}
-
 
 def verify(gm: GraphModule, *, after: str) -> None:
     """Checks fxpipe's invariants for the passes run so far; raises once, listing every problem.

@@ -1,13 +1,23 @@
-"""The default training loss, used when no loss_fn is given."""
+"""Training losses: the default one, the names a written program uses for them, and the time the
+last stage spends on the loss (the partition counts it)."""
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch.fx import GraphModule
 
-__all__ = ["default_loss"]
+from fxpipe import ir
+from fxpipe.errors import ConfigError
+from fxpipe.profile import DeviceProfile, median_time
+
+__all__ = ["default_loss", "loss_name", "resolve_loss", "loss_time", "NAMED", "LossFn"]
+
+LossFn = Callable[..., torch.Tensor]
 
 
 def default_loss(output: Any, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,8 +63,6 @@ def loss_name(loss_fn: Any) -> str:
             return name
     module, qualname = getattr(loss_fn, "__module__", None), getattr(loss_fn, "__qualname__", "")
     if not module or module == "__main__" or "<" in qualname:
-        from fxpipe.errors import ConfigError
-
         raise ConfigError(f"loss_fn {loss_fn!r} cannot be imported by the written program",
                           hint=f"pass one of {sorted(NAMED)} or a function defined at module "
                                "level of an importable module")
@@ -62,12 +70,9 @@ def loss_name(loss_fn: Any) -> str:
 
 
 def resolve_loss(name: str) -> Any:
+    """The loss function a written program names (see loss_name)."""
     if name in NAMED:
         return NAMED[name]
-    import importlib
-
-    from fxpipe.errors import ConfigError
-
     module, _, qualname = name.partition(":")
     if not qualname:
         raise ConfigError(f"unknown loss {name!r}", hint=f"use one of {sorted(NAMED)} or module:function")
@@ -75,3 +80,25 @@ def resolve_loss(name: str) -> Any:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def loss_time(gm: GraphModule, b: int, profile: DeviceProfile, measured: bool) -> float:
+    """Seconds per micro-batch of the default loss on the first floating output (forward and
+    backward): the last stage runs it after the model, so the partition must count it."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    infos = [n.meta.get(ir.TENSOR) for n in outputs]
+    info = next((i for i in infos if isinstance(i, ir.TensorInfo) and i.is_float), None)
+    if info is None:
+        return 0.0
+    shape = info.concrete_shape(b)
+    if measured:
+        logits = torch.randn(shape, requires_grad=True)
+        target = torch.zeros(shape[:-1], dtype=torch.long) if len(shape) > 1 else None
+
+        def run() -> None:
+            default_loss(logits, target).backward()
+
+        return median_time(run, warmup=2, repeat=5)
+    numel = float(ir.evaluate(info.numel, b))
+    # log-softmax, gather and mean forward; their gradients backward: ~3 kernels each way
+    return 2 * profile.compute_time(6 * numel, 3 * numel * info.dtype.itemsize, kernels=3)

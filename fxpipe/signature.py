@@ -125,6 +125,15 @@ class Signature:
                 parts.append(list(t.tensor_split(chunks, dim=leaf.batch_dim)))
         return [[p[i] for p in parts] for i in range(chunks)]
 
+    def unflatten_inputs(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...],
+                                                                         dict[str, Any]]:
+        """(args, kwargs) of the model from its flat tensor inputs (constants filled back in)."""
+        values, it = [], iter(tensors)
+        for leaf in self.leaves:
+            values.append(next(it) if leaf.is_tensor else leaf.constant)
+        args, kwargs = pytree.tree_unflatten(values, self.in_spec)
+        return tuple(args), dict(kwargs)
+
     # -- outputs --------------------------------------------------------------------------------
 
     def unflatten_outputs(self, leaves: Sequence[Any]) -> Any:

@@ -1,7 +1,10 @@
-"""Where a node came from in the user's code: the frame to show, as a safe one-line comment."""
+"""Text from the user's model made safe for generated code: where a node came from (a one-line
+comment) and names derived from the model's (identifiers)."""
 from __future__ import annotations
 
+import builtins
 import functools
+import keyword
 import os
 import re
 import sys
@@ -10,8 +13,10 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import torch
+from torch import nn
 
-__all__ = ["SourceLine", "from_stack_trace", "from_traceback", "from_exception", "display_path", "safe_comment"]
+__all__ = ["SourceLine", "from_stack_trace", "from_traceback", "from_exception", "display_path",
+           "safe_comment", "identifier"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXPIPE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -104,3 +109,24 @@ def safe_comment(text: str, limit: int = 160) -> str:
             out.append(ch.encode("unicode_escape").decode("ascii"))
     joined = "".join(out)
     return joined if len(joined) <= limit else joined[: limit - 3] + "..."
+
+
+def identifier(text: str, taken: set[str], *, reserved: frozenset[str] | set[str] = frozenset(),
+               attribute: bool = False) -> str:
+    """A valid Python identifier derived from `text` (which is never executed), not in `taken`,
+    `reserved`, the keywords or the builtins (nor nn.Module's attributes when `attribute`);
+    it is added to `taken`."""
+    name = re.sub(r"\W", "_", text.encode("ascii", "backslashreplace").decode()).strip("_")
+    name = re.sub(r"_+", "_", name) or "v"
+    if name[0].isdigit():
+        name = "v" + name
+    clash = keyword.iskeyword(name) or name in reserved or hasattr(builtins, name)
+    if attribute:
+        clash = clash or hasattr(nn.Module, name) or name.startswith("_")
+    if clash:
+        name += "_"
+    base, i = name, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name

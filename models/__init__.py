@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Any
+
+from fxpipe.errors import ConfigError
+
+__all__ = ["MODELS", "load", "load_factory"]
 
 MODELS = ("mlp", "gpt", "resnet", "unet", "branchy", "recurrent")
 
@@ -25,3 +30,48 @@ def load(name: str, *, deterministic: bool = False, **config: Any) -> tuple[Any,
         model.eval()
     kwargs = module.example_kwargs(inputs, **config) if hasattr(module, "example_kwargs") else {}
     return model, inputs, kwargs
+
+
+def load_factory(spec: str, settings: list[str] | None = None) -> tuple[Any, tuple, dict, Any]:
+    """MODULE:FACTORY -> (model, example_inputs, example_kwargs, target)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"expected MODULE:FACTORY, got {spec!r}",
+                          hint="e.g. fxpipe.models.gpt:build (any importable callable returning "
+                               "(model, example_inputs))")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import module {module_name!r}: {e}",
+                          hint="check the spelling and that it is on PYTHONPATH") from e
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r}",
+                              hint=f"names it has: {sorted(n for n in dir(module) if not n.startswith('_'))[:10]}")
+    config = _settings(settings or [])
+    result = factory(**config)
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise ConfigError(f"{spec} returned {type(result).__name__}, not (model, example_inputs)",
+                          hint="return (model, example_inputs) or (model, inputs, kwargs)")
+    model, inputs = result[0], result[1]
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    kwargs = dict(result[2]) if len(result) == 3 else {}
+    if not kwargs and hasattr(module, "example_kwargs"):
+        kwargs = module.example_kwargs(inputs, **config)
+    target = module.target(inputs, **config) if hasattr(module, "target") else None
+    return model, inputs, kwargs, target
+
+
+def _settings(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}", hint="e.g. --set n_layer=8")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

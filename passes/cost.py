@@ -32,7 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxpipe import ir
 from fxpipe.errors import CostError
 from fxpipe.profile import DeviceProfile
-from fxpipe import shapes, source
+from fxpipe import source
+from fxpipe.frontend import shapes
 
 __all__ = ["annotate_costs", "CostSummary", "estimate_time", "ELEMENTWISE_FACTOR"]
 
@@ -57,10 +58,12 @@ class _KernelCounter(TorchDispatchMode):
         self.flops: list[Any] = []
         self.bytes: list[Any] = []
         self.kernels = 0
+        self.random = False  # a kernel drew random numbers (dropout, rand, bernoulli ...)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.random = self.random or _draws_random(func, args, kwargs)
         if func.namespace == "prim" or func.is_view or func._overloadpacket in _FREE_OPS:
             return out
         self.kernels += 1
@@ -68,6 +71,19 @@ class _KernelCounter(TorchDispatchMode):
         tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         self.bytes.append(sum(t.numel() * t.element_size() for t in tensors))
         return out
+
+
+def _draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a kernel draws random numbers: tagged so by torch, and not a dropout (or an
+    attention with dropout) that is inactive (p = 0, or not training), which draws nothing."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    values = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
+              for i, a in enumerate(func._schema.arguments)}
+    for name in ("p", "dropout_p"):
+        if name in values and not values[name]:
+            return False
+    return values.get("train", values.get("training", True)) is not False
 
 
 _FREE_OPS = {torch.ops.aten.detach, torch.ops.aten.sym_size, torch.ops.aten.sym_numel,
@@ -122,6 +138,7 @@ class _NodeCost:
     fwd_kernels: int
     bwd_kernels: int
     saved: list[tuple[str, int, Any]]  # ("arg", flat index, _) | ("out", index, _) | ("new", _, nbytes)
+    random: bool = False
 
 
 @dataclass
@@ -313,7 +330,7 @@ class _CostRunner(Interpreter):
                 torch.autograd.grad(outs, wrt, grads, allow_unused=True)
         cost = _NodeCost(self._sum(fwd.flops), self._sum(bwd.flops), self._sum(fwd.bytes),
                          self._sum(bwd.bytes), fwd.kernels, bwd.kernels,
-                         self._classify(saved_keys, fresh, out, params, copies))
+                         self._classify(saved_keys, fresh, out, params, copies), fwd.random)
         return out, cost
 
     def _interpolated(self, n: Node, args: tuple, kwargs: dict,
@@ -341,7 +358,7 @@ class _CostRunner(Interpreter):
                                                    samples.items()]) if kind == "new" else None)
                  for i, (kind, index, _) in enumerate(first.saved)]
         cost = _NodeCost(fit("fwd_flops"), fit("bwd_flops"), fit("fwd_bytes"), fit("bwd_bytes"),
-                         first.fwd_kernels, first.bwd_kernels, saved)
+                         first.fwd_kernels, first.bwd_kernels, saved, first.random)
         outs = {b: o for b, (o, _) in samples.items()}  # only their shapes are read
         out = shapes.symbolic_like(outs, self.shape_env, self.sym)
         return out, cost
@@ -441,7 +458,7 @@ class _CostRunner(Interpreter):
                 bwd_bytes=raw.bwd_bytes, grad_param_bytes=grad_params,
                 fwd_kernels=raw.fwd_kernels, bwd_kernels=raw.bwd_kernels,
                 internal_saved_bytes=internal,
-                saves=tuple(sorted(self.saves.get(node, {}).items())))
+                saves=tuple(sorted(self.saves.get(node, {}).items())), random=raw.random)
             node.meta[ir.COST] = cost
             by_node[node.name] = cost
             totals["fwd"].append(cost.fwd_flops)

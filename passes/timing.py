@@ -29,7 +29,8 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxpipe import ir, shapes
+from fxpipe import ir
+from fxpipe.frontend import shapes
 from fxpipe.errors import ConfigError, CostError
 
 __all__ = ["measure_times"]

@@ -1,20 +1,19 @@
-"""Tests of fxpipe.bench_partition: the Barany-Grinberg baseline, the DP oracle, the comparison
+"""Tests of fxpipe.tools.bench_partition: the Barany-Grinberg baseline, the DP oracle, the comparison
 and the bench-partition command (no assertions on wall times)."""
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 
 import numpy as np
 import pytest
-from fxpipe.passes.partition_oracle import brute_force_partition
-from fxpipe.passes.partition_problem import equal_count_cuts, evaluate
-from fxpipe.passes.partition_solver import solve_partition
+from fxpipe.testing.partition_oracle import brute_force_partition
+from fxpipe.passes.partition.problem import equal_count_cuts, evaluate
+from fxpipe.passes.partition.solver import solve_partition
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpipe.bench_partition import (
+from fxpipe.tools.bench_partition import (
     bg_partition,
     compare,
     dp_partition,
@@ -199,8 +198,7 @@ def test_synthetic_instances_are_deterministic():
 
 
 def test_run_bench_partition_writes_json_and_markdown(tmp_path, capsys):
-    args = argparse.Namespace(sizes="200,400", stages=4, out=str(tmp_path), models="branchy")
-    assert run_bench_partition(args) == 0
+    assert run_bench_partition([200, 400], 4, str(tmp_path), models=["branchy"]) == 0
     printed = capsys.readouterr().out
     assert "bg/fx" in printed and "chain-400" in printed
     data = json.loads((tmp_path / "bench_partition.json").read_text())

@@ -9,7 +9,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe import ir
-from fxpipe.batching import seeded
+from fxpipe.frontend.batching import seeded
 from fxpipe.errors import CaptureError, RuntimeInputError
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model

@@ -16,12 +16,12 @@ from torch import nn
 
 import fxpipe
 from fxpipe import ir
-from fxpipe.capture import preserved_state
+from fxpipe.frontend.capture import preserved_state
 from fxpipe.errors import ConfigError
 from fxpipe.models import MODELS
 from fxpipe.passes import cost as cost_pass
 from fxpipe.passes.cost import _KernelCounter, annotate_costs
-from fxpipe.passes.cost_bench import benchmark_estimate
+from fxpipe.tools.cost_bench import benchmark_estimate
 from fxpipe.passes.timing import measure_times
 from fxpipe.profile import median_time
 from fxpipe.models import load as load_model

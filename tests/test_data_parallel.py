@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
                     losses.append(program.step(*inputs, target=target))
                     optimizer.step()
                     optimizer.zero_grad()
-                averager = program._dist.averager
+                averager = program._rank.executor.averager
                 results[name, mode] = {
                     "losses": losses, "state": program.state_dict(),
                     "report": program.report().text(),

@@ -7,21 +7,29 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import ConfigError, FxPipeError, PeerLostError
-from fxpipe.losses import resolve_loss
-from fxpipe.runtime.distributed import (DEFAULT_DP_BUCKET_BYTES, DistributedExecutor, Mesh,
-                                        stage_info)
+from fxpipe.checkpoint import load_checkpoint, restore, save_shard
+from fxpipe.errors import FxPipeError, PeerLostError
+from fxpipe.losses import LossFn, resolve_loss
+from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.runtime.local import LocalExecutor, LocalStage
+from fxpipe.runtime.mesh import make_groups
+from fxpipe.runtime.rank import StageWiring, mesh_of_world, rank_device, setup_rank
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.stage import StageModule
+from fxpipe.runtime.timeline import Event, write_chrome_trace
+from fxpipe.state import StateNames
 
 __all__ = ["main", "build_stage", "load_spec"]
+
+StepFn = Callable[[list[torch.Tensor], "torch.Tensor | None", LossFn], float]
 
 
 def load_spec(folder: Path) -> ProgramSpec:
@@ -117,37 +125,20 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     return _verify(spec, losses, args.lr, first) if args.verify and rank == 0 else 0
 
 
-def _names(modules: list, spec: ProgramSpec) -> tuple[dict[str, Any], dict[int, str]]:
-    """This process's tensors under every model name, and parameter -> first model name."""
-    state: dict[str, Any] = {}
-    names: dict[int, str] = {}
-    for module in modules:
-        for qualname, tensor in module.named_model_tensors().items():
-            keys = spec.aliases.get(qualname, [qualname])
-            names.setdefault(id(tensor), keys[0])
-            for key in keys:
-                state[key] = tensor
-    return state, names
+def _save(directory: str, modules: list[StageModule], optimizer: torch.optim.Optimizer,
+          spec: ProgramSpec, step: int) -> None:
+    names = StateNames.from_json(spec.aliases)
+    save_shard(directory, names.state_dict(modules), optimizer, names.canonical(modules),
+               step=step, model=spec.model)
 
 
-def _save(directory: str, modules: list, optimizer: Any, spec: ProgramSpec, step: int) -> None:
-    from fxpipe.checkpoint import save_shard
-
-    state, names = _names(modules, spec)
-    save_shard(directory, state, optimizer, names, step=step, model=spec.model)
-
-
-def _resume(directory: str, modules: list, optimizer: Any, spec: ProgramSpec) -> int:
-    from fxpipe.checkpoint import load_checkpoint, restore
-
+def _resume(directory: str, modules: list[StageModule], optimizer: torch.optim.Optimizer,
+            spec: ProgramSpec) -> int:
     checkpoint = load_checkpoint(directory)
-    state, names = _names(modules, spec)
-    with torch.no_grad():
-        for key, tensor in state.items():
-            if key in checkpoint["model"]:
-                tensor.copy_(checkpoint["model"][key])
+    names = StateNames.from_json(spec.aliases)
+    names.load(modules, checkpoint["model"])
     if checkpoint["optimizer"] is not None:
-        restore(optimizer, checkpoint["optimizer"], names)
+        restore(optimizer, checkpoint["optimizer"], names.canonical(modules))
     return int(checkpoint["step"] or 0)
 
 
@@ -180,51 +171,32 @@ def _tie_local(stages: list, spec: ProgramSpec) -> None:
                 owner[qualname] = getattr(st.module, attr)
 
 
-def _distributed(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[Any, int, list]:
-    from datetime import timedelta
-
-    from fxpipe.runtime.mesh import average_over_replicas, make_groups
-
+def _distributed(folder: Path, spec: ProgramSpec, weights: dict[str, torch.Tensor],
+                 args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = rank_device(backend)  # before the process group: NCCL binds to it
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    world, rank, k = dist.get_world_size(), dist.get_rank(), len(spec.stages)
-    if world % k:
-        raise ConfigError(f"world size {world} is not a multiple of the number of stages ({k})",
-                          hint=f"run torchrun --nproc-per-node {k} (or a multiple of {k})")
-    mesh = Mesh(k, world // k, rank)
+    mesh = mesh_of_world(len(spec.stages))
     groups = make_groups(mesh, spec.shared)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" \
-        else torch.device("cpu")
     stage = spec.stages[mesh.stage]
     module = _stage_class(folder, spec, stage.index)(weights).to(device)
-    executor = DistributedExecutor(
-        module=module, mesh=mesh, signature=spec.signature, input_indexes=stage.inputs,
-        comm_info=stage_info(stage.recvs, stage.sends, stage.index), edges=spec.edges,
-        random=stage.random, device=device, pp_group=groups.pp, dp_group=groups.dp,
-        shared=spec.shared, shared_groups=groups.shared, check_finite=args.check_finite,
-        dp_bucket_bytes=int(args.dp_bucket_mb * 2**20))
+    rank_stage = setup_rank(
+        module, StageWiring(stage.index, stage.inputs, stage.recvs, stage.sends, stage.random),
+        mesh=mesh, groups=groups, device=device, signature=spec.signature, edges=spec.edges,
+        shared=spec.shared, chunks=spec.chunks, remat=spec.remat, schedule=spec.schedule,
+        check_finite=args.check_finite, dp_bucket_mb=args.dp_bucket_mb)
 
-    def step(inputs: list, target: Any, loss_fn: Any) -> float:
-        flat, tgt = inputs, target
-        if mesh.replicas > 1:
-            from fxpipe.program import _shard
-
-            flat, tgt = _shard(spec.signature, inputs, target, mesh)
-        result = executor.step(flat, tgt, loss_fn, chunks=spec.chunks, remat=spec.remat,
-                               schedule=spec.schedule)
+    def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn) -> float:
+        loss, result = rank_stage.step(inputs, target, loss_fn)
         if args.timeline:
-            _write_timeline(args.timeline, result.events, rank, spec)
-        if mesh.replicas > 1:
-            return average_over_replicas(result.loss, groups.dp, mesh.replicas)
-        return result.loss
+            _write_timeline(args.timeline, result.events, mesh.rank, spec)
+        return loss
 
-    return step, rank, [module]
+    return step, mesh.rank, [module]
 
 
-def _write_timeline(path: str, events: list, rank: int, spec: ProgramSpec) -> None:
+def _write_timeline(path: str, events: list[Event], rank: int, spec: ProgramSpec) -> None:
     """The measured step of every rank, and the cost model's prediction, in one trace."""
-    from fxpipe.runtime.timeline import Event, write_chrome_trace
-
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, events)
     if rank == 0:

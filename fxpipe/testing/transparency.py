@@ -3,7 +3,7 @@ computes — the same outputs, loss and every parameter's gradient — for any m
 
     check_transparent(model, inputs, kwargs, stages=2, chunks=4, remat="always")
 
-Used by the fuzzer (fxpipe.fuzz) on random models and by the tests on hand-written ones. A model
+Used by the fuzzer (fxpipe.tools.fuzz) on random models and by the tests on hand-written ones. A model
 with dropout cannot be compared in train mode (a micro-batch draws other masks than the full
 batch); check_dropout_remat compares the program with remat against the program without it.
 """
@@ -17,14 +17,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+import fxpipe
+from fxpipe import ir
+from fxpipe.losses import default_loss
+
 __all__ = ["PROFILE", "check_dropout_remat", "check_transparent"]
 
 PROFILE = "a100"  # a deterministic preset: no CPU micro-benchmark per check
 
-
-
-def _detach(tree: Any) -> Any:
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _clone(tree: Any, dtype: torch.dtype | None = None) -> Any:
@@ -63,8 +63,6 @@ def _results(output: Any, loss: torch.Tensor, model: nn.Module,
 
 def _run_plain(model: nn.Module, inputs: tuple, kwargs: dict,
                dtype: torch.dtype | None = None) -> tuple[Any, dict[str, Any]]:
-    from fxpipe.losses import default_loss
-
     model = copy.deepcopy(model)
     if dtype is not None:
         model = model.to(dtype)
@@ -158,9 +156,6 @@ def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict | No
     bug (a missing micro-batch, a gradient counted twice, a wrong stage input) errs by the size
     of the values, orders of magnitude above that.
     """
-    import fxpipe
-    from fxpipe.losses import default_loss
-
     kwargs = dict(kwargs or {})
     inputs = tuple(inputs)
     seed = getattr(model, "fuzz_seed", None)
@@ -228,15 +223,11 @@ def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict | No
 
 
 def _stage_of_nodes(program: Any) -> list[tuple[str, int]]:
-    from fxpipe import ir
-
     return [(n.name, n.meta[ir.STAGE]) for n in ir.compute_nodes(program.graph_module.graph)]
 
 
 def _node_counts(program: Any) -> list[int]:
     """Compute nodes per stage: balance=... for another program with the same cuts."""
-    from fxpipe import ir
-
     counts = [0] * len(program.stages)
     for node in ir.compute_nodes(program.graph_module.graph):
         counts[node.meta[ir.STAGE]] += 1
@@ -254,9 +245,6 @@ def check_dropout_remat(model: nn.Module, inputs: Sequence[Any], kwargs: dict | 
     Train-mode dropout cannot be compared with the plain model (a micro-batch draws other masks
     than the full batch), but recomputation must redraw exactly the masks of the forward pass.
     """
-    import fxpipe
-    from fxpipe.losses import default_loss
-
     kwargs = dict(kwargs or {})
     other = remat if remat != "never" else "always"
     where = (f"seed={getattr(model, 'fuzz_seed', None)} stages={stages} chunks={chunks} "

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+
+import fxpipe
+from fxpipe.models import gpt
 
 __all__ = ["run_demo"]
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -19,9 +21,6 @@ def _free_port() -> int:
 def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
     """Compiles the bundled GPT into 2 stages, prints the report, writes the program to `out`,
     trains it on `nproc` CPU processes and checks the loss against the plain model."""
-    import fxpipe
-    from fxpipe.models import gpt
-
     config = {"dropout": 0.0}  # dropout off, so the pipeline's losses can equal the model's
     model, inputs = gpt.build(**config)
     target = gpt.target(inputs)

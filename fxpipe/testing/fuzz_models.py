@@ -1,4 +1,4 @@
-"""The random DAG models of the fuzzer (see fxpipe.fuzz): specs, the network they build, and
+"""The random DAG models of the fuzzer (see fxpipe.tools.fuzz): specs, the network they build, and
 the configs a model is compiled with; driven by a seeded RNG or by hypothesis."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.transparency import PROFILE, check_dropout_remat, check_transparent
+from fxpipe.testing.transparency import PROFILE, check_dropout_remat, check_transparent
 
 __all__ = ["BATCHES", "REMATS", "ACTIVATIONS", "EDGE_FEATURES", "KINDS", "PROFILE", "Example",
            "FuzzNet", "Op", "Spec", "example_batch", "models_and_configs", "random_config",
@@ -556,7 +556,7 @@ def random_config(draw_or_rng: Any, spec: Spec,
 
 
 def random_example(seed: int, **options: Any) -> Example:
-    """The example `python -m fxpipe.fuzz` runs for `seed`."""
+    """The example `python -m fxpipe.tools.fuzz` runs for `seed`."""
     rng = random.Random(seed)
     spec = random_spec(rng, **options)
     stages, chunks, remat, split_points = random_config(rng, spec)

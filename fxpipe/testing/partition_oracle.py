@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fxpipe.errors import PartitionError
-from fxpipe.passes.partition_problem import (
+from fxpipe.passes.partition.problem import (
     Partition,
     build_partition,
     comm_sum,
@@ -20,7 +20,7 @@ from fxpipe.passes.partition_problem import (
     stage_memory,
     stage_time,
 )
-from fxpipe.passes.partition_solver import min_memory_limit, solve_partition
+from fxpipe.passes.partition.solver import min_memory_limit, solve_partition
 
 __all__ = ["brute_force_partition", "benchmark"]
 

@@ -6,13 +6,11 @@ graph against the eager model on the example batch and on a smaller one, and fal
 when tracing fails or computes something else (a trace can succeed and still be wrong, e.g. when
 forward hooks are skipped).
 
-Writes: TENSOR on every node (fxpipe.shapes), GraphModule.meta[CAPTURE] = CaptureInfo.
+Writes: TENSOR on every node (fxpipe.frontend.shapes), GraphModule.meta[CAPTURE] = CaptureInfo.
 """
 from __future__ import annotations
 
-import builtins
 import contextlib
-import keyword
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,14 +21,17 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe import frontends, ir, shapes
-from fxpipe.batching import BatchLayout, infer_batch_layout, seeded
+from fxpipe import ir
+from fxpipe.frontend import shapes, tracers
+from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
 from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.signature import LeafSpec, Signature, is_tensor
+from fxpipe.source import identifier
 
 __all__ = ["capture", "CaptureInfo", "METHODS"]
 
 METHODS = ("auto", "fx", "export")
+_RESERVED = frozenset({"self"})  # placeholder names of a forward(self, ...)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def _capture_with(method, model, signature, leaves, tensors, layout, leaf_module
     reason = None
     if method in ("auto", "fx"):
         try:
-            gm = frontends.trace_fx(model, signature, leaves, leaf_modules, inline)
+            gm = tracers.trace_fx(model, signature, leaves, leaf_modules, inline)
             _set_signature_codegen(gm, signature)
             problem = _compare_with_eager(gm, model, args, kwargs, layout)
             if problem is None:
@@ -121,7 +122,7 @@ def _capture_with(method, model, signature, leaves, tensors, layout, leaf_module
             if method == "fx":
                 raise
             reason = e.message
-    gm = frontends.export(model, signature, leaves, tensors, layout)
+    gm = tracers.export(model, signature, leaves, tensors, layout)
     _set_signature_codegen(gm, signature)
     problem = _compare_with_eager(gm, model, args, kwargs, layout)
     if problem is not None:
@@ -142,19 +143,6 @@ def _normalize(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
     return args, dict(example_kwargs or {})
 
 
-def _identifier(text: str, taken: set[str]) -> str:
-    name = re.sub(r"\W", "_", text.encode("ascii", "replace").decode()) or "x"
-    if name[0].isdigit():
-        name = "_" + name
-    if keyword.iskeyword(name) or hasattr(builtins, name) or name == "self":
-        name = name + "_"
-    base, i = name, 1
-    while name in taken:
-        name, i = f"{base}_{i}", i + 1
-    taken.add(name)
-    return name
-
-
 def _leaf_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
     """Placeholder names from the forward signature: idx, targets, xs_0, xs_1 ..."""
     import inspect
@@ -170,9 +158,9 @@ def _leaf_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
     for label, value in [*zip(positional, args), *kwargs.items()]:
         leaves = pytree.tree_leaves(value)
         if len(leaves) == 1 and not isinstance(value, (tuple, list, dict)):
-            names.append(_identifier(label, taken))
+            names.append(identifier(label, taken, reserved=_RESERVED))
         else:
-            names += [_identifier(f"{label}_{i}", taken) for i in range(len(leaves))]
+            names += [identifier(f"{label}_{i}", taken, reserved=_RESERVED) for i in range(len(leaves))]
     return names
 
 
@@ -305,7 +293,7 @@ def name_nodes_after_modules(gm: fx.GraphModule) -> None:
 def _module_kind(gm: fx.GraphModule, node: fx.Node, path: str) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     for value in stack.values():
-        if isinstance(value, tuple) and ir._clean_module_path(str(value[0])) == path:
+        if isinstance(value, tuple) and ir.clean_module_path(str(value[0])) == path:
             kind = value[1]
             name = kind.__name__ if isinstance(kind, type) else str(kind).rpartition(".")[2]
             return re.sub(r"\W", "_", name).lower() or "module"

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fxpipe.errors import PartitionError
-from fxpipe.passes.partition_problem import (
+from fxpipe.passes.partition.problem import (
     Partition,
     Problem,
     build_partition,

@@ -21,14 +21,38 @@ import socket
 import statistics
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tabulate import tabulate
 
-__all__ = ["run_bench", "BENCH_GPT"]
+import fxpipe
+from fxpipe.losses import default_loss
+from fxpipe.models import gpt, load_factory
+from fxpipe.report import human_bytes
+from fxpipe.runtime.timeline import Event, busy_time, predicted_events, write_chrome_trace
+
+__all__ = ["BenchOptions", "run_bench", "run_bench_compile", "BENCH_GPT"]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `fxpipe bench` measures and where it writes the results."""
+
+    model: str = "gpt"  # a bundled model's name or MODULE:FACTORY
+    settings: tuple[str, ...] = field(default_factory=tuple)  # KEY=VALUE for the factory
+    stages: int = 2
+    chunks: int = 8
+    remat: str = "never"
+    steps: int = 5
+    warmup: int = 2
+    out: str = "."
+    plot: bool = False
+    port: int | None = None
 
 # Remat modes measured side by side: off, the default (every micro-batch but the last, whose
 # backward follows at once), and every micro-batch.
@@ -53,8 +77,6 @@ def _factory(model: str, settings: list[str]) -> tuple[str, list[str]]:
 
 
 def _mean_loss(output: Any, target: Any) -> torch.Tensor:
-    from fxpipe.losses import default_loss
-
     return default_loss(output, target)
 
 
@@ -126,8 +148,6 @@ def _single(model: Any, inputs: tuple, target: Any, chunks: int) -> Any:
 
 
 def _fxpipe(model: Any, inputs: tuple, target: Any, args: dict, remat: str) -> tuple[Any, Any]:
-    import fxpipe
-
     program = fxpipe.compile(model, inputs, stages=args["stages"], chunks=args["chunks"],
                              remat=remat, balance="time")
     optimizer = torch.optim.SGD(program.parameters(), lr=1e-3)
@@ -156,9 +176,6 @@ def _worker(rank: int, world: int, port: int, args: dict, queue: Any) -> None:
 
 
 def _run_worker(rank: int, world: int, port: int, args: dict) -> dict:
-    from fxpipe.cli import load_factory
-    from fxpipe.runtime.timeline import busy_time, predicted_events
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
@@ -207,9 +224,6 @@ def _run_worker(rank: int, world: int, port: int, args: dict) -> dict:
 
 def _memory(args: dict) -> dict[str, list[dict]]:
     """Kept activation bytes per stage in each remat mode (one process, real run)."""
-    import fxpipe
-    from fxpipe.cli import load_factory
-
     out = {}
     for remat in REMAT_COMPARED:
         torch.manual_seed(0)
@@ -220,8 +234,9 @@ def _memory(args: dict) -> dict[str, list[dict]]:
     return out
 
 
-def run_bench(ns: Any) -> int:
-    factory, settings = _factory(ns.model, list(ns.set))
+def run_bench(ns: BenchOptions) -> int:
+    """Runs the benchmark (see the module docstring); 0 when every variant ran."""
+    factory, settings = _factory(ns.model, list(ns.settings))
     args = {"factory": factory, "settings": settings, "stages": ns.stages, "chunks": ns.chunks,
             "remat": ns.remat, "steps": ns.steps, "warmup": ns.warmup}
     print(f"fxpipe bench: {factory} {' '.join(settings)}\n  {ns.stages} stages x {ns.chunks} "
@@ -254,7 +269,7 @@ def run_bench(ns: Any) -> int:
     return 0
 
 
-def _summarise(results: dict, memory: dict, ns: Any) -> dict:
+def _summarise(results: dict, memory: dict, ns: BenchOptions) -> dict:
     ranks = sorted(results)
     names = [n for n in results[0]["times"]]
     step, spread = {}, {}
@@ -264,9 +279,7 @@ def _summarise(results: dict, memory: dict, ns: Any) -> dict:
         step[name] = statistics.median(per_step)
         spread[name] = [min(per_step), max(per_step)]
     batch = None
-    from fxpipe.cli import load_factory
-
-    _, inputs, _, _ = load_factory(*_factory(ns.model, list(ns.set)))
+    _, inputs, _, _ = load_factory(*_factory(ns.model, list(ns.settings)))
     batch = inputs[0].shape[0]
     measured = step["fxpipe"]
     by_mode = {m: step["fxpipe" if m == ns.remat else f"fxpipe_remat_{m}"] for m in REMAT_COMPARED}
@@ -307,12 +320,7 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def _write(summary: dict, ns: Any) -> None:
-    from tabulate import tabulate
-
-    from fxpipe.report import human_bytes
-    from fxpipe.runtime.timeline import Event, write_chrome_trace
-
+def _write(summary: dict, ns: BenchOptions) -> None:
     os.makedirs(ns.out, exist_ok=True)
     events = summary.pop("events")
     spread = summary["step_time_min_max_s"]
@@ -390,19 +398,14 @@ def _plot(events: list, path: str) -> None:
     print(f"wrote {path}")
 
 
-def run_bench_compile(ns: Any) -> int:
-    """Compile time of the reference GPT with `ns.n_layer` blocks, pass by pass."""
-    from tabulate import tabulate
-
-    import fxpipe
-    from fxpipe.models import gpt
-
-    model, inputs = gpt.build(n_layer=ns.n_layer, dropout=0.0)
-    print(f"compiling gpt.build(n_layer={ns.n_layer}) into {ns.stages} stages ...", flush=True)
+def run_bench_compile(n_layer: int = 48, stages: int = 4, profile: str = "a100") -> int:
+    """Compile time of the reference GPT with `n_layer` blocks, pass by pass."""
+    model, inputs = gpt.build(n_layer=n_layer, dropout=0.0)
+    print(f"compiling gpt.build(n_layer={n_layer}) into {stages} stages ...", flush=True)
     start = time.perf_counter()
-    program = fxpipe.compile(model, inputs, stages=ns.stages, chunks=4, profile=ns.profile)
+    program = fxpipe.compile(model, inputs, stages=stages, chunks=4, profile=profile)
     total = time.perf_counter() - start
-    timings = program._built.timings
+    timings = program.built.timings
     rows = [[name, f"{seconds:.2f}", f"{seconds / total:.0%}"] for name, seconds in timings.items()]
     rows.append(["(other: program setup, loading stage classes)",
                  f"{total - sum(timings.values()):.2f}", ""])

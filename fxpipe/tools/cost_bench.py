@@ -1,7 +1,7 @@
 """Benchmarks of the cost pass: annotation time of a deep GPT, and estimated against measured
 step time of the reference GPT on this CPU.
 
-Run as `python -m fxpipe.passes.cost_bench`.
+Run as `python -m fxpipe.tools.cost_bench`.
 """
 from __future__ import annotations
 

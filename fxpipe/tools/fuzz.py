@@ -2,12 +2,12 @@
 the same outputs, loss and gradients as the plain model, for every model and config.
 
     model, inputs, kwargs = random_model(seed)          # or random.Random(...), or hypothesis draw
-    check_transparent(model, inputs, kwargs, stages=2, chunks=4, remat="always")  # fxpipe.transparency
+    check_transparent(model, inputs, kwargs, stages=2, chunks=4, remat="always")  # fxpipe.testing.transparency
 
-    python -m fxpipe.fuzz --examples 1000 --seed 1     # N examples, a summary, exit 1 on failure
-    python -m fxpipe.fuzz --replay 1000017             # one example again, with the full error
-    python -m fxpipe.fuzz --minimise "CostError"       # hypothesis finds and shrinks a failure
-    python -m fxpipe.fuzz --avoid relu_,batch_sized_gate   # leave features out (open bugs)
+    python -m fxpipe.tools.fuzz --examples 1000 --seed 1     # N examples, a summary, exit 1 on failure
+    python -m fxpipe.tools.fuzz --replay 1000017             # one example again, with the full error
+    python -m fxpipe.tools.fuzz --minimise "CostError"       # hypothesis finds and shrinks a failure
+    python -m fxpipe.tools.fuzz --avoid relu_,batch_sized_gate   # leave features out (open bugs)
 
 A model is a `FuzzNet`: a ModuleDict of layers plus a constant plan (a tuple of `Op`s, each
 reading earlier values by index) run by a Python loop in `forward`. torch.fx unrolls that loop
@@ -39,22 +39,24 @@ in train mode between the program with remat and without (check_dropout_remat: s
 torch seed, so the same masks: outputs bit for bit). Models with only p = 0 are returned in train
 mode (15% in eval mode, to cover both).
 
-The same generator runs from a seed (a plain loop, `python -m fxpipe.fuzz`) and from hypothesis
+The same generator runs from a seed (a plain loop, `python -m fxpipe.tools.fuzz`) and from hypothesis
 (`models_and_configs()`, which shrinks failures towards fewer layers, fewer features and the
 first choice of every option).
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from fxpipe.fuzz_models import (  # noqa: F401 - re-exported: the fuzzer's whole API
+from fxpipe.testing.fuzz_models import (  # noqa: F401 - re-exported: the fuzzer's whole API
     ACTIVATIONS, BATCHES, EDGE_FEATURES, KINDS, PROFILE, REMATS, Example, FuzzNet, Op, Spec,
     example_batch, models_and_configs, random_config, random_example, random_model, random_spec)
 
@@ -93,9 +95,7 @@ def minimise(pattern: str, *, max_examples: int = 2000, **options: Any) -> Examp
     hypothesis searches models_and_configs(**options) for a failing example and shrinks it
     towards fewer layers and inputs, the first option of every choice and fewer stages.
     """
-    import re
-
-    from hypothesis import HealthCheck, find, settings
+    from hypothesis import HealthCheck, find, settings  # a test extra: only this command needs it
 
     regex = re.compile(pattern)
 
@@ -117,7 +117,7 @@ def _first_line(text: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fxpipe.fuzz",
+        prog="python -m fxpipe.tools.fuzz",
         description="Compiles random DAG models and checks that every program is transparent "
                     "(same outputs, loss and gradients as the plain model).")
     parser.add_argument("--examples", type=int, default=1000, help="how many (default 1000)")
@@ -134,8 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     options = {"max_layers": args.max_layers,
                "avoid": tuple(x.strip() for x in args.avoid.split(",") if x.strip())}
-    import warnings
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small models: threads only add overhead
     try:

@@ -8,7 +8,7 @@ The graph is first coarsened into atoms: glue (views, getitem, sizes, constants:
 no kernel or produce no tensor) stays with the node that produces its input, so cuts fall between
 real operations. Each atom gets a time (forward + backward + recompute at the micro-batch size)
 and each cut the time of the values crossing it (activations forward, gradients backward); the
-exact solver in passes.partition_solver minimises the slowest stage, within a memory limit.
+exact solver in passes.partition.solver minimises the slowest stage, within a memory limit.
 """
 from __future__ import annotations
 
@@ -19,16 +19,15 @@ from torch.fx import GraphModule, Node
 
 from fxpipe import ir
 from fxpipe.errors import ConfigError, PartitionError
-from fxpipe.passes import partition_solver as solver
-from fxpipe.passes.partition_problem import evaluate
+from fxpipe.passes.partition.solver import solve_partition
+from fxpipe.passes.partition.problem import evaluate
 from fxpipe.passes.cost import estimate_time
 from fxpipe.profile import DeviceProfile
 
-__all__ = ["partition", "StagePlan", "PartitionPlan", "atoms_of", "BALANCE_MODES", "REMAT_MODES",
-           "OPTIMIZER_STATE_FACTOR"]
+__all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
+           "BALANCE_MODES", "OPTIMIZER_STATE_FACTOR"]
 
 BALANCE_MODES = ("cost", "time", "params")
-REMAT_MODES = ("never", "always", "except_last", "auto")
 OPTIMIZER_STATE_FACTOR = 2.0  # Adam keeps two moments per parameter
 
 
@@ -64,7 +63,9 @@ class PartitionPlan:
 
 
 @dataclass
-class _Atoms:
+class Atoms:
+    """The partition problem's inputs, per atom and per cut position."""
+
     groups: list[list[Node]]  # compute nodes per atom, in a valid topological order
     compute: list[float]  # seconds per atom
     cut_comm: list[float]  # seconds per cut position (len n + 1)
@@ -136,7 +137,7 @@ def _value_bytes(node: Node, b: int) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def _measure_atoms(gm: GraphModule, groups, *, balance, profile, b, remat, chunks) -> _Atoms:
+def measure_atoms(gm: GraphModule, groups, *, balance, profile, b, remat, chunks) -> Atoms:
     index = _atom_index(groups)
     n = len(groups)
     recompute = 0.0 if remat == "never" else ((chunks - 1) / chunks if remat == "except_last" else 1.0)
@@ -180,7 +181,7 @@ def _measure_atoms(gm: GraphModule, groups, *, balance, profile, b, remat, chunk
         comm = [profile.comm_time(f, m) + profile.comm_time(bw, m if bw else 0)
                 for f, bw, m in zip(cut_f, cut_b, cut_m)]
     comm[0] = comm[n] = 0.0
-    return _Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved, forward)
+    return Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved, forward)
 
 
 def partition(
@@ -217,7 +218,7 @@ def partition(
         mode = balance
         cuts = None
     b = microbatch_size
-    atoms = _measure_atoms(gm, groups, balance=mode if mode != "explicit" else "cost",
+    atoms = measure_atoms(gm, groups, balance=mode if mode != "explicit" else "cost",
                            profile=profile, b=b, remat=remat, chunks=chunks)
     if mode != "params":
         atoms.compute[-1] += loss_time  # the last atom is always in the last stage
@@ -235,14 +236,14 @@ def partition(
                 f"atoms ({num_stages} > {len(groups)})",
                 hint=f"use at most {len(groups)} stages, or capture with inline_modules=True / "
                      "fewer leaf_modules to expose more operations")
-        result = solver.solve_partition(
+        result = solve_partition(
             atoms.compute, num_stages, cut_comm=atoms.cut_comm, memory_limit=memory_limit,
             mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
             cut_mem=atoms.cut_bytes if remat != "never" else [0.0] * (len(groups) + 1),
             inflight=inflight)
         cuts = result.cuts
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
-        atoms = _measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
+        atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
                                chunks=chunks)
         atoms.compute[-1] += loss_time
     evaluated = evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
@@ -253,7 +254,7 @@ def partition(
     return _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages)
 
 
-def _write_stages(groups, cuts, atoms: _Atoms, evaluated, b, chunks, mode, k) -> PartitionPlan:
+def _write_stages(groups, cuts, atoms: Atoms, evaluated, b, chunks, mode, k) -> PartitionPlan:
     stages = []
     for s in range(k):
         members = [n for g in groups[cuts[s]:cuts[s + 1]] for n in g]

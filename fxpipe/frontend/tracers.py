@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe import ir, source
-from fxpipe.batching import BatchLayout
+from fxpipe.frontend.batching import BatchLayout
 from fxpipe.errors import CaptureError
 from fxpipe.signature import Signature
 

@@ -26,13 +26,21 @@ import math
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tabulate import tabulate
 
-from fxpipe.passes.partition_problem import Partition, equal_count_cuts, evaluate
-from fxpipe.passes.partition_solver import solve_partition
+import fxpipe
+from fxpipe.models import MODELS
+from fxpipe.passes.cost import annotate_costs
+from fxpipe.passes.partition.graph import atoms_of, measure_atoms
+
+from fxpipe.passes.partition.problem import Partition, equal_count_cuts, evaluate
+from fxpipe.passes.partition.solver import solve_partition
+from fxpipe.profile import get_profile
 
 __all__ = ["BGResult", "bg_partition", "compare", "dp_partition", "live_bytes",
            "model_instances", "run_bench_partition", "synthetic_chain", "synthetic_dag"]
@@ -232,12 +240,6 @@ def synthetic_dag(n: int, seed: int, k: int, *, skip_prob: float = 0.3, reach: i
 def model_instances(stages: int, log=print, names=None) -> list[dict]:
     """The reference models' (names, default all) atoms and cut times (preset "a100" profile,
     micro-batch batch/4, remat "never", 4 chunks) for K in {2, 4, min(stages, atoms)}."""
-    import fxpipe
-    from fxpipe.models import MODELS
-    from fxpipe.passes.cost import annotate_costs
-    from fxpipe.passes.partition import _measure_atoms, atoms_of
-    from fxpipe.profile import get_profile
-
     out = []
     for name in MODELS if names is None else names:
         t0 = time.perf_counter()
@@ -251,7 +253,7 @@ def model_instances(stages: int, log=print, names=None) -> list[dict]:
         annotate_costs(gm)
         groups = atoms_of(gm)
         b = max(1, int(inputs[0].shape[0]) // 4)
-        atoms = _measure_atoms(gm, groups, balance="cost", profile=get_profile("a100"), b=b,
+        atoms = measure_atoms(gm, groups, balance="cost", profile=get_profile("a100"), b=b,
                                remat="never", chunks=4)
         n = len(groups)
         log(f"  captured {name}: {n} atoms ({time.perf_counter() - t0:.1f} s)")
@@ -367,20 +369,16 @@ def _summary(rows: list[dict]) -> list[str]:
     return lines
 
 
-def run_bench_partition(args) -> int:
-    """Run the benchmark; print progress and the tables; write bench_partition.{json,md}."""
-    from tabulate import tabulate
+def run_bench_partition(sizes: Sequence[int] = (1000, 10000, 100000), stages: int = 8,
+                        out: str = ".", models: Sequence[str] | None = None,
+                        bg_budget: float = 60.0) -> int:
+    """Run the benchmark; print progress and the tables; write bench_partition.{json,md}.
 
+    models: reference models to include (default all); bg_budget: seconds the block-partition
+    heuristic may search on instances above 10,000 atoms.
+    """
     t_start = time.perf_counter()
-    sizes_arg = getattr(args, "sizes", "1000,10000,100000")
-    sizes = [int(s) for s in (sizes_arg.split(",") if isinstance(sizes_arg, str) else sizes_arg)
-             if str(s).strip()]
-    stages = int(getattr(args, "stages", 8))
-    out = getattr(args, "out", ".")
-    models = getattr(args, "models", None)  # not a CLI option: a comma list, for tests
-    if isinstance(models, str):
-        models = [m for m in models.split(",") if m.strip()]
-    bg_budget = float(getattr(args, "bg_budget", 60.0))
+    sizes = list(sizes)
     log = (lambda *a: print(*a, flush=True))
     log(f"bench-partition: sizes {sizes}, K = {stages}, seed {SEED}")
     instances = model_instances(stages, log, models)

@@ -1,0 +1,94 @@
+"""fxpipe.compile(): any model in, a Program out (built now, or on its first call)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxpipe.config import CompileConfig, check_config
+from fxpipe.profile import DeviceProfile
+from fxpipe.program import Program
+
+__all__ = ["compile"]
+
+
+def compile(  # noqa: A001 - the name users know from torch.compile
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    stages: int = 2,
+    chunks: int | str = 4,
+    remat: str = "except_last",
+    balance: str | Sequence[int] = "cost",
+    split_points: Sequence[str] | None = None,
+    memory_limit: float | None = None,
+    devices: Sequence[str | torch.device] | None = None,
+    capture: str = "auto",
+    schedule: str = "gpipe",
+    profile: DeviceProfile | str | None = None,
+    leaf_modules: Sequence[Any] = (),
+    deferred_batch_norm: bool = False,
+    check_finite: bool = False,
+    dp_bucket_mb: float = 25.0,
+    command: str | None = None,
+) -> Program:
+    """Compiles `model` into a GPipe pipeline of `stages` stages.
+
+    Args:
+        model: any nn.Module (its train/eval mode is captured).
+        example_inputs: a batch (tensor or tuple). Without it the program is built on its first
+            call from that call's inputs, as torch.compile does.
+        example_kwargs: keyword inputs of the example batch.
+        stages: number of pipeline stages (devices, or processes under torchrun).
+        chunks: micro-batches per batch, or "auto" to pick the divisor of the batch size with
+            the best predicted step time.
+        remat: "except_last" (GPipe's default), "always", "never", or "auto" (fit memory_limit
+            with the least recomputation).
+        balance: "cost" (cost model), "time" (measured per node), "params", or a list of node
+            counts per stage.
+        split_points: qualified module names where stages 1.. begin (instead of balancing).
+        memory_limit: bytes per stage the partition (and remat="auto") must respect.
+        devices: one device per stage for the local executor (default: CUDA if enough, else CPU).
+        capture: "auto", "fx" or "export" (see fxpipe.capture).
+        schedule: "gpipe" (fill-drain) or "1f1b" (same bubble, fewer activations in flight).
+        profile: a DeviceProfile, a preset name ("a100", "h100", ...), or None to measure.
+        leaf_modules: modules to keep opaque when tracing.
+        deferred_batch_norm: update BatchNorm running statistics once per batch, from all its
+            micro-batches (equal to the plain model's), instead of once per micro-batch.
+        check_finite: after every stage forward, check for NaN/Inf and name the stage,
+            micro-batch and node where they first appear.
+        dp_bucket_mb: with data-parallel replicas (torchrun with a multiple of `stages`
+            processes), gradients are averaged in buckets of this size while the last backward
+            still runs, as DDP does; 0 averages them after it.
+        command: the command that regenerates the program, shown in stage headers.
+
+    Returns:
+        A Program: call it like the model (drop-in, differentiable), `step()` it to train
+        (locally or under torchrun), `report()` it, `write()` its code.
+
+    Example:
+        >>> model, (x,) = fxpipe.models.mlp.build()
+        >>> program = fxpipe.compile(model, (x,), stages=2, chunks=4)
+        >>> program(x).shape
+        torch.Size([8, 10])
+    """
+    config = CompileConfig(
+        stages=stages, chunks=chunks, remat=remat,
+        balance=balance if isinstance(balance, str) else tuple(balance),
+        split_points=tuple(split_points) if split_points is not None else None,
+        memory_limit=memory_limit,
+        devices=tuple(str(d) for d in devices) if devices is not None else None,
+        capture=capture, schedule=schedule, profile=profile, leaf_modules=tuple(leaf_modules),
+        deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,
+        dp_bucket_mb=dp_bucket_mb, command=command)
+    check_config(config)
+    program = Program(model, config)
+    program.train(model.training)
+    if example_inputs is not None:
+        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
+            else (example_inputs,)
+        program.build(*args, **(example_kwargs or {}))
+    return program

@@ -1,0 +1,71 @@
+"""What compiling produces: the captured graph, the partition plan and the generated stages.
+
+A `Built` is plain data that the report, the writer, the checkpoint naming and the executors
+read; `fxpipe.pipeline.build` makes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.fx import GraphModule
+
+from fxpipe import ir
+from fxpipe.config import CompileConfig
+from fxpipe.frontend.capture import CaptureInfo
+from fxpipe.passes.partition import PartitionPlan
+from fxpipe.passes.remat import RematRegion
+from fxpipe.passes.split import StageGraph
+from fxpipe.profile import DeviceProfile
+from fxpipe.signature import Signature
+
+__all__ = ["Snapshot", "BuiltStage", "Built"]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The graph after one pass, as fx prints its code (cf. thunder.last_traces)."""
+
+    after: str
+    text: str
+
+
+@dataclass
+class BuiltStage:
+    """One stage: its graph (with send/recv), remat regions and generated source."""
+
+    index: int
+    graph_module: GraphModule
+    source: str
+    class_name: str
+    regions: list[RematRegion]
+    graph: StageGraph
+    random: bool  # draws random numbers: each micro-batch then gets its own RNG stream
+    input_indexes: tuple[int, ...]  # which flat model inputs the stage reads
+
+
+@dataclass
+class Built:
+    """Everything one compile produced, for one example batch."""
+
+    captured: GraphModule  # the whole graph, with costs and stages on its nodes
+    plan: PartitionPlan
+    stages: list[BuiltStage]
+    shared: dict[str, list[int]]  # tied parameter -> the stages that hold it
+    profile: DeviceProfile
+    config: CompileConfig  # with chunks resolved
+    history: list[Snapshot] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per pass
+
+    @property
+    def capture_info(self) -> CaptureInfo:
+        info: CaptureInfo = self.captured.meta[ir.CAPTURE]
+        return info
+
+    @property
+    def signature(self) -> Signature:
+        return self.capture_info.signature
+
+    @property
+    def edges(self) -> list[tuple[str, int, int]]:
+        """Every (value, src stage, dst stage) that crosses stages, sorted."""
+        return sorted({(c.tag, s.index, c.peer) for s in self.stages for c in s.graph.sends})

@@ -1,0 +1,74 @@
+"""CompileConfig: every option of fxpipe.compile, checked before any work is done."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fxpipe.errors import ConfigError
+from fxpipe.frontend.capture import METHODS
+from fxpipe.passes.partition import BALANCE_MODES
+from fxpipe.passes.remat import REMAT_MODES
+from fxpipe.profile import DeviceProfile
+from fxpipe.runtime.schedule import SCHEDULES
+
+__all__ = ["CompileConfig", "check_config"]
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """The options of fxpipe.compile (see its docstring); frozen, so a built plan keeps them."""
+
+    stages: int = 2
+    chunks: int | str = 4
+    remat: str = "except_last"
+    balance: str | tuple[int, ...] = "cost"
+    split_points: tuple[str, ...] | None = None
+    memory_limit: float | None = None
+    devices: tuple[str, ...] | None = None
+    capture: str = "auto"
+    schedule: str = "gpipe"
+    profile: DeviceProfile | str | None = None  # a profile, a preset name, or None (measured)
+    leaf_modules: tuple[Any, ...] = ()  # module types, instances or qualified names
+    deferred_batch_norm: bool = False
+    check_finite: bool = False
+    dp_bucket_mb: float = 25.0  # data-parallel gradient buckets; 0 averages after the backward
+    command: str | None = None  # how to regenerate, shown in stage headers
+
+    @property
+    def fixed_chunks(self) -> int | None:
+        """The number of micro-batches when given, None for "auto"."""
+        return self.chunks if isinstance(self.chunks, int) else None
+
+
+def check_config(config: CompileConfig) -> None:
+    """Rejects bad arguments before any work is done, with the values and a fix."""
+    if not isinstance(config.stages, int) or isinstance(config.stages, bool) or config.stages < 1:
+        raise ConfigError(f"stages must be an integer >= 1 (got {config.stages!r})",
+                          hint="use stages=2 or more to pipeline, 1 to run unsplit")
+    if config.chunks != "auto" and (not isinstance(config.chunks, int) or config.chunks < 1):
+        raise ConfigError(f"chunks must be an integer >= 1 or 'auto' (got {config.chunks!r})",
+                          hint="chunks is the number of micro-batches per batch, e.g. 4 x stages")
+    if config.remat not in REMAT_MODES:
+        raise ConfigError(f"unknown remat mode {config.remat!r}", hint=f"use one of {REMAT_MODES}")
+    if isinstance(config.balance, str) and config.balance not in BALANCE_MODES:
+        raise ConfigError(f"unknown balance mode {config.balance!r}",
+                          hint=f"use one of {BALANCE_MODES} or a list of node counts per stage")
+    if config.schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {config.schedule!r}",
+                          hint=f"use one of {tuple(SCHEDULES)}")
+    if config.capture not in METHODS:
+        raise ConfigError(f"unknown capture method {config.capture!r}", hint=f"use one of {METHODS}")
+    if config.memory_limit is not None and not config.memory_limit > 0:
+        raise ConfigError(f"memory_limit must be a positive number of bytes (got "
+                          f"{config.memory_limit!r})", hint="e.g. memory_limit=8 * 2**30")
+    if config.remat == "auto" and config.memory_limit is None:
+        raise ConfigError("remat='auto' chooses what to recompute to fit memory_limit, "
+                          "but no memory_limit was given",
+                          hint="pass memory_limit (bytes per stage), or remat='always'")
+    if not isinstance(config.dp_bucket_mb, (int, float)) or not config.dp_bucket_mb >= 0:
+        raise ConfigError(f"dp_bucket_mb must be a number >= 0 (got {config.dp_bucket_mb!r})",
+                          hint="use e.g. 25 (DDP's default), or 0 to average after the backward")
+    if config.devices is not None and len(config.devices) < config.stages:
+        raise ConfigError(f"fewer devices than stages ({len(config.devices)} < {config.stages})",
+                          hint=f"give {config.stages} devices (e.g. ['cpu'] * {config.stages}), "
+                               "or fewer stages")

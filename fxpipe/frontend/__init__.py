@@ -1,0 +1,7 @@
+"""The front end: any nn.Module to a GraphModule that is checked against the eager model.
+
+    capture.py    capture(): the front ends in order, the check against eager, CaptureInfo
+    tracers.py    torch.fx symbolic tracing and torch.export, on a flat root of the model
+    batching.py   which dimension of every input and output is the batch
+    shapes.py     TensorInfo on every node, symbolic in the micro-batch size
+"""

@@ -1,0 +1,155 @@
+"""build(): the passes in their fixed order, each checked by ir.verify and kept as a snapshot.
+
+    capture          any model -> GraphModule with symbolic shapes      (fxpipe.frontend.capture)
+    defer_batch_norm BatchNorm statistics once per batch, if asked      (passes.batchnorm)
+    annotate_costs   FLOPs, bytes, saved activations per node           (passes.cost)
+    measure_times    wall time per node, only for balance="time"        (passes.timing)
+    partition        balanced contiguous stages                          (passes.partition)
+    split_stages     one graph per stage, explicit send/recv            (passes.split)
+    mark_remat       recompute regions inside each stage                (passes.remat)
+    codegen          readable Python per stage                          (fxpipe.codegen)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule
+
+from fxpipe import codegen, ir
+from fxpipe.built import Built, BuiltStage, Snapshot
+from fxpipe.config import CompileConfig, check_config
+from fxpipe.frontend.capture import CaptureInfo, capture
+from fxpipe.losses import loss_time
+from fxpipe.passes.batchnorm import defer_batch_norm
+from fxpipe.passes.cost import annotate_costs
+from fxpipe.passes.partition import PartitionPlan, choose_chunks, partition
+from fxpipe.passes.remat import RematRegion, mark_remat
+from fxpipe.passes.split import StageGraph, shared_parameters, split_stages
+from fxpipe.passes.timing import measure_times
+from fxpipe.profile import DeviceProfile, get_profile
+from fxpipe.report import stage_header
+
+__all__ = ["build", "PlanAgreement"]
+
+PlanAgreement = Callable[[GraphModule, PartitionPlan], PartitionPlan]
+"""Makes every process use the same partition (rank 0's), writing its STAGE on the graph."""
+
+
+def _debug_level() -> int:
+    return int(os.environ.get("FXPIPE_DEBUG", "0") or 0)
+
+
+def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: CompileConfig,
+          *, agree: PlanAgreement | None = None) -> Built:
+    """Runs every pass on `model` for the example batch (args, kwargs)."""
+    check_config(config)
+    history: list[Snapshot] = []
+    timings: dict[str, float] = {}
+    # The graph everything else works on; functional so that stage code is self-contained.
+    with _timed(timings, "capture"):
+        gm = capture(model, args, kwargs, method=config.capture,
+                     leaf_modules=config.leaf_modules, inline_modules=True)
+        ir.verify(gm, after="capture")
+    _snapshot(history, "capture", gm)
+    if config.deferred_batch_norm:
+        # Before costs and cuts: the rewritten op is what the stages will run.
+        with _timed(timings, "defer_batch_norm"):
+            defer_batch_norm(gm)
+        _snapshot(history, "defer_batch_norm", gm)
+    # Costs are symbolic in the micro-batch size, so chunks can be chosen without re-tracing.
+    with _timed(timings, "annotate_costs"):
+        annotate_costs(gm)
+        ir.verify(gm, after="cost")
+    info: CaptureInfo = gm.meta[ir.CAPTURE]
+    profile = get_profile(config.profile, config.devices[0] if config.devices else "cpu")
+    if config.balance == "time":
+        # Measured on real tensors at the micro-batch size the partition will use.
+        with _timed(timings, "measure_times"):
+            measure_times(gm, info.signature.flatten_inputs(args, kwargs),
+                          microbatch_size=max(1, info.batch_size // (config.fixed_chunks or 1)))
+    with _timed(timings, "partition"):
+        plan = _partition(gm, config, info.batch_size, profile)
+        if agree is not None:
+            plan = agree(gm, plan)
+        ir.verify(gm, after="partition")
+    config = replace(config, chunks=plan.chunks)
+    # Stage graphs are new modules: the captured graph stays whole for reports and checks.
+    with _timed(timings, "split_stages"):
+        graphs = split_stages(gm, config.stages)
+        for g in graphs:
+            ir.verify(g.graph_module, after="split")
+        shared = shared_parameters(graphs)
+    stages = []
+    for g in graphs:
+        with _timed(timings, "mark_remat"):
+            regions = mark_remat(g.graph_module, config.remat,
+                                 microbatch_size=plan.microbatch_size, inflight=plan.chunks,
+                                 memory_limit=config.memory_limit, fixed_bytes=_fixed_bytes(g))
+            ir.verify(g.graph_module, after="remat")
+        _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module)
+        with _timed(timings, "codegen"):
+            stages.append(_generate(g, regions, plan, config, info, type(model).__name__, gm))
+    built = Built(gm, plan, stages, shared, profile, config, history, timings)
+    if _debug_level():
+        print("[fxpipe] " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    return built
+
+
+def _snapshot(history: list[Snapshot], after: str, gm: GraphModule) -> None:
+    history.append(Snapshot(after, gm.code))  # fx wrote it at recompile: no extra work
+    level = _debug_level()
+    if level:
+        print(f"[fxpipe] {after}: {len(gm.graph.nodes)} nodes")
+        if level >= 2:
+            print(gm.print_readable(print_output=False))
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def _partition(gm: GraphModule, config: CompileConfig, batch: int,
+               profile: DeviceProfile) -> PartitionPlan:
+    balance: str | list[int] = config.balance if isinstance(config.balance, str) \
+        else list(config.balance)
+
+    def plan_for(chunks: int) -> PartitionPlan:
+        b = batch // chunks
+        return partition(gm, config.stages, microbatch_size=b, chunks=chunks, profile=profile,
+                         balance=balance, split_points=config.split_points, remat=config.remat,
+                         memory_limit=config.memory_limit, schedule=config.schedule,
+                         loss_time=loss_time(gm, b, profile, config.balance == "time"))
+
+    return choose_chunks(batch, config.chunks, plan_for)
+
+
+def _fixed_bytes(g: StageGraph) -> float:
+    return float(sum(p.numel() * p.element_size() for p in g.graph_module.parameters()))
+
+
+def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
+              config: CompileConfig, info: CaptureInfo, model_name: str,
+              captured: GraphModule) -> BuiltStage:
+    b = plan.microbatch_size
+    total = sum(float(ir.evaluate(ir.cost(n).fwd_flops, b))
+                for n in ir.compute_nodes(captured.graph) if ir.COST in n.meta)
+    header = stage_header(g, regions, plan, config, model_name, total)
+    class_name = f"Stage{g.index}"
+    text = codegen.generate_stage(g.graph_module, header, class_name=class_name,
+                                  qualnames=captured.meta.get(ir.QUALNAMES, {}))
+    names = [leaf.name for leaf in info.signature.tensor_leaves]
+    indexes = tuple(names.index(n) for n in g.inputs)
+    random = any(ir.cost(n).random for n in ir.compute_nodes(g.graph_module.graph)
+                 if ir.COST in n.meta)
+    return BuiltStage(g.index, g.graph_module, text, class_name, regions, g, random, indexes)

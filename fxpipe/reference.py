@@ -1,0 +1,36 @@
+"""The plain model's losses for a few SGD steps: what a written program's --verify compares to.
+
+Recorded when a program is written, on a copy of the model (the model itself is not trained),
+with the same optimizer as the launcher (SGD, momentum 0.9) and the same seed per step.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from fxpipe.frontend.batching import seeded
+from fxpipe.losses import LossFn
+from fxpipe.signature import Signature
+
+__all__ = ["reference_losses"]
+
+
+def reference_losses(model: nn.Module, signature: Signature, flat: list[torch.Tensor],
+                     target: torch.Tensor | None, loss: LossFn, steps: int,
+                     lr: float) -> list[float]:
+    """The losses of `steps` SGD steps of a copy of `model` on one batch."""
+    model = copy.deepcopy(model)
+    args, kwargs = signature.unflatten_inputs(flat)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # as the launcher
+    losses = []
+    for _ in range(steps):
+        with seeded(0):
+            output = model(*args, **kwargs)
+        value = loss(output, target) if target is not None else loss(output)
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(value.detach()))
+    return losses

@@ -1,0 +1,143 @@
+"""One rank of a distributed pipeline: its device, its place in the mesh, its executor, its step.
+
+Used alike by `Program` (compiled in the process) and by a written program's launcher (built
+from stage files), so a rank is set up and stepped the same way whichever way it was made.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.fx import GraphModule
+
+from fxpipe import ir
+from fxpipe.errors import ConfigError, RuntimeInputError
+from fxpipe.losses import LossFn
+from fxpipe.runtime.distributed import DistributedExecutor, Mesh, StepResult, stage_info
+from fxpipe.runtime.mesh import Groups, average_over_replicas
+from fxpipe.runtime.stage import StageModule
+from fxpipe.signature import Signature
+
+__all__ = ["RankStage", "StageWiring", "setup_rank", "mesh_of_world", "local_device_index",
+           "rank_device", "stage_devices", "shard_batch"]
+
+# Launchers that start one process per device say which device is this process's.
+_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                         "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+def local_device_index(rank: int, device_count: int) -> int:
+    """This process's GPU among `device_count`: the launcher's local rank, else rank modulo
+    the number of devices (one process per device on every node)."""
+    for name in _LOCAL_RANK_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None and value.strip().isdigit():
+            return int(value) % max(device_count, 1)
+    return rank % max(device_count, 1)
+
+
+def rank_device(backend: str | None = None) -> torch.device:
+    """The device of this rank's stage; on CUDA it becomes the current device, as NCCL needs
+    before its first collective."""
+    backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
+    if backend != "nccl":
+        return torch.device("cpu")
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    index = local_device_index(rank, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def stage_devices(stages: int, devices: Sequence[str] | None = None) -> list[torch.device]:
+    """One device per stage in one process: as given, else CUDA devices when there are enough,
+    else the CPU."""
+    if devices is not None:
+        return [torch.device(d) for d in devices[:stages]]
+    if torch.cuda.is_available() and torch.cuda.device_count() >= stages:
+        return [torch.device("cuda", i) for i in range(stages)]
+    return [torch.device("cpu")] * stages
+
+
+def mesh_of_world(stages: int) -> Mesh:
+    """This rank's place in a (replicas x stages) mesh of the initialized process group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % stages:
+        raise ConfigError(f"world size {world} is not a multiple of the number of stages "
+                          f"({stages})",
+                          hint=f"launch {stages} x replicas processes (e.g. torchrun "
+                               f"--nproc-per-node {stages}), or use a number of stages that "
+                               f"divides {world}")
+    return Mesh(stages, world // stages, rank)
+
+
+def shard_batch(signature: Signature, flat: list[torch.Tensor], target: torch.Tensor | None,
+                mesh: Mesh) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """This replica's share of the global batch (and of the target)."""
+    batch = signature.batch_size(flat)
+    if batch % mesh.replicas:
+        raise RuntimeInputError(f"global batch {batch} cannot be split over {mesh.replicas} "
+                                "data-parallel replicas", hint=f"use a multiple of {mesh.replicas}")
+    size = batch // mesh.replicas
+    start = mesh.replica * size
+    sharded = [t if leaf.batch_dim is None else t.narrow(leaf.batch_dim, start, size)
+               for leaf, t in zip(signature.tensor_leaves, flat)]
+    if target is not None:
+        dim = next((d for d in signature.out_batch_dims if d is not None), 0)
+        target = target.narrow(dim, start, size)
+    return sharded, target
+
+
+@dataclass(frozen=True)
+class StageWiring:
+    """What a rank needs to know of its stage besides its code: inputs, messages, randomness."""
+
+    index: int
+    inputs: tuple[int, ...]  # the flat model inputs it reads
+    recvs: tuple[ir.CommInfo, ...]
+    sends: tuple[ir.CommInfo, ...]
+    random: bool
+
+
+@dataclass
+class RankStage:
+    """This rank's stage of a distributed pipeline, ready to step."""
+
+    executor: DistributedExecutor
+    mesh: Mesh
+    groups: Groups
+    signature: Signature
+    chunks: int
+    remat: str
+    schedule: str
+
+    def step(self, flat: list[torch.Tensor], target: torch.Tensor | None,
+             loss_fn: LossFn) -> tuple[float, StepResult]:
+        """One training step of the global batch; returns the global loss and what this rank
+        measured (events, kept bytes)."""
+        if self.mesh.replicas > 1:
+            flat, target = shard_batch(self.signature, flat, target, self.mesh)
+        result = self.executor.step(flat, target, loss_fn, chunks=self.chunks, remat=self.remat,
+                                    schedule=self.schedule)
+        loss = result.loss
+        if self.mesh.replicas > 1:
+            loss = average_over_replicas(loss, self.groups.dp, self.mesh.replicas)
+        return loss, result
+
+
+def setup_rank(module: StageModule, wiring: StageWiring, *, mesh: Mesh, groups: Groups,
+               device: torch.device, signature: Signature, edges: Sequence[tuple[str, int, int]],
+               shared: dict[str, list[int]], chunks: int, remat: str, schedule: str,
+               check_finite: bool = False, dp_bucket_mb: float = 25.0,
+               graph: GraphModule | None = None) -> RankStage:
+    """Builds the executor of this rank's stage (the module already sits on `device`)."""
+    executor = DistributedExecutor(
+        module=module, mesh=mesh, signature=signature, input_indexes=wiring.inputs,
+        comm_info=stage_info(wiring.recvs, wiring.sends, wiring.index), edges=edges,
+        random=wiring.random, device=device, pp_group=groups.pp, dp_group=groups.dp,
+        shared=shared, shared_groups=groups.shared, check_finite=check_finite, graph=graph,
+        dp_bucket_bytes=int(dp_bucket_mb * 2**20))
+    return RankStage(executor, mesh, groups, signature, chunks, remat, schedule)
+

@@ -1,0 +1,1 @@
+"""Tools beside the compiler: benchmarks, the fuzzer and the demo (the core never imports them)."""

@@ -1,0 +1,18 @@
+"""The partition pass as a small package: the pass on the graph, the problem, and its solver.
+
+    graph.py     atoms of the fx graph, their costs, STAGE written on every node (the pass)
+    problem.py   the partition problem as plain data: validation, exact stage costs (pure)
+    solver.py    the exact search for the cuts that minimise the slowest stage (pure)
+    chunks.py    the number of micro-batches whose plan predicts the fastest step
+"""
+from fxpipe.passes.partition.chunks import choose_chunks
+from fxpipe.passes.partition.graph import (
+    BALANCE_MODES,
+    PartitionPlan,
+    StagePlan,
+    atoms_of,
+    partition,
+)
+
+__all__ = ["partition", "choose_chunks", "PartitionPlan", "StagePlan", "atoms_of",
+           "BALANCE_MODES"]

@@ -1,0 +1,132 @@
+"""The package's import structure (DESIGN.md, "Layout"): each layer imports only layers below it,
+no module imports a private name of another, no import cycle exists (function-local imports
+included), and the tools and test helpers beside the compiler are never imported by it.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"fxpipe": ROOT / "fxpipe", "fxpipe.passes": ROOT / "passes",
+            "fxpipe.models": ROOT / "models"}
+
+# Lowest first. A module belongs to the layer of the longest prefix that names it.
+LAYERS: list[tuple[str, ...]] = [
+    ("fxpipe.errors", "fxpipe.version", "fxpipe.files", "fxpipe.source"),  # foundation
+    ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
+     "fxpipe.checkpoint", "fxpipe.models"),  # contracts: metadata, names, formats
+    ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
+    ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
+    ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces
+    ("fxpipe.report",),
+    ("fxpipe.pipeline",),  # build(): the passes in order
+    ("fxpipe.reference", "fxpipe.writer", "fxpipe.program"),  # take the built plan
+    ("fxpipe.api", "fxpipe.cli", "fxpipe.__main__", "fxpipe"),  # what users call
+]
+BESIDE = ("fxpipe.tools", "fxpipe.testing")  # import anything; imported only by fxpipe.cli
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            if package == "fxpipe" and parts and parts[0] in ("passes", "models"):
+                continue
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> list[tuple[str, list[str]]]:
+    """(imported fxpipe module, names imported from it) for every import in `name`."""
+    path = MODULES[name]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join(package + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.append((full, []) if full in MODULES else (base, [alias.name]))
+    out = []
+    for target, names in found:
+        while target and target not in MODULES:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.append((target, names))
+    return out
+
+
+def _layer(name: str) -> int | None:
+    best, layer = "", None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, layer = prefix, index
+    return layer
+
+
+def _beside(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in BESIDE)
+
+
+def _is_container(importer: str, imported: str) -> bool:
+    """A package's __init__ re-exporting its own modules, or a module importing its package."""
+    return importer.startswith(imported + ".") or imported.startswith(importer + ".")
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in MODULES if _layer(m) is None and not _beside(m)] == []
+
+
+def test_imports_only_point_down():
+    upward = []
+    for name in MODULES:
+        mine = _layer(name)
+        for target, _ in _imports(name):
+            if _is_container(name, target) or _beside(name):
+                continue
+            if _beside(target):
+                if name != "fxpipe.cli":
+                    upward.append(f"{name} imports the tool/test helper {target}")
+                continue
+            theirs = _layer(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                upward.append(f"{name} (layer {mine}) imports {target} (layer {theirs})")
+    assert upward == []
+
+
+def test_no_module_imports_a_private_name_of_another():
+    private = [f"{name} imports {target}.{n}" for name in MODULES
+               for target, names in _imports(name) for n in names
+               if n.startswith("_") and not n.startswith("__")]
+    assert private == []
+
+
+def test_the_import_graph_has_no_cycle():
+    edges = {name: {t for t, _ in _imports(name) if not _is_container(name, t)}
+             for name in MODULES}
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for name in sorted(MODULES):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
