@@ -62,14 +62,28 @@ def _compile(args: argparse.Namespace) -> tuple[Program, Any]:
     model, inputs, kwargs, target = load_factory(args.factory, args.set)
     print(f"compiling {type(model).__name__} into {args.stages} stages (capture, costs, "
           "partition, split, remat, codegen) ...", file=sys.stderr, flush=True)
-    command = " ".join(["fxpipe compile", args.factory] + [f"--set {shlex.quote(s)}" for s in args.set]
-                       + [f"--stages {args.stages}", f"--chunks {args.chunks}",
-                          f"--remat {args.remat}"])
     program = compile_program(model, inputs, example_kwargs=kwargs, stages=args.stages,
                              chunks=args.chunks, remat=args.remat, balance=args.balance,
                              memory_limit=args.memory_limit, schedule=args.schedule,
-                             profile=args.profile, command=command)
+                             profile=args.profile, command=_command_line(args))
     return program, target
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The `fxpipe compile` command that compiles the same program again (shown in headers)."""
+    words = ["fxpipe", "compile", args.factory]
+    for setting in args.set:
+        words += ["--set", setting]
+    balance = args.balance if isinstance(args.balance, str) else ",".join(map(str, args.balance))
+    words += ["--stages", str(args.stages), "--chunks", str(args.chunks), "--remat", args.remat,
+              "--balance", balance]
+    if args.memory_limit is not None:
+        words += ["--memory-limit", repr(args.memory_limit)]
+    if args.schedule != "gpipe":
+        words += ["--schedule", args.schedule]
+    if args.profile is not None:
+        words += ["--profile", args.profile]
+    return shlex.join(words)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

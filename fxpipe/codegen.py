@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import builtins
 import keyword
+import linecache
 import math
 import operator
+import textwrap
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +25,10 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from fxpipe import ir, source
-from fxpipe.source import identifier
 from fxpipe.errors import CodegenError
 from fxpipe.runtime import ops
+from fxpipe.source import identifier
+from fxpipe.version import __version__
 
 __all__ = ["StageHeader", "generate_stage", "load_stage_class"]
 
@@ -39,18 +43,74 @@ _UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~", operator.n
 _PUBLIC_HOMES = ("torch.nn.functional", "torch", "torch.special", "torch.linalg", "torch.fft")
 
 
+_WIDTH = 100  # generated lines stay within this many characters
+_BODY = 8  # indentation of statements inside a method
+
+
 @dataclass(frozen=True)
 class StageHeader:
     """Deterministic facts shown at the top of a stage file."""
 
-    command: str
+    command: str  # how the program was compiled
+    runnable: bool  # `command` is a shell command that regenerates the files
     model: str
     stage: int
     num_stages: int
     span: str
-    lines: tuple[str, ...] = ()  # cost, params, recv/send, remat ... already formatted
-    passes: str = "capture > annotate_costs > partition > split_stages > mark_remat"
-    version: str = "0.1.0"
+    lines: tuple[tuple[str, str], ...] = ()  # (label, text): time, params, recv/send, remat ...
+    passes: tuple[str, ...] = ()  # the passes that ran, in order
+    version: str = __version__
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call (or a list or tuple literal) kept in parts, so a long one can be wrapped at its
+    arguments."""
+
+    head: str  # what is called: "torch.nn.functional.linear", "x.view", "comm.send"; "" for a
+    args: tuple[Expression, ...]  # literal
+    brackets: str = "()"
+
+    def __str__(self) -> str:
+        return f"{self.head}{self.brackets[0]}{', '.join(map(str, self.args))}{self.brackets[1]}"
+
+
+Expression = str | _Call
+
+
+def _format(prefix: str, expr: Expression, indent: int = _BODY) -> list[str]:
+    """`prefix + expr` as lines of at most _WIDTH characters once indented by `indent`: a long
+    call breaks after its opening parenthesis, its arguments packed on the following lines (an
+    argument too long itself is broken the same way); if even `prefix + callee(` is too long,
+    the call moves into parentheses on the next line."""
+    text = prefix + str(expr)
+    if indent + len(text) <= _WIDTH or not isinstance(expr, _Call) or not expr.args:
+        return [text]
+    if prefix and indent + len(prefix + expr.head) + 1 > _WIDTH:
+        inner = _format("", expr, indent + 4)
+        return [prefix + "(", *("    " + line for line in inner[:-1]), "    " + inner[-1] + ")"]
+    lines, current = [prefix + expr.head + expr.brackets[0]], ""
+    for i, arg in enumerate(expr.args):
+        end = "," if i < len(expr.args) - 1 else expr.brackets[1]
+        piece = str(arg) + end
+        candidate = f"{current} {piece}" if current else piece
+        if indent + 4 + len(candidate) <= _WIDTH:
+            current = candidate
+            continue
+        if current:
+            lines.append("    " + current)
+        if indent + 4 + len(piece) > _WIDTH and isinstance(arg, _Call):
+            inner = _format("", arg, indent + 4)
+            lines += ["    " + line for line in inner[:-1]]
+            current = inner[-1] + end
+        else:
+            current = piece
+    return [*lines, "    " + current]
+
+
+def _comment(text: str, indent: int = _BODY) -> str:
+    """A one-line comment of user text that fits the width."""
+    return "# " + source.safe_comment(text, limit=_WIDTH - indent - 2)
 
 
 @dataclass
@@ -101,10 +161,18 @@ def _render(arg: Any, ctx: _Context, node: Node) -> str:
     return _literal(arg, node)
 
 
-def _call_args(node: Node, ctx: _Context, skip: int = 0) -> str:
-    parts = [_render(a, ctx, node) for a in node.args[skip:]]
+def _call_args(node: Node, ctx: _Context, skip: int = 0) -> tuple[Expression, ...]:
+    parts = [_argument(a, ctx, node) for a in node.args[skip:]]
     parts += [f"{k}={_render(v, ctx, node)}" for k, v in node.kwargs.items()]
-    return ", ".join(parts)
+    return tuple(parts)
+
+
+def _argument(arg: Any, ctx: _Context, node: Node) -> Expression:
+    """An argument; a list or tuple of several items stays in parts, so it can be wrapped."""
+    if isinstance(arg, (list, tuple)) and len(arg) > 1:
+        return _Call("", tuple(_render(a, ctx, node) for a in arg),
+                     "[]" if isinstance(arg, list) else "()")
+    return _render(arg, ctx, node)
 
 
 def _function_name(target: Any, node: Node, ctx: _Context) -> str:
@@ -137,18 +205,18 @@ def _resolve(dotted: str) -> Any:
     return obj
 
 
-def _expression(node: Node, ctx: _Context) -> str:
+def _expression(node: Node, ctx: _Context) -> Expression:
     target = node.target
     if node.op == "call_module":
-        return f"self.{ctx.attrs[target]}({_call_args(node, ctx)})"
+        return _Call(f"self.{ctx.attrs[str(target)]}", _call_args(node, ctx))
     if node.op == "call_method":
         obj = _render(node.args[0], ctx, node)
-        return f"{obj}.{target}({_call_args(node, ctx, skip=1)})"
+        return _Call(f"{obj}.{target}", _call_args(node, ctx, skip=1))
     if target is ops.recv:
-        return f"comm.recv({node.args[1]!r}, src={node.kwargs['src']!r})"
+        return _Call("comm.recv", (repr(node.args[1]), f"src={node.kwargs['src']!r}"))
     if target is ops.send:
         value = _render(node.args[1], ctx, node)
-        return f"comm.send({value}, {node.args[2]!r}, dst={node.kwargs['dst']!r})"
+        return _Call("comm.send", (value, repr(node.args[2]), f"dst={node.kwargs['dst']!r}"))
     if target is operator.getitem and not node.kwargs:
         return f"{_render(node.args[0], ctx, node)}[{_render(node.args[1], ctx, node)}]"
     if target is getattr and len(node.args) == 2 and isinstance(node.args[1], str) \
@@ -159,7 +227,7 @@ def _expression(node: Node, ctx: _Context) -> str:
         return f"{a} {_INFIX[target]} {b}"
     if target in _UNARY and len(node.args) == 1 and not node.kwargs:
         return f"{_UNARY[target]}{_render(node.args[0], ctx, node)}"
-    return f"{_function_name(target, node, ctx)}({_call_args(node, ctx)})"
+    return _Call(_function_name(target, node, ctx), _call_args(node, ctx))
 
 
 def _annotation(node: Node) -> str:
@@ -171,8 +239,9 @@ def _annotation(node: Node) -> str:
 
 
 def _where(node: Node) -> str | None:
+    """The user's source line the node came from, as a comment that fits the width."""
     line = source.from_stack_trace(node.meta.get("stack_trace"))
-    return source.safe_comment(str(line)) if line else None
+    return _comment(str(line)) if line else None
 
 
 # --- the file ---------------------------------------------------------------------------------
@@ -185,70 +254,122 @@ def generate_stage(gm: GraphModule, header: StageHeader, *, class_name: str | No
     """
     qualnames = qualnames or {}
     ctx = _Context(gm)
-    taken: set[str] = set()
-    attr_taken: set[str] = set()
     nodes = list(gm.graph.nodes)
-    params, frozen, buffers, modules = {}, [], {}, {}
-    for node in nodes:
-        if node.op in ("get_attr", "call_module") and node.target not in ctx.attrs:
-            name = qualnames.get(str(node.target), str(node.target))
-            attr = identifier(name, attr_taken, reserved=_RESERVED, attribute=True)
-            ctx.attrs[node.target] = attr
-            value = _attr(gm, str(node.target))
-            if node.op == "call_module":
-                modules[attr] = name
-            elif isinstance(value, nn.Parameter):
-                params[attr] = name
-                if not value.requires_grad:
-                    frozen.append(attr)
-            elif isinstance(value, torch.Tensor):
-                buffers[attr] = name
-            else:
-                raise CodegenError(f"attribute {node.target!r} is a {type(value).__name__}, "
-                                   "not a tensor", hint="please report this model")
+    params, frozen, buffers, modules = _bind_attributes(gm, nodes, ctx, qualnames)
+    taken: set[str] = set()
     for node in nodes:
         if node.op not in ("get_attr", "output"):
             base = "comm_" if node.op == "placeholder" and node.name == "comm" else node.name
-            ctx.names[node] = "comm" if node is nodes[0] else identifier(base, taken, reserved=_RESERVED)
+            ctx.names[node] = "comm" if node is nodes[0] else identifier(base, taken,
+                                                                        reserved=_RESERVED)
     cls = class_name or f"Stage{header.stage}"
     body = _forward(nodes, ctx)
+    inputs = tuple(ctx.names[n] for n in nodes[1:] if n.op == "placeholder")
+    doc = f"Stage {header.stage} of {header.num_stages} of {header.model}: {header.span}."
     lines = _header(header)
     lines += ["from __future__ import annotations", ""]
     lines += [f"import {m}" for m in sorted({"torch", *ctx.imports} - {"builtins"})]
     lines += ["", "from fxpipe.runtime.stage import StageModule, checkpoint", "", ""]
-    lines += [f"class {cls}(StageModule):",
-              f'    """Stage {header.stage} of {header.num_stages} of {_doc(header.model)}: '
-              f'{_doc(header.span)}."""', "",
-              f"    STAGE = {header.stage}",
-              f"    INPUTS = {tuple(ctx.names[n] for n in nodes[1:] if n.op == 'placeholder')!r}"]
+    lines += [f"class {cls}(StageModule):", *_docstring(doc, 4), ""]
+    lines += [f"    STAGE = {header.stage}"]
+    lines += _constant("INPUTS", inputs)
     lines += _mapping("PARAMETERS", params, "attribute -> name in the model's state_dict")
     if frozen:
-        lines.append(f"    FROZEN = {tuple(frozen)!r}")
+        lines += _constant("FROZEN", tuple(frozen))
     lines += _mapping("BUFFERS", buffers, None)
     lines += _mapping("MODULES", modules, "leaf modules, bound from the model")
-    lines += [""] + body
+    lines += ["", *body]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _doc(text: str) -> str:
-    return source.safe_comment(text).replace('"""', "'''").replace("\\", "\\\\")
+def _constant(name: str, items: tuple[str, ...]) -> list[str]:
+    """`NAME = ('a', 'b')` at class level, wrapped when long."""
+    literal = repr(items)
+    if len(items) < 2 or 4 + len(name) + 3 + len(literal) <= _WIDTH:
+        return [f"    {name} = {literal}"]
+    return ["    " + line for line in _format(f"{name} = ", _Call("", tuple(map(repr, items))),
+                                              indent=4)]
+
+
+def _bind_attributes(gm: GraphModule, nodes: list[Node], ctx: _Context,
+                     qualnames: dict[str, str]) -> tuple[dict[str, str], list[str],
+                                                         dict[str, str], dict[str, str]]:
+    """Attribute names for the graph's parameters, buffers and leaf modules (in ctx.attrs),
+    returned as {attribute: model name} maps (and the frozen parameters)."""
+    params: dict[str, str] = {}
+    frozen: list[str] = []
+    buffers: dict[str, str] = {}
+    modules: dict[str, str] = {}
+    taken: set[str] = set()
+    for node in nodes:
+        target = str(node.target)
+        if node.op not in ("get_attr", "call_module") or target in ctx.attrs:
+            continue
+        name = qualnames.get(target, target)
+        attr = identifier(name, taken, reserved=_RESERVED, attribute=True)
+        ctx.attrs[target] = attr
+        value = _attr(gm, target)
+        if node.op == "call_module":
+            modules[attr] = name
+        elif isinstance(value, nn.Parameter):
+            params[attr] = name
+            if not value.requires_grad:
+                frozen.append(attr)
+        elif isinstance(value, torch.Tensor):
+            buffers[attr] = name
+        else:
+            raise CodegenError(f"attribute {target!r} is a {type(value).__name__}, "
+                               "not a tensor", hint="please report this model")
+    return params, frozen, buffers, modules
+
+
+def _docstring(text: str, indent: int) -> list[str]:
+    """A docstring of user text (quotes and backslashes made harmless), wrapped to the width."""
+    quotes = '"' * 3
+    safe = source.safe_comment(text, limit=10_000).replace("\\", "\\\\")
+    safe = safe.replace(quotes, "'" * 3)
+    pad = " " * indent
+    one = f"{pad}{quotes}{safe}{quotes}"
+    if len(one) <= _WIDTH:
+        return [one]
+    wrapped = textwrap.wrap(safe, _WIDTH - indent - 3, break_on_hyphens=False)
+    return [f"{pad}{quotes}{wrapped[0]}"] + [pad + line for line in wrapped[1:]] \
+        + [f"{pad}{quotes}"]
 
 
 def _mapping(name: str, items: dict[str, str], comment: str | None) -> list[str]:
     if not items:
         return []
     out = [f"    {name} = {{" + (f"  # {comment}" if comment else "")]
-    out += [f"        {attr!r}: {qual!r}," for attr, qual in items.items()]
-    return out + ["    }"]
+    for attr, qual in items.items():
+        entry = f"        {attr!r}: {qual!r},"
+        out += [entry] if len(entry) <= _WIDTH else [f"        {attr!r}:", f"            {qual!r},"]
+    return [*out, "    }"]
 
 
 def _header(header: StageHeader) -> list[str]:
-    out = [f"# Generated by fxpipe {header.version} -- do not edit. Regenerate with:",
-           f"#   {source.safe_comment(header.command, limit=400)}", "#",
-           f"# Stage {header.stage} of {header.num_stages}: {source.safe_comment(header.span)}"]
-    out += [f"#   {source.safe_comment(line, limit=400)}" for line in header.lines]
-    out.append(f"#   passes  {header.passes}")
+    verb = "Regenerate with" if header.runnable else "Compiled with"
+    out = [f"# Generated by fxpipe {header.version} -- do not edit. {verb}:"]
+    command = _wrapped_comment(header.command, "#   ", "#     ", width=_WIDTH - 2)
+    if header.runnable:  # a shell command: continued lines end with a backslash
+        command = [line + " \\" for line in command[:-1]] + command[-1:]
+    out += command
+    out += ["#"]
+    out += _wrapped_comment(f"Stage {header.stage} of {header.num_stages} of {header.model}: "
+                            f"{header.span}", "# ", "#   ")
+    for label, text in header.lines:
+        out += _wrapped_comment(text, f"#   {label:<8}", "#   " + " " * 10)
+    if header.passes:
+        out += _wrapped_comment(" > ".join(header.passes), "#   passes  ", "#   " + " " * 10)
     return out
+
+
+def _wrapped_comment(text: str, first: str, rest: str, width: int = _WIDTH) -> list[str]:
+    """Comment lines of user text: `first` starts the first line, `rest` the following ones."""
+    safe = source.safe_comment(text, limit=10_000)
+    lines = textwrap.wrap(safe, width, initial_indent=first, subsequent_indent=rest,
+                          break_on_hyphens=False, break_long_words=True)
+    return lines or [first.rstrip()]
 
 
 def _attr(gm: GraphModule, target: str) -> Any:
@@ -265,12 +386,21 @@ def _regions(nodes: Sequence[Node]) -> dict[str, list[Node]]:
     return regions
 
 
+def _signature(placeholders: list[Node], ctx: _Context) -> list[str]:
+    """`def forward(self, comm, x: "f32[b, 64]", ...):`, wrapped when long."""
+    params = ("self", "comm", *(f"{ctx.names[p]}{_annotation(p)}" for p in placeholders))
+    lines = _format("def forward", _Call("", params), indent=4)
+    lines[-1] += ":"
+    return ["    " + line for line in lines]
+
+
+Statement = tuple[list[str], set[Node], list[Node]]  # (lines, values it uses, values it defines)
+
+
 def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
     regions = _regions(nodes)
     placeholders = [n for n in nodes[1:] if n.op == "placeholder"]
-    sig = ", ".join(["self", "comm"] + [f'{ctx.names[p]}{_annotation(p)}' for p in placeholders])
-    lines = [f"    def forward({sig}):"]
-    statements: list[tuple[list[str], set[Node], list[Node]]] = []  # (lines, uses, defines)
+    statements: list[Statement] = []
     methods: list[str] = []
     done: set[Node] = set()
     last_where: str | None = None
@@ -288,42 +418,48 @@ def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
             done.update(members)
             call, uses, outs, method = _region(region, members, ctx)
             methods += method
-            statements.append((["", f"# remat region {region}: {len(members)} operations, "
-                                    "recomputed in backward instead of saved", call], uses, outs))
+            note = (f"# remat region {region}: {len(members)} operations, recomputed in "
+                    "backward instead of saved")
+            statements.append((["", note, *call], uses, outs))
             last_where = None
             continue
         where = _where(node)
         text = []
         if where and where != last_where and not ir.is_comm(node):
-            text += ["", f"# {where}"]
+            text += ["", where]
             last_where = where
+        expr = _expression(node, ctx)
         if node.target is ops.send or not node.users:
-            text.append(_expression(node, ctx))
+            text += _format("", expr)
         else:
-            text.append(f"{ctx.names[node]}{_annotation(node)} = {_expression(node, ctx)}")
+            text += _format(f"{ctx.names[node]}{_annotation(node)} = ", expr)
         statements.append((text, set(node.all_input_nodes), [node]))
     body = _with_deletes(statements, ctx)
-    return lines + [f"        {line}" if line else "" for line in body] + methods
+    return _signature(placeholders, ctx) + [" " * _BODY + line if line else "" for line in body] \
+        + methods
 
 
-def _with_deletes(statements, ctx: _Context) -> list[str]:
+def _with_deletes(statements: list[Statement], ctx: _Context) -> list[str]:
     """Statement lines plus `del` on its own line after each value's last use."""
     last_use: dict[Node, int] = {}
     for i, (_, uses, _) in enumerate(statements):
         for u in uses:
             last_use[u] = i
     out: list[str] = []
-    for i, (text, _, defines) in enumerate(statements):
+    for i, (text, _, _) in enumerate(statements):
         out += text
         dead = sorted({ctx.names[n] for n, j in last_use.items()
                        if j == i and n in ctx.names and n.op != "get_attr"
-                       and ctx.names[n] != "comm"} - {"comm"})
+                       and ctx.names[n] != "comm"})
         if dead and not text[-1].startswith("return"):
-            out.append(f"del {', '.join(dead)}")
+            one = f"del {', '.join(dead)}"
+            out += [one] if _BODY + len(one) <= _WIDTH else _format("del ", _Call("", tuple(dead)))
     return out
 
 
-def _region(region: str, members: list[Node], ctx: _Context) -> tuple[str, set, list, list[str]]:
+def _region(region: str, members: list[Node],
+            ctx: _Context) -> tuple[list[str], set[Node], list[Node], list[str]]:
+    """The call of a remat region in forward, the values it uses and defines, and its method."""
     inside = set(members)
     inputs: list[Node] = []
     for node in members:
@@ -334,44 +470,44 @@ def _region(region: str, members: list[Node], ctx: _Context) -> tuple[str, set, 
     names = [ctx.names[n] for n in inputs]
     if any(_uses_device(n) for n in members):
         names.insert(0, "comm")  # device constants are written as comm.device
-    in_names = ", ".join(names)
     out_names = ", ".join(ctx.names[n] for n in outputs)
-    args = f"self.{region}, comm.remat" + (f", {in_names}" if names else "")
+    call = _Call("checkpoint", (f"self.{region}", *names, "enabled=comm.remat"))
     if len(outputs) == 1:
-        call = f"{out_names}{_annotation(outputs[0])} = checkpoint({args})"
+        lines = _format(f"{out_names}{_annotation(outputs[0])} = ", call)
     elif outputs:
-        call = f"{out_names} = checkpoint({args})"
+        lines = _format(f"{out_names} = ", call)
     else:
-        call = f"checkpoint({args})"
-    method = ["", f"    def {region}(self{', ' if names else ''}{in_names}):",
+        lines = _format("", call)
+    signature = _format(f"def {region}", _Call("", ("self", *names)), indent=4)
+    signature[-1] += ":"
+    method = ["", *("    " + line for line in signature),
               f'        """Remat region {region}: recomputed in the backward pass instead of '
-              f'saved."""']
+              'saved."""']
     last_where = None
     for node in members:
         where = _where(node)
         if where and where != last_where:
-            method += [f"        # {where}"]
+            method.append(" " * _BODY + where)
             last_where = where
-        method.append(f"        {ctx.names[node]}{_annotation(node)} = {_expression(node, ctx)}")
+        method += [" " * _BODY + line for line in
+                   _format(f"{ctx.names[node]}{_annotation(node)} = ", _expression(node, ctx))]
     ret = out_names if len(outputs) != 1 else ctx.names[outputs[0]]
     method.append(f"        return {ret}" if outputs else "        return None")
-    return call, set(inputs), outputs, method
+    return lines, set(inputs), outputs, method
 
 
 def _uses_device(node: Node) -> bool:
-    found = []
+    found: list[torch.device] = []
     torch.fx.node.map_aggregate((node.args, node.kwargs),
                                 lambda a: found.append(a) if isinstance(a, torch.device) else a)
     return bool(found)
 
 
-def load_stage_class(text: str, filename: str, class_name: str) -> type:
+def load_stage_class(text: str, filename: str, class_name: str) -> type[Any]:
     """Executes generated stage source (fxpipe's own output) and returns its class."""
-    import linecache
-    import types
-
     module = types.ModuleType(filename.rsplit("/", 1)[-1].removesuffix(".py"))
     module.__file__ = filename
     linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
     exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - generated code
-    return getattr(module, class_name)
+    cls: type[Any] = getattr(module, class_name)
+    return cls

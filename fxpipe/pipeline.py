@@ -93,8 +93,10 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
                                  memory_limit=config.memory_limit, fixed_bytes=_fixed_bytes(g))
             ir.verify(g.graph_module, after="remat")
         _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module)
+        ran = (*(name for name in timings if name != "codegen"), "codegen")
         with _timed(timings, "codegen"):
-            stages.append(_generate(g, regions, plan, config, info, type(model).__name__, gm))
+            stages.append(_generate(g, regions, plan, config, info, type(model).__name__, gm,
+                                    shared, ran))
     built = Built(gm, plan, stages, shared, profile, config, history, timings)
     if _debug_level():
         print("[fxpipe] " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
@@ -139,12 +141,9 @@ def _fixed_bytes(g: StageGraph) -> float:
 
 
 def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
-              config: CompileConfig, info: CaptureInfo, model_name: str,
-              captured: GraphModule) -> BuiltStage:
-    b = plan.microbatch_size
-    total = sum(float(ir.evaluate(ir.cost(n).fwd_flops, b))
-                for n in ir.compute_nodes(captured.graph) if ir.COST in n.meta)
-    header = stage_header(g, regions, plan, config, model_name, total)
+              config: CompileConfig, info: CaptureInfo, model_name: str, captured: GraphModule,
+              shared: dict[str, list[int]], passes: tuple[str, ...]) -> BuiltStage:
+    header = stage_header(g, regions, plan, config, model_name, shared, passes)
     class_name = f"Stage{g.index}"
     text = codegen.generate_stage(g.graph_module, header, class_name=class_name,
                                   qualnames=captured.meta.get(ir.QUALNAMES, {}))

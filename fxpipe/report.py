@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tabulate import tabulate
@@ -11,12 +11,15 @@ from torch.fx import GraphModule
 
 from fxpipe import ir
 from fxpipe.codegen import StageHeader
+from fxpipe.config import CompileConfig
 from fxpipe.passes.cost import estimate_time
-from fxpipe.passes.remat import kept_bytes
+from fxpipe.passes.partition import PartitionPlan
+from fxpipe.passes.remat import RematRegion, kept_bytes
+from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
 from fxpipe.runtime.schedule import bubble_fraction, get_schedule, render_grid
 
-__all__ = ["Report", "stage_header", "cost_table", "human_bytes", "human_flops", "human_time"]
+__all__ = ["Report", "stage_header", "compile_command", "cost_table", "human_bytes", "human_flops", "human_time"]
 
 
 def human_bytes(n: float) -> str:
@@ -75,38 +78,63 @@ def _stage_figures(graph: Any, regions: Sequence[Any], b: int) -> dict[str, floa
     }
 
 
-def _command(config: Any, model: str) -> str:
+def compile_command(config: CompileConfig, model: str) -> tuple[str, bool]:
+    """How the program was compiled, and whether that is a command that regenerates it: the
+    command line when it came from `fxpipe compile`, else the fxpipe.compile call with every
+    option that differs from its default."""
     if config.command:
-        return config.command
-    return (f"fxpipe.compile({model}, stages={config.stages}, chunks={config.chunks}, "
-            f"remat={config.remat!r}, balance={config.balance!r})")
+        return config.command, True
+    defaults = CompileConfig()
+    options = []
+    for f in fields(CompileConfig):
+        value = getattr(config, f.name)
+        always = f.name in ("stages", "chunks", "remat", "balance")
+        if f.name == "command" or (not always and value == getattr(defaults, f.name)):
+            continue
+        if isinstance(value, DeviceProfile):
+            value = value.name
+        if f.name == "leaf_modules":
+            value = tuple(v if isinstance(v, str) else getattr(v, "__name__", type(v).__name__)
+                          for v in value)
+        options.append(f"{f.name}={value!r}")
+    return f"fxpipe.compile({model}(...), {', '.join(options)})", False
 
 
-def stage_header(graph: Any, regions: Sequence[Any], plan: Any, config: Any,
-                 model: str, total_flops: float) -> StageHeader:
+def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: PartitionPlan,
+                 config: CompileConfig, model: str, shared: dict[str, list[int]],
+                 passes: tuple[str, ...]) -> StageHeader:
     """The deterministic facts at the top of a generated stage file."""
-    b = plan.microbatch_size
+    b, k = plan.microbatch_size, len(plan.stages)
     figures = _stage_figures(graph, regions, b)
     stage_plan = plan.stages[graph.index]
-    share = figures["fwd_flops"] / total_flops if total_flops else 0.0
-    lines = [f"cost    {human_flops(figures['fwd_flops'])} fwd / micro-batch   "
-             f"({share:.1%} of the model, ideal {1 / len(plan.stages):.1%})"]
-    lines.append(f"params  {human_bytes(figures['params'])}   saved activations "
-                 f"{human_bytes(figures['saved'])} / micro-batch"
-                 + (f" ({human_bytes(figures['kept_with_remat'])} kept with remat)"
-                    if regions else ""))
+    total = sum(s.time for s in plan.stages)
+    share = stage_plan.time / total if total else 1.0 / k
+    lines = [("time", f"{human_time(stage_plan.time)} per micro-batch, forward + backward "
+                      f"(predicted): {share:.1%} of all stages' time, {1 / k:.1%} if even")]
+    lines.append(("flops", f"{human_flops(figures['fwd_flops'])} forward per micro-batch"))
+    lines.append(("params", f"{human_bytes(figures['params'])}; saved activations "
+                            f"{human_bytes(figures['saved'])} per micro-batch"
+                  + (f" ({human_bytes(figures['kept_with_remat'])} kept with remat)"
+                     if regions else "")))
     for c in graph.recvs:
-        lines.append(f"recv    {c.tag}  {ir.format_shape(c.value)}  <- stage {c.peer}")
+        lines.append(("recv", f"{c.tag}  {ir.format_shape(c.value)}  <- stage {c.peer}"))
     for c in graph.sends:
-        lines.append(f"send    {c.tag}  {ir.format_shape(c.value)}  -> stage {c.peer}")
+        lines.append(("send", f"{c.tag}  {ir.format_shape(c.value)}  -> stage {c.peer}"))
+    for name, holders in sorted(shared.items()):
+        if graph.index in holders:
+            others = ", ".join(str(s) for s in holders if s != graph.index)
+            lines.append(("tied", f"{name} is also held by stage {others}; its gradient is "
+                                  f"summed over stages {', '.join(map(str, holders))} after the "
+                                  "backward, so every copy takes the same step"))
     for r in regions:
-        lines.append(f"remat   {r.name} = {len(r.nodes)} ops ({r.nodes[0]} .. {r.nodes[-1]}), "
-                     f"keeps {human_bytes(r.kept_bytes)} instead of {human_bytes(r.saved_bytes)}")
-    lines.append(f"b = micro-batch size ({b} at compile time: batch {b * plan.chunks} / "
-                 f"{plan.chunks} chunks)")
+        lines.append(("remat", f"{r.name} = {len(r.nodes)} ops ({r.nodes[0]} .. {r.nodes[-1]}), "
+                               f"keeps {human_bytes(r.kept_bytes)} instead of "
+                               f"{human_bytes(r.saved_bytes)}"))
+    lines.append(("b", f"the micro-batch size, {b} at compile time (batch {b * plan.chunks} "
+                       f"in {plan.chunks} chunks)"))
     span = f"{stage_plan.first_module} -> {stage_plan.last_module} ({len(stage_plan.nodes)} ops)"
-    return StageHeader(_command(config, model), model, graph.index, len(plan.stages), span,
-                       tuple(lines))
+    command, runnable = compile_command(config, model)
+    return StageHeader(command, runnable, model, graph.index, k, span, tuple(lines), passes)
 
 
 @dataclass

@@ -14,8 +14,10 @@ from fxpipe.runtime.memory import active_tracker
 __all__ = ["StageModule", "checkpoint"]
 
 
-def checkpoint(region: Callable[..., Any], enabled: bool, *args: Any) -> Any:
-    """Runs a remat region, recomputing it in the backward pass when `enabled`.
+def checkpoint(region: Callable[..., Any], *args: Any, enabled: bool) -> Any:
+    """Runs `region(*args)`, recomputing it in the backward pass instead of keeping its
+    activations when `enabled` (the executor enables it per micro-batch, e.g. for all but the
+    last one under remat="except_last").
 
     Non-reentrant checkpointing with the RNG state preserved, so dropout inside the region draws
     the same mask when it is recomputed.
