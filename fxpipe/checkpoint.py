@@ -3,15 +3,15 @@
 Every process writes its stages' tensors and its optimizer's state keyed by the model's
 state_dict names (one shard per rank; fxpipe.state.StateNames gives the names), atomically
 (temporary file, then rename); rank 0 writes checkpoint.json last, so a checkpoint without it is
-incomplete and is refused. Loading merges the shards (`weights_only=True`), so a checkpoint can be resumed by the same pipeline, by another
-number of stages, or by the plain model.
+incomplete and is refused. Loading merges the shards (`weights_only=True`), so a checkpoint can
+be resumed by the same pipeline, by another number of stages, or by the plain model.
 """
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,17 @@ from fxpipe.errors import CheckpointError
 from fxpipe.files import atomic_save, atomic_write
 from fxpipe.version import __version__
 
-__all__ = ["save_shard", "load_checkpoint", "restore"]
+__all__ = ["Checkpoint", "save_shard", "load_checkpoint", "restore"]
 
 META = "checkpoint.json"
+
+
+class Checkpoint(TypedDict):
+    """A loaded checkpoint, every tensor on the CPU."""
+
+    model: dict[str, torch.Tensor]  # the model's state_dict names
+    optimizer: dict[str, Any] | None  # optimizer state keyed by parameter names
+    step: int | None
 
 
 def _rank_world() -> tuple[int, int]:
@@ -31,7 +39,8 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _optimizer_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict:
+def _optimizer_by_name(optimizer: torch.optim.Optimizer,
+                       names: dict[int, str]) -> dict[str, Any]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     raw = optimizer.state_dict()
     index_to_name = {i: names[id(p)] for i, p in enumerate(params)}
@@ -41,7 +50,8 @@ def _optimizer_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
                              for g in raw["param_groups"]]}
 
 
-def save_shard(directory: str, state: dict[str, torch.Tensor], optimizer: Any,
+def save_shard(directory: str, state: dict[str, torch.Tensor],
+               optimizer: torch.optim.Optimizer | None,
                names: dict[int, str], *, step: int | None, model: str) -> None:
     """Writes one process's tensors (model names) and optimizer state, then the metadata."""
     rank, world = _rank_world()
@@ -60,7 +70,7 @@ def save_shard(directory: str, state: dict[str, torch.Tensor], optimizer: Any,
         dist.barrier()
 
 
-def load_checkpoint(directory: str) -> dict[str, Any]:
+def load_checkpoint(directory: str) -> Checkpoint:
     """{"model": state_dict in the model's names, "optimizer": name-keyed state, "step": n}."""
     meta_path = os.path.join(directory, META)
     if not os.path.exists(meta_path):
@@ -102,7 +112,8 @@ def restore(optimizer: torch.optim.Optimizer, by_name: Mapping[str, Any],
     groups = []
     position = 0
     saved_groups = by_name["param_groups"] or []
-    for g, saved in zip(optimizer.param_groups, saved_groups + [None] * len(optimizer.param_groups)):
+    padded = saved_groups + [None] * len(optimizer.param_groups)
+    for g, saved in zip(optimizer.param_groups, padded):
         count = len(g["params"])
         hyper = {k: v for k, v in (saved or g).items() if k != "params"}
         groups.append({**hyper, "params": list(range(position, position + count))})

@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Node
 from fxpipe import ir, source
 from fxpipe.errors import CodegenError
 from fxpipe.runtime import ops
+from fxpipe.runtime.stage import StageModule
 from fxpipe.source import identifier
 from fxpipe.version import __version__
 
@@ -145,7 +146,7 @@ def _literal(value: Any, node: Node) -> str:
 def _render(arg: Any, ctx: _Context, node: Node) -> str:
     if isinstance(arg, Node):
         if arg.op == "get_attr":
-            return f"self.{ctx.attrs[arg.target]}"
+            return f"self.{ctx.attrs[str(arg.target)]}"
         return ctx.names[arg]
     if isinstance(arg, tuple):
         inner = ", ".join(_render(a, ctx, node) for a in arg)
@@ -181,16 +182,16 @@ def _function_name(target: Any, node: Node, ctx: _Context) -> str:
                f"{target._overloadname}"
     if isinstance(target, torch._ops.OpOverloadPacket):
         return f"torch.ops.{target._qualified_op_name.replace('::', '.')}"
-    name = getattr(target, "__name__", None)
+    name: str | None = getattr(target, "__name__", None)
     if name:
         for home in _PUBLIC_HOMES:
-            module = _resolve(home)
-            if module is not None and getattr(module, name, None) is target:
+            namespace = _resolve(home)
+            if namespace is not None and getattr(namespace, name, None) is target:
                 return f"{home}.{name}"
         if getattr(builtins, name, None) is target:
             return name
-    module = getattr(target, "__module__", None)
-    qualname = getattr(target, "__qualname__", None)
+    module: str | None = getattr(target, "__module__", None)
+    qualname: str | None = getattr(target, "__qualname__", None)
     if not module or not qualname or "<" in qualname or module == "__main__":
         raise CodegenError(f"{node.name} calls {target!r}, which cannot be imported by name",
                            hint="define the function at module level in an importable module")
@@ -372,7 +373,7 @@ def _wrapped_comment(text: str, first: str, rest: str, width: int = _WIDTH) -> l
     return lines or [first.rstrip()]
 
 
-def _attr(gm: GraphModule, target: str) -> Any:
+def _attr(gm: GraphModule, target: str) -> object:
     owner, _, name = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, name)
 
@@ -409,8 +410,8 @@ def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
             continue
         if node.op == "output":
             value = node.args[0]
-            text = "return None" if value is None else f"return {_render(value, ctx, node)}"
-            statements.append(([text], set(node.all_input_nodes), []))
+            returned = "return None" if value is None else f"return {_render(value, ctx, node)}"
+            statements.append(([returned], set(node.all_input_nodes), []))
             continue
         region = node.meta.get(ir.REMAT)
         if region is not None:
@@ -424,7 +425,7 @@ def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
             last_where = None
             continue
         where = _where(node)
-        text = []
+        text: list[str] = []
         if where and where != last_where and not ir.is_comm(node):
             text += ["", where]
             last_where = where
@@ -503,11 +504,14 @@ def _uses_device(node: Node) -> bool:
     return bool(found)
 
 
-def load_stage_class(text: str, filename: str, class_name: str) -> type[Any]:
+def load_stage_class(text: str, filename: str, class_name: str) -> type[StageModule]:
     """Executes generated stage source (fxpipe's own output) and returns its class."""
     module = types.ModuleType(filename.rsplit("/", 1)[-1].removesuffix(".py"))
     module.__file__ = filename
     linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
     exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - generated code
-    cls: type[Any] = getattr(module, class_name)
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, StageModule)):
+        raise CodegenError(f"{filename} defines no stage class {class_name!r}",
+                           hint="write the program again with this fxpipe version")
     return cls

@@ -57,7 +57,8 @@ def check_config(config: CompileConfig) -> None:
         raise ConfigError(f"unknown schedule {config.schedule!r}",
                           hint=f"use one of {tuple(SCHEDULES)}")
     if config.capture not in METHODS:
-        raise ConfigError(f"unknown capture method {config.capture!r}", hint=f"use one of {METHODS}")
+        raise ConfigError(f"unknown capture method {config.capture!r}",
+                          hint=f"use one of {METHODS}")
     if config.memory_limit is not None and not config.memory_limit > 0:
         raise ConfigError(f"memory_limit must be a positive number of bytes (got "
                           f"{config.memory_limit!r})", hint="e.g. memory_limit=8 * 2**30")

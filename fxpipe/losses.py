@@ -33,7 +33,11 @@ def default_loss(output: Any, target: torch.Tensor | None = None) -> torch.Tenso
     if not floats:
         raise TypeError("the model output has no floating-point tensor to compute a loss on")
     if target is None:
-        return sum(t.float().square().mean() for t in floats)
+        squares = [t.float().square().mean() for t in floats]
+        total = squares[0]
+        for square in squares[1:]:
+            total = total + square
+        return total
     prediction = floats[0]
     if target.is_floating_point():
         return F.mse_loss(prediction, target)
@@ -75,7 +79,8 @@ def resolve_loss(name: str) -> Any:
         return NAMED[name]
     module, _, qualname = name.partition(":")
     if not qualname:
-        raise ConfigError(f"unknown loss {name!r}", hint=f"use one of {sorted(NAMED)} or module:function")
+        raise ConfigError(f"unknown loss {name!r}",
+                          hint=f"use one of {sorted(NAMED)} or module:function")
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
@@ -96,7 +101,7 @@ def loss_time(gm: GraphModule, b: int, profile: DeviceProfile, measured: bool) -
         target = torch.zeros(shape[:-1], dtype=torch.long) if len(shape) > 1 else None
 
         def run() -> None:
-            default_loss(logits, target).backward()
+            torch.autograd.backward(default_loss(logits, target))
 
         return median_time(run, warmup=2, repeat=5)
     numel = float(ir.evaluate(info.numel, b))

@@ -30,8 +30,14 @@ from fxpipe.report import Report, build_report, cost_table, predicted_kept
 from fxpipe.runtime.local import LocalExecutor, LocalStage
 from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.mesh import make_groups
-from fxpipe.runtime.rank import (RankStage, StageWiring, mesh_of_world, rank_device, setup_rank,
-                                 stage_devices)
+from fxpipe.runtime.rank import (
+    RankStage,
+    StageWiring,
+    mesh_of_world,
+    rank_device,
+    setup_rank,
+    stage_devices,
+)
 from fxpipe.runtime.stage import StageModule
 from fxpipe.state import StateNames, graph_tensors
 from fxpipe.writer import ProgramFiles, write_program
@@ -46,7 +52,7 @@ class Stage:
     index: int
     graph_module: GraphModule  # with explicit send/recv nodes
     source: str  # the generated Python file
-    module: StageModule | None  # instantiated here (all stages locally, one per rank under torchrun)
+    module: StageModule | None  # built here: every stage locally, this rank's under torchrun
     built: BuiltStage
 
     @property
@@ -198,7 +204,7 @@ class Program(nn.Module):
             return loss
         output = self(*args, **kwargs)
         value = loss_fn(output, target) if target is not None else loss_fn(output)
-        value.backward()
+        torch.autograd.backward(value)
         return float(value.detach())
 
     def _check_mode(self, built: Built) -> None:
@@ -336,7 +342,7 @@ class Program(nn.Module):
         return {k: v for k, v in self.model.state_dict(keep_vars=True).items() if id(v) not in used}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
-                        assign: bool = False) -> Any:  # type: ignore[override]
+                        assign: bool = False) -> Any:
         """Loads tensors by the model's keys into this process's stages."""
         mine = self.state_dict()
         missing = [k for k in mine if k not in state_dict]

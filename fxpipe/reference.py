@@ -29,7 +29,7 @@ def reference_losses(model: nn.Module, signature: Signature, flat: list[torch.Te
         with seeded(0):
             output = model(*args, **kwargs)
         value = loss(output, target) if target is not None else loss(output)
-        value.backward()
+        torch.autograd.backward(value)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(value.detach()))

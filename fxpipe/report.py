@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypedDict
 
 from tabulate import tabulate
-from torch.fx import GraphModule
+from torch import nn
+from torch.fx import GraphModule, Node
 
 from fxpipe import ir
+from fxpipe.built import Built
 from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
 from fxpipe.passes.cost import estimate_time
@@ -17,9 +19,12 @@ from fxpipe.passes.partition import PartitionPlan
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
+from fxpipe.runtime.distributed import Mesh
 from fxpipe.runtime.schedule import bubble_fraction, get_schedule, render_grid
 
-__all__ = ["Report", "stage_header", "compile_command", "cost_table", "human_bytes", "human_flops", "human_time"]
+__all__ = ["Report", "StageRow", "build_report", "stage_header", "compile_command",
+           "predicted_kept", "communication", "cost_table", "human_bytes", "human_flops",
+           "human_time"]
 
 
 def human_bytes(n: float) -> str:
@@ -44,11 +49,11 @@ def human_time(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
-def _at(expr: Any, b: int) -> float:
+def _at(expr: ir.Expr, b: int) -> float:
     return float(ir.evaluate(expr, b))
 
 
-def _value_bytes(info: Any, b: int) -> float:
+def _value_bytes(info: ir.ValueInfo, b: int) -> float:
     if isinstance(info, ir.TensorInfo):
         return _at(info.nbytes, b)
     if isinstance(info, tuple):
@@ -56,11 +61,11 @@ def _value_bytes(info: Any, b: int) -> float:
     return 8.0
 
 
-def _stage_nodes(graph: Any) -> list:
+def _stage_nodes(graph: StageGraph) -> list[Node]:
     return [n for n in ir.compute_nodes(graph.graph_module.graph) if ir.COST in n.meta]
 
 
-def _stage_figures(graph: Any, regions: Sequence[Any], b: int) -> dict[str, float]:
+def _stage_figures(graph: StageGraph, regions: Sequence[RematRegion], b: int) -> dict[str, float]:
     nodes = _stage_nodes(graph)
     saved = kept_bytes(nodes, b)
     in_region = {name for r in regions for name in r.nodes}
@@ -137,13 +142,35 @@ def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: Partit
     return StageHeader(command, runnable, model, graph.index, k, span, tuple(lines), passes)
 
 
+class StageRow(TypedDict, total=False):
+    """One stage of the report, as report.json carries it (bytes and seconds)."""
+
+    stage: int
+    first_module: str
+    last_module: str
+    nodes: int
+    param_count: float
+    fwd_flops: float
+    time_s: float
+    compute_s: float
+    comm_s: float
+    params_bytes: float
+    activations_bytes: float
+    kept_with_remat_bytes: float
+    recv_bytes: float
+    send_bytes: float
+    memory_model_bytes: float | None
+    kept_predicted_bytes: float
+    kept_measured_bytes: float  # only after program.measure_activations()
+
+
 @dataclass
 class Report:
     """The partition report of a compiled program; str() gives the text form."""
 
     model: str
-    plan: Any
-    stages: list[dict[str, Any]]
+    plan: PartitionPlan
+    stages: list[StageRow]
     profile: str
     schedule: str
     measured: dict[str, Any] = field(default_factory=dict)
@@ -163,13 +190,14 @@ class Report:
                                  for c, t in plan.candidates],
         }
 
-    def rows(self) -> list[list[Any]]:
-        out = []
+    def rows(self) -> list[list[object]]:
+        out: list[list[object]] = []
         for s in self.stages:
             out.append([s["stage"], s["first_module"], s["last_module"], s["nodes"],
                         f"{int(s['param_count']):,}", human_flops(s["fwd_flops"]),
                         human_time(s["time_s"]), human_bytes(s["params_bytes"]),
-                        human_bytes(s["activations_bytes"]), human_bytes(s["kept_with_remat_bytes"]),
+                        human_bytes(s["activations_bytes"]),
+                        human_bytes(s["kept_with_remat_bytes"]),
                         human_bytes(s["recv_bytes"]), human_bytes(s["send_bytes"])]
                        + ([human_bytes(s["kept_predicted_bytes"]),
                            human_bytes(s["kept_measured_bytes"])]
@@ -230,7 +258,7 @@ class Report:
         return self.text()
 
 
-def predicted_kept(built: Any) -> list[float]:
+def predicted_kept(built: Built) -> list[float]:
     """Activation bytes each stage holds after all forwards of a GPipe step (its peak)."""
     plan = built.plan
     m, b = plan.chunks, plan.microbatch_size
@@ -248,7 +276,7 @@ def predicted_kept(built: Any) -> list[float]:
     return out
 
 
-def communication(built: Any, replicas: int = 1) -> dict[str, float]:
+def communication(built: Built, replicas: int = 1) -> dict[str, float]:
     """Bytes moved per training step: point-to-point (activations forward, gradients back) in
     one pipeline, the data-parallel gradient all-reduce per replica (ring: 2(R-1)/R of each
     stage's gradients) and the tied-weight gradient all-reduce."""
@@ -273,7 +301,7 @@ def communication(built: Any, replicas: int = 1) -> dict[str, float]:
     return out
 
 
-def _tied_param(built: Any, name: str) -> Any:
+def _tied_param(built: Built, name: str) -> nn.Parameter | None:
     for st in built.stages:
         for target, value in st.graph_module.named_parameters(remove_duplicate=False):
             if target == name:
@@ -281,11 +309,12 @@ def _tied_param(built: Any, name: str) -> Any:
     return None
 
 
-def build_report(built: Any, model: str, mesh: Any = None) -> Report:
+def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
+    """The report of a built program (`mesh`: where its ranks run, under torchrun)."""
     plan = built.plan
     b = plan.microbatch_size
     kept = predicted_kept(built)
-    stages = []
+    stages: list[StageRow] = []
     for st, sp in zip(built.stages, plan.stages):
         figures = _stage_figures(st.graph, st.regions, b)
         stages.append({
@@ -309,41 +338,55 @@ def build_report(built: Any, model: str, mesh: Any = None) -> Report:
 def cost_table(gm: GraphModule, *, b: int, profile: DeviceProfile, sort: str | None = None,
                by_module: bool = False, top: int | None = None, fmt: str = "simple") -> str:
     """Per-node (or per-module) costs at micro-batch size b, optionally sorted."""
-    rows = []
+    rows: list[_CostRow] = []
     for node in ir.compute_nodes(gm.graph):
         if ir.COST not in node.meta:
             continue
         c = ir.cost(node)
         fwd, bwd = estimate_time(c, profile, b)
-        row = {"node": node.name, "module": ir.module_path(node) or "(top)",
-               "fwd_flops": _at(c.fwd_flops, b), "bwd_flops": _at(c.bwd_flops, b),
-               "params": _at(c.param_bytes, b), "output": _at(c.output_bytes, b),
-               "saved": _at(c.saved_bytes, b), "time": fwd + bwd}
+        row = _CostRow(node.name, ir.module_path(node) or "(top)", {
+            "fwd_flops": _at(c.fwd_flops, b), "bwd_flops": _at(c.bwd_flops, b),
+            "params": _at(c.param_bytes, b), "output": _at(c.output_bytes, b),
+            "saved": _at(c.saved_bytes, b), "time": fwd + bwd})
         if ir.TIME in node.meta:
             t = ir.measured_time(node)
-            row["measured"] = (t.fwd + t.bwd) * b / t.b
+            row.values["measured"] = (t.fwd + t.bwd) * b / t.b
         rows.append(row)
     if by_module:
-        grouped: dict[str, dict[str, Any]] = {}
+        grouped: dict[str, _CostRow] = {}
         for r in rows:
-            g = grouped.setdefault(r["module"], {"node": "", "module": r["module"]})
-            for key in ("fwd_flops", "bwd_flops", "params", "output", "saved", "time", "measured"):
-                if key in r:
-                    g[key] = g.get(key, 0.0) + r[key]
-            g["node"] = f"{int(g.get('count', 0)) + 1} ops"
-            g["count"] = g.get("count", 0) + 1
+            g = grouped.setdefault(r.module, _CostRow("", r.module, {}))
+            for key, value in r.values.items():
+                g.values[key] = g.values.get(key, 0.0) + value
+            g.count += 1
+            g.node = f"{g.count} ops"
         rows = list(grouped.values())
     if sort:
-        rows.sort(key=lambda r: -r.get(sort, 0.0))
+        rows.sort(key=lambda r: -r.values.get(sort, 0.0))
     if top:
         rows = rows[:top]
     headers = ["node", "module", "fwd FLOPs", "bwd FLOPs", "params", "output", "saved", "est time"]
-    has_measured = any("measured" in r for r in rows)
+    has_measured = any("measured" in r.values for r in rows)
     if has_measured:
         headers.append("measured")
-    table = [[r["node"], r["module"], human_flops(r["fwd_flops"]), human_flops(r["bwd_flops"]),
-              human_bytes(r["params"]), human_bytes(r["output"]), human_bytes(r["saved"]),
-              human_time(r["time"])] + ([human_time(r["measured"])] if has_measured and
-                                        "measured" in r else [""] if has_measured else [])
-             for r in rows]
-    return tabulate(table, headers=headers, tablefmt=fmt)
+    table = []
+    for r in rows:
+        v = r.values
+        line = [r.node, r.module, human_flops(v["fwd_flops"]), human_flops(v["bwd_flops"]),
+                human_bytes(v["params"]), human_bytes(v["output"]), human_bytes(v["saved"]),
+                human_time(v["time"])]
+        if has_measured:
+            line.append(human_time(v["measured"]) if "measured" in v else "")
+        table.append(line)
+    text: str = tabulate(table, headers=headers, tablefmt=fmt)
+    return text
+
+
+@dataclass
+class _CostRow:
+    """A row of the cost table: a node (or a module's nodes) and its figures."""
+
+    node: str
+    module: str
+    values: dict[str, float]
+    count: int = 0

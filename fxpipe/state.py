@@ -79,7 +79,8 @@ class StateNames:
                 out.setdefault(id(tensor), keys[0])
         return out
 
-    def load(self, modules: Iterable[HoldsModelTensors], state: Mapping[str, torch.Tensor]) -> list[str]:
+    def load(self, modules: Iterable[HoldsModelTensors],
+             state: Mapping[str, torch.Tensor]) -> list[str]:
         """Copies `state` (model keys) into the stages' tensors; returns the keys it used."""
         used: list[str] = []
         with torch.no_grad():

@@ -45,11 +45,14 @@ class StageModule(nn.Module):
     INPUTS: ClassVar[tuple[str, ...]] = ()
     STAGE: ClassVar[int] = 0
 
-    def __init__(self, tensors: Mapping[str, Any], modules: Mapping[str, nn.Module] | None = None) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor],
+                 modules: Mapping[str, nn.Module] | None = None) -> None:
         super().__init__()
-        missing = [q for q in [*self.PARAMETERS.values(), *self.BUFFERS.values()] if q not in tensors]
+        missing = [q for q in [*self.PARAMETERS.values(), *self.BUFFERS.values()]
+                   if q not in tensors]
         if missing:
-            raise CodegenError(f"stage {self.STAGE} needs tensors that were not given: {missing[:5]}",
+            raise CodegenError(f"stage {self.STAGE} needs tensors that were not given: "
+                               f"{missing[:5]}",
                                hint="pass the model's state_dict (original qualified names)")
         for attr, qualname in self.PARAMETERS.items():
             value = tensors[qualname]
