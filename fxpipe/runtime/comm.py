@@ -172,8 +172,7 @@ class DistComm:
             return
         for value, tag, dst, k in self.records.get(mb, _Record()).sent:
             number = self.tags.tag(tag, stage, dst, mb, backward=True, element=k)
-            self._post(number, torch.empty_like(value, requires_grad=False),
-                       self.rank_of_stage[dst])
+            self._post(number, _grad_buffer(value), self.rank_of_stage[dst])
 
     def _post(self, number: int, buffer: torch.Tensor, rank: int) -> None:
         if number in self.early:
@@ -256,8 +255,7 @@ class DistComm:
             grads.append(None)
         for value, tag, dst, k in record.sent:
             number = self.tags.tag(tag, stage, dst, mb, backward=True, element=k)
-            grad = torch.empty_like(value, requires_grad=False) if number not in self.early \
-                else self.early[number][1]
+            grad = _grad_buffer(value) if number not in self.early else self.early[number][1]
             with self._event("recv_grad", stage, mb, tag):
                 grad = self._take(number, grad, self.rank_of_stage[dst])
             if isinstance(value, torch.Tensor) and value.requires_grad:
@@ -289,6 +287,13 @@ class DistComm:
         if self.timeline is None:
             return _NULL
         return self.timeline.span(kind, stage, mb, detail=tag)
+
+
+def _grad_buffer(value: torch.Tensor) -> torch.Tensor:
+    """Where the gradient of a sent value arrives: contiguous, as the receiver sends it (a
+    buffer with the value's own strides, e.g. transposed or channels_last, would be filled in
+    the wrong order)."""
+    return torch.empty(value.shape, dtype=value.dtype, device=value.device)
 
 
 def _recv(buffer: torch.Tensor, rank: int, group: Any, tag: int) -> None:

@@ -1,0 +1,181 @@
+"""Point-to-point between ranks: boundary values of any layout, gloo on 127.0.0.1.
+
+Each test starts a small group of processes (tiny models, short timeouts) through `_spawn`, which
+runs one module-level function on every rank and returns what each rank returned. The parent
+trains a plain copy of the model the same way and compares loss and every gradient.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fxpipe
+from fxpipe.losses import default_loss
+
+pytestmark = pytest.mark.distributed
+
+CHUNKS = 2
+
+
+# -- the harness ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # plain bytes: the sender may exit before the parent reads them
+    return buffer.getvalue()
+
+
+def _entry(rank: int, world: int, port: int, fn: str, args: tuple, env: dict, timeout: float,
+           results: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(env)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+        out = globals()[fn](rank, world, *args)
+        results.put((rank, "ok", _dumps(out)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report anything; the parent stops the others
+        results.put((rank, "error", traceback.format_exc().encode()))
+
+
+def _spawn(world: int, fn: str, *args: Any, env: dict | None = None, timeout: float = 60,
+           bound: float = 240) -> list[Any]:
+    """Runs fn(rank, world, *args) on `world` gloo ranks; returns each rank's result.
+
+    Raises AssertionError with every rank's traceback if one fails, or if they take longer
+    than `bound` seconds together."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, daemon=True,
+                         args=(r, world, port, fn, args, env or {}, timeout, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + bound
+    try:
+        while len(out) + len(errors) < world and time.monotonic() < deadline:
+            try:
+                rank, status, payload = results.get(timeout=1)
+            except queue_module.Empty:
+                if all(not p.is_alive() for p in procs):
+                    break
+                continue
+            if status == "ok":
+                out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{payload.decode()}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors or len(out) < world:
+        raise AssertionError("\n".join(errors) or f"ranks {sorted(set(range(world)) - set(out))} "
+                             f"did not finish within {bound} s")
+    return [out[r] for r in range(world)]
+
+
+# -- models whose boundary value is not contiguous ----------------------------------------------
+
+
+class _Consumer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.sin(h).transpose(0, 1))
+
+
+class Transposed(nn.Module):
+    """Sends tanh(...) of a transposed tensor: the boundary value has strides (1, 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = _Consumer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x).transpose(0, 1)))
+
+
+class ChannelsLast(nn.Module):
+    """Two convolutions in channels_last: the boundary value is channels_last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.c1(x.contiguous(memory_format=torch.channels_last)))
+
+
+LAYOUTS = {
+    "transposed": (Transposed, (8, 8), (8, 4), ["b"]),
+    "channels_last": (ChannelsLast, (4, 3, 6, 6), (4, 2, 6, 6), ["c2"]),
+}
+
+
+def _layout_case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, list[str]]:
+    cls, x_shape, y_shape, points = LAYOUTS[name]
+    torch.manual_seed(0)
+    return cls(), torch.randn(x_shape), torch.randn(y_shape), points
+
+
+def _plain_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict]:
+    model = copy.deepcopy(model)
+    loss = default_loss(model(x), y)
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _step_layouts(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        model, x, y, points = _layout_case(name)
+        program = fxpipe.compile(model, (x,), stages=world, chunks=CHUNKS, split_points=points,
+                                 profile="a100")
+        loss = program.step(x, target=y)
+        out[name] = (loss, {n: p.grad for n, p in model.named_parameters()
+                            if p.grad is not None})
+    return out
+
+
+def test_transposed_and_channels_last_boundary_values_train_like_the_model():
+    names = list(LAYOUTS)
+    ranks = _spawn(2, "_step_layouts", names)
+    for name in names:
+        loss, grads = _plain_grads(*_layout_case(name)[:3])
+        assert ranks[0][name][0] == pytest.approx(loss, rel=1e-5)
+        got = {**ranks[0][name][1], **ranks[1][name][1]}
+        assert set(got) == set(grads), name
+        for key, grad in grads.items():
+            torch.testing.assert_close(got[key], grad, msg=lambda m, k=key: f"{name} {k}: {m}")
