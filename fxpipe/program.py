@@ -173,25 +173,29 @@ class Program(nn.Module):
         return result
 
     def step(self, *args: Any, target: torch.Tensor | None = None,
-             loss_fn: Callable[..., torch.Tensor] | None = None, **kwargs: Any) -> float:
+             loss_fn: Callable[..., torch.Tensor] | None = None, scaler: Any = None,
+             **kwargs: Any) -> float:
         """One training step (forward and backward of every micro-batch); returns the loss.
 
         Gradients accumulate into the stage parameters with the scaling of one full-batch mean
         loss; call your optimizer on program.parameters() afterwards. Under torchrun every rank
-        calls step() with the same batch; each computes its own stage.
+        calls step() with the same batch; each computes its own stage. Under `torch.autocast`
+        every stage runs in mixed precision. With `scaler` (a torch.amp.GradScaler) the backward
+        runs on the scaled loss; then call scaler.step(optimizer) and scaler.update() as usual
+        (every rank skips the step if any rank's gradients are not finite).
         """
         loss_fn = loss_fn or default_loss
         if self._built is None:
             self.build(*args, **kwargs)
         self._check_mode()
         if self._dist is not None:
-            return self._distributed_step(args, kwargs, target, loss_fn)
+            return self._distributed_step(args, kwargs, target, loss_fn, scaler)
         output = self(*args, **kwargs)
         loss = loss_fn(output, target) if target is not None else loss_fn(output)
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         return float(loss.detach())
 
-    def _distributed_step(self, args, kwargs, target, loss_fn) -> float:
+    def _distributed_step(self, args, kwargs, target, loss_fn, scaler=None) -> float:
         built = self._built
         signature = built.signature
         flat = signature.flatten_inputs(args, kwargs)
@@ -199,7 +203,8 @@ class Program(nn.Module):
         if mesh.replicas > 1:
             flat, target = _shard(signature, flat, target, mesh)
         result = self._dist.step(flat, target, loss_fn, chunks=built.plan.chunks,
-                                 remat=self.config.remat, schedule=self.config.schedule)
+                                 remat=self.config.remat, schedule=self.config.schedule,
+                                 scaler=scaler)
         self.measured["last_step_events"] = result.events
         self.measured["kept_bytes"] = result.kept_bytes
         if mesh.replicas > 1:

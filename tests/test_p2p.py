@@ -1,25 +1,18 @@
-"""Point-to-point between ranks: boundary values of any layout, gloo on 127.0.0.1.
+"""Point-to-point between ranks, gloo on 127.0.0.1: boundary values of any layout, every
+schedule under NCCL's rules (strict mode), and the strict transport itself.
 
-Each test starts a small group of processes (tiny models, short timeouts) through `_spawn`, which
-runs one module-level function on every rank and returns what each rank returned. The parent
-trains a plain copy of the model the same way and compares loss and every gradient.
+Each test starts a small group of processes (tiny models, short timeouts) with ranks.spawn,
+which runs one function of this module on every rank and returns what each rank returned. The
+parent trains a plain copy of the model the same way and compares loss and every gradient.
 """
 from __future__ import annotations
 
 import copy
-import io
-import os
-import queue as queue_module
-import socket
 import time
-import traceback
-from datetime import timedelta
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn
 from torch import nn
 
 import fxpipe
@@ -28,82 +21,6 @@ from fxpipe.losses import default_loss
 pytestmark = pytest.mark.distributed
 
 CHUNKS = 2
-
-
-# -- the harness ---------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dumps(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)  # plain bytes: the sender may exit before the parent reads them
-    return buffer.getvalue()
-
-
-def _entry(rank: int, world: int, port: int, fn: str, args: tuple, env: dict, timeout: float,
-           results: Any) -> None:
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(env)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout))
-        out = globals()[fn](rank, world, *args)
-    except BaseException:  # noqa: BLE001 - report anything; the parent stops the others
-        results.put((rank, "error", traceback.format_exc().encode()))
-        return
-    results.put((rank, "ok", _dumps(out)))
-    try:  # a test that provoked a hang leaves the group broken: the result is in already
-        dist.barrier()
-        dist.destroy_process_group()
-    except RuntimeError:
-        pass
-
-
-def _spawn(world: int, fn: str, *args: Any, env: dict | None = None, timeout: float = 60,
-           bound: float = 240) -> list[Any]:
-    """Runs fn(rank, world, *args) on `world` gloo ranks; returns each rank's result.
-
-    Raises AssertionError with every rank's traceback if one fails, or if they take longer
-    than `bound` seconds together."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(r, world, port, fn, args, env or {}, timeout, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + bound
-    try:
-        while len(out) + len(errors) < world and time.monotonic() < deadline:
-            try:
-                rank, status, payload = results.get(timeout=1)
-            except queue_module.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-                continue
-            if status == "ok":
-                out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"rank {rank}:\n{payload.decode()}")
-    finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if errors or len(out) < world:
-        raise AssertionError("\n".join(errors) or f"ranks {sorted(set(range(world)) - set(out))} "
-                             f"did not finish within {bound} s")
-    return [out[r] for r in range(world)]
 
 
 # -- models whose boundary value is not contiguous ----------------------------------------------
@@ -175,7 +92,7 @@ def _step_layouts(rank: int, world: int, names: list[str]) -> dict:
 
 def test_transposed_and_channels_last_boundary_values_train_like_the_model():
     names = list(LAYOUTS)
-    ranks = _spawn(2, "_step_layouts", names)
+    ranks = spawn(2, __name__, "_step_layouts", names)
     for name in names:
         loss, grads = _plain_grads(*_layout_case(name)[:3])
         assert ranks[0][name][0] == pytest.approx(loss, rel=1e-5)
@@ -227,19 +144,19 @@ def _play(rank: int, world: int, order: str, schedule: str, m: int, eager_bytes:
 
 def test_strict_mode_detects_that_one_message_at_a_time_deadlocks_1f1b():
     start = time.monotonic()
-    results = _spawn(2, "_play", "one_at_a_time", "1f1b", 4, 0, 3.0)
+    results = spawn(2, __name__, "_play", "one_at_a_time", "1f1b", 4, 0, 3.0)
     assert all("strict point-to-point" in r and "3 s" in r for r in results), results
     assert "waits for rank 1 to post and reach its receive" in results[0], results[0]
     assert time.monotonic() - start < 60
 
 
 def test_strict_mode_passes_one_message_at_a_time_when_every_send_fits_the_eager_buffer():
-    assert _spawn(2, "_play", "one_at_a_time", "1f1b", 4, 2**20, 10.0) == ["ok", "ok"]
+    assert spawn(2, __name__, "_play", "one_at_a_time", "1f1b", 4, 2**20, 10.0) == ["ok", "ok"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_strict_mode_runs_the_plan_of_1f1b_without_eager_buffer(world):
-    assert _spawn(world, "_play", "plan", "1f1b", 5, 0, 20.0) == ["ok"] * world
+    assert spawn(world, __name__, "_play", "plan", "1f1b", 5, 0, 20.0) == ["ok"] * world
 
 
 # -- every schedule under NCCL's rules ----------------------------------------------------------
@@ -282,7 +199,7 @@ def _step_schedules(rank: int, world: int, cases: list[tuple[str, int]]) -> dict
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gpipe_and_1f1b_in_strict_mode_train_like_the_model(world):
-    ranks = _spawn(world, "_step_schedules", STRICT_CASES, env={"FXPIPE_P2P": "strict"},
+    ranks = spawn(world, __name__, "_step_schedules", STRICT_CASES, env={"FXPIPE_P2P": "strict"},
                    timeout=60)
     loss, grads = _plain_grads(*_chain_case())
     for case in STRICT_CASES:
@@ -293,3 +210,48 @@ def test_gpipe_and_1f1b_in_strict_mode_train_like_the_model(world):
         assert set(got) == set(grads), case
         for key, grad in grads.items():
             torch.testing.assert_close(got[key], grad, msg=lambda m, k=key, c=case: f"{c} {k}: {m}")
+
+
+def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float]:
+    model, x, y = _chain_case()
+    x, y = x[:16], y[:16]
+    program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule="1f1b",
+                             split_points=["blocks.2"], profile="a100")
+    loss = program.step(x, target=y)
+    return program._dist.last.sends_held, loss
+
+
+def test_sent_tensors_are_released_as_their_sends_complete_not_at_the_end_of_the_step():
+    held = [h for h, _ in spawn(2, __name__, "_sends_held", 8)]
+    # each rank sends 8 tensors a step (activations, or their gradients); a send completes
+    # once its receive, posted at the same tick by the peer, has taken it
+    assert max(held) < 8, held
+    assert min(held) >= 1
+
+
+def _mismatch(rank: int, world: int) -> str:
+    from fxpipe.runtime.strict import StrictTransport
+    from fxpipe.runtime.transport import Op
+
+    transport = StrictTransport(timeout_s=5)
+    labels = ["'a' mb 0", "'b' mb 0"]
+    try:
+        if rank == 0:
+            transport.post([Op("send", torch.zeros(4), 1, label=lab) for lab in labels])
+        else:  # posted in the other order: a FIFO transport would swap a and b silently
+            handles = transport.post([Op("recv", torch.zeros(4), 0, label=lab)
+                                      for lab in reversed(labels)])
+            for handle in handles:
+                handle.wait()
+        transport.flush()
+    except fxpipe.FxPipeError as e:
+        return str(e)
+    finally:
+        transport.close()
+    return "ok"
+
+
+def test_strict_mode_names_both_messages_when_the_ends_disagree_on_the_order():
+    results = spawn(2, __name__, "_mismatch", timeout=30)
+    assert "expected message #0 from rank 0 to be 'b' mb 0 (float32[4])" in results[1]
+    assert "but rank 0 sent message #0: 'a' mb 0 (float32, 16 bytes)" in results[1]

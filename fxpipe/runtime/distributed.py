@@ -119,6 +119,7 @@ class DistributedExecutor:
         # dtypes of received values under each autocast state, learned on its first step
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
         self.warm = False
+        self.last: StepResult | None = None  # the latest step's result
         # Replica averaging of untied gradients overlaps the last backward (0: after it).
         # Tied parameters wait for their sum over stages, which needs every stage's backward.
         self.averager = None
@@ -215,8 +216,9 @@ class DistributedExecutor:
                                 hint="another rank failed or exited; its error says why") from e
         sends_held = self.transport.peak
         self.transport.reset_peak()
-        return StepResult(float(total.item()), self.timeline.resolve(),
-                          memory.peak if memory else 0, sends_held, overflow)
+        self.last = StepResult(float(total.item()), self.timeline.resolve(),
+                               memory.peak if memory else 0, sends_held, overflow)
+        return self.last
 
     def _warm_up(self) -> None:
         """A collective on the pipeline group before its first batched point-to-point: NCCL
