@@ -1,4 +1,5 @@
-"""Runs a function on several gloo ranks on 127.0.0.1 and brings back what each returned.
+"""Runs a function on several ranks on 127.0.0.1 (gloo, or nccl with one GPU per rank) and
+brings back what each returned.
 
 A test module defines the function at module level; the ranks are spawned processes that import
 the module and call it as fn(rank, world, *args) once the process group is up.
@@ -35,12 +36,17 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _entry(rank: int, world: int, port: int, module: str, fn: str, args: tuple, env: dict,
-           timeout: float, results: Any) -> None:
+           timeout: float, backend: str, results: Any) -> None:
     try:
         torch.set_num_threads(1)
         os.environ.update(env)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        device = None
+        if backend == "nccl":  # the device first, then the group (DESIGN.md, sharp edges)
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device,
                                 timeout=timedelta(seconds=timeout))
         out = getattr(importlib.import_module(module), fn)(rank, world, *args)
     except BaseException:  # noqa: BLE001 - report anything; the parent stops the others
@@ -55,7 +61,7 @@ def _entry(rank: int, world: int, port: int, module: str, fn: str, args: tuple, 
 
 
 def spawn(world: int, module: str, fn: str, *args: Any, env: dict | None = None,
-          timeout: float = 60, bound: float = 240) -> list[Any]:
+          timeout: float = 60, bound: float = 240, backend: str = "gloo") -> list[Any]:
     """Runs module.fn(rank, world, *args) on `world` gloo ranks; returns each rank's result.
 
     env: environment variables set in every rank before it starts; timeout: the process
@@ -67,7 +73,7 @@ def spawn(world: int, module: str, fn: str, *args: Any, env: dict | None = None,
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(r, world, port, module, fn, args, env or {}, timeout,
+                         args=(r, world, port, module, fn, args, env or {}, timeout, backend,
                                results))
              for r in range(world)]
     for p in procs:

@@ -13,12 +13,12 @@ import importlib
 
 import pytest
 import torch
+from fxpipe.models import load as load_model
 from ranks import spawn
 from test_p2p import _chain_case
 
 import fxpipe
 from fxpipe.losses import default_loss
-from fxpipe.models import load as load_model
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 
@@ -107,8 +107,9 @@ def _bf16_steps(rank: int, world: int, names: list[str]) -> dict:
 
 
 def test_autocast_around_distributed_steps_sends_bf16_and_matches_the_model():
+    # strict mode: the dtype headers of the first step follow NCCL's rules too
     names = ["chain", "gpt"]
-    ranks = spawn(2, __name__, "_bf16_steps", names)
+    ranks = spawn(2, __name__, "_bf16_steps", names, env={"FXPIPE_P2P": "strict"})
     for name in names:
         model, inputs, kwargs, target = _case(name)
         loss_ref, grads_ref = _reference(model, inputs, kwargs, target)

@@ -99,7 +99,8 @@ def test_transposed_and_channels_last_boundary_values_train_like_the_model():
         got = {**ranks[0][name][1], **ranks[1][name][1]}
         assert set(got) == set(grads), name
         for key, grad in grads.items():
-            torch.testing.assert_close(got[key], grad, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+            torch.testing.assert_close(got[key], grad,
+                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
 
 
 # -- the strict transport alone -----------------------------------------------------------------
@@ -137,8 +138,6 @@ def _play(rank: int, world: int, order: str, schedule: str, m: int, eager_bytes:
         transport.flush()
     except fxpipe.FxPipeError as e:
         return str(e)
-    finally:
-        transport.close()
     return "ok"
 
 
@@ -209,7 +208,8 @@ def test_gpipe_and_1f1b_in_strict_mode_train_like_the_model(world):
         got = {k: g for r in ranks for k, g in r[case][1].items()}
         assert set(got) == set(grads), case
         for key, grad in grads.items():
-            torch.testing.assert_close(got[key], grad, msg=lambda m, k=key, c=case: f"{c} {k}: {m}")
+            torch.testing.assert_close(got[key], grad,
+                                       msg=lambda m, k=key, c=case: f"{c} {k}: {m}")
 
 
 def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float]:
@@ -246,8 +246,6 @@ def _mismatch(rank: int, world: int) -> str:
         transport.flush()
     except fxpipe.FxPipeError as e:
         return str(e)
-    finally:
-        transport.close()
     return "ok"
 
 
@@ -255,3 +253,37 @@ def test_strict_mode_names_both_messages_when_the_ends_disagree_on_the_order():
     results = spawn(2, __name__, "_mismatch", timeout=30)
     assert "expected message #0 from rank 0 to be 'b' mb 0 (float32[4])" in results[1]
     assert "but rank 0 sent message #0: 'a' mb 0 (float32, 16 bytes)" in results[1]
+
+
+# -- checks that need no peer ------------------------------------------------------------------
+
+
+def _comm(dtypes=None, learn=False):
+    from fxpipe import ir
+    from fxpipe.runtime.comm import DistComm
+
+    info = {("h", 0, 1): ir.TensorInfo((ir.BATCH, 16), torch.float32, 0, True)}
+    return DistComm(rank=0, global_ranks=[0, 1], placement=[0, 1], info=info,
+                    microbatch_size=4, device=torch.device("cpu"), transport=None,
+                    dtypes=dtypes, learn=learn)
+
+
+def test_a_sent_value_whose_shape_differs_from_the_plan_is_an_error_naming_both():
+    with pytest.raises(fxpipe.FxPipeError, match=r"stage 0 sends 'h' \(micro-batch 1\) to "
+                       r"stage 1 as float32\[4, 8\], but stage 1 expects float32\[4, 16\] "
+                       r"\(the compiled plan\)"):
+        _comm().send(torch.zeros(4, 8), "h", 0, 1, 1)
+
+
+def test_a_sent_value_whose_dtype_differs_from_the_learned_one_is_an_error_naming_both():
+    comm = _comm(dtypes={("h", 0, 1, 0): torch.bfloat16})
+    comm.send(torch.zeros(4, 16, dtype=torch.bfloat16), "h", 0, 1, 0)
+    with pytest.raises(fxpipe.FxPipeError, match=r"as float32\[4, 16\], but stage 1 expects "
+                       r"bfloat16\[4, 16\] \(its shape from the compiled plan, its dtype from"):
+        comm.send(torch.zeros(4, 16), "h", 0, 1, 1)
+
+
+def test_the_first_step_under_autocast_learns_the_dtype_it_sends():
+    comm = _comm(dtypes={}, learn=True)
+    comm.send(torch.zeros(4, 16, dtype=torch.bfloat16), "h", 0, 1, 0)
+    assert comm.dtypes == {("h", 0, 1, 0): torch.bfloat16}

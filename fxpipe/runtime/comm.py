@@ -367,17 +367,19 @@ class DistComm:
                                        hint="the model's forward differs from the compiled one")
         shape = info.concrete_shape(self.b)
         key = (msg.value, msg.sender, msg.receiver, msg.element)
-        dtype = self.dtypes.get(key)
-        if dtype is None and self.learn:
-            self.dtypes[key] = dtype = value.dtype
-        dtype = dtype or info.dtype
+        if key not in self.dtypes and self.learn:
+            self.dtypes[key] = value.dtype
+        dtype = self.dtypes.get(key, info.dtype)
         if tuple(value.shape) != shape or value.dtype != dtype:
-            source = "the plan" if key not in self.dtypes else "the plan and earlier steps"
+            source = "the compiled plan" if key not in self.dtypes else \
+                "its shape from the compiled plan, its dtype from the first micro-batch sent " \
+                "under this autocast state"
             raise PipelineRuntimeError(
                 f"stage {msg.sender} sends {msg.value!r} (micro-batch {msg.microbatch}) to stage "
-                f"{msg.receiver} as {_short(value.dtype, value.shape)}, but {source} give "
-                f"{_short(dtype, shape)}", hint="the model's forward differs from the compiled "
-                "one (another batch shape, dtype, or autocast state); compile it for this input")
+                f"{msg.receiver} as {_short(value.dtype, value.shape)}, but stage "
+                f"{msg.receiver} expects {_short(dtype, shape)} ({source})",
+                hint="the model's forward differs from the compiled one (another batch shape, "
+                     "dtype, or autocast state on some rank); compile it for this input")
 
     # -- backward -------------------------------------------------------------------------------
 

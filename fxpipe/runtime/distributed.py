@@ -142,7 +142,9 @@ class DistributedExecutor:
         ranks] in fxpipe/runtime/amp.py).
         """
         stage, k = self.mesh.stage, self.mesh.stages
-        tensors = pin_for(tensors, self.device)
+        tensors = list(tensors)
+        for i, t in zip(self.inputs, pin_for([tensors[i] for i in self.inputs], self.device)):
+            tensors[i] = t  # the inputs this stage reads, pinned once for async copies
         batch = self.signature.batch_size(tensors)
         micro = self.signature.split_inputs(tensors, chunks)
         out_dim = next((d for d in self.signature.out_batch_dims if d is not None), 0)

@@ -109,9 +109,8 @@ class StrictTransport:
         self.held = 0  # tensors of sends in batches not completed yet
         self.most = 0
         self.lock = threading.Lock()
-        self.queue: queue.Queue[_Batch | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._stream, name="fxpipe-p2p-strict", daemon=True)
-        self.thread.start()
+        self.queue: queue.Queue[_Batch] = queue.Queue()
+        self.running = False  # the stream's thread runs while there are batches, then exits
 
     def post(self, ops: Sequence[Op]) -> list[Handle | None]:
         if not ops:
@@ -126,7 +125,12 @@ class StrictTransport:
             self.held += sum(op.kind == "send" for op in ops)
             self.most = max(self.most, self.held + self.eager.count)
         self.last = batch
-        self.queue.put(batch)
+        with self.lock:
+            self.queue.put(batch)
+            if not self.running:
+                self.running = True
+                threading.Thread(target=self._stream, name="fxpipe-p2p-strict",
+                                 daemon=True).start()
         return [_StrictHandle(self, batch, op) if op.kind == "recv" else None for op in ops]
 
     def flush(self) -> None:
@@ -143,10 +147,6 @@ class StrictTransport:
     def reset_peak(self) -> None:
         self.most = self.held + self.eager.count
 
-    def close(self) -> None:
-        self.queue.put(None)
-        self.eager.close()
-
     def blocked_on(self) -> str:
         batch = self.current
         if batch is None:
@@ -158,9 +158,14 @@ class StrictTransport:
 
     def _stream(self) -> None:
         while True:
-            batch = self.queue.get()
-            if batch is None:
-                return
+            try:
+                batch = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                with self.lock:
+                    if self.queue.empty():
+                        self.running = False
+                        return
+                continue
             self.current = batch
             if self.failure is None:
                 try:

@@ -69,8 +69,6 @@ class Transport(Protocol):
 
     def reset_peak(self) -> None: ...
 
-    def close(self) -> None: ...
-
 
 def _lost(peer: int, e: BaseException) -> PeerLostError:
     return PeerLostError(f"point-to-point with rank {peer} failed: {str(e).splitlines()[0]}",
@@ -107,20 +105,22 @@ class SendReaper:
         self.peak = 0  # most tensors held at once since reset_peak()
         self.error: BaseException | None = None
         self.lock = threading.Condition()
-        if not poll:
-            self.queue: queue.Queue[tuple[list[Any], list[torch.Tensor], int] | None] = \
-                queue.Queue()
-            threading.Thread(target=self._run, name="fxpipe-p2p-sends", daemon=True).start()
+        self.queue: queue.Queue[tuple[list[Any], list[torch.Tensor], int]] = queue.Queue()
+        self.running = False  # the waiting thread runs while there are sends, then exits
 
     def add(self, works: list[Any], tensors: list[torch.Tensor], peer: int) -> None:
         with self.lock:
             self.count += len(tensors)
             self.peak = max(self.peak, self.count)
-        if self.poll:
-            self.held.append((works, tensors, peer))
-            self.held = [h for h in self.held if not self._done_polled(h)]
-        else:
-            self.queue.put((works, tensors, peer))
+            if not self.poll:
+                self.queue.put((works, tensors, peer))
+                if not self.running:
+                    self.running = True
+                    threading.Thread(target=self._run, name="fxpipe-p2p-sends",
+                                     daemon=True).start()
+                return
+        self.held.append((works, tensors, peer))
+        self.held = [h for h in self.held if not self._done_polled(h)]
 
     def _done_polled(self, entry: tuple[list[Any], list[torch.Tensor], int]) -> bool:
         if not all(w.is_completed() for w in entry[0]):
@@ -135,9 +135,14 @@ class SendReaper:
 
     def _run(self) -> None:
         while True:
-            entry = self.queue.get()
-            if entry is None:
-                return
+            try:
+                entry = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                with self.lock:
+                    if self.queue.empty():
+                        self.running = False
+                        return
+                continue
             try:
                 for work in entry[0]:
                     work.wait()
@@ -162,10 +167,6 @@ class SendReaper:
                     self.lock.wait(1.0)
         if self.error is not None:
             raise self.error
-
-    def close(self) -> None:
-        if not self.poll:
-            self.queue.put(None)
 
 
 class TorchTransport:
@@ -205,9 +206,6 @@ class TorchTransport:
 
     def reset_peak(self) -> None:
         self.sends.peak = self.sends.count
-
-    def close(self) -> None:
-        self.sends.close()
 
 
 def make_transport(mode: str | None, group: Any = None) -> Transport:
