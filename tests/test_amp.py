@@ -126,7 +126,7 @@ def test_autocast_around_distributed_steps_sends_bf16_and_matches_the_model():
     assert ranks[1]["gpt"]["dtypes"]  # learned too (the residual stream stays float32)
 
 
-def _scaled_steps(rank: int, world: int, poison: bool) -> dict:
+def _scaled_step(rank: int, world: int, poison: bool) -> dict:
     model, inputs, kwargs, target = _case("mlp")
     program = fxpipe.compile(model, inputs, stages=world, chunks=2, profile="a100")
     optimizer = torch.optim.SGD(program.parameters(), lr=0.1)
@@ -144,8 +144,18 @@ def _scaled_steps(rank: int, world: int, poison: bool) -> dict:
             "overflow": program._dist.last.overflow}
 
 
-def test_grad_scaler_scales_the_distributed_backward():
-    ranks = spawn(2, __name__, "_scaled_steps", False)
+def _scaled_steps(rank: int, world: int) -> dict:
+    return {poison: _scaled_step(rank, world, poison) for poison in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def scaled() -> dict:
+    ranks = spawn(2, __name__, "_scaled_steps")
+    return {poison: [r[poison] for r in ranks] for poison in (False, True)}
+
+
+def test_grad_scaler_scales_the_distributed_backward(scaled):
+    ranks = scaled[False]
     model, inputs, kwargs, target = _case("mlp")
     _, grads_ref = _reference(model, inputs, kwargs, target, autocast=False)
     got = {**ranks[0]["grads"], **ranks[1]["grads"]}
@@ -156,8 +166,8 @@ def test_grad_scaler_scales_the_distributed_backward():
     assert [r["scale"] for r in ranks] == [256.0, 256.0]
 
 
-def test_every_rank_skips_the_step_when_one_rank_has_inf_gradients():
-    ranks = spawn(2, __name__, "_scaled_steps", True)
+def test_every_rank_skips_the_step_when_one_rank_has_inf_gradients(scaled):
+    ranks = scaled[True]
     assert [r["overflow"] for r in ranks] == [True, True]
     assert [r["moved"] for r in ranks] == [set(), set()]  # rank 0's gradients were finite
     assert [r["scale"] for r in ranks] == [128.0, 128.0]  # lowered alike: the scales agree

@@ -90,9 +90,20 @@ def _step_layouts(rank: int, world: int, names: list[str]) -> dict:
     return out
 
 
-def test_transposed_and_channels_last_boundary_values_train_like_the_model():
+def _two_rank_jobs(rank: int, world: int) -> dict:
+    return {"layouts": _step_layouts(rank, world, list(LAYOUTS)),
+            "sends_held": _sends_held(rank, world, 8)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The jobs of this module that run on 2 ranks in batched mode, in one group of processes."""
+    return spawn(2, __name__, "_two_rank_jobs")
+
+
+def test_transposed_and_channels_last_boundary_values_train_like_the_model(two_ranks):
     names = list(LAYOUTS)
-    ranks = spawn(2, __name__, "_step_layouts", names)
+    ranks = [r["layouts"] for r in two_ranks]
     for name in names:
         loss, grads = _plain_grads(*_layout_case(name)[:3])
         assert ranks[0][name][0] == pytest.approx(loss, rel=1e-5)
@@ -221,8 +232,8 @@ def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float]:
     return program._dist.last.sends_held, loss
 
 
-def test_sent_tensors_are_released_as_their_sends_complete_not_at_the_end_of_the_step():
-    held = [h for h, _ in spawn(2, __name__, "_sends_held", 8)]
+def test_sent_tensors_are_released_as_their_sends_complete_not_at_the_end_of_the_step(two_ranks):
+    held = [r["sends_held"][0] for r in two_ranks]
     # each rank sends 8 tensors a step (activations, or their gradients); a send completes
     # once its receive, posted at the same tick by the peer, has taken it
     assert max(held) < 8, held

@@ -38,6 +38,10 @@ it then runs its action of tick t, first waiting only for the receives that acti
    all ranks, complete together, and batch t+1 of a rank starts only after its batch t.
 3. The data of a send is ready when posted: its producer ran at an earlier tick on this rank.
 
+A tick may post two batches, both derived from the plan on both ends (the dtype headers of the
+first step under autocast, waited for, then the data; fxpipe/runtime/comm.py): the argument
+holds with each batch as a tick of its own.
+
 Nothing depends on tags, on buffering, or on how long an action takes (the clock only orders,
 it does not time). tests/test_p2p_plan.py checks 1-3 on many schedules with a model of these
 rules, and tests/test_p2p.py runs every schedule under the strict transport that enforces them.

@@ -124,20 +124,20 @@ class StrictTransport:
         with self.lock:
             self.held += sum(op.kind == "send" for op in ops)
             self.most = max(self.most, self.held + self.eager.count)
-        self.last = batch
-        with self.lock:
             self.queue.put(batch)
             if not self.running:
                 self.running = True
                 threading.Thread(target=self._stream, name="fxpipe-p2p-strict",
                                  daemon=True).start()
+        self.last = batch
         return [_StrictHandle(self, batch, op) if op.kind == "recv" else None for op in ops]
 
     def flush(self) -> None:
         """Waits for every batch posted so far, then for eager sends gloo still delivers."""
         if self.last is not None:
-            _StrictHandle(self, self.last, Op("flush", torch.empty(0), -1, label="the last batch"))\
-                .wait()
+            last = Op("flush", torch.empty(0), -1, label="the last batch")
+            _StrictHandle(self, self.last, last).wait()
+            self.last = None
         self.eager.flush()
 
     @property
