@@ -184,12 +184,16 @@ class Program(nn.Module):
         return result
 
     def step(self, *args: Any, target: torch.Tensor | None = None,
-             loss_fn: LossFn | None = None, **kwargs: Any) -> float:
+             loss_fn: LossFn | None = None, scaler: torch.amp.GradScaler | None = None,
+             **kwargs: Any) -> float:
         """One training step (forward and backward of every micro-batch); returns the loss.
 
         Gradients accumulate into the stage parameters with the scaling of one full-batch mean
         loss; call your optimizer on program.parameters() afterwards. Under torchrun every rank
-        calls step() with the same batch; each computes its own stage.
+        calls step() with the same batch; each computes its own stage. Under `torch.autocast`
+        every stage runs in mixed precision. With `scaler` (a torch.amp.GradScaler) the backward
+        runs on the scaled loss; then call scaler.step(optimizer) and scaler.update() as usual
+        (every rank skips the step if any rank's gradients are not finite).
         """
         loss_fn = loss_fn or default_loss
         if self._built is None:
@@ -198,13 +202,13 @@ class Program(nn.Module):
         self._check_mode(built)
         if self._rank is not None:
             flat = built.signature.flatten_inputs(args, kwargs)
-            loss, result = self._rank.step(flat, target, loss_fn)
+            loss, result = self._rank.step(flat, target, loss_fn, scaler)
             self.measured["last_step_events"] = result.events
             self.measured["kept_bytes"] = result.kept_bytes
             return loss
         output = self(*args, **kwargs)
         value = loss_fn(output, target) if target is not None else loss_fn(output)
-        torch.autograd.backward(value)
+        torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
 
     def _check_mode(self, built: Built) -> None:

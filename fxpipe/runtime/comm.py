@@ -7,9 +7,9 @@ its activations and `comm.device` where the stage runs.
 NOTE [Gradients across stages]
 LocalComm hands the producer's tensor to the consumer with a differentiable `.to(device)`, so the
 whole pipeline is one autograd graph and `loss.backward()` reaches every stage, as in torchgpipe.
-DistComm cannot: the receiver gets a fresh leaf. It records, per micro-batch, the leaves it
-received and the tensors it sent; the backward of a micro-batch receives the gradient of every
-sent tensor, runs autograd on them, and sends the gradient of every received leaf back:
+DistComm cannot: the receiver gets a fresh leaf. It records, per stage and micro-batch, the
+leaves it received and the tensors it sent; the backward of a micro-batch receives the gradient
+of every sent tensor, runs autograd on them, and sends the gradient of every received leaf back:
 
     stage s                          stage s+1
     x = recv(...)  (leaf) <-------- -
@@ -17,22 +17,35 @@ sent tensor, runs autograd on them, and sends the gradient of every received lea
     ...                              backward: y'.grad
     backward(y, grad=recv_grad) <--- send_grad(y'.grad)
     send_grad(x.grad) ----> ...
+
+DistComm posts nothing itself when the stage code calls send/recv: `send` leaves the value in an
+outbox and `recv` waits for a receive posted earlier. At each tick of the rank's plan
+(fxpipe/runtime/plan.py) `begin_tick` posts that tick's sends and receives as one batch, in the
+plan's order, which NCCL needs (see NOTE [Deadlock-free point-to-point] there).
+
+Under autocast, values cross stages in the dtype they have. Receive buffers need it before the
+data arrives: the first step under a new autocast state learns it (each forward message is
+preceded by a one-number header, a batch of its own in the same tick), later steps reuse it.
+Without autocast the compiled dtypes hold. A sent value whose shape or dtype differs from what
+its receiver expects is an error naming the value, the stage and both.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxpipe import ir
-from fxpipe.errors import PeerLostError, PipelineRuntimeError
+from fxpipe.errors import PipelineRuntimeError
+from fxpipe.runtime.plan import Message, Tick
+from fxpipe.runtime.transport import Handle, Op, Transport
 
-__all__ = ["LocalComm", "DistComm", "MicrobatchComm", "TagTable"]
+__all__ = ["LocalComm", "DistComm", "MicrobatchComm", "TagTable", "DTYPE_CODES", "messages_of"]
 
 
 @dataclass
@@ -97,7 +110,12 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     with torch.cuda.stream(stream):
         out = t.to(device, non_blocking=True)
     t.record_stream(stream)  # keep t's memory until the copy is done
-    torch.cuda.current_stream(device).wait_stream(stream)
+    consumer = torch.cuda.current_stream(device)
+    consumer.wait_stream(stream)
+    # `out` was allocated on the copy stream; the consumer uses it on its own stream, so its
+    # memory must not return to the copy stream's pool before that work is done (torchgpipe's
+    # Copy does the same for both ends)
+    out.record_stream(consumer)
     return out
 
 
@@ -114,6 +132,10 @@ class TagTable:
 
 
 _ELEMENTS = 64  # tensors per communicated value (a tuple of tensors is sent element by element)
+_HEADER_TAG = 1 << 30  # added to a message's tag for its dtype header
+DTYPE_CODES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+               torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def _leaves(info: ir.ValueInfo) -> list[ir.ValueInfo]:
@@ -124,187 +146,280 @@ def _needs_grad(info: ir.ValueInfo) -> bool:
     return isinstance(info, ir.TensorInfo) and info.is_float and info.requires_grad
 
 
+def _short(dtype: torch.dtype, shape: Sequence[int]) -> str:
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+
+
+Edge = tuple[str, int, int]  # (value, src stage, dst stage)
+
+
+def messages_of(info: dict[Edge, ir.ValueInfo], chunks: int,
+                placement: Sequence[int]) -> list[Message]:
+    """Every message of these edges: each leaf forward, and back the gradient of each leaf
+    that needs one; placement[stage] is the stage's rank."""
+    out = []
+    for (tag, src, dst), value in sorted(info.items()):
+        for k, leaf in enumerate(_leaves(value)):
+            for mb in range(chunks):
+                out.append(Message(placement[src], placement[dst], tag, mb, False, src, dst, k))
+                if _needs_grad(leaf):
+                    out.append(Message(placement[dst], placement[src], tag, mb, True, dst, src, k))
+    return out
+
+
+def _activation(msg: Message) -> Message:
+    """The forward message whose gradient `msg` is."""
+    return Message(msg.dst_rank, msg.src_rank, msg.value, msg.microbatch, False, msg.receiver,
+                   msg.sender, msg.element)
+
+
+def _gradient(msg: Message) -> Message:
+    return Message(msg.dst_rank, msg.src_rank, msg.value, msg.microbatch, True, msg.receiver,
+                   msg.sender, msg.element)
+
+
 @dataclass
 class _Record:
-    received: list[tuple[torch.Tensor, str, int, int]] = field(default_factory=list)
-    sent: list[tuple[torch.Tensor, str, int, int]] = field(default_factory=list)
+    received: list[tuple[torch.Tensor, Message]] = field(default_factory=list)
+    sent: list[tuple[torch.Tensor, Message]] = field(default_factory=list)
 
 
 class DistComm:
-    """Point-to-point over torch.distributed, one process per stage (gloo on CPU, nccl on GPU).
+    """Point-to-point over torch.distributed for one rank's stages and one step.
 
     Which values carry gradients back is decided from the compiled value info on both ends
     (floating tensors that require grad), so every message has exactly one receiver.
+
+    Args:
+        rank: this rank's index in the plan; global_ranks[r] is plan rank r's process.
+        placement: placement[stage] is the plan rank that runs the stage.
+        info: (value, src stage, dst stage) -> value info, for this rank's stages' edges.
+        dtypes: (value, src, dst, element) -> dtype of forward tensors where known; `learn`
+            fills in the others (see the module docstring).
     """
 
-    def __init__(self, *, rank_of_stage: Sequence[int], tags: TagTable,
-                 info: dict[tuple[str, int, int], ir.ValueInfo], microbatch_size: int,
-                 group: Any = None, timeline: Any = None) -> None:
-        self.rank_of_stage = list(rank_of_stage)
-        self.tags = tags
-        self.info = info  # (tag, src stage, dst stage) -> value info
+    def __init__(self, *, rank: int, global_ranks: Sequence[int], placement: Sequence[int],
+                 info: dict[Edge, ir.ValueInfo], microbatch_size: int, device: torch.device,
+                 transport: Transport, tags: TagTable | None = None,
+                 dtypes: dict[tuple[str, int, int, int], torch.dtype] | None = None,
+                 learn: bool = False, timeline: Any = None) -> None:
+        self.rank = rank
+        self.global_ranks = list(global_ranks)
+        self.placement = list(placement)
+        self.info = info
         self.b = microbatch_size
-        self.group = group
-        self.records: dict[int, _Record] = {}
-        self.pending: list[Any] = []  # isend works to wait for before buffers are reused
+        self.device = device
+        self.transport = transport
+        self.tags = tags
+        self.dtypes = dtypes if dtypes is not None else {}
+        self.learn = learn
         self.timeline = timeline
-        # irecvs posted ahead of need, so a transfer overlaps the computation before it
-        self.early: dict[int, tuple[Any, torch.Tensor]] = {}
-        self.prefetch = dist.get_backend(group) == "gloo"  # nccl needs both ends in one order
+        self.records: dict[tuple[int, int], _Record] = {}  # (stage, mb) -> what crossed
+        self.outbox: dict[Message, torch.Tensor] = {}  # produced, posted at its tick
+        self.inbox: dict[Message, tuple[Handle | None, torch.Tensor]] = {}  # posted receives
+        self.sent_values: dict[Message, torch.Tensor] = {}  # grad buffers take their shape
 
-    def prefetch_forward(self, stage: int, mb: int, device: torch.device) -> None:
-        """Posts the receives of micro-batch mb's forward on `stage`."""
-        if not self.prefetch:
-            return
-        for (tag, src, dst), info in self.info.items():
-            if dst != stage:
-                continue
-            for k, leaf in enumerate(_leaves(info)):
-                if isinstance(leaf, ir.TensorInfo):
-                    number = self.tags.tag(tag, src, dst, mb, backward=False, element=k)
-                    buffer = torch.empty(leaf.concrete_shape(self.b), dtype=leaf.dtype,
-                                         device=device)
-                    self._post(number, buffer, self.rank_of_stage[src])
+    # -- posting --------------------------------------------------------------------------------
 
-    def prefetch_backward(self, stage: int, mb: int) -> None:
-        """Posts the receives of the gradients micro-batch mb's backward on `stage` needs."""
-        if not self.prefetch:
+    def begin_tick(self, tick: Tick) -> None:
+        """Posts the tick's sends and receives as one batch, in the plan's order."""
+        remote = []
+        for msg in tick.post:
+            if msg.src_rank == msg.dst_rank:  # two stages of this rank: hand it over
+                self.inbox[msg] = (None, self._take(msg).clone())
+            else:
+                remote.append(msg)
+        if not remote:
             return
-        for value, tag, dst, k in self.records.get(mb, _Record()).sent:
-            number = self.tags.tag(tag, stage, dst, mb, backward=True, element=k)
-            self._post(number, torch.empty_like(value, requires_grad=False),
-                       self.rank_of_stage[dst])
+        if self.learn:
+            self._exchange_dtypes([m for m in remote if not m.grad and self._is_tensor(m)])
+        ops = [self._op(msg) for msg in remote]
+        start = time.perf_counter()
+        handles = self.transport.post(ops)
+        self._record_posts(remote, start)
+        for msg, op, handle in zip(remote, ops, handles):
+            if op.kind == "recv":
+                self.inbox[msg] = (handle, op.tensor)
 
-    def _post(self, number: int, buffer: torch.Tensor, rank: int) -> None:
-        if number in self.early:
-            return
+    def _op(self, msg: Message) -> Op:
+        if msg.src_rank == self.rank:
+            return Op("send", self._take(msg), self.global_ranks[msg.dst_rank],
+                      self._tag(msg), str(msg))
+        return Op("recv", self._buffer(msg), self.global_ranks[msg.src_rank], self._tag(msg),
+                  str(msg))
+
+    def _take(self, msg: Message) -> torch.Tensor:
         try:
-            work = dist.irecv(buffer, src=rank, group=self.group, tag=number)
-        except RuntimeError as e:
-            raise PeerLostError(f"receiving from rank {rank} failed: {str(e).splitlines()[0]}",
-                                hint="another rank failed, exited or timed out") from e
-        self.early[number] = (work, buffer)
+            return self.outbox.pop(msg)
+        except KeyError:
+            raise PipelineRuntimeError(f"{msg} is due to be sent, but stage {msg.sender} has not "
+                                       "produced it", hint="this is a scheduling bug; please "
+                                       "report it") from None
 
-    def _take(self, number: int, buffer: torch.Tensor, rank: int) -> torch.Tensor:
-        """The buffer of a prefetched receive (waited for), or a blocking receive into buffer."""
-        posted = self.early.pop(number, None)
-        if posted is None:
-            _recv(buffer, rank, self.group, number)
-            return buffer
-        work, early = posted
-        try:
-            work.wait()
-        except RuntimeError as e:
-            raise PeerLostError(f"receiving from rank {rank} failed: {str(e).splitlines()[0]}",
-                                hint="another rank failed, exited or timed out") from e
-        return early
+    def _tag(self, msg: Message) -> int:
+        if self.tags is None:
+            return 0
+        a = _activation(msg) if msg.grad else msg
+        return self.tags.tag(msg.value, a.sender, a.receiver, msg.microbatch, msg.grad,
+                             msg.element)
+
+    def _leaf_info(self, msg: Message) -> ir.ValueInfo:
+        a = _activation(msg) if msg.grad else msg
+        return _leaves(self.info[(msg.value, a.sender, a.receiver)])[msg.element]
+
+    def _is_tensor(self, msg: Message) -> bool:
+        return isinstance(self._leaf_info(msg), ir.TensorInfo)
+
+    def _buffer(self, msg: Message) -> torch.Tensor:
+        """Where a message arrives: contiguous, in the shape and dtype the sender sends."""
+        if msg.grad:  # the gradient of a value this rank sent: its shape and dtype
+            value = self.sent_values.pop(_activation(msg))
+            return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        leaf = self._leaf_info(msg)
+        if not isinstance(leaf, ir.TensorInfo):
+            return torch.empty(1, dtype=torch.float64, device=self.device)
+        dtype = self.dtypes.get((msg.value, msg.sender, msg.receiver, msg.element), leaf.dtype)
+        return torch.empty(leaf.concrete_shape(self.b), dtype=dtype, device=self.device)
+
+    def _exchange_dtypes(self, forward: list[Message]) -> None:
+        """Learning step: a header with each forward tensor's dtype, one batch before the data."""
+        if not forward:
+            return
+        ops = []
+        for msg in forward:
+            if msg.src_rank == self.rank:
+                code = DTYPE_CODES.index(self.outbox[msg].dtype)
+                ops.append(Op("send", torch.tensor([code], device=self.device),
+                              self.global_ranks[msg.dst_rank], self._tag(msg) + _HEADER_TAG,
+                              f"dtype of {msg}"))
+            else:
+                ops.append(Op("recv", torch.empty(1, dtype=torch.int64, device=self.device),
+                              self.global_ranks[msg.src_rank], self._tag(msg) + _HEADER_TAG,
+                              f"dtype of {msg}"))
+        for msg, op, handle in zip(forward, ops, self.transport.post(ops)):
+            if handle is not None:
+                handle.wait()
+                key = (msg.value, msg.sender, msg.receiver, msg.element)
+                self.dtypes[key] = DTYPE_CODES[int(op.tensor.item())]
+
+    def _record_posts(self, msgs: list[Message], start: float) -> None:
+        if self.timeline is None:
+            return
+        for grad in (False, True):
+            sent = [m for m in msgs if m.src_rank == self.rank and m.grad == grad]
+            if sent:
+                self.timeline.mark("send_grad" if grad else "send", sent[0].sender,
+                                   sent[0].microbatch, start,
+                                   detail=", ".join(sorted({m.value for m in sent})))
 
     # -- forward --------------------------------------------------------------------------------
 
     def recv(self, tag: str, src: int, dst: int, mb: int, device: torch.device) -> Any:
         info = self.info[(tag, src, dst)]
-        record = self.records.setdefault(mb, _Record())
-        values = []
+        record = self.records.setdefault((dst, mb), _Record())
+        values: list[Any] = []
         with self._event("recv", dst, mb, tag):
             for k, leaf in enumerate(_leaves(info)):
-                number = self.tags.tag(tag, src, dst, mb, backward=False, element=k)
-                value = self._recv_leaf(leaf, self.rank_of_stage[src], number, device)
-                if _needs_grad(leaf):
-                    record.received.append((value, tag, src, k))
-                values.append(value)
+                msg = Message(self.placement[src], self.placement[dst], tag, mb, False, src, dst, k)
+                buffer = self._wait(msg)
+                if isinstance(leaf, ir.TensorInfo):
+                    value = buffer.requires_grad_(_needs_grad(leaf) and torch.is_grad_enabled())
+                    if _needs_grad(leaf):
+                        record.received.append((value, msg))
+                    values.append(value)
+                else:
+                    number = buffer.item()
+                    exact = isinstance(leaf, ir.ScalarInfo) and isinstance(leaf.value, float)
+                    values.append(int(number) if float(number).is_integer() and not exact
+                                  else number)
         return _rebuild(info, iter(values))
 
-    def _recv_leaf(self, info: ir.ValueInfo, rank: int, number: int, device: torch.device) -> Any:
-        if isinstance(info, ir.TensorInfo):
-            buffer = torch.empty(info.concrete_shape(self.b), dtype=info.dtype, device=device) \
-                if number not in self.early else self.early[number][1]
-            buffer = self._take(number, buffer, rank)
-            return buffer.requires_grad_(_needs_grad(info) and torch.is_grad_enabled())
-        buffer = torch.empty(1, dtype=torch.float64, device=device)
-        _recv(buffer, rank, self.group, number)
-        value = buffer.item()
-        return int(value) if float(value).is_integer() and not isinstance(info.value, float) else value
+    def _wait(self, msg: Message) -> torch.Tensor:
+        try:
+            handle, buffer = self.inbox.pop(msg)
+        except KeyError:
+            raise PipelineRuntimeError(f"{msg} is needed, but its receive was never posted",
+                                       hint="this is a scheduling bug; please report it") from None
+        if handle is not None:
+            handle.wait()
+        return buffer
 
     def send(self, value: Any, tag: str, src: int, dst: int, mb: int) -> None:
         info = self.info[(tag, src, dst)]
-        record = self.records.setdefault(mb, _Record())
-        with self._event("send", src, mb, tag):
-            for k, (leaf, leaf_info) in enumerate(zip(pytree.tree_leaves(value), _leaves(info))):
-                number = self.tags.tag(tag, src, dst, mb, backward=False, element=k)
-                if isinstance(leaf, torch.Tensor):
-                    data = leaf.detach().contiguous()
-                else:
-                    data = torch.tensor([float(leaf)], dtype=torch.float64, device=self._device(value))
-                self.pending.append((_isend(data, self.rank_of_stage[dst], self.group, number),
-                                     data))
-                if _needs_grad(leaf_info):
-                    record.sent.append((leaf, tag, dst, k))
+        record = self.records.setdefault((src, mb), _Record())
+        for k, (leaf, leaf_info) in enumerate(zip(pytree.tree_leaves(value), _leaves(info))):
+            msg = Message(self.placement[src], self.placement[dst], tag, mb, False, src, dst, k)
+            if isinstance(leaf, torch.Tensor):
+                self._check(leaf, leaf_info, msg)
+                self.outbox[msg] = leaf.detach().contiguous()
+            else:
+                self.outbox[msg] = torch.tensor([float(leaf)], dtype=torch.float64,
+                                                device=self.device)
+            if _needs_grad(leaf_info):
+                record.sent.append((leaf, msg))
+                self.sent_values[msg] = leaf
 
-    @staticmethod
-    def _device(value: Any) -> torch.device:
-        tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-        return tensors[0].device if tensors else torch.device("cpu")
+    def _check(self, value: torch.Tensor, info: ir.ValueInfo, msg: Message) -> None:
+        """The sent tensor must be what the receiver allocates for it."""
+        if not isinstance(info, ir.TensorInfo):
+            raise PipelineRuntimeError(f"stage {msg.sender} sends a tensor as {msg}, which the "
+                                       f"plan has as a non-tensor ({info})",
+                                       hint="the model's forward differs from the compiled one")
+        shape = info.concrete_shape(self.b)
+        key = (msg.value, msg.sender, msg.receiver, msg.element)
+        if key not in self.dtypes and self.learn:
+            self.dtypes[key] = value.dtype
+        dtype = self.dtypes.get(key, info.dtype)
+        if tuple(value.shape) != shape or value.dtype != dtype:
+            source = "the compiled plan" if key not in self.dtypes else \
+                "its shape from the compiled plan, its dtype from the first micro-batch sent " \
+                "under this autocast state"
+            raise PipelineRuntimeError(
+                f"stage {msg.sender} sends {msg.value!r} (micro-batch {msg.microbatch}) to stage "
+                f"{msg.receiver} as {_short(value.dtype, value.shape)}, but stage "
+                f"{msg.receiver} expects {_short(dtype, shape)} ({source})",
+                hint="the model's forward differs from the compiled one (another batch shape, "
+                     "dtype, or autocast state on some rank); compile it for this input")
 
     # -- backward -------------------------------------------------------------------------------
 
     def backward(self, stage: int, mb: int, loss: torch.Tensor | None = None) -> None:
         """Backward of one micro-batch: gradients in, autograd, gradients out."""
-        record = self.records.pop(mb, _Record())
-        tensors, grads = [], []
+        record = self.records.pop((stage, mb), _Record())
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         if loss is not None and loss.requires_grad:
             tensors.append(loss)
             grads.append(None)
-        for value, tag, dst, k in record.sent:
-            number = self.tags.tag(tag, stage, dst, mb, backward=True, element=k)
-            grad = torch.empty_like(value, requires_grad=False) if number not in self.early \
-                else self.early[number][1]
-            with self._event("recv_grad", stage, mb, tag):
-                grad = self._take(number, grad, self.rank_of_stage[dst])
+        for value, msg in record.sent:
+            with self._event("recv_grad", stage, mb, msg.value):
+                grad = self._wait(_gradient(msg))
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 tensors.append(value)
                 grads.append(grad)
         if tensors:
             torch.autograd.backward(tensors, grads)
-        for leaf, tag, src, k in record.received:
+        for leaf, msg in record.received:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            number = self.tags.tag(tag, src, stage, mb, backward=True, element=k)
-            data = grad.detach().contiguous()
-            with self._event("send_grad", stage, mb, tag):
-                self.pending.append((_isend(data, self.rank_of_stage[src], self.group, number),
-                                     data))
+            self.outbox[_gradient(msg)] = grad.detach().contiguous()
 
     def finish(self) -> None:
-        """Waits for every outstanding send of the step."""
-        for work, _ in self.pending:
-            try:
-                work.wait()
-            except RuntimeError as e:
-                raise PeerLostError(f"a send to another stage failed: {e}",
-                                    hint="another rank failed or exited; its error says why") from e
-        self.pending.clear()
+        """Waits for every send of the step; everything posted must have been used."""
+        self.transport.flush()
+        left = sorted(self.outbox) + sorted(self.inbox)
+        self.outbox.clear()
+        self.inbox.clear()
         self.records.clear()
-        self.early.clear()
+        self.sent_values.clear()
+        if left:
+            raise PipelineRuntimeError(f"{len(left)} messages were never sent or never used, "
+                                       f"e.g. {left[0]}", hint="this is a scheduling bug; please "
+                                       "report it")
 
     def _event(self, kind: str, stage: int, mb: int, tag: str) -> Any:
         if self.timeline is None:
             return _NULL
         return self.timeline.span(kind, stage, mb, detail=tag)
-
-
-def _recv(buffer: torch.Tensor, rank: int, group: Any, tag: int) -> None:
-    try:
-        dist.recv(buffer, src=rank, group=group, tag=tag)
-    except RuntimeError as e:
-        raise PeerLostError(f"receiving from rank {rank} failed: {str(e).splitlines()[0]}",
-                            hint="another rank failed, exited or timed out; its error says why") from e
-
-
-def _isend(data: torch.Tensor, rank: int, group: Any, tag: int) -> Any:
-    try:
-        return dist.isend(data, dst=rank, group=group, tag=tag)
-    except RuntimeError as e:
-        raise PeerLostError(f"sending to rank {rank} failed: {str(e).splitlines()[0]}",
-                            hint="another rank failed, exited or timed out; its error says why") from e
 
 
 def _rebuild(info: ir.ValueInfo, values: Any) -> Any:

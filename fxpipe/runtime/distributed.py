@@ -2,10 +2,16 @@
 
 Every rank calls `step(inputs, target)` with the whole batch; each runs its own stage's actions
 in schedule order (GPipe: all forwards, then all backwards; 1F1B interleaves them), exchanging
-activations and gradients with its peers (fxpipe.runtime.comm.DistComm). Micro-batch losses are
-weighted by their share of the batch, so the accumulated gradients equal those of one
+activations and gradients with its peers (fxpipe.runtime.comm.DistComm). The actions run on the
+ticks of a clock all ranks share (fxpipe.runtime.plan), and each tick's sends and receives are
+posted together, in one agreed order, so no schedule can deadlock under NCCL. Micro-batch losses
+are weighted by their share of the batch, so the accumulated gradients equal those of one
 full-batch mean loss. Parameters that several stages hold (tied weights) have their gradients
 summed across those stages; with data parallelism, gradients are then averaged across replicas.
+
+Mixed precision: the caller's `torch.autocast` applies to the stage (it runs in the caller's
+thread), values cross stages in the dtype they have, and a GradScaler passed to `step` scales
+the backward, with all ranks agreeing on skipping a step (fxpipe.runtime.amp).
 """
 from __future__ import annotations
 
@@ -18,15 +24,18 @@ import torch.distributed as dist
 
 from fxpipe import ir
 from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
+from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
-from fxpipe.runtime.comm import DistComm, MicrobatchComm, TagTable
+from fxpipe.runtime.comm import DistComm, MicrobatchComm, TagTable, messages_of
+from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_device
 from fxpipe.runtime.finite import check_finite
 from fxpipe.runtime.local import remat_enabled, seeded_forward
 from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.overlap import ReplicaAverager
+from fxpipe.runtime.plan import Tick, plan_rank
 from fxpipe.runtime.schedule import get_schedule
 from fxpipe.runtime.stage import StageModule
-from fxpipe.runtime.timeline import Timeline
+from fxpipe.runtime.transport import Transport, make_transport
 from fxpipe.signature import Signature
 
 __all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "Mesh", "split_target"]
@@ -63,6 +72,8 @@ class StepResult:
     loss: float
     events: list = field(default_factory=list)
     kept_bytes: int = 0  # peak activation bytes held for backward on this rank
+    sends_held: int = 0  # most sent tensors held at once, waiting for their sends to complete
+    overflow: bool = False  # with a scaler: some rank's gradients were not finite (all skip)
 
 
 def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int, batch: int) -> list:
@@ -84,7 +95,7 @@ class DistributedExecutor:
                  edges: Sequence[tuple[str, int, int]], random: bool, device: torch.device, pp_group: Any = None,
                  shared: dict[str, list[int]] | None = None, shared_groups: dict | None = None,
                  dp_group: Any = None, check_finite: bool = False, graph: Any = None,
-                 dp_bucket_bytes: int = DEFAULT_DP_BUCKET_BYTES) -> None:
+                 dp_bucket_bytes: int = DEFAULT_DP_BUCKET_BYTES, p2p: str | None = None) -> None:
         self.module = module
         self.mesh = mesh
         self.signature = signature
@@ -99,8 +110,16 @@ class DistributedExecutor:
         self.shared_groups = shared_groups or {}
         self.check_finite = check_finite
         self.graph = graph  # the stage GraphModule when known (names the node of a NaN/Inf)
-        self.timeline = Timeline()
+        self.timeline = make_timeline(device)
         self.record_memory = False
+        # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
+        # None reads FXPIPE_P2P (fxpipe/runtime/transport.py)
+        self.transport: Transport = make_transport(p2p, pp_group)
+        self.plans: dict[tuple[str, int], list[Tick]] = {}
+        # dtypes of received values under each autocast state, learned on its first step
+        self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
+        self.warm = False
+        self.last: StepResult | None = None  # the latest step's result
         # Replica averaging of untied gradients overlaps the last backward (0: after it).
         # Tied parameters wait for their sum over stages, which needs every stage's backward.
         self.averager = None
@@ -115,44 +134,50 @@ class DistributedExecutor:
 
     def step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
              loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: str,
-             schedule: str = "gpipe") -> StepResult:
-        """One training step of this rank's stage: forwards and backwards of every micro-batch."""
+             schedule: str = "gpipe", scaler: Any = None) -> StepResult:
+        """One training step of this rank's stage: forwards and backwards of every micro-batch.
+
+        scaler: a torch.amp.GradScaler; the backward runs on the scaled loss (the returned loss
+        is not scaled) and all ranks agree on skipping the step (NOTE [Loss scaling across
+        ranks] in fxpipe/runtime/amp.py).
+        """
         stage, k = self.mesh.stage, self.mesh.stages
+        tensors = list(tensors)
+        for i, t in zip(self.inputs, pin_for([tensors[i] for i in self.inputs], self.device)):
+            tensors[i] = t  # the inputs this stage reads, pinned once for async copies
         batch = self.signature.batch_size(tensors)
         micro = self.signature.split_inputs(tensors, chunks)
         out_dim = next((d for d in self.signature.out_batch_dims if d is not None), 0)
         targets = split_target(target, chunks, out_dim, batch)
-        b = batch // chunks
-        comm = DistComm(rank_of_stage=[self.mesh.rank_of(s) for s in range(k)],
-                        tags=TagTable(self.edges, chunks), info=self.comm_info, microbatch_size=b,
-                        group=self.pp_group, timeline=self.timeline)
+        if self.is_last and target is not None:
+            targets = pin_for(targets, self.device)
+        self._warm_up()
+        comm = self._comm(batch // chunks, chunks)
+        ticks = self._plan(schedule, chunks)
         memory = KeptMemory(self.module.parameters()) if self.record_memory else None
         base = int(torch.randint(0, 2**62, (1,)).item()) if self.random else None
+        devices = stage_devices(self.device, [*self.module.parameters(), *self.module.buffers()])
+        scale = loss_scale(scaler, self.device)
         self.timeline.reset()
         if self.averager:
             self.averager.armed = False  # armed only during the last backward
         discard_batch_norms()
         losses: dict[int, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        actions = get_schedule(schedule)(chunks, k)[stage]
-        last_backward = max(i for i, a in enumerate(actions) if a.kind != "F")
-        for i, action in enumerate(actions):
+        last_backward = max(t.index for t in ticks if t.action is not None and t.action.kind != "F")
+        for tick in ticks:
+            comm.begin_tick(tick)
+            action = tick.action
+            if action is None:
+                continue
             mb = action.microbatch
-            if i == 0:
-                comm.prefetch_forward(stage, mb, self.device)
-            if i + 1 < len(actions):  # post the next action's receives: they overlap this one
-                upcoming = actions[i + 1]
-                if upcoming.kind == "F":
-                    comm.prefetch_forward(stage, upcoming.microbatch, self.device)
-                else:  # posts nothing yet if that micro-batch's forward is this action
-                    comm.prefetch_backward(stage, upcoming.microbatch)
             try:
                 if action.kind == "F":
                     view = MicrobatchComm(comm, stage, mb, remat_enabled(remat, mb, chunks),
                                           self.device)
-                    args = [micro[mb][i].to(self.device) for i in self.inputs]
+                    args = [to_device(micro[mb][i], self.device) for i in self.inputs]
                     with self.timeline.span("forward", stage, mb), \
-                            seeded_forward(base, stage, mb, self.device), \
+                            seeded_forward(base, stage, mb, devices), \
                             (memory.forward(mb) if memory else _nothing()):
                         out = self.module(view, *args)
                         if self.check_finite:
@@ -160,11 +185,12 @@ class DistributedExecutor:
                                          view.received, args, self.graph)
                         if self.is_last:
                             # equal micro-batches: weight 1/M makes the sum the batch mean
-                            loss = self._loss(out, targets[mb], loss_fn) / chunks
-                            losses[mb] = loss
+                            loss = self._loss(out, to_device(targets[mb], self.device),
+                                              loss_fn) / chunks
+                            losses[mb] = loss if scale is None else loss * scale
                             total += loss.detach().double()
                 else:
-                    if self.averager and i == last_backward:
+                    if self.averager and tick.index == last_backward:
                         self.averager.arm()
                     with self.timeline.span("backward", stage, mb):
                         comm.backward(stage, mb, losses.pop(mb, None))
@@ -177,17 +203,61 @@ class DistributedExecutor:
                     f"stage {stage} (rank {self.mesh.rank}) failed in {action.kind}{mb}: "
                     f"{type(e).__name__}: {e}", hint="the other ranks stop when this one exits") from e
         comm.finish()
+        self._learned(comm)
         commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
+        overflow = False
         try:
             with self.timeline.span("reduce", stage, -1):
                 self._reduce_gradients()
             dist.broadcast(total, src=self.mesh.rank_of(k - 1), group=self.pp_group)
+            if scale is not None:
+                overflow = agree_on_overflow(self.module.parameters(), self.device)
         except RuntimeError as e:
             raise PeerLostError(f"stage {stage} (rank {self.mesh.rank}): a collective with the "
                                 f"other ranks failed: {str(e).splitlines()[0]}",
                                 hint="another rank failed or exited; its error says why") from e
-        return StepResult(float(total.item()), list(self.timeline.events),
-                          memory.peak if memory else 0)
+        sends_held = self.transport.peak
+        self.transport.reset_peak()
+        self.last = StepResult(float(total.item()), self.timeline.resolve(),
+                               memory.peak if memory else 0, sends_held, overflow)
+        return self.last
+
+    def _warm_up(self) -> None:
+        """A collective on the pipeline group before its first batched point-to-point: NCCL
+        requires every rank of a group in the group's first batch_isend_irecv."""
+        if self.warm:
+            return
+        self.warm = True
+        if dist.get_backend(self.pp_group) == "nccl":
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
+
+    def _plan(self, schedule: str, chunks: int) -> list[Tick]:
+        """This rank's ticks (fxpipe.runtime.plan): the same clock on every rank."""
+        key = (schedule, chunks)
+        if key not in self.plans:
+            k = self.mesh.stages
+            actions_by_rank = get_schedule(schedule)(chunks, k)  # stage s on pipeline rank s
+            edges = {(src, dst) for _, src, dst in self.edges}
+            messages = messages_of(self.comm_info, chunks, list(range(k)))
+            self.plans[key] = plan_rank(self.mesh.stage, actions_by_rank, edges, messages)
+        return self.plans[key]
+
+    def _comm(self, b: int, chunks: int) -> DistComm:
+        """The step's communication. Under autocast, boundary dtypes are learned on the first
+        step for each autocast dtype and micro-batch size (every rank runs the same step)."""
+        autocast = AutocastState.capture().dtype(self.device.type)
+        known = self.boundary_dtypes.get((autocast, b)) if autocast is not None else {}
+        return DistComm(rank=self.mesh.stage,
+                        global_ranks=[self.mesh.rank_of(s) for s in range(self.mesh.stages)],
+                        placement=list(range(self.mesh.stages)), info=self.comm_info,
+                        microbatch_size=b, device=self.device, transport=self.transport,
+                        tags=TagTable(self.edges, chunks), dtypes=dict(known or {}),
+                        learn=known is None, timeline=self.timeline)
+
+    def _learned(self, comm: DistComm) -> None:
+        if comm.learn:
+            autocast = AutocastState.capture().dtype(self.device.type)
+            self.boundary_dtypes[(autocast, comm.b)] = comm.dtypes
 
     def _loss(self, out: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         structured = self.signature.unflatten_outputs(list(out))

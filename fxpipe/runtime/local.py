@@ -4,6 +4,10 @@ Micro-batch m enters stage s at clock tick m + s, so at each tick the stages wor
 micro-batches at once. Values move between devices with a differentiable copy, so the outputs
 belong to one autograd graph and `loss.backward()` reaches every parameter of the model; remat
 regions recompute during that backward.
+
+The caller's autocast state is captured when `run` is called and re-entered in every worker
+thread (autocast is per thread), so `with torch.autocast(...): program(x)` takes effect in every
+stage. Dropout draws from a seed per stage and micro-batch on every device the stage uses.
 """
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ from typing import Any
 import torch
 
 from fxpipe.errors import FxPipeError, PipelineRuntimeError
+from fxpipe.runtime.amp import AutocastState
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import LocalComm, MicrobatchComm
+from fxpipe.runtime.devices import pin_for, stage_devices, to_device
 from fxpipe.runtime.finite import check_finite
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
@@ -44,17 +50,22 @@ def microbatch_seed(base: int, stage: int, microbatch: int) -> int:
 
 @contextlib.contextmanager
 def seeded_forward(base: int | None, stage: int, microbatch: int,
-                   device: torch.device) -> Iterator[None]:
-    """Runs a stage forward on its own RNG stream (when the stage draws random numbers)."""
+                   devices: Sequence[torch.device] = ()) -> Iterator[None]:
+    """Runs a stage forward on its own RNG stream (when the stage draws random numbers).
+
+    devices: the CUDA devices the stage uses (fxpipe.runtime.devices.stage_devices). Each one's
+    generator is forked and seeded, not only the current device's: a stage on cuda:1 would
+    otherwise start every micro-batch from the same restored state, drawing the same masks.
+    """
     if base is None:
         yield
         return
-    devices = [device] if device.type == "cuda" else []
-    with _RNG_LOCK, torch.random.fork_rng(devices=devices):
+    indexes = [d.index for d in devices if d.type == "cuda"]
+    with _RNG_LOCK, torch.random.fork_rng(devices=indexes):
         seed = microbatch_seed(base, stage, microbatch)
         torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.manual_seed(seed)
+        for index in indexes:
+            torch.cuda.default_generators[index].manual_seed(seed)
         yield
 
 
@@ -85,7 +96,10 @@ class LocalExecutor:
 
         trackers: one fxpipe.runtime.memory.KeptMemory per stage, to measure kept activations.
         """
+        if any(st.device.type == "cuda" for st in self.stages):
+            tensors = pin_for(tensors, torch.device("cuda"))
         micro = self.signature.split_inputs(tensors, self.chunks)
+        autocast = AutocastState.capture()
         discard_batch_norms()
         comm = LocalComm()
         outputs: list[Any] = [None] * self.chunks
@@ -96,7 +110,7 @@ class LocalExecutor:
         for tick in range(m + k - 1):
             tasks = [(s, tick - s) for s in range(k) if 0 <= tick - s < m]
             futures = [(s, mb, self.workers_by_stage[s].submit(
-                self._task, comm, s, mb, micro[mb], base, grad,
+                self._task, comm, s, mb, micro[mb], base, grad, autocast,
                 trackers[s] if trackers else None)) for s, mb in tasks]
             for s, mb, future in futures:
                 try:
@@ -113,12 +127,14 @@ class LocalExecutor:
         return self.signature.join_outputs([list(o) for o in outputs])
 
     def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
-              base: int | None, grad: bool, tracker: Any) -> Any:
+              base: int | None, grad: bool, autocast: AutocastState, tracker: Any) -> Any:
         stage = self.stages[s]
         view = MicrobatchComm(comm, s, mb, remat_enabled(self.remat, mb, self.chunks), stage.device)
-        args = [inputs[i].to(stage.device) for i in stage.inputs]
-        with torch.set_grad_enabled(grad), seeded_forward(base if stage.random else None, s, mb,
-                                                            stage.device), \
+        args = [to_device(inputs[i], stage.device) for i in stage.inputs]
+        devices = stage_devices(stage.device, [*stage.module.parameters(),
+                                               *stage.module.buffers()]) if stage.random else []
+        with torch.set_grad_enabled(grad), autocast.enter(), _on(stage.device), \
+                seeded_forward(base if stage.random else None, s, mb, devices), \
                 (tracker.forward(mb) if tracker is not None else contextlib.nullcontext()):
             out = stage.module(view, *args)
         if self.check_finite:
@@ -128,3 +144,8 @@ class LocalExecutor:
     def close(self) -> None:
         for worker in self.workers.values():
             worker.shutdown(wait=False)
+
+
+def _on(device: torch.device) -> Any:
+    """Makes a CUDA stage's device current in its worker thread (a thread starts on cuda:0)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

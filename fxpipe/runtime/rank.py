@@ -113,14 +113,14 @@ class RankStage:
     remat: str
     schedule: str
 
-    def step(self, flat: list[torch.Tensor], target: torch.Tensor | None,
-             loss_fn: LossFn) -> tuple[float, StepResult]:
+    def step(self, flat: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
+             scaler: torch.amp.GradScaler | None = None) -> tuple[float, StepResult]:
         """One training step of the global batch; returns the global loss and what this rank
-        measured (events, kept bytes)."""
+        measured (events, kept bytes). With `scaler` the backward runs on the scaled loss."""
         if self.mesh.replicas > 1:
             flat, target = shard_batch(self.signature, flat, target, self.mesh)
         result = self.executor.step(flat, target, loss_fn, chunks=self.chunks, remat=self.remat,
-                                    schedule=self.schedule)
+                                    schedule=self.schedule, scaler=scaler)
         loss = result.loss
         if self.mesh.replicas > 1:
             loss = average_over_replicas(loss, self.groups.dp, self.mesh.replicas)

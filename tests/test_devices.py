@@ -1,0 +1,167 @@
+"""Devices: host-to-device copies, per-device dropout seeds, device-time timelines, and the
+CUDA paths of both executors (marked `cuda`; they skip without a GPU, and the NCCL ones without
+two)."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from ranks import spawn
+from test_p2p import _chain_case
+from torch import nn
+
+import fxpipe
+from fxpipe.losses import default_loss
+from fxpipe.runtime.devices import (
+    CudaTimeline,
+    WallTimeline,
+    make_timeline,
+    pin_for,
+    stage_devices,
+    to_device,
+)
+from fxpipe.runtime.local import seeded_forward
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+needs_two = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2,
+                               reason="needs two CUDA devices")
+
+
+# -- on any machine ------------------------------------------------------------------------------
+
+
+def test_cpu_tensors_for_a_cpu_stage_are_neither_pinned_nor_copied():
+    x = torch.randn(3)
+    assert pin_for([x, None], torch.device("cpu"))[0] is x
+    assert to_device(x, torch.device("cpu")) is x
+    assert stage_devices(torch.device("cpu"), [x]) == []
+
+
+def test_each_stage_and_micro_batch_draws_its_own_dropout_mask_on_cpu():
+    def mask(stage: int, mb: int) -> torch.Tensor:
+        with seeded_forward(7, stage, mb, []):
+            return torch.rand(8)
+
+    assert torch.equal(mask(0, 1), mask(0, 1))  # the same whatever ran before
+    assert not torch.equal(mask(0, 1), mask(0, 2))
+    assert not torch.equal(mask(0, 1), mask(1, 1))
+    state = torch.get_rng_state()
+    mask(0, 0)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's stream is untouched
+
+
+def test_wall_timeline_marks_a_span_that_started_earlier():
+    timeline = make_timeline(torch.device("cpu"))
+    assert type(timeline) is WallTimeline
+    start = time.perf_counter()
+    with timeline.span("forward", 0, 0):
+        pass
+    timeline.mark("send", 0, 0, start, detail="h")
+    events = timeline.resolve()
+    assert [e.kind for e in events] == ["forward", "send"]
+    assert events[1].start <= events[0].start and events[1].detail == "h"
+
+
+# -- CUDA ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_inputs_for_a_cuda_stage_are_pinned_once_and_copied_without_blocking():
+    x = torch.randn(64, 8)
+    (pinned,) = pin_for([x], torch.device("cuda"))
+    assert pinned.is_pinned() and not x.is_pinned()
+    part = pinned.tensor_split(4)[1]
+    assert part.is_pinned()  # a micro-batch of a pinned batch is pinned
+    y = to_device(part, torch.device("cuda", 0))
+    torch.cuda.synchronize()
+    assert torch.equal(y.cpu(), x.tensor_split(4)[1])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_timeline_measures_device_time():
+    device = torch.device("cuda", 0)
+    timeline = make_timeline(device)
+    assert isinstance(timeline, CudaTimeline)
+    a = torch.randn(2048, 2048, device=device)
+    with timeline.span("forward", 0, 0):
+        for _ in range(20):
+            a = a @ a / 2048
+    with timeline.span("backward", 0, 0):
+        pass
+    forward, backward = timeline.resolve()  # read from CUDA events once the work is done
+    assert 0 <= forward.start < forward.end <= backward.start <= backward.end
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_autocast_reaches_a_local_stage_on_cuda():
+    model, x, y = _chain_case()
+    plain = copy.deepcopy(model).cuda()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, devices=["cuda:0", "cuda:0"],
+                             profile="a100")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = program(x.cuda())
+        ref = plain(x.cuda())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.02)
+
+
+class _Dropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.b(torch.relu(self.a(x))), 0.5, training=True)
+
+
+@pytest.mark.cuda
+@needs_two
+def test_a_stage_on_the_second_gpu_draws_a_new_dropout_mask_per_micro_batch():
+    model = _Dropout()
+    x = torch.ones(4, 16)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=4, split_points=["b"],
+                             devices=["cuda:0", "cuda:1"], profile="a100")
+    masks = (program(x) == 0).cpu()  # stage 1 (dropout) runs on cuda:1
+    assert len({tuple(m.tolist()) for m in masks}) == 4
+    assert not torch.equal(masks, (program(x) == 0).cpu())  # and a new one per step
+
+
+def _nccl_steps(rank: int, world: int, cases: list[tuple[str, int]]) -> dict:
+    out = {}
+    for schedule, chunks in cases:
+        model, x, y = _chain_case()
+        program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule=schedule,
+                                 split_points=[f"blocks.{i}" for i in range(1, world)],
+                                 profile="a100")
+        loss = program.step(x, target=y)
+        grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+        program.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            bf16 = program.step(x, target=y)  # learns the bf16 boundary dtypes over NCCL
+        out[(schedule, chunks)] = (loss, grads, bf16, [e.kind for e in program._dist.last.events])
+    return out
+
+
+@pytest.mark.cuda
+@needs_two
+def test_gpipe_and_1f1b_over_nccl_train_like_the_model():
+    cases = [("gpipe", 4), ("1f1b", 4)]
+    ranks = spawn(2, "test_devices", "_nccl_steps", cases, backend="nccl", timeout=60)
+    model, x, y = _chain_case()
+    plain = copy.deepcopy(model)
+    loss = default_loss(plain(x), y)
+    loss.backward()
+    for case in cases:
+        assert ranks[0][case][0] == pytest.approx(float(loss.detach()), rel=1e-4)
+        got = {k: g for r in ranks for k, g in r[case][1].items()}
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-5)
+        assert ranks[0][case][2] == pytest.approx(float(loss.detach()), rel=0.05)
+        assert {"forward", "backward", "send"} <= set(ranks[0][case][3])

@@ -1,0 +1,300 @@
+"""Point-to-point between ranks, gloo on 127.0.0.1: boundary values of any layout, every
+schedule under NCCL's rules (strict mode), and the strict transport itself.
+
+Each test starts a small group of processes (tiny models, short timeouts) with ranks.spawn,
+which runs one function of this module on every rank and returns what each rank returned. The
+parent trains a plain copy of the model the same way and compares loss and every gradient.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from ranks import spawn
+from torch import nn
+
+import fxpipe
+from fxpipe.losses import default_loss
+
+pytestmark = pytest.mark.distributed
+
+CHUNKS = 2
+
+
+# -- models whose boundary value is not contiguous ----------------------------------------------
+
+
+class _Consumer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.sin(h).transpose(0, 1))
+
+
+class Transposed(nn.Module):
+    """Sends tanh(...) of a transposed tensor: the boundary value has strides (1, 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = _Consumer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x).transpose(0, 1)))
+
+
+class ChannelsLast(nn.Module):
+    """Two convolutions in channels_last: the boundary value is channels_last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.c1(x.contiguous(memory_format=torch.channels_last)))
+
+
+LAYOUTS = {
+    "transposed": (Transposed, (8, 8), (8, 4), ["b"]),
+    "channels_last": (ChannelsLast, (4, 3, 6, 6), (4, 2, 6, 6), ["c2"]),
+}
+
+
+def _layout_case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, list[str]]:
+    cls, x_shape, y_shape, points = LAYOUTS[name]
+    torch.manual_seed(0)
+    return cls(), torch.randn(x_shape), torch.randn(y_shape), points
+
+
+def _plain_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict]:
+    model = copy.deepcopy(model)
+    loss = default_loss(model(x), y)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _step_layouts(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        model, x, y, points = _layout_case(name)
+        program = fxpipe.compile(model, (x,), stages=world, chunks=CHUNKS, split_points=points,
+                                 profile="a100")
+        loss = program.step(x, target=y)
+        out[name] = (loss, {n: p.grad for n, p in model.named_parameters()
+                            if p.grad is not None})
+    return out
+
+
+def _two_rank_jobs(rank: int, world: int) -> dict:
+    return {"layouts": _step_layouts(rank, world, list(LAYOUTS)),
+            "sends_held": _sends_held(rank, world, 8)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The jobs of this module that run on 2 ranks in batched mode, in one group of processes."""
+    return spawn(2, __name__, "_two_rank_jobs")
+
+
+def test_transposed_and_channels_last_boundary_values_train_like_the_model(two_ranks):
+    names = list(LAYOUTS)
+    ranks = [r["layouts"] for r in two_ranks]
+    for name in names:
+        loss, grads = _plain_grads(*_layout_case(name)[:3])
+        assert ranks[0][name][0] == pytest.approx(loss, rel=1e-5)
+        got = {**ranks[0][name][1], **ranks[1][name][1]}
+        assert set(got) == set(grads), name
+        for key, grad in grads.items():
+            torch.testing.assert_close(got[key], grad,
+                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+
+
+# -- the strict transport alone -----------------------------------------------------------------
+
+
+def _play(rank: int, world: int, order: str, schedule: str, m: int, eager_bytes: int,
+          timeout_s: float) -> str:
+    """Plays rank `rank`'s program (tests/test_p2p_plan.py) with 64 KiB messages."""
+    from test_p2p_plan import chain_messages, one_at_a_time_programs, plan_programs
+
+    from fxpipe.runtime.schedule import get_schedule
+    from fxpipe.runtime.strict import StrictTransport
+    from fxpipe.runtime.transport import Op
+
+    actions = get_schedule(schedule)(m, world)
+    messages = chain_messages(world, m)
+    if order == "plan":
+        programs = plan_programs(actions, messages, [(s, s + 1) for s in range(world - 1)])
+    else:
+        programs = one_at_a_time_programs(actions, messages)
+    transport = StrictTransport(eager_bytes=eager_bytes, timeout_s=timeout_s)
+    received = {}
+    try:
+        for kind, arg in programs[rank]:
+            if kind == "post":
+                ops = [Op(op, torch.full((2**14,), float(msg.microbatch)) if op == "send"
+                          else torch.empty(2**14), msg.dst_rank if op == "send" else msg.src_rank,
+                          label=str(msg)) for op, msg in arg]
+                for (_, msg), op, handle in zip(arg, ops, transport.post(ops)):
+                    received[msg] = (handle, op.tensor)
+            else:
+                handle, tensor = received.pop(arg)
+                handle.wait()
+                assert torch.equal(tensor, torch.full((2**14,), float(arg.microbatch)))
+        transport.flush()
+    except fxpipe.FxPipeError as e:
+        return str(e)
+    return "ok"
+
+
+def test_strict_mode_detects_that_one_message_at_a_time_deadlocks_1f1b():
+    start = time.monotonic()
+    results = spawn(2, __name__, "_play", "one_at_a_time", "1f1b", 4, 0, 3.0)
+    assert all("strict point-to-point" in r and "3 s" in r for r in results), results
+    assert "waits for rank 1 to post and reach its receive" in results[0], results[0]
+    assert time.monotonic() - start < 60
+
+
+def test_strict_mode_passes_one_message_at_a_time_when_every_send_fits_the_eager_buffer():
+    assert spawn(2, __name__, "_play", "one_at_a_time", "1f1b", 4, 2**20, 10.0) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_strict_mode_runs_the_plan_of_1f1b_without_eager_buffer(world):
+    assert spawn(world, __name__, "_play", "plan", "1f1b", 5, 0, 20.0) == ["ok"] * world
+
+
+# -- every schedule under NCCL's rules ----------------------------------------------------------
+
+
+class Chain(nn.Module):
+    """Four tanh(Linear) blocks: one boundary value per cut, whatever the number of stages."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def _chain_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return Chain(), torch.randn(20, 16), torch.randn(20, 16)
+
+
+STRICT_CASES = [("gpipe", 1), ("gpipe", 4), ("1f1b", 2), ("1f1b", 5)]
+
+
+def _step_schedules(rank: int, world: int, cases: list[tuple[str, int]]) -> dict:
+    out = {}
+    for schedule, chunks in cases:
+        model, x, y = _chain_case()
+        program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule=schedule,
+                                 split_points=[f"blocks.{i}" for i in range(1, world)],
+                                 profile="a100")
+        loss = program.step(x, target=y)
+        out[(schedule, chunks)] = (loss, {n: p.grad for n, p in model.named_parameters()
+                                          if p.grad is not None},
+                                   type(program._dist.transport).__name__)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gpipe_and_1f1b_in_strict_mode_train_like_the_model(world):
+    ranks = spawn(world, __name__, "_step_schedules", STRICT_CASES, env={"FXPIPE_P2P": "strict"},
+                   timeout=60)
+    loss, grads = _plain_grads(*_chain_case())
+    for case in STRICT_CASES:
+        assert {r[case][2] for r in ranks} == {"StrictTransport"}
+        assert [r[case][0] for r in ranks] == [ranks[0][case][0]] * world  # every rank's loss
+        assert ranks[0][case][0] == pytest.approx(loss, rel=1e-5), case
+        got = {k: g for r in ranks for k, g in r[case][1].items()}
+        assert set(got) == set(grads), case
+        for key, grad in grads.items():
+            torch.testing.assert_close(got[key], grad,
+                                       msg=lambda m, k=key, c=case: f"{c} {k}: {m}")
+
+
+def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float]:
+    model, x, y = _chain_case()
+    x, y = x[:16], y[:16]
+    program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule="1f1b",
+                             split_points=["blocks.2"], profile="a100")
+    loss = program.step(x, target=y)
+    return program._dist.last.sends_held, loss
+
+
+def test_sent_tensors_are_released_as_their_sends_complete_not_at_the_end_of_the_step(two_ranks):
+    held = [r["sends_held"][0] for r in two_ranks]
+    # each rank sends 8 tensors a step (activations, or their gradients); a send completes
+    # once its receive, posted at the same tick by the peer, has taken it
+    assert max(held) < 8, held
+    assert min(held) >= 1
+
+
+def _mismatch(rank: int, world: int) -> str:
+    from fxpipe.runtime.strict import StrictTransport
+    from fxpipe.runtime.transport import Op
+
+    transport = StrictTransport(timeout_s=5)
+    labels = ["'a' mb 0", "'b' mb 0"]
+    try:
+        if rank == 0:
+            transport.post([Op("send", torch.zeros(4), 1, label=lab) for lab in labels])
+        else:  # posted in the other order: a FIFO transport would swap a and b silently
+            handles = transport.post([Op("recv", torch.zeros(4), 0, label=lab)
+                                      for lab in reversed(labels)])
+            for handle in handles:
+                handle.wait()
+        transport.flush()
+    except fxpipe.FxPipeError as e:
+        return str(e)
+    return "ok"
+
+
+def test_strict_mode_names_both_messages_when_the_ends_disagree_on_the_order():
+    results = spawn(2, __name__, "_mismatch", timeout=30)
+    assert "expected message #0 from rank 0 to be 'b' mb 0 (float32[4])" in results[1]
+    assert "but rank 0 sent message #0: 'a' mb 0 (float32, 16 bytes)" in results[1]
+
+
+# -- checks that need no peer ------------------------------------------------------------------
+
+
+def _comm(dtypes=None, learn=False):
+    from fxpipe import ir
+    from fxpipe.runtime.comm import DistComm
+
+    info = {("h", 0, 1): ir.TensorInfo((ir.BATCH, 16), torch.float32, 0, True)}
+    return DistComm(rank=0, global_ranks=[0, 1], placement=[0, 1], info=info,
+                    microbatch_size=4, device=torch.device("cpu"), transport=None,
+                    dtypes=dtypes, learn=learn)
+
+
+def test_a_sent_value_whose_shape_differs_from_the_plan_is_an_error_naming_both():
+    with pytest.raises(fxpipe.FxPipeError, match=r"stage 0 sends 'h' \(micro-batch 1\) to "
+                       r"stage 1 as float32\[4, 8\], but stage 1 expects float32\[4, 16\] "
+                       r"\(the compiled plan\)"):
+        _comm().send(torch.zeros(4, 8), "h", 0, 1, 1)
+
+
+def test_a_sent_value_whose_dtype_differs_from_the_learned_one_is_an_error_naming_both():
+    comm = _comm(dtypes={("h", 0, 1, 0): torch.bfloat16})
+    comm.send(torch.zeros(4, 16, dtype=torch.bfloat16), "h", 0, 1, 0)
+    with pytest.raises(fxpipe.FxPipeError, match=r"as float32\[4, 16\], but stage 1 expects "
+                       r"bfloat16\[4, 16\] \(its shape from the compiled plan, its dtype from"):
+        comm.send(torch.zeros(4, 16), "h", 0, 1, 1)
+
+
+def test_the_first_step_under_autocast_learns_the_dtype_it_sends():
+    comm = _comm(dtypes={}, learn=True)
+    comm.send(torch.zeros(4, 16, dtype=torch.bfloat16), "h", 0, 1, 0)
+    assert comm.dtypes == {("h", 0, 1, 0): torch.bfloat16}

@@ -1,0 +1,227 @@
+"""The point-to-point plan, against a model of NCCL's rules (fxpipe/runtime/plan.py).
+
+`run_nccl_model` plays per-rank programs of "post a batch" and "wait for a receive" under the
+rules the plan's NOTE [Deadlock-free point-to-point] states: matching by order per pair and
+direction, no tags, a rank's batches run one after another and each completes as a whole, and a
+send completes only once its receive is posted and reached (rendezvous, every size). It returns
+the matched pairs, or raises Deadlock with what each rank waits for.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from fxpipe.errors import ConfigError
+from fxpipe.runtime.plan import Message, Tick, clock, plan_rank
+from fxpipe.runtime.schedule import Action, clock_cycles, get_schedule
+
+
+class Deadlock(Exception):
+    pass
+
+
+def run_nccl_model(programs: list[list[tuple]]) -> list[tuple[Message, Message]]:
+    """programs[r]: ("post", [(op, message), ...]) and ("wait", message) steps of rank r."""
+    world = len(programs)
+    pc = [0] * world
+    streams: list[list[list[list]]] = [[] for _ in range(world)]  # batches of [op, msg, done]
+    queued: dict[tuple[int, int, str], list[list]] = defaultdict(list)  # (src, dst, op) -> ops
+    done_msgs: set[tuple[int, Message]] = set()
+    matched = []
+    while True:
+        progress = False
+        for r in range(world):  # run each rank's program until it blocks
+            while pc[r] < len(programs[r]):
+                kind, arg = programs[r][pc[r]]
+                if kind == "post":
+                    batch = []
+                    for op, msg in arg:
+                        entry = [op, msg, False, r]
+                        peer = msg.dst_rank if op == "send" else msg.src_rank
+                        key = (r, peer, "send") if op == "send" else (peer, r, "recv")
+                        queued[key].append(entry)
+                        batch.append(entry)
+                    streams[r].append(batch)
+                elif (r, arg) not in done_msgs:
+                    break
+                pc[r] += 1
+                progress = True
+        heads = {id(e) for r in range(world) if streams[r] for e in streams[r][0]}
+        for (src, dst, op), ops in list(queued.items()):
+            if op != "send":
+                continue
+            recvs = queued.get((src, dst, "recv"), [])
+            while ops and recvs and id(ops[0]) in heads and id(recvs[0]) in heads:
+                send, recv = ops.pop(0), recvs.pop(0)
+                matched.append((send[1], recv[1]))
+                send[2] = recv[2] = True
+                done_msgs.add((dst, recv[1]))
+                progress = True
+        for r in range(world):
+            while streams[r] and all(e[2] for e in streams[r][0]):
+                streams[r].pop(0)
+                progress = True
+        if all(pc[r] == len(programs[r]) and not streams[r] for r in range(world)):
+            return matched
+        if not progress:
+            waits = [f"rank {r}: {programs[r][pc[r]][1] if pc[r] < len(programs[r]) else 'end'}"
+                     for r in range(world)]
+            raise Deadlock("; ".join(map(str, waits)))
+
+
+# -- programs: the plan's, and one message at a time in action order ----------------------------
+
+
+def chain_messages(k: int, m: int, skips: tuple[tuple[int, int], ...] = ()) -> list[Message]:
+    """Stage s sends h{s} to s+1 (and h{s} to each skip destination); one stage per rank."""
+    edges = [(s, s + 1) for s in range(k - 1)] + list(skips)
+    out = []
+    for src, dst in edges:
+        for mb in range(m):
+            out.append(Message(src, dst, f"h{src}", mb, False, src, dst))
+            out.append(Message(dst, src, f"h{src}", mb, True, dst, src))
+    return out
+
+
+def consumed_by(msg: Message) -> tuple[str, int, int]:
+    return ("B" if msg.grad else "F", msg.receiver, msg.microbatch)
+
+
+def plan_programs(schedule, messages, edges) -> list[list[tuple]]:
+    programs = []
+    for rank in range(len(schedule)):
+        mine = [x for x in messages if rank in (x.src_rank, x.dst_rank)]
+        ticks = plan_rank(rank, schedule, edges, mine)
+        program: list[tuple] = []
+        for tick in ticks:
+            ops = [("send" if x.src_rank == rank else "recv", x) for x in tick.post]
+            if ops:
+                program.append(("post", ops))
+            if tick.action is not None:
+                a = tick.action
+                program += [("wait", x) for x in mine
+                            if x.dst_rank == rank and consumed_by(x) == (a.kind, a.stage,
+                                                                          a.microbatch)]
+        programs.append(program)
+    return programs
+
+
+def one_at_a_time_programs(schedule, messages) -> list[list[tuple]]:
+    """The order a per-message executor posts in: each action's receives (each waited for at
+    once), then its sends, each its own batch."""
+    programs = []
+    for rank, actions in enumerate(schedule):
+        program: list[tuple] = []
+        for a in actions:
+            key = (a.kind, a.stage, a.microbatch)
+            for x in messages:
+                if x.dst_rank == rank and consumed_by(x) == key:
+                    program += [("post", [("recv", x)]), ("wait", x)]
+            for x in messages:
+                made = ("B" if x.grad else "F", x.sender, x.microbatch)
+                if x.src_rank == rank and made == key:
+                    program.append(("post", [("send", x)]))
+        programs.append(program)
+    return programs
+
+
+SIZES = [(k, m) for k in (2, 3, 4, 5) for m in (1, 2, 3, 4, 7)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("k", "m"), SIZES)
+def test_plan_cannot_deadlock_under_nccl_rules_and_matches_every_message(name, k, m):
+    schedule = get_schedule(name)(m, k)
+    edges = [(s, s + 1) for s in range(k - 1)]
+    messages = chain_messages(k, m)
+    matched = run_nccl_model(plan_programs(schedule, messages, edges))
+    assert all(send == recv for send, recv in matched)  # order-based matching pairs equals
+    assert sorted(s for s, _ in matched) == sorted(messages)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_plan_with_skip_connections_cannot_deadlock(name):
+    k, m = 4, 5
+    skips = ((0, 2), (0, 3), (1, 3))
+    schedule = get_schedule(name)(m, k)
+    edges = [(s, s + 1) for s in range(k - 1)] + list(skips)
+    messages = chain_messages(k, m, skips)
+    matched = run_nccl_model(plan_programs(schedule, messages, edges))
+    assert all(send == recv for send, recv in matched)
+    assert len(matched) == len(messages)
+
+
+def test_one_message_at_a_time_deadlocks_1f1b_under_nccl_rules():
+    schedule = get_schedule("1f1b")(4, 2)
+    with pytest.raises(Deadlock, match="rank 0: grad of 'h0' mb 0"):
+        run_nccl_model(one_at_a_time_programs(schedule, chain_messages(2, 4)))
+
+
+def test_one_message_at_a_time_gets_through_gpipe_which_never_crosses_directions():
+    schedule = get_schedule("gpipe")(4, 3)
+    run_nccl_model(one_at_a_time_programs(schedule, chain_messages(3, 4)))
+
+
+def test_clock_of_one_stage_per_rank_on_a_chain_is_clock_cycles():
+    for name in ("gpipe", "1f1b"):
+        schedule = get_schedule(name)(5, 3)
+        ticks = clock(schedule, [(0, 1), (1, 2)])
+        grid = clock_cycles(schedule)
+        expected = {(a.kind, a.stage, a.microbatch): t for t, row in enumerate(grid)
+                    for a in row if a is not None}
+        assert ticks == expected
+
+
+def test_two_stages_per_rank_are_planned_from_the_placement():
+    # 4 stages on 2 ranks (stage s on rank s % 2), breadth-first: every forward of the lower
+    # stage, then of the upper one, then the backwards in reverse.
+    m, placement = 3, [0, 1, 0, 1]
+    schedule = [[Action("F", s, mb) for s in stages for mb in range(m)]
+                + [Action("B", s, mb) for s in reversed(stages) for mb in reversed(range(m))]
+                for stages in ([0, 2], [1, 3])]
+    edges = [(0, 1), (1, 2), (2, 3)]
+    messages = []
+    for s, d in edges:
+        for mb in range(m):
+            messages.append(Message(placement[s], placement[d], f"h{s}", mb, False, s, d))
+            messages.append(Message(placement[d], placement[s], f"h{s}", mb, True, d, s))
+    matched = run_nccl_model(plan_programs(schedule, messages, edges))
+    assert all(send == recv for send, recv in matched) and len(matched) == len(messages)
+
+
+def test_each_message_is_posted_after_its_producer_and_by_its_consumer():
+    k, m = 3, 4
+    schedule = get_schedule("1f1b")(m, k)
+    edges = [(0, 1), (1, 2)]
+    ticks = clock(schedule, edges)
+    for rank in range(k):
+        mine = [x for x in chain_messages(k, m) if rank in (x.src_rank, x.dst_rank)]
+        plan = plan_rank(rank, schedule, edges, mine)
+        assert sorted(x for t in plan for x in t.post) == sorted(mine)
+        for t in plan:
+            assert list(t.post) == sorted(t.post)
+            for x in t.post:
+                kind = "B" if x.grad else "F"
+                assert ticks[(kind, x.sender, x.microbatch)] == t.index - 1
+                assert ticks[(kind, x.receiver, x.microbatch)] >= t.index
+
+
+def test_plan_ticks_are_increasing_and_hold_every_action_of_the_rank():
+    schedule = get_schedule("gpipe")(3, 2)
+    plan = plan_rank(1, schedule, [(0, 1)], [])
+    assert [t.action for t in plan] == schedule[1]
+    assert [t.index for t in plan] == sorted(t.index for t in plan)
+    assert isinstance(plan[0], Tick)
+
+
+def test_a_schedule_whose_order_deadlocks_is_refused():
+    bad = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("B", 1, 0), Action("F", 1, 0)]]
+    with pytest.raises(ConfigError, match="deadlocks at tick 1"):
+        clock(bad, [(0, 1)])
+
+
+def test_a_message_of_another_rank_is_refused():
+    schedule = get_schedule("gpipe")(1, 3)
+    with pytest.raises(ConfigError, match="not sent or received by rank 0"):
+        plan_rank(0, schedule, [(0, 1), (1, 2)], [Message(1, 2, "h1", 0, False, 1, 2)])
