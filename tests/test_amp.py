@@ -100,7 +100,7 @@ def _bf16_steps(rank: int, world: int, names: list[str]) -> dict:
                                 if p.grad is not None})
         program.zero_grad(set_to_none=True)
         out["fp32"] = (program.step(*inputs, target=target, **kwargs), None)
-        out["dtypes"] = sorted({str(d) for v in program._dist.boundary_dtypes.values()
+        out["dtypes"] = sorted({str(d) for v in program._rank.executor.boundary_dtypes.values()
                                 for d in v.values()})
         results[name] = out
     return results
@@ -141,7 +141,7 @@ def _scaled_step(rank: int, world: int, poison: bool) -> dict:
     scaler.update()
     moved = {n for n, p in model.named_parameters() if n in grads and not torch.equal(p, before[n])}
     return {"grads": grads, "moved": moved, "scale": scaler.get_scale(),
-            "overflow": program._dist.last.overflow}
+            "overflow": program._rank.executor.last.overflow}
 
 
 def _scaled_steps(rank: int, world: int) -> dict:

@@ -203,7 +203,7 @@ def _step_schedules(rank: int, world: int, cases: list[tuple[str, int]]) -> dict
         loss = program.step(x, target=y)
         out[(schedule, chunks)] = (loss, {n: p.grad for n, p in model.named_parameters()
                                           if p.grad is not None},
-                                   type(program._dist.transport).__name__)
+                                   type(program._rank.executor.transport).__name__)
     return out
 
 
@@ -229,7 +229,7 @@ def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float]:
     program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule="1f1b",
                              split_points=["blocks.2"], profile="a100")
     loss = program.step(x, target=y)
-    return program._dist.last.sends_held, loss
+    return program._rank.executor.last.sends_held, loss
 
 
 def test_sent_tensors_are_released_as_their_sends_complete_not_at_the_end_of_the_step(two_ranks):

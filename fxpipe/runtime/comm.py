@@ -88,7 +88,8 @@ class LocalComm:
             except KeyError:
                 raise PipelineRuntimeError(
                     f"stage {dst} expected {tag!r} from stage {src} for micro-batch {mb}, "
-                    "but it was not sent", hint="this is a scheduling bug; please report it") from None
+                    "but it was not sent",
+                    hint="this is a scheduling bug; please report it") from None
         return pytree.tree_map(lambda t: _to_device(t, device) if isinstance(t, torch.Tensor)
                                else t, value)
 
@@ -105,7 +106,7 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t.to(device)
     stream = _COPY_STREAMS.get(device)
     if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream(t.device))  # the producer has written t
     with torch.cuda.stream(stream):
         out = t.to(device, non_blocking=True)

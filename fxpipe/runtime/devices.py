@@ -72,7 +72,7 @@ class CudaTimeline(WallTimeline):
         self._start()
 
     def _event(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub
         event.record(torch.cuda.current_stream(self.device))
         return event
 

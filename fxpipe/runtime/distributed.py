@@ -35,7 +35,9 @@ from fxpipe.runtime.overlap import ReplicaAverager
 from fxpipe.runtime.plan import Tick, plan_rank
 from fxpipe.runtime.schedule import get_schedule
 from fxpipe.runtime.stage import StageModule
-from fxpipe.runtime.transport import Transport, make_transport
+from fxpipe.runtime.strict import make_transport
+from fxpipe.runtime.timeline import Event
+from fxpipe.runtime.transport import Transport
 from fxpipe.signature import Signature
 
 __all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "Mesh", "split_target"]
@@ -70,18 +72,20 @@ class Mesh:
 @dataclass
 class StepResult:
     loss: float
-    events: list = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     kept_bytes: int = 0  # peak activation bytes held for backward on this rank
     sends_held: int = 0  # most sent tensors held at once, waiting for their sends to complete
     overflow: bool = False  # with a scaler: some rank's gradients were not finite (all skip)
 
 
-def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int, batch: int) -> list:
+def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
+                 batch: int) -> list[torch.Tensor | None]:
     if target is None:
         return [None] * chunks
     if target.dim() <= batch_dim or target.shape[batch_dim] != batch:
         raise RuntimeInputError(
-            f"target shape {tuple(target.shape)} has no batch dimension {batch_dim} of size {batch}",
+            f"target shape {tuple(target.shape)} has no batch dimension {batch_dim} of size "
+            f"{batch}",
             hint="give the target the same batch size as the inputs, along the batch dimension "
                  "of the model's first output")
     return list(target.tensor_split(chunks, dim=batch_dim))
@@ -92,8 +96,9 @@ class DistributedExecutor:
 
     def __init__(self, *, module: StageModule, mesh: Mesh, signature: Signature,
                  input_indexes: Sequence[int], comm_info: dict[tuple[str, int, int], Any],
-                 edges: Sequence[tuple[str, int, int]], random: bool, device: torch.device, pp_group: Any = None,
-                 shared: dict[str, list[int]] | None = None, shared_groups: dict | None = None,
+                 edges: Sequence[tuple[str, int, int]], random: bool, device: torch.device,
+                 pp_group: Any = None, shared: dict[str, list[int]] | None = None,
+                 shared_groups: dict[str, Any] | None = None,
                  dp_group: Any = None, check_finite: bool = False, graph: Any = None,
                  dp_bucket_bytes: int = DEFAULT_DP_BUCKET_BYTES, p2p: str | None = None) -> None:
         self.module = module
@@ -124,7 +129,8 @@ class DistributedExecutor:
         # Tied parameters wait for their sum over stages, which needs every stage's backward.
         self.averager = None
         if dp_group is not None and mesh.replicas > 1 and dp_bucket_bytes > 0:
-            tied = {id(t) for name, t in module.named_model_tensors().items() if name in self.shared}
+            tied = {id(t) for name, t in module.named_model_tensors().items()
+                    if name in self.shared}
             self.averager = ReplicaAverager((p for p in module.parameters() if id(p) not in tied),
                                             dp_group, mesh.replicas, dp_bucket_bytes)
 
@@ -201,7 +207,8 @@ class DistributedExecutor:
             except Exception as e:
                 raise PipelineRuntimeError(
                     f"stage {stage} (rank {self.mesh.rank}) failed in {action.kind}{mb}: "
-                    f"{type(e).__name__}: {e}", hint="the other ranks stop when this one exits") from e
+                    f"{type(e).__name__}: {e}",
+                    hint="the other ranks stop when this one exits") from e
         comm.finish()
         self._learned(comm)
         commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
@@ -267,7 +274,7 @@ class DistributedExecutor:
         """Sums tied parameters' gradients over the stages that hold them, then averages every
         gradient over data-parallel replicas."""
         named = self.module.named_model_tensors()
-        for name, stages in sorted(self.shared.items()):
+        for name in sorted(self.shared):
             group = self.shared_groups.get(name)
             param = named.get(name)
             if group is None or param is None:
@@ -297,7 +304,8 @@ class _nothing:
         return None
 
 
-def stage_info(recvs: Sequence[ir.CommInfo], sends: Sequence[ir.CommInfo], stage: int) -> dict:
+def stage_info(recvs: Sequence[ir.CommInfo], sends: Sequence[ir.CommInfo],
+               stage: int) -> dict[tuple[str, int, int], ir.ValueInfo]:
     """(tag, src, dst) -> value info for this stage's messages."""
     info = {(c.tag, c.peer, stage): c.value for c in recvs}
     info.update({(c.tag, stage, c.peer): c.value for c in sends})

@@ -26,6 +26,7 @@ from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import LocalComm, MicrobatchComm
 from fxpipe.runtime.devices import pin_for, stage_devices, to_device
 from fxpipe.runtime.finite import check_finite
+from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
@@ -91,7 +92,8 @@ class LocalExecutor:
                         for d in devices}
         self.workers_by_stage = [self.workers[str(s.device)] for s in self.stages]
 
-    def run(self, tensors: Sequence[torch.Tensor], trackers: Sequence[Any] | None = None) -> list[Any]:
+    def run(self, tensors: Sequence[torch.Tensor],
+            trackers: Sequence[KeptMemory] | None = None) -> list[Any]:
         """Flat tensor inputs in, flat outputs (joined over micro-batches) out.
 
         trackers: one fxpipe.runtime.memory.KeptMemory per stage, to measure kept activations.

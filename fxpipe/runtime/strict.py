@@ -20,6 +20,7 @@ receiver).
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -31,10 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import PeerLostError, PipelineRuntimeError
-from fxpipe.runtime.transport import Handle, Op, SendReaper
+from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError
+from fxpipe.runtime.transport import P2P_MODES, Handle, Op, SendReaper, TorchTransport, Transport
 
-__all__ = ["StrictTransport"]
+__all__ = ["StrictTransport", "make_transport"]
 
 _CTS, _HEADER, _DATA = 1, 2, 3
 _HEADER_BYTES = 256
@@ -268,3 +269,19 @@ class StrictTransport:
                      "each one's shape and dtype")
         self._wait(dist.irecv(op.tensor, src=peer, group=self.group, tag=_DATA), key,
                    f"receive {_describe(op)} from rank {peer}")
+
+
+def make_transport(mode: str | None, group: Any = None) -> Transport:
+    """The transport for `mode` (None: FXPIPE_P2P, default "batched")."""
+    mode = mode or os.environ.get("FXPIPE_P2P", "batched") or "batched"
+    if mode not in P2P_MODES:
+        raise ConfigError(f"unknown point-to-point mode {mode!r} (known: {', '.join(P2P_MODES)})",
+                          hint="set FXPIPE_P2P=batched or FXPIPE_P2P=strict")
+    if mode == "batched":
+        return TorchTransport(group)
+    if dist.get_backend(group) != "gloo":
+        raise ConfigError(f"strict point-to-point runs on gloo (this group uses "
+                          f"{dist.get_backend(group)})",
+                          hint="strict mode tests on CPU what NCCL does; unset FXPIPE_P2P on GPUs")
+    return StrictTransport(group, eager_bytes=int(os.environ.get("FXPIPE_P2P_EAGER_BYTES", "0")),
+                           timeout_s=float(os.environ.get("FXPIPE_P2P_TIMEOUT", "60")))

@@ -19,7 +19,6 @@ Environment:
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -29,10 +28,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import ConfigError, PeerLostError
+from fxpipe.errors import PeerLostError
 
-__all__ = ["Op", "Handle", "Transport", "TorchTransport", "SendReaper", "make_transport",
-           "P2P_MODES"]
+__all__ = ["Op", "Handle", "Transport", "TorchTransport", "SendReaper", "P2P_MODES"]
 
 P2P_MODES = ("batched", "strict")
 
@@ -206,21 +204,3 @@ class TorchTransport:
 
     def reset_peak(self) -> None:
         self.sends.peak = self.sends.count
-
-
-def make_transport(mode: str | None, group: Any = None) -> Transport:
-    """The transport for `mode` (None: FXPIPE_P2P, default "batched")."""
-    mode = mode or os.environ.get("FXPIPE_P2P", "batched") or "batched"
-    if mode not in P2P_MODES:
-        raise ConfigError(f"unknown point-to-point mode {mode!r} (known: {', '.join(P2P_MODES)})",
-                          hint="set FXPIPE_P2P=batched or FXPIPE_P2P=strict")
-    if mode == "batched":
-        return TorchTransport(group)
-    if dist.get_backend(group) != "gloo":
-        raise ConfigError(f"strict point-to-point runs on gloo (this group uses "
-                          f"{dist.get_backend(group)})",
-                          hint="strict mode tests on CPU what NCCL does; unset FXPIPE_P2P on GPUs")
-    from fxpipe.runtime.strict import StrictTransport
-
-    return StrictTransport(group, eager_bytes=int(os.environ.get("FXPIPE_P2P_EAGER_BYTES", "0")),
-                           timeout_s=float(os.environ.get("FXPIPE_P2P_TIMEOUT", "60")))
