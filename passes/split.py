@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
@@ -66,7 +67,7 @@ def _constant(info: Any) -> Any:
         return int(v)
     if hasattr(v, "is_Float") and (v.is_Float or v.is_Rational):
         return float(v)
-    if hasattr(v, "is_Boolean") and v in (torch.sym_true, torch.sym_false):
+    if hasattr(v, "is_Boolean") and v in (sympy.true, sympy.false):
         return bool(v)
     return v
 
