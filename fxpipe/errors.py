@@ -85,7 +85,8 @@ class MissingMetaError(FxPipeError, KeyError):
         )
 
     def __str__(self) -> str:  # KeyError would otherwise repr() the message
-        return self.args[0]
+        message: str = self.args[0]
+        return message
 
 
 class InvariantError(FxPipeError, AssertionError):

@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, TypeAlias
 
-import sympy
+import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
 from torch.fx import Graph, GraphModule, Node
 
@@ -29,8 +29,8 @@ __all__ = [
     "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "QUALNAMES", "BATCH", "qualname",
     "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "MeasuredTime", "CommInfo",
     "value_info", "tensor_info", "cost", "measured_time", "stage", "comm",
-    "is_comm", "is_inplace", "compute_nodes", "module_path", "format_shape", "dtype_abbr", "evaluate",
-    "verify",
+    "is_comm", "is_inplace", "compute_nodes", "module_path", "format_shape", "dtype_abbr",
+    "evaluate", "verify",
 ]
 
 TENSOR = "fxpipe.tensor"
@@ -45,12 +45,13 @@ QUALNAMES = "fxpipe.qualnames"  # GraphModule.meta: {attribute alias: model qual
 
 def qualname(gm: GraphModule, target: str) -> str:
     """The model's name for a graph attribute (unsafe names are aliased in the graph)."""
-    return gm.meta.get(QUALNAMES, {}).get(target, target)
+    names: dict[str, str] = gm.meta.get(QUALNAMES, {})
+    return names.get(target, target)
 
 BATCH = sympy.Symbol("b", positive=True, integer=True)
 """The micro-batch size: every shape, byte count and FLOP count is a polynomial in it."""
 
-Expr = Union[sympy.Expr, int]
+Expr: TypeAlias = sympy.Expr | int
 
 
 def evaluate(expr: Expr, b: int) -> int | float:
@@ -102,7 +103,7 @@ class ScalarInfo:
         return isinstance(self.value, sympy.Expr) and BATCH in self.value.free_symbols
 
 
-ValueInfo = Union[TensorInfo, ScalarInfo, tuple]
+ValueInfo: TypeAlias = TensorInfo | ScalarInfo | tuple["ValueInfo", ...]
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ class Cost:
     # and keeps itself, and the outputs of other nodes it keeps alive (producer name, bytes).
     internal_saved_bytes: sympy.Expr = field(default=sympy.Integer(0))
     saves: tuple[tuple[str, sympy.Expr], ...] = ()
-    random: bool = False  # the forward draws random numbers (a kernel tagged nondeterministic_seeded)
+    # the forward draws random numbers (a kernel tagged nondeterministic_seeded)
+    random: bool = False
 
     def at(self, b: int) -> dict[str, float]:
         """The numeric fields evaluated at micro-batch size `b`."""
@@ -166,7 +168,8 @@ def _meta(node: Node, key: str, run_first: str) -> Any:
 
 def value_info(node: Node) -> ValueInfo:
     """What fxpipe.capture recorded about the node's value."""
-    return _meta(node, TENSOR, "fxpipe.capture (or passes.shapes.propagate_shapes)")
+    info: ValueInfo = _meta(node, TENSOR, "fxpipe.capture (or passes.shapes.propagate_shapes)")
+    return info
 
 
 def tensor_info(node: Node) -> TensorInfo:
@@ -177,19 +180,23 @@ def tensor_info(node: Node) -> TensorInfo:
 
 
 def cost(node: Node) -> Cost:
-    return _meta(node, COST, "passes.cost.annotate_costs")
+    value: Cost = _meta(node, COST, "passes.cost.annotate_costs")
+    return value
 
 
 def measured_time(node: Node) -> MeasuredTime:
-    return _meta(node, TIME, "passes.timing.measure_times")
+    value: MeasuredTime = _meta(node, TIME, "passes.timing.measure_times")
+    return value
 
 
 def stage(node: Node) -> int:
-    return _meta(node, STAGE, "passes.partition.partition")
+    value: int = _meta(node, STAGE, "passes.partition.partition")
+    return value
 
 
 def comm(node: Node) -> CommInfo:
-    return _meta(node, COMM, "passes.split.split_stages")
+    value: CommInfo = _meta(node, COMM, "passes.split.split_stages")
+    return value
 
 
 def is_inplace(node: Node) -> bool:
@@ -323,7 +330,8 @@ def _check_stages(graph: Graph) -> Iterator[str]:
         s = node.meta[STAGE]
         for user in node.users:
             if user.op != "output" and STAGE in user.meta and user.meta[STAGE] < s:
-                yield f"{node.name} (stage {s}) feeds {user.name} in earlier stage {user.meta[STAGE]}"
+                yield (f"{node.name} (stage {s}) feeds {user.name} in earlier stage "
+                       f"{user.meta[STAGE]}")
 
 
 def _check_stage_graph(graph: Graph) -> Iterator[str]:

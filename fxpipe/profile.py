@@ -32,7 +32,8 @@ class DeviceProfile:
 
     def compute_time(self, flops: float, nbytes: float, kernels: int = 0) -> float:
         """Roofline: max(flops / peak, bytes / bandwidth), plus the launch cost of each kernel."""
-        return max(flops / self.peak_flops, nbytes / self.mem_bandwidth) + kernels * self.kernel_overhead
+        roofline = max(flops / self.peak_flops, nbytes / self.mem_bandwidth)
+        return roofline + kernels * self.kernel_overhead
 
     def comm_time(self, nbytes: float, messages: int = 1) -> float:
         return nbytes / self.link_bandwidth + messages * self.link_latency if nbytes else 0.0

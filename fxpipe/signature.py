@@ -1,19 +1,25 @@
-"""A model's call signature as flat tensor leaves: flatten, check, split into micro-batches, join."""
+"""A model's call signature as flat tensor leaves: flatten, check, split into micro-batches,
+join."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias, TypeGuard
 
 import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import RuntimeInputError
 
-__all__ = ["LeafSpec", "Signature", "is_tensor"]
+__all__ = ["LeafSpec", "Signature", "is_tensor", "ModelArgs", "ModelKwargs"]
+
+ModelArgs: TypeAlias = tuple[Any, ...]
+"""A model's positional inputs: whatever its forward takes."""
+ModelKwargs: TypeAlias = dict[str, Any]
+"""A model's keyword inputs."""
 
 
-def is_tensor(x: object) -> bool:
+def is_tensor(x: object) -> TypeGuard[torch.Tensor]:
     return isinstance(x, torch.Tensor)
 
 
@@ -55,17 +61,19 @@ class Signature:
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+    def flatten_inputs(self, args: Sequence[Any],
+                       kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
         """The tensor leaves of a call, checked against the compiled signature."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         if spec != self.in_spec:
             raise RuntimeInputError(
                 f"inputs have another structure than at compile time "
-                f"(got {len(leaves)} leaves {spec}, compiled for {len(self.leaves)} leaves {self.in_spec})",
+                f"(got {len(leaves)} leaves {spec}, compiled for {len(self.leaves)} leaves "
+                f"{self.in_spec})",
                 hint="call the program with the same positional and keyword arguments as the "
                      "example inputs, or compile again",
             )
-        tensors = []
+        tensors: list[torch.Tensor] = []
         for leaf, value in zip(self.leaves, leaves):
             if leaf.is_tensor:
                 self._check_tensor(leaf, value)
@@ -79,7 +87,7 @@ class Signature:
         self.batch_size(tensors)  # checks that batched inputs agree
         return tensors
 
-    def _check_tensor(self, leaf: LeafSpec, value: Any) -> None:
+    def _check_tensor(self, leaf: LeafSpec, value: object) -> None:
         if not isinstance(value, torch.Tensor):
             raise RuntimeInputError(
                 f"input {leaf.name} must be a tensor (got {type(value).__name__})",
@@ -108,8 +116,10 @@ class Signature:
                                     hint="give every batched input the same batch size")
         return next(iter(sizes.values()))
 
-    def split_inputs(self, tensors: Sequence[torch.Tensor], chunks: int) -> list[list[torch.Tensor]]:
-        """Micro-batches: every batched input split into `chunks` equal parts along its batch dim."""
+    def split_inputs(self, tensors: Sequence[torch.Tensor],
+                     chunks: int) -> list[list[torch.Tensor]]:
+        """Micro-batches: every batched input split into `chunks` equal parts along its batch
+        dim."""
         batch = self.batch_size(tensors)
         if chunks < 1 or batch % chunks:
             divisors = [d for d in range(1, batch + 1) if batch % d == 0]
@@ -117,7 +127,7 @@ class Signature:
                 f"batch size {batch} cannot be split into {chunks} equal micro-batches",
                 hint=f"use chunks in {divisors}, or a batch size that is a multiple of {chunks} "
                      "(e.g. DataLoader(drop_last=True))")
-        parts = []
+        parts: list[list[torch.Tensor]] = []
         for leaf, t in zip(self.tensor_leaves, tensors):
             if leaf.batch_dim is None:
                 parts.append([t] * chunks)
@@ -125,10 +135,10 @@ class Signature:
                 parts.append(list(t.tensor_split(chunks, dim=leaf.batch_dim)))
         return [[p[i] for p in parts] for i in range(chunks)]
 
-    def unflatten_inputs(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...],
-                                                                         dict[str, Any]]:
+    def unflatten_inputs(self, tensors: Sequence[torch.Tensor]) -> tuple[ModelArgs, ModelKwargs]:
         """(args, kwargs) of the model from its flat tensor inputs (constants filled back in)."""
-        values, it = [], iter(tensors)
+        values: list[Any] = []  # tensors and the baked constants, in leaf order
+        it = iter(tensors)
         for leaf in self.leaves:
             values.append(next(it) if leaf.is_tensor else leaf.constant)
         args, kwargs = pytree.tree_unflatten(values, self.in_spec)
@@ -141,7 +151,7 @@ class Signature:
 
     def join_outputs(self, per_microbatch: Sequence[Sequence[Any]]) -> list[Any]:
         """Concatenates each output leaf along its batch dimension."""
-        joined = []
+        joined: list[Any] = []
         for i, (is_t, dim) in enumerate(zip(self.out_is_tensor, self.out_batch_dims)):
             values = [mb[i] for mb in per_microbatch]
             if not is_t:
@@ -160,7 +170,7 @@ class Signature:
         return joined
 
 
-def _same_constant(a: Any, b: Any) -> bool:
+def _same_constant(a: object, b: object) -> bool:
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - exotic __eq__

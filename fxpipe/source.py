@@ -20,7 +20,8 @@ __all__ = ["SourceLine", "from_stack_trace", "from_traceback", "from_exception",
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXPIPE_DIR = os.path.dirname(os.path.abspath(__file__))
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
+_FRAME = re.compile(
+    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
 
 
 @dataclass(frozen=True)

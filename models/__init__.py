@@ -5,6 +5,9 @@ import importlib
 import json
 from typing import Any
 
+import torch
+from torch import nn
+
 from fxpipe.errors import ConfigError
 
 __all__ = ["MODELS", "load", "load_factory"]
@@ -19,12 +22,15 @@ _DETERMINISTIC_CONFIG: dict[str, dict[str, Any]] = {"gpt": {"dropout": 0.0}}
 _DETERMINISTIC_EVAL = {"resnet"}
 
 
-def load(name: str, *, deterministic: bool = False, **config: Any) -> tuple[Any, tuple, dict]:
+def load(name: str, *, deterministic: bool = False,
+         **config: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
     """(model, example_inputs, example_kwargs) of the reference model `name`; `deterministic`
     sets the model up so that a pipeline of it must match it exactly (config still overrides)."""
     module = importlib.import_module(f"fxpipe.models.{name}")
     if deterministic:
         config = {**_DETERMINISTIC_CONFIG.get(name, {}), **config}
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
     model, inputs = module.build(**config)
     if deterministic and name in _DETERMINISTIC_EVAL:
         model.eval()
@@ -32,7 +38,8 @@ def load(name: str, *, deterministic: bool = False, **config: Any) -> tuple[Any,
     return model, inputs, kwargs
 
 
-def load_factory(spec: str, settings: list[str] | None = None) -> tuple[Any, tuple, dict, Any]:
+def load_factory(spec: str, settings: list[str] | None = None
+                 ) -> tuple[Any, tuple[Any, ...], dict[str, Any], Any]:
     """MODULE:FACTORY -> (model, example_inputs, example_kwargs, target)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -44,12 +51,13 @@ def load_factory(spec: str, settings: list[str] | None = None) -> tuple[Any, tup
     except ImportError as e:
         raise ConfigError(f"cannot import module {module_name!r}: {e}",
                           hint="check the spelling and that it is on PYTHONPATH") from e
-    factory = module
+    factory: Any = module  # any attribute the user's spec names
     for part in attr.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
+            names = sorted(n for n in dir(module) if not n.startswith("_"))[:10]
             raise ConfigError(f"module {module_name!r} has no attribute {attr!r}",
-                              hint=f"names it has: {sorted(n for n in dir(module) if not n.startswith('_'))[:10]}")
+                              hint=f"names it has: {names}")
     config = _settings(settings or [])
     result = factory(**config)
     if not isinstance(result, tuple) or len(result) not in (2, 3):

@@ -52,7 +52,7 @@ def build(
     aux_classes: int = 4,
     batch: int = 8,
     seed: int = 0,
-) -> tuple[nn.Module, tuple]:
+) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Return (model, (x, y)): x (batch, x_features), y (batch, y_features); see example_kwargs."""
     if batch < 2:
         raise ValueError(f"batch must be >= 2, got {batch}")
@@ -64,14 +64,16 @@ def build(
     return model.train(), (x, y)
 
 
-def example_kwargs(example_inputs: tuple, *, seed: int = 0, **_config) -> dict[str, torch.Tensor]:
+def example_kwargs(example_inputs: tuple[torch.Tensor, ...], *, seed: int = 0,
+                   **_config: object) -> dict[str, torch.Tensor]:
     """Keyword inputs for forward: {"gate": (batch, 1)}."""
     g = torch.Generator().manual_seed(seed + 2)
     return {"gate": torch.randn(example_inputs[0].shape[0], 1, generator=g)}
 
 
 def target(
-    example_inputs: tuple, *, seed: int = 0, num_classes: int = 10, **_config
+    example_inputs: tuple[torch.Tensor, ...], *, seed: int = 0, num_classes: int = 10,
+    **_config: object,
 ) -> torch.Tensor:
     """Integer class labels of shape (batch,) for cross-entropy on the "logits" output."""
     g = torch.Generator().manual_seed(seed + 1)

@@ -110,7 +110,7 @@ def build(
     dropout: float = 0.1,
     batch: int = 8,
     seed: int = 0,
-) -> tuple[nn.Module, tuple]:
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """Return (model, (idx,)) with idx int64 token ids of shape (batch, seq_len)."""
     if batch < 2:
         raise ValueError(f"batch must be >= 2, got {batch}")
@@ -122,10 +122,17 @@ def build(
 
 
 def target(
-    example_inputs: tuple, *, seed: int = 0, vocab_size: int = 512, **_config
+    example_inputs: tuple[torch.Tensor, ...], *, seed: int = 0, vocab_size: int = 512,
+    **_config: object,
 ) -> torch.Tensor:
     """Next-token ids (batch, seq): the input shifted left by one, with a random last token."""
     (idx,) = example_inputs
     g = torch.Generator().manual_seed(seed + 1)
     last = torch.randint(vocab_size, (idx.shape[0], 1), generator=g)
     return torch.cat([idx[:, 1:], last], dim=1)
+
+
+# nn.Module.__call__ is annotated as returning Any, so each forward that returns a submodule's
+# output would need a cast or an ignore; its lines are quoted, with their numbers, in generated
+# stage code (and the golden files), so they stay plain Python and the check is off here.
+# mypy: disable-error-code="no-any-return"

@@ -42,7 +42,7 @@ def build(
     num_classes: int = 10,
     batch: int = 8,
     seed: int = 0,
-) -> tuple[nn.Module, tuple]:
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """Return (model, (x,)) with x of shape (batch, in_features)."""
     if batch < 2:
         raise ValueError(f"batch must be >= 2, got {batch}")
@@ -54,8 +54,15 @@ def build(
 
 
 def target(
-    example_inputs: tuple, *, seed: int = 0, num_classes: int = 10, **_config
+    example_inputs: tuple[torch.Tensor, ...], *, seed: int = 0, num_classes: int = 10,
+    **_config: object,
 ) -> torch.Tensor:
     """Integer class labels of shape (batch,) for cross-entropy."""
     g = torch.Generator().manual_seed(seed + 1)
     return torch.randint(num_classes, (example_inputs[0].shape[0],), generator=g)
+
+
+# nn.Module.__call__ is annotated as returning Any, so each forward that returns a submodule's
+# output would need a cast or an ignore; its lines are quoted, with their numbers, in generated
+# stage code (and the golden files), so they stay plain Python and the check is off here.
+# mypy: disable-error-code="no-any-return"

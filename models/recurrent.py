@@ -34,7 +34,7 @@ def build(
     num_classes: int = 5,
     batch: int = 8,
     seed: int = 0,
-) -> tuple[nn.Module, tuple]:
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """Return (model, (x,)): x of shape (seq_len, batch, features); batch is dimension 1."""
     if batch < 2:
         raise ValueError(f"batch must be >= 2, got {batch}")
@@ -46,9 +46,16 @@ def build(
 
 
 def target(
-    example_inputs: tuple, *, seed: int = 0, num_classes: int = 5, **_config
+    example_inputs: tuple[torch.Tensor, ...], *, seed: int = 0, num_classes: int = 5,
+    **_config: object,
 ) -> torch.Tensor:
     """Integer tags of shape (seq_len, batch) for cross-entropy."""
     (x,) = example_inputs
     g = torch.Generator().manual_seed(seed + 1)
     return torch.randint(num_classes, (x.shape[0], x.shape[1]), generator=g)
+
+
+# nn.Module.__call__ is annotated as returning Any, so each forward that returns a submodule's
+# output would need a cast or an ignore; its lines are quoted, with their numbers, in generated
+# stage code (and the golden files), so they stay plain Python and the check is off here.
+# mypy: disable-error-code="no-any-return"

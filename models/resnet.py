@@ -16,7 +16,7 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(out_channels)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_channels)
-        self.shortcut = nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_channels != out_channels:
             self.shortcut = nn.Sequential(
                 nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
@@ -60,7 +60,7 @@ def build(
     image_size: int = 16,
     batch: int = 8,
     seed: int = 0,
-) -> tuple[nn.Module, tuple]:
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """Return (model, (images,)) with images of shape (batch, 3, image_size, image_size)."""
     if batch < 2:
         raise ValueError(f"batch must be >= 2, got {batch}")
@@ -72,8 +72,15 @@ def build(
 
 
 def target(
-    example_inputs: tuple, *, seed: int = 0, num_classes: int = 10, **_config
+    example_inputs: tuple[torch.Tensor, ...], *, seed: int = 0, num_classes: int = 10,
+    **_config: object,
 ) -> torch.Tensor:
     """Integer class labels of shape (batch,) for cross-entropy."""
     g = torch.Generator().manual_seed(seed + 1)
     return torch.randint(num_classes, (example_inputs[0].shape[0],), generator=g)
+
+
+# nn.Module.__call__ is annotated as returning Any, so each forward that returns a submodule's
+# output would need a cast or an ignore; its lines are quoted, with their numbers, in generated
+# stage code (and the golden files), so they stay plain Python and the check is off here.
+# mypy: disable-error-code="no-any-return"

@@ -84,7 +84,7 @@ def build(
     image_size: int = 32,
     batch: int = 8,
     seed: int = 0,
-) -> tuple[nn.Module, tuple]:
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """Return (model, (images,)): images of shape (batch, in_channels, image_size, image_size)."""
     if batch < 2:
         raise ValueError(f"batch must be >= 2, got {batch}")
@@ -100,9 +100,16 @@ def build(
 
 
 def target(
-    example_inputs: tuple, *, seed: int = 0, out_channels: int = 3, **_config
+    example_inputs: tuple[torch.Tensor, ...], *, seed: int = 0, out_channels: int = 3,
+    **_config: object,
 ) -> torch.Tensor:
     """A float image of the output's shape (batch, out_channels, H, W) for mean squared error."""
     (x,) = example_inputs
     g = torch.Generator().manual_seed(seed + 1)
     return torch.randn(x.shape[0], out_channels, x.shape[2], x.shape[3], generator=g)
+
+
+# nn.Module.__call__ is annotated as returning Any, so each forward that returns a submodule's
+# output would need a cast or an ignore; its lines are quoted, with their numbers, in generated
+# stage code (and the golden files), so they stay plain Python and the check is off here.
+# mypy: disable-error-code="no-any-return"

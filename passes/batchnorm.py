@@ -38,6 +38,7 @@ def _is_counter_increment(node: Node) -> bool:
 def _counter_for(gm: GraphModule, running_mean: Node) -> Node | None:
     owner = str(running_mean.target).rpartition(".")[0]
     name = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
+    node: Node
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target == name:
             return node
@@ -68,7 +69,8 @@ def defer_batch_norm(gm: GraphModule) -> int:
             continue
         if bound.get("momentum") is None:
             raise ConfigError(f"{node.name}: BatchNorm with momentum=None (cumulative average) "
-                              "cannot be deferred", hint="set a momentum, or deferred_batch_norm=False")
+                              "cannot be deferred",
+                              hint="set a momentum, or deferred_batch_norm=False")
         counter = _counter_for(gm, bound["running_mean"])
         if counter is not None:
             counters.add(str(counter.target))

@@ -15,25 +15,26 @@ annotated once and the result reused.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
-import sympy
+import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.fx.node import Argument, Target
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxpipe import ir
+from fxpipe import ir, source
 from fxpipe.errors import CostError
-from fxpipe.profile import DeviceProfile
-from fxpipe import source
 from fxpipe.frontend import shapes
+from fxpipe.profile import DeviceProfile
 
 __all__ = ["annotate_costs", "CostSummary", "estimate_time", "ELEMENTWISE_FACTOR"]
 
@@ -49,18 +50,26 @@ ELEMENTWISE_FACTOR = {
 }
 _SDPA_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 
+_Count: TypeAlias = int | torch.SymInt
+"""A count of elements, bytes or FLOPs: symbolic in the batch size on fake tensors."""
+_Op: TypeAlias = OpOverload[..., Any]
+_Saved: TypeAlias = tuple[Literal["arg", "out", "new"], int, sympy.Expr | None]
+"""("arg", flat index, None) | ("out", output index, None) | ("new", -1, nbytes)."""
 
-class _KernelCounter(TorchDispatchMode):
+
+# TorchDispatchMode's __init_subclass__ and __init__ are unannotated in torch.
+class _KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts FLOPs, bytes moved and kernels of every aten op it sees."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.flops: list[Any] = []
-        self.bytes: list[Any] = []
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.flops: list[_Count] = []
+        self.bytes: list[_Count] = []
         self.kernels = 0
         self.random = False  # a kernel drew random numbers (dropout, rand, bernoulli ...)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func: _Op, types: Sequence[type], args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.random = self.random or _draws_random(func, args, kwargs)
@@ -68,12 +77,13 @@ class _KernelCounter(TorchDispatchMode):
             return out
         self.kernels += 1
         self.flops.append(_kernel_flops(func, args, kwargs, out))
-        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in pytree.tree_leaves((args, kwargs, out))
+                   if isinstance(t, torch.Tensor)]
         self.bytes.append(sum(t.numel() * t.element_size() for t in tensors))
         return out
 
 
-def _draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
+def _draws_random(func: _Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a kernel draws random numbers: tagged so by torch, and not a dropout (or an
     attention with dropout) that is inactive (p = 0, or not training), which draws nothing."""
     if torch.Tag.nondeterministic_seeded not in func.tags:
@@ -91,17 +101,24 @@ _FREE_OPS = {torch.ops.aten.detach, torch.ops.aten.sym_size, torch.ops.aten.sym_
              torch.ops.aten._assert_tensor_metadata}
 
 
-def _kernel_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+def _kernel_flops(func: _Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> _Count:
     packet = func._overloadpacket
+    flops: _Count
     if packet in flop_counter.flop_registry:
-        return flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
+        flops = flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
+        return flops
     name = packet.__name__
+    # torch.utils.flop_counter's sdpa formulas are unannotated
     if name == _SDPA_CPU:
         q, k, v = args[:3]
-        return flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
+        flops = flop_counter.sdpa_flop_count(  # type: ignore[no-untyped-call]
+            q.shape, k.shape, v.shape)
+        return flops
     if name == _SDPA_CPU + "_backward":
         grad_out, q, k, v = args[:4]
-        return flop_counter.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+        flops = flop_counter.sdpa_backward_flop_count(  # type: ignore[no-untyped-call]
+            grad_out.shape, q.shape, k.shape, v.shape)
+        return flops
     if name in ("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"):
         return _lstm_layer_flops(args, backward=name.endswith("backward"))
     largest = max((t.numel() for t in pytree.tree_leaves((args, out))
@@ -109,11 +126,13 @@ def _kernel_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     return ELEMENTWISE_FACTOR.get(name, 1) * largest
 
 
-def _lstm_layer_flops(args: tuple, backward: bool) -> Any:
+def _lstm_layer_flops(args: tuple[Any, ...], backward: bool) -> _Count:
     """One LSTM layer over a sequence: the four gate matmuls per step (2*T*B*4H*(I+H)) plus
     about ten element-wise operations per hidden unit and step; backward is twice the matmuls
     (input and weight gradients) plus the element-wise part."""
-    x, w_ih, w_hh = args[0], args[1], args[2]
+    x: torch.Tensor = args[0]
+    w_ih: torch.Tensor = args[1]
+    w_hh: torch.Tensor = args[2]
     batch_first = bool(args[21] if backward else args[14])
     steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
     four_h, inp = w_ih.shape
@@ -123,21 +142,22 @@ def _lstm_layer_flops(args: tuple, backward: bool) -> Any:
     return (2 * matmul if backward else matmul) + pointwise
 
 
-def _hint(x: Any) -> int:
+def _hint(x: _Count) -> int:
     if isinstance(x, torch.SymInt):
-        return x.node.hint if x.node.hint is not None else 0
+        hint: int | None = x.node.hint
+        return hint if hint is not None else 0
     return int(x)
 
 
 @dataclass
 class _NodeCost:
-    fwd_flops: Any
-    bwd_flops: Any
-    fwd_bytes: Any
-    bwd_bytes: Any
+    fwd_flops: sympy.Expr
+    bwd_flops: sympy.Expr
+    fwd_bytes: sympy.Expr
+    bwd_bytes: sympy.Expr
     fwd_kernels: int
     bwd_kernels: int
-    saved: list[tuple[str, int, Any]]  # ("arg", flat index, _) | ("out", index, _) | ("new", _, nbytes)
+    saved: list[_Saved]  # ("arg", flat index, _) | ("out", index, _) | ("new", _, nbytes)
     random: bool = False
 
 
@@ -168,6 +188,7 @@ def annotate_costs(gm: GraphModule, *, batch_hint: int | None = None) -> CostSum
 class _CostRunner(Interpreter):
     def __init__(self, gm: GraphModule, hint: int) -> None:
         super().__init__(gm, garbage_collect_values=False)
+        self.gm = gm
         self.shape_env = ShapeEnv()
         self.mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
         self.sym = self.shape_env.create_symbol(hint, source=ConstantSource("fxpipe_b"),
@@ -176,28 +197,30 @@ class _CostRunner(Interpreter):
         self.fakes: dict[int, torch.Tensor] = {}
         self.param_keys: set[int] = set()
         self.seen_params: set[int] = set()
-        self.owner: dict[int, tuple[Node, Any]] = {}  # storage -> (allocating node, nbytes)
+        self.owner: dict[int, tuple[Node, _Count]] = {}  # storage -> (allocating node, nbytes)
         self.kept: set[int] = set()  # storages some node saves for backward
-        self.internal: dict[Node, list[Any]] = {}
-        self.saves: dict[Node, dict[str, Any]] = {}  # saver -> {producer: bytes} it keeps alive
+        self.internal: dict[Node, list[sympy.Expr]] = {}
+        # saver -> {producer: bytes} it keeps alive
+        self.saves: dict[Node, dict[str, sympy.Expr]] = {}
         self.raw: dict[Node, _NodeCost] = {}
-        self.cache: dict[Any, _NodeCost] = {}
+        self.cache: dict[tuple[Hashable, ...], _NodeCost] = {}
         self.cache_hits = 0
 
     # -- values ---------------------------------------------------------------------------------
 
-    def _expr(self, x: Any) -> sympy.Expr:
+    def _expr(self, x: _Count) -> sympy.Expr:
         if isinstance(x, torch.SymInt):
             return sympy.sympify(x.node.expr).xreplace({self.sym: ir.BATCH})
         return sympy.Integer(int(x))
 
-    def _symint(self, expr: sympy.Expr) -> Any:
+    def _symint(self, expr: sympy.Expr) -> _Count:
         if not expr.free_symbols:
             return int(expr)
         return self.shape_env.create_symintnode(expr.xreplace({ir.BATCH: self.sym}),
                                                 hint=int(expr.subs(ir.BATCH, self.hint)))
 
-    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
+    def placeholder(self, target: Target, args: tuple[Argument, ...],
+                    kwargs: dict[str, Any]) -> Any:
         info = ir.value_info(self._current)
         if not isinstance(info, ir.TensorInfo):
             raise CostError(f"input {self._current.name} is not a tensor ({info})",
@@ -206,7 +229,7 @@ class _CostRunner(Interpreter):
             t = torch.empty([self._symint(d) for d in info.shape], dtype=info.dtype)
         return t.requires_grad_(info.requires_grad) if info.is_float else t
 
-    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+    def get_attr(self, target: Target, args: tuple[Argument, ...], kwargs: dict[str, Any]) -> Any:
         real = super().get_attr(target, args, kwargs)
         if not isinstance(real, torch.Tensor):
             return real
@@ -218,7 +241,7 @@ class _CostRunner(Interpreter):
 
     def run_all(self) -> None:
         with self.mode:
-            for node in self.module.graph.nodes:
+            for node in self.gm.graph.nodes:
                 self._current = node
                 self.env[node] = self.run_node(node)
                 if node.op in ("placeholder", "get_attr"):
@@ -244,7 +267,7 @@ class _CostRunner(Interpreter):
             if kind == "arg":
                 self._keep(_storage(flat_in[index]), n)
             elif kind == "out":
-                self._keep(_storage(outs[index]), n, own=True, out=outs[index])
+                self._keep(_storage(outs[index]), n, out=outs[index])
             else:
                 self.internal.setdefault(n, []).append(nbytes)
         self._record_outputs(n, out)
@@ -257,10 +280,11 @@ class _CostRunner(Interpreter):
                 if key not in self.owner:
                     self.owner[key] = (n, t.untyped_storage().nbytes())
 
-    def _keep(self, key: int, by: Node, own: bool = False, out: Any = None) -> None:
+    def _keep(self, key: int, by: Node, out: torch.Tensor | None = None) -> None:
+        """Records that `by` saves storage `key`; `out` is given when it is `by`'s own output."""
         if key in self.param_keys:
             return
-        if own and key not in self.owner:
+        if out is not None and key not in self.owner:
             self.owner[key] = (by, out.untyped_storage().nbytes())
         owner = self.owner.get(key)
         if owner is None or owner[0].op == "get_attr":
@@ -273,7 +297,8 @@ class _CostRunner(Interpreter):
         if owner[0].op == "placeholder":  # a model input kept alive: charge its first saver
             self.internal.setdefault(by, []).append(self._expr(owner[1]))
 
-    def _measure(self, n: Node, args: tuple, kwargs: dict) -> tuple[Any, _NodeCost]:
+    def _measure(self, n: Node, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[Any, _NodeCost]:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = self._cache_key(n, leaves)
         if key is not None and key in self.cache:
@@ -293,14 +318,15 @@ class _CostRunner(Interpreter):
             self.cache[key] = cost
         return out, cost
 
-    def _run_counted(self, n: Node, leaves: list, spec: Any, params: set[int]) -> tuple[Any, _NodeCost]:
+    def _run_counted(self, n: Node, leaves: list[Any], spec: pytree.TreeSpec,
+                     params: set[int]) -> tuple[Any, _NodeCost]:
         """Runs the node once, counting its forward and backward kernels and saved tensors."""
         fresh = [_fresh_leaf(x) for x in leaves]
         call = _writable(n, fresh)  # in-place ops write into copies of their leaves
         a, k = pytree.tree_unflatten(call, spec)
         copies = {_storage(c): i for i, (c, f) in enumerate(zip(call, fresh))
                   if isinstance(c, torch.Tensor) and c is not f}
-        saved_keys: list[tuple[int, Any]] = []
+        saved_keys: list[tuple[int, _Count]] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved_keys.append((_storage(t), t.untyped_storage().nbytes()))
@@ -308,7 +334,7 @@ class _CostRunner(Interpreter):
 
         module_state: dict[str, torch.Tensor] = {}
         if n.op == "call_module":  # its own parameters are inputs too: differentiate them
-            sub = self.module.get_submodule(n.target)
+            sub = self.module.get_submodule(str(n.target))
             for name, t in [*sub.named_parameters(), *sub.named_buffers()]:
                 module_state[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device
                                                  ).requires_grad_(t.requires_grad)
@@ -333,7 +359,7 @@ class _CostRunner(Interpreter):
                          self._classify(saved_keys, fresh, out, params, copies), fwd.random)
         return out, cost
 
-    def _interpolated(self, n: Node, args: tuple, kwargs: dict,
+    def _interpolated(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any],
                       real: bool = False) -> tuple[Any, _NodeCost]:
         """Costs from static runs at a few batch sizes, interpolated (exact for polynomials):
         on fake tensors for ops without symbolic-shape support, on real ones for ops whose
@@ -351,19 +377,31 @@ class _CostRunner(Interpreter):
                       if isinstance(orig, torch.Tensor) and _storage(orig) in self.param_keys}
             with static:
                 samples[b] = self._run_counted(n, leaves, spec, params)
-        fit = lambda field: shapes.interpolate(  # noqa: E731
-            [(b, int(getattr(c, field))) for b, (_, c) in samples.items()])
+
+        def fit(name: str) -> sympy.Expr:
+            return shapes.interpolate([(b, int(getattr(c, name))) for b, (_, c) in
+                                       samples.items()])
+
+        def fit_saved(i: int) -> sympy.Expr:
+            """The bytes of saved entry i, a buffer the node allocates (a "new" entry)."""
+            points: list[tuple[int, int | float]] = []
+            for b, (_, c) in samples.items():
+                nbytes = c.saved[i][2]
+                assert nbytes is not None, "a new buffer's entry carries its size"
+                points.append((b, int(nbytes)))
+            return shapes.interpolate(points)
+
         first = samples[shapes.SAMPLE_SIZES[0]][1]
-        saved = [(kind, index, shapes.interpolate([(b, int(c.saved[i][2])) for b, (_, c) in
-                                                   samples.items()]) if kind == "new" else None)
-                 for i, (kind, index, _) in enumerate(first.saved)]
+        saved: list[_Saved] = [(kind, index, fit_saved(i) if kind == "new" else None)
+                               for i, (kind, index, _) in enumerate(first.saved)]
         cost = _NodeCost(fit("fwd_flops"), fit("bwd_flops"), fit("fwd_bytes"), fit("bwd_bytes"),
                          first.fwd_kernels, first.bwd_kernels, saved, first.random)
         outs = {b: o for b, (o, _) in samples.items()}  # only their shapes are read
         out = shapes.symbolic_like(outs, self.shape_env, self.sym)
         return out, cost
 
-    def _real_sample(self, n: Node, args: tuple, kwargs: dict, b: int) -> tuple[Any, _NodeCost]:
+    def _real_sample(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     b: int) -> tuple[Any, _NodeCost]:
         """One real run of the node at batch size b on random data, with the real parameters."""
         real_params = {id(f): r for r, f in self._real_of_fake()}
 
@@ -384,21 +422,22 @@ class _CostRunner(Interpreter):
         return self._run_counted(n, leaves, spec, params)
 
     def _real_of_fake(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        for node in self.module.graph.nodes:
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for node in self.gm.graph.nodes:
             if node.op == "get_attr":
                 real = super().get_attr(node.target, (), {})
                 if isinstance(real, torch.Tensor) and id(real) in self.fakes:
                     out.append((real, self.fakes[id(real)]))
         return out
 
-    def _classify(self, saved: list[tuple[int, Any]], fresh: list, out: Any,
-                  params: set[int], copies: dict[int, int] | None = None) -> list:
+    def _classify(self, saved: list[tuple[int, _Count]], fresh: list[Any], out: Any,
+                  params: set[int], copies: dict[int, int] | None = None) -> list[_Saved]:
         args = {_storage(t): i for i, t in enumerate(fresh) if isinstance(t, torch.Tensor)}
         args.update(copies or {})
         outs = {_storage(t): i for i, t in enumerate(
             [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])}
-        result, seen = [], set()
+        result: list[_Saved] = []
+        seen: set[int] = set()
         for key, nbytes in saved:
             if key in seen or key in params:
                 continue
@@ -411,10 +450,10 @@ class _CostRunner(Interpreter):
                 result.append(("new", -1, self._expr(nbytes)))
         return result
 
-    def _cache_key(self, n: Node, leaves: list) -> Any:
+    def _cache_key(self, n: Node, leaves: list[Any]) -> tuple[Hashable, ...] | None:
         if n.op == "call_module":
             return None
-        parts: list[Any] = [n.op, n.target]
+        parts: list[Hashable] = [n.op, n.target]
         storages: dict[int, int] = {}
         for x in leaves:
             if isinstance(x, torch.Tensor):
@@ -432,20 +471,22 @@ class _CostRunner(Interpreter):
                     return None
         return tuple(parts)
 
-    def _sum(self, terms: Sequence[Any]) -> sympy.Expr:
-        return sympy.expand(sympy.Add(*[self._expr(t) for t in terms])) if terms else sympy.Integer(0)
+    def _sum(self, terms: Sequence[_Count]) -> sympy.Expr:
+        if not terms:
+            return sympy.Integer(0)
+        return sympy.expand(sympy.Add(*[self._expr(t) for t in terms]))
 
     # -- results --------------------------------------------------------------------------------
 
     def summary(self) -> CostSummary:
-        graph = self.module.graph
-        kept_by_owner: dict[Node, list[Any]] = {}
+        graph = self.gm.graph
+        kept_by_owner: dict[Node, list[sympy.Expr]] = {}
         for key in self.kept:
             node, nbytes = self.owner[key]
             if node.op not in ("placeholder", "get_attr"):
                 kept_by_owner.setdefault(node, []).append(self._expr(nbytes))
-        totals = {"fwd": [], "bwd": [], "params": [], "saved": []}
-        by_node = {}
+        totals: dict[str, list[sympy.Expr]] = {"fwd": [], "bwd": [], "params": [], "saved": []}
+        by_node: dict[str, ir.Cost] = {}
         for node in ir.compute_nodes(graph):
             raw = self.raw[node]
             params, grad_params = self._param_bytes(node)
@@ -465,7 +506,10 @@ class _CostRunner(Interpreter):
             totals["bwd"].append(cost.bwd_flops)
             totals["params"].append(params)
             totals["saved"].append(saved)
-        add = lambda xs: sympy.expand(sympy.Add(*xs))  # noqa: E731
+
+        def add(xs: list[sympy.Expr]) -> sympy.Expr:
+            return sympy.expand(sympy.Add(*xs))
+
         return CostSummary(len(by_node), add(totals["fwd"]), add(totals["bwd"]),
                            add(totals["params"]), add(totals["saved"]), self.cache_hits, by_node)
 
@@ -475,7 +519,7 @@ class _CostRunner(Interpreter):
         for arg in node.all_input_nodes:
             if arg.op != "get_attr":
                 continue
-            real = self.fetch_attr(arg.target)
+            real = self.fetch_attr(str(arg.target))
             if not isinstance(real, torch.Tensor) or id(real) in self.seen_params:
                 continue
             self.seen_params.add(id(real))
@@ -483,7 +527,7 @@ class _CostRunner(Interpreter):
             if real.requires_grad:
                 grad += real.numel() * real.element_size()
         if node.op == "call_module":
-            sub = self.fetch_attr(node.target)
+            sub = self.fetch_attr(str(node.target))
             for p in [*sub.parameters(), *sub.buffers()]:
                 if id(p) not in self.seen_params:
                     self.seen_params.add(id(p))
@@ -500,7 +544,7 @@ def _needs_real_samples(n: Node) -> bool:
     return any(marker in name for marker in _REAL_SAMPLED)
 
 
-def _writable(n: Node, fresh: list) -> list:
+def _writable(n: Node, fresh: list[Any]) -> list[Any]:
     """The arguments to call an in-place node with: its fresh leaves that need gradients are
     leaves, which autograd does not let an operation overwrite, so it writes into copies (made
     outside the kernel counter, so they cost nothing)."""
@@ -510,7 +554,8 @@ def _writable(n: Node, fresh: list) -> list:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    key: int = t.untyped_storage()._cdata  # the storage's address
+    return key
 
 
 def _fresh_leaf(x: Any) -> Any:
@@ -521,7 +566,7 @@ def _fresh_leaf(x: Any) -> Any:
     return x
 
 
-def _value_bytes(info: Any) -> sympy.Expr:
+def _value_bytes(info: ir.ValueInfo | None) -> sympy.Expr:
     if isinstance(info, ir.TensorInfo):
         return info.nbytes
     if isinstance(info, tuple):

@@ -73,7 +73,8 @@ def kept_bytes(nodes: Sequence[Node], b: int) -> float:
     value they save, once (a value received from another stage is a copy this stage keeps)."""
     costs = [ir.cost(n) for n in nodes if ir.COST in n.meta]
     internal = sum(float(ir.evaluate(c.internal_saved_bytes, b)) for c in costs)
-    values = {producer: float(ir.evaluate(nbytes, b)) for c in costs for producer, nbytes in c.saves}
+    values = {producer: float(ir.evaluate(nbytes, b))
+              for c in costs for producer, nbytes in c.saves}
     return internal + sum(values.values())
 
 
@@ -99,7 +100,8 @@ def mark_remat(gm: GraphModule, mode: str, *, microbatch_size: int, inflight: in
         node.meta.pop(ir.REMAT, None)
     if mode == "never":
         return []
-    candidates = [_split_blocks(run) for run in _runs(gm)] if mode == "auto" else [[r] for r in _runs(gm)]
+    runs = _runs(gm)
+    candidates = [_split_blocks(run) for run in runs] if mode == "auto" else [[r] for r in runs]
     blocks = [block for run in candidates for block in run]
     if mode == "auto":
         blocks = _auto(blocks, microbatch_size, inflight, fixed_bytes, memory_limit)
@@ -127,7 +129,8 @@ def _split_blocks(run: list[Node]) -> list[list[Node]]:
     return blocks
 
 
-def _auto(blocks, b, inflight, fixed, limit) -> list[list[Node]]:
+def _auto(blocks: list[list[Node]], b: int, inflight: int, fixed: float,
+          limit: float | None) -> list[list[Node]]:
     if limit is None:
         return []
     stats = [_region_stats(block, b) for block in blocks]

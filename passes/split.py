@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
 from torch.fx import Graph, GraphModule, Node
 
@@ -49,7 +50,7 @@ def _stage_of(node: Node) -> int | None:
     return node.meta.get(ir.STAGE)
 
 
-def _is_constant(info: Any) -> bool:
+def _is_constant(info: ir.ValueInfo | None) -> bool:
     if isinstance(info, ir.ScalarInfo):
         v = info.value
         return not hasattr(v, "free_symbols") or not v.free_symbols
@@ -58,15 +59,18 @@ def _is_constant(info: Any) -> bool:
     return False
 
 
-def _constant(info: Any) -> Any:
+def _constant(info: ir.ValueInfo | None) -> Any:
+    """The Python value of a ValueInfo that _is_constant accepts."""
     if isinstance(info, tuple):
         return tuple(_constant(i) for i in info)
+    if not isinstance(info, ir.ScalarInfo):
+        raise TypeError(f"{info!r} is not a constant")
     v = info.value
     if hasattr(v, "is_Integer") and v.is_Integer:
         return int(v)
     if hasattr(v, "is_Float") and (v.is_Float or v.is_Rational):
         return float(v)
-    if hasattr(v, "is_Boolean") and v in (torch.sym_true, torch.sym_false):
+    if hasattr(v, "is_Boolean") and v in (sympy.true, sympy.false):
         return bool(v)
     return v
 
@@ -96,7 +100,8 @@ class _StageBuilder:
         self.graph = Graph()
         self.env: dict[Node, Any] = {}
         self.comm = self.graph.placeholder("comm")
-        self.comm.meta[ir.COMM] = ir.CommInfo("channel", -1, "comm", None)
+        # the communicator itself: no value crosses, so it is recorded as a non-tensor None
+        self.comm.meta[ir.COMM] = ir.CommInfo("channel", -1, "comm", ir.ScalarInfo(None))
         self.inputs: list[str] = []
         self.attrs: list[str] = []
         self.recvs: list[ir.CommInfo] = []
@@ -110,9 +115,10 @@ class _StageBuilder:
             raise SplitError(f"model input {node.name} is not declared in stage {self.index}",
                              hint="this is a bug in split_stages")
         if node.op == "get_attr":
-            new = self.graph.get_attr(node.target)
+            target = str(node.target)
+            new = self.graph.get_attr(target)
             new.meta = dict(node.meta)
-            self.attrs.append(node.target)
+            self.attrs.append(target)
             self.env[node] = new
             return new
         info = node.meta.get(ir.TENSOR)
@@ -136,7 +142,11 @@ class _StageBuilder:
                 self.inputs.append(node.name)
 
     def add_recv(self, node: Node) -> None:
-        info = ir.CommInfo("recv", _stage_of(node), node.name, node.meta[ir.TENSOR])
+        src = _stage_of(node)
+        if src is None:
+            raise SplitError(f"{node.name} is received but has no stage",
+                             hint="this is a bug in split_stages")
+        info = ir.CommInfo("recv", src, node.name, node.meta[ir.TENSOR])
         new = self.graph.call_function(recv, (self.comm, node.name), {"src": info.peer})
         new._rename(node.name)
         new.meta = {ir.TENSOR: node.meta[ir.TENSOR], ir.COMM: info}
@@ -239,7 +249,7 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
     return stages
 
 
-def _attr(gm: GraphModule, target: str) -> Any:
+def _attr(gm: GraphModule, target: str) -> object:
     owner_path, _, name = target.rpartition(".")
     owner = gm.get_submodule(owner_path) if owner_path else gm
     return getattr(owner, name)
@@ -249,8 +259,10 @@ def _check_pairs(stages: list[StageGraph]) -> None:
     """Every send has exactly one matching recv in its peer, and the other way round."""
     sent = {(s.index, c.peer, c.tag) for s in stages for c in s.sends}
     received = {(c.peer, s.index, c.tag) for s in stages for c in s.recvs}
-    problems = [f"send {t} from stage {a} to {b} has no recv" for a, b, t in sorted(sent - received)]
-    problems += [f"recv {t} in stage {b} from {a} has no send" for a, b, t in sorted(received - sent)]
+    problems = [f"send {t} from stage {a} to {b} has no recv"
+                for a, b, t in sorted(sent - received)]
+    problems += [f"recv {t} in stage {b} from {a} has no send"
+                 for a, b, t in sorted(received - sent)]
     if problems:
         raise SplitError("unmatched communication:\n" + "\n".join(f"  - {p}" for p in problems),
                          hint="this is a bug in split_stages; please report it with the model")

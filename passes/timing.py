@@ -22,16 +22,18 @@ import operator
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
+from torch._ops import OpOverload
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe import ir
-from fxpipe.frontend import shapes
 from fxpipe.errors import ConfigError, CostError
+from fxpipe.frontend import shapes
+from fxpipe.frontend.capture import CaptureInfo
 
 __all__ = ["measure_times"]
 
@@ -78,7 +80,7 @@ def measure_times(gm: GraphModule, flat_inputs: Sequence[torch.Tensor], *, micro
 
 def _microbatch(gm: GraphModule, flat_inputs: Sequence[torch.Tensor], b: int) -> list[torch.Tensor]:
     """The first `b` examples of every batched input (unbatched inputs unchanged)."""
-    info = gm.meta.get(ir.CAPTURE)
+    info: CaptureInfo | None = gm.meta.get(ir.CAPTURE)
     if info is None:
         raise ConfigError("the graph has no capture information (gm.meta[ir.CAPTURE])",
                           hint="capture the model with fxpipe.capture before measuring it")
@@ -119,7 +121,8 @@ def _preserved_state(gm: GraphModule) -> Iterator[None]:
     """Restores every buffer (BatchNorm statistics move when a train-mode node runs) and the
     caller's RNG streams (dropout nodes draw from them)."""
     buffers = [(b, b.detach().clone()) for b in gm.buffers()]
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # unannotated
+    devices = list(range(torch.cuda.device_count())) if initialized else []
     try:
         with torch.random.fork_rng(devices=devices):
             yield
@@ -153,14 +156,17 @@ def _is_float(t: torch.Tensor) -> bool:
 
 # --- one node -----------------------------------------------------------------------------------
 
-class _Kernels(TorchDispatchMode):
+# TorchDispatchMode's __init_subclass__ and __init__ are unannotated in torch.
+class _Kernels(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the aten kernels that run: views, detach and shape queries launch none."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func: OpOverload[..., Any], types: Sequence[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         if not (func.namespace == "prim" or func.is_view or func._overloadpacket in _NO_KERNEL):
             self.count += 1
         return func(*args, **(kwargs or {}))
@@ -168,6 +174,11 @@ class _Kernels(TorchDispatchMode):
 
 _NO_KERNEL = {torch.ops.aten.detach, torch.ops.aten.sym_size, torch.ops.aten.sym_numel,
               torch.ops.aten.sym_stride, torch.ops.aten.lift_fresh}
+
+
+_Inputs: TypeAlias = tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]
+"""A node's (args, kwargs, leaves to differentiate with respect to)."""
+_State = TypeVar("_State")
 
 
 class _NodeTimer:
@@ -195,7 +206,7 @@ class _NodeTimer:
             return fwd, 0.0
         grads = [torch.ones_like(t) for t in outs]
 
-        def backward(state: tuple[list, list]) -> None:
+        def backward(state: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
             torch.autograd.grad(state[0], state[1], grads, allow_unused=True)
 
         probe = _Kernels()
@@ -205,7 +216,7 @@ class _NodeTimer:
             return fwd, 0.0
         return fwd, self._median(lambda: self._forward(self._inputs()), backward)
 
-    def _inputs(self) -> tuple[tuple, dict, list[torch.Tensor]]:
+    def _inputs(self) -> _Inputs:
         """(args, kwargs, leaves to differentiate with respect to)."""
         leaves = [t for t in pytree.tree_leaves((self.args, self.kwargs))
                   if isinstance(t, torch.Tensor) and _is_float(t) and t.requires_grad]
@@ -218,8 +229,7 @@ class _NodeTimer:
                 and not isinstance(x, torch.nn.Parameter) else x  # noqa: E731
             return pytree.tree_map(copy, self.args), pytree.tree_map(copy, self.kwargs), leaves
 
-    def _forward(self, inputs: tuple[tuple, dict, list]) -> tuple[list[torch.Tensor],
-                                                                  list[torch.Tensor]]:
+    def _forward(self, inputs: _Inputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Runs the node once with autograd recording; returns (outputs to differentiate,
         tensors to differentiate them with respect to)."""
         args, kwargs, wrt = inputs
@@ -232,9 +242,9 @@ class _NodeTimer:
                          if p.requires_grad]
         return outs, list({id(t): t for t in wrt}.values())
 
-    def _median(self, setup: Callable[[], Any], timed: Callable[[Any], Any]) -> float:
+    def _median(self, setup: Callable[[], _State], timed: Callable[[_State], object]) -> float:
         """Median of `repeat` timings of `timed(setup())` after `warmup` untimed runs."""
-        samples = []
+        samples: list[float] = []
         for i in range(self.warmup + self.repeat):
             state = setup()
             if self.sync:

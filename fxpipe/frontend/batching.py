@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.errors import CaptureError
-from fxpipe.signature import is_tensor
+from fxpipe.signature import ModelArgs, ModelKwargs, is_tensor
 
 __all__ = ["BatchLayout", "infer_batch_layout", "seeded"]
 
@@ -24,7 +25,8 @@ __all__ = ["BatchLayout", "infer_batch_layout", "seeded"]
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Runs a block with a fixed RNG seed, leaving the caller's RNG state untouched."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # unannotated
+    devices = list(range(torch.cuda.device_count())) if initialized else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
@@ -38,19 +40,22 @@ class BatchLayout:
     out_spec: pytree.TreeSpec
     batch_size: int
 
-    def slice_inputs(self, args: tuple, kwargs: dict, start: int, length: int) -> tuple[tuple, dict]:
+    def slice_inputs(self, args: ModelArgs, kwargs: ModelKwargs, start: int,
+                     length: int) -> tuple[ModelArgs, ModelKwargs]:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         dims = iter(self.input_dims)
-        out = []
+        out: list[Any] = []
         for leaf in leaves:
             if is_tensor(leaf):
                 d = next(dims)
                 out.append(leaf if d is None else leaf.narrow(d, start, length))
             else:
                 out.append(leaf)
-        return pytree.tree_unflatten(out, spec)
+        sliced: tuple[ModelArgs, ModelKwargs] = pytree.tree_unflatten(out, spec)
+        return sliced
 
-    def trial_batches(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    def trial_batches(self, args: ModelArgs,
+                      kwargs: ModelKwargs) -> list[tuple[ModelArgs, ModelKwargs]]:
         """The example batch and a smaller one, to check a captured graph beyond the example."""
         small = max(1, self.batch_size // 2)
         return [(args, kwargs), self.slice_inputs(args, kwargs, 0, small)]
@@ -58,7 +63,7 @@ class BatchLayout:
 
 def _candidates(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int | None, ...]]:
     """Assignments of batch dims to tensor inputs, most likely first (dim 0 everywhere)."""
-    seen = set()
+    seen: set[tuple[int | None, ...]] = set()
     depth = max((t.dim() for t in tensors), default=0)
     for d in range(depth):
         for t in tensors:
@@ -76,9 +81,10 @@ def _candidates(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int | None, .
                     yield dims
 
 
-def _output_dims(full: list, first: list, second: list) -> tuple[int | None, ...] | None:
+def _output_dims(full: Sequence[Any], first: Sequence[Any],
+                 second: Sequence[Any]) -> tuple[int | None, ...] | None:
     """Each output's batch dim, or None if the halves do not concatenate to the whole."""
-    dims = []
+    dims: list[int | None] = []
     for f, a, b in zip(full, first, second):
         if not is_tensor(f):
             dims.append(None)
@@ -106,7 +112,8 @@ def _allclose(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=1e-3, atol=1e-5 + 1e-4 * scale, equal_nan=True))
 
 
-def infer_batch_layout(model: nn.Module, args: tuple, kwargs: dict, leaves: list,
+def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
+                       leaves: Sequence[Any],
                        batch_dims: Sequence[int | None] | None) -> BatchLayout:
     """Finds (or checks the given) batch dims; runs the model in eval mode, without grad.
 
@@ -123,7 +130,7 @@ def infer_batch_layout(model: nn.Module, args: tuple, kwargs: dict, leaves: list
     else:
         candidates = _candidates(tensors)
     model.eval()
-    tried = []
+    tried: list[tuple[int | None, ...]] = []
     try:
         with torch.no_grad():
             full = pytree.tree_leaves(model(*args, **kwargs))
@@ -144,7 +151,8 @@ def infer_batch_layout(model: nn.Module, args: tuple, kwargs: dict, leaves: list
     )
 
 
-def _check_given(batch_dims: Sequence[int | None], tensors: list) -> tuple[int | None, ...]:
+def _check_given(batch_dims: Sequence[int | None],
+                 tensors: Sequence[torch.Tensor]) -> tuple[int | None, ...]:
     dims = tuple(batch_dims)
     if len(dims) != len(tensors):
         raise CaptureError(f"batch_dims has {len(dims)} entries for {len(tensors)} tensor inputs",
@@ -156,7 +164,9 @@ def _check_given(batch_dims: Sequence[int | None], tensors: list) -> tuple[int |
     return dims
 
 
-def _try(model, args, kwargs, dims, full, out_spec, out_is_tensor, tensors) -> BatchLayout | None:
+def _try(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs, dims: tuple[int | None, ...],
+         full: Sequence[Any], out_spec: pytree.TreeSpec, out_is_tensor: tuple[bool, ...],
+         tensors: Sequence[torch.Tensor]) -> BatchLayout | None:
     size = next(t.shape[d] for t, d in zip(tensors, dims) if d is not None)
     if size < 2:
         return None

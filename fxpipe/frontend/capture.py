@@ -23,10 +23,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe import ir
+from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
-from fxpipe.errors import CaptureError, ConfigError
-from fxpipe.signature import LeafSpec, Signature, is_tensor
+from fxpipe.frontend.tracers import LeafModule
+from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
 
 __all__ = ["capture", "CaptureInfo", "METHODS"]
@@ -54,7 +55,7 @@ def capture(
     example_kwargs: dict[str, Any] | None = None,
     *,
     method: str = "auto",
-    leaf_modules: Sequence[Any] = (),
+    leaf_modules: Sequence[LeafModule] = (),
     inline_modules: bool = False,
     batch_dims: Sequence[int | None] | None = None,
 ) -> fx.GraphModule:
@@ -105,8 +106,10 @@ def capture(
     return gm
 
 
-def _capture_with(method, model, signature, leaves, tensors, layout, leaf_modules, inline,
-                  args, kwargs) -> tuple[fx.GraphModule, str, str | None]:
+def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: Sequence[Any],
+                  tensors: Sequence[torch.Tensor], layout: BatchLayout,
+                  leaf_modules: Sequence[LeafModule], inline: bool, args: ModelArgs,
+                  kwargs: ModelKwargs) -> tuple[fx.GraphModule, str, str | None]:
     reason = None
     if method in ("auto", "fx"):
         try:
@@ -116,8 +119,9 @@ def _capture_with(method, model, signature, leaves, tensors, layout, leaf_module
             if problem is None:
                 return gm, "fx", None
             if method == "fx":
-                raise CaptureError(f"the fx trace computes something else than the model: {problem}",
-                                   hint="use method='export' (or 'auto')")
+                raise CaptureError(
+                    f"the fx trace computes something else than the model: {problem}",
+                    hint="use method='export' (or 'auto')")
             reason = f"fx trace differs from the eager model: {problem}"
         except CaptureError as e:
             if method == "fx":
@@ -134,7 +138,8 @@ def _capture_with(method, model, signature, leaves, tensors, layout, leaf_module
 
 # --- inputs and signature -------------------------------------------------------------------------
 
-def _normalize(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
+def _normalize(example_inputs: Any,
+               example_kwargs: ModelKwargs | None) -> tuple[ModelArgs, ModelKwargs]:
     if example_inputs is None:
         raise ConfigError("capture needs example inputs", hint="pass a batch the model accepts")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -144,7 +149,7 @@ def _normalize(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
     return args, dict(example_kwargs or {})
 
 
-def _leaf_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+def _leaf_names(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs) -> list[str]:
     """Placeholder names from the forward signature: idx, targets, xs_0, xs_1 ..."""
     import inspect
 
@@ -155,18 +160,21 @@ def _leaf_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
         params = []
     positional = [params[i].name if i < len(params) else f"arg{i}" for i in range(len(args))]
     taken: set[str] = set()
-    names = []
+    names: list[str] = []
     for label, value in [*zip(positional, args), *kwargs.items()]:
         leaves = pytree.tree_leaves(value)
         if len(leaves) == 1 and not isinstance(value, (tuple, list, dict)):
             names.append(identifier(label, taken, reserved=_RESERVED))
         else:
-            names += [identifier(f"{label}_{i}", taken, reserved=_RESERVED) for i in range(len(leaves))]
+            names += [identifier(f"{label}_{i}", taken, reserved=_RESERVED)
+                      for i in range(len(leaves))]
     return names
 
 
-def _signature(leaves, in_spec, names, layout: BatchLayout) -> Signature:
-    specs, k = [], 0
+def _signature(leaves: Sequence[Any], in_spec: pytree.TreeSpec, names: Sequence[str],
+               layout: BatchLayout) -> Signature:
+    specs: list[LeafSpec] = []
+    k = 0
     for name, leaf in zip(names, leaves):
         if is_tensor(leaf):
             bd = layout.input_dims[k]
@@ -207,7 +215,7 @@ class _SignatureCodeGen(fx.graph.CodeGen):
         return (f"def forward(self, *args, **kwargs){maybe_return_annotation}:\n"
                 f"    {unpack}_fxpipe_signature.flatten_inputs(args, kwargs)")
 
-    def generate_output(self, output_args: Any, *args: Any, **kwargs: Any) -> str:
+    def generate_output(self, output_args: fx.node.Argument, *args: Any, **kwargs: Any) -> str:
         return f"return _fxpipe_signature.unflatten_outputs({output_args!r})"
 
     def additional_globals(self) -> list[tuple[str, Any]]:
@@ -225,14 +233,15 @@ def _set_signature_codegen(gm: fx.GraphModule, signature: Signature) -> None:
     gm.recompile()
 
 
-def run_flat(gm: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> tuple:
+def run_flat(gm: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
     """Runs a captured graph on its flat tensor leaves, returning the flat output leaves."""
     return tuple(fx.Interpreter(gm).run(*tensors, enable_io_processing=False))
 
 
 # --- the check against eager ----------------------------------------------------------------------
 
-def _compare_with_eager(gm, model, args, kwargs, layout: BatchLayout) -> str | None:
+def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, args: ModelArgs,
+                        kwargs: ModelKwargs, layout: BatchLayout) -> str | None:
     """None if the graph matches the model on the example batch and on a smaller batch."""
     for batch_args, batch_kwargs in layout.trial_batches(args, kwargs):
         try:
@@ -240,8 +249,9 @@ def _compare_with_eager(gm, model, args, kwargs, layout: BatchLayout) -> str | N
                 expected = pytree.tree_leaves(model(*batch_args, **batch_kwargs))
             with seeded(0):
                 got = pytree.tree_leaves(gm(*batch_args, **batch_kwargs))
-        except Exception as e:  # noqa: BLE001 - a wrong trace may crash on other shapes
-            return f"running it raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        except Exception as error:  # noqa: BLE001 - a wrong trace may crash on other shapes
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            return f"running it raised {type(error).__name__}: {first_line}"
         if len(expected) != len(got):
             return f"{len(got)} outputs instead of {len(expected)}"
         for i, (e, g) in enumerate(zip(expected, got)):

@@ -8,16 +8,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import sympy
+import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from fxpipe import ir
+from fxpipe import ir, source
 from fxpipe.errors import CaptureError
-from fxpipe import source
 
 __all__ = ["propagate_shapes", "symbolic_inputs"]
 
@@ -31,7 +30,10 @@ class _FakeInterpreter(Interpreter):
 
     def __init__(self, gm: GraphModule, mode: FakeTensorMode, sym: sympy.Symbol) -> None:
         super().__init__(gm, garbage_collect_values=False)
+        if mode.shape_env is None:
+            raise ValueError("shape propagation needs a FakeTensorMode with a ShapeEnv")
         self.mode = mode
+        self.shape_env: ShapeEnv = mode.shape_env
         self.sym = sym
         self.values: dict[Node, Any] = {}
         self._fakes: dict[int, torch.Tensor] = {}
@@ -69,23 +71,27 @@ class _FakeInterpreter(Interpreter):
 
     def _interpolated(self, n: Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        samples = {}
+        samples: dict[int, Any] = {}
         for b in SAMPLE_SIZES:
             static = FakeTensorMode(allow_non_fake_inputs=True)
             a, k = at_size((args, kwargs), self.sym, b, static)
             with static:
                 samples[b] = call_node(self.module, n, a, k)
-        return symbolic_like(samples, self.mode.shape_env, self.sym)
+        return symbolic_like(samples, self.shape_env, self.sym)
 
 
-def call_node(module: torch.nn.Module, n: Node, args: Any, kwargs: Any) -> Any:
+def call_node(module: torch.nn.Module, n: Node, args: Sequence[Any],
+              kwargs: dict[str, Any]) -> Any:
     """Runs one node's operation on the given values."""
+    target = n.target
     if n.op == "call_module":
-        return module.get_submodule(n.target)(*args, **kwargs)
+        return module.get_submodule(str(target))(*args, **kwargs)
     if n.op == "call_method":
         obj, *rest = args
-        return getattr(obj, n.target)(*rest, **kwargs)
-    return n.target(*args, **kwargs)
+        return getattr(obj, str(target))(*rest, **kwargs)
+    if isinstance(target, str):  # only modules and methods are named by a string
+        raise TypeError(f"{n.op} node {n.name} has the target {target!r}, which is not callable")
+    return target(*args, **kwargs)
 
 
 def at_size(values: Any, sym: sympy.Symbol, b: int, static: FakeTensorMode) -> Any:
@@ -121,7 +127,7 @@ def symbolic_like(samples: dict[int, Any], shape_env: ShapeEnv, sym: sympy.Symbo
     return first
 
 
-def _symint(expr: sympy.Expr, shape_env: ShapeEnv, sym: sympy.Symbol) -> Any:
+def _symint(expr: sympy.Expr, shape_env: ShapeEnv, sym: sympy.Symbol) -> int | torch.SymInt:
     if not expr.free_symbols:
         return int(expr)
     hint = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
@@ -138,11 +144,11 @@ def interpolate(points: list[tuple[int, int | float]]) -> sympy.Expr:
 
 
 def symbolic_inputs(
-    mode: FakeTensorMode, batch_symbol: torch.SymInt, tensors: Sequence[torch.Tensor],
+    mode: FakeTensorMode, batch_symbol: int | torch.SymInt, tensors: Sequence[torch.Tensor],
     batch_dims: Sequence[int | None],
 ) -> list[torch.Tensor]:
     """Fake copies of `tensors` whose batch dimension is the one symbolic size."""
-    fakes = []
+    fakes: list[torch.Tensor] = []
     with mode:
         for t, bd in zip(tensors, batch_dims):
             shape = [batch_symbol if d == bd else s for d, s in enumerate(t.shape)]
@@ -174,13 +180,13 @@ def propagate_shapes(gm: GraphModule, tensors: Sequence[torch.Tensor],
     return interp.values
 
 
-def _expr(value: Any, substitution: dict) -> Any:
+def _expr(value: Any, substitution: dict[sympy.Symbol, sympy.Symbol]) -> Any:
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
         return sympy.sympify(value.node.expr).xreplace(substitution)
     return value
 
 
-def _info(value: Any, substitution: dict) -> ir.ValueInfo:
+def _info(value: Any, substitution: dict[sympy.Symbol, sympy.Symbol]) -> ir.ValueInfo:
     if isinstance(value, torch.Tensor):
         shape = tuple(sympy.sympify(_expr(d, substitution)) for d in value.shape)
         batch_dim = next((i for i, d in enumerate(shape) if ir.BATCH in d.free_symbols), None)

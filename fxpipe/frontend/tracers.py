@@ -13,8 +13,8 @@ import keyword
 import logging
 import re
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeAlias
 
 import torch
 import torch.fx as fx
@@ -22,14 +22,17 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe import ir, source
-from fxpipe.frontend.batching import BatchLayout
 from fxpipe.errors import CaptureError
+from fxpipe.frontend.batching import BatchLayout
 from fxpipe.signature import Signature
 
-__all__ = ["trace_fx", "export"]
+__all__ = ["trace_fx", "export", "LeafModule"]
+
+LeafModule: TypeAlias = type[nn.Module] | nn.Module | str
+"""A module kept opaque under fx: its type, the instance, or its qualified name."""
 
 
-def _flat_root(model: nn.Module, signature: Signature, leaves: list) -> nn.Module:
+def _flat_root(model: nn.Module, signature: Signature, leaves: Sequence[Any]) -> nn.Module:
     """A module that shares `model`'s children and parameters (so qualified names are the
     model's) and whose forward takes the tensor leaves and returns the flat output leaves."""
     tensor_names = [leaf.name for leaf in signature.tensor_leaves]
@@ -37,7 +40,7 @@ def _flat_root(model: nn.Module, signature: Signature, leaves: list) -> nn.Modul
     in_spec = signature.in_spec
     n_out = len(signature.out_is_tensor)
 
-    def impl(*tensors: Any) -> tuple:
+    def impl(*tensors: torch.Tensor) -> tuple[Any, ...]:
         values = list(leaves)
         for pos, t in zip(positions, tensors):
             values[pos] = t
@@ -45,13 +48,15 @@ def _flat_root(model: nn.Module, signature: Signature, leaves: list) -> nn.Modul
         out = model.forward(*args, **kwargs)
         flat = pytree.tree_leaves(out)
         if len(flat) == 1 and n_out > 1 and isinstance(flat[0], fx.Proxy):
-            flat = [flat[0][i] for i in range(n_out)]
+            # fx.Proxy gains __getitem__ at run time (torch sets its magic methods in a loop)
+            flat = [flat[0][i] for i in range(n_out)]  # type: ignore[index]
         return tuple(flat)
 
-    src = f"def forward(self, {', '.join(tensor_names)}):\n    return impl({', '.join(tensor_names)})\n"
+    params = ", ".join(tensor_names)
+    src = f"def forward(self, {params}):\n    return impl({params})\n"
     namespace: dict[str, Any] = {"impl": impl}
     exec(compile(src, "<fxpipe flat root>", "exec"), namespace)  # names are sanitised identifiers
-    root = type(type(model).__name__, (nn.Module,), {"forward": namespace["forward"]})()
+    root: nn.Module = type(type(model).__name__, (nn.Module,), {"forward": namespace["forward"]})()
     object.__setattr__(root, "_modules", model._modules)
     object.__setattr__(root, "_parameters", model._parameters)
     object.__setattr__(root, "_buffers", model._buffers)
@@ -60,7 +65,7 @@ def _flat_root(model: nn.Module, signature: Signature, leaves: list) -> nn.Modul
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self, leaf_modules: Sequence[Any], inline: bool) -> None:
+    def __init__(self, leaf_modules: Sequence[LeafModule], inline: bool) -> None:
         super().__init__()
         self.record_stack_traces = True
         self.inline = inline
@@ -73,16 +78,19 @@ class _Tracer(fx.Tracer):
             return True
         return False if self.inline else super().is_leaf_module(m, qualname)
 
-    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
         if (self.inline and isinstance(m, nn.modules.batchnorm._BatchNorm)
                 and m.momentum is not None and not self.is_leaf_module(m, self.path_of_module(m))):
             # _BatchNorm.forward checks the input rank with Python control flow; trace the
             # functional call it makes instead.
-            path = self.path_of_module(m)
-            return super().call_module(m, lambda x: self._batch_norm(m, path, x), args, kwargs)
+            path, momentum = self.path_of_module(m), m.momentum
+            return super().call_module(m, lambda x: self._batch_norm(m, path, x, momentum),
+                                       args, kwargs)
         return super().call_module(m, forward, args, kwargs)
 
-    def _batch_norm(self, m: nn.modules.batchnorm._BatchNorm, path: str, x: Any) -> Any:
+    def _batch_norm(self, m: nn.modules.batchnorm._BatchNorm, path: str, x: torch.Tensor,
+                    momentum: float) -> torch.Tensor:
         """What _BatchNorm.forward computes when momentum is set, without its input-rank check.
 
         The counter increment is recorded explicitly: buffers read as attributes are not proxies,
@@ -91,18 +99,20 @@ class _Tracer(fx.Tracer):
         if m.training and m.track_running_stats and m.num_batches_tracked is not None:
             counter = self.create_proxy("get_attr", f"{path}.num_batches_tracked", (), {})
             counter.add_(1)
-        return _batch_norm(m, x)
+        return _batch_norm(m, x, momentum)
 
 
-def _batch_norm(m: nn.modules.batchnorm._BatchNorm, x: Any) -> Any:
+def _batch_norm(m: nn.modules.batchnorm._BatchNorm, x: torch.Tensor,
+                momentum: float) -> torch.Tensor:
     use_batch_stats = m.training or (m.running_mean is None and m.running_var is None)
     keep_stats = not m.training or m.track_running_stats
     return torch.nn.functional.batch_norm(
         x, m.running_mean if keep_stats else None, m.running_var if keep_stats else None,
-        m.weight, m.bias, use_batch_stats, m.momentum, m.eps)
+        m.weight, m.bias, use_batch_stats, momentum, m.eps)
 
 
-def trace_fx(model, signature, leaves, leaf_modules, inline) -> fx.GraphModule:
+def trace_fx(model: nn.Module, signature: Signature, leaves: Sequence[Any],
+             leaf_modules: Sequence[LeafModule], inline: bool) -> fx.GraphModule:
     root = _flat_root(model, signature, leaves)
     tracer = _Tracer(leaf_modules, inline)
     try:
@@ -113,13 +123,15 @@ def trace_fx(model, signature, leaves, leaf_modules, inline) -> fx.GraphModule:
             f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}"
             + (f"\n  at {where}" if where else ""),
             hint="use method='export' (or 'auto'), mark the submodule as a leaf with "
-                 "leaf_modules=[...], or replace Python control flow on tensors with torch.where/torch.cond",
+                 "leaf_modules=[...], or replace Python control flow on tensors with "
+                 "torch.where/torch.cond",
         ) from e
     aliases = _alias_unsafe_targets(graph)
     if aliases:
         owner = {alias: _resolve_attr(root, qualname) for alias, qualname in aliases.items()}
         for node in graph.nodes:
-            if node.op in ("get_attr", "call_module") and node.target not in owner:
+            if (node.op in ("get_attr", "call_module") and isinstance(node.target, str)
+                    and node.target not in owner):
                 owner[node.target] = _resolve_attr(root, node.target)
         gm = fx.GraphModule(owner, graph, class_name=type(model).__name__)
     else:
@@ -151,19 +163,20 @@ def _alias_unsafe_targets(graph: fx.Graph) -> dict[str, str]:
     return aliases
 
 
-def _resolve_attr(root: nn.Module, target: str) -> Any:
-    obj: Any = root
+def _resolve_attr(root: nn.Module, target: str) -> object:
+    obj: object = root
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-def export(model, signature, leaves, tensors, layout: BatchLayout) -> fx.GraphModule:
+def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
+           tensors: Sequence[torch.Tensor], layout: BatchLayout) -> fx.GraphModule:
     root = _flat_root(model, signature, leaves)
     attempts = [torch.export.Dim("batch", min=1), torch.export.Dim("batch", min=2),
                 torch.export.Dim.AUTO]
-    errors = []
-    ep = None
+    errors: list[Exception] = []
+    ep: torch.export.ExportedProgram | None = None
     for dim in attempts:
         dynamic = tuple({bd: dim} if bd is not None else None for bd in layout.input_dims)
         try:
@@ -176,15 +189,15 @@ def export(model, signature, leaves, tensors, layout: BatchLayout) -> fx.GraphMo
             if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
                 break  # another batch range will not help
     if ep is None:
-        e = errors[0]
-        where = source.from_exception(e)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        error = errors[0]
+        where = source.from_exception(error)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CaptureError(
             f"neither torch.fx nor torch.export can capture {type(model).__name__}: "
-            f"{type(e).__name__}: {first}" + (f"\n  at {where}" if where else ""),
+            f"{type(error).__name__}: {first}" + (f"\n  at {where}" if where else ""),
             hint="data-dependent control flow (if on tensor values, .item(), nonzero) cannot be "
                  "captured: rewrite it with torch.where or torch.cond, or move it out of forward",
-        ) from e
+        ) from error
     gm = ep.module()
     gm._forward_pre_hooks.clear()  # export's input-spec check; the signature checks instead
     for node in list(gm.graph.nodes):
@@ -212,10 +225,10 @@ def _quiet_export() -> Iterator[None]:
 
 def _bind_model_state(gm: fx.GraphModule, model: nn.Module) -> None:
     """Points the graph's attributes at the model's own parameters and buffers (not copies)."""
-    own = dict(model.named_parameters(remove_duplicate=False))
+    own: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     own.update(dict(model.named_buffers(remove_duplicate=False)))
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target in own:
+        if node.op == "get_attr" and isinstance(node.target, str) and node.target in own:
             owner_path, _, attr = node.target.rpartition(".")
             owner = gm.get_submodule(owner_path) if owner_path else gm
             value = own[node.target]

@@ -19,9 +19,9 @@ from torch.fx import GraphModule, Node
 
 from fxpipe import ir
 from fxpipe.errors import ConfigError, PartitionError
-from fxpipe.passes.partition.solver import solve_partition
-from fxpipe.passes.partition.problem import evaluate
 from fxpipe.passes.cost import estimate_time
+from fxpipe.passes.partition.problem import Partition, evaluate
+from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
@@ -78,7 +78,7 @@ class Atoms:
 
 def _is_glue(node: Node) -> bool:
     """Launches no kernel (views, getitem, sizes) or produces no tensor without computing."""
-    cost = node.meta.get(ir.COST)
+    cost: ir.Cost | None = node.meta.get(ir.COST)
     if cost is not None:
         return cost.fwd_kernels == 0
     return not isinstance(node.meta.get(ir.TENSOR), ir.TensorInfo)
@@ -137,11 +137,17 @@ def _value_bytes(node: Node, b: int) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def measure_atoms(gm: GraphModule, groups, *, balance, profile, b, remat, chunks) -> Atoms:
+def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
+                  profile: DeviceProfile, b: int, remat: str, chunks: int) -> Atoms:
     index = _atom_index(groups)
     n = len(groups)
-    recompute = 0.0 if remat == "never" else ((chunks - 1) / chunks if remat == "except_last" else 1.0)
-    compute, mem_fixed, mem_act, saved, forward = [], [], [], [], []
+    recompute = 0.0 if remat == "never" else (
+        (chunks - 1) / chunks if remat == "except_last" else 1.0)
+    compute: list[float] = []
+    mem_fixed: list[float] = []
+    mem_act: list[float] = []
+    saved: list[float] = []
+    forward: list[float] = []
     for group in groups:
         fwd = sum(_node_time(x, balance, profile, b)[0] for x in group)
         bwd = sum(_node_time(x, balance, profile, b)[1] for x in group)
@@ -152,7 +158,8 @@ def measure_atoms(gm: GraphModule, groups, *, balance, profile, b, remat, chunks
         grads = sum(float(ir.evaluate(c.grad_param_bytes, b)) for c in costs)
         act = sum(float(ir.evaluate(c.saved_bytes, b)) for c in costs)
         saved.append(act)
-        mem_fixed.append(params + grads * (1 + OPTIMIZER_STATE_FACTOR) + (act if remat != "never" else 0))
+        mem_fixed.append(params + grads * (1 + OPTIMIZER_STATE_FACTOR)
+                         + (act if remat != "never" else 0))
         mem_act.append(0.0 if remat != "never" else act)
     # values crossing each cut: produced in atom i, last used in atom j > i -> cuts i+1 .. j
     diff_f = [0.0] * (n + 2)
@@ -212,8 +219,9 @@ def partition(
         mode = "explicit"
     else:
         if balance not in BALANCE_MODES:
-            raise ConfigError(f"unknown balance mode {balance!r}",
-                              hint=f"use one of {BALANCE_MODES}, or a list of node counts per stage")
+            raise ConfigError(
+                f"unknown balance mode {balance!r}",
+                hint=f"use one of {BALANCE_MODES}, or a list of node counts per stage")
         groups = atoms_of(gm)
         mode = balance
         cuts = None
@@ -254,8 +262,10 @@ def partition(
     return _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages)
 
 
-def _write_stages(groups, cuts, atoms: Atoms, evaluated, b, chunks, mode, k) -> PartitionPlan:
-    stages = []
+def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
+                  evaluated: Partition, b: int, chunks: int, mode: str,
+                  k: int) -> PartitionPlan:
+    stages: list[StagePlan] = []
     for s in range(k):
         members = [n for g in groups[cuts[s]:cuts[s + 1]] for n in g]
         for node in members:
@@ -290,10 +300,12 @@ def _cuts_from_counts(gm: GraphModule, counts: list[int], k: int) -> tuple[int, 
     return tuple(cuts)
 
 
-def _cuts_from_split_points(groups: list[list[Node]], points: Sequence[str], k: int) -> tuple[int, ...]:
+def _cuts_from_split_points(groups: list[list[Node]], points: Sequence[str],
+                            k: int) -> tuple[int, ...]:
     if len(points) != k - 1:
-        raise PartitionError(f"{len(points)} split points make {len(points) + 1} stages, "
-                             f"not {k}", hint=f"give {k - 1} module names, or stages={len(points) + 1}")
+        raise PartitionError(
+            f"{len(points)} split points make {len(points) + 1} stages, not {k}",
+            hint=f"give {k - 1} module names, or stages={len(points) + 1}")
     cuts = [0]
     for point in points:
         start = next((i for i, g in enumerate(groups)

@@ -14,14 +14,15 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fxpipe.errors import PartitionError
 
 __all__ = [
+    "MemoryEnds",
     "Partition",
     "Problem",
     "build_partition",
@@ -148,6 +149,14 @@ def checked_vector(
 
 
 @dataclass
+class MemoryEnds:
+    """The solver's cache of per-layer memory interval ends (independent of the bottleneck)."""
+
+    windows: tuple[np.ndarray, np.ndarray] | None = None  # memory-only windows [a_s, b_s]
+    layers: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # s -> (lo, e)
+
+
+@dataclass
 class Problem:
     n: int
     K: int
@@ -171,8 +180,8 @@ class Problem:
     ma_l: list[float] | None
     cm_l: list[float] | None
     f_l: list[float] | None
-    # per-layer memory interval ends, filled lazily by the probe when set to a dict
-    ecache: dict | None = None
+    # per-layer memory interval ends, filled lazily by the probe when set to a MemoryEnds
+    ecache: MemoryEnds | None = None
 
 
 def prepare(
@@ -234,17 +243,20 @@ def prepare(
         ma = (
             np.zeros(n)
             if mem_act is None
-            else checked_vector("mem_act", mem_act, n, f"one per atom, like compute with {n} atoms")
+            else checked_vector("mem_act", mem_act, n,
+                                f"one per atom, like compute with {n} atoms")
         )
         cm = (
             np.zeros(n + 1)
             if cut_mem is None
-            else checked_vector("cut_mem", cut_mem, n + 1, f"one per cut position 0..{n} for {n} atoms")
+            else checked_vector("cut_mem", cut_mem, n + 1,
+                                f"one per cut position 0..{n} for {n} atoms")
         )
         f = (
             np.ones(K)
             if inflight is None
-            else checked_vector("inflight", inflight, K, f"one per stage, {K} stages", positive=True)
+            else checked_vector("inflight", inflight, K, f"one per stage, {K} stages",
+                                positive=True)
         )
         Fp = np.concatenate(([0.0], np.cumsum(mf)))
         Ap = np.concatenate(([0.0], np.cumsum(ma)))

@@ -19,12 +19,13 @@ layers are too wide).  Reported costs are recomputed exactly from the cuts
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from fxpipe.errors import PartitionError
 from fxpipe.passes.partition.problem import (
+    MemoryEnds,
     Partition,
     Problem,
     build_partition,
@@ -52,7 +53,8 @@ _INF = math.inf
 # --------------------------------------------------------------------------------------------
 
 
-def _last_true(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+def _last_true(pred: Callable[[np.ndarray], np.ndarray], lo: np.ndarray,
+               hi: np.ndarray) -> np.ndarray:
     """Vectorised binary search: per entry, the last x in [lo, hi) with pred(x) true, where pred
     is true then false on [lo - 1, hi] and pred(lo - 1) is taken as true, pred(hi) as false."""
     lo = lo - 1
@@ -107,7 +109,7 @@ def _stab_min(lo: np.ndarray, hi: np.ndarray, val: np.ndarray, w: int) -> np.nda
     length = hi - lo + 1
     k = (np.frexp(length.astype(np.float64))[1] - 1).astype(np.int64)  # floor(log2(length))
     kmax = int(k.max())
-    table = np.full((kmax + 1) * w, _INF)
+    table: np.ndarray = np.full((kmax + 1) * w, _INF)
     size = np.left_shift(np.int64(1), k)
     idx = np.concatenate((k * w + lo, k * w + hi - size + 1))
     np.minimum.at(table, idx, np.concatenate((val, val)))
@@ -118,7 +120,8 @@ def _stab_min(lo: np.ndarray, hi: np.ndarray, val: np.ndarray, w: int) -> np.nda
         below = table[lev - 1]
         np.minimum(below, row, out=below)
         np.minimum(below[half:], row[: w - half], out=below[half:])
-    return table[0]
+    lowest: np.ndarray = table[0]
+    return lowest
 
 
 _Layers = list[tuple[int, np.ndarray]]
@@ -127,22 +130,23 @@ _Layers = list[tuple[int, np.ndarray]]
 def _memory_ends(prob: Problem, s: int) -> tuple[int, np.ndarray]:
     """For layer s, e_i = the last j with Mem(s, i, j) <= limit (prefix arithmetic, as in the
     probe) for every i of the memory-only window of layer s; independent of B, so cached."""
-    assert prob.ecache is not None
-    hit = prob.ecache.get(s)
+    cache = prob.ecache
+    assert cache is not None
+    hit = cache.layers.get(s)
     if hit is not None:
         return hit
     assert prob.Fp is not None and prob.Ap is not None
     assert prob.cm is not None and prob.f is not None
-    if "windows" not in prob.ecache:
-        prob.ecache["windows"] = _windows(prob, _INF, prob.limit)
-    wa, wb = prob.ecache["windows"]
+    if cache.windows is None:
+        cache.windows = _windows(prob, _INF, prob.limit)
+    wa, wb = cache.windows
     lo, top = int(wa[s]), int(wb[s + 1])
     hi = min(int(wb[s]), top)
     fs = prob.f[s]
     Q = prob.Fp[lo : top + 1] + fs * prob.Ap[lo : top + 1]
     lim = (prob.lim_eff + Q[: hi - lo + 1]) - fs * prob.cm[lo : hi + 1]
     e = (lo - 1 + np.searchsorted(Q, lim, side="right")).astype(np.int64)
-    prob.ecache[s] = (lo, e)
+    cache.layers[s] = (lo, e)
     return lo, e
 
 
@@ -171,18 +175,18 @@ def _probe(prob: Problem, B: float) -> _Layers | None:
         if use_mem:
             assert prob.Fp is not None and prob.Ap is not None
             assert prob.cm is not None and prob.f is not None
-            I = first + np.flatnonzero(seg)
+            starts = first + np.flatnonzero(seg)
             if not time_free:  # starts whose g exceeds every h of the next window reach nothing
-                I = I[g[I] <= (B - cP[a2 : b2 + 1]).max()]
+                starts = starts[g[starts] <= (B - cP[a2 : b2 + 1]).max()]
             if prob.ecache is not None:
                 start, E = _memory_ends(prob, s)
-                e = E[I - start]
+                e = E[starts - start]
             else:
                 fs = prob.f[s]
                 Q = prob.Fp[first : b2 + 1] + fs * prob.Ap[first : b2 + 1]
-                lim = (prob.lim_eff + Q[I - first]) - fs * prob.cm[I]
+                lim = (prob.lim_eff + Q[starts - first]) - fs * prob.cm[starts]
                 e = first - 1 + np.searchsorted(Q, lim, side="right")
-            lo = np.maximum(I + 1, a2)
+            lo = np.maximum(starts + 1, a2)
             hi = np.minimum(e, b2)
             keep = lo <= hi
             if not keep.any():
@@ -195,7 +199,7 @@ def _probe(prob: Problem, B: float) -> _Layers | None:
                 diff = np.bincount(lo, minlength=w + 1) - np.bincount(hi + 1, minlength=w + 1)
                 r2 = np.cumsum(diff[:w]) > 0
             else:
-                stab = _stab_min(lo, hi, g[I[keep]], w)
+                stab = _stab_min(lo, hi, g[starts[keep]], w)
                 r2 = stab <= B - cP[a2 : b2 + 1]
         elif time_free:
             r2 = np.ones(b2 - a2 + 1, dtype=bool)
@@ -239,7 +243,8 @@ def _valid_from(
     return ok, mem
 
 
-def _walk_back(prob: Problem, B: float, layers: _Layers, *, by_memory: bool = False) -> tuple:
+def _walk_back(prob: Problem, B: float, layers: _Layers, *,
+               by_memory: bool = False) -> tuple[int, ...]:
     """Concrete cuts through the probe's layers: from n backwards, each step takes the admissible
     start with the shortest stage (or the smallest stage memory)."""
     j = prob.n
@@ -261,7 +266,7 @@ def _walk_back(prob: Problem, B: float, layers: _Layers, *, by_memory: bool = Fa
     return tuple(reversed(cuts))
 
 
-def _least_comm_cuts(prob: Problem, B: float, layers: _Layers) -> tuple | None:
+def _least_comm_cuts(prob: Problem, B: float, layers: _Layers) -> tuple[int, ...] | None:
     """Among the partitions the layers encode (all T <= B, Mem <= limit), one with the least
     interior cut_comm (ties: shortest stage walking back); None when the layers are too wide."""
     K = prob.K
@@ -272,15 +277,15 @@ def _least_comm_cuts(prob: Problem, B: float, layers: _Layers) -> tuple | None:
     costs = [np.zeros(1)]
     mats = []
     for s in range(K):
-        I, J = pos[s], pos[s + 1]
-        V = (I[:, None] < J[None, :]) & (g[I][:, None] <= (B - cP[J])[None, :])
+        starts, J = pos[s], pos[s + 1]
+        V = (starts[:, None] < J[None, :]) & (g[starts][:, None] <= (B - cP[J])[None, :])
         if prob.limit is not None:
             assert prob.Fp is not None and prob.Ap is not None
             assert prob.cm is not None and prob.f is not None
             fs = prob.f[s]
-            QI = prob.Fp[I] + fs * prob.Ap[I]
+            QI = prob.Fp[starts] + fs * prob.Ap[starts]
             QJ = prob.Fp[J] + fs * prob.Ap[J]
-            V &= QJ[None, :] <= ((prob.lim_eff + QI) - fs * prob.cm[I])[:, None]
+            V &= QJ[None, :] <= ((prob.lim_eff + QI) - fs * prob.cm[starts])[:, None]
         cost = np.where(V, costs[-1][:, None], _INF).min(axis=0) + prob.comm[J]
         mats.append(V)
         costs.append(cost)
@@ -320,7 +325,7 @@ def _balanced_cuts(P: np.ndarray, K: int) -> tuple[int, ...]:
 
 def _min_memory(prob: Problem) -> float:
     """Smallest limit admitting a K-stage partition (memory only); prob.limit is ignored."""
-    assert prob.has_mem and prob.Fp is not None and prob.f is not None
+    assert prob.has_mem and prob.Fp is not None and prob.Ap is not None and prob.f is not None
     n, K = prob.n, prob.K
     probe_prob = Problem(**{**prob.__dict__})
     probe_prob.compute = np.zeros(n)
@@ -407,7 +412,7 @@ def solve_partition(
     )
     n, K = prob.n, prob.K
     if prob.limit is not None and n * K <= _ECACHE_MAX:
-        prob.ecache = {}
+        prob.ecache = MemoryEnds()
 
     mem_layers = None
     if prob.limit is not None:
