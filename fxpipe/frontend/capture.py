@@ -326,18 +326,17 @@ def _without_counter(node: fx.Node) -> str:
 def _derived_name(node: fx.Node, prefixed: bool) -> str | None:
     """A name saying what the node reads, or (unless `prefixed` by its module already) its name
     without fx's counter."""
-    args = node.args
+    source, key = (node.args[0], node.args[1]) if len(node.args) == 2 else (None, None)
     if node.op == "call_function" and node.target in (operator.getitem, getattr) \
-            and len(args) == 2 and isinstance(args[0], fx.Node):
-        source, key = args
+            and isinstance(source, fx.Node):
         if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
             return f"{source.name}_{key}"
         if isinstance(key, str) and key.isidentifier():
             return f"{source.name}_{key}"
-    if node.op == "call_method" and node.target == "size" and len(args) == 2 \
-            and isinstance(args[1], int) and args[1] >= 0:
-        owner = _COUNTER.sub("", node.name) if prefixed else f"{args[0]}_size"
-        return f"{owner}_{args[1]}"
+    if node.op == "call_method" and node.target == "size" and isinstance(source, fx.Node) \
+            and isinstance(key, int) and key >= 0:
+        owner = _COUNTER.sub("", node.name) if prefixed else f"{source.name}_size"
+        return f"{owner}_{key}"
     if node.op in ("call_function", "call_method") and not prefixed:
         return _without_counter(node)
     return None
