@@ -260,7 +260,9 @@ def prepare(
         )
         Fp = np.concatenate(([0.0], np.cumsum(mf)))
         Ap = np.concatenate(([0.0], np.cumsum(ma)))
-        scale = float(Fp[-1]) + float(f.max()) * (float(Ap[-1]) + float(cm.max()))
+        # cut_mem[0] and cut_mem[n] are paid by no stage: they must not widen the slack
+        interior = float(cm[1:n].max()) if n > 1 else 0.0
+        scale = float(Fp[-1]) + float(f.max()) * (float(Ap[-1]) + interior)
         slack = _MEM_RTOL * max(scale, limit or 0.0)
         mf_l, ma_l, cm_l, f_l = mf.tolist(), ma.tolist(), cm.tolist(), f.tolist()
     P = np.concatenate(([0.0], np.cumsum(comp)))
