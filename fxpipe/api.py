@@ -33,6 +33,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     deferred_batch_norm: bool = False,
     check_finite: bool = False,
     dp_bucket_mb: float = 25.0,
+    autocast: str | None = None,
     command: str | None = None,
 ) -> Program:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
@@ -63,6 +64,9 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         dp_bucket_mb: with data-parallel replicas (torchrun with a multiple of `stages`
             processes), gradients are averaged in buckets of this size while the last backward
             still runs, as DDP does; 0 averages them after it.
+        autocast: "bf16" or "fp16" runs every stage under torch.autocast with that dtype, in
+            program(...), program.step(...) and the written program (which then scales fp16
+            losses with a GradScaler); the same as wrapping each call in torch.autocast.
         command: the command that regenerates the program, shown in stage headers.
 
     Returns:
@@ -83,7 +87,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         devices=tuple(str(d) for d in devices) if devices is not None else None,
         capture=capture, schedule=schedule, profile=profile, leaf_modules=tuple(leaf_modules),
         deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,
-        dp_bucket_mb=dp_bucket_mb, command=command)
+        dp_bucket_mb=dp_bucket_mb, autocast=autocast, command=command)
     check_config(config)
     program = Program(model, config)
     program.train(model.training)

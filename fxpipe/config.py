@@ -9,6 +9,7 @@ from fxpipe.frontend.capture import METHODS
 from fxpipe.passes.partition import BALANCE_MODES
 from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import DeviceProfile
+from fxpipe.runtime.amp import AUTOCAST_DTYPES
 from fxpipe.runtime.schedule import SCHEDULES
 
 __all__ = ["CompileConfig", "check_config"]
@@ -32,6 +33,7 @@ class CompileConfig:
     deferred_batch_norm: bool = False
     check_finite: bool = False
     dp_bucket_mb: float = 25.0  # data-parallel gradient buckets; 0 averages after the backward
+    autocast: str | None = None  # "bf16" or "fp16": every stage under torch.autocast
     command: str | None = None  # how to regenerate, shown in stage headers
 
     @property
@@ -69,6 +71,9 @@ def check_config(config: CompileConfig) -> None:
     if not isinstance(config.dp_bucket_mb, (int, float)) or not config.dp_bucket_mb >= 0:
         raise ConfigError(f"dp_bucket_mb must be a number >= 0 (got {config.dp_bucket_mb!r})",
                           hint="use e.g. 25 (DDP's default), or 0 to average after the backward")
+    if config.autocast is not None and config.autocast not in AUTOCAST_DTYPES:
+        raise ConfigError(f"unknown autocast dtype {config.autocast!r}",
+                          hint=f"use one of {sorted(AUTOCAST_DTYPES)}, or None for full precision")
     if config.devices is not None and len(config.devices) < config.stages:
         raise ConfigError(f"fewer devices than stages ({len(config.devices)} < {config.stages})",
                           hint=f"give {config.stages} devices (e.g. ['cpu'] * {config.stages}), "

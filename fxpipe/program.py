@@ -27,6 +27,7 @@ from fxpipe.passes.remat import RematRegion
 from fxpipe.pipeline import build
 from fxpipe.reference import reference_losses
 from fxpipe.report import Report, build_report, cost_table, predicted_kept
+from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.local import LocalExecutor, LocalStage
 from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.mesh import make_groups
@@ -109,11 +110,13 @@ class Program(nn.Module):
         self._stage_views = []
         if device is None:
             local = []
+            placed: set[int] = set()  # a tensor shared by stages lives where the first one runs
             for st, cls, stage_device in zip(built.stages, classes,
                                              stage_devices(self.config.stages,
                                                            self.config.devices)):
                 module = cls(tensors, modules)
-                _place(module, stage_device)
+                _place(module, stage_device, placed)
+                module.borrow_foreign(stage_device)
                 self.stage_modules.append(module)
                 local.append(LocalStage(module, stage_device, st.input_indexes, st.random,
                                         st.graph_module))
@@ -124,7 +127,7 @@ class Program(nn.Module):
             mesh = mesh_of_world(self.config.stages)
             st = built.stages[mesh.stage]
             module = classes[mesh.stage](tensors, modules)
-            _place(module, device)
+            _place(module, device, set())
             self.stage_modules.append(module)
             for other in built.stages:
                 self._stage_views.append(Stage(other.index, other.graph_module, other.source,
@@ -164,7 +167,8 @@ class Program(nn.Module):
         executor = self._local_executor("calling a program")
         self._check_mode(built)
         flat = built.signature.flatten_inputs(args, kwargs)
-        return built.signature.unflatten_outputs(executor.run(flat))
+        with compiled_autocast(self.config.autocast, self.devices):
+            return built.signature.unflatten_outputs(executor.run(flat))
 
     def measure_activations(self, *args: Any, **kwargs: Any) -> list[dict[str, float]]:
         """Activation bytes each stage keeps for backward at the peak of a GPipe step (after all
@@ -202,12 +206,14 @@ class Program(nn.Module):
         self._check_mode(built)
         if self._rank is not None:
             flat = built.signature.flatten_inputs(args, kwargs)
-            loss, result = self._rank.step(flat, target, loss_fn, scaler)
+            with compiled_autocast(self.config.autocast, self.devices):
+                loss, result = self._rank.step(flat, target, loss_fn, scaler)
             self.measured["last_step_events"] = result.events
             self.measured["kept_bytes"] = result.kept_bytes
             return loss
-        output = self(*args, **kwargs)
-        value = loss_fn(output, target) if target is not None else loss_fn(output)
+        with compiled_autocast(self.config.autocast, self.devices):
+            output = self(*args, **kwargs)
+            value = loss_fn(output, target) if target is not None else loss_fn(output)
         torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
 
@@ -229,6 +235,14 @@ class Program(nn.Module):
     def built(self) -> Built:
         """Everything the compile produced (graphs, plan, sources, pass timings)."""
         return self._require_built("built plan")
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The devices this process's stages run on, in stage order."""
+        self._require_built("devices")
+        if self._local is not None:
+            return [s.device for s in self._local.stages]
+        return [self._rank.executor.device] if self._rank is not None else []
 
     @property
     def stages(self) -> list[Stage]:
@@ -279,7 +293,8 @@ class Program(nn.Module):
                                   hint="write the program from a single process")
         name = loss_name(loss_fn)
         reference = reference_losses(self.model, built.signature, self._example, target,
-                                     resolve_loss(name), reference_steps, lr) \
+                                     resolve_loss(name), reference_steps, lr,
+                                     device=self.devices[0], autocast=self.config.autocast) \
             if reference_steps else []
         tensors: dict[str, torch.Tensor] = {}
         for module in self._stage_modules():
@@ -362,10 +377,14 @@ class Program(nn.Module):
         return None
 
 
-def _place(module: nn.Module, device: torch.device) -> None:
-    """Moves a stage's tensors to its device in place (the model's own tensors move with it)."""
+def _place(module: nn.Module, device: torch.device, placed: set[int]) -> None:
+    """Moves a stage's tensors to its device in place (the model's own tensors move with it),
+    except those an earlier stage placed (`placed`: their ids, updated here)."""
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
+            if id(tensor) in placed:
+                continue
+            placed.add(id(tensor))
             if tensor.device != device:
                 tensor.data = tensor.data.to(device)
 

@@ -171,3 +171,25 @@ def test_every_rank_skips_the_step_when_one_rank_has_inf_gradients(scaled):
     assert [r["overflow"] for r in ranks] == [True, True]
     assert [r["moved"] for r in ranks] == [set(), set()]  # rank 0's gradients were finite
     assert [r["scale"] for r in ranks] == [128.0, 128.0]  # lowered alike: the scales agree
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_a_program_compiled_with_autocast_runs_every_stage_in_bf16(name):
+    model, inputs, kwargs, target = _case(name)
+    loss_ref, grads_ref = _reference(model, inputs, kwargs, target)
+    loss_fp32, _ = _reference(model, inputs, kwargs, target, autocast=False)
+    program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=3, chunks=4,
+                             profile="a100", autocast="bf16")
+    with torch.no_grad():
+        assert program(*inputs, **kwargs).dtype == torch.bfloat16  # no autocast by the caller
+    loss = program.step(*inputs, target=target, **kwargs)
+    assert abs(loss - loss_ref) < abs(loss_fp32 - loss_ref) / 10
+    _assert_grads_close({n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                        grads_ref)
+
+
+def test_an_unknown_autocast_dtype_is_refused_before_any_work():
+    model, inputs, _, _ = _case("mlp")
+    with pytest.raises(fxpipe.FxPipeError, match=r"unknown autocast dtype 'float8'") as info:
+        fxpipe.compile(model, inputs, stages=2, autocast="float8")
+    assert "bf16" in str(info.value)

@@ -4,6 +4,7 @@ two)."""
 from __future__ import annotations
 
 import copy
+import importlib
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.losses import default_loss
+from fxpipe.models import load as load_model
 from fxpipe.runtime.devices import (
     CudaTimeline,
     WallTimeline,
@@ -165,3 +167,22 @@ def test_gpipe_and_1f1b_over_nccl_train_like_the_model():
             torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-5)
         assert ranks[0][case][2] == pytest.approx(float(loss.detach()), rel=0.05)
         assert {"forward", "backward", "send"} <= set(ranks[0][case][3])
+
+
+@pytest.mark.cuda
+@needs_two
+def test_a_weight_tied_across_two_gpus_in_one_process_trains_like_the_plain_model():
+    # GPT ties wte.weight (stage 0, cuda:0) and lm_head.weight (last stage, cuda:1): the
+    # parameter lives on cuda:0 and stage 1 reads a differentiable copy on cuda:1.
+    model, inputs, kwargs = load_model("gpt", deterministic=True)
+    target = importlib.import_module("fxpipe.models.gpt").target(inputs)
+    plain = copy.deepcopy(model).cuda(0)
+    loss_ref = default_loss(plain(inputs[0].cuda(0)), target.cuda(0))
+    loss_ref.backward()
+    program = fxpipe.compile(model, inputs, stages=2, chunks=4, devices=["cuda:0", "cuda:1"],
+                             profile="a100")
+    loss = program.step(inputs[0].cuda(0), target=target.cuda(1))
+    assert loss == pytest.approx(float(loss_ref), rel=1e-4)
+    assert model.wte.weight.device == torch.device("cuda", 0)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -26,9 +26,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["AutocastState", "loss_scale", "agree_on_overflow"]
+__all__ = ["AutocastState", "AUTOCAST_DTYPES", "compiled_autocast", "loss_scale",
+           "agree_on_overflow"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # compile(autocast=...)
+
+
+@contextlib.contextmanager
+def compiled_autocast(name: str | None, devices: Iterable[torch.device]) -> Iterator[None]:
+    """torch.autocast with the dtype a program was compiled with (`name` from AUTOCAST_DTYPES),
+    on every device type the program's stages use; nothing when `name` is None."""
+    with contextlib.ExitStack() as stack:
+        if name is not None:
+            for device_type in sorted({d.type for d in devices}):
+                stack.enter_context(torch.autocast(device_type, dtype=AUTOCAST_DTYPES[name]))
+        yield
 
 
 @dataclass(frozen=True)

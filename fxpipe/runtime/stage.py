@@ -75,7 +75,32 @@ class StageModule(nn.Module):
 
     def named_model_tensors(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers under the model's qualified names."""
+        foreign = self.__dict__.get("_foreign", {})
         out = {}
         for attr, qualname in self.qualified_names().items():
-            out[qualname] = getattr(self, attr)
+            out[qualname] = foreign[attr][0] if attr in foreign else getattr(self, attr)
         return out
+
+    def borrow_foreign(self, device: torch.device) -> list[str]:
+        """Reads the parameters that live on another device through a differentiable copy.
+
+        In one process, a parameter two stages share (a tied weight) lives on the device of
+        the first; a stage on another device then uses `param.to(device)` on every access, so
+        the forward runs on its own device and the gradient flows back to the one parameter.
+        The borrowed parameters stay out of this stage's parameters() (their owner lists
+        them). Returns the attributes borrowed.
+        """
+        foreign: dict[str, tuple[nn.Parameter, torch.device]] = self.__dict__.setdefault(
+            "_foreign", {})
+        for attr, param in list(self._parameters.items()):
+            if param is not None and param.device != device:
+                del self._parameters[attr]
+                foreign[attr] = (param, device)
+        return sorted(foreign)
+
+    def __getattr__(self, name: str) -> Any:
+        foreign = self.__dict__.get("_foreign")
+        if foreign is not None and name in foreign:
+            param, device = foreign[name]
+            return param.to(device)
+        return super().__getattr__(name)
