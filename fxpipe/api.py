@@ -52,7 +52,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             counts per stage.
         split_points: qualified module names where stages 1.. begin (instead of balancing).
         memory_limit: bytes per stage the partition (and remat="auto") must respect.
-        devices: one device per stage for the local executor (default: CUDA if enough, else CPU).
+        devices: one device per stage for the local executor (default: the GPUs this process
+            sees, one per stage or in turn when fewer; the CPU without any).
         capture: "auto", "fx" or "export" (see fxpipe.capture).
         schedule: "gpipe" (fill-drain) or "1f1b" (same bubble, fewer activations in flight).
         profile: a DeviceProfile, a preset name ("a100", "h100", ...), or None to measure.

@@ -1,13 +1,14 @@
 """The `fxpipe` command line: argparse over the public API.
 
-    fxpipe demo                                  compile the bundled GPT, write it, train on 2 processes
-    fxpipe compile MODULE:FACTORY [options]      print the partition report, write the program
-    fxpipe costs MODULE:FACTORY [options]        per-node cost table
-    fxpipe report DIR                            the report of a written program
-    fxpipe run DIR --nproc K [program args]      train a written program (torchrun)
-    fxpipe bench MODEL [options]                 fxpipe vs one process vs torch.distributed.pipelining
-    fxpipe bench-partition                       solver quality and speed against baselines
-    fxpipe bench-compile                         compile time of a 48-block GPT, pass by pass
+    fxpipe demo                          compile the bundled GPT, write it, train on 2 processes
+    fxpipe compile MODULE:FACTORY [...]  print the partition report, write the program
+    fxpipe costs MODULE:FACTORY [...]    per-node cost table
+    fxpipe report DIR                    the report of a written program
+    fxpipe run DIR --nproc K [...]       train a written program (torchrun)
+    fxpipe selfcheck                     prove the GPU paths on this machine (CPU parts without)
+    fxpipe bench MODEL [...]             fxpipe vs one process vs torch.distributed.pipelining
+    fxpipe bench-partition               solver quality and speed against baselines
+    fxpipe bench-compile                 compile time of a 48-block GPT, pass by pass
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from fxpipe import ir
 from fxpipe.api import compile as compile_program
 from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.frontend.capture import capture
-from fxpipe.models import load_factory
+from fxpipe.models import MODELS, load_factory
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.profile import get_profile
 from fxpipe.program import Program
@@ -31,6 +32,7 @@ from fxpipe.report import cost_table
 from fxpipe.tools.bench import BenchOptions, run_bench, run_bench_compile
 from fxpipe.tools.bench_partition import run_bench_partition
 from fxpipe.tools.demo import run_demo
+from fxpipe.tools.selfcheck import run_selfcheck
 
 __all__ = ["main"]
 
@@ -132,6 +134,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.out, nproc=2, steps=args.steps)
 
 
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.quick:
+        return run_selfcheck(models, remat=("except_last",), distributed=not args.no_distributed)
+    return run_selfcheck(models, distributed=not args.no_distributed)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(BenchOptions(model=args.model, settings=tuple(args.set), stages=args.stages,
                                   chunks=args.chunks, remat=args.remat, steps=args.steps,
@@ -151,7 +160,7 @@ def cmd_bench_partition(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxpipe", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.split("\n")[2:10]))
+                                epilog="\n".join(__doc__.split("\n")[2:11]))
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     c = sub.add_parser("compile", help="partition a model, print the report, write the program")
@@ -182,6 +191,15 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="fxpipe-demo")
     d.add_argument("--steps", type=int, default=3)
     d.set_defaults(func=cmd_demo)
+    s = sub.add_parser("selfcheck", help="prove the GPU paths on this machine (CPU parts without "
+                                         "a GPU); run it on every new machine or torch version")
+    s.add_argument("--models", default=",".join(MODELS),
+                   help=f"reference models to check (default {','.join(MODELS)})")
+    s.add_argument("--quick", action="store_true",
+                   help="one remat mode (except_last) instead of all three")
+    s.add_argument("--no-distributed", action="store_true",
+                   help="skip the checks that start torchrun")
+    s.set_defaults(func=cmd_selfcheck)
     b = sub.add_parser("bench", help="step time against one process and torch pipelining")
     _add_bench_options(b)
     b.set_defaults(func=cmd_bench)

@@ -34,10 +34,10 @@ from fxpipe.runtime.mesh import make_groups
 from fxpipe.runtime.rank import (
     RankStage,
     StageWiring,
+    devices_for_stages,
     mesh_of_world,
     rank_device,
     setup_rank,
-    stage_devices,
 )
 from fxpipe.runtime.stage import StageModule
 from fxpipe.state import StateNames, graph_tensors
@@ -112,11 +112,10 @@ class Program(nn.Module):
             local = []
             placed: set[int] = set()  # a tensor shared by stages lives where the first one runs
             for st, cls, stage_device in zip(built.stages, classes,
-                                             stage_devices(self.config.stages,
-                                                           self.config.devices)):
+                                             devices_for_stages(self.config.stages,
+                                                                self.config.devices)):
                 module = cls(tensors, modules)
-                _place(module, stage_device, placed)
-                module.borrow_foreign(stage_device)
+                module.place(stage_device, placed)
                 self.stage_modules.append(module)
                 local.append(LocalStage(module, stage_device, st.input_indexes, st.random,
                                         st.graph_module))
@@ -127,7 +126,7 @@ class Program(nn.Module):
             mesh = mesh_of_world(self.config.stages)
             st = built.stages[mesh.stage]
             module = classes[mesh.stage](tensors, modules)
-            _place(module, device, set())
+            module.place(device, set())
             self.stage_modules.append(module)
             for other in built.stages:
                 self._stage_views.append(Stage(other.index, other.graph_module, other.source,
@@ -213,6 +212,8 @@ class Program(nn.Module):
             return loss
         with compiled_autocast(self.config.autocast, self.devices):
             output = self(*args, **kwargs)
+            if target is not None:  # where the last stage put the outputs
+                target = target.to(self.devices[-1], non_blocking=True)
             value = loss_fn(output, target) if target is not None else loss_fn(output)
         torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
@@ -375,18 +376,6 @@ class Program(nn.Module):
                     if name in state_dict:
                         tensor.copy_(state_dict[name])
         return None
-
-
-def _place(module: nn.Module, device: torch.device, placed: set[int]) -> None:
-    """Moves a stage's tensors to its device in place (the model's own tensors move with it),
-    except those an earlier stage placed (`placed`: their ids, updated here)."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if id(tensor) in placed:
-                continue
-            placed.add(id(tensor))
-            if tensor.device != device:
-                tensor.data = tensor.data.to(device)
 
 
 def _broadcast_plan(gm: GraphModule, plan: PartitionPlan) -> PartitionPlan:

@@ -21,7 +21,13 @@ from fxpipe.losses import LossFn, resolve_loss
 from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.runtime.local import LocalExecutor, LocalStage
 from fxpipe.runtime.mesh import make_groups
-from fxpipe.runtime.rank import StageWiring, mesh_of_world, rank_device, setup_rank
+from fxpipe.runtime.rank import (
+    StageWiring,
+    devices_for_stages,
+    mesh_of_world,
+    rank_device,
+    setup_rank,
+)
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.timeline import Event, write_chrome_trace
@@ -144,15 +150,20 @@ def _resume(directory: str, modules: list[StageModule], optimizer: torch.optim.O
 
 def _local(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[Any, int, list]:
     stages = []
-    for s in spec.stages:
+    for s, device in zip(spec.stages, devices_for_stages(len(spec.stages))):
         module = _stage_class(folder, spec, s.index)(weights)
-        stages.append(LocalStage(module, torch.device("cpu"), s.inputs, s.random))
+        stages.append(LocalStage(module, device, s.inputs, s.random))
+    _tie_local(stages, spec)
+    placed: set[int] = set()  # the GPUs this process sees, in turn (else the CPU)
+    for st in stages:
+        st.module.place(st.device, placed)
     executor = LocalExecutor(stages, spec.signature, spec.chunks, spec.remat,
                              check_finite=args.check_finite)
-    _tie_local(stages, spec)
 
     def step(inputs: list, target: Any, loss_fn: Any) -> float:
         outputs = spec.signature.unflatten_outputs(executor.run(inputs))
+        if target is not None:
+            target = target.to(stages[-1].device)
         loss = loss_fn(outputs, target) if target is not None else loss_fn(outputs)
         loss.backward()
         return float(loss.detach())
@@ -179,7 +190,8 @@ def _distributed(folder: Path, spec: ProgramSpec, weights: dict[str, torch.Tenso
     mesh = mesh_of_world(len(spec.stages))
     groups = make_groups(mesh, spec.shared)
     stage = spec.stages[mesh.stage]
-    module = _stage_class(folder, spec, stage.index)(weights).to(device)
+    module = _stage_class(folder, spec, stage.index)(weights)
+    module.place(device, set())
     rank_stage = setup_rank(
         module, StageWiring(stage.index, stage.inputs, stage.recvs, stage.sends, stage.random),
         mesh=mesh, groups=groups, device=device, signature=spec.signature, edges=spec.edges,

@@ -22,7 +22,7 @@ from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
 __all__ = ["RankStage", "StageWiring", "setup_rank", "mesh_of_world", "local_device_index",
-           "rank_device", "stage_devices", "shard_batch"]
+           "rank_device", "devices_for_stages", "shard_batch"]
 
 # Launchers that start one process per device say which device is this process's.
 _LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -51,13 +51,14 @@ def rank_device(backend: str | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def stage_devices(stages: int, devices: Sequence[str] | None = None) -> list[torch.device]:
-    """One device per stage in one process: as given, else CUDA devices when there are enough,
-    else the CPU."""
+def devices_for_stages(stages: int, devices: Sequence[str] | None = None) -> list[torch.device]:
+    """One device per stage in one process: as given; else the GPUs this process sees, one per
+    stage when there are enough and in turn when there are fewer; else the CPU."""
     if devices is not None:
         return [torch.device(d) for d in devices[:stages]]
-    if torch.cuda.is_available() and torch.cuda.device_count() >= stages:
-        return [torch.device("cuda", i) for i in range(stages)]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count:
+        return [torch.device("cuda", s % count) for s in range(stages)]
     return [torch.device("cpu")] * stages
 
 

@@ -81,6 +81,19 @@ class StageModule(nn.Module):
             out[qualname] = foreign[attr][0] if attr in foreign else getattr(self, attr)
         return out
 
+    def place(self, device: torch.device, placed: set[int]) -> None:
+        """Moves this stage's tensors to `device` in place (the model's own tensors move with
+        them), except those an earlier stage of this process placed (`placed`: their ids,
+        updated here), which this stage then reads from there (borrow_foreign)."""
+        with torch.no_grad():
+            for tensor in [*self.parameters(), *self.buffers()]:
+                if id(tensor) in placed:
+                    continue
+                placed.add(id(tensor))
+                if tensor.device != device:
+                    tensor.data = tensor.data.to(device)
+        self.borrow_foreign(device)
+
     def borrow_foreign(self, device: torch.device) -> list[str]:
         """Reads the parameters that live on another device through a differentiable copy.
 

@@ -1,0 +1,45 @@
+"""fxpipe selfcheck: the command runs its CPU checks here, says what it skipped, and reports a
+check that fails as FAILED with exit status 1."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fxpipe.program import Program
+from fxpipe.tools import selfcheck
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
+def test_selfcheck_runs_the_cpu_checks_and_says_what_it_skipped():
+    result = subprocess.run([sys.executable, "-m", "fxpipe", "selfcheck", "--models", "mlp",
+                             "--quick", "--no-distributed"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "pipeline = model, mlp, remat except_last, fp32" in out
+    assert "pipeline = model, mlp, remat except_last, bf16" in out
+    assert "model already on the GPU" in out and "no GPU" in out
+    assert "written program, one process" in out and "--verify OK" in out
+    assert "ok, 0 failed, 1 skipped" in out
+
+
+def test_a_pipeline_that_computes_something_else_fails_the_selfcheck(monkeypatch):
+    real_step = Program.step
+
+    def wrong_step(self, *args, **kwargs):
+        loss = real_step(self, *args, **kwargs)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(1.01)  # a gradient 1% off, as a lost micro-batch share would be
+        return loss
+
+    monkeypatch.setattr(Program, "step", wrong_step)
+    lines: list[str] = []
+    code = selfcheck.run_selfcheck(["mlp"], remat=("never",), precisions=("fp32",),
+                                   distributed=False, log=lines.append)
+    assert code == 1
+    row = next(line for line in lines if "mlp, remat never, fp32" in line)
+    assert "FAILED" in row and "differs by" in row
