@@ -117,6 +117,7 @@ def _spec(built: Built, files: ProgramFiles) -> dict[str, object]:
         "loss": files.loss, "lr": files.lr, "reference_losses": files.reference_losses,
         "deterministic": not any(st.random for st in built.stages),
         "aliases": files.names.to_json(),
+        "autocast": built.config.autocast,
         "predicted_events": [e.__dict__ for e in predicted_events(built.plan,
                                                                  built.config.schedule)],
     }

@@ -193,3 +193,23 @@ def test_an_unknown_autocast_dtype_is_refused_before_any_work():
     with pytest.raises(fxpipe.FxPipeError, match=r"unknown autocast dtype 'float8'") as info:
         fxpipe.compile(model, inputs, stages=2, autocast="float8")
     assert "bf16" in str(info.value)
+
+
+def test_a_written_program_compiled_with_autocast_trains_in_bf16_and_verifies(tmp_path):
+    import subprocess
+    import sys
+
+    model, inputs, kwargs, target = _case("mlp")
+    program = fxpipe.compile(model, inputs, stages=2, chunks=2, profile="a100",
+                             autocast="bf16")
+    program.write(str(tmp_path), target=target, reference_steps=2)
+    fp32 = fxpipe.compile(copy.deepcopy(model), inputs, stages=2, chunks=2, profile="a100")
+    fp32.write(str(tmp_path / "fp32"), target=target, reference_steps=2)
+    runs = [subprocess.run([sys.executable, str(folder / "program.py"), "--steps", "2",
+                            "--verify"], capture_output=True, text=True, timeout=600)
+            for folder in (tmp_path, tmp_path / "fp32")]
+    for run in runs:
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "verify: OK" in run.stdout
+    bf16_loss, fp32_loss = (float(r.stdout.split("step 0 loss ")[1].split()[0]) for r in runs)
+    assert bf16_loss != fp32_loss  # the written program did run under autocast

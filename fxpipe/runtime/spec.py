@@ -139,6 +139,7 @@ class ProgramSpec:
     deterministic: bool
     aliases: dict[str, list[str]]  # tensor name -> every state_dict name of the model for it
     predicted_events: tuple[dict, ...] = ()  # the cost model's timeline of one step
+    autocast: str | None = None  # "bf16" / "fp16": every stage under torch.autocast
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> ProgramSpec:
@@ -155,7 +156,7 @@ class ProgramSpec:
                            tuple(tuple(e) for e in data["edges"]), data["loss"], data["lr"],
                            tuple(data["reference_losses"]), data["deterministic"],
                            {k: list(v) for k, v in data.get("aliases", {}).items()},
-                           tuple(data.get("predicted_events", ())))
+                           tuple(data.get("predicted_events", ())), data.get("autocast"))
 
 
 def comm_to_json(c: ir.CommInfo) -> dict[str, Any]:
