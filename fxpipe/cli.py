@@ -1,13 +1,13 @@
 """The `fxpipe` command line: argparse over the public API.
 
-    fxpipe demo                                  compile the bundled GPT, write it, train on 2 processes
-    fxpipe compile MODULE:FACTORY [options]      print the partition report, write the program
-    fxpipe costs MODULE:FACTORY [options]        per-node cost table
-    fxpipe report DIR                            the report of a written program
-    fxpipe run DIR --nproc K [program args]      train a written program (torchrun)
-    fxpipe bench MODEL [options]                 fxpipe vs one process vs torch.distributed.pipelining
-    fxpipe bench-partition                       solver quality and speed against baselines
-    fxpipe bench-compile                         compile time of a 48-block GPT, pass by pass
+    fxpipe demo                              compile the bundled GPT, write it, train on 2 processes
+    fxpipe compile MODULE:FACTORY [options]  print the partition report, write the program
+    fxpipe costs MODULE:FACTORY [options]    per-node cost table
+    fxpipe report DIR                        the report of a written program
+    fxpipe run DIR --nproc K [program args]  train a written program (torchrun)
+    fxpipe bench MODEL [options]             fxpipe vs one process vs torch.distributed.pipelining
+    fxpipe bench-partition                   solver quality and speed against baselines
+    fxpipe bench-compile                     compile time of a 48-block GPT, pass by pass
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import shlex
 import subprocess
 import sys
 import traceback
-from typing import Any
+from collections.abc import Callable
+
+import torch
 
 from fxpipe import ir
 from fxpipe.api import compile as compile_program
@@ -39,7 +41,7 @@ def _chunks(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
-def _balance(value: str) -> Any:
+def _balance(value: str) -> list[int] | str:
     return [int(x) for x in value.split(",")] if value[0].isdigit() else value
 
 
@@ -58,11 +60,12 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="device profile preset (a100, h100, ...)")
 
 
-def _compile(args: argparse.Namespace) -> tuple[Program, Any]:
+def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
     model, inputs, kwargs, target = load_factory(args.factory, args.set)
     print(f"compiling {type(model).__name__} into {args.stages} stages (capture, costs, "
           "partition, split, remat, codegen) ...", file=sys.stderr, flush=True)
-    command = " ".join(["fxpipe compile", args.factory] + [f"--set {shlex.quote(s)}" for s in args.set]
+    command = " ".join(["fxpipe compile", args.factory]
+                       + [f"--set {shlex.quote(s)}" for s in args.set]
                        + [f"--stages {args.stages}", f"--chunks {args.chunks}",
                           f"--remat {args.remat}"])
     program = compile_program(model, inputs, example_kwargs=kwargs, stages=args.stages,
@@ -206,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser().print_help()
         return 2
+    func: Callable[[argparse.Namespace], int] = args.func  # a cmd_* function above
     try:
-        return args.func(args)
+        return func(args)
     except FxPipeError as e:
         if args.debug:
             traceback.print_exc()
