@@ -18,7 +18,9 @@ import shlex
 import subprocess
 import sys
 import traceback
-from typing import Any
+from collections.abc import Callable
+
+import torch
 
 from fxpipe import ir
 from fxpipe.api import compile as compile_program
@@ -41,7 +43,7 @@ def _chunks(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
-def _balance(value: str) -> Any:
+def _balance(value: str) -> list[int] | str:
     return [int(x) for x in value.split(",")] if value[0].isdigit() else value
 
 
@@ -60,7 +62,7 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="device profile preset (a100, h100, ...)")
 
 
-def _compile(args: argparse.Namespace) -> tuple[Program, Any]:
+def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
     model, inputs, kwargs, target = load_factory(args.factory, args.set)
     print(f"compiling {type(model).__name__} into {args.stages} stages (capture, costs, "
           "partition, split, remat, codegen) ...", file=sys.stderr, flush=True)
@@ -238,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser().print_help()
         return 2
+    func: Callable[[argparse.Namespace], int] = args.func  # a cmd_* function above
     try:
-        return args.func(args)
+        return func(args)
     except FxPipeError as e:
         if args.debug:
             traceback.print_exc()

@@ -6,7 +6,7 @@ node on the same inputs to name the first node whose output is not finite, with 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,7 +48,8 @@ class _Found(Exception):
         self.node = node
 
 
-def _locate(gm: GraphModule, received: Mapping[str, Any], inputs: list) -> Node | None:
+def _locate(gm: GraphModule, received: Mapping[str, Any],
+            inputs: Sequence[torch.Tensor]) -> Node | None:
     try:
         with torch.no_grad():
             _FirstNonFinite(gm).run(_Replay(received), *inputs)
@@ -58,7 +59,8 @@ def _locate(gm: GraphModule, received: Mapping[str, Any], inputs: list) -> Node 
 
 
 def check_finite(stage: int, microbatch: int, sent: Mapping[str, Any], outputs: Any,
-                 received: Mapping[str, Any], inputs: list, graph: GraphModule | None) -> None:
+                 received: Mapping[str, Any], inputs: Sequence[torch.Tensor],
+                 graph: GraphModule | None) -> None:
     """Raises PipelineRuntimeError naming where non-finite values first appeared."""
     bad = [tag for tag, value in sent.items() if not _finite(value)]
     if outputs is not None and not _finite(outputs):

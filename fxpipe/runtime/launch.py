@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,10 @@ from fxpipe.state import StateNames
 
 __all__ = ["main", "build_stage", "load_spec"]
 
-StepFn = Callable[[list[torch.Tensor], "torch.Tensor | None", LossFn, torch.amp.GradScaler],
-                 float]
+StepFn: TypeAlias = Callable[[list[torch.Tensor], "torch.Tensor | None", LossFn,
+                             torch.amp.GradScaler], float]
+"""One training step on the batch (inputs, target): forward, loss, scaled backward; returns the
+loss."""
 
 
 def load_spec(folder: Path) -> ProgramSpec:
@@ -47,19 +49,27 @@ def load_spec(folder: Path) -> ProgramSpec:
 
 def _stage_class(folder: Path, spec: ProgramSpec, index: int) -> type[StageModule]:
     stage = spec.stages[index]
-    module_spec = importlib.util.spec_from_file_location(f"fxpipe_stage_{index}", folder / stage.file)
+    module_spec = importlib.util.spec_from_file_location(f"fxpipe_stage_{index}",
+                                                         folder / stage.file)
+    # a .py path always has a spec with a source loader
+    assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)  # the generated stage file written beside this one
-    return getattr(module, stage.class_name)
+    cls: type[StageModule] = getattr(module, stage.class_name)
+    return cls
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    return torch.load(folder / "weights.pt", map_location="cpu", weights_only=True)
+    weights: dict[str, torch.Tensor] = torch.load(folder / "weights.pt", map_location="cpu",
+                                                  weights_only=True)
+    return weights
 
 
-def build_stage(folder: Path, index: int, weights: dict[str, torch.Tensor] | None = None) -> StageModule:
+def build_stage(folder: Path, index: int,
+                weights: dict[str, torch.Tensor] | None = None) -> StageModule:
     spec = load_spec(Path(folder))
-    return _stage_class(Path(folder), spec, index)(weights if weights is not None else _weights(Path(folder)))
+    return _stage_class(Path(folder), spec, index)(
+        weights if weights is not None else _weights(Path(folder)))
 
 
 def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
@@ -103,7 +113,8 @@ def main(folder: Path, argv: list[str] | None = None) -> int:
 
 def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     batch = torch.load(folder / "batch.pt", map_location="cpu", weights_only=True)
-    inputs, target = batch["inputs"], batch["target"]
+    inputs: list[torch.Tensor] = batch["inputs"]
+    target: torch.Tensor | None = batch["target"]
     weights = _weights(folder)
     loss_fn = resolve_loss(spec.loss)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
@@ -119,7 +130,7 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     first = 0
     if args.resume:
         first = _resume(args.resume, modules, optimizer, spec)
-    losses = []
+    losses: list[float] = []
     for i in range(first, first + args.steps):
         start = time.perf_counter()
         with compiled_autocast(spec.autocast, devices):
@@ -155,7 +166,8 @@ def _resume(directory: str, modules: list[StageModule], optimizer: torch.optim.O
     return int(checkpoint["step"] or 0)
 
 
-def _local(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[Any, int, list]:
+def _local(folder: Path, spec: ProgramSpec, weights: dict[str, torch.Tensor],
+           args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
     stages = []
     for s, device in zip(spec.stages, devices_for_stages(len(spec.stages))):
         module = _stage_class(folder, spec, s.index)(weights)
@@ -179,7 +191,7 @@ def _local(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[A
     return step, 0, [st.module for st in stages]
 
 
-def _tie_local(stages: list, spec: ProgramSpec) -> None:
+def _tie_local(stages: list[LocalStage], spec: ProgramSpec) -> None:
     """Stages of one process share tied parameters: one Parameter object, as in the model."""
     owner: dict[str, torch.nn.Parameter] = {}
     for st in stages:
@@ -218,8 +230,8 @@ def _distributed(folder: Path, spec: ProgramSpec, weights: dict[str, torch.Tenso
 
 def _write_timeline(path: str, events: list[Event], rank: int, spec: ProgramSpec) -> None:
     """The measured step of every rank, and the cost model's prediction, in one trace."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, events)
+    gathered: list[list[Event]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, events)  # replaces every entry
     if rank == 0:
         merged = [e for evs in gathered for e in evs]
         predicted = [Event(**e) for e in spec.predicted_events]

@@ -7,26 +7,28 @@ replica over the stages that hold them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fxpipe.runtime.distributed import Mesh
 
 __all__ = ["Groups", "make_groups", "average_over_replicas"]
 
 
 @dataclass
 class Groups:
-    pp: Any = None
-    dp: Any = None
-    shared: dict[str, Any] = field(default_factory=dict)  # tied parameter -> group (this replica)
-    device_mesh: Any = None
+    pp: ProcessGroup | None = None
+    dp: ProcessGroup | None = None
+    # tied parameter -> group (this replica)
+    shared: dict[str, ProcessGroup] = field(default_factory=dict)
+    device_mesh: DeviceMesh | None = None
 
 
-def make_groups(mesh: Any, shared: dict[str, list[int]]) -> Groups:
+def make_groups(mesh: Mesh, shared: dict[str, list[int]]) -> Groups:
     """Creates the groups; every rank must call this in the same order (it is collective)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, (mesh.replicas, mesh.stages),
                                    mesh_dim_names=("dp", "pp"))
@@ -41,7 +43,7 @@ def make_groups(mesh: Any, shared: dict[str, list[int]]) -> Groups:
     return groups
 
 
-def average_over_replicas(loss: float, group: Any, replicas: int) -> float:
+def average_over_replicas(loss: float, group: ProcessGroup | None, replicas: int) -> float:
     """The global-batch loss: the mean of the replicas' losses."""
     value = torch.tensor([loss], dtype=torch.float64)
     if dist.get_backend() == "nccl":

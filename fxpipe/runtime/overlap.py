@@ -12,10 +12,11 @@ every replica issues the same collectives in the same order whatever order its h
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup, Work
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["ReplicaAverager", "buckets"]
 
@@ -38,8 +39,8 @@ def buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> list[lis
 class ReplicaAverager:
     """Averages the gradients of `params` over `replicas` ranks of `group`, bucket by bucket."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], group: Any, replicas: int,
-                 bucket_bytes: int) -> None:
+    def __init__(self, params: Iterable[torch.nn.Parameter], group: ProcessGroup | None,
+                 replicas: int, bucket_bytes: int) -> None:
         self.params = [p for p in reversed(list(params)) if p.requires_grad]
         self.group, self.replicas = group, replicas
         sizes = [(p.numel() * p.element_size(), p.dtype) for p in self.params]
@@ -49,11 +50,14 @@ class ReplicaAverager:
         self.armed = False
         self.overlapped = 0  # buckets of the last step launched while its backward ran
         self._reset()
-        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+        # The ignore: torch leaves Tensor.register_post_accumulate_grad_hook unannotated.
+        self.handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._ready)  # type: ignore[no-untyped-call]
+            for p in self.params]
 
     def _reset(self) -> None:
         self.missing = [len(members) for members in self.buckets]
-        self.launched: list[tuple[Any, torch.Tensor]] = []
+        self.launched: list[tuple[Work, torch.Tensor]] = []
 
     def arm(self) -> None:
         """The next backward is the step's last for every parameter: reduce as gradients land."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from fxpipe.errors import ConfigError
 
@@ -53,7 +54,7 @@ class Action:
         return f"{self.kind}{self.microbatch}"
 
 
-Schedule = list[list[Action]]
+Schedule: TypeAlias = list[list[Action]]
 """schedule[s] is the list of actions stage s performs, in execution order."""
 
 
@@ -355,14 +356,14 @@ def simulate(
     if isinstance(comm_time, Mapping):
         comm: dict[tuple[int, int], float] = {}
         for edge, t in comm_time.items():
-            if tuple(edge) not in edge_list:
+            if edge not in edge_list:
                 raise ConfigError(
                     f"comm_time names edge {edge!r}, which is not among the edges {edge_list}",
                     hint="give comm_time only for edges listed in `edges`",
                 )
             if not float(t) >= 0:
                 raise ConfigError(f"comm_time[{edge!r}] must be >= 0 (got {t})", hint=_TIME_HINT)
-            comm[tuple(edge)] = float(t)
+            comm[edge] = float(t)
         edge_comm = {e: comm.get(e, 0.0) for e in edge_list}
     elif isinstance(comm_time, (int, float)):
         if not float(comm_time) >= 0:

@@ -6,18 +6,104 @@ so reading the file back never executes anything it contains.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypeAlias, TypedDict
 
-import sympy
+import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
 import torch.utils._pytree as pytree
 
 from fxpipe import ir
 from fxpipe.errors import CheckpointError, CodegenError
+from fxpipe.runtime.timeline import EventJSON
 from fxpipe.signature import LeafSpec, Signature
 
 __all__ = ["StageSpec", "ProgramSpec", "value_to_json", "value_from_json", "signature_to_json",
-           "signature_from_json"]
+           "signature_from_json", "Constant", "SizeJSON", "TensorJSON", "TupleJSON", "ScalarJSON",
+           "ValueJSON", "LeafJSON", "SignatureJSON", "CommJSON", "StageJSON", "ProgramJSON"]
+
+SizeJSON: TypeAlias = list[int] | int | float
+"""A size: integer polynomial coefficients in b (constant first), or a constant."""
+Constant: TypeAlias = bool | int | float | str | None
+"""A value JSON writes as it is."""
+
+
+class TensorJSON(TypedDict):
+    kind: Literal["tensor"]
+    shape: list[SizeJSON]
+    dtype: str  # without the "torch." prefix
+    batch_dim: int | None
+    requires_grad: bool
+
+
+class TupleJSON(TypedDict):
+    kind: Literal["tuple"]
+    items: list[ValueJSON]
+
+
+class ScalarJSON(TypedDict):
+    kind: Literal["scalar"]
+    value: SizeJSON | bool | None
+
+
+ValueJSON: TypeAlias = TensorJSON | TupleJSON | ScalarJSON
+"""An ir.ValueInfo crossing stages."""
+
+
+class LeafJSON(TypedDict):
+    name: str
+    is_tensor: bool
+    dtype: str | None
+    shape: list[int]
+    batch_dim: int | None
+    constant: Constant
+
+
+class SignatureJSON(TypedDict):
+    leaves: list[LeafJSON]
+    out_batch_dims: list[int | None]
+    out_is_tensor: list[bool]
+    out_spec: str | None  # pytree.treespec_dumps, None when the outputs do not serialise
+
+
+class CommJSON(TypedDict):
+    peer: int
+    tag: str
+    value: ValueJSON
+
+
+class StageJSON(TypedDict):
+    index: int
+    file: str
+    class_name: str
+    inputs: list[int]
+    random: bool
+    recvs: list[CommJSON]
+    sends: list[CommJSON]
+
+
+class _ProgramJSON(TypedDict):
+    fxpipe: str  # the version that wrote it
+    model: str
+    chunks: int
+    remat: str
+    schedule: str
+    signature: SignatureJSON
+    stages: list[StageJSON]
+    shared: dict[str, list[int]]
+    edges: list[tuple[str, int, int]]  # JSON arrays [tag, src, dst]
+    loss: str
+    lr: float
+    reference_losses: list[float]
+    deterministic: bool
+
+
+class ProgramJSON(_ProgramJSON, total=False):
+    """program.json; programs written before aliases and predicted events lack them."""
+
+    aliases: dict[str, list[str]]
+    predicted_events: list[EventJSON]
+    autocast: str | None
+
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -32,7 +118,7 @@ def _dtype(name: str) -> torch.dtype:
                               hint="write the program again with this fxpipe version") from None
 
 
-def _poly(expr: Any) -> list[int] | int | float:
+def _poly(expr: ir.Expr) -> SizeJSON:
     expr = sympy.sympify(expr)
     if not expr.free_symbols:
         return int(expr) if expr.is_Integer else float(expr)
@@ -47,13 +133,13 @@ def _poly(expr: Any) -> list[int] | int | float:
     return [int(c) for c in coeffs]
 
 
-def _unpoly(value: Any) -> sympy.Expr:
+def _unpoly(value: SizeJSON) -> sympy.Expr:
     if isinstance(value, list):
         return sympy.expand(sum(sympy.Integer(int(c)) * ir.BATCH**i for i, c in enumerate(value)))
     return sympy.sympify(float(value)) if isinstance(value, float) else sympy.Integer(int(value))
 
 
-def value_to_json(info: Any) -> dict[str, Any]:
+def value_to_json(info: ir.ValueInfo) -> ValueJSON:
     if isinstance(info, ir.TensorInfo):
         return {"kind": "tensor", "shape": [_poly(d) for d in info.shape],
                 "dtype": str(info.dtype).removeprefix("torch."), "batch_dim": info.batch_dim,
@@ -69,42 +155,42 @@ def value_to_json(info: Any) -> dict[str, Any]:
                        hint="please report this model")
 
 
-def value_from_json(data: dict[str, Any]) -> Any:
-    kind = data["kind"]
-    if kind == "tensor":
+def value_from_json(data: ValueJSON) -> ir.ValueInfo:
+    if data["kind"] == "tensor":
         return ir.TensorInfo(tuple(_unpoly(d) for d in data["shape"]), _dtype(data["dtype"]),
                              data["batch_dim"], bool(data["requires_grad"]))
-    if kind == "tuple":
+    if data["kind"] == "tuple":
         return tuple(value_from_json(i) for i in data["items"])
     value = data["value"]
     return ir.ScalarInfo(_unpoly(value) if isinstance(value, list) else value)
 
 
-def _json_constant(value: Any) -> Any:
+def _json_constant(value: object) -> Constant:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return None  # not representable: the launcher feeds tensors only, constants are baked
 
 
-def signature_to_json(sig: Signature) -> dict[str, Any]:
+def signature_to_json(sig: Signature) -> SignatureJSON:
     try:
         out_spec = pytree.treespec_dumps(sig.out_spec)
     except Exception:  # noqa: BLE001 - custom containers (e.g. ModelOutput) may not serialise
         out_spec = None
     return {
-        "leaves": [{"name": l.name, "is_tensor": l.is_tensor,
-                    "dtype": str(l.dtype).removeprefix("torch.") if l.dtype else None,
-                    "shape": list(l.shape), "batch_dim": l.batch_dim,
-                    "constant": _json_constant(l.constant)} for l in sig.leaves],
+        "leaves": [{"name": leaf.name, "is_tensor": leaf.is_tensor,
+                    "dtype": str(leaf.dtype).removeprefix("torch.") if leaf.dtype else None,
+                    "shape": list(leaf.shape), "batch_dim": leaf.batch_dim,
+                    "constant": _json_constant(leaf.constant)} for leaf in sig.leaves],
         "out_batch_dims": list(sig.out_batch_dims),
         "out_is_tensor": list(sig.out_is_tensor),
         "out_spec": out_spec,
     }
 
 
-def signature_from_json(data: dict[str, Any]) -> Signature:
-    leaves = [LeafSpec(l["name"], l["is_tensor"], _dtype(l["dtype"]) if l["dtype"] else None,
-                       tuple(l["shape"]), l["batch_dim"], l["constant"]) for l in data["leaves"]]
+def signature_from_json(data: SignatureJSON) -> Signature:
+    leaves = [LeafSpec(leaf["name"], leaf["is_tensor"],
+                       _dtype(leaf["dtype"]) if leaf["dtype"] else None, tuple(leaf["shape"]),
+                       leaf["batch_dim"], leaf["constant"]) for leaf in data["leaves"]]
     n_out = len(data["out_is_tensor"])
     out_spec = pytree.treespec_loads(data["out_spec"]) if data["out_spec"] else \
         pytree.tree_flatten(tuple(range(n_out)))[1]
@@ -138,12 +224,12 @@ class ProgramSpec:
     reference_losses: tuple[float, ...]
     deterministic: bool
     aliases: dict[str, list[str]]  # tensor name -> every state_dict name of the model for it
-    predicted_events: tuple[dict, ...] = ()  # the cost model's timeline of one step
+    predicted_events: tuple[EventJSON, ...] = ()  # the cost model's timeline of one step
     autocast: str | None = None  # "bf16" / "fp16": every stage under torch.autocast
 
     @staticmethod
-    def from_json(data: dict[str, Any]) -> ProgramSpec:
-        def comm(c: dict[str, Any], kind: str) -> ir.CommInfo:
+    def from_json(data: ProgramJSON) -> ProgramSpec:
+        def comm(c: CommJSON, kind: str) -> ir.CommInfo:
             return ir.CommInfo(kind, c["peer"], c["tag"], value_from_json(c["value"]))
 
         stages = tuple(StageSpec(s["index"], s["file"], s["class_name"], tuple(s["inputs"]),
@@ -153,11 +239,12 @@ class ProgramSpec:
         return ProgramSpec(data["model"], stages, data["chunks"], data["remat"],
                            data["schedule"], signature_from_json(data["signature"]),
                            {k: list(v) for k, v in data["shared"].items()},
-                           tuple(tuple(e) for e in data["edges"]), data["loss"], data["lr"],
+                           tuple((tag, src, dst) for tag, src, dst in data["edges"]),
+                           data["loss"], data["lr"],
                            tuple(data["reference_losses"]), data["deterministic"],
                            {k: list(v) for k, v in data.get("aliases", {}).items()},
                            tuple(data.get("predicted_events", ())), data.get("autocast"))
 
 
-def comm_to_json(c: ir.CommInfo) -> dict[str, Any]:
+def comm_to_json(c: ir.CommInfo) -> CommJSON:
     return {"peer": c.peer, "tag": c.tag, "value": value_to_json(c.value)}

@@ -5,10 +5,24 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias, TypedDict
 
-__all__ = ["Event", "Timeline", "busy_time", "chrome_trace", "write_chrome_trace"]
+from fxpipe.runtime.schedule import get_schedule, simulate
+
+__all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
+           "chrome_trace", "write_chrome_trace", "predicted_events"]
+
+
+class EventJSON(TypedDict):
+    """An Event as JSON carries it (bench results, program.json): Event(**data) reads it."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -19,6 +33,10 @@ class Event:
     start: float  # seconds since the timeline started
     end: float
     detail: str = ""
+
+    def to_json(self) -> EventJSON:
+        return {"kind": self.kind, "stage": self.stage, "microbatch": self.microbatch,
+                "start": self.start, "end": self.end, "detail": self.detail}
 
 
 class Timeline:
@@ -41,8 +59,8 @@ class Timeline:
             self.events.append(Event(kind, stage, microbatch, start,
                                      time.perf_counter() - self.origin, detail))
 
-    def to_dicts(self) -> list[dict[str, Any]]:
-        return [asdict(e) for e in self.events]
+    def to_dicts(self) -> list[EventJSON]:
+        return [e.to_json() for e in self.events]
 
 
 _COMPUTE = ("forward", "backward", "recompute")
@@ -64,10 +82,50 @@ def busy_time(events: Sequence[Event], stage: int | None = None) -> float:
     return total
 
 
-def chrome_trace(events: Sequence[Event], *, name: str = "fxpipe", pid: int = 0) -> list[dict]:
+class _NameArgs(TypedDict):
+    name: str
+
+
+class _MetadataEvent(TypedDict):
+    name: str  # "process_name" or "thread_name"
+    ph: str  # "M"
+    pid: int
+    args: _NameArgs
+
+
+class MetadataEvent(_MetadataEvent, total=False):
+    """A Chrome trace metadata event: names a process (pid) or a track (pid, tid)."""
+
+    tid: int
+
+
+class _SpanArgs(TypedDict):
+    microbatch: int
+    detail: str
+
+
+class SpanEvent(TypedDict):
+    """A Chrome trace complete event ("X"): one span, times in microseconds."""
+
+    name: str
+    cat: str
+    ph: str
+    pid: int
+    tid: int
+    ts: float
+    dur: float
+    args: _SpanArgs
+
+
+TraceEvent: TypeAlias = MetadataEvent | SpanEvent
+"""One entry of a Chrome trace's traceEvents."""
+
+
+def chrome_trace(events: Sequence[Event], *, name: str = "fxpipe",
+                 pid: int = 0) -> list[TraceEvent]:
     """Trace events: one process `name`, one track (thread) per stage, times in microseconds."""
-    out: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": pid,
-                                  "args": {"name": name}}]
+    out: list[TraceEvent] = [{"name": "process_name", "ph": "M", "pid": pid,
+                              "args": {"name": name}}]
     for stage in sorted({e.stage for e in events}):
         out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": stage,
                     "args": {"name": f"stage {stage}"}})
@@ -82,17 +140,38 @@ def chrome_trace(events: Sequence[Event], *, name: str = "fxpipe", pid: int = 0)
 
 def write_chrome_trace(path: str, runs: dict[str, Sequence[Event]]) -> None:
     """Writes several runs (e.g. "measured" and "predicted") into one trace, one process each."""
-    events: list[dict] = []
+    events: list[TraceEvent] = []
     for pid, (name, run) in enumerate(runs.items()):
         events += chrome_trace(run, name=name, pid=pid)
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f, indent=None)
 
 
-def predicted_events(plan: Any, schedule: str = "gpipe") -> list[Event]:
-    """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
-    from fxpipe.runtime.schedule import get_schedule, simulate
+class StageTimes(Protocol):
+    """The per-micro-batch times of one stage that predicted_events reads (a StagePlan)."""
 
+    @property
+    def forward_time(self) -> float: ...
+
+    @property
+    def compute_time(self) -> float: ...
+
+    @property
+    def comm_time(self) -> float: ...
+
+
+class PlanTimes(Protocol):
+    """What predicted_events reads of a partition plan (a PartitionPlan, from a layer above)."""
+
+    @property
+    def stages(self) -> Sequence[StageTimes]: ...
+
+    @property
+    def chunks(self) -> int: ...
+
+
+def predicted_events(plan: PlanTimes, schedule: str = "gpipe") -> list[Event]:
+    """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
     k, m = len(plan.stages), plan.chunks
     fwd = [s.forward_time for s in plan.stages]
     bwd = [s.compute_time - s.forward_time for s in plan.stages]

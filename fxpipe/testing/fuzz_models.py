@@ -5,16 +5,28 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, TypedDict, TypeVar
 
 import torch
 from torch import nn
 
 from fxpipe.testing.transparency import PROFILE, check_dropout_remat, check_transparent
 
-__all__ = ["BATCHES", "REMATS", "ACTIVATIONS", "EDGE_FEATURES", "KINDS", "PROFILE", "Example",
-           "FuzzNet", "Op", "Spec", "example_batch", "models_and_configs", "random_config",
-           "random_example", "random_model", "random_spec"]
+if TYPE_CHECKING:  # hypothesis is a test extra: only its draws and strategies need it
+    from hypothesis.strategies import DrawFn, SearchStrategy
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
+
+__all__ = ["BATCHES", "REMATS", "ACTIVATIONS", "EDGE_FEATURES", "KINDS", "PROFILE", "CutOptions",
+           "Example", "FuzzNet", "FuzzOutput", "Op", "Randomness", "Spec", "SpecOptions",
+           "example_batch", "models_and_configs", "random_config", "random_example",
+           "random_model", "random_spec"]
+
+T = TypeVar("T")
+
+Randomness: TypeAlias = "int | random.Random | DrawFn"
+"""Where the generator's decisions come from: a seed, a random.Random or a hypothesis draw."""
+FuzzOutput: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
+"""What a FuzzNet returns: one tensor, a tuple or a dict of them (Spec.output_kind)."""
 
 
 BATCHES = (4, 6, 8)
@@ -139,19 +151,21 @@ class FuzzNet(nn.Module):
         self.spec = spec
         self.plan = spec.ops  # a constant: fx unrolls the loop over it
         self.n_inputs = spec.n_inputs
+        self.fuzz_seed: int | None = None  # the seed of the Example, named in failures
         widths = spec.widths()
         layers: dict[str, nn.Module] = {}
+        linears: dict[int, nn.Linear] = {}  # the layers a tied layer can take its weight from
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.init_seed)
             for i, op in enumerate(spec.ops):
                 w_in = widths[op.inputs[0]]
                 if op.kind == "linear":
-                    layers[f"l{i}"] = nn.Linear(w_in, op.width, bias=op.bias)
+                    layers[f"l{i}"] = linears[i] = nn.Linear(w_in, op.width, bias=op.bias)
                 elif op.kind == "tied":  # its own module and bias, the weight of layer `tie`
-                    other = layers[f"l{op.tie}"]
+                    other = linears[op.tie]
                     layer = nn.Linear(other.in_features, other.out_features, bias=op.bias)
                     layer.weight = other.weight  # one Parameter, two modules
-                    layers[f"l{i}"] = layer
+                    layers[f"l{i}"] = linears[i] = layer
                 elif op.kind == "layernorm":
                     layers[f"l{i}"] = nn.LayerNorm(w_in)
                 elif op.kind == "dropout":
@@ -165,8 +179,12 @@ class FuzzNet(nn.Module):
         self.train(not spec.eval_mode)
 
     def forward(self, x0: torch.Tensor, x1: torch.Tensor | None = None,
-                x2: torch.Tensor | None = None, *, gate: torch.Tensor | None = None) -> Any:
-        values = [x0, x1, x2][: self.n_inputs]
+                x2: torch.Tensor | None = None, *, gate: torch.Tensor | None = None) -> FuzzOutput:
+        values = [x0]
+        for x in (x1, x2)[: self.n_inputs - 1]:
+            if x is None:
+                raise TypeError(f"this FuzzNet takes {self.n_inputs} positional inputs")
+            values.append(x)
         for i, op in enumerate(self.plan):
             xs = [values[j] for j in op.inputs]
             if op.kind in MODULE_OPS:
@@ -199,7 +217,7 @@ def example_batch(spec: Spec) -> tuple[tuple[torch.Tensor, ...], dict[str, torch
     inputs = tuple(torch.randn(spec.batch, w, generator=g) for w in spec.input_widths)
     if spec.aliased_inputs:
         inputs = (inputs[0], inputs[0], *inputs[2:])
-    kwargs = {}
+    kwargs: dict[str, torch.Tensor] = {}
     if spec.gate_width is not None and spec.gate_given:
         rows = spec.batch if spec.gate_batched else 1
         kwargs["gate"] = torch.randn(rows, spec.gate_width, generator=g)
@@ -219,14 +237,14 @@ class _Choices:
     def integer(self, lo: int, hi: int) -> int:
         raise NotImplementedError
 
-    def choice(self, options: Sequence[Any]) -> Any:
+    def choice(self, options: Sequence[T]) -> T:
         return options[self.integer(0, len(options) - 1)]
 
     def chance(self, p: float) -> bool:
         """True with probability p; shrinks to False."""
         return self.integer(0, 999) >= round(1000 * (1 - p))
 
-    def weighted(self, options: Sequence[tuple[Any, int]]) -> Any:
+    def weighted(self, options: Sequence[tuple[T, int]]) -> T:
         total = sum(w for _, w in options)
         k = self.integer(0, total - 1)
         for value, w in options:
@@ -245,17 +263,17 @@ class _RngChoices(_Choices):
 
 
 class _DrawChoices(_Choices):
-    def __init__(self, draw: Callable[[Any], Any]) -> None:
+    def __init__(self, draw: DrawFn) -> None:
         from hypothesis import strategies as st
 
         self.draw = draw
-        self.st = st
+        self.integers: Callable[[int, int], SearchStrategy[int]] = st.integers
 
     def integer(self, lo: int, hi: int) -> int:
-        return self.draw(self.st.integers(lo, hi))
+        return self.draw(self.integers(lo, hi))
 
 
-def _choices(draw_or_rng: Any) -> _Choices:
+def _choices(draw_or_rng: Randomness | _Choices) -> _Choices:
     if isinstance(draw_or_rng, _Choices):
         return draw_or_rng
     if isinstance(draw_or_rng, random.Random):
@@ -366,12 +384,12 @@ class _Builder:
             ins = (a, b) if c.chance(0.5) else (b, a)
             self.add(Op(kind, ins), self.widths[a])
         elif kind == "cat":
-            ins = [self.pick()]
+            parts = [self.pick()]
             for _ in range(c.integer(1, 2)):
-                nxt = self.pick(exclude=ins)
-                if sum(self.widths[i] for i in ins) + self.widths[nxt] <= MAX_CAT_WIDTH:
-                    ins.append(nxt)
-            self.add(Op("cat", tuple(ins)), sum(self.widths[i] for i in ins))
+                nxt = self.pick(exclude=parts)
+                if sum(self.widths[i] for i in parts) + self.widths[nxt] <= MAX_CAT_WIDTH:
+                    parts.append(nxt)
+            self.add(Op("cat", tuple(parts)), sum(self.widths[i] for i in parts))
         elif kind in ("tied", "reuse"):  # a late layer with the weight of an early Linear
             first_half = self.ops[: max(len(self.ops) // 2, 1)]
             linears = [i for i, op in enumerate(first_half) if op.kind == "linear"]
@@ -403,7 +421,16 @@ EDGE_FEATURES = ("self_merge", "input_as_output", "repeated_output", "unused_inp
                  "aliased_inputs")
 
 
-def random_spec(draw_or_rng: Any, *, max_layers: int = 10, max_inputs: int = 3,
+class SpecOptions(TypedDict, total=False):
+    """The keyword options of random_spec, which random_model and the others pass on."""
+
+    max_layers: int
+    max_inputs: int
+    avoid: Collection[str]
+    init_seed: int | None
+
+
+def random_spec(draw_or_rng: Randomness, *, max_layers: int = 10, max_inputs: int = 3,
                 avoid: Collection[str] = (), init_seed: int | None = None) -> Spec:
     """A random model description; `draw_or_rng` is a seed, a random.Random or a hypothesis draw.
 
@@ -478,7 +505,8 @@ def random_spec(draw_or_rng: Any, *, max_layers: int = 10, max_inputs: int = 3,
                 eval_mode, init_seed, frozen, inputs_require_grad, gate_batched, aliased)
 
 
-def random_model(draw_or_rng: Any, **options: Any) -> tuple[nn.Module, tuple, dict]:
+def random_model(draw_or_rng: Randomness, **options: Unpack[SpecOptions]
+                 ) -> tuple[FuzzNet, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
     """(model, example_inputs, example_kwargs) for a random spec; deterministic for a seed."""
     spec = random_spec(draw_or_rng, **options)
     inputs, kwargs = example_batch(spec)
@@ -493,6 +521,12 @@ def kernel_count(spec: Spec) -> int:
     return sum(1 for op in spec.ops if op.kind not in ("gate", "dropout", "relu_"))
 
 
+class CutOptions(TypedDict, total=False):
+    """The fxpipe.compile options of an Example: where its stages begin, when it says."""
+
+    split_points: list[str]
+
+
 @dataclass
 class Example:
     spec: Spec
@@ -501,9 +535,9 @@ class Example:
     remat: str
     seed: int | None = None
     split_points: tuple[str, ...] | None = None  # else the cost model balances the stages
-    model: nn.Module = field(init=False, repr=False)
-    inputs: tuple = field(init=False, repr=False)
-    kwargs: dict = field(init=False, repr=False)
+    model: FuzzNet = field(init=False, repr=False)
+    inputs: tuple[torch.Tensor, ...] = field(init=False, repr=False)
+    kwargs: dict[str, torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.model = FuzzNet(self.spec)
@@ -511,7 +545,7 @@ class Example:
         self.inputs, self.kwargs = example_batch(self.spec)
 
     @property
-    def options(self) -> dict[str, Any]:
+    def options(self) -> CutOptions:
         return {} if self.split_points is None else {"split_points": list(self.split_points)}
 
     def check(self) -> None:
@@ -526,7 +560,7 @@ _CUT_KINDS = ("linear", "tied", "layernorm", *ACTIVATIONS)  # modules that are t
 _KERNEL_KINDS = (*_CUT_KINDS, "reuse", "add", "mul", "cat")
 
 
-def random_config(draw_or_rng: Any, spec: Spec,
+def random_config(draw_or_rng: Randomness, spec: Spec,
                   max_stages: int = 4) -> tuple[int, int, str, tuple[str, ...] | None]:
     """stages (1 .. min(max_stages, kernel_count)), chunks (a divisor of the batch), remat, and
     split points: None (the cost model cuts) or, sometimes, stages - 1 random layers where
@@ -541,7 +575,7 @@ def random_config(draw_or_rng: Any, spec: Spec,
     divisors = [d for d in range(1, spec.batch + 1) if spec.batch % d == 0]
     chunks = c.choice(sorted(divisors, key=lambda d: (d != 2, d)))
     remat = c.choice(REMATS)
-    split_points = None
+    split_points: tuple[str, ...] | None = None
     if stages > 1 and c.chance(0.3):
         first = next((i for i, op in enumerate(spec.ops) if op.kind in _KERNEL_KINDS), None)
         reused = {op.tie for op in spec.ops if op.kind == "reuse"}  # two places: ambiguous
@@ -555,7 +589,7 @@ def random_config(draw_or_rng: Any, spec: Spec,
     return stages, chunks, remat, split_points
 
 
-def random_example(seed: int, **options: Any) -> Example:
+def random_example(seed: int, **options: Unpack[SpecOptions]) -> Example:
     """The example `python -m fxpipe.tools.fuzz` runs for `seed`."""
     rng = random.Random(seed)
     spec = random_spec(rng, **options)
@@ -563,12 +597,12 @@ def random_example(seed: int, **options: Any) -> Example:
     return Example(spec, stages, chunks, remat, seed, split_points)
 
 
-def models_and_configs(**options: Any) -> Any:
+def models_and_configs(**options: Unpack[SpecOptions]) -> SearchStrategy[Example]:
     """A hypothesis strategy of Examples (a random model, its batch, stages, chunks, remat)."""
     from hypothesis import strategies as st
 
     @st.composite
-    def examples(draw: Any) -> Example:
+    def examples(draw: DrawFn) -> Example:
         spec = random_spec(draw, **options)
         stages, chunks, remat, split_points = random_config(draw, spec)
         return Example(spec, stages, chunks, remat, split_points=split_points)

@@ -6,6 +6,7 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
+from typing import TypedDict
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from fxpipe.passes.partition.problem import (
 )
 from fxpipe.passes.partition.solver import min_memory_limit, solve_partition
 
-__all__ = ["brute_force_partition", "benchmark"]
+__all__ = ["brute_force_partition", "benchmark", "SolveBenchmark"]
 
 # Enumerations the brute force accepts before refusing.
 _BRUTE_FORCE_MAX = 5_000_000
@@ -72,9 +73,18 @@ def brute_force_partition(
     return build_partition(prob, best_cuts)
 
 
+class SolveBenchmark(TypedDict):
+    """One timed solve of `benchmark`."""
+
+    n: int
+    stages: int
+    seconds: float
+    bottleneck: float
+
+
 def benchmark(
     n: int = 100_000, stages: int = 64, seed: int = 0, *, with_memory: bool = False
-) -> dict:
+) -> SolveBenchmark:
     """Time solve_partition on a random instance: compute in [0, 1), cut_comm in [0, 0.5).
 
     With ``with_memory`` a random memory model (1F1B in-flight counts with 2*stages micro-batches)
@@ -84,18 +94,21 @@ def benchmark(
     rng = np.random.default_rng(seed)
     compute = rng.random(n)
     cut_comm = 0.5 * rng.random(n + 1)
-    kwargs: dict = {}
+    memory_limit = mem_fixed = mem_act = cut_mem = inflight = None  # without: no memory model
     if with_memory:
         mem_fixed = rng.random(n)
         mem_act = rng.random(n)
         cut_mem = 0.5 * rng.random(n + 1)
         inflight = [min(stages - s, 2 * stages) for s in range(stages)]
-        mem = dict(mem_fixed=mem_fixed, mem_act=mem_act, cut_mem=cut_mem, inflight=inflight)
-        free = solve_partition(compute, stages, cut_comm=cut_comm, **mem)
+        free = solve_partition(compute, stages, cut_comm=cut_comm, mem_fixed=mem_fixed,
+                               mem_act=mem_act, cut_mem=cut_mem, inflight=inflight)
         assert free.stage_memory is not None
-        low = min_memory_limit(stages, **mem)
-        kwargs = dict(mem, memory_limit=0.5 * (low + max(free.stage_memory)))
+        low = min_memory_limit(stages, mem_fixed=mem_fixed, mem_act=mem_act, cut_mem=cut_mem,
+                               inflight=inflight)
+        memory_limit = 0.5 * (low + max(free.stage_memory))
     t0 = time.perf_counter()
-    part = solve_partition(compute, stages, cut_comm=cut_comm, **kwargs)
+    part = solve_partition(compute, stages, cut_comm=cut_comm, memory_limit=memory_limit,
+                           mem_fixed=mem_fixed, mem_act=mem_act, cut_mem=cut_mem,
+                           inflight=inflight)
     seconds = time.perf_counter() - t0
     return {"n": n, "stages": stages, "seconds": seconds, "bottleneck": part.bottleneck}

@@ -3,15 +3,15 @@ computes — the same outputs, loss and every parameter's gradient — for any m
 
     check_transparent(model, inputs, kwargs, stages=2, chunks=4, remat="always")
 
-Used by the fuzzer (fxpipe.tools.fuzz) on random models and by the tests on hand-written ones. A model
-with dropout cannot be compared in train mode (a micro-batch draws other masks than the full
+Used by the fuzzer (fxpipe.tools.fuzz) on random models and by the tests on hand-written ones. A
+model with dropout cannot be compared in train mode (a micro-batch draws other masks than the full
 batch); check_dropout_remat compares the program with remat against the program without it.
 """
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -20,14 +20,20 @@ from torch import nn
 import fxpipe
 from fxpipe import ir
 from fxpipe.losses import default_loss
+from fxpipe.profile import DeviceProfile
+from fxpipe.program import Program
 
 __all__ = ["PROFILE", "check_dropout_remat", "check_transparent"]
 
 PROFILE = "a100"  # a deterministic preset: no CPU micro-benchmark per check
 
+T = TypeVar("T")
+
+Results: TypeAlias = dict[str, torch.Tensor | None]
+"""Every compared tensor of one run by name (None: a gradient that was not computed)."""
 
 
-def _clone(tree: Any, dtype: torch.dtype | None = None) -> Any:
+def _clone(tree: T, dtype: torch.dtype | None = None) -> T:
     """Fresh copies of the tensors of `tree` (so no run sees another's in-place updates), that
     require grad where the originals do."""
     memo: dict[int, torch.Tensor] = {}  # one copy per tensor: aliased inputs stay aliased
@@ -42,14 +48,14 @@ def _clone(tree: Any, dtype: torch.dtype | None = None) -> Any:
             memo[id(t)] = copy_.requires_grad_(t.requires_grad)
         return memo[id(t)]
 
-    return pytree.tree_map(one, tree)
+    cloned: T = pytree.tree_map(one, tree)  # the same structure
+    return cloned
 
 
-def _results(output: Any, loss: torch.Tensor, model: nn.Module,
-             inputs: Any) -> dict[str, torch.Tensor | None]:
+def _results(output: Any, loss: torch.Tensor, model: nn.Module, inputs: Any) -> Results:
     """Every compared tensor by name: output leaves, the loss, every parameter's gradient (under
     every name) and the gradient of every input that requires grad."""
-    named: dict[str, torch.Tensor | None] = {}
+    named: Results = {}
     for k, leaf in enumerate(pytree.tree_leaves(output)):
         named[f"output leaf {k}"] = leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
     named["loss"] = loss.detach()
@@ -61,8 +67,8 @@ def _results(output: Any, loss: torch.Tensor, model: nn.Module,
     return named
 
 
-def _run_plain(model: nn.Module, inputs: tuple, kwargs: dict,
-               dtype: torch.dtype | None = None) -> tuple[Any, dict[str, Any]]:
+def _run_plain(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+               dtype: torch.dtype | None = None) -> tuple[Any, Results]:
     model = copy.deepcopy(model)
     if dtype is not None:
         model = model.to(dtype)
@@ -70,11 +76,17 @@ def _run_plain(model: nn.Module, inputs: tuple, kwargs: dict,
     output = model(*args, **kw)
     loss = default_loss(output)
     if loss.requires_grad:  # False when no output depends on a parameter or input
-        loss.backward()
+        torch.autograd.backward(loss)
     return output, _results(output, loss, model, (args, kw))
 
 
-def _rebatched(tree: Any, batch: int, factor: int, seed: int) -> Any:
+def _float64(model: nn.Module, inputs: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Callable[[], Results]:
+    """The plain model's results in float64, computed only when asked for."""
+    return lambda: _run_plain(model, inputs, kwargs, torch.float64)[1]
+
+
+def _rebatched(tree: T, batch: int, factor: int, seed: int) -> T:
     """New random values of the same structure with the batch `factor` times larger: every
     dimension 0 equal to `batch` grows, others (broadcast inputs) stay; aliasing and
     requires_grad are kept."""
@@ -93,23 +105,24 @@ def _rebatched(tree: Any, batch: int, factor: int, seed: int) -> Any:
             memo[id(t)] = new.requires_grad_(t.requires_grad)
         return memo[id(t)]
 
-    return pytree.tree_map(one, tree)
+    rebatched: T = pytree.tree_map(one, tree)  # the same structure
+    return rebatched
 
 
-def _compare(actual: dict[str, Any], expected: dict[str, Any], exact: Callable[[], dict],
+def _compare(actual: Results, expected: Results, exact: Callable[[], Results],
              where: str, explain_rounding: bool) -> None:
     if actual.keys() != expected.keys():
         raise AssertionError(f"compared names differ: {sorted(actual)} vs {sorted(expected)}"
                              f"\n  {where}")
-    reference: dict[str, Any] | None = None
+    reference: Results | None = None
     for what, wanted in expected.items():
         got = actual[what]
-        if (got is None) != (wanted is None):
+        if got is None and wanted is None:
+            continue
+        if got is None or wanted is None:
             raise AssertionError(f"{what} is {'missing' if got is None else 'present'} but the "
                                  f"plain model's is {'missing' if wanted is None else 'present'}"
                                  f"\n  {where}")
-        if got is None:
-            continue
         try:
             torch.testing.assert_close(got, wanted)
             continue
@@ -118,7 +131,9 @@ def _compare(actual: dict[str, Any], expected: dict[str, Any], exact: Callable[[
         if explain_rounding and got.is_floating_point() and got.shape == wanted.shape:
             if reference is None:
                 reference = exact()
-            ref = reference[what].double()
+            exact_value = reference[what]
+            assert exact_value is not None  # the float64 run has every tensor float32 has
+            ref = exact_value.double()
             plain_error = float((wanted.double() - ref).abs().max())
             piped_error = (got.double() - ref).abs()
             allowed = 1e-5 + 1.3e-6 * ref.abs() + 4 * plain_error
@@ -130,8 +145,9 @@ def _compare(actual: dict[str, Any], expected: dict[str, Any], exact: Callable[[
         raise AssertionError(f"{what} differs: {failure}\n  {where}")
 
 
-def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict | None, stages: int,
-                      chunks: int, remat: str, *, profile: Any = PROFILE,
+def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict[str, Any] | None,
+                      stages: int, chunks: int, remat: str, *,
+                      profile: DeviceProfile | str | None = PROFILE,
                       explain_rounding: bool = True, rerun: bool = True,
                       **options: Any) -> None:
     """Compiles a copy of `model` and compares it with another plain copy in float32: outputs,
@@ -168,7 +184,7 @@ def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict | No
 
     piped = copy.deepcopy(model)
     step = "compile"
-    batches = [(inputs, kwargs, "")]
+    batches: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [(inputs, kwargs, "")]
     if rerun:
         batch = next(t.shape[0] for t in pytree.tree_leaves((inputs, kwargs))
                      if isinstance(t, torch.Tensor) and t.dim() > 0)
@@ -193,7 +209,7 @@ def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict | No
             loss = default_loss(output)
             step = "backward"
             if loss.requires_grad:
-                loss.backward()
+                torch.autograd.backward(loss)
         except Exception as e:
             raise AssertionError(f"fxpipe failed at {step}{call}: {type(e).__name__}: {e}\n  "
                                  f"{where}") from e
@@ -203,10 +219,8 @@ def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict | No
             raise AssertionError(f"output structure differs{call}: {out_spec} instead of "
                                  f"{exp_spec}\n  {where}")
         actual = _results(output, loss, piped, (args, kw))
-        _compare(actual, expected,
-                 lambda bi=batch_inputs, bk=batch_kwargs: _run_plain(model, bi, bk,
-                                                                     torch.float64)[1],
-                 where + call, explain_rounding)
+        _compare(actual, expected, _float64(model, batch_inputs, batch_kwargs), where + call,
+                 explain_rounding)
     # Inference: the same outputs without autograd (remat regions do not checkpoint then).
     try:
         with torch.no_grad():
@@ -218,15 +232,15 @@ def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict | No
         expected_output = copy.deepcopy(model)(*_clone(inputs), **_clone(kwargs))
     outputs = {f"output leaf {k}": t for k, t in enumerate(pytree.tree_leaves(output))}
     expected = {f"output leaf {k}": t for k, t in enumerate(pytree.tree_leaves(expected_output))}
-    _compare(outputs, expected, lambda: _run_plain(model, inputs, kwargs, torch.float64)[1],
+    _compare(outputs, expected, _float64(model, inputs, kwargs),
              where + " (under torch.no_grad())", explain_rounding)
 
 
-def _stage_of_nodes(program: Any) -> list[tuple[str, int]]:
+def _stage_of_nodes(program: Program) -> list[tuple[str, int]]:
     return [(n.name, n.meta[ir.STAGE]) for n in ir.compute_nodes(program.graph_module.graph)]
 
 
-def _node_counts(program: Any) -> list[int]:
+def _node_counts(program: Program) -> list[int]:
     """Compute nodes per stage: balance=... for another program with the same cuts."""
     counts = [0] * len(program.stages)
     for node in ir.compute_nodes(program.graph_module.graph):
@@ -234,8 +248,9 @@ def _node_counts(program: Any) -> list[int]:
     return counts
 
 
-def check_dropout_remat(model: nn.Module, inputs: Sequence[Any], kwargs: dict | None,
-                        stages: int, chunks: int, remat: str, *, profile: Any = PROFILE,
+def check_dropout_remat(model: nn.Module, inputs: Sequence[Any], kwargs: dict[str, Any] | None,
+                        stages: int, chunks: int, remat: str, *,
+                        profile: DeviceProfile | str | None = PROFILE,
                         **options: Any) -> None:
     """For a model with active dropout, in train mode: the program with remat `remat` (or
     "always" when `remat` is "never") and the program without remat, cut at the same places,
@@ -250,7 +265,7 @@ def check_dropout_remat(model: nn.Module, inputs: Sequence[Any], kwargs: dict | 
     where = (f"seed={getattr(model, 'fuzz_seed', None)} stages={stages} chunks={chunks} "
              f"remat={other!r} vs 'never' (dropout, train mode)"
              + "".join(f" {k}={v!r}" for k, v in options.items()))
-    results = []
+    results: list[Results] = []
     fixed = dict(options)
     try:
         if "split_points" not in fixed and stages > 1:
@@ -264,7 +279,7 @@ def check_dropout_remat(model: nn.Module, inputs: Sequence[Any], kwargs: dict | 
             fixed["balance"] = _node_counts(probe)
     except Exception as e:
         raise AssertionError(f"fxpipe failed: {type(e).__name__}: {e}\n  {where}") from e
-    cuts = []
+    cuts: list[list[tuple[str, int]]] = []
     for mode in ("never", other):
         piped = copy.deepcopy(model).train()
         try:
@@ -278,7 +293,7 @@ def check_dropout_remat(model: nn.Module, inputs: Sequence[Any], kwargs: dict | 
                 output = program(*args, **kw)
             loss = default_loss(output)
             if loss.requires_grad:
-                loss.backward()
+                torch.autograd.backward(loss)
         except Exception as e:
             raise AssertionError(f"fxpipe failed with remat={mode!r}: {type(e).__name__}: {e}"
                                  f"\n  {where}") from e
@@ -294,8 +309,10 @@ def check_dropout_remat(model: nn.Module, inputs: Sequence[Any], kwargs: dict | 
         if a is not None:
             # the forward pass is the same computation: bit for bit; gradients may sum a
             # value's contributions in another order when its users are recomputed
-            exact = {} if what.startswith("gradient") else {"rtol": 0, "atol": 0}
             try:
-                torch.testing.assert_close(b, a, **exact)
+                if what.startswith("gradient"):
+                    torch.testing.assert_close(b, a)
+                else:
+                    torch.testing.assert_close(b, a, rtol=0, atol=0)
             except AssertionError as e:
                 raise AssertionError(f"{what} differs: {e}\n  {where}") from None

@@ -26,29 +26,39 @@ import math
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypeAlias, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 from tabulate import tabulate
 
 import fxpipe
 from fxpipe.models import MODELS
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition.graph import atoms_of, measure_atoms
-
 from fxpipe.passes.partition.problem import Partition, equal_count_cuts, evaluate
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import get_profile
 
-__all__ = ["BGResult", "bg_partition", "compare", "dp_partition", "live_bytes",
-           "model_instances", "run_bench_partition", "synthetic_chain", "synthetic_dag"]
+__all__ = ["BGResult", "Comparison", "Instance", "InstanceInfo", "MethodResult",
+           "PartitionBenchJSON", "PartitionBenchMeta", "Row",
+           "bg_partition", "compare", "dp_partition", "live_bytes", "model_instances",
+           "run_bench_partition", "synthetic_chain", "synthetic_dag"]
 
 DP_MAX_ATOMS = 10_000  # above this the banded DP costs ~n^2 and the bisection's result stands
 BG_MAX_MOVES_PER_ATOM = 64  # iteration bound: moves <= this x n x K
 REL_TOL = 1e-9  # fxpipe's rel_tol: the largest relative gap allowed to the optimum
 SEED = 0
+
+Vector: TypeAlias = Sequence[float] | np.ndarray
+"""Per-atom or per-cut numbers, as the solver takes them."""
+FloatArray: TypeAlias = npt.NDArray[np.float64]
+Baseline: TypeAlias = Literal["equal", "bg", "bg_max"]
+BASELINES: tuple[Baseline, ...] = ("equal", "bg", "bg_max")
+SCORED: tuple[Literal["equal", "bg", "bg_max", "exact"], ...] = (*BASELINES, "exact")
+"""The methods whose bottleneck is compared with fxpipe's."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,8 +75,8 @@ class BGResult:
     repaired: int = 0  # empty blocks left at the end and made non-empty (never seen so far)
 
 
-def bg_partition(seq, k: int, *, normalise: str = "minmax", time_budget: float | None = None,
-                 max_moves: int | None = None) -> BGResult:
+def bg_partition(seq: Vector, k: int, *, normalise: str = "minmax",
+                 time_budget: float | None = None, max_moves: int | None = None) -> BGResult:
     """Cut `seq` into k contiguous blocks by Barany & Grinberg's algorithm.
 
     normalise: "minmax" maps x to (x - min) / (max - min) first, as torchgpipe does; "max" maps x
@@ -144,8 +154,8 @@ def bg_partition(seq, k: int, *, normalise: str = "minmax", time_budget: float |
 # --------------------------------------------------------------------------------------------
 
 
-def dp_partition(compute, k: int, *, cut_comm=None, upper: float | None = None,
-                 chunk: int = 256) -> Partition:
+def dp_partition(compute: Vector, k: int, *, cut_comm: Vector | None = None,
+                 upper: float | None = None, chunk: int = 256) -> Partition:
     """The bottleneck-optimal k-stage partition by D[s][j] = min_i max(D[s-1][i], T(i, j)) with
     T(i, j) = sum(compute[i:j]) + cut_comm[i] + cut_comm[j] (ends 0), vectorised over blocks of j.
 
@@ -171,13 +181,13 @@ def dp_partition(compute, k: int, *, cut_comm=None, upper: float | None = None,
             i_lo = s - 1
             if not math.isinf(band):
                 i_lo = max(i_lo, int(np.searchsorted(P, P[j0] - band, side="left")))
-            I = np.arange(i_lo, int(js[-1]))
-            T = (P[js][None, :] - P[I][:, None]) + c[I][:, None] + c[js][None, :]
-            T[I[:, None] >= js[None, :]] = math.inf
-            V = np.maximum(prev[I][:, None], T)
+            starts = np.arange(i_lo, int(js[-1]))  # the i of every candidate stage [i, j)
+            T = (P[js][None, :] - P[starts][:, None]) + c[starts][:, None] + c[js][None, :]
+            T[starts[:, None] >= js[None, :]] = math.inf
+            V = np.maximum(prev[starts][:, None], T)
             best = np.argmin(V, axis=0)
             cur[js] = V[best, np.arange(js.shape[0])]
-            arg[s, js] = I[best]
+            arg[s, js] = starts[best]
         prev = cur
     if not math.isfinite(prev[n]):
         raise AssertionError("dp_partition: no partition within the upper bound")
@@ -192,7 +202,22 @@ def dp_partition(compute, k: int, *, cut_comm=None, upper: float | None = None,
 # --------------------------------------------------------------------------------------------
 
 
-def synthetic_chain(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, dict]:
+class InstanceInfo(TypedDict, total=False):
+    """How an instance was made (bench_partition.json), by kind of instance."""
+
+    profile: str  # model
+    microbatch: int
+    remat: str
+    comm: str  # synthetic
+    seed: int
+    compute: str
+    edges: int  # dag
+    skip_edges: int
+    bandwidth_bytes_per_unit: float
+    comm_frac: float
+
+
+def synthetic_chain(n: int, seed: int) -> tuple[FloatArray, FloatArray, InstanceInfo]:
     """Log-normal compute (mean 1) and cut communication uniform in [0, 0.3 x mean compute]."""
     rng = np.random.default_rng(seed)
     compute = rng.lognormal(mean=-0.5, sigma=1.0, size=n)
@@ -200,7 +225,8 @@ def synthetic_chain(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, dict]:
     return compute, comm, {"comm": "uniform [0, 0.3 x mean compute]"}
 
 
-def live_bytes(n: int, src, dst, nbytes) -> np.ndarray:
+def live_bytes(n: int, src: npt.ArrayLike, dst: npt.ArrayLike,
+               nbytes: npt.ArrayLike) -> FloatArray:
     """Bytes live across each cut 0..n: edge u -> v (u < v) spans cuts u+1 .. v (difference
     array); cuts 0 and n are the model's input and output and carry 0."""
     diff = np.zeros(n + 2)
@@ -212,7 +238,7 @@ def live_bytes(n: int, src, dst, nbytes) -> np.ndarray:
 
 
 def synthetic_dag(n: int, seed: int, k: int, *, skip_prob: float = 0.3, reach: int = 50,
-                  comm_frac: float = 0.1) -> tuple[np.ndarray, np.ndarray, dict]:
+                  comm_frac: float = 0.1) -> tuple[FloatArray, FloatArray, InstanceInfo]:
     """A random DAG in topological order: edge i -> i+1 for every i and, with probability
     skip_prob, a skip edge i -> i+d (d uniform in 2..reach).  Cut p (between atoms p-1 and p)
     carries the bytes of every edge u -> v with u < p <= v; seconds = bytes / bandwidth, with the
@@ -231,16 +257,32 @@ def synthetic_dag(n: int, seed: int, k: int, *, skip_prob: float = 0.3, reach: i
     live = live_bytes(n, np.concatenate((src, s_src)), np.concatenate((dst, s_dst)),
                       np.concatenate((chain_bytes, skip_bytes)))
     bandwidth = float(live[1:n].mean()) / (comm_frac * float(compute.sum()) / k)
-    info = {"edges": int(n - 1 + s_src.shape[0]), "skip_edges": int(s_src.shape[0]),
-            "bandwidth_bytes_per_unit": bandwidth, "comm_frac": comm_frac,
-            "comm": f"live bytes across the cut / bandwidth (mean = {comm_frac} x total/K)"}
+    info: InstanceInfo = {"edges": int(n - 1 + s_src.shape[0]), "skip_edges": int(s_src.shape[0]),
+                          "bandwidth_bytes_per_unit": bandwidth, "comm_frac": comm_frac,
+                          "comm": f"live bytes across the cut / bandwidth "
+                                  f"(mean = {comm_frac} x total/K)"}
     return compute, live / bandwidth, info
 
 
-def model_instances(stages: int, log=print, names=None) -> list[dict]:
+class Instance(TypedDict):
+    """One partition problem of the benchmark."""
+
+    name: str
+    kind: str  # "model", "chain" or "dag"
+    n: int  # atoms
+    K: int  # stages
+    unit: str  # of the bottlenecks in the tables: "us" (models) or "u" (mean atom compute)
+    scale: float  # bottleneck x scale is in `unit`
+    compute: FloatArray
+    comm: FloatArray
+    info: InstanceInfo
+
+
+def model_instances(stages: int, log: Callable[[str], object] = print,
+                    names: Sequence[str] | None = None) -> list[Instance]:
     """The reference models' (names, default all) atoms and cut times (preset "a100" profile,
     micro-batch batch/4, remat "never", 4 chunks) for K in {2, 4, min(stages, atoms)}."""
-    out = []
+    out: list[Instance] = []
     for name in MODELS if names is None else names:
         t0 = time.perf_counter()
         module = importlib.import_module(f"fxpipe.models.{name}")
@@ -271,7 +313,7 @@ def model_instances(stages: int, log=print, names=None) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
-def _timed_solve(compute, k, comm) -> tuple[Partition, float]:
+def _timed_solve(compute: Vector, k: int, comm: Vector) -> tuple[Partition, float]:
     best, spent, part = math.inf, 0.0, None
     for _ in range(3):  # best of up to 3 runs while they take under 1 s in all
         t0 = time.perf_counter()
@@ -284,25 +326,54 @@ def _timed_solve(compute, k, comm) -> tuple[Partition, float]:
     return part, best
 
 
-def compare(compute, comm, k: int, *, bg_budget: float | None = None) -> dict[str, Any]:
+class MethodResult(TypedDict, total=False):
+    """One method on one instance; which keys it has depends on the method."""
+
+    bottleneck: float | None  # None: the method gave up (bg past its time budget)
+    cuts: list[int] | None
+    ratio_to_fxpipe: float | None  # every method but fxpipe
+    solve_seconds: float  # fxpipe
+    seconds: float  # bg, bg_max and the DP
+    moves: int  # bg, bg_max
+    status: str
+    normalise: str
+    repaired_blocks: int
+    method: str  # exact: "dp" or "fxpipe (certified by bisection)"
+
+
+class Comparison(TypedDict):
+    """Every method on one instance, and the checks fxpipe must pass."""
+
+    fxpipe: MethodResult
+    equal: MethodResult
+    bg: MethodResult
+    bg_max: MethodResult
+    exact: MethodResult
+    checks: dict[str, bool]
+
+
+def compare(compute: Vector, comm: Vector, k: int, *,
+            bg_budget: float | None = None) -> Comparison:
     """All methods on one instance: bottlenecks, ratios to fxpipe, checks."""
     n = len(compute)
     fx, solve_s = _timed_solve(compute, k, comm)
-    res: dict[str, Any] = {"fxpipe": {"bottleneck": fx.bottleneck, "solve_seconds": solve_s,
-                                      "cuts": list(fx.cuts)}}
     eq = evaluate(equal_count_cuts(n, k), compute, cut_comm=comm)
-    res["equal"] = {"bottleneck": eq.bottleneck, "cuts": list(eq.cuts)}
+    bg: dict[str, MethodResult] = {}
     for key, norm in (("bg", "minmax"), ("bg_max", "max")):
         r = bg_partition(compute, k, normalise=norm, time_budget=bg_budget)
-        entry: dict[str, Any] = {"seconds": r.seconds, "moves": r.moves, "status": r.status,
-                                 "normalise": norm, "repaired_blocks": r.repaired,
-                                 "bottleneck": None, "cuts": None}
+        entry: MethodResult = {"seconds": r.seconds, "moves": r.moves, "status": r.status,
+                               "normalise": norm, "repaired_blocks": r.repaired,
+                               "bottleneck": None, "cuts": None}
         if r.cuts is not None:
             entry["bottleneck"] = evaluate(r.cuts, compute, cut_comm=comm).bottleneck
             entry["cuts"] = list(r.cuts)
-        res[key] = entry
-    baselines = [res[m]["bottleneck"] for m in ("equal", "bg", "bg_max")
-                 if res[m]["bottleneck"] is not None]
+        bg[key] = entry
+    res: Comparison = {
+        "fxpipe": {"bottleneck": fx.bottleneck, "solve_seconds": solve_s, "cuts": list(fx.cuts)},
+        "equal": {"bottleneck": eq.bottleneck, "cuts": list(eq.cuts)},
+        "bg": bg["bg"], "bg_max": bg["bg_max"], "exact": {}, "checks": {}}
+    baselines = [b for b in (res[m]["bottleneck"] for m in BASELINES) if b is not None]
+    dp: Partition | None = None
     if n <= DP_MAX_ATOMS:
         t0 = time.perf_counter()
         dp = dp_partition(compute, k, cut_comm=comm, upper=min(baselines))
@@ -310,13 +381,12 @@ def compare(compute, comm, k: int, *, bg_budget: float | None = None) -> dict[st
                         "seconds": time.perf_counter() - t0, "cuts": list(dp.cuts)}
     else:
         res["exact"] = {"bottleneck": fx.bottleneck, "method": "fxpipe (certified by bisection)"}
-    for m in ("equal", "bg", "bg_max", "exact"):
+    for m in SCORED:
         b = res[m]["bottleneck"]
         res[m]["ratio_to_fxpipe"] = None if b is None else b / fx.bottleneck
     checks = {"fxpipe_le_baselines": all(fx.bottleneck <= b * (1 + REL_TOL) for b in baselines)}
-    if res["exact"]["method"] == "dp":
-        d = res["exact"]["bottleneck"]
-        checks["fxpipe_eq_dp"] = abs(fx.bottleneck - d) <= REL_TOL * d
+    if dp is not None:
+        checks["fxpipe_eq_dp"] = abs(fx.bottleneck - dp.bottleneck) <= REL_TOL * dp.bottleneck
     res["checks"] = checks
     return res
 
@@ -326,24 +396,40 @@ def compare(compute, comm, k: int, *, bg_budget: float | None = None) -> dict[st
 # --------------------------------------------------------------------------------------------
 
 
-def _fmt_ratio(entry: dict) -> str:
+class Row(Comparison):
+    """One instance's line of bench_partition.json: the instance without its data, the results."""
+
+    name: str
+    kind: str
+    n: int
+    K: int
+    unit: str
+    scale: float
+    info: InstanceInfo
+
+
+def _fmt_ratio(entry: MethodResult) -> str:
     r = entry.get("ratio_to_fxpipe")
     return entry.get("status", "n/a") if r is None else f"{r:.4f}"
 
 
-def _tables(rows: list[dict]) -> tuple[list[str], list[list[Any]], list[str], list[list[Any]]]:
+Table: TypeAlias = list[list[str | int]]
+
+
+def _tables(rows: list[Row]) -> tuple[list[str], Table, list[str], Table]:
     h1 = ["instance", "n", "K", "unit", "fxpipe", "solve ms", "exact", "equal/fx", "bg/fx",
           "bg_max/fx", "bg s (moves)", "checks"]
     h2 = ["instance", "K", "unit", "fxpipe", "exact", "equal", "bg", "bg_max"]
-    t1, t2 = [], []
+    t1: Table = []
+    t2: Table = []
     for r in rows:
         sc = r["scale"]
 
-        def val(e: dict, sc: float = sc) -> str:
+        def val(e: MethodResult, sc: float = sc) -> str:
             return "skipped" if e["bottleneck"] is None else f"{e['bottleneck'] * sc:.6g}"
 
         ex = r["exact"]
-        exact = f"DP {ex['bottleneck'] * sc:.6g}" if ex["method"] == "dp" else "= fxpipe (bisection)"
+        exact = f"DP {val(ex)}" if ex["method"] == "dp" else "= fxpipe (bisection)"
         ok = all(r["checks"].values())
         t1.append([r["name"], r["n"], r["K"], r["unit"], val(r["fxpipe"]),
                    f"{r['fxpipe']['solve_seconds'] * 1e3:.2f}", exact, _fmt_ratio(r["equal"]),
@@ -355,10 +441,10 @@ def _tables(rows: list[dict]) -> tuple[list[str], list[list[Any]], list[str], li
     return h1, t1, h2, t2
 
 
-def _summary(rows: list[dict]) -> list[str]:
+def _summary(rows: list[Row]) -> list[str]:
     lines = []
-    for m in ("equal", "bg", "bg_max"):
-        rs = [r[m]["ratio_to_fxpipe"] for r in rows if r[m]["ratio_to_fxpipe"] is not None]
+    for m in BASELINES:
+        rs = [x for x in (r[m]["ratio_to_fxpipe"] for r in rows) if x is not None]
         if rs:
             lines.append(f"{m}/fxpipe over {len(rs)} instances: mean {np.mean(rs):.4f}, "
                          f"worst {max(rs):.4f}, equal to fxpipe on "
@@ -367,6 +453,29 @@ def _summary(rows: list[dict]) -> list[str]:
     lines.append(f"DP oracle ran on {ndp}/{len(rows)} instances (n <= {DP_MAX_ATOMS}); the rest "
                  "are certified by fxpipe's bisection, and every baseline is >= fxpipe")
     return lines
+
+
+class PartitionBenchMeta(TypedDict):
+    sizes: list[int]
+    stages: int
+    seed: int
+    rel_tol: float
+    dp_max_atoms: int
+    bg_budget_seconds_above_10000: float
+    total_seconds: float
+    numpy: str
+    python: str
+    bottleneck_units: str
+    baselines_see: str
+
+
+class PartitionBenchJSON(TypedDict):
+    """bench_partition.json."""
+
+    meta: PartitionBenchMeta
+    instances: list[Row]
+    summary: list[str]  # the summary lines
+    failed: list[str]  # "instance K=k" of every instance that failed a check
 
 
 def run_bench_partition(sizes: Sequence[int] = (1000, 10000, 100000), stages: int = 8,
@@ -379,7 +488,10 @@ def run_bench_partition(sizes: Sequence[int] = (1000, 10000, 100000), stages: in
     """
     t_start = time.perf_counter()
     sizes = list(sizes)
-    log = (lambda *a: print(*a, flush=True))
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+
     log(f"bench-partition: sizes {sizes}, K = {stages}, seed {SEED}")
     instances = model_instances(stages, log, models)
     for i, n in enumerate(sizes):
@@ -391,13 +503,14 @@ def run_bench_partition(sizes: Sequence[int] = (1000, 10000, 100000), stages: in
                               "scale": 1.0, "compute": compute, "comm": comm,
                               "info": {**info, "seed": seed,
                                        "compute": "log-normal, sigma 1, mean 1"}})
-    rows = []
+    rows: list[Row] = []
     for idx, inst in enumerate(instances, 1):
         t0 = time.perf_counter()
         budget = bg_budget if inst["n"] > 10_000 else None
         res = compare(inst["compute"], inst["comm"], inst["K"], bg_budget=budget)
-        row = {k: v for k, v in inst.items() if k not in ("compute", "comm")}
-        row.update(res)
+        # the instance without its data, then the results: the order of bench_partition.json
+        row: Row = {"name": inst["name"], "kind": inst["kind"], "n": inst["n"], "K": inst["K"],
+                    "unit": inst["unit"], "scale": inst["scale"], "info": inst["info"], **res}
         rows.append(row)
         log(f"  [{idx}/{len(instances)}] {inst['name']} n={inst['n']} K={inst['K']}: fxpipe "
             f"{res['fxpipe']['solve_seconds'] * 1e3:.2f} ms, bg {res['bg']['status']} "
@@ -414,14 +527,16 @@ def run_bench_partition(sizes: Sequence[int] = (1000, 10000, 100000), stages: in
     log("\n" + "\n".join(summary))
     log(f"failed checks: {', '.join(failed) if failed else 'none'}; total {total:.1f} s")
     os.makedirs(out, exist_ok=True)
-    meta = {"sizes": sizes, "stages": stages, "seed": SEED, "rel_tol": REL_TOL,
-            "dp_max_atoms": DP_MAX_ATOMS, "bg_budget_seconds_above_10000": bg_budget,
-            "total_seconds": total, "numpy": np.__version__, "python": platform.python_version(),
-            "bottleneck_units": "seconds for models, mean-atom units for synthetic instances",
-            "baselines_see": "compute only (no communication model), scored with communication"}
+    meta: PartitionBenchMeta = {
+        "sizes": sizes, "stages": stages, "seed": SEED, "rel_tol": REL_TOL,
+        "dp_max_atoms": DP_MAX_ATOMS, "bg_budget_seconds_above_10000": bg_budget,
+        "total_seconds": total, "numpy": np.__version__, "python": platform.python_version(),
+        "bottleneck_units": "seconds for models, mean-atom units for synthetic instances",
+        "baselines_see": "compute only (no communication model), scored with communication"}
+    result: PartitionBenchJSON = {"meta": meta, "instances": rows, "summary": summary,
+                                  "failed": failed}
     with open(os.path.join(out, "bench_partition.json"), "w") as f:
-        json.dump({"meta": meta, "instances": rows, "summary": summary, "failed": failed}, f,
-                  indent=1, default=float)
+        json.dump(result, f, indent=1, default=float)
     with open(os.path.join(out, "bench_partition.md"), "w") as f:
         f.write("# fxpipe bench-partition\n\n" + (__doc__ or "").split("\n\n", 1)[1] + "\n")
         f.write(tabulate(t1, headers=h1, tablefmt="github", disable_numparse=True) + "\n\n")

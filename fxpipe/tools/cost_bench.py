@@ -6,7 +6,7 @@ Run as `python -m fxpipe.tools.cost_bench`.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TypedDict
 
 import torch
 from tabulate import tabulate
@@ -19,10 +19,37 @@ from fxpipe.passes.cost import annotate_costs, estimate_time
 from fxpipe.passes.timing import measure_times
 from fxpipe.profile import DeviceProfile, measure, median_time
 
-__all__ = ["benchmark_annotation", "benchmark_estimate", "main"]
+__all__ = ["AnnotationBench", "EstimateBench", "benchmark_annotation", "benchmark_estimate", "main"]
 
 
-def benchmark_annotation(n_layer: int = 48) -> dict[str, Any]:
+class AnnotationBench(TypedDict):
+    """benchmark_annotation's result (seconds)."""
+
+    n_layer: int
+    nodes: int
+    capture_s: float
+    annotate_s: float
+    cache_hits: int
+
+
+class EstimateBench(TypedDict):
+    """benchmark_estimate's result (seconds, FLOP/s, bytes/s)."""
+
+    b: int
+    measured_s: float
+    estimated_s: float
+    estimated_fwd_s: float
+    estimated_bwd_s: float
+    ratio: float
+    measured_nodes_s: float
+    profile: str
+    peak_flops: float
+    mem_bandwidth: float
+    kernel_overhead: float
+    worst_nodes: list[tuple[str, float, float]]  # (node, estimated, measured alone)
+
+
+def benchmark_annotation(n_layer: int = 48) -> AnnotationBench:
     """Times fxpipe.capture and annotate_costs on the reference GPT with `n_layer` blocks."""
     model, inputs = gpt.build(n_layer=n_layer)
     start = time.perf_counter()
@@ -35,7 +62,7 @@ def benchmark_annotation(n_layer: int = 48) -> dict[str, Any]:
 
 
 def benchmark_estimate(*, profile: DeviceProfile | None = None, warmup: int = 2,
-                       repeat: int = 5, worst: int = 5) -> dict[str, Any]:
+                       repeat: int = 5, worst: int = 5) -> EstimateBench:
     """Sum of per-node roofline estimates against the measured training step of the reference
     GPT (gpt.build(dropout=0.0): forward, default loss, backward; one thread).
 
@@ -55,8 +82,7 @@ def benchmark_estimate(*, profile: DeviceProfile | None = None, warmup: int = 2,
     annotate_costs(gm)
 
     def step() -> None:
-        loss = default_loss(model(*inputs), target)
-        loss.backward()
+        torch.autograd.backward(default_loss(model(*inputs), target))
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -15,14 +15,14 @@ __all__ = ["run_demo"]
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) of an AF_INET socket
+        return port
 
 
 def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
     """Compiles the bundled GPT into 2 stages, prints the report, writes the program to `out`,
     trains it on `nproc` CPU processes and checks the loss against the plain model."""
-    config = {"dropout": 0.0}  # dropout off, so the pipeline's losses can equal the model's
-    model, inputs = gpt.build(**config)
+    model, inputs = gpt.build(dropout=0.0)  # so the pipeline's losses can equal the model's
     target = gpt.target(inputs)
     command = ("fxpipe compile fxpipe.models.gpt:build --set dropout=0.0 --stages 2 --chunks 4 "
                "--remat except_last")

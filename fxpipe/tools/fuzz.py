@@ -1,13 +1,14 @@
 """Random DAG models for checking transparency (DESIGN.md): the compiled program must compute
 the same outputs, loss and gradients as the plain model, for every model and config.
 
-    model, inputs, kwargs = random_model(seed)          # or random.Random(...), or hypothesis draw
-    check_transparent(model, inputs, kwargs, stages=2, chunks=4, remat="always")  # fxpipe.testing.transparency
+    model, inputs, kwargs = random_model(seed)  # or random.Random(...), or a hypothesis draw
+    # fxpipe.testing.transparency:
+    check_transparent(model, inputs, kwargs, stages=2, chunks=4, remat="always")
 
-    python -m fxpipe.tools.fuzz --examples 1000 --seed 1     # N examples, a summary, exit 1 on failure
-    python -m fxpipe.tools.fuzz --replay 1000017             # one example again, with the full error
-    python -m fxpipe.tools.fuzz --minimise "CostError"       # hypothesis finds and shrinks a failure
-    python -m fxpipe.tools.fuzz --avoid relu_,batch_sized_gate   # leave features out (open bugs)
+    python -m fxpipe.tools.fuzz --examples 1000 --seed 1  # N examples, a summary, 1 on failure
+    python -m fxpipe.tools.fuzz --replay 1000017  # one example again, with the full error
+    python -m fxpipe.tools.fuzz --minimise "CostError"  # hypothesis finds and shrinks a failure
+    python -m fxpipe.tools.fuzz --avoid relu_,batch_sized_gate  # leave features out (open bugs)
 
 A model is a `FuzzNet`: a ModuleDict of layers plus a constant plan (a tuple of `Op`s, each
 reading earlier values by index) run by a Python loop in `forward`. torch.fx unrolls that loop
@@ -39,9 +40,9 @@ in train mode between the program with remat and without (check_dropout_remat: s
 torch seed, so the same masks: outputs bit for bit). Models with only p = 0 are returned in train
 mode (15% in eval mode, to cover both).
 
-The same generator runs from a seed (a plain loop, `python -m fxpipe.tools.fuzz`) and from hypothesis
-(`models_and_configs()`, which shrinks failures towards fewer layers, fewer features and the
-first choice of every option).
+The same generator runs from a seed (a plain loop, `python -m fxpipe.tools.fuzz`) and from
+hypothesis (`models_and_configs()`, which shrinks failures towards fewer layers, fewer features
+and the first choice of every option).
 """
 from __future__ import annotations
 
@@ -52,13 +53,32 @@ import time
 import traceback
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from fxpipe.testing.fuzz_models import (  # noqa: F401 - re-exported: the fuzzer's whole API
-    ACTIVATIONS, BATCHES, EDGE_FEATURES, KINDS, PROFILE, REMATS, Example, FuzzNet, Op, Spec,
-    example_batch, models_and_configs, random_config, random_example, random_model, random_spec)
+    ACTIVATIONS,
+    BATCHES,
+    EDGE_FEATURES,
+    KINDS,
+    PROFILE,
+    REMATS,
+    Example,
+    FuzzNet,
+    Op,
+    Spec,
+    SpecOptions,
+    example_batch,
+    models_and_configs,
+    random_config,
+    random_example,
+    random_model,
+    random_spec,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
 __all__ = [
     "EDGE_FEATURES",
@@ -89,7 +109,8 @@ def failure_of(example: Example) -> str | None:
     return None
 
 
-def minimise(pattern: str, *, max_examples: int = 2000, **options: Any) -> Example:
+def minimise(pattern: str, *, max_examples: int = 2000,
+             **options: Unpack[SpecOptions]) -> Example:
     """The smallest example hypothesis finds whose failure matches the regex `pattern`.
 
     hypothesis searches models_and_configs(**options) for a failing example and shrinks it
@@ -132,8 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="search for an example whose failure matches REGEX, shrink it and "
                              "print it")
     args = parser.parse_args(argv)
-    options = {"max_layers": args.max_layers,
-               "avoid": tuple(x.strip() for x in args.avoid.split(",") if x.strip())}
+    options: SpecOptions = {
+        "max_layers": args.max_layers,
+        "avoid": tuple(x.strip() for x in args.avoid.split(",") if x.strip())}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small models: threads only add overhead
     try:
@@ -144,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(threads)
 
 
-def _run(args: argparse.Namespace, options: dict[str, Any]) -> int:
+def _run(args: argparse.Namespace, options: SpecOptions) -> int:
     if args.minimise is not None:
         from hypothesis.errors import NoSuchExample
 
