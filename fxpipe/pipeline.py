@@ -149,6 +149,6 @@ def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
                                   qualnames=captured.meta.get(ir.QUALNAMES, {}))
     names = [leaf.name for leaf in info.signature.tensor_leaves]
     indexes = tuple(names.index(n) for n in g.inputs)
-    random = any(ir.cost(n).random for n in ir.compute_nodes(g.graph_module.graph)
-                 if ir.COST in n.meta)
+    random = g.carries_rng or any(ir.cost(n).random for n in
+                                  ir.compute_nodes(g.graph_module.graph) if ir.COST in n.meta)
     return BuiltStage(g.index, g.graph_module, text, class_name, regions, g, random, indexes)

@@ -279,7 +279,9 @@ class Program(nn.Module):
                                   hint="write the program from a single process")
         name = loss_name(loss_fn)
         reference = reference_losses(self.model, built.signature, self._example, target,
-                                     resolve_loss(name), reference_steps, lr) \
+                                     resolve_loss(name), reference_steps, lr,
+                                     chunks=built.plan.chunks,
+                                     draws_random=any(st.random for st in built.stages)) \
             if reference_steps else []
         tensors: dict[str, torch.Tensor] = {}
         for module in self._stage_modules():

@@ -30,7 +30,7 @@ from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
-__all__ = ["LocalExecutor", "remat_enabled", "microbatch_seed", "seeded_forward"]
+__all__ = ["LocalExecutor", "remat_enabled", "microbatch_seed", "seeded_forward", "draw_base"]
 
 _RNG_LOCK = threading.Lock()
 
@@ -44,9 +44,17 @@ def remat_enabled(mode: str, microbatch: int, chunks: int) -> bool:
     return False
 
 
-def microbatch_seed(base: int, stage: int, microbatch: int) -> int:
-    """Each (stage, micro-batch) draws from its own seed: the same masks whatever runs first."""
-    return (base * 1_000_003 + stage * 10_007 + microbatch) % (2**63 - 1)
+def microbatch_seed(base: int, microbatch: int) -> int:
+    """Where micro-batch `microbatch`'s random stream starts: the first stage seeds it, later
+    stages continue it (NOTE [Random streams across stages] in fxpipe.runtime.ops), so the
+    masks are the same whatever runs first."""
+    return (base * 1_000_003 + microbatch) % (2**63 - 1)
+
+
+def draw_base() -> int:
+    """One number from the caller's generator per step, from which every micro-batch's seed
+    comes: seeding torch before a step makes the step reproducible."""
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
 @contextlib.contextmanager
@@ -63,7 +71,7 @@ def seeded_forward(base: int | None, stage: int, microbatch: int,
         return
     indexes = [d.index for d in devices if d.type == "cuda"]
     with _RNG_LOCK, torch.random.fork_rng(devices=indexes):
-        seed = microbatch_seed(base, stage, microbatch)
+        seed = microbatch_seed(base, microbatch)
         torch.default_generator.manual_seed(seed)
         for index in indexes:
             torch.cuda.default_generators[index].manual_seed(seed)
@@ -105,8 +113,7 @@ class LocalExecutor:
         discard_batch_norms()
         comm = LocalComm()
         outputs: list[Any] = [None] * self.chunks
-        base = int(torch.randint(0, 2**62, (1,)).item()) if any(s.random for s in self.stages) \
-            else None
+        base = draw_base() if any(s.random for s in self.stages) else None
         grad = torch.is_grad_enabled()
         k, m = len(self.stages), self.chunks
         for tick in range(m + k - 1):

@@ -5,10 +5,11 @@ so reading the file back never executes anything it contains.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
+import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
 import torch.utils._pytree as pytree
 
@@ -92,20 +93,50 @@ def signature_to_json(sig: Signature) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - custom containers (e.g. ModelOutput) may not serialise
         out_spec = None
     return {
-        "leaves": [{"name": l.name, "is_tensor": l.is_tensor,
-                    "dtype": str(l.dtype).removeprefix("torch.") if l.dtype else None,
-                    "shape": list(l.shape), "batch_dim": l.batch_dim,
-                    "constant": _json_constant(l.constant)} for l in sig.leaves],
+        "leaves": [{"name": leaf.name, "is_tensor": leaf.is_tensor,
+                    "dtype": str(leaf.dtype).removeprefix("torch.") if leaf.dtype else None,
+                    "shape": list(leaf.shape), "batch_dim": leaf.batch_dim,
+                    "constant": _json_constant(leaf.constant)} for leaf in sig.leaves],
         "out_batch_dims": list(sig.out_batch_dims),
         "out_is_tensor": list(sig.out_is_tensor),
         "out_spec": out_spec,
+        "pytree_modules": _pytree_modules(sig.out_spec) if out_spec else [],
     }
 
 
+def _pytree_modules(spec: pytree.TreeSpec) -> list[str]:
+    """The modules defining the output's container types (a library's ModelOutput): a fresh
+    process imports them, which registers the types with pytree, before reading the spec."""
+    modules: set[str] = set()
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        kind = getattr(node, "type", None)
+        module = getattr(kind, "__module__", None)
+        if isinstance(module, str) and module != "builtins":
+            modules.add(module)
+        children = getattr(node, "children", None)  # torch >= 2.13; children_specs before
+        stack.extend(children() if callable(children) else node.children_specs)
+    return sorted(modules)
+
+
+def _import_pytree_modules(modules: list[str]) -> None:
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure to import means the same here
+            raise CheckpointError(
+                f"the program's output type is defined in {module}, which cannot be imported "
+                f"({type(e).__name__}: {e})",
+                hint=f"install the library that provides {module} (or put it on PYTHONPATH) "
+                     "where the program runs, as where it was written") from e
+
+
 def signature_from_json(data: dict[str, Any]) -> Signature:
-    leaves = [LeafSpec(l["name"], l["is_tensor"], _dtype(l["dtype"]) if l["dtype"] else None,
-                       tuple(l["shape"]), l["batch_dim"], l["constant"]) for l in data["leaves"]]
+    leaves = [LeafSpec(x["name"], x["is_tensor"], _dtype(x["dtype"]) if x["dtype"] else None,
+                       tuple(x["shape"]), x["batch_dim"], x["constant"]) for x in data["leaves"]]
     n_out = len(data["out_is_tensor"])
+    _import_pytree_modules(list(data.get("pytree_modules", [])))
     out_spec = pytree.treespec_loads(data["out_spec"]) if data["out_spec"] else \
         pytree.tree_flatten(tuple(range(n_out)))[1]
     in_spec = pytree.tree_flatten((tuple(range(len(leaves))), {}))[1]
@@ -138,7 +169,7 @@ class ProgramSpec:
     reference_losses: tuple[float, ...]
     deterministic: bool
     aliases: dict[str, list[str]]  # tensor name -> every state_dict name of the model for it
-    predicted_events: tuple[dict, ...] = ()  # the cost model's timeline of one step
+    predicted_events: tuple[dict[str, Any], ...] = ()  # the cost model's timeline of one step
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> ProgramSpec:
