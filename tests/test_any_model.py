@@ -21,6 +21,7 @@ class numbers follow the investigation notes:
 """
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -43,8 +44,6 @@ def _assert_pipeline_matches(model: nn.Module, x: torch.Tensor, **options) -> fx
 
 def _grads_match_microbatches(model: nn.Module, x: torch.Tensor, chunks: int = 2) -> None:
     """Gradients through the pipeline equal the plain model's over the same micro-batches."""
-    import copy
-
     reference = copy.deepcopy(model)
     program = fxpipe.compile(model, (x,), stages=2, chunks=chunks)
     program(x).square().sum().backward()
@@ -330,3 +329,120 @@ class _Router(nn.Module):
 
 def test_module_converted_to_its_own_dtype_inside_forward_is_captured():
     _assert_pipeline_matches(_Router().eval(), torch.randn(4, 8))
+
+
+# --- the fixes, each from another side ------------------------------------------------------------
+
+def test_an_operation_that_specialises_the_batch_is_found_without_the_list_of_known_ones(
+        monkeypatch):
+    from fxpipe.frontend import shapes
+
+    monkeypatch.setattr(shapes, "known_specialising", lambda key: False)
+    gm = fxpipe.capture(_PaddedWindows().eval(), (torch.randn(4, 4, 4, 8),), inline_modules=True)
+    assert F.pad in gm.meta[ir.SAMPLED]
+    output = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes[0]
+    assert ir.BATCH in output.meta[ir.TENSOR].shape[0].free_symbols
+
+
+def test_the_cost_pass_finds_an_operation_that_specialises_the_batch_by_itself():
+    from fxpipe.passes.cost import annotate_costs
+
+    gm = fxpipe.capture(_PaddedWindows().eval(), (torch.randn(4, 4, 4, 8),), inline_modules=True)
+    gm.meta[ir.SAMPLED] = frozenset()  # as if capture had not found it
+    annotate_costs(gm)
+    head = next(n for n in gm.graph.nodes if n.name == "head")
+    assert ir.BATCH in ir.cost(head).fwd_flops.free_symbols  # not frozen at the example's 4
+
+
+def test_verify_rejects_an_output_whose_batch_size_is_frozen():
+    from fxpipe.errors import InvariantError
+
+    gm = fxpipe.capture(_PaddedWindows().eval(), (torch.randn(4, 4, 4, 8),), inline_modules=True)
+    ir.verify(gm, after="capture")
+    output = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes[0]
+    info = output.meta[ir.TENSOR]
+    output.meta[ir.TENSOR] = ir.TensorInfo((4, *info.shape[1:]), info.dtype, None)
+    with pytest.raises(InvariantError, match="batch dimension 0"):
+        ir.verify(gm, after="capture")
+
+
+@pytest.fixture
+def hidden_module_package(tmp_path, monkeypatch):
+    """The function's module is shadowed and no package attribute holds the function."""
+    package = tmp_path / "hiddenpkg"
+    package.mkdir()
+    (package / "stochastic_depth.py").write_text(_SHADOWED)
+    (package / "__init__.py").write_text(
+        "from . import stochastic_depth as _impl\n"
+        "StochasticDepth = _impl.StochasticDepth\n"
+        "stochastic_depth = None  # shadows the module\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    yield importlib.import_module("hiddenpkg")
+    for name in ("hiddenpkg", "hiddenpkg.stochastic_depth"):
+        sys.modules.pop(name, None)
+
+
+def test_wrapped_function_whose_module_is_shadowed_by_another_value_runs_in_the_stage(
+        hidden_module_package):
+    model = nn.Sequential(nn.Linear(8, 8), hidden_module_package.StochasticDepth(0.0),
+                          nn.Linear(8, 8)).eval()
+    program = _assert_pipeline_matches(model, torch.randn(4, 8))
+    source = "\n".join(stage.source for stage in program.built.stages)
+    assert "from hiddenpkg.stochastic_depth import stochastic_depth as" in source
+
+
+def test_batchnorm_with_cumulative_average_keeps_the_statistics_of_the_microbatches():
+    model = _conv_net(nn.BatchNorm2d(8, momentum=None)).train()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+    fxpipe.compile(model, (x,), stages=2, chunks=2)(x)
+    for part in x.chunk(2):
+        plain(part)
+    for (name, ours), theirs in zip(model[1].state_dict().items(), plain[1].state_dict().values()):
+        torch.testing.assert_close(ours, theirs, msg=name)
+
+
+def test_deferring_a_cumulative_average_batchnorm_is_refused_with_a_fix():
+    from fxpipe.errors import ConfigError
+
+    model = _conv_net(nn.BatchNorm2d(8, momentum=None)).train()
+    with pytest.raises(ConfigError, match="set a momentum"):
+        fxpipe.compile(model, (torch.randn(4, 3, 8, 8),), stages=2, chunks=2,
+                       deferred_batch_norm=True).build(torch.randn(4, 3, 8, 8))
+
+
+def test_stacked_lstm_with_dropout_between_layers_trains_like_the_plain_model():
+    from fxpipe.testing.reference_step import reference_step
+
+    class Stacked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(8, 16, num_layers=3, dropout=0.3, batch_first=True,
+                                bidirectional=True)
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.lstm(x)[0])
+
+    model = Stacked().train()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 5, 8)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2)
+    assert len([n for n in program.graph_module.graph.nodes
+                if n.target is torch.ops.aten.lstm.input]) == 3
+    torch.manual_seed(3)
+    loss = program.step(x)
+    torch.manual_seed(3)
+    assert loss == pytest.approx(reference_step(program, plain, x), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_transformer_encoder_layers_are_split_into_balanced_stages():
+    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(8, 32), nn.TransformerEncoder(layer, 4), nn.Linear(32, 4))
+    program = fxpipe.compile(model.train(), (torch.randn(4, 6, 8),), stages=2, chunks=2)
+    times = [stage.time for stage in program.plan.stages]
+    assert max(times) / min(times) < 1.5, times

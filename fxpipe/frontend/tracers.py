@@ -201,7 +201,8 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
     for dim in attempts:
         dynamic = tuple({bd: dim} if bd is not None else None for bd in layout.input_dims)
         try:
-            with _quiet_export(), traceable_batch_norm():
+            with _quiet_export(), traceable_batch_norm(), _undecided_causal_masks(), \
+                    _conversions_that_change_nothing():
                 ep = torch.export.export(root, tuple(tensors), dynamic_shapes=dynamic,
                                          strict=False)
             break
@@ -227,6 +228,51 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
     _bind_model_state(gm, model)
     gm.graph.eliminate_dead_code()
     return gm
+
+
+@contextlib.contextmanager
+def _undecided_causal_masks() -> Iterator[None]:
+    """nn.Transformer asks whether a mask is causal by comparing its values, which export
+    cannot decide on traced tensors (or decides with a data-dependent branch in the graph). The
+    answer only selects a faster kernel, the mask is applied either way: while exporting, a
+    mask is causal only when the caller says so (is_causal=True)."""
+    module = torch.nn.modules.transformer
+    original = module._detect_is_causal_mask
+
+    def detect(mask: torch.Tensor | None, is_causal: bool | None = None,
+               size: int | None = None) -> bool:
+        return is_causal is True
+
+    module._detect_is_causal_mask = detect
+    try:
+        yield
+    finally:
+        module._detect_is_causal_mask = original
+
+
+@contextlib.contextmanager
+def _conversions_that_change_nothing() -> Iterator[None]:
+    """`module.to(dtype)` inside forward (Switch Transformers' router) makes export swap the
+    module's parameters, which it cannot do while tracing. When every parameter and buffer has
+    that dtype and device already, the call returns the module unchanged, as it would have left
+    it; a real conversion still runs (and export reports it)."""
+    original = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if memory_format is None and all(
+                (device is None or t.device == device)
+                and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+                for t in tensors):
+            return self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
