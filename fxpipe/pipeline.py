@@ -106,6 +106,7 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
     built = Built(gm, plan, stages, shared, profile, config, history, timings)
     if _debug_level():
         print("[fxpipe] " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+        print("[fxpipe] capture: " + ", ".join(f"{k} {v:.2f}s" for k, v in info.timings))
     return built
 
 
