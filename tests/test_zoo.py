@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -141,3 +143,17 @@ def test_zoo_model_gradients_equal_the_plain_models_over_the_same_microbatches(n
         checked += 1
     assert checked
     _record(name, "train2", "pass")
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_t5", "diffusers_dit"])
+def test_written_program_of_a_library_model_with_structured_outputs_runs(name, tmp_path):
+    """Their outputs are library types (CausalLMOutputWithCrossAttentions, Seq2SeqLMOutput,
+    Transformer2DModelOutput) that the launcher rebuilds in a fresh process."""
+    model, args, kwargs = zoo_models.get(name).build()
+    program = fxpipe.compile(model.train(), args, example_kwargs=kwargs, stages=2, chunks=2)
+    program(*args, **kwargs)  # builds it
+    program.write(str(tmp_path), reference_steps=0)
+    proc = subprocess.run([sys.executable, str(tmp_path / "program.py"), "--steps", "1"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "step 0 loss" in proc.stdout
