@@ -9,6 +9,8 @@ batch's; a written program's --verify compares with that reference.
 from __future__ import annotations
 
 import copy
+import os
+import socket
 import subprocess
 import sys
 
@@ -174,5 +176,27 @@ def test_written_program_verifies_against_the_microbatched_reference(tmp_path, c
     program.write(str(tmp_path), target=y, reference_steps=2)
     proc = subprocess.run([sys.executable, str(tmp_path / "program.py"), "--steps", "2",
                            "--verify"], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "verify: OK" in proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.mark.distributed
+def test_written_program_with_dropout_verifies_under_torchrun(tmp_path):
+    model, x, y = _case()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100",
+                             split_points=["blocks.2"])
+    program.step(x, target=y)  # builds it
+    program.write(str(tmp_path), target=y, reference_steps=2)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(_free_port()), str(tmp_path / "program.py"),
+                           "--steps", "2", "--verify"], capture_output=True, text=True,
+                          timeout=600, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "verify: OK" in proc.stdout
