@@ -41,7 +41,7 @@ def microbatched_forward(model: nn.Module, signature: Signature, flat: Sequence[
     per_microbatch = []
     for m, tensors in enumerate(signature.split_inputs(flat, chunks)):
         args, kwargs = signature.unflatten_inputs(tensors)
-        with seeded_forward(base, 0, m):
+        with seeded_forward(base, m):
             per_microbatch.append(pytree.tree_leaves(model(*args, **kwargs)))
     return signature.unflatten_outputs(signature.join_outputs(per_microbatch))
 

@@ -7,7 +7,8 @@ regions recompute during that backward.
 
 The caller's autocast state is captured when `run` is called and re-entered in every worker
 thread (autocast is per thread), so `with torch.autocast(...): program(x)` takes effect in every
-stage. Dropout draws from a seed per stage and micro-batch on every device the stage uses.
+stage. Each micro-batch draws random numbers from its own stream, which continues from stage to
+stage as through one forward of the plain model, on every device the stage uses.
 """
 from __future__ import annotations
 
@@ -58,9 +59,11 @@ def draw_base() -> int:
 
 
 @contextlib.contextmanager
-def seeded_forward(base: int | None, stage: int, microbatch: int,
+def seeded_forward(base: int | None, microbatch: int,
                    devices: Sequence[torch.device] = ()) -> Iterator[None]:
-    """Runs a stage forward on its own RNG stream (when the stage draws random numbers).
+    """Runs a stage forward on its micro-batch's RNG stream (when the stage draws random
+    numbers), apart from the caller's: seeded here, and continued by a later stage from the
+    state the stage before it hands over (NOTE [Random streams across stages]).
 
     devices: the CUDA devices the stage uses (fxpipe.runtime.devices.stage_devices). Each one's
     generator is forked and seeded, not only the current device's: a stage on cuda:1 would
@@ -143,7 +146,7 @@ class LocalExecutor:
         devices = stage_devices(stage.device, [*stage.module.parameters(),
                                                *stage.module.buffers()]) if stage.random else []
         with torch.set_grad_enabled(grad), autocast.enter(), _on(stage.device), \
-                seeded_forward(base if stage.random else None, s, mb, devices), \
+                seeded_forward(base if stage.random else None, mb, devices), \
                 (tracker.forward(mb) if tracker is not None else contextlib.nullcontext()):
             out = stage.module(view, *args)
         if self.check_finite:
