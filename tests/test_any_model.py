@@ -1,23 +1,23 @@
-"""Plain-torch models that stand for the ways third-party models break fxpipe today.
+"""Plain-torch models that stand for the ways third-party models broke fxpipe, one per class.
 
-Each test is the smallest model that fails the way a zoo model does (tests/zoo_models.py); the
-class numbers follow the investigation notes:
+Each test is the smallest model that failed the way a zoo model did (tests/zoo_models.py):
 
-1. A size taken in one stage and used in a later one is frozen at the full batch: fake kernels of
-   constant padding and interpolation specialise the batch symbol, every size then looks
-   constant, and the split folds it (Swin windows, CrossViT class token, UNets, VAE, Segformer).
+1. A size taken in one stage and used in a later one was frozen at the full batch: fake kernels
+   of constant padding and interpolation specialise the batch symbol (NOTE [Specialising
+   kernels] in fxpipe.frontend.shapes); Swin windows, CrossViT's class token, UNets, VAEs.
 2. A wrapped function whose module is shadowed by the function itself (torchvision.ops.
-   stochastic_depth): the generated code resolves the dotted name to the function.
-3. Two identical LSTM calls: the second hits the cost cache, which reruns aten.lstm on symbolic
+   stochastic_depth): the generated code must reach the function by a path that resolves to it.
+3. Two identical LSTM calls: the second hit the cost cache, which reran aten.lstm on symbolic
    fakes.
-4. A written program whose model returns a registered output type cannot load its signature in
-   a fresh process.
-5. BatchNorm: a subclass with its own forward (timm's BatchNormAct2d) loses it in the fx trace
-   and falls back to export; momentum=None in training cannot be captured at all; a stacked
-   LSTM stays one operation and unbalances the stages.
-6. nn.Transformer with a causal mask: its own mask check is data-dependent.
-7. A module converted inside forward (Switch Transformers' router calls `self.classifier.to(
-   dtype)`): torch.export cannot swap the parameters, and a shape check keeps fx out.
+4. A written program whose model returns a registered output type must load its signature in a
+   fresh process.
+5. BatchNorm: a subclass with its own forward (timm's BatchNormAct2d) must keep it in the fx
+   trace; momentum=None must train; a stacked LSTM must not stay one operation.
+6. nn.Transformer with a causal mask: its own mask check is data-dependent under export.
+7. A module converted inside forward (`self.classifier.to(dtype)`) while export traces.
+
+The last part checks each fix from another side (the specialisation found without the list of
+known operations, by the cost pass alone, a frozen size refused by ir.verify, ...).
 """
 from __future__ import annotations
 
