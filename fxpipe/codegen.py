@@ -14,6 +14,7 @@ import keyword
 import linecache
 import math
 import operator
+import sys
 import textwrap
 import types
 from collections.abc import Sequence
@@ -119,7 +120,8 @@ class _Context:
     gm: GraphModule
     names: dict[Node, str] = field(default_factory=dict)
     attrs: dict[str, str] = field(default_factory=dict)  # get_attr target -> attribute
-    imports: set[str] = field(default_factory=set)
+    imports: set[str] = field(default_factory=set)  # modules for `import m`
+    from_imports: set[str] = field(default_factory=set)  # whole `from m import f as g` lines
 
 
 def _literal(value: Any, node: Node) -> str:
@@ -195,8 +197,50 @@ def _function_name(target: Any, node: Node, ctx: _Context) -> str:
     if not module or not qualname or "<" in qualname or module == "__main__":
         raise CodegenError(f"{node.name} calls {target!r}, which cannot be imported by name",
                            hint="define the function at module level in an importable module")
-    ctx.imports.add(module)
-    return f"{module}.{qualname}"
+    return _importable_name(target, module, qualname, ctx)
+
+
+def _importable_name(target: Any, module: str, qualname: str, ctx: _Context) -> str:
+    """A spelling of `target` that resolves to `target` itself, with its import.
+
+    `module.qualname` is written when attribute access from the top-level package reaches the
+    target. It does not when a package re-exports a function under the name of the module that
+    defines it (torchvision.ops.stochastic_depth is the function, not its module): then the
+    shortest package attribute that holds the target, else a from-import, which loads the module
+    through sys.modules and never through attributes.
+    """
+    dotted = f"{module}.{qualname}"
+    if _resolves_to(dotted, target):
+        ctx.imports.add(module)
+        return dotted
+    name = qualname.split(".")[0]
+    parts = module.split(".")
+    for end in range(1, len(parts)):
+        package = ".".join(parts[:end])
+        spelled = f"{package}.{qualname}"
+        if "." not in qualname and _resolves_to(spelled, target):
+            ctx.imports.add(package)
+            return spelled
+    alias = "_".join([*parts, "", name])
+    ctx.from_imports.add(f"from {module} import {name} as {alias}")
+    rest = qualname[len(name):]
+    if not _resolves_to_object(getattr(sys.modules.get(module), name, None), rest, target):
+        raise CodegenError(f"{dotted} does not name the function the graph calls ({target!r})",
+                           hint="define the function at module level under its own name")
+    return alias + rest
+
+
+def _resolves_to(dotted: str, target: Any) -> bool:
+    """Whether `import <modules>; <dotted>` evaluates to `target` (by attribute access from the
+    top-level package, as the generated code will)."""
+    top, _, rest = dotted.partition(".")
+    return _resolves_to_object(sys.modules.get(top), "." + rest if rest else "", target)
+
+
+def _resolves_to_object(obj: Any, attributes: str, target: Any) -> bool:
+    for part in attributes.split(".")[1:]:
+        obj = getattr(obj, part, None)
+    return obj is target
 
 
 def _resolve(dotted: str) -> Any:
@@ -270,6 +314,7 @@ def generate_stage(gm: GraphModule, header: StageHeader, *, class_name: str | No
     lines = _header(header)
     lines += ["from __future__ import annotations", ""]
     lines += [f"import {m}" for m in sorted({"torch", *ctx.imports} - {"builtins"})]
+    lines += sorted(ctx.from_imports)
     lines += ["", "from fxpipe.runtime.stage import StageModule, checkpoint", "", ""]
     lines += [f"class {cls}(StageModule):", *_docstring(doc, 4), ""]
     lines += [f"    STAGE = {header.stage}"]

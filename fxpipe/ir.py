@@ -26,7 +26,8 @@ from torch.fx import Graph, GraphModule, Node
 from fxpipe.errors import InvariantError, MissingMetaError
 
 __all__ = [
-    "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "QUALNAMES", "BATCH", "qualname",
+    "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "QUALNAMES", "SAMPLED", "BATCH",
+    "qualname",
     "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "MeasuredTime", "CommInfo",
     "value_info", "tensor_info", "cost", "measured_time", "stage", "comm",
     "is_comm", "is_inplace", "compute_nodes", "module_path", "format_shape", "dtype_abbr",
@@ -41,6 +42,9 @@ COMM = "fxpipe.comm"
 REMAT = "fxpipe.remat"
 CAPTURE = "fxpipe.capture"  # GraphModule.meta: CaptureInfo written by fxpipe.capture
 QUALNAMES = "fxpipe.qualnames"  # GraphModule.meta: {attribute alias: model qualified name}
+# GraphModule.meta: frozenset of operations whose fake kernels specialise the batch size, run on
+# static sizes instead (fxpipe.frontend.shapes, read by passes.cost)
+SAMPLED = "fxpipe.sampled"
 
 
 def qualname(gm: GraphModule, target: str) -> str:
@@ -306,6 +310,8 @@ def verify(gm: GraphModule, *, after: str) -> None:
         if "cost" in done and node.op not in ("placeholder", "output", "get_attr") \
                 and not is_comm(node) and COST not in node.meta:
             problems.append(f"{node.name} ({node.op} {node.target}) has no {COST}")
+    if after in ("capture", "cost"):
+        problems += list(_check_batch_symbol(gm))
     if "partition" in done and "split" not in done:
         problems += list(_check_stages(graph))
     if "split" in done or "remat" in done:
@@ -318,6 +324,25 @@ def verify(gm: GraphModule, *, after: str) -> None:
             + "\n".join(f"  - {p}" for p in problems),
             hint="this is a bug in the pass named above; please report it with the model",
         )
+
+
+def _check_batch_symbol(gm: GraphModule) -> Iterator[str]:
+    """Every output the model batches keeps the batch size b in its batch dimension: a size
+    frozen at the example's batch would be wrong on every micro-batch."""
+    signature = getattr(gm.meta.get(CAPTURE), "signature", None)
+    batch_dims: tuple[int | None, ...] = getattr(signature, "out_batch_dims", ())
+    output = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    if output is None or not batch_dims:
+        return
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    for value, dim in zip(values, batch_dims):
+        info = value.meta.get(TENSOR) if isinstance(value, Node) else None
+        if dim is None or not isinstance(info, TensorInfo) or dim >= len(info.shape):
+            continue
+        size = sympy.sympify(info.shape[dim])
+        if BATCH not in size.free_symbols:
+            yield (f"output {value.name} has the size {size} in its batch dimension {dim}, "
+                   f"not one that follows the micro-batch size b")
 
 
 def _check_stages(graph: Graph) -> Iterator[str]:

@@ -1,6 +1,7 @@
 """build(): the passes in their fixed order, each checked by ir.verify and kept as a snapshot.
 
     capture          any model -> GraphModule with symbolic shapes      (fxpipe.frontend.capture)
+    unroll_rnns      one node per layer of a stacked RNN                 (passes.unroll_rnn)
     defer_batch_norm BatchNorm statistics once per batch, if asked      (passes.batchnorm)
     annotate_costs   FLOPs, bytes, saved activations per node           (passes.cost)
     measure_times    wall time per node, only for balance="time"        (passes.timing)
@@ -32,6 +33,7 @@ from fxpipe.passes.partition import PartitionPlan, choose_chunks, partition
 from fxpipe.passes.remat import RematRegion, mark_remat
 from fxpipe.passes.split import StageGraph, shared_parameters, split_stages
 from fxpipe.passes.timing import measure_times
+from fxpipe.passes.unroll_rnn import unroll_rnns
 from fxpipe.profile import DeviceProfile, get_profile
 from fxpipe.report import stage_header
 
@@ -57,6 +59,10 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
                      leaf_modules=config.leaf_modules, inline_modules=True)
         ir.verify(gm, after="capture")
     _snapshot(history, "capture", gm)
+    # Before costs and cuts: a stacked RNN is one node, which no cut could enter.
+    with _timed(timings, "unroll_rnns"):
+        if unroll_rnns(gm):
+            _snapshot(history, "unroll_rnns", gm)
     if config.deferred_batch_norm:
         # Before costs and cuts: the rewritten op is what the stages will run.
         with _timed(timings, "defer_batch_norm"):
@@ -100,6 +106,7 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
     built = Built(gm, plan, stages, shared, profile, config, history, timings)
     if _debug_level():
         print("[fxpipe] " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+        print("[fxpipe] capture: " + ", ".join(f"{k} {v:.2f}s" for k, v in info.timings))
     return built
 
 
@@ -149,6 +156,6 @@ def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
                                   qualnames=captured.meta.get(ir.QUALNAMES, {}))
     names = [leaf.name for leaf in info.signature.tensor_leaves]
     indexes = tuple(names.index(n) for n in g.inputs)
-    random = any(ir.cost(n).random for n in ir.compute_nodes(g.graph_module.graph)
-                 if ir.COST in n.meta)
+    random = g.carries_rng or any(ir.cost(n).random for n in
+                                  ir.compute_nodes(g.graph_module.graph) if ir.COST in n.meta)
     return BuiltStage(g.index, g.graph_module, text, class_name, regions, g, random, indexes)

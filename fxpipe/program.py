@@ -295,6 +295,8 @@ class Program(nn.Module):
         name = loss_name(loss_fn)
         reference = reference_losses(self.model, built.signature, self._example, target,
                                      resolve_loss(name), reference_steps, lr,
+                                     chunks=built.plan.chunks,
+                                     draws_random=any(st.random for st in built.stages),
                                      device=self.devices[0], autocast=self.config.autocast) \
             if reference_steps else []
         tensors: dict[str, torch.Tensor] = {}

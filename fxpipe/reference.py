@@ -1,43 +1,75 @@
-"""The plain model's losses for a few SGD steps: what a written program's --verify compares to.
+"""What a pipelined step equals: the plain model run over the same micro-batches.
 
-Recorded when a program is written, on a copy of the model (the model itself is not trained),
-with the same optimizer as the launcher (SGD, momentum 0.9) and the same seed per step.
+NOTE [What equals what]: the pipeline computes the plain model on each micro-batch in turn, the
+outputs joined along the batch dimension, then the loss and its backward (so the gradients are
+those of gradient accumulation over the micro-batches, with the scaling of one full-batch loss).
+BatchNorm in training normalises each micro-batch with its own statistics, as GPipe does. A step
+that draws random numbers takes one number (`draw_base`) from the caller's generator, and
+micro-batch m's stream starts at `microbatch_seed(base, m)` and runs through the stages as
+through one forward of the plain model: a seeded pipelined step equals a seeded
+`microbatched_forward` step. In eval mode without dropout this is the plain model on the batch.
+
+The losses a written program's --verify compares with are recorded from it, on a copy of the
+model (the model itself is not trained), with the launcher's optimizer (SGD, momentum 0.9) and
+seed per step (`torch.manual_seed(step)`).
 """
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.frontend.batching import seeded
 from fxpipe.losses import LossFn
 from fxpipe.runtime.amp import compiled_autocast
+from fxpipe.runtime.local import draw_base, seeded_forward
 from fxpipe.signature import Signature
 
-__all__ = ["reference_losses"]
+__all__ = ["reference_losses", "microbatched_forward"]
+
+
+def microbatched_forward(model: nn.Module, signature: Signature, flat: Sequence[torch.Tensor],
+                         chunks: int, draws_random: bool) -> Any:
+    """The plain model's outputs as the pipeline computes them (NOTE [What equals what]).
+
+    draws_random: whether the pipeline draws random numbers (any stage does); then one number is
+    taken from the caller's generator, as a pipelined step takes it.
+    """
+    base = draw_base() if draws_random else None
+    per_microbatch = []
+    for m, tensors in enumerate(signature.split_inputs(flat, chunks)):
+        args, kwargs = signature.unflatten_inputs(tensors)
+        with seeded_forward(base, m):
+            per_microbatch.append(pytree.tree_leaves(model(*args, **kwargs)))
+    return signature.unflatten_outputs(signature.join_outputs(per_microbatch))
 
 
 def reference_losses(model: nn.Module, signature: Signature, flat: list[torch.Tensor],
                      target: torch.Tensor | None, loss: LossFn, steps: int, lr: float, *,
+                     chunks: int = 1, draws_random: bool = False,
                      device: torch.device | None = None,
                      autocast: str | None = None) -> list[float]:
-    """The losses of `steps` SGD steps of a copy of `model` on one batch, on `device` (the
-    model's tensors may be spread over a pipeline's devices; the copy gathers them there) and
-    under the program's autocast dtype."""
+    """The losses of `steps` SGD steps of a copy of `model` on one batch, each computed as the
+    pipeline computes it (`microbatched_forward`), step i seeded with torch.manual_seed(i), on
+    `device` (the model's tensors may be spread over a pipeline's devices; the copy gathers them
+    there) and under the program's autocast dtype."""
     model = copy.deepcopy(model)
     if device is not None:
         model.to(device)
         flat = [t.to(device) for t in flat]
         target = target.to(device) if target is not None else None
-    args, kwargs = signature.unflatten_inputs(flat)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # as the launcher
     scaler = torch.amp.GradScaler(device.type if device is not None else "cpu",
                                   enabled=autocast == "fp16")
     losses = []
-    for _ in range(steps):
-        with seeded(0), compiled_autocast(autocast, [device or torch.device("cpu")]):
-            output = model(*args, **kwargs)
+    for step in range(steps):
+        with torch.random.fork_rng(), compiled_autocast(autocast,
+                                                        [device or torch.device("cpu")]):
+            torch.manual_seed(step)
+            output = microbatched_forward(model, signature, flat, chunks, draws_random)
             value = loss(output, target) if target is not None else loss(output)
         torch.autograd.backward(scaler.scale(value))
         scaler.step(optimizer)

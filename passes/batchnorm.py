@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.batchnorm import deferred_batch_norm
+from fxpipe.runtime.batchnorm import cumulative_batch_norm, deferred_batch_norm
 
 __all__ = ["defer_batch_norm"]
 
@@ -50,6 +50,10 @@ def defer_batch_norm(gm: GraphModule) -> int:
     rewritten = 0
     counters: set[str] = set()
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is cumulative_batch_norm:
+            raise ConfigError(f"{node.name}: BatchNorm with momentum=None (cumulative average) "
+                              "cannot be deferred",
+                              hint="set a momentum, or deferred_batch_norm=False")
         if node.op != "call_function" or node.target not in (F.batch_norm, _ATEN_BN):
             continue
         if node.target is F.batch_norm:

@@ -11,7 +11,9 @@ attention, which torch's counter reports as 0); every other kernel costs its ele
 per-op factor, and its bytes read and written. Saved-for-backward bytes come from autograd's
 saved-tensor hooks and are charged to the node whose output they keep alive, once per storage,
 so their sum is what a real run keeps. Identical nodes (the blocks of a transformer) are
-annotated once and the result reused.
+annotated once and the result reused, their output included. Operations whose fake kernels
+specialise the batch symbol (see NOTE [Specialising kernels] in fxpipe.frontend.shapes) are
+costed on static samples and interpolated, so every cost stays a polynomial in b.
 """
 from __future__ import annotations
 
@@ -180,15 +182,34 @@ def annotate_costs(gm: GraphModule, *, batch_hint: int | None = None) -> CostSum
     Returns totals; `ir.cost(node).at(b)` evaluates one node at a micro-batch size.
     """
     hint = batch_hint or getattr(gm.meta.get(ir.CAPTURE), "batch_size", None) or 8
-    runner = _CostRunner(gm, hint)
-    runner.run_all()
-    return runner.summary()
+    sampled: set[shapes.OpKey] = set(gm.meta.get(ir.SAMPLED, ()))
+    while True:
+        runner = _CostRunner(gm, hint, sampled)
+        try:
+            runner.run_all()
+            return runner.summary()
+        except shapes.Specialised as e:  # costed again, with that operation sampled
+            if e.key in sampled:
+                raise CostError(f"{e}, even on static sizes",
+                                hint="please report this model") from e
+            sampled.add(e.key)
+
+
+@dataclass
+class _Cached:
+    """A node's cost and its output, reused for identical nodes; an output that aliases an
+    input (a view, an in-place op) is computed again so that storages stay shared."""
+
+    cost: _NodeCost
+    out: Any
+    aliases_input: bool
 
 
 class _CostRunner(Interpreter):
-    def __init__(self, gm: GraphModule, hint: int) -> None:
+    def __init__(self, gm: GraphModule, hint: int, sampled: set[shapes.OpKey]) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.gm = gm
+        self.sampled = sampled
         self.shape_env = ShapeEnv()
         self.mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
         self.sym = self.shape_env.create_symbol(hint, source=ConstantSource("fxpipe_b"),
@@ -203,7 +224,7 @@ class _CostRunner(Interpreter):
         # saver -> {producer: bytes} it keeps alive
         self.saves: dict[Node, dict[str, sympy.Expr]] = {}
         self.raw: dict[Node, _NodeCost] = {}
-        self.cache: dict[tuple[Hashable, ...], _NodeCost] = {}
+        self.cache: dict[tuple[Hashable, ...], _Cached] = {}
         self.cache_hits = 0
 
     # -- values ---------------------------------------------------------------------------------
@@ -255,6 +276,8 @@ class _CostRunner(Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         try:
             out, cost = self._measure(n, args, kwargs)
+        except shapes.Specialised:
+            raise
         except Exception as e:  # noqa: BLE001 - name the node, keep the cause
             where = source.from_stack_trace(n.meta.get("stack_trace"))
             raise CostError(f"cannot cost {n.name} ({n.op} {n.target}): {type(e).__name__}: {e}"
@@ -303,19 +326,28 @@ class _CostRunner(Interpreter):
         key = self._cache_key(n, leaves)
         if key is not None and key in self.cache:
             self.cache_hits += 1
-            fresh = [_fresh_leaf(x) for x in leaves]
-            call = _writable(n, fresh)
-            return shapes.call_node(self.module, n, *pytree.tree_unflatten(call, spec)), \
-                self.cache[key]
+            hit = self.cache[key]
+            if not hit.aliases_input:
+                return pytree.tree_map(_fresh_like, hit.out), hit.cost
+            call = _writable(n, [_fresh_leaf(x) for x in leaves])
+            return shapes.call_node(self.module, n, *pytree.tree_unflatten(call, spec)), hit.cost
+        op = shapes.op_key(self.module, n)
         if _needs_real_samples(n):
             out, cost = self._interpolated(n, args, kwargs, real=True)
+        elif op in self.sampled:
+            out, cost = self._interpolated(n, args, kwargs)
         else:
             try:
                 out, cost = self._run_counted(n, leaves, spec, self.param_keys)
             except Exception:  # noqa: BLE001 - ops without symbolic shapes: sample, interpolate
                 out, cost = self._interpolated(n, args, kwargs)
+            if shapes.specialised(self.shape_env, self.sym):
+                raise shapes.Specialised(n, op)
         if key is not None:
-            self.cache[key] = cost
+            inputs = {_storage(t) for t in leaves if isinstance(t, torch.Tensor)}
+            aliases = any(_storage(t) in inputs for t in pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor))
+            self.cache[key] = _Cached(cost, out, aliases)
         return out, cost
 
     def _run_counted(self, n: Node, leaves: list[Any], spec: pytree.TreeSpec,
@@ -564,6 +596,14 @@ def _fresh_leaf(x: Any) -> Any:
         leaf = x.detach()
         return leaf.requires_grad_(x.requires_grad) if x.is_floating_point() else leaf
     return x
+
+
+def _fresh_like(x: Any) -> Any:
+    """A new fake tensor like a cached output (same sizes, strides, dtype, requires_grad)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    return t.requires_grad_(x.requires_grad) if x.is_floating_point() else t
 
 
 def _value_bytes(info: ir.ValueInfo | None) -> sympy.Expr:

@@ -1,6 +1,6 @@
 """Cut a partitioned graph into one GraphModule per stage, joined by explicit send/recv nodes.
 
-Reads:  STAGE (passes.partition), TENSOR (fxpipe.capture)
+Reads:  STAGE (passes.partition), TENSOR (fxpipe.capture), COST (which nodes draw random numbers)
 Writes: COMM on the send and recv nodes of each stage graph
 Graph:  returns new GraphModules; the input graph is left untouched
 
@@ -16,7 +16,9 @@ A value used by several later stages is sent directly to each (no relaying). Mod
 read where they are needed (every rank is given the batch). Non-tensor values that cross are
 folded into the consumer when they are constants or computed from model inputs alone (sizes of
 inputs); others are sent. Parameters and buffers keep their qualified names; one that several
-stages use (tied weights) appears in each, and `StageGraph.shared` says which.
+stages use (tied weights) appears in each, and `StageGraph.shared` says which. When a stage
+after the first draws random numbers, each stage up to it hands its micro-batch's generator state
+to the next (see NOTE [Random streams across stages] in fxpipe.runtime.ops).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from fxpipe import ir
 from fxpipe.errors import SplitError
-from fxpipe.runtime.ops import recv, send
+from fxpipe.runtime.ops import RNG_STATE_BYTES, RNG_TAG, continue_rng, hand_over_rng, recv, send
 
 __all__ = ["split_stages", "StageGraph", "shared_parameters"]
 
@@ -44,6 +46,7 @@ class StageGraph:
     sends: tuple[ir.CommInfo, ...]
     attrs: tuple[str, ...]  # parameter / buffer targets
     is_last: bool
+    carries_rng: bool = False  # continues or hands over a micro-batch's random stream
 
 
 def _stage_of(node: Node) -> int | None:
@@ -158,12 +161,34 @@ class _StageBuilder:
         new.meta = {k: v for k, v in node.meta.items()}
         self.env[node] = new
 
+    def add_rng_recv(self, src: int) -> None:
+        info = ir.CommInfo("recv", src, RNG_TAG, _RNG_STATE)
+        new = self.graph.call_function(continue_rng, (self.comm,), {"src": src})
+        new.meta = {ir.COMM: info}
+        self.recvs.append(info)
+
+    def add_rng_send(self, dst: int) -> ir.CommInfo:
+        info = ir.CommInfo("send", dst, RNG_TAG, _RNG_STATE)
+        new = self.graph.call_function(hand_over_rng, (self.comm,), {"dst": dst})
+        new.meta = {ir.COMM: info}
+        return info
+
     def add_send(self, node: Node, dst: int) -> ir.CommInfo:
         info = ir.CommInfo("send", dst, node.name, node.meta[ir.TENSOR])
         new = self.graph.call_function(send, (self.comm, self.value(node), node.name), {"dst": dst})
         new._rename(f"send_{node.name}_to_{dst}")
         new.meta = {ir.COMM: info}
         return info
+
+
+_RNG_STATE = ir.TensorInfo((sympy.Integer(RNG_STATE_BYTES),), torch.uint8, None, False)
+
+
+def _last_random_stage(compute: Sequence[Node]) -> int:
+    """The last stage with a node that draws random numbers (-1 when none does)."""
+    stages = [_stage_of(n) for n in compute
+              if ir.COST in n.meta and ir.cost(n).random]
+    return max((s for s in stages if s is not None), default=-1)
 
 
 def _needs_recv(node: Node, stage: int, memo: dict[Node, bool]) -> bool:
@@ -215,6 +240,7 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
                          hint="run passes.partition.partition first")
     consumers = _consumers(gm, num_stages)
     memo: dict[Node, bool] = {}
+    last_random = _last_random_stage(compute)
     stages = []
     for s in range(num_stages):
         builder = _StageBuilder(gm, s, num_stages)
@@ -228,6 +254,8 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
         for value in foreign:
             if _needs_recv(value, s, memo):
                 builder.add_recv(value)
+        if 0 < s <= last_random:
+            builder.add_rng_recv(s - 1)
         for node in own:
             builder.add_compute(node)
         sends = []
@@ -235,6 +263,8 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
             for dst in sorted(consumers.get(node, ())):
                 if dst > s and _needs_recv(node, dst, memo):
                     sends.append(builder.add_send(node, dst))
+        if s < last_random:
+            sends.append(builder.add_rng_send(s + 1))
         if builder.last:
             builder.graph.output(torch.fx.node.map_arg(output.args[0], builder.value))
         else:
@@ -244,7 +274,8 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
         names = gm.meta.get(ir.QUALNAMES, {})
         stage_gm.meta[ir.QUALNAMES] = {t: names[t] for t in builder.attrs if t in names}
         stages.append(StageGraph(s, stage_gm, tuple(builder.inputs), tuple(builder.recvs),
-                                 tuple(sends), tuple(builder.attrs), builder.last))
+                                 tuple(sends), tuple(builder.attrs), builder.last,
+                                 s <= last_random and last_random > 0))
     _check_pairs(stages)
     return stages
 

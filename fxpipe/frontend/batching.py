@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -39,6 +39,9 @@ class BatchLayout:
     output_is_tensor: tuple[bool, ...]
     out_spec: pytree.TreeSpec
     batch_size: int
+    # The eager model's flat outputs on trial_batches(), kept when the model ran in eval mode
+    # (the outputs the capture check would compute again); empty otherwise.
+    eager_outputs: tuple[list[Any], ...] = ()
 
     def slice_inputs(self, args: ModelArgs, kwargs: ModelKwargs, start: int,
                      length: int) -> tuple[ModelArgs, ModelKwargs]:
@@ -121,6 +124,7 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
     """
     tensors = [x for x in leaves if is_tensor(x)]
     training = model.training
+    any_training = any(m.training for m in model.modules())
     with torch.no_grad(), seeded(0):
         out = model(*args, **kwargs)
     out_leaves, out_spec = pytree.tree_flatten(out)
@@ -133,12 +137,15 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
     tried: list[tuple[int | None, ...]] = []
     try:
         with torch.no_grad():
-            full = pytree.tree_leaves(model(*args, **kwargs))
+            # In eval mode the seeded run above is already the eval-mode result.
+            full = out_leaves if not any_training else \
+                pytree.tree_leaves(model(*args, **kwargs))
             for dims in candidates:
                 tried.append(dims)
                 layout = _try(model, args, kwargs, dims, full, out_spec, out_is_tensor, tensors)
                 if layout is not None:
-                    return layout
+                    return replace(layout, eager_outputs=(full, layout.eager_outputs[0])) \
+                        if not any_training else replace(layout, eager_outputs=())
     finally:
         model.train(training)
     shapes = [tuple(t.shape) for t in tensors]
@@ -184,7 +191,7 @@ def _try(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs, dims: tuple[int
     out_dims = _output_dims(full, first, second)
     if out_dims is None:
         return None
-    return BatchLayout(dims, out_dims, out_is_tensor, out_spec, size)
+    return BatchLayout(dims, out_dims, out_is_tensor, out_spec, size, (first,))
 
 
 def _finite_scale(a: torch.Tensor) -> float:

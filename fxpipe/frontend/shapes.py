@@ -1,12 +1,20 @@
 """Symbolic shape propagation: every value's shape as a polynomial in the batch size b.
 
 Writes TENSOR (ir.TensorInfo / ir.ScalarInfo / tuple) on every node by running the graph on fake
-tensors whose batch dimension is one symbolic size. torch.fx's own "val" key is left alone.
+tensors whose batch dimension is one symbolic size, and GraphModule.meta[SAMPLED]: the operations
+run on static sizes instead. torch.fx's own "val" key is left alone.
+
+NOTE [Specialising kernels]: some fake kernels (constant padding, interpolation, im2col, GRU)
+turn the symbolic batch into the example's integer: the ShapeEnv records a replacement b -> 4,
+nothing raises, and every later size is the constant 4, so a size computed in one stage would be
+frozen at the full batch in the next. After each node the batch symbol is checked; when an
+operation specialised it, propagation starts again with that operation run on static fakes at a
+few batch sizes and its output sizes interpolated (a ShapeEnv cannot be rolled back).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
@@ -18,7 +26,65 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from fxpipe import ir, source
 from fxpipe.errors import CaptureError
 
-__all__ = ["propagate_shapes", "symbolic_inputs"]
+__all__ = ["propagate_shapes", "symbolic_inputs", "op_key", "specialised", "OpKey",
+           "Specialised", "known_specialising", "SAMPLE_SIZES"]
+
+OpKey: TypeAlias = object
+"""What identifies an operation across nodes: a function or aten overload, ("method", name), or
+the type of a called module."""
+
+
+def op_key(module: torch.nn.Module, n: Node) -> OpKey:
+    """The operation a node runs, independent of its inputs."""
+    if n.op == "call_module":
+        return type(module.get_submodule(str(n.target)))
+    if n.op == "call_method":
+        return ("method", str(n.target))
+    return n.target
+
+
+# Operations whose fake kernels specialise the batch symbol (checked on torch 2.13 and 2.14);
+# starting with them routed to static samples saves a restart each. Others are found as they
+# occur.
+_SPECIALISING_FUNCTIONS = frozenset({
+    torch.nn.functional.pad, torch.nn.functional.interpolate, torch.nn.functional.unfold,
+    torch.nn.functional.upsample, torch.nn.functional.upsample_nearest,
+    torch.nn.functional.upsample_bilinear})
+_SPECIALISING_ATEN = ("pad", "constant_pad_nd", "upsample_", "_upsample_", "im2col", "gru",
+                      "rnn_tanh", "rnn_relu")
+_SPECIALISING_MODULES = (torch.nn.modules.padding._ConstantPadNd, torch.nn.Upsample,
+                         torch.nn.Unfold, torch.nn.GRU, torch.nn.RNN)
+
+
+def known_specialising(key: OpKey) -> bool:
+    """Whether an operation is known to specialise the batch symbol on fake tensors."""
+    if isinstance(key, type):
+        return issubclass(key, _SPECIALISING_MODULES)
+    if isinstance(key, torch._ops.OpOverload):
+        name = key._overloadpacket.__name__
+        return any(name == m or (m.endswith("_") and name.startswith(m))
+                   for m in _SPECIALISING_ATEN)
+    try:
+        return key in _SPECIALISING_FUNCTIONS
+    except TypeError:  # an unhashable target is no known function
+        return False
+
+
+def specialised(shape_env: ShapeEnv, sym: sympy.Symbol) -> bool:
+    """Whether the batch symbol was fixed to a constant (a kernel guarded on its value)."""
+    if sym in shape_env.replacements:
+        return True
+    bounds = shape_env.var_to_range.get(sym)
+    return bounds is not None and bounds.is_singleton()
+
+
+class Specialised(Exception):  # noqa: N818 - a signal to restart, not an error
+    """An operation specialised the batch symbol; the pass restarts with it sampled."""
+
+    def __init__(self, node: Node, key: OpKey) -> None:
+        super().__init__(f"{node.name} ({node.op} {node.target}) specialises the batch size")
+        self.node = node
+        self.key = key
 
 
 class _FakeInterpreter(Interpreter):
@@ -28,8 +94,10 @@ class _FakeInterpreter(Interpreter):
     batch sizes and their output shapes interpolated: exact for shapes polynomial in b.
     """
 
-    def __init__(self, gm: GraphModule, mode: FakeTensorMode, sym: sympy.Symbol) -> None:
+    def __init__(self, gm: GraphModule, mode: FakeTensorMode, sym: sympy.Symbol,
+                 sampled: set[OpKey]) -> None:
         super().__init__(gm, garbage_collect_values=False)
+        self.sampled = sampled
         if mode.shape_env is None:
             raise ValueError("shape propagation needs a FakeTensorMode with a ShapeEnv")
         self.mode = mode
@@ -51,8 +119,16 @@ class _FakeInterpreter(Interpreter):
         return self._fake(super().fetch_attr(target))
 
     def run_node(self, n: Node) -> Any:
+        key = op_key(self.module, n) if n.op.startswith("call_") else None
         try:
-            result = super().run_node(n)
+            if key is not None and key in self.sampled:
+                result = self._interpolated(n)
+            else:
+                result = super().run_node(n)
+                if key is not None and specialised(self.shape_env, self.sym):
+                    raise Specialised(n, key)
+        except Specialised:
+            raise
         except Exception as e:  # noqa: BLE001 - retried on static shapes, then re-raised
             try:
                 result = self._interpolated(n)
@@ -161,7 +237,25 @@ def symbolic_inputs(
 
 def propagate_shapes(gm: GraphModule, tensors: Sequence[torch.Tensor],
                      batch_dims: Sequence[int | None]) -> dict[Node, Any]:
-    """Writes ir.TENSOR on every node; returns the fake value of each node (for cost passes)."""
+    """Writes ir.TENSOR on every node and gm.meta[ir.SAMPLED]; returns the fake value of each
+    node. See NOTE [Specialising kernels]."""
+    sampled = {k for n in gm.graph.nodes if n.op.startswith("call_")
+               for k in [op_key(gm, n)] if known_specialising(k)}
+    while True:
+        try:
+            values = _propagate(gm, tensors, batch_dims, sampled)
+            break
+        except Specialised as e:
+            if e.key in sampled:  # cannot happen: sampled operations run on static fakes
+                raise CaptureError(f"{e}, even on static sizes",
+                                   hint="please report this model") from e
+            sampled.add(e.key)
+    gm.meta[ir.SAMPLED] = frozenset(sampled)
+    return values
+
+
+def _propagate(gm: GraphModule, tensors: Sequence[torch.Tensor],
+               batch_dims: Sequence[int | None], sampled: set[OpKey]) -> dict[Node, Any]:
     batch = next(t.shape[d] for t, d in zip(tensors, batch_dims) if d is not None)
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
@@ -169,7 +263,7 @@ def propagate_shapes(gm: GraphModule, tensors: Sequence[torch.Tensor],
                                   dynamic_dim=DimDynamic.DYNAMIC)
     batch_symbol = shape_env.create_symintnode(sym, hint=batch)
     fakes = symbolic_inputs(mode, batch_symbol, tensors, batch_dims)
-    interp = _FakeInterpreter(gm, mode, sym)
+    interp = _FakeInterpreter(gm, mode, sym, sampled)
     with mode:
         interp.run(*fakes, enable_io_processing=False)
     substitution = {sym: ir.BATCH}

@@ -24,6 +24,7 @@ from torch import nn
 from fxpipe import ir, source
 from fxpipe.errors import CaptureError
 from fxpipe.frontend.batching import BatchLayout
+from fxpipe.runtime.batchnorm import cumulative_batch_norm
 from fxpipe.signature import Signature
 
 __all__ = ["trace_fx", "export", "LeafModule"]
@@ -80,35 +81,54 @@ class _Tracer(fx.Tracer):
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-        if (self.inline and isinstance(m, nn.modules.batchnorm._BatchNorm)
-                and m.momentum is not None and not self.is_leaf_module(m, self.path_of_module(m))):
-            # _BatchNorm.forward checks the input rank with Python control flow; trace the
-            # functional call it makes instead.
-            path, momentum = self.path_of_module(m), m.momentum
-            return super().call_module(m, lambda x: self._batch_norm(m, path, x, momentum),
-                                       args, kwargs)
-        return super().call_module(m, forward, args, kwargs)
-
-    def _batch_norm(self, m: nn.modules.batchnorm._BatchNorm, path: str, x: torch.Tensor,
-                    momentum: float) -> torch.Tensor:
-        """What _BatchNorm.forward computes when momentum is set, without its input-rank check.
-
-        The counter increment is recorded explicitly: buffers read as attributes are not proxies,
-        so `m.num_batches_tracked.add_(1)` would run once at trace time instead of in the graph.
-        """
-        if m.training and m.track_running_stats and m.num_batches_tracked is not None:
-            counter = self.create_proxy("get_attr", f"{path}.num_batches_tracked", (), {})
-            counter.add_(1)
-        return _batch_norm(m, x, momentum)
+        if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return super().call_module(m, forward, args, kwargs)
+        # Buffers read inside a BatchNorm (its own forward or a subclass's, like timm's
+        # BatchNormAct2d) become graph values, so `self.num_batches_tracked.add_(1)` is an
+        # operation of the graph instead of running once at trace time.
+        proxied = self.proxy_buffer_attributes
+        self.proxy_buffer_attributes = True
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        finally:
+            self.proxy_buffer_attributes = proxied
 
 
-def _batch_norm(m: nn.modules.batchnorm._BatchNorm, x: torch.Tensor,
-                momentum: float) -> torch.Tensor:
-    use_batch_stats = m.training or (m.running_mean is None and m.running_var is None)
-    keep_stats = not m.training or m.track_running_stats
+def _batch_norm_forward(self: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """What _BatchNorm.forward computes, traceable: without its Python check of the input's rank
+    (control flow on a proxy), and with momentum=None (a cumulative average) as one operation
+    instead of `1 / float(num_batches_tracked)`, which neither front end can capture."""
+    training_stats = self.training and self.track_running_stats
+    if self.momentum is None and training_stats and self.running_mean is not None \
+            and self.running_var is not None and self.num_batches_tracked is not None:
+        args = (x, self.running_mean, self.running_var, self.weight, self.bias,
+                self.num_batches_tracked, self.eps)
+        if isinstance(x, fx.Proxy):  # one node, which deferred BatchNorm can recognise
+            out: torch.Tensor = x.tracer.create_proxy(
+                "call_function", cumulative_batch_norm, args, {})
+            return out
+        return cumulative_batch_norm(*args)
+    if training_stats and self.num_batches_tracked is not None:
+        self.num_batches_tracked.add_(1)
+    use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+    keep_stats = not self.training or self.track_running_stats
     return torch.nn.functional.batch_norm(
-        x, m.running_mean if keep_stats else None, m.running_var if keep_stats else None,
-        m.weight, m.bias, use_batch_stats, momentum, m.eps)
+        x, self.running_mean if keep_stats else None, self.running_var if keep_stats else None,
+        self.weight, self.bias, use_batch_stats,
+        0.0 if self.momentum is None else self.momentum, self.eps)
+
+
+@contextlib.contextmanager
+def traceable_batch_norm() -> Iterator[None]:
+    """Installs _batch_norm_forward as every BatchNorm's forward (subclasses that call
+    super().forward included) while a front end traces."""
+    base = nn.modules.batchnorm._BatchNorm
+    original = base.forward
+    base.forward = _batch_norm_forward  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        base.forward = original  # type: ignore[method-assign]
 
 
 def trace_fx(model: nn.Module, signature: Signature, leaves: Sequence[Any],
@@ -116,7 +136,8 @@ def trace_fx(model: nn.Module, signature: Signature, leaves: Sequence[Any],
     root = _flat_root(model, signature, leaves)
     tracer = _Tracer(leaf_modules, inline)
     try:
-        graph = tracer.trace(root)
+        with traceable_batch_norm():
+            graph = tracer.trace(root)
     except Exception as e:  # noqa: BLE001 - fx raises TraceError, TypeError, AttributeError ...
         where = source.from_exception(e)
         raise CaptureError(
@@ -180,7 +201,8 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
     for dim in attempts:
         dynamic = tuple({bd: dim} if bd is not None else None for bd in layout.input_dims)
         try:
-            with _quiet_export():
+            with _quiet_export(), traceable_batch_norm(), _undecided_causal_masks(), \
+                    _conversions_that_change_nothing():
                 ep = torch.export.export(root, tuple(tensors), dynamic_shapes=dynamic,
                                          strict=False)
             break
@@ -206,6 +228,51 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
     _bind_model_state(gm, model)
     gm.graph.eliminate_dead_code()
     return gm
+
+
+@contextlib.contextmanager
+def _undecided_causal_masks() -> Iterator[None]:
+    """nn.Transformer asks whether a mask is causal by comparing its values, which export
+    cannot decide on traced tensors (or decides with a data-dependent branch in the graph). The
+    answer only selects a faster kernel, the mask is applied either way: while exporting, a
+    mask is causal only when the caller says so (is_causal=True)."""
+    module = torch.nn.modules.transformer
+    original = module._detect_is_causal_mask
+
+    def detect(mask: torch.Tensor | None, is_causal: bool | None = None,
+               size: int | None = None) -> bool:
+        return is_causal is True
+
+    module._detect_is_causal_mask = detect
+    try:
+        yield
+    finally:
+        module._detect_is_causal_mask = original
+
+
+@contextlib.contextmanager
+def _conversions_that_change_nothing() -> Iterator[None]:
+    """`module.to(dtype)` inside forward (Switch Transformers' router) makes export swap the
+    module's parameters, which it cannot do while tracing. When every parameter and buffer has
+    that dtype and device already, the call returns the module unchanged, as it would have left
+    it; a real conversion still runs (and export reports it)."""
+    original = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if memory_format is None and all(
+                (device is None or t.device == device)
+                and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+                for t in tensors):
+            return self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

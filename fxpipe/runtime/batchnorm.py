@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["deferred_batch_norm", "commit_batch_norms", "discard_batch_norms"]
+__all__ = ["deferred_batch_norm", "commit_batch_norms", "discard_batch_norms",
+           "cumulative_batch_norm"]
 
 _LOCK = threading.Lock()
 
@@ -82,3 +83,19 @@ def commit_batch_norms() -> None:
             if stats.num_batches_tracked is not None:
                 stats.num_batches_tracked.add_(1)
         _PENDING.clear()
+
+
+def cumulative_batch_norm(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                          weight: torch.Tensor | None, bias: torch.Tensor | None,
+                          num_batches_tracked: torch.Tensor, eps: float) -> torch.Tensor:
+    """BatchNorm in training with momentum=None: normalises with the batch's statistics and
+    keeps the running ones as the average over every batch seen (factor 1 / batches counted),
+    as _BatchNorm.forward does, with the factor a tensor rather than a Python float."""
+    num_batches_tracked.add_(1)
+    out = F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+    with torch.no_grad():
+        per_channel = x.detach().transpose(0, 1).flatten(1)
+        factor = 1.0 / num_batches_tracked
+        running_mean.mul_(1 - factor).add_(per_channel.mean(1) * factor)
+        running_var.mul_(1 - factor).add_(per_channel.var(1) * factor)
+    return out

@@ -183,7 +183,7 @@ class DistributedExecutor:
                                           self.device)
                     args = [to_device(micro[mb][i], self.device) for i in self.inputs]
                     with self.timeline.span("forward", stage, mb), \
-                            seeded_forward(base, stage, mb, devices), \
+                            seeded_forward(base, mb, devices), \
                             (memory.forward(mb) if memory else _nothing()):
                         out = self.module(view, *args)
                         if self.check_finite:

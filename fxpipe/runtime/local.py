@@ -7,7 +7,8 @@ regions recompute during that backward.
 
 The caller's autocast state is captured when `run` is called and re-entered in every worker
 thread (autocast is per thread), so `with torch.autocast(...): program(x)` takes effect in every
-stage. Dropout draws from a seed per stage and micro-batch on every device the stage uses.
+stage. Each micro-batch draws random numbers from its own stream, which continues from stage to
+stage as through one forward of the plain model, on every device the stage uses.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
-__all__ = ["LocalExecutor", "remat_enabled", "microbatch_seed", "seeded_forward"]
+__all__ = ["LocalExecutor", "remat_enabled", "microbatch_seed", "seeded_forward", "draw_base"]
 
 _RNG_LOCK = threading.Lock()
 
@@ -44,15 +45,25 @@ def remat_enabled(mode: str, microbatch: int, chunks: int) -> bool:
     return False
 
 
-def microbatch_seed(base: int, stage: int, microbatch: int) -> int:
-    """Each (stage, micro-batch) draws from its own seed: the same masks whatever runs first."""
-    return (base * 1_000_003 + stage * 10_007 + microbatch) % (2**63 - 1)
+def microbatch_seed(base: int, microbatch: int) -> int:
+    """Where micro-batch `microbatch`'s random stream starts: the first stage seeds it, later
+    stages continue it (NOTE [Random streams across stages] in fxpipe.runtime.ops), so the
+    masks are the same whatever runs first."""
+    return (base * 1_000_003 + microbatch) % (2**63 - 1)
+
+
+def draw_base() -> int:
+    """One number from the caller's generator per step, from which every micro-batch's seed
+    comes: seeding torch before a step makes the step reproducible."""
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
 @contextlib.contextmanager
-def seeded_forward(base: int | None, stage: int, microbatch: int,
+def seeded_forward(base: int | None, microbatch: int,
                    devices: Sequence[torch.device] = ()) -> Iterator[None]:
-    """Runs a stage forward on its own RNG stream (when the stage draws random numbers).
+    """Runs a stage forward on its micro-batch's RNG stream (when the stage draws random
+    numbers), apart from the caller's: seeded here, and continued by a later stage from the
+    state the stage before it hands over (NOTE [Random streams across stages]).
 
     devices: the CUDA devices the stage uses (fxpipe.runtime.devices.stage_devices). Each one's
     generator is forked and seeded, not only the current device's: a stage on cuda:1 would
@@ -63,7 +74,7 @@ def seeded_forward(base: int | None, stage: int, microbatch: int,
         return
     indexes = [d.index for d in devices if d.type == "cuda"]
     with _RNG_LOCK, torch.random.fork_rng(devices=indexes):
-        seed = microbatch_seed(base, stage, microbatch)
+        seed = microbatch_seed(base, microbatch)
         torch.default_generator.manual_seed(seed)
         for index in indexes:
             torch.cuda.default_generators[index].manual_seed(seed)
@@ -105,8 +116,7 @@ class LocalExecutor:
         discard_batch_norms()
         comm = LocalComm()
         outputs: list[Any] = [None] * self.chunks
-        base = int(torch.randint(0, 2**62, (1,)).item()) if any(s.random for s in self.stages) \
-            else None
+        base = draw_base() if any(s.random for s in self.stages) else None
         grad = torch.is_grad_enabled()
         k, m = len(self.stages), self.chunks
         for tick in range(m + k - 1):
@@ -136,7 +146,7 @@ class LocalExecutor:
         devices = stage_devices(stage.device, [*stage.module.parameters(),
                                                *stage.module.buffers()]) if stage.random else []
         with torch.set_grad_enabled(grad), autocast.enter(), _on(stage.device), \
-                seeded_forward(base if stage.random else None, s, mb, devices), \
+                seeded_forward(base if stage.random else None, mb, devices), \
                 (tracker.forward(mb) if tracker is not None else contextlib.nullcontext()):
             out = stage.module(view, *args)
         if self.check_finite:

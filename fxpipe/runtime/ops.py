@@ -1,9 +1,25 @@
-"""The send and recv operations that stage graphs call: thin calls into a Comm."""
+"""The send and recv operations that stage graphs call: thin calls into a Comm.
+
+NOTE [Random streams across stages]: a micro-batch draws its random numbers (dropout, stochastic
+depth) from one stream, as one forward of the plain model would: stage 0 starts it from the
+micro-batch's seed, and every later stage continues it from the generator state the stage
+before it handed over (`hand_over_rng` at its end, `continue_rng` at the next one's start). So
+the masks are the plain model's on that micro-batch, wherever the cuts fall.
+"""
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["Comm", "send", "recv"]
+import torch
+
+__all__ = ["Comm", "send", "recv", "continue_rng", "hand_over_rng", "RNG_TAG", "RNG_STATE_BYTES"]
+
+RNG_TAG = "fxpipe_rng_state"
+_CPU_STATE_BYTES = 5056  # torch.get_rng_state(): the CPU generator (Mersenne Twister)
+_CUDA_STATE_BYTES = 16  # torch.cuda.get_rng_state(): seed and offset of Philox
+RNG_STATE_BYTES = _CPU_STATE_BYTES + _CUDA_STATE_BYTES
+"""The message that carries a micro-batch's random stream: the CPU generator's state, then the
+state of the generator of the device where the stage runs (zeros on a CPU stage)."""
 
 
 class Comm(Protocol):
@@ -26,3 +42,29 @@ def recv(comm: Comm, tag: str, *, src: int) -> Any:
 def send(comm: Comm, value: Any, tag: str, *, dst: int) -> None:
     """Sends `value` (named `tag`) to stage `dst`."""
     comm.send(value, tag, dst)
+
+
+def _device_of(comm: Comm) -> torch.device:
+    device = getattr(comm, "device", None)
+    return device if isinstance(device, torch.device) else torch.device("cpu")
+
+
+def hand_over_rng(comm: Comm, *, dst: int) -> None:
+    """Sends the generator state where this stage's forward left it to stage `dst`."""
+    device = _device_of(comm)
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" \
+        else torch.zeros(_CUDA_STATE_BYTES, dtype=torch.uint8)
+    state = torch.cat([torch.get_rng_state(), cuda])
+    if state.numel() != RNG_STATE_BYTES:
+        raise RuntimeError(f"generator state of {state.numel()} bytes, expected "
+                           f"{RNG_STATE_BYTES}: this torch keeps its generators otherwise")
+    comm.send(state.to(device), RNG_TAG, dst)
+
+
+def continue_rng(comm: Comm, *, src: int) -> None:
+    """Continues this micro-batch's random stream where stage `src` left it."""
+    state = comm.recv(RNG_TAG, src).detach().to("cpu", torch.uint8)
+    torch.set_rng_state(state[:_CPU_STATE_BYTES].contiguous())
+    device = _device_of(comm)
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[_CPU_STATE_BYTES:].contiguous(), device)

@@ -5,6 +5,7 @@ so reading the file back never executes anything it contains.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, TypedDict
 
@@ -63,6 +64,7 @@ class SignatureJSON(TypedDict):
     out_batch_dims: list[int | None]
     out_is_tensor: list[bool]
     out_spec: str | None  # pytree.treespec_dumps, None when the outputs do not serialise
+    pytree_modules: list[str]  # modules that register the output's container types
 
 
 class CommJSON(TypedDict):
@@ -184,7 +186,36 @@ def signature_to_json(sig: Signature) -> SignatureJSON:
         "out_batch_dims": list(sig.out_batch_dims),
         "out_is_tensor": list(sig.out_is_tensor),
         "out_spec": out_spec,
+        "pytree_modules": _pytree_modules(sig.out_spec) if out_spec else [],
     }
+
+
+def _pytree_modules(spec: pytree.TreeSpec) -> list[str]:
+    """The modules defining the output's container types (a library's ModelOutput): a fresh
+    process imports them, which registers the types with pytree, before reading the spec."""
+    modules: set[str] = set()
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        kind = getattr(node, "type", None)
+        module = getattr(kind, "__module__", None)
+        if isinstance(module, str) and module != "builtins":
+            modules.add(module)
+        children = getattr(node, "children", None)  # torch >= 2.13; children_specs before
+        stack.extend(children() if callable(children) else node.children_specs)
+    return sorted(modules)
+
+
+def _import_pytree_modules(modules: list[str]) -> None:
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure to import means the same here
+            raise CheckpointError(
+                f"the program's output type is defined in {module}, which cannot be imported "
+                f"({type(e).__name__}: {e})",
+                hint=f"install the library that provides {module} (or put it on PYTHONPATH) "
+                     "where the program runs, as where it was written") from e
 
 
 def signature_from_json(data: SignatureJSON) -> Signature:
@@ -192,6 +223,7 @@ def signature_from_json(data: SignatureJSON) -> Signature:
                        _dtype(leaf["dtype"]) if leaf["dtype"] else None, tuple(leaf["shape"]),
                        leaf["batch_dim"], leaf["constant"]) for leaf in data["leaves"]]
     n_out = len(data["out_is_tensor"])
+    _import_pytree_modules(list(data.get("pytree_modules", [])))  # older specs lack it
     out_spec = pytree.treespec_loads(data["out_spec"]) if data["out_spec"] else \
         pytree.tree_flatten(tuple(range(n_out)))[1]
     in_spec = pytree.tree_flatten((tuple(range(len(leaves))), {}))[1]

@@ -1,0 +1,202 @@
+"""Training semantics: what a pipelined step equals (NOTE [What equals what] in fxpipe.reference).
+
+A seeded pipelined step equals the plain model run over the same micro-batches with the same
+seed (fxpipe.testing.reference_step): dropout and stochastic depth draw the same masks, in one
+process and under torch.distributed, with or without recomputation; BatchNorm in training
+normalises per micro-batch, and deferred_batch_norm=True makes the running statistics the full
+batch's; a written program's --verify compares with that reference.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from ranks import spawn
+from torch import nn
+
+import fxpipe
+from fxpipe.testing.reference_step import reference_forward, reference_step
+
+
+class _DropPath(nn.Module):
+    """Stochastic depth: drops the whole residual branch of some examples."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        keep = (torch.rand(x.shape[0], 1) >= self.p).to(x.dtype)
+        return x * keep / (1 - self.p)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.3)
+        self.path = _DropPath(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.path(self.drop(torch.relu(self.fc(x))))
+
+
+class _RandomNet(nn.Module):
+    """Dropout and stochastic depth in every block, so that every stage draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.Sequential(*[_Block(32) for _ in range(3)])
+        self.head = nn.Sequential(nn.Dropout(0.5), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+def _case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return _RandomNet().train(), torch.randn(8, 8), torch.randint(0, 4, (8,))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_seeded_pipelined_step_draws_the_masks_of_the_seeded_plain_step(remat):
+    model, x, y = _case()
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (x,), stages=3, chunks=2, remat=remat,
+                             split_points=["blocks.1", "blocks.2"])
+    assert [s.graph.carries_rng for s in program.built.stages] == [True, True, True]
+    torch.manual_seed(7)
+    loss = program.step(x, target=y)
+    torch.manual_seed(7)
+    expected = reference_step(program, plain, x, target=y)
+    assert loss == pytest.approx(expected, rel=1e-6)
+    ours, theirs = _grads(model), _grads(plain)
+    assert ours.keys() == theirs.keys()
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, msg=name)
+
+
+def test_two_seeds_draw_different_masks_and_one_seed_the_same():
+    model, x, _ = _case()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2)
+    with torch.no_grad():
+        outs = []
+        for seed in (1, 2, 1):
+            torch.manual_seed(seed)
+            outs.append(program(x))
+    torch.testing.assert_close(outs[0], outs[2])
+    assert not torch.allclose(outs[0], outs[1])
+
+
+def _distributed_step(rank: int, world: int) -> dict:
+    model, x, y = _case()
+    program = fxpipe.compile(model, (x,), stages=world, chunks=2, profile="a100",
+                             split_points=["blocks.2"])
+    torch.manual_seed(7)
+    loss = program.step(x, target=y)
+    own = {id(p) for p in program.parameters()}
+    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                                    if id(p) in own and p.grad is not None}}
+
+
+@pytest.mark.distributed
+def test_seeded_step_on_two_ranks_draws_the_masks_of_the_seeded_plain_step():
+    ranks = spawn(2, __name__, "_distributed_step", timeout=120, bound=400)
+    model, x, y = _case()
+    program = fxpipe.compile(copy.deepcopy(model), (x,), stages=2, chunks=2, profile="a100",
+                             split_points=["blocks.2"])
+    torch.manual_seed(7)
+    expected = reference_step(program, model, x, target=y)
+    assert [r["loss"] for r in ranks] == pytest.approx([expected] * 2, rel=1e-6)
+    theirs = _grads(model)
+    seen = set()
+    for rank in ranks:
+        for name, grad in rank["grads"].items():
+            torch.testing.assert_close(grad, theirs[name], msg=name)
+        seen |= set(rank["grads"])
+    assert seen == set(theirs)
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 6 * 6, 4)).train()
+
+
+def test_batchnorm_in_training_normalises_each_microbatch_as_the_reference_does():
+    model, x = _bn_net(), torch.randn(8, 3, 6, 6)
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=4)
+    out = program(x)
+    expected = reference_forward(program, plain, x)
+    torch.testing.assert_close(out, expected)
+    with torch.no_grad():
+        assert not torch.allclose(out, copy.deepcopy(plain)(x), atol=1e-3)  # not the full batch
+
+
+def test_deferred_batchnorm_keeps_the_running_statistics_of_the_full_batch():
+    """The first BatchNorm sees the same examples in both; a later one sees what the earlier
+    ones made of each micro-batch, so only the first is compared with the full batch."""
+    x = torch.randn(8, 3, 6, 6)
+    stats = {}
+    for deferred in (False, True):
+        model = _bn_net()
+        program = fxpipe.compile(model, (x,), stages=2, chunks=4, deferred_batch_norm=deferred)
+        program(x)
+        stats[deferred] = {k: v.clone() for k, v in model[1].state_dict().items()}
+    full = _bn_net()
+    full(x)
+    for key, value in full[1].state_dict().items():
+        torch.testing.assert_close(stats[True][key], value, msg=key)
+    assert int(stats[False]["num_batches_tracked"]) == 4  # without deferring: per micro-batch
+    assert not torch.allclose(stats[False]["running_var"], full[1].running_var)
+
+
+@pytest.mark.parametrize("case", ["dropout", "batchnorm"])
+def test_written_program_verifies_against_the_microbatched_reference(tmp_path, case):
+    if case == "dropout":
+        model, x, y = _case()
+    else:
+        model, x, y = _bn_net(), torch.randn(8, 3, 6, 6), torch.randint(0, 4, (8,))
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2)
+    program.step(x, target=y)  # builds it
+    program.write(str(tmp_path), target=y, reference_steps=2)
+    proc = subprocess.run([sys.executable, str(tmp_path / "program.py"), "--steps", "2",
+                           "--verify"], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "verify: OK" in proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.mark.distributed
+def test_written_program_with_dropout_verifies_under_torchrun(tmp_path):
+    model, x, y = _case()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100",
+                             split_points=["blocks.2"])
+    program.step(x, target=y)  # builds it
+    program.write(str(tmp_path), target=y, reference_steps=2)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(_free_port()), str(tmp_path / "program.py"),
+                           "--steps", "2", "--verify"], capture_output=True, text=True,
+                          timeout=600, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "verify: OK" in proc.stdout
