@@ -61,8 +61,11 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
     _snapshot(history, "capture", gm)
     # Before costs and cuts: a stacked RNN is one node, which no cut could enter.
     with _timed(timings, "unroll_rnns"):
-        if unroll_rnns(gm):
-            _snapshot(history, "unroll_rnns", gm)
+        unrolled = unroll_rnns(gm)
+    if unrolled:
+        _snapshot(history, "unroll_rnns", gm)
+    else:  # the stage headers list the passes that changed something
+        timings.pop("unroll_rnns")
     if config.deferred_batch_norm:
         # Before costs and cuts: the rewritten op is what the stages will run.
         with _timed(timings, "defer_batch_norm"):
