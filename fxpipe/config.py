@@ -33,6 +33,7 @@ class CompileConfig:
     check_finite: bool = False
     dp_bucket_mb: float = 25.0  # data-parallel gradient buckets; 0 averages after the backward
     command: str | None = None  # how to regenerate, shown in stage headers
+    check: Any = None  # a meta model's capture check: a twin nn.Module or "shapes"
 
     @property
     def fixed_chunks(self) -> int | None:

@@ -26,6 +26,7 @@ from fxpipe import ir
 from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
+from fxpipe.frontend.meta import Check, check_name, eager_runs, run_on_meta, to_meta, validate_check
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
@@ -47,6 +48,7 @@ class CaptureInfo:
     signature: Signature
     batch_size: int
     inline_modules: bool
+    checked: str = "values against the eager model"  # what the graph was checked against
 
 
 def capture(
@@ -58,6 +60,7 @@ def capture(
     leaf_modules: Sequence[LeafModule] = (),
     inline_modules: bool = False,
     batch_dims: Sequence[int | None] | None = None,
+    check: Check = None,
 ) -> fx.GraphModule:
     """Captures `model` as a GraphModule that computes what the model computes.
 
@@ -72,6 +75,9 @@ def capture(
             parameters) instead of calling them as leaves.
         batch_dims: the batch dimension of each tensor input (None = not batched); inferred
             when omitted by checking that the model is separable along it.
+        check: for a model on the meta device, which has no values to compare: a twin (a
+            small instance of the same code on real tensors, checked on the example batch) or
+            "shapes" (output shapes and dtypes only); see fxpipe.frontend.meta.
 
     Returns:
         A GraphModule with flat tensor placeholders, callable like the model
@@ -87,6 +93,12 @@ def capture(
         raise ConfigError(f"model must be an nn.Module (got {type(model).__name__})",
                           hint="wrap the function in an nn.Module")
     args, kwargs = _normalize(example_inputs, example_kwargs)
+    validate_check(check, model, (args, kwargs))
+    if check is not None:  # a meta model: checked on a twin or by shapes, run on meta inputs
+        method, batch_dims = _check_twin(check, model, args, kwargs, method, leaf_modules,
+                                         inline_modules, batch_dims)
+        args, kwargs = to_meta((args, kwargs))
+        run_on_meta(model, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensors = [x for x in leaves if is_tensor(x)]
     if not tensors:
@@ -94,7 +106,8 @@ def capture(
                            hint="pass at least one tensor input (a batch of examples)")
     names = _leaf_names(model, args, kwargs)
     with preserved_state(model):
-        layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims)
+        with eager_runs(model):
+            layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims)
         signature = _signature(leaves, in_spec, names, layout)
         gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
                                          leaf_modules, inline_modules, args, kwargs)
@@ -102,8 +115,22 @@ def capture(
     name_nodes_after_modules(gm)
     gm.meta.setdefault(ir.QUALNAMES, {})
     gm.meta[ir.CAPTURE] = CaptureInfo(used, method, reason, model.training, signature,
-                                      layout.batch_size, inline_modules)
+                                      layout.batch_size, inline_modules, check_name(check))
     return gm
+
+
+def _check_twin(check: Check, model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
+                method: str, leaf_modules: Sequence[LeafModule], inline_modules: bool,
+                batch_dims: Sequence[int | None] | None
+                ) -> tuple[str, Sequence[int | None] | None]:
+    """With a twin: captures it on the real example batch, checked against its eager outputs;
+    the meta model then uses the front end and batch dimensions that passed on the twin."""
+    if not isinstance(check, nn.Module):
+        return method, batch_dims
+    twin = capture(check, args, kwargs, method=method, leaf_modules=leaf_modules,
+                   inline_modules=inline_modules, batch_dims=batch_dims)
+    info: CaptureInfo = twin.meta[ir.CAPTURE]
+    return info.method, info.signature.input_batch_dims
 
 
 def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: Sequence[Any],
@@ -245,9 +272,9 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, args: ModelArgs,
     """None if the graph matches the model on the example batch and on a smaller batch."""
     for batch_args, batch_kwargs in layout.trial_batches(args, kwargs):
         try:
-            with seeded(0):
+            with seeded(0), eager_runs(model):
                 expected = pytree.tree_leaves(model(*batch_args, **batch_kwargs))
-            with seeded(0):
+            with seeded(0), eager_runs(model):
                 got = pytree.tree_leaves(gm(*batch_args, **batch_kwargs))
         except Exception as error:  # noqa: BLE001 - a wrong trace may crash on other shapes
             first_line = str(error).splitlines()[0] if str(error) else ""
@@ -260,6 +287,10 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, args: ModelArgs,
             if is_tensor(e):
                 if e.shape != g.shape:
                     return f"output {i} has shape {tuple(g.shape)}, expected {tuple(e.shape)}"
+                if e.is_meta or g.is_meta:  # no values: shapes (above) and dtypes are checked
+                    if e.dtype != g.dtype:
+                        return f"output {i} has dtype {g.dtype}, expected {e.dtype}"
+                    continue
                 if not _close(e, g):
                     diff = (e.double() - g.double()).abs().max().item()
                     return f"output {i} differs by up to {diff:.3g}"
