@@ -9,13 +9,14 @@ Three layouts are understood:
 
 Only the names and shapes of the whole checkpoint are read up front (headers, the index, the
 pickle's metadata); a tensor's bytes are read when a process asks for it, so a process that
-holds one stage reads only that stage's tensors. Each safetensors read reopens its file, so the
-pages it mapped are released after the copy and the process's peak memory grows with what it
-keeps, not with the file.
+holds one stage reads only that stage's tensors. A safetensors read copies chunks of at most
+CHUNK_BYTES, reopening the file for each, so the pages it mapped are released after the copy and
+the process's peak memory grows with what it keeps, not with the file or its largest tensor.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ __all__ = ["WeightsSource", "open_weights", "match_names", "INDEX_FILES", "SINGL
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.bin")
+CHUNK_BYTES = 32 * 2**20  # the most a safetensors read maps at once
+
 _HINT = ("pass a torch state dict (torch.save(model.state_dict(), path)), a .safetensors file, "
          "or a folder written by save_pretrained")
 
@@ -48,14 +51,23 @@ class WeightsSource:
     def read(self, key: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The tensor `key` on `device` in `dtype`, in memory of its own (not the file's)."""
         file = self.files[key]
-        if file.endswith(".safetensors"):
-            with _safe_open(file, str(device)) as f:
-                source: torch.Tensor = f.get_tensor(key)
-        else:
-            source = self._torch_files[file][key]
-        out = torch.empty(source.shape, dtype=dtype, device=device)
+        shape = self.shapes[key]
+        out = torch.empty(shape, dtype=dtype, device=device)
         with torch.no_grad():
-            out.copy_(source)
+            if not file.endswith(".safetensors"):
+                out.copy_(self._torch_files[file][key])
+                return out
+            rows = shape[0] if shape else 1
+            row_bytes = out.element_size() * max(math.prod(shape[1:]), 1)
+            step = max(1, CHUNK_BYTES // row_bytes)
+            for start in range(0, rows, step):
+                # Reopened per chunk: the pages a chunk mapped are released before the next,
+                # so reading adds at most one chunk to this process's memory.
+                with _safe_open(file) as f:
+                    if not shape:
+                        out.copy_(f.get_tensor(key))
+                    else:
+                        out[start:start + step].copy_(f.get_slice(key)[start:start + step])
         return out
 
 

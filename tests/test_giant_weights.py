@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import fxpipe
+from fxpipe import weights
 from fxpipe.errors import CheckpointError, NotBuiltError
 from fxpipe.models import gpt
 from fxpipe.weights import match_names, open_weights
@@ -179,3 +180,13 @@ def test_match_names_takes_the_first_key_of_a_tied_tensor_the_checkpoint_holds()
         "wte.weight": "lm_head.weight", "ln.bias": "ln.bias"}
     with pytest.raises(CheckpointError, match="missing: wte.weight or lm_head.weight"):
         match_names(["ln.bias"], wanted, known)
+
+
+def test_safetensors_reads_in_chunks_give_every_tensor_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 64)  # a few rows at a time
+    tensors = {"rows": torch.randn(37, 5), "scalar": torch.tensor(3.0),
+               "empty": torch.zeros(0, 4), "ints": torch.arange(10)}
+    save_file(tensors, tmp_path / "t.safetensors")
+    source = open_weights(tmp_path / "t.safetensors")
+    for key, value in tensors.items():
+        assert torch.equal(source.read(key, torch.device("cpu"), value.dtype), value), key
