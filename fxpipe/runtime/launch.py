@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.checkpoint import load_checkpoint, restore, save_shard
-from fxpipe.errors import FxPipeError, PeerLostError
+from fxpipe.errors import CheckpointError, FxPipeError, PeerLostError
 from fxpipe.losses import LossFn, resolve_loss
 from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.runtime.local import LocalExecutor, LocalStage
@@ -25,6 +25,7 @@ from fxpipe.runtime.rank import StageWiring, mesh_of_world, rank_device, setup_r
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.timeline import Event, write_chrome_trace
+from fxpipe.runtime.written import stage_tensors
 from fxpipe.state import StateNames
 
 __all__ = ["main", "build_stage", "load_spec"]
@@ -39,19 +40,32 @@ def load_spec(folder: Path) -> ProgramSpec:
 
 def _stage_class(folder: Path, spec: ProgramSpec, index: int) -> type[StageModule]:
     stage = spec.stages[index]
-    module_spec = importlib.util.spec_from_file_location(f"fxpipe_stage_{index}", folder / stage.file)
+    module_spec = importlib.util.spec_from_file_location(f"fxpipe_stage_{index}",
+                                                         folder / stage.file)
+    if module_spec is None or module_spec.loader is None:
+        raise CheckpointError(f"cannot load the stage file {folder / stage.file}",
+                              hint="write the program again")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)  # the generated stage file written beside this one
-    return getattr(module, stage.class_name)
+    cls: type[StageModule] = getattr(module, stage.class_name)
+    return cls
 
 
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    return torch.load(folder / "weights.pt", map_location="cpu", weights_only=True)
+def _tensors(folder: Path, spec: ProgramSpec, classes: list[type[StageModule]],
+             device: torch.device,
+             args: argparse.Namespace | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of these stages: weights.pt, or --weights PATH, or --init."""
+    return stage_tensors(folder, classes, StateNames.from_json(spec.aliases), device,
+                         weights=getattr(args, "weights", None), init=getattr(args, "init", False),
+                         seed=getattr(args, "seed", 0))
 
 
-def build_stage(folder: Path, index: int, weights: dict[str, torch.Tensor] | None = None) -> StageModule:
+def build_stage(folder: Path, index: int,
+                weights: dict[str, torch.Tensor] | None = None) -> StageModule:
     spec = load_spec(Path(folder))
-    return _stage_class(Path(folder), spec, index)(weights if weights is not None else _weights(Path(folder)))
+    cls = _stage_class(Path(folder), spec, index)
+    return cls(weights if weights is not None
+               else _tensors(Path(folder), spec, [cls], torch.device("cpu")))
 
 
 def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
@@ -71,6 +85,15 @@ def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
                         help="stop with the stage and value where NaN/Inf first appear")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds a rank waits for a peer before giving up (default 60)")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--weights", metavar="PATH",
+                         help="each rank reads its stage's tensors from this checkpoint, by the "
+                              "model's state_dict names: a state dict (.pt/.bin), a .safetensors "
+                              "file, or a save_pretrained folder (sharded with an index or not)")
+    weights.add_argument("--init", action="store_true",
+                         help="each rank initializes its stage with the model's initializers "
+                              "(a program of a model compiled on the meta device)")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of --init (default 0)")
     parser.add_argument("--dp-bucket-mb", type=float, default=DEFAULT_DP_BUCKET_BYTES / 2**20,
                         help="with data-parallel replicas: average gradients in buckets of this "
                              "size during the last backward (default 25); 0 averages after it")
@@ -96,13 +119,12 @@ def main(folder: Path, argv: list[str] | None = None) -> int:
 def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     batch = torch.load(folder / "batch.pt", map_location="cpu", weights_only=True)
     inputs, target = batch["inputs"], batch["target"]
-    weights = _weights(folder)
     loss_fn = resolve_loss(spec.loss)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
-        step, rank, modules = _distributed(folder, spec, weights, args)
+        step, rank, modules = _distributed(folder, spec, args)
     else:
-        step, rank, modules = _local(folder, spec, weights, args)
+        step, rank, modules = _local(folder, spec, args)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
     first = 0
@@ -142,25 +164,28 @@ def _resume(directory: str, modules: list[StageModule], optimizer: torch.optim.O
     return int(checkpoint["step"] or 0)
 
 
-def _local(folder: Path, spec: ProgramSpec, weights: dict, args: Any) -> tuple[Any, int, list]:
+def _local(folder: Path, spec: ProgramSpec,
+           args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
+    classes = [_stage_class(folder, spec, s.index) for s in spec.stages]
+    weights = _tensors(folder, spec, classes, torch.device("cpu"), args)
     stages = []
-    for s in spec.stages:
-        module = _stage_class(folder, spec, s.index)(weights)
+    for s, cls in zip(spec.stages, classes):
+        module = cls(weights)
         stages.append(LocalStage(module, torch.device("cpu"), s.inputs, s.random))
     executor = LocalExecutor(stages, spec.signature, spec.chunks, spec.remat,
                              check_finite=args.check_finite)
     _tie_local(stages, spec)
 
-    def step(inputs: list, target: Any, loss_fn: Any) -> float:
+    def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn) -> float:
         outputs = spec.signature.unflatten_outputs(executor.run(inputs))
         loss = loss_fn(outputs, target) if target is not None else loss_fn(outputs)
-        loss.backward()
+        torch.autograd.backward(loss)
         return float(loss.detach())
 
     return step, 0, [st.module for st in stages]
 
 
-def _tie_local(stages: list, spec: ProgramSpec) -> None:
+def _tie_local(stages: list[LocalStage], spec: ProgramSpec) -> None:
     """Stages of one process share tied parameters: one Parameter object, as in the model."""
     owner: dict[str, torch.nn.Parameter] = {}
     for st in stages:
@@ -171,7 +196,7 @@ def _tie_local(stages: list, spec: ProgramSpec) -> None:
                 owner[qualname] = getattr(st.module, attr)
 
 
-def _distributed(folder: Path, spec: ProgramSpec, weights: dict[str, torch.Tensor],
+def _distributed(folder: Path, spec: ProgramSpec,
                  args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = rank_device(backend)  # before the process group: NCCL binds to it
@@ -179,7 +204,8 @@ def _distributed(folder: Path, spec: ProgramSpec, weights: dict[str, torch.Tenso
     mesh = mesh_of_world(len(spec.stages))
     groups = make_groups(mesh, spec.shared)
     stage = spec.stages[mesh.stage]
-    module = _stage_class(folder, spec, stage.index)(weights).to(device)
+    cls = _stage_class(folder, spec, stage.index)
+    module = cls(_tensors(folder, spec, [cls], device, args)).to(device)  # this stage's only
     rank_stage = setup_rank(
         module, StageWiring(stage.index, stage.inputs, stage.recvs, stage.sends, stage.random),
         mesh=mesh, groups=groups, device=device, signature=spec.signature, edges=spec.edges,
