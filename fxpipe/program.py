@@ -38,7 +38,7 @@ from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.rank import RankStage, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
 from fxpipe.state import StateNames, graph_tensors
-from fxpipe.weights import open_weights
+from fxpipe.weights import WeightsSource, open_weights
 from fxpipe.writer import ProgramFiles, write_program
 
 __all__ = ["Program", "Stage"]
@@ -130,10 +130,13 @@ class Program(nn.Module):
                 model does not have (unless strict=False), shapes that differ.
         """
         self._require_built("stages to load weights into")
+        self._load_source(open_weights(path), strict=strict)
+
+    def _load_source(self, source: WeightsSource, *, strict: bool) -> None:
         templates, devices = self._held_tensors()
         keys = self._state_names().keys
         in_file = {q: t for q, t in templates.items() if keys.get(q)}
-        values = load_named(open_weights(path), in_file, keys, devices,
+        values = load_named(source, in_file, keys, devices,
                             known=self.model.state_dict(keep_vars=True).keys(), strict=strict)
         values.update(self._initialized(
             {q: t for q, t in templates.items() if q not in in_file and t.is_meta}, devices, 0))
@@ -347,6 +350,7 @@ class Program(nn.Module):
         into the plain model too.
         """
         self._require_built("state to save")
+        self._require_weights()
         names = self._state_names().canonical(self._stage_modules()) if optimizer else {}
         save_shard(directory, dict(self.state_dict()), optimizer, names, step=step,
                    model=type(self.model).__name__)
@@ -354,6 +358,12 @@ class Program(nn.Module):
     def load(self, directory: str, *, optimizer: torch.optim.Optimizer | None = None) -> int | None:
         """Restores parameters, buffers and (if given) optimizer state; returns the saved step."""
         self._require_built("state to load into")
+        if optimizer is not None and self._meta:
+            raise ConfigError("the optimizer was made before the stages had weights, so it "
+                              "holds tensors on the meta device",
+                              hint="program.load(directory) first, then make the optimizer on "
+                                   "program.parameters() and call program.load(directory, "
+                                   "optimizer=...)")
         checkpoint = load_checkpoint(directory)
         self.load_state_dict(checkpoint["model"])
         if optimizer is not None:
@@ -397,7 +407,11 @@ class Program(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:
-        """Loads tensors by the model's keys into this process's stages."""
+        """Loads tensors by the model's keys into this process's stages (stages without
+        weights yet get them, as with load_weights)."""
+        if self._meta:
+            self._load_source(WeightsSource.of_state_dict(state_dict), strict=False)
+            return None
         mine = self.state_dict()
         missing = [k for k in mine if k not in state_dict]
         if strict and missing:

@@ -45,6 +45,13 @@ class WeightsSource:
     shapes: dict[str, tuple[int, ...]]
     _torch_files: dict[str, Mapping[str, torch.Tensor]]  # memory-mapped, read lazily
 
+    @staticmethod
+    def of_state_dict(state: Mapping[str, torch.Tensor]) -> WeightsSource:
+        """A state dict already in memory (an fxpipe checkpoint's "model"), read the same way."""
+        return WeightsSource("<state dict>", dict.fromkeys(state, "<state dict>"),
+                             {k: tuple(v.shape) for k, v in state.items()},
+                             {"<state dict>": state})
+
     def keys(self) -> list[str]:
         return sorted(self.files)
 

@@ -190,3 +190,19 @@ def test_safetensors_reads_in_chunks_give_every_tensor_exactly(tmp_path, monkeyp
     source = open_weights(tmp_path / "t.safetensors")
     for key, value in tensors.items():
         assert torch.equal(source.read(key, torch.device("cpu"), value.dtype), value), key
+
+
+def test_a_meta_program_resumes_from_an_fxpipe_checkpoint_and_refuses_to_save_nothing(
+        tmp_path, plain):
+    program = fxpipe.compile(gpt.GPT(**CONFIG), (IDX,), stages=2, chunks=4, profile="a100")
+    torch.save(plain.state_dict(), tmp_path / "model.pt")
+    program.load_weights(tmp_path / "model.pt")
+    program.save(str(tmp_path / "ckpt"))
+    resumed = meta_program()
+    with pytest.raises(NotBuiltError, match="meta device"):
+        resumed.save(str(tmp_path / "nothing"))
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    with pytest.raises(fxpipe.FxPipeError, match="optimizer was made before the stages had"):
+        resumed.load(str(tmp_path / "ckpt"), optimizer=optimizer)
+    resumed.load(str(tmp_path / "ckpt"))
+    assert_trains_like(resumed, plain)
