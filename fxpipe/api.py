@@ -35,6 +35,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     dp_bucket_mb: float = 25.0,
     autocast: str | None = None,
     command: str | None = None,
+    check: str | nn.Module | None = None,
 ) -> Program:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
 
@@ -69,6 +70,11 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             program(...), program.step(...) and the written program (which then scales fp16
             losses with a GradScaler); the same as wrapping each call in torch.autocast.
         command: the command that regenerates the program, shown in stage headers.
+        check: for a model built on the meta device (which has no values to compare with the
+            graph's): a twin, i.e. a small instance of the same model class on the CPU that
+            accepts the example inputs, whose capture is checked against its eager outputs; or
+            "shapes" to check only output shapes and dtypes. Then `program.load_weights(path)`
+            or `program.init_weights()` gives each process the weights of its own stages.
 
     Returns:
         A Program: call it like the model (drop-in, differentiable), `step()` it to train
@@ -88,7 +94,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         devices=tuple(str(d) for d in devices) if devices is not None else None,
         capture=capture, schedule=schedule, profile=profile, leaf_modules=tuple(leaf_modules),
         deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,
-        dp_bucket_mb=dp_bucket_mb, autocast=autocast, command=command)
+        dp_bucket_mb=dp_bucket_mb, autocast=autocast, command=command, check=check)
     check_config(config)
     program = Program(model, config)
     program.train(model.training)

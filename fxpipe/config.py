@@ -35,6 +35,7 @@ class CompileConfig:
     dp_bucket_mb: float = 25.0  # data-parallel gradient buckets; 0 averages after the backward
     autocast: str | None = None  # "bf16" or "fp16": every stage under torch.autocast
     command: str | None = None  # how to regenerate, shown in stage headers
+    check: Any = None  # a meta model's capture check: a twin nn.Module or "shapes"
 
     @property
     def fixed_chunks(self) -> int | None:

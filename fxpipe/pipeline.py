@@ -25,7 +25,9 @@ from torch.fx import GraphModule
 from fxpipe import codegen, ir
 from fxpipe.built import Built, BuiltStage, Snapshot
 from fxpipe.config import CompileConfig, check_config
+from fxpipe.errors import ConfigError
 from fxpipe.frontend.capture import CaptureInfo, capture
+from fxpipe.frontend.meta import is_meta_model
 from fxpipe.losses import loss_time
 from fxpipe.passes.batchnorm import defer_batch_norm
 from fxpipe.passes.cost import annotate_costs
@@ -51,12 +53,16 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
           *, agree: PlanAgreement | None = None) -> Built:
     """Runs every pass on `model` for the example batch (args, kwargs)."""
     check_config(config)
+    if config.balance == "time" and is_meta_model(model):
+        raise ConfigError("balance='time' measures every node on real tensors, and "
+                          f"{type(model).__name__} is on the meta device",
+                          hint="use balance='cost' (the cost model, with profile=...)")
     history: list[Snapshot] = []
     timings: dict[str, float] = {}
     # The graph everything else works on; functional so that stage code is self-contained.
     with _timed(timings, "capture"):
         gm = capture(model, args, kwargs, method=config.capture,
-                     leaf_modules=config.leaf_modules, inline_modules=True)
+                     leaf_modules=config.leaf_modules, inline_modules=True, check=config.check)
         ir.verify(gm, after="capture")
     _snapshot(history, "capture", gm)
     # Before costs and cuts: a stacked RNN is one node, which no cut could enter.

@@ -2,13 +2,15 @@
 
 A Program is an nn.Module whose parameters are its stages' parameters (the model's own tensors,
 shared, so the model trains with it). It is built on the first call when compiled without
-example inputs, as torch.compile does.
+example inputs, as torch.compile does. A model built on the meta device compiles without a byte
+of weights; `load_weights(path)` or `init_weights()` then gives each process real tensors for
+its own stages only (the model itself stays on meta).
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,56 +19,30 @@ from torch import nn
 from torch.fx import GraphModule
 
 from fxpipe import codegen, ir
-from fxpipe.built import Built, BuiltStage, Snapshot
+from fxpipe.built import Built, Snapshot
 from fxpipe.checkpoint import load_checkpoint, restore, save_shard
 from fxpipe.config import CompileConfig
 from fxpipe.errors import CheckpointError, ConfigError, NotBuiltError, RuntimeInputError
+from fxpipe.frontend.meta import is_meta_model
+from fxpipe.held import HeldStages, Stage, held_tensors, hold_stages
 from fxpipe.losses import LossFn, default_loss, loss_name, resolve_loss
 from fxpipe.passes.partition import PartitionPlan
-from fxpipe.passes.remat import RematRegion
 from fxpipe.pipeline import build
 from fxpipe.reference import reference_losses
 from fxpipe.report import Report, build_report, cost_table, predicted_kept
 from fxpipe.runtime.amp import compiled_autocast
-from fxpipe.runtime.local import LocalExecutor, LocalStage
+from fxpipe.runtime.distributed import Mesh
+from fxpipe.runtime.loading import load_named
+from fxpipe.runtime.local import LocalExecutor
+from fxpipe.runtime.materialize import initialize
 from fxpipe.runtime.memory import KeptMemory
-from fxpipe.runtime.mesh import make_groups
-from fxpipe.runtime.rank import (
-    RankStage,
-    StageWiring,
-    devices_for_stages,
-    mesh_of_world,
-    rank_device,
-    setup_rank,
-)
+from fxpipe.runtime.rank import RankStage, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
 from fxpipe.state import StateNames, graph_tensors
+from fxpipe.weights import WeightsSource, open_weights
 from fxpipe.writer import ProgramFiles, write_program
 
 __all__ = ["Program", "Stage"]
-
-
-@dataclass
-class Stage:
-    """One stage of a built program."""
-
-    index: int
-    graph_module: GraphModule  # with explicit send/recv nodes
-    source: str  # the generated Python file
-    module: StageModule | None  # built here: every stage locally, this rank's under torchrun
-    built: BuiltStage
-
-    @property
-    def recvs(self) -> tuple[ir.CommInfo, ...]:
-        return self.built.graph.recvs
-
-    @property
-    def sends(self) -> tuple[ir.CommInfo, ...]:
-        return self.built.graph.sends
-
-    @property
-    def regions(self) -> list[RematRegion]:
-        return self.built.regions
 
 
 class Program(nn.Module):
@@ -82,6 +58,11 @@ class Program(nn.Module):
         self._example: list[torch.Tensor] = []
         self._local: LocalExecutor | None = None
         self._rank: RankStage | None = None
+        self._mesh: Mesh | None = None  # this rank's place, under torchrun
+        self._device: torch.device | None = None  # this rank's device, under torchrun
+        self._classes: list[type[StageModule]] = []
+        self._meta: list[str] = []  # tensors of this process's stages without weights yet
+        self._held: HeldStages | None = None
         self.stage_modules = nn.ModuleList()
         self._stage_views: list[Stage] = []
         self.measured: dict[str, Any] = {}
@@ -102,45 +83,22 @@ class Program(nn.Module):
         self._built = built
         self._names = StateNames.of_model(self.model, built.captured)
         self._example = [t.detach() for t in built.signature.flatten_inputs(args, kwargs)]
-        classes = [codegen.load_stage_class(s.source, f"<fxpipe stage {s.index}>", s.class_name)
-                   for s in built.stages]
-        tensors = graph_tensors(built.captured)
-        modules = {ir.qualname(built.captured, k): v for k, v in built.captured.named_modules()}
-        self.stage_modules = nn.ModuleList()
-        self._stage_views = []
-        if device is None:
-            local = []
-            placed: set[int] = set()  # a tensor shared by stages lives where the first one runs
-            for st, cls, stage_device in zip(built.stages, classes,
-                                             devices_for_stages(self.config.stages,
-                                                                self.config.devices)):
-                module = cls(tensors, modules)
-                module.place(stage_device, placed)
-                self.stage_modules.append(module)
-                local.append(LocalStage(module, stage_device, st.input_indexes, st.random,
-                                        st.graph_module))
-                self._stage_views.append(Stage(st.index, st.graph_module, st.source, module, st))
-            self._local = LocalExecutor(local, built.signature, built.plan.chunks,
-                                        self.config.remat, check_finite=self.config.check_finite)
-        else:
-            mesh = mesh_of_world(self.config.stages)
-            st = built.stages[mesh.stage]
-            module = classes[mesh.stage](tensors, modules)
-            module.place(device, set())
-            self.stage_modules.append(module)
-            for other in built.stages:
-                self._stage_views.append(Stage(other.index, other.graph_module, other.source,
-                                               module if other.index == mesh.stage else None,
-                                               other))
-            self._rank = setup_rank(
-                module, StageWiring(st.index, st.input_indexes, st.graph.recvs, st.graph.sends,
-                                    st.random),
-                mesh=mesh, groups=make_groups(mesh, built.shared), device=device,
-                signature=built.signature, edges=built.edges, shared=built.shared,
-                chunks=built.plan.chunks, remat=self.config.remat,
-                schedule=self.config.schedule, check_finite=self.config.check_finite,
-                dp_bucket_mb=self.config.dp_bucket_mb, graph=st.graph_module)
+        self._classes = [codegen.load_stage_class(s.source, f"<fxpipe stage {s.index}>",
+                                                  s.class_name) for s in built.stages]
+        self._mesh = mesh_of_world(self.config.stages) if device is not None else None
+        self._device = device
+        self._instantiate(graph_tensors(built.captured))
         return self
+
+    def _instantiate(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Builds this process's stage modules on `tensors` (qualified name -> tensor) and
+        their executor; stages that hold meta tensors get one once they have weights."""
+        held = hold_stages(self._require_built("stages"), self._classes, self.config, tensors,
+                           self._mesh, self._device)
+        self._held = held
+        self.stage_modules = nn.ModuleList(held.modules)
+        self._stage_views = held.views
+        self._local, self._rank, self._meta = held.local, held.rank, held.meta
 
     def _require_built(self, what: str) -> Built:
         if self._built is None:
@@ -156,6 +114,82 @@ class Program(nn.Module):
                               hint="use program.step(inputs, target=...) on every rank")
         return self._local
 
+    # -- weights of a model built on the meta device --------------------------------------------
+
+    def load_weights(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
+        """Loads the tensors of this process's stages from a checkpoint, by the model's
+        state_dict names: a torch state dict (.pt/.bin, memory-mapped), a .safetensors file, or
+        a folder written by save_pretrained (one file, or shards with an index file).
+
+        Only these stages' tensors are read (under torchrun: this rank's stage, onto its
+        device); a stage of a model built on the meta device gets real tensors, one with
+        weights is overwritten in place. Tensors no checkpoint holds (non-persistent buffers)
+        come from the model's initializers. Values are cast to the model's dtypes.
+
+        Raises:
+            CheckpointError: names of the model the checkpoint lacks, names it holds that the
+                model does not have (unless strict=False), shapes that differ.
+        """
+        self._require_built("stages to load weights into")
+        self._load_source(open_weights(path), strict=strict)
+
+    def _load_source(self, source: WeightsSource, *, strict: bool) -> None:
+        templates, devices = self._held_tensors()
+        keys = self._state_names().keys
+        in_file = {q: t for q, t in templates.items() if keys.get(q)}
+        values = load_named(source, in_file, keys, devices,
+                            known=self.model.state_dict(keep_vars=True).keys(), strict=strict)
+        values.update(self._initialized(
+            {q: t for q, t in templates.items() if q not in in_file and t.is_meta}, devices, 0))
+        self._set_tensors(templates, values)
+
+    def init_weights(self, *, seed: int = 0) -> None:
+        """Gives this process's stages (under torchrun: this rank's) real tensors on their
+        devices, filled by the model's own initializers module by module: reset_parameters()
+        and the model's _init_weights(module), with a seed per module and `seed`, so the values
+        do not depend on the partition (see fxpipe.runtime.materialize). For a model built on
+        the meta device; no tensor of another process's stages is allocated."""
+        self._require_built("stages to initialize")
+        templates, devices = self._held_tensors()
+        if not any(t.is_meta for t in templates.values()):
+            raise ConfigError(f"{type(self.model).__name__} already has weights, so there is "
+                              "nothing to initialize",
+                              hint="init_weights() is for a model built on the meta device; "
+                                   "use program.load_weights(path) to replace its weights")
+        self._set_tensors(templates, self._initialized(templates, devices, seed))
+
+    def _held_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.device]]:
+        assert self._held is not None  # built with the plan
+        return held_tensors(self._held)
+
+    def _initialized(self, templates: Mapping[str, torch.Tensor],
+                     devices: Mapping[str, torch.device], seed: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for device in dict.fromkeys(devices[q] for q in templates):
+            group = {q: t for q, t in templates.items() if devices[q] == device}
+            out.update(initialize(self.model, group, device, seed=seed))
+        return out
+
+    def _set_tensors(self, templates: Mapping[str, torch.Tensor],
+                     values: Mapping[str, torch.Tensor]) -> None:
+        """Meta tensors are replaced (the stages are rebuilt on the new ones), real ones are
+        overwritten in place (so the model and an optimizer keep seeing them)."""
+        with torch.no_grad():
+            for name, value in values.items():
+                if not templates[name].is_meta and templates[name] is not value:
+                    templates[name].copy_(value)
+        if any(templates[name].is_meta for name in values):
+            built = self._require_built("stages")
+            self._instantiate({**graph_tensors(built.captured), **templates, **values})
+
+    def _require_weights(self) -> None:
+        if self._meta:
+            raise NotBuiltError(
+                f"this process's stages hold {len(self._meta)} tensors on the meta device "
+                f"(e.g. {self._meta[:3]}): the model was built without weights",
+                hint="call program.load_weights(path) (a checkpoint of the model) or "
+                     "program.init_weights() first")
+
     # -- running --------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -163,6 +197,7 @@ class Program(nn.Module):
         if self._built is None:
             self.build(*args, **kwargs)
         built = self._require_built("forward")
+        self._require_weights()
         executor = self._local_executor("calling a program")
         self._check_mode(built)
         flat = built.signature.flatten_inputs(args, kwargs)
@@ -175,6 +210,7 @@ class Program(nn.Module):
         if self._built is None:
             self.build(*args, **kwargs)
         built = self._require_built("activations")
+        self._require_weights()
         executor = self._local_executor("measure_activations")
         trackers = [KeptMemory(module.parameters()) for module in self.stage_modules]
         flat = built.signature.flatten_inputs(args, kwargs)
@@ -202,6 +238,7 @@ class Program(nn.Module):
         if self._built is None:
             self.build(*args, **kwargs)
         built = self._require_built("step")
+        self._require_weights()
         self._check_mode(built)
         if self._rank is not None:
             flat = built.signature.flatten_inputs(args, kwargs)
@@ -241,9 +278,8 @@ class Program(nn.Module):
     def devices(self) -> list[torch.device]:
         """The devices this process's stages run on, in stage order."""
         self._require_built("devices")
-        if self._local is not None:
-            return [s.device for s in self._local.stages]
-        return [self._rank.executor.device] if self._rank is not None else []
+        assert self._held is not None  # built with the plan
+        return list(self._held.devices)
 
     @property
     def stages(self) -> list[Stage]:
@@ -286,24 +322,38 @@ class Program(nn.Module):
         """Writes the stage files, the launcher program.py, weights, example batch and report.
 
         reference_steps: SGD steps of a copy of the model on the example batch whose losses are
-        recorded for the launcher's --verify (0 records none).
+        recorded for the launcher's --verify (0 records none; a model on the meta device has no
+        losses to record).
+
+        A program whose stages have no weights yet (a model built on the meta device) is
+        written without weights.pt; it trains with `program.py --weights PATH` or `--init`.
         """
         built = self._require_built("code to write")
         if len(self.stage_modules) < len(built.stages):
             raise CheckpointError("this process holds one stage of a distributed program",
                                   hint="write the program from a single process")
+        if any(t.is_meta for t in self._example):
+            raise ConfigError("the example batch is on the meta device, and a written program "
+                              "trains on it", hint="compile with real example inputs (a model "
+                                                   "on the meta device reads only their shapes)")
         name = loss_name(loss_fn)
+        meta_model = is_meta_model(self.model)
         reference = reference_losses(self.model, built.signature, self._example, target,
                                      resolve_loss(name), reference_steps, lr,
                                      chunks=built.plan.chunks,
                                      draws_random=any(st.random for st in built.stages),
                                      device=self.devices[0], autocast=self.config.autocast) \
-            if reference_steps else []
-        tensors: dict[str, torch.Tensor] = {}
-        for module in self._stage_modules():
-            tensors.update(module.named_model_tensors())
+            if reference_steps and not meta_model else []
+        tensors, devices = self._held_tensors()
+        keys = self._state_names().keys
+        state = {q: t for q, t in tensors.items() if not keys.get(q)}
+        cpu = torch.device("cpu")
         files = ProgramFiles(type(self.model).__name__, tensors, self._state_names(),
-                             self._example, target, name, lr, reference, self.report())
+                             self._example, target, name, lr, reference, self.report(),
+                             state=self._initialized(state, dict.fromkeys(state, cpu), 0)
+                             if self._meta else {},
+                             model=self.model if self._meta else None,
+                             state_keys=tuple(self.model.state_dict(keep_vars=True)))
         return write_program(built, directory, files)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -316,6 +366,7 @@ class Program(nn.Module):
         into the plain model too.
         """
         self._require_built("state to save")
+        self._require_weights()
         names = self._state_names().canonical(self._stage_modules()) if optimizer else {}
         save_shard(directory, dict(self.state_dict()), optimizer, names, step=step,
                    model=type(self.model).__name__)
@@ -323,6 +374,12 @@ class Program(nn.Module):
     def load(self, directory: str, *, optimizer: torch.optim.Optimizer | None = None) -> int | None:
         """Restores parameters, buffers and (if given) optimizer state; returns the saved step."""
         self._require_built("state to load into")
+        if optimizer is not None and self._meta:
+            raise ConfigError("the optimizer was made before the stages had weights, so it "
+                              "holds tensors on the meta device",
+                              hint="program.load(directory) first, then make the optimizer on "
+                                   "program.parameters() and call program.load(directory, "
+                                   "optimizer=...)")
         checkpoint = load_checkpoint(directory)
         self.load_state_dict(checkpoint["model"])
         if optimizer is not None:
@@ -357,15 +414,20 @@ class Program(nn.Module):
         return OrderedDict(sorted(out.items()))
 
     def _holds_first_stage(self) -> bool:
-        return self._rank is None or self._rank.mesh.stage == 0
+        return self._mesh is None or self._mesh.stage == 0
 
     def _unused_state(self) -> dict[str, torch.Tensor]:
         used = {id(t) for t in graph_tensors(self.graph_module).values()}
-        return {k: v for k, v in self.model.state_dict(keep_vars=True).items() if id(v) not in used}
+        return {k: v for k, v in self.model.state_dict(keep_vars=True).items()
+                if id(v) not in used and not v.is_meta}  # a meta model's has no values
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:
-        """Loads tensors by the model's keys into this process's stages."""
+        """Loads tensors by the model's keys into this process's stages (stages without
+        weights yet get them, as with load_weights)."""
+        if self._meta:
+            self._load_source(WeightsSource.of_state_dict(state_dict), strict=False)
+            return None
         mine = self.state_dict()
         missing = [k for k in mine if k not in state_dict]
         if strict and missing:

@@ -98,6 +98,9 @@ def compile_command(config: CompileConfig, model: str) -> tuple[str, bool]:
             continue
         if isinstance(value, DeviceProfile):
             value = value.name
+        if isinstance(value, nn.Module):  # a twin that checked a meta model's capture
+            options.append(f"{f.name}={type(value).__name__}(...)")
+            continue
         if f.name == "leaf_modules":
             value = tuple(v if isinstance(v, str) else getattr(v, "__name__", type(v).__name__)
                           for v in value)

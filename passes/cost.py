@@ -226,6 +226,12 @@ class _CostRunner(Interpreter):
         self.raw: dict[Node, _NodeCost] = {}
         self.cache: dict[tuple[Hashable, ...], _Cached] = {}
         self.cache_hits = 0
+        # Fake inputs live beside the parameters. A model built on the meta device is costed as
+        # on the CPU: on meta, attention dispatches to its math kernel, which keeps the whole
+        # attention matrix for backward, so the plan would differ from the one with weights.
+        device = _state_device(gm)
+        self.device = torch.device("cpu") if device.type == "meta" else device
+        self._meta_params = device.type == "meta"
 
     # -- values ---------------------------------------------------------------------------------
 
@@ -247,13 +253,19 @@ class _CostRunner(Interpreter):
             raise CostError(f"input {self._current.name} is not a tensor ({info})",
                             hint="capture the model with fxpipe.capture first")
         with self.mode:
-            t = torch.empty([self._symint(d) for d in info.shape], dtype=info.dtype)
+            t = torch.empty([self._symint(d) for d in info.shape], dtype=info.dtype,
+                            device=self.device)
         return t.requires_grad_(info.requires_grad) if info.is_float else t
 
     def get_attr(self, target: Target, args: tuple[Argument, ...], kwargs: dict[str, Any]) -> Any:
         real = super().get_attr(target, args, kwargs)
         if not isinstance(real, torch.Tensor):
             return real
+        if id(real) not in self.fakes and real.is_meta:  # no data: a fake on self.device
+            with self.mode:
+                fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype,
+                                           device=self.device)
+            self.fakes[id(real)] = fake.requires_grad_(real.requires_grad)
         if id(real) not in self.fakes:
             self.fakes[id(real)] = self.mode.from_tensor(real, static_shapes=True)
         fake = self.fakes[id(real)]
@@ -274,6 +286,8 @@ class _CostRunner(Interpreter):
         if n.op in ("placeholder", "get_attr", "output"):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if self._meta_params:  # a meta model's graph may name the meta device: cost on ours
+            args, kwargs = pytree.tree_map(self._on_device, (args, kwargs))
         try:
             out, cost = self._measure(n, args, kwargs)
         except shapes.Specialised:
@@ -295,6 +309,9 @@ class _CostRunner(Interpreter):
                 self.internal.setdefault(n, []).append(nbytes)
         self._record_outputs(n, out)
         return out
+
+    def _on_device(self, x: Any) -> Any:
+        return self.device if isinstance(x, torch.device) and x.type == "meta" else x
 
     def _record_outputs(self, n: Node, out: Any) -> None:
         for t in pytree.tree_leaves(out):
@@ -332,7 +349,7 @@ class _CostRunner(Interpreter):
             call = _writable(n, [_fresh_leaf(x) for x in leaves])
             return shapes.call_node(self.module, n, *pytree.tree_unflatten(call, spec)), hit.cost
         op = shapes.op_key(self.module, n)
-        if _needs_real_samples(n):
+        if _needs_real_samples(n) and not self._meta_params:  # no data on meta: fakes
             out, cost = self._interpolated(n, args, kwargs, real=True)
         elif op in self.sampled:
             out, cost = self._interpolated(n, args, kwargs)
@@ -574,6 +591,13 @@ _REAL_SAMPLED = ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn")
 def _needs_real_samples(n: Node) -> bool:
     name = str(n.target).lower() if n.op != "call_module" else ""
     return any(marker in name for marker in _REAL_SAMPLED)
+
+
+def _state_device(gm: GraphModule) -> torch.device:
+    """The device of the graph's parameters and buffers (the CPU when it has none)."""
+    for tensor in [*gm.parameters(), *gm.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
 
 
 def _writable(n: Node, fresh: list[Any]) -> list[Any]:

@@ -15,13 +15,13 @@ PACKAGES = {"fxpipe": ROOT / "fxpipe", "fxpipe.passes": ROOT / "passes",
 LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors", "fxpipe.version", "fxpipe.files", "fxpipe.source"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
-     "fxpipe.checkpoint", "fxpipe.models"),  # contracts: metadata, names, formats
+     "fxpipe.checkpoint", "fxpipe.weights", "fxpipe.models"),  # contracts: metadata, names, formats
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces
     ("fxpipe.report",),
     ("fxpipe.pipeline",),  # build(): the passes in order
-    ("fxpipe.reference", "fxpipe.writer", "fxpipe.program"),  # take the built plan
+    ("fxpipe.reference", "fxpipe.writer", "fxpipe.held", "fxpipe.program"),  # take the built plan
     ("fxpipe.api", "fxpipe.cli", "fxpipe.__main__", "fxpipe"),  # what users call
 ]
 BESIDE = ("fxpipe.tools", "fxpipe.testing")  # import anything; imported only by fxpipe.cli

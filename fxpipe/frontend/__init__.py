@@ -4,4 +4,5 @@
     tracers.py    torch.fx symbolic tracing and torch.export, on a flat root of the model
     batching.py   which dimension of every input and output is the batch
     shapes.py     TensorInfo on every node, symbolic in the micro-batch size
+    meta.py       models on the meta device: the check on a twin or by shapes, ops that need data
 """

@@ -27,6 +27,7 @@ from fxpipe import ir
 from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
+from fxpipe.frontend.meta import Check, check_name, eager_runs, run_on_meta, to_meta, validate_check
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
@@ -50,6 +51,7 @@ class CaptureInfo:
     inline_modules: bool
     # seconds per phase: batch layout, front end (trace or export, and the check), shapes
     timings: tuple[tuple[str, float], ...] = ()
+    checked: str = "values against the eager model"  # what the graph was checked against
 
 
 def capture(
@@ -61,6 +63,7 @@ def capture(
     leaf_modules: Sequence[LeafModule] = (),
     inline_modules: bool = False,
     batch_dims: Sequence[int | None] | None = None,
+    check: Check = None,
 ) -> fx.GraphModule:
     """Captures `model` as a GraphModule that computes what the model computes.
 
@@ -75,6 +78,9 @@ def capture(
             parameters) instead of calling them as leaves.
         batch_dims: the batch dimension of each tensor input (None = not batched); inferred
             when omitted by checking that the model is separable along it.
+        check: for a model on the meta device, which has no values to compare: a twin (a
+            small instance of the same code on real tensors, checked on the example batch) or
+            "shapes" (output shapes and dtypes only); see fxpipe.frontend.meta.
 
     Returns:
         A GraphModule with flat tensor placeholders, callable like the model
@@ -90,6 +96,12 @@ def capture(
         raise ConfigError(f"model must be an nn.Module (got {type(model).__name__})",
                           hint="wrap the function in an nn.Module")
     args, kwargs = _normalize(example_inputs, example_kwargs)
+    validate_check(check, model, (args, kwargs))
+    if check is not None:  # a meta model: checked on a twin or by shapes, run on meta inputs
+        method, batch_dims = _check_twin(check, model, args, kwargs, method, leaf_modules,
+                                         inline_modules, batch_dims)
+        args, kwargs = to_meta((args, kwargs))
+        run_on_meta(model, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensors = [x for x in leaves if is_tensor(x)]
     if not tensors:
@@ -103,7 +115,8 @@ def capture(
         return clock[-1] - clock[-2]
 
     with preserved_state(model):
-        layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims)
+        with eager_runs(model):
+            layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims)
         signature = _signature(leaves, in_spec, names, layout)
         layout_s = lap()
         gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
@@ -114,8 +127,23 @@ def capture(
     gm.meta.setdefault(ir.QUALNAMES, {})
     timings = (("batch_layout", layout_s), (f"{used}+check", front_s), ("shapes", lap()))
     gm.meta[ir.CAPTURE] = CaptureInfo(used, method, reason, model.training, signature,
-                                      layout.batch_size, inline_modules, timings)
+                                      layout.batch_size, inline_modules, timings,
+                                      check_name(check))
     return gm
+
+
+def _check_twin(check: Check, model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
+                method: str, leaf_modules: Sequence[LeafModule], inline_modules: bool,
+                batch_dims: Sequence[int | None] | None
+                ) -> tuple[str, Sequence[int | None] | None]:
+    """With a twin: captures it on the real example batch, checked against its eager outputs;
+    the meta model then uses the front end and batch dimensions that passed on the twin."""
+    if not isinstance(check, nn.Module):
+        return method, batch_dims
+    twin = capture(check, args, kwargs, method=method, leaf_modules=leaf_modules,
+                   inline_modules=inline_modules, batch_dims=batch_dims)
+    info: CaptureInfo = twin.meta[ir.CAPTURE]
+    return info.method, info.signature.input_batch_dims
 
 
 def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: Sequence[Any],
@@ -261,9 +289,9 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, args: ModelArgs,
             if trial < len(known):  # computed by the layout inference (eval mode)
                 expected = known[trial]
             else:
-                with seeded(0):
+                with seeded(0), eager_runs(model):
                     expected = pytree.tree_leaves(model(*batch_args, **batch_kwargs))
-            with seeded(0):
+            with seeded(0), eager_runs(model):
                 got = pytree.tree_leaves(gm(*batch_args, **batch_kwargs))
         except Exception as error:  # noqa: BLE001 - a wrong trace may crash on other shapes
             first_line = str(error).splitlines()[0] if str(error) else ""
@@ -276,6 +304,10 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, args: ModelArgs,
             if is_tensor(e):
                 if e.shape != g.shape:
                     return f"output {i} has shape {tuple(g.shape)}, expected {tuple(e.shape)}"
+                if e.is_meta or g.is_meta:  # no values: shapes (above) and dtypes are checked
+                    if e.dtype != g.dtype:
+                        return f"output {i} has dtype {g.dtype}, expected {e.dtype}"
+                    continue
                 if not _close(e, g):
                     diff = (e.double() - g.double()).abs().max().item()
                     return f"output {i} differs by up to {diff:.3g}"

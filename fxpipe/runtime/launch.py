@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.checkpoint import load_checkpoint, restore, save_shard
-from fxpipe.errors import FxPipeError, PeerLostError
+from fxpipe.errors import CheckpointError, FxPipeError, PeerLostError
 from fxpipe.losses import LossFn, resolve_loss
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
@@ -32,6 +32,7 @@ from fxpipe.runtime.rank import (
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.timeline import Event, write_chrome_trace
+from fxpipe.runtime.written import stage_tensors
 from fxpipe.state import StateNames
 
 __all__ = ["main", "build_stage", "load_spec"]
@@ -51,25 +52,30 @@ def _stage_class(folder: Path, spec: ProgramSpec, index: int) -> type[StageModul
     stage = spec.stages[index]
     module_spec = importlib.util.spec_from_file_location(f"fxpipe_stage_{index}",
                                                          folder / stage.file)
-    # a .py path always has a spec with a source loader
-    assert module_spec is not None and module_spec.loader is not None
+    if module_spec is None or module_spec.loader is None:
+        raise CheckpointError(f"cannot load the stage file {folder / stage.file}",
+                              hint="write the program again")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)  # the generated stage file written beside this one
     cls: type[StageModule] = getattr(module, stage.class_name)
     return cls
 
 
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = torch.load(folder / "weights.pt", map_location="cpu",
-                                                  weights_only=True)
-    return weights
+def _tensors(folder: Path, spec: ProgramSpec, classes: list[type[StageModule]],
+             device: torch.device,
+             args: argparse.Namespace | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of these stages: weights.pt, or --weights PATH, or --init."""
+    return stage_tensors(folder, classes, StateNames.from_json(spec.aliases), device,
+                         weights=getattr(args, "weights", None), init=getattr(args, "init", False),
+                         seed=getattr(args, "seed", 0))
 
 
 def build_stage(folder: Path, index: int,
                 weights: dict[str, torch.Tensor] | None = None) -> StageModule:
     spec = load_spec(Path(folder))
-    return _stage_class(Path(folder), spec, index)(
-        weights if weights is not None else _weights(Path(folder)))
+    cls = _stage_class(Path(folder), spec, index)
+    return cls(weights if weights is not None
+               else _tensors(Path(folder), spec, [cls], torch.device("cpu")))
 
 
 def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
@@ -89,6 +95,15 @@ def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
                         help="stop with the stage and value where NaN/Inf first appear")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds a rank waits for a peer before giving up (default 60)")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--weights", metavar="PATH",
+                         help="each rank reads its stage's tensors from this checkpoint, by the "
+                              "model's state_dict names: a state dict (.pt/.bin), a .safetensors "
+                              "file, or a save_pretrained folder (sharded with an index or not)")
+    weights.add_argument("--init", action="store_true",
+                         help="each rank initializes its stage with the model's initializers "
+                              "(a program of a model compiled on the meta device)")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of --init (default 0)")
     parser.add_argument("--dp-bucket-mb", type=float, default=DEFAULT_DP_BUCKET_BYTES / 2**20,
                         help="with data-parallel replicas: average gradients in buckets of this "
                              "size during the last backward (default 25); 0 averages after it")
@@ -115,13 +130,12 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     batch = torch.load(folder / "batch.pt", map_location="cpu", weights_only=True)
     inputs: list[torch.Tensor] = batch["inputs"]
     target: torch.Tensor | None = batch["target"]
-    weights = _weights(folder)
     loss_fn = resolve_loss(spec.loss)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
-        step, rank, modules = _distributed(folder, spec, weights, args)
+        step, rank, modules = _distributed(folder, spec, args)
     else:
-        step, rank, modules = _local(folder, spec, weights, args)
+        step, rank, modules = _local(folder, spec, args)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
     devices = sorted({p.device for p in params}, key=str) or [torch.device("cpu")]
@@ -167,12 +181,13 @@ def _resume(directory: str, modules: list[StageModule], optimizer: torch.optim.O
     return int(checkpoint["step"] or 0)
 
 
-def _local(folder: Path, spec: ProgramSpec, weights: dict[str, torch.Tensor],
+def _local(folder: Path, spec: ProgramSpec,
            args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
+    classes = [_stage_class(folder, spec, s.index) for s in spec.stages]
+    weights = _tensors(folder, spec, classes, torch.device("cpu"), args)
     stages = []
-    for s, device in zip(spec.stages, devices_for_stages(len(spec.stages))):
-        module = _stage_class(folder, spec, s.index)(weights)
-        stages.append(LocalStage(module, device, s.inputs, s.random))
+    for s, cls, device in zip(spec.stages, classes, devices_for_stages(len(spec.stages))):
+        stages.append(LocalStage(cls(weights), device, s.inputs, s.random))
     _tie_local(stages, spec)
     placed: set[int] = set()  # the GPUs this process sees, in turn (else the CPU)
     for st in stages:
@@ -203,7 +218,7 @@ def _tie_local(stages: list[LocalStage], spec: ProgramSpec) -> None:
                 owner[qualname] = getattr(st.module, attr)
 
 
-def _distributed(folder: Path, spec: ProgramSpec, weights: dict[str, torch.Tensor],
+def _distributed(folder: Path, spec: ProgramSpec,
                  args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = rank_device(backend)  # before the process group: NCCL binds to it
@@ -211,7 +226,8 @@ def _distributed(folder: Path, spec: ProgramSpec, weights: dict[str, torch.Tenso
     mesh = mesh_of_world(len(spec.stages))
     groups = make_groups(mesh, spec.shared)
     stage = spec.stages[mesh.stage]
-    module = _stage_class(folder, spec, stage.index)(weights)
+    cls = _stage_class(folder, spec, stage.index)
+    module = cls(_tensors(folder, spec, [cls], device, args))  # this stage's tensors only
     module.place(device, set())
     rank_stage = setup_rank(
         module, StageWiring(stage.index, stage.inputs, stage.recvs, stage.sends, stage.random),

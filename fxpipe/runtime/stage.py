@@ -90,7 +90,8 @@ class StageModule(nn.Module):
                 if id(tensor) in placed:
                     continue
                 placed.add(id(tensor))
-                if tensor.device != device:
+                # a meta tensor stays until the stage gets weights, which are made on the device
+                if tensor.device != device and not tensor.is_meta:
                     tensor.data = tensor.data.to(device)
         self.borrow_foreign(device)
 
@@ -106,7 +107,7 @@ class StageModule(nn.Module):
         foreign: dict[str, tuple[nn.Parameter, torch.device]] = self.__dict__.setdefault(
             "_foreign", {})
         for attr, param in list(self._parameters.items()):
-            if param is not None and param.device != device:
+            if param is not None and param.device != device and not param.is_meta:
                 del self._parameters[attr]
                 foreign[attr] = (param, device)
         return sorted(foreign)

@@ -1,0 +1,120 @@
+"""The stages one process holds: their modules on their devices, and the executor that runs them.
+
+Locally a process holds every stage (one device each); under torchrun it holds its rank's
+stage. A stage is built on a mapping of qualified names to tensors: the model's own (so the
+model trains with the program), or new ones with weights for a model built on the meta device.
+Stages that still hold meta tensors get no executor until they have weights.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule
+
+from fxpipe import ir
+from fxpipe.built import Built, BuiltStage
+from fxpipe.config import CompileConfig
+from fxpipe.errors import ConfigError
+from fxpipe.passes.remat import RematRegion
+from fxpipe.runtime.distributed import Mesh
+from fxpipe.runtime.local import LocalExecutor, LocalStage
+from fxpipe.runtime.materialize import meta_names
+from fxpipe.runtime.mesh import make_groups
+from fxpipe.runtime.rank import RankStage, StageWiring, devices_for_stages, setup_rank
+from fxpipe.runtime.stage import StageModule
+
+__all__ = ["Stage", "HeldStages", "hold_stages", "held_tensors"]
+
+
+@dataclass
+class Stage:
+    """One stage of a built program."""
+
+    index: int
+    graph_module: GraphModule  # with explicit send/recv nodes
+    source: str  # the generated Python file
+    module: StageModule | None  # built here: every stage locally, this rank's under torchrun
+    built: BuiltStage
+
+    @property
+    def recvs(self) -> tuple[ir.CommInfo, ...]:
+        return self.built.graph.recvs
+
+    @property
+    def sends(self) -> tuple[ir.CommInfo, ...]:
+        return self.built.graph.sends
+
+    @property
+    def regions(self) -> list[RematRegion]:
+        return self.built.regions
+
+
+@dataclass
+class HeldStages:
+    modules: list[StageModule]  # the stages this process holds, in stage order
+    devices: list[torch.device]  # the device of each
+    views: list[Stage]  # every stage of the program (module None where another rank holds it)
+    local: LocalExecutor | None  # every stage in this process, once they have weights
+    rank: RankStage | None  # this rank's stage under torchrun, once it has weights
+    meta: list[str]  # qualified names of the tensors that have no weights yet
+
+
+def hold_stages(built: Built, classes: Sequence[type[StageModule]], config: CompileConfig,
+                tensors: Mapping[str, torch.Tensor], mesh: Mesh | None,
+                device: torch.device | None) -> HeldStages:
+    """Builds the stages of this process (all of them when `mesh` is None) on `tensors`."""
+    modules = {ir.qualname(built.captured, k): v for k, v in built.captured.named_modules()}
+    if mesh is None:
+        devices = devices_for_stages(config.stages, config.devices)
+        held = [classes[st.index](tensors, modules) for st in built.stages]
+        views = []
+        local = []
+        placed: set[int] = set()  # a tensor shared by stages lives where the first one runs
+        for st, module, stage_device in zip(built.stages, held, devices):
+            module.place(stage_device, placed)
+            local.append(LocalStage(module, stage_device, st.input_indexes, st.random,
+                                    st.graph_module))
+            views.append(Stage(st.index, st.graph_module, st.source, module, st))
+        meta = sorted({q for m in held for q in meta_names(m.named_model_tensors())})
+        executor = None if meta else LocalExecutor(local, built.signature, built.plan.chunks,
+                                                   config.remat,
+                                                   check_finite=config.check_finite)
+        return HeldStages(held, devices[:len(held)], views, executor, None, meta)
+    assert device is not None  # the rank's device comes with its mesh
+    st = built.stages[mesh.stage]
+    module = classes[mesh.stage](tensors, modules)
+    module.place(device, set())
+    views = [Stage(other.index, other.graph_module, other.source,
+                   module if other.index == mesh.stage else None, other)
+             for other in built.stages]
+    meta = meta_names(module.named_model_tensors())
+    if meta:
+        return HeldStages([module], [device], views, None, None, meta)
+    rank = setup_rank(
+        module, StageWiring(st.index, st.input_indexes, st.graph.recvs, st.graph.sends,
+                            st.random),
+        mesh=mesh, groups=make_groups(mesh, built.shared), device=device,
+        signature=built.signature, edges=built.edges, shared=built.shared,
+        chunks=built.plan.chunks, remat=config.remat, schedule=config.schedule,
+        check_finite=config.check_finite, dp_bucket_mb=config.dp_bucket_mb,
+        graph=st.graph_module)
+    return HeldStages([module], [device], views, None, rank, meta)
+
+
+def held_tensors(held: HeldStages) -> tuple[dict[str, torch.Tensor], dict[str, torch.device]]:
+    """The held stages' tensors by qualified name (a tied one once), and each one's device
+    (the first stage's that binds it)."""
+    tensors: dict[str, torch.Tensor] = {}
+    devices: dict[str, torch.device] = {}
+    for module, device in zip(held.modules, held.devices):
+        if module.MODULES and held.meta:
+            raise ConfigError(f"stage {module.STAGE} calls leaf modules "
+                              f"{sorted(module.MODULES.values())}, whose tensors fxpipe cannot "
+                              "materialize", hint="compile without leaf_modules")
+        for name, tensor in module.named_model_tensors().items():
+            tensors.setdefault(name, tensor)
+            devices.setdefault(name, device)
+    return tensors, devices
+

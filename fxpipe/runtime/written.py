@@ -1,0 +1,122 @@
+"""Where a written program's stages get their tensors: weights.pt, a checkpoint, or the model's
+initializers.
+
+A program written from a model with weights carries them (weights.pt). One written from a model
+built on the meta device carries none: `--weights PATH` reads each rank's own tensors from a
+checkpoint by the model's state_dict names, `--init` runs the model's initializers on them
+(model.pt is the model without data, pickled, so this imports the model's code). Tensors no
+checkpoint holds (non-persistent buffers, constants of the graph) come from state.pt, computed
+when the program was written. weights.json (fxpipe.writer.write_weights) says which files exist
+and lists every tensor's shape and dtype and the model's state_dict keys.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxpipe.errors import CheckpointError
+from fxpipe.runtime.loading import load_named
+from fxpipe.runtime.materialize import initialize
+from fxpipe.runtime.stage import StageModule
+from fxpipe.state import StateNames
+from fxpipe.weights import open_weights
+
+__all__ = ["stage_tensors"]
+
+
+def _info(folder: Path) -> dict[str, Any]:
+    path = folder / "weights.json"
+    if not path.exists():  # written before weights.json existed: weights.pt holds everything
+        return {"weights": "weights.pt", "state": None, "model": None, "tensors": None}
+    with open(path, encoding="utf-8") as f:
+        info: dict[str, Any] = json.load(f)
+    return info
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    loaded: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True,
+                                                 mmap=True)
+    return loaded
+
+
+def _template(entry: dict[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, str(entry["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {entry['dtype']!r} in weights.json",
+                              hint="write the program again with this fxpipe version")
+    empty = torch.empty([int(d) for d in entry["shape"]], dtype=dtype, device="meta")
+    if entry["parameter"]:
+        return nn.Parameter(empty, requires_grad=bool(entry["requires_grad"]))
+    return empty
+
+
+def stage_tensors(folder: Path, classes: Sequence[type[StageModule]], names: StateNames,
+                  device: torch.device, *, weights: str | os.PathLike[str] | None = None,
+                  init: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors the stage classes bind, by qualified name, on `device` (read for these
+    stages only when they come from a checkpoint or the initializers)."""
+    info = _info(folder)
+    wanted = sorted({q for cls in classes for q in cls.qualified_names().values()})
+    own = info.get("weights")
+    if weights is None and not init:
+        if own is None:
+            raise CheckpointError(
+                "this program was written from a model on the meta device, without weights",
+                hint="run it with --weights PATH (a checkpoint of the model: a state dict, a "
+                     ".safetensors file or a save_pretrained folder) or with --init")
+        base = _load(folder / own)
+        return {q: base[q].to(device) for q in wanted if q in base}
+    base = _load(folder / (own or info["state"]))
+    templates = _templates(info, wanted)
+    in_file = {q: t for q, t in templates.items() if names.keys.get(q)}
+    out = {q: base[q].to(device) for q in wanted if q not in in_file and q in base}
+    devices = dict.fromkeys(in_file, device)
+    if weights is not None:
+        known = info.get("state_keys") or [k for keys in names.keys.values() for k in keys]
+        out.update(load_named(open_weights(weights), in_file, names.keys, devices,
+                              known=known))
+    else:
+        model = _skeleton(folder, info)
+        out.update(initialize(model, {q: _resolve(model, q) for q in in_file}, device,
+                              seed=seed))
+    return out
+
+
+def _templates(info: dict[str, Any], wanted: list[str]) -> dict[str, torch.Tensor]:
+    """Meta tensors with each wanted tensor's shape, dtype and kind, from weights.json."""
+    described = info.get("tensors")
+    if described is None:
+        raise CheckpointError("this program was written by an older fxpipe, without "
+                              "weights.json, so --weights and --init cannot check its tensors",
+                              hint="write the program again")
+    return {q: _template(described[q]) for q in wanted}
+
+
+def _skeleton(folder: Path, info: dict[str, Any]) -> nn.Module:
+    if info.get("model") is None:
+        reason = info.get("model_error")
+        raise CheckpointError(
+            "--init needs the model's initializers, and this program was written without "
+            "model.pt" + (f" (pickling the model failed: {reason})" if reason else
+                          " (its model had weights, which weights.pt holds)"),
+            hint="run it with --weights PATH, or without --init")
+    model = torch.load(folder / str(info["model"]), weights_only=False)
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"model.pt holds a {type(model).__name__}, not a module",
+                              hint="write the program again")
+    return model
+
+
+def _resolve(model: nn.Module, qualname: str) -> torch.Tensor:
+    owner, _, attr = qualname.rpartition(".")
+    value = getattr(model.get_submodule(owner) if owner else model, attr)
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{qualname} is not a tensor of the model in model.pt",
+                              hint="write the program again")
+    return value

@@ -1,0 +1,136 @@
+"""Compiles Llama-style models of billions of parameters on the meta device, as a user with too
+little memory for the weights would: the compile time, the peak host memory of the compiling
+process, each stage's parameter memory, the predicted step time and the bubble.
+
+Run as `python -m fxpipe.tools.giant --preset 8b --stages 8` (needs transformers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+
+import fxpipe
+
+__all__ = ["PRESETS", "llama_on_meta", "compile_on_meta", "main"]
+
+# Llama 3 shapes: 8B and 70B as published; "1b" has the 1B model's width with 8 layers and
+# untied embeddings, about 1.0e9 parameters, for a quick run.
+PRESETS: dict[str, dict[str, int]] = {
+    "1b": {"num_hidden_layers": 8, "hidden_size": 2048, "intermediate_size": 8192,
+           "num_attention_heads": 32, "num_key_value_heads": 8},
+    "8b": {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_key_value_heads": 8},
+    "70b": {"num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 28672,
+            "num_attention_heads": 64, "num_key_value_heads": 8},
+}
+
+
+def llama_on_meta(preset: str, dtype: torch.dtype = torch.bfloat16,
+                  layers: int | None = None) -> torch.nn.Module:
+    """A LlamaForCausalLM of the preset's shape (optionally with another number of layers),
+    built on the meta device: no weights."""
+    import transformers
+
+    shape: dict[str, Any] = {**PRESETS[preset], **({"num_hidden_layers": layers} if layers else {})}
+    config = transformers.LlamaConfig(**shape, vocab_size=128256,
+                                      max_position_embeddings=8192, tie_word_embeddings=False,
+                                      bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        model: torch.nn.Module = transformers.LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def _resident() -> tuple[int, int]:
+    """(current, peak since _restart_peak) resident memory of this process in bytes (Linux
+    /proc; elsewhere both are the whole process's peak)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak, peak
+
+
+def _restart_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+    except OSError:
+        pass
+
+
+def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: int = 2048,
+                    microbatch: int = 2, profile: str = "h100") -> dict[str, Any]:
+    """Compiles `model` (on meta) and returns the figures of the run and of the plan."""
+    ids = torch.zeros(chunks * microbatch, seq, dtype=torch.long)
+    params = {id(p): p for p in model.parameters()}.values()
+    process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    _restart_peak()
+    before, _ = _resident()
+    start, cpu = time.perf_counter(), time.process_time()
+    program = fxpipe.compile(model, (ids,), example_kwargs={"use_cache": False}, stages=stages,
+                             chunks=chunks, profile=profile, check="shapes")
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    _, peak = _resident()
+    report = program.report()
+    summary = report.summary()
+    return {
+        "parameters": sum(p.numel() for p in params),
+        "model_bytes": sum(p.numel() * p.element_size() for p in params),
+        "stages": stages, "chunks": chunks, "microbatch": microbatch, "seq": seq,
+        "profile": report.profile, "compile_s": seconds, "compile_cpu_s": cpu,
+        "process_peak_bytes": max(peak, process_peak), "rss_before_compile_bytes": before,
+        "compile_peak_growth_bytes": peak - before,
+        "timings_s": dict(program.built.timings),
+        "stage_params_bytes": [s["params_bytes"] for s in report.stages],
+        "stage_memory_model_bytes": [s["memory_model_bytes"] for s in report.stages],
+        "stage_first_last": [(s["first_module"], s["last_module"]) for s in report.stages],
+        "predicted_step_time_s": summary["predicted_step_time_s"],
+        "bubble": summary["bubble"], "imbalance": summary["imbalance"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fxpipe.tools.giant", description=__doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="8b")
+    parser.add_argument("--stages", type=int, default=8)
+    parser.add_argument("--chunks", type=int, help="micro-batches (default 4 x stages)")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--profile", default="h100")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    model = llama_on_meta(args.preset)
+    figures = compile_on_meta(model, stages=args.stages, chunks=args.chunks or 4 * args.stages,
+                              seq=args.seq, profile=args.profile)
+    if args.json:
+        print(json.dumps(figures, indent=1))
+        return 0
+    gib = 2**30
+    print(f"Llama {args.preset}: {figures['parameters'] / 1e9:.2f}e9 parameters, "
+          f"{figures['model_bytes'] / gib:.1f} GiB in bf16, on the meta device")
+    print(f"compile: {figures['compile_s']:.1f} s wall, {figures['compile_cpu_s']:.1f} s CPU ("
+          + ", ".join(f"{k} {v:.1f}" for k, v in figures["timings_s"].items()) + ")")
+    print(f"peak host memory of this process: {figures['process_peak_bytes'] / gib:.2f} GiB; "
+          f"{figures['rss_before_compile_bytes'] / gib:.2f} GiB before compiling, at most "
+          f"{figures['compile_peak_growth_bytes'] / gib:.3f} GiB more while compiling")
+    print(f"{args.stages} stages x {figures['chunks']} micro-batches of {figures['microbatch']}"
+          f" x {args.seq} tokens, {figures['profile']}")
+    for i, (params, memory, (first, last)) in enumerate(zip(
+            figures["stage_params_bytes"], figures["stage_memory_model_bytes"],
+            figures["stage_first_last"])):
+        print(f"  stage {i:2d}: parameters {params / gib:6.2f} GiB, predicted memory "
+              f"{memory / gib:6.2f} GiB  ({first} .. {last})")
+    print(f"predicted step time {figures['predicted_step_time_s']:.3f} s, bubble "
+          f"{figures['bubble']:.1%}, imbalance {figures['imbalance']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

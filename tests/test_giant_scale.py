@@ -1,0 +1,29 @@
+"""A billion-parameter model compiles on the meta device in a process that allocates far less
+than the model's size (fxpipe.tools.giant; the 8B and 70B figures come from the same tool)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.slow
+def test_a_one_billion_parameter_llama_compiles_in_a_fraction_of_its_size():
+    result = subprocess.run([sys.executable, "-m", "fxpipe.tools.giant", "--preset", "1b",
+                             "--stages", "4", "--json"], capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    model = figures["model_bytes"]
+    assert figures["parameters"] > 1e9 and model > 1.9e9  # bf16
+    # every weight is in one stage (besides it, only the rotary frequencies: 1 KiB)
+    assert 0 <= sum(figures["stage_params_bytes"]) - model < 2**20
+    assert max(figures["stage_params_bytes"]) < model / 2
+    # the whole process (python, torch, transformers, the graphs) against the model
+    assert figures["process_peak_bytes"] < model / 2
+    assert figures["compile_peak_growth_bytes"] < model / 10
+    assert 0 < figures["bubble"] < 0.2 and figures["predicted_step_time_s"] > 0
