@@ -8,6 +8,7 @@
     fxpipe bench MODEL [options]                 fxpipe vs one process vs torch.distributed.pipelining
     fxpipe bench-partition                       solver quality and speed against baselines
     fxpipe bench-compile                         compile time of a 48-block GPT, pass by pass
+    fxpipe profile [--refresh | --preset NAME]   the device profile compiles use (cached)
 """
 from __future__ import annotations
 
@@ -19,13 +20,17 @@ import sys
 import traceback
 from typing import Any
 
+import torch
+from tabulate import tabulate
+
 from fxpipe import ir
 from fxpipe.api import compile as compile_program
 from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.frontend.capture import capture
 from fxpipe.models import load_factory
 from fxpipe.passes.cost import annotate_costs
-from fxpipe.profile import get_profile
+from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
+from fxpipe.profile.cache import clear_cache, profile_path
 from fxpipe.program import Program
 from fxpipe.report import cost_table
 from fxpipe.tools.bench import BenchOptions, run_bench, run_bench_compile
@@ -148,10 +153,35 @@ def cmd_bench_partition(args: argparse.Namespace) -> int:
     return run_bench_partition(sizes, args.stages, args.out)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    if args.clear:
+        removed = clear_cache()
+        print(f"removed {removed} cached profiles and balanced cuts from {cache_dir()}")
+        return 0
+    if args.preset:
+        profile = get_profile(args.preset)
+        where = "datasheet preset"
+    else:
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"unknown dtype {args.dtype!r}", hint="e.g. float32, bfloat16")
+        if not args.refresh and not profile_path(profile_key(args.device, dtype)).exists():
+            print(f"measuring {args.device} ({args.dtype}) once for this machine ...",
+                  file=sys.stderr, flush=True)
+        profile = cached_profile(args.device, dtype, refresh=args.refresh)
+        where = str(profile_path(profile.key))
+    print(f"{profile.name} [{profile.key}]\n{profile.source}\n{where}\n")
+    print(tabulate(profile.describe(), headers=["op class", "GFLOP/s (small .. large kernels)",
+                                                "GB/s (small .. large kernels)"]))
+    print(f"\nkernel launch: {profile.kernel_overhead * 1e6:.2f} us; link latency "
+          f"{profile.link_latency * 1e6:.1f} us per message")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxpipe", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.split("\n")[2:10]))
+                                epilog="\n".join(__doc__.split("\n")[2:11]))
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     c = sub.add_parser("compile", help="partition a model, print the report, write the program")
@@ -195,6 +225,14 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--stages", type=int, default=8)
     bp.add_argument("--out", default=".")
     bp.set_defaults(func=cmd_bench_partition)
+    pr = sub.add_parser("profile", help="show (or measure again) the device profile compiles use")
+    pr.add_argument("--device", default="cpu")
+    pr.add_argument("--dtype", default="float32")
+    pr.add_argument("--refresh", action="store_true", help="measure again and cache the result")
+    pr.add_argument("--preset", default=None, help="show a datasheet preset, e.g. h100:bf16")
+    pr.add_argument("--clear", action="store_true",
+                    help="forget every cached profile and balanced cut of this machine")
+    pr.set_defaults(func=cmd_profile)
     return p
 
 
@@ -221,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().print_help()
         return 2
     try:
-        return args.func(args)
+        status: int = args.func(args)
+        return status
     except FxPipeError as e:
         if args.debug:
             traceback.print_exc()
