@@ -35,6 +35,7 @@ from fxpipe.program import Program
 from fxpipe.report import cost_table
 from fxpipe.tools.bench import BenchOptions, run_bench, run_bench_compile
 from fxpipe.tools.bench_partition import run_bench_partition
+from fxpipe.tools.bench_torch import SCHEDULES as TORCH_SCHEDULES
 from fxpipe.tools.demo import run_demo
 
 __all__ = ["main"]
@@ -141,7 +142,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(BenchOptions(model=args.model, settings=tuple(args.set), stages=args.stages,
                                   chunks=args.chunks, remat=args.remat, steps=args.steps,
                                   warmup=args.warmup, out=args.out, plot=args.plot,
-                                  port=args.port))
+                                  port=args.port, balance=args.balance,
+                                  torch_schedules=tuple(args.torch_schedules.split(","))))
 
 
 def cmd_bench_compile(args: argparse.Namespace) -> int:
@@ -247,6 +249,9 @@ def _add_bench_options(b: argparse.ArgumentParser) -> None:
     b.add_argument("--out", default=".")
     b.add_argument("--plot", action="store_true", help="write a PNG Gantt chart (matplotlib)")
     b.add_argument("--port", type=int, default=29511)
+    b.add_argument("--balance", default="dynamic", help="fxpipe's balance mode (cost|dynamic|...)")
+    b.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
+                   help="torch.distributed.pipelining schedules to race, comma-separated")
 
 
 def main(argv: list[str] | None = None) -> int:
