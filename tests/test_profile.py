@@ -3,6 +3,8 @@ per machine, and the cost model timing each class of work at its own rate."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 import fxpipe
 from fxpipe import ir
 from fxpipe.cli import main
-from fxpipe.models import gpt
+from fxpipe.models import gpt, load_factory
 from fxpipe.passes.cost import annotate_costs, estimate_time
 from fxpipe.profile import (
     OP_CLASSES,
@@ -26,6 +28,7 @@ from fxpipe.profile import (
     select_profile,
 )
 from fxpipe.profile.kernels import WorkCounter
+from fxpipe.tools.bench import BENCH_GPT
 
 
 @pytest.fixture
@@ -185,3 +188,24 @@ def test_fxpipe_profile_shows_a_preset_and_measures_once(cache_folder, counted_m
     assert len(counted_measure) == 1
     assert main(["profile", "--refresh"]) == 0
     assert len(counted_measure) == 2
+
+
+@pytest.mark.slow
+def test_the_bundled_gpt_gets_one_cut_in_repeated_compiles_also_beside_a_busy_loop(
+        cache_folder, counted_measure):
+    settings = [f"{k}={json.dumps(v)}" for k, v in BENCH_GPT.items()]
+    model, inputs, _, _ = load_factory("fxpipe.models.gpt:build", settings)
+    cuts = []
+    for i in range(5):
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if i % 2 == 0 \
+            else None
+        try:
+            cache.clear_memory()  # as a new process would: the profile comes from the folder
+            program = fxpipe.compile(model, inputs, stages=2, chunks=8, remat="never")
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+        cuts.append([s.nodes for s in program.plan.stages])
+    assert len(counted_measure) == 1  # measured once, beside the busy loop, then read back
+    assert all(cut == cuts[0] for cut in cuts)
