@@ -49,15 +49,18 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             the best predicted step time.
         remat: "except_last" (GPipe's default), "always", "never", or "auto" (fit memory_limit
             with the least recomputation).
-        balance: "cost" (cost model), "time" (measured per node), "params", or a list of node
-            counts per stage.
+        balance: "cost" (cost model), "dynamic" (the cost model corrected by measuring each
+            stage in a few training steps until the stages are within 5%; remembered per
+            machine), "time" (measured per node), "params", or a list of node counts per stage.
         split_points: qualified module names where stages 1.. begin (instead of balancing).
         memory_limit: bytes per stage the partition (and remat="auto") must respect.
         devices: one device per stage for the local executor (default: the GPUs this process
             sees, one per stage or in turn when fewer; the CPU without any).
         capture: "auto", "fx" or "export" (see fxpipe.capture).
         schedule: "gpipe" (fill-drain) or "1f1b" (same bubble, fewer activations in flight).
-        profile: a DeviceProfile, a preset name ("a100", "h100", ...), or None to measure.
+        profile: a DeviceProfile, a preset name ("a100", "h100", or "h100:bf16" with its
+            precision; else the model's dtype, autocast and allow_tf32 choose it), or None for
+            the profile measured on this machine (cached in the user's cache folder).
         leaf_modules: modules to keep opaque when tracing.
         deferred_batch_norm: update BatchNorm running statistics once per batch, from all its
             micro-batches (equal to the plain model's), instead of once per micro-batch.

@@ -12,7 +12,7 @@ from torch.fx import GraphModule
 from fxpipe import ir
 from fxpipe.config import CompileConfig
 from fxpipe.frontend.capture import CaptureInfo
-from fxpipe.passes.partition import PartitionPlan
+from fxpipe.passes.partition import BalanceRound, PartitionPlan
 from fxpipe.passes.remat import RematRegion
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
@@ -55,6 +55,12 @@ class Built:
     config: CompileConfig  # with chunks resolved
     history: list[Snapshot] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per pass
+    model_name: str = ""  # the model's class name, as stage headers show it
+    # node name -> factor its estimated time was multiplied by after measuring the stages
+    # (balance="dynamic", program.rebalance()); "(loss)" for the loss
+    corrections: dict[str, float] = field(default_factory=dict)
+    # what balancing by measurement tried: each cut with its predicted and measured stages
+    rounds: list[BalanceRound] = field(default_factory=list)
 
     @property
     def capture_info(self) -> CaptureInfo:

@@ -1,14 +1,15 @@
 """The `fxpipe` command line: argparse over the public API.
 
-    fxpipe demo                          compile the bundled GPT, write it, train on 2 processes
-    fxpipe compile MODULE:FACTORY [...]  print the partition report, write the program
-    fxpipe costs MODULE:FACTORY [...]    per-node cost table
-    fxpipe report DIR                    the report of a written program
-    fxpipe run DIR --nproc K [...]       train a written program (torchrun)
-    fxpipe selfcheck                     prove the GPU paths on this machine (CPU parts without)
-    fxpipe bench MODEL [...]             fxpipe vs one process vs torch.distributed.pipelining
-    fxpipe bench-partition               solver quality and speed against baselines
-    fxpipe bench-compile                 compile time of a 48-block GPT, pass by pass
+    fxpipe demo                              compile the bundled GPT, write it, train on 2 processes
+    fxpipe compile MODULE:FACTORY [options]  print the partition report, write the program
+    fxpipe costs MODULE:FACTORY [options]    per-node cost table
+    fxpipe report DIR                        the report of a written program
+    fxpipe run DIR --nproc K [program args]  train a written program (torchrun)
+    fxpipe selfcheck                         prove the GPU paths here (CPU parts without)
+    fxpipe bench MODEL [options]             fxpipe vs one process vs torch.distributed.pipelining
+    fxpipe bench-partition                   solver quality and speed against baselines
+    fxpipe bench-compile                     compile time of a 48-block GPT, pass by pass
+    fxpipe profile [--refresh | --preset NAME] the device profile compiles use (cached)
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import traceback
 from collections.abc import Callable
 
 import torch
+from tabulate import tabulate
 
 from fxpipe import ir
 from fxpipe.api import compile as compile_program
@@ -28,11 +30,13 @@ from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.frontend.capture import capture
 from fxpipe.models import MODELS, load_factory
 from fxpipe.passes.cost import annotate_costs
-from fxpipe.profile import get_profile
+from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
+from fxpipe.profile.cache import clear_cache, profile_path
 from fxpipe.program import Program
 from fxpipe.report import cost_table
 from fxpipe.tools.bench import BenchOptions, run_bench, run_bench_compile
 from fxpipe.tools.bench_partition import run_bench_partition
+from fxpipe.tools.bench_torch import SCHEDULES as TORCH_SCHEDULES
 from fxpipe.tools.demo import run_demo
 from fxpipe.tools.selfcheck import run_selfcheck
 
@@ -56,7 +60,7 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=_chunks, default=4, help="micro-batches, or 'auto'")
     p.add_argument("--remat", default="except_last", help="never|always|except_last|auto")
     p.add_argument("--balance", type=_balance, default="cost",
-                   help="cost|time|params or node counts like 20,21")
+                   help="cost|dynamic|time|params or node counts like 20,21")
     p.add_argument("--memory-limit", type=float, default=None, help="bytes per stage")
     p.add_argument("--schedule", default="gpipe", help="gpipe|1f1b")
     p.add_argument("--profile", default=None, help="device profile preset (a100, h100, ...)")
@@ -147,7 +151,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(BenchOptions(model=args.model, settings=tuple(args.set), stages=args.stages,
                                   chunks=args.chunks, remat=args.remat, steps=args.steps,
                                   warmup=args.warmup, out=args.out, plot=args.plot,
-                                  port=args.port))
+                                  port=args.port, balance=args.balance,
+                                  torch_schedules=tuple(args.torch_schedules.split(","))))
 
 
 def cmd_bench_compile(args: argparse.Namespace) -> int:
@@ -157,6 +162,31 @@ def cmd_bench_compile(args: argparse.Namespace) -> int:
 def cmd_bench_partition(args: argparse.Namespace) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     return run_bench_partition(sizes, args.stages, args.out)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    if args.clear:
+        removed = clear_cache()
+        print(f"removed {removed} cached profiles and balanced cuts from {cache_dir()}")
+        return 0
+    if args.preset:
+        profile = get_profile(args.preset)
+        where = "datasheet preset"
+    else:
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"unknown dtype {args.dtype!r}", hint="e.g. float32, bfloat16")
+        if not args.refresh and not profile_path(profile_key(args.device, dtype)).exists():
+            print(f"measuring {args.device} ({args.dtype}) once for this machine ...",
+                  file=sys.stderr, flush=True)
+        profile = cached_profile(args.device, dtype, refresh=args.refresh)
+        where = str(profile_path(profile.key))
+    print(f"{profile.name} [{profile.key}]\n{profile.source}\n{where}\n")
+    print(tabulate(profile.describe(), headers=["op class", "GFLOP/s (small .. large kernels)",
+                                                "GB/s (small .. large kernels)"]))
+    print(f"\nkernel launch: {profile.kernel_overhead * 1e6:.2f} us; link latency "
+          f"{profile.link_latency * 1e6:.1f} us per message")
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -215,6 +245,14 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--stages", type=int, default=8)
     bp.add_argument("--out", default=".")
     bp.set_defaults(func=cmd_bench_partition)
+    pr = sub.add_parser("profile", help="show (or measure again) the device profile compiles use")
+    pr.add_argument("--device", default="cpu")
+    pr.add_argument("--dtype", default="float32")
+    pr.add_argument("--refresh", action="store_true", help="measure again and cache the result")
+    pr.add_argument("--preset", default=None, help="show a datasheet preset, e.g. h100:bf16")
+    pr.add_argument("--clear", action="store_true",
+                    help="forget every cached profile and balanced cut of this machine")
+    pr.set_defaults(func=cmd_profile)
     return p
 
 
@@ -229,6 +267,9 @@ def _add_bench_options(b: argparse.ArgumentParser) -> None:
     b.add_argument("--out", default=".")
     b.add_argument("--plot", action="store_true", help="write a PNG Gantt chart (matplotlib)")
     b.add_argument("--port", type=int, default=29511)
+    b.add_argument("--balance", default="dynamic", help="fxpipe's balance mode (cost|dynamic|...)")
+    b.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
+                   help="torch.distributed.pipelining schedules to race, comma-separated")
 
 
 def main(argv: list[str] | None = None) -> int:

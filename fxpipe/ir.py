@@ -28,7 +28,7 @@ from fxpipe.errors import InvariantError, MissingMetaError
 __all__ = [
     "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "QUALNAMES", "SAMPLED", "BATCH",
     "qualname",
-    "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "MeasuredTime", "CommInfo",
+    "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "ClassWork", "MeasuredTime", "CommInfo",
     "value_info", "tensor_info", "cost", "measured_time", "stage", "comm",
     "is_comm", "is_inplace", "compute_nodes", "module_path", "format_shape", "dtype_abbr",
     "evaluate", "verify",
@@ -111,6 +111,19 @@ ValueInfo: TypeAlias = TensorInfo | ScalarInfo | tuple["ValueInfo", ...]
 
 
 @dataclass(frozen=True)
+class ClassWork:
+    """The part of a node's forward or backward done by one class of kernels (op classes in
+    fxpipe.profile.device.OP_CLASSES: matmul, attention, ... element-wise), so that each class
+    is timed at its own rate."""
+
+    op_class: str
+    backward: bool
+    flops: sympy.Expr
+    bytes: sympy.Expr
+    kernels: int
+
+
+@dataclass(frozen=True)
 class Cost:
     """Per-node cost, every field a sympy polynomial in the micro-batch size b.
 
@@ -138,11 +151,13 @@ class Cost:
     saves: tuple[tuple[str, sympy.Expr], ...] = ()
     # the forward draws random numbers (a kernel tagged nondeterministic_seeded)
     random: bool = False
+    # the FLOPs, bytes and kernels above split by op class (forward and backward)
+    work: tuple[ClassWork, ...] = ()
 
     def at(self, b: int) -> dict[str, float]:
         """The numeric fields evaluated at micro-batch size `b`."""
         return {name: evaluate(getattr(self, name), b) for name in self.__dataclass_fields__
-                if name not in ("saves", "random")}
+                if name not in ("saves", "random", "work")}
 
 @dataclass(frozen=True)
 class MeasuredTime:

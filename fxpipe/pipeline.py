@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.fx import GraphModule
 
@@ -36,10 +38,11 @@ from fxpipe.passes.remat import RematRegion, mark_remat
 from fxpipe.passes.split import StageGraph, shared_parameters, split_stages
 from fxpipe.passes.timing import measure_times
 from fxpipe.passes.unroll_rnn import unroll_rnns
-from fxpipe.profile import DeviceProfile, get_profile
+from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
+from fxpipe.runtime.rank import devices_for_stages
 
-__all__ = ["build", "PlanAgreement"]
+__all__ = ["build", "rebuild", "PlanAgreement"]
 
 PlanAgreement = Callable[[GraphModule, PartitionPlan], PartitionPlan]
 """Makes every process use the same partition (rank 0's), writing its STAGE on the graph."""
@@ -82,14 +85,38 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
         annotate_costs(gm)
         ir.verify(gm, after="cost")
     info: CaptureInfo = gm.meta[ir.CAPTURE]
-    profile = get_profile(config.profile, config.devices[0] if config.devices else "cpu")
+    profile = select_profile(config.profile, model, _profile_device(config))
     if config.balance == "time":
         # Measured on real tensors at the micro-batch size the partition will use.
         with _timed(timings, "measure_times"):
             measure_times(gm, info.signature.flatten_inputs(args, kwargs),
                           microbatch_size=max(1, info.batch_size // (config.fixed_chunks or 1)))
+    return _stages(gm, config, profile, type(model).__name__, history, timings, agree, {})
+
+
+def rebuild(built: Built, corrections: Mapping[str, float], *,
+            agree: PlanAgreement | None = None, starts: Sequence[str] | None = None) -> Built:
+    """Partitions the captured graph again with node times corrected by measurement
+    (node name -> factor; "(loss)" for the loss), or at the given cut (the first node of each
+    stage), then splits, remats and generates as build() does. The number of micro-batches
+    stays the one `built` runs with."""
+    gm = built.captured
+    for node in ir.compute_nodes(gm.graph):
+        node.meta.pop(ir.STAGE, None)
+    history = [s for s in built.history if not s.after.startswith("split_stages")]
+    timings = {k: v for k, v in built.timings.items()
+               if k not in ("partition", "split_stages", "mark_remat", "codegen")}
+    return _stages(gm, built.config, built.profile, built.model_name, history, timings, agree,
+                   dict(corrections), starts)
+
+
+def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, model_name: str,
+            history: list[Snapshot], timings: dict[str, float], agree: PlanAgreement | None,
+            corrections: dict[str, float], starts: Sequence[str] | None = None) -> Built:
+    """partition, split_stages, mark_remat and codegen on an annotated graph."""
+    info: CaptureInfo = gm.meta[ir.CAPTURE]
     with _timed(timings, "partition"):
-        plan = _partition(gm, config, info.batch_size, profile)
+        plan = _partition(gm, config, info.batch_size, profile, corrections, starts)
         if agree is not None:
             plan = agree(gm, plan)
         ir.verify(gm, after="partition")
@@ -110,13 +137,22 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
         _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module)
         ran = (*(name for name in timings if name != "codegen"), "codegen")
         with _timed(timings, "codegen"):
-            stages.append(_generate(g, regions, plan, config, info, type(model).__name__, gm,
-                                    shared, ran))
-    built = Built(gm, plan, stages, shared, profile, config, history, timings)
+            stages.append(_generate(g, regions, plan, config, info, model_name, gm, shared, ran,
+                                    profile, corrections))
+    built = Built(gm, plan, stages, shared, profile, config, history, timings,
+                  model_name=model_name, corrections=corrections)
     if _debug_level():
         print("[fxpipe] " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
         print("[fxpipe] capture: " + ", ".join(f"{k} {v:.2f}s" for k, v in info.timings))
     return built
+
+
+def _profile_device(config: CompileConfig) -> torch.device:
+    """Where the stages run, which is where the profile must be measured: this rank's GPU
+    under NCCL, else the first stage's device."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return devices_for_stages(config.stages, config.devices)[0]
 
 
 def _snapshot(history: list[Snapshot], after: str, gm: GraphModule) -> None:
@@ -137,8 +173,8 @@ def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
-def _partition(gm: GraphModule, config: CompileConfig, batch: int,
-               profile: DeviceProfile) -> PartitionPlan:
+def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: DeviceProfile,
+               corrections: dict[str, float], starts: Sequence[str] | None) -> PartitionPlan:
     balance: str | list[int] = config.balance if isinstance(config.balance, str) \
         else list(config.balance)
 
@@ -147,7 +183,8 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int,
         return partition(gm, config.stages, microbatch_size=b, chunks=chunks, profile=profile,
                          balance=balance, split_points=config.split_points, remat=config.remat,
                          memory_limit=config.memory_limit, schedule=config.schedule,
-                         loss_time=loss_time(gm, b, profile, config.balance == "time"))
+                         loss_time=loss_time(gm, b, profile, config.balance == "time"),
+                         corrections=corrections, starts=starts)
 
     return choose_chunks(batch, config.chunks, plan_for)
 
@@ -158,8 +195,10 @@ def _fixed_bytes(g: StageGraph) -> float:
 
 def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
               config: CompileConfig, info: CaptureInfo, model_name: str, captured: GraphModule,
-              shared: dict[str, list[int]], passes: tuple[str, ...]) -> BuiltStage:
-    header = stage_header(g, regions, plan, config, model_name, shared, passes)
+              shared: dict[str, list[int]], passes: tuple[str, ...],
+              profile: DeviceProfile, corrections: dict[str, float]) -> BuiltStage:
+    header = stage_header(g, regions, plan, config, model_name, shared, passes, profile,
+                          corrected=plan.balance == "dynamic" and bool(corrections))
     class_name = f"Stage{g.index}"
     text = codegen.generate_stage(g.graph_module, header, class_name=class_name,
                                   qualnames=captured.meta.get(ir.QUALNAMES, {}))

@@ -26,8 +26,20 @@ from fxpipe.errors import CheckpointError, ConfigError, NotBuiltError, RuntimeIn
 from fxpipe.frontend.meta import is_meta_model
 from fxpipe.held import HeldStages, Stage, held_tensors, hold_stages
 from fxpipe.losses import LossFn, default_loss, loss_name, resolve_loss
-from fxpipe.passes.partition import PartitionPlan
-from fxpipe.pipeline import build
+from fxpipe.passes.partition import BalanceRound, PartitionPlan
+from fxpipe.pipeline import build, rebuild
+from fxpipe.rebalance import (
+    balance_by_measurement,
+    balance_key,
+    cut_of,
+    load_balance,
+    measure_local,
+    measure_ranks,
+    move_optimizer_state,
+    move_state,
+    save_balance,
+    untouched,
+)
 from fxpipe.reference import reference_losses
 from fxpipe.report import Report, build_report, cost_table, predicted_kept
 from fxpipe.runtime.amp import compiled_autocast
@@ -66,6 +78,7 @@ class Program(nn.Module):
         self.stage_modules = nn.ModuleList()
         self._stage_views: list[Stage] = []
         self.measured: dict[str, Any] = {}
+        self._last_batch: tuple[list[torch.Tensor], torch.Tensor | None, LossFn] | None = None
 
     # -- building -------------------------------------------------------------------------------
 
@@ -80,15 +93,104 @@ class Program(nn.Module):
         device = rank_device() if distributed else None
         built = build(self.model, args, kwargs, self.config,
                       agree=_broadcast_plan if distributed else None)
-        self._built = built
         self._names = StateNames.of_model(self.model, built.captured)
         self._example = [t.detach() for t in built.signature.flatten_inputs(args, kwargs)]
+        self._install(built, device)
+        if self.config.balance == "dynamic":
+            self._balance_at_build(device)
+        return self
+
+    def _install(self, built: Built, device: torch.device | None) -> None:
+        """Builds the stage modules and the executor of a built plan (every stage locally, this
+        rank's under torchrun); `device` is this rank's, None in one process."""
+        self._built = built
+        if self._local is not None:
+            self._local.close()
+            self._local = None
         self._classes = [codegen.load_stage_class(s.source, f"<fxpipe stage {s.index}>",
                                                   s.class_name) for s in built.stages]
         self._mesh = mesh_of_world(self.config.stages) if device is not None else None
         self._device = device
         self._instantiate(graph_tensors(built.captured))
-        return self
+
+    # -- balancing by measurement ----------------------------------------------------------------
+
+    def _balance_at_build(self, device: torch.device | None) -> None:
+        """balance="dynamic": the cut remembered for this model and machine, else measured."""
+        built = self._require_built("plan")
+        distributed = device is not None
+        key = balance_key(built, dist.get_world_size() if distributed else 1)
+        box: list[Any] = [load_balance(key) if not distributed or dist.get_rank() == 0 else None]
+        if distributed:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            starts, corrections, rounds = box[0]
+            agreed = rebuild(built, corrections, agree=_broadcast_plan if distributed else None,
+                             starts=starts)
+            agreed.rounds = rounds
+            self._install(agreed, device)
+            self.measured["balance"] = "dynamic, the cut measured before on this machine (cache)"
+            return
+        self._run_balance(self._example, None, default_loss, steps=2, rounds=4, verbose=False)
+        self.measured["balance"] = "dynamic, measured while compiling"
+
+    def rebalance(self, *args: Any, target: torch.Tensor | None = None,
+                  loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
+                  steps: int = 2, rounds: int = 4, verbose: bool = False,
+                  **kwargs: Any) -> list[BalanceRound]:
+        """Measures each stage's compute time in a few training steps and moves the cut until
+        the stages are balanced (as balance="dynamic" does when compiling), between steps of a
+        running program. Parameters keep their values; under torchrun the ones that change rank
+        move there with their optimizer state (pass `optimizer`, built on every rank over
+        program.parameters(); it then holds this rank's new parameters).
+
+        Without a batch it measures on the last step's batch, target and loss (else the example
+        batch). The measuring steps change nothing: gradients, buffers and RNG state are
+        restored. Every rank calls it. Returns the rounds (cut, predicted and measured time per
+        stage), also in the report.
+        """
+        built = self._require_built("plan to rebalance")
+        if args or kwargs:
+            flat = built.signature.flatten_inputs(args, kwargs)
+        else:
+            flat, target, loss_fn = self._last_batch or (self._example, target, loss_fn)
+        before = built
+        after = self._run_balance(flat, target, loss_fn or default_loss, steps=steps,
+                                  rounds=rounds, verbose=verbose)
+        if self._rank is not None and cut_of(after) != cut_of(before):
+            move_state(before, after, self._rank.mesh, graph_tensors(after.captured), optimizer)
+        elif optimizer is not None:
+            move_optimizer_state(optimizer)
+        return after.rounds
+
+    def _run_balance(self, flat: list[torch.Tensor], target: torch.Tensor | None,
+                     loss_fn: LossFn, *, steps: int, rounds: int, verbose: bool) -> Built:
+        built = self._require_built("plan to balance")
+        if is_meta_model(self.model):
+            raise ConfigError(
+                f"{type(self.model).__name__} was built on the meta device, and balancing by "
+                "measurement runs training steps of the whole program in this process",
+                hint="balance with balance='time' (the cost model and the device profile), or "
+                     "compile a smaller instance of the model with balance='dynamic' to find "
+                     "the cut")
+        device = self._rank.executor.device if self._rank is not None else None
+
+        def measure(current: Built) -> list[float]:
+            with untouched(self.model):
+                if self._rank is not None:
+                    return measure_ranks(self._rank, flat, target, loss_fn, steps)
+                executor = self._local_executor("balancing")
+                return measure_local(executor, current.signature, current.plan.chunks,
+                                     self.config.remat, flat, target, loss_fn, steps)
+
+        show = verbose and (device is None or dist.get_rank() == 0)
+        after = balance_by_measurement(
+            built, measure=measure, install=lambda b: self._install(b, device),
+            agree=_broadcast_plan if device is not None else None, rounds=rounds,
+            progress=(lambda line: print(f"[fxpipe] {line}", flush=True)) if show else None)
+        if device is None or dist.get_rank() == 0:
+            save_balance(balance_key(after, dist.get_world_size() if device else 1), after)
+        return after
 
     def _instantiate(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Builds this process's stage modules on `tensors` (qualified name -> tensor) and
@@ -240,8 +342,9 @@ class Program(nn.Module):
         built = self._require_built("step")
         self._require_weights()
         self._check_mode(built)
+        self._last_batch = (built.signature.flatten_inputs(args, kwargs), target, loss_fn)
         if self._rank is not None:
-            flat = built.signature.flatten_inputs(args, kwargs)
+            flat = self._last_batch[0]
             with compiled_autocast(self.config.autocast, self.devices):
                 loss, result = self._rank.step(flat, target, loss_fn, scaler)
             self.measured["last_step_events"] = result.events

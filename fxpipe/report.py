@@ -15,7 +15,7 @@ from fxpipe.built import Built
 from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
 from fxpipe.passes.cost import estimate_time
-from fxpipe.passes.partition import PartitionPlan
+from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
@@ -110,15 +110,18 @@ def compile_command(config: CompileConfig, model: str) -> tuple[str, bool]:
 
 def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: PartitionPlan,
                  config: CompileConfig, model: str, shared: dict[str, list[int]],
-                 passes: tuple[str, ...]) -> StageHeader:
+                 passes: tuple[str, ...], profile: DeviceProfile,
+                 corrected: bool = False) -> StageHeader:
     """The deterministic facts at the top of a generated stage file."""
     b, k = plan.microbatch_size, len(plan.stages)
     figures = _stage_figures(graph, regions, b)
     stage_plan = plan.stages[graph.index]
     total = sum(s.time for s in plan.stages)
     share = stage_plan.time / total if total else 1.0 / k
+    how = "predicted, corrected by measured stage times" if corrected else "predicted"
     lines = [("time", f"{human_time(stage_plan.time)} per micro-batch, forward + backward "
-                      f"(predicted): {share:.1%} of all stages' time, {1 / k:.1%} if even")]
+                      f"({how}): {share:.1%} of all stages' time, {1 / k:.1%} if even"),
+             ("profile", f"{profile.name} [{profile.key}]" if profile.key else profile.name)]
     lines.append(("flops", f"{human_flops(figures['fwd_flops'])} forward per micro-batch"))
     lines.append(("params", f"{human_bytes(figures['params'])}; saved activations "
                             f"{human_bytes(figures['saved'])} per micro-batch"
@@ -180,6 +183,7 @@ class Report:
     shared: dict[str, list[int]] = field(default_factory=dict)
     mesh: list[tuple[int, int, int]] = field(default_factory=list)  # (rank, replica, stage)
     comm: dict[str, float] = field(default_factory=dict)  # bytes per step by kind
+    rounds: list[BalanceRound] = field(default_factory=list)  # balancing by measurement
 
     def summary(self) -> dict[str, Any]:
         plan = self.plan
@@ -240,6 +244,7 @@ class Report:
         if self.comm:
             lines.append("communication per step (each replica): " + ", ".join(
                 f"{kind} {human_bytes(v)}" for kind, v in self.comm.items()))
+        lines += self.balance_lines()
         for key, value in self.measured.items():
             lines.append(f"measured {key}: {value}")
         k, m = s["stages"], s["chunks"]
@@ -247,12 +252,28 @@ class Report:
                                   title="GPipe" if self.schedule == "gpipe" else "1F1B")]
         return "\n".join(lines)
 
+    def balance_lines(self) -> list[str]:
+        """Each cut balancing by measurement tried, predicted and measured, and the one kept."""
+        if not self.rounds:
+            return []
+        kept = best_round(self.rounds)
+        lines = ["balance by measurement (compute per micro-batch, predicted -> measured):"]
+        for i, r in enumerate(self.rounds):
+            stages = ", ".join(f"{m} {human_time(p)} -> {human_time(t)}"
+                               for m, p, t in zip(r.modules, r.predicted, r.measured))
+            mark = "  <- kept" if r is kept else ""
+            lines.append(f"  round {i + 1}: {stages}; measured {r.spread:.1%} apart{mark}")
+        now = ", ".join(human_time(s.compute_time) for s in self.plan.stages)
+        lines.append(f"  now predicted (corrected by what was measured): {now}")
+        return lines
+
     def markdown(self) -> str:
         return self.text(fmt="github")
 
     def json(self) -> str:
         return json.dumps({"model": self.model, "summary": self.summary(), "stages": self.stages,
                            "profile": self.profile, "measured": self.measured,
+                           "balance_rounds": [r.to_json() for r in self.rounds],
                            "shared_parameters": self.shared, "mesh": self.mesh,
                            "communication_bytes_per_step": self.comm},
                           indent=2, sort_keys=True, default=str)
@@ -332,10 +353,12 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
             "kept_predicted_bytes": kept[st.index],
         })
     replicas = mesh.replicas if mesh is not None else 1
-    return Report(model, plan, stages, f"{built.profile.name} ({built.profile.source})",
+    profile = built.profile
+    which = f"{profile.name} [{profile.key}]" if profile.key else profile.name
+    return Report(model, plan, stages, f"{which} ({profile.source})",
                   built.config.schedule, shared=dict(built.shared),
                   mesh=mesh.describe() if mesh is not None else [],
-                  comm=communication(built, replicas))
+                  comm=communication(built, replicas), rounds=list(built.rounds))
 
 
 def cost_table(gm: GraphModule, *, b: int, profile: DeviceProfile, sort: str | None = None,

@@ -30,33 +30,29 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.fx.node import Argument, Target
-from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe import ir, source
 from fxpipe.errors import CostError
 from fxpipe.frontend import shapes
 from fxpipe.profile import DeviceProfile
+from fxpipe.profile.kernels import (
+    ELEMENTWISE_FACTOR,
+    Count,
+    is_free,
+    kernel_bytes,
+    kernel_flops,
+    op_class,
+)
 
 __all__ = ["annotate_costs", "CostSummary", "estimate_time", "ELEMENTWISE_FACTOR"]
 
-# FLOPs per output element of kernels that torch's counter does not count (default 1).
-ELEMENTWISE_FACTOR = {
-    "native_layer_norm": 8, "native_layer_norm_backward": 12, "native_batch_norm": 8,
-    "native_batch_norm_backward": 12, "_native_batch_norm_legit": 8,
-    "_native_batch_norm_legit_functional": 8, "native_group_norm": 8,
-    "native_group_norm_backward": 12, "_softmax": 5, "_softmax_backward_data": 4,
-    "_log_softmax": 5, "_log_softmax_backward_data": 4, "gelu": 8, "gelu_backward": 12,
-    "silu": 4, "silu_backward": 6, "sigmoid": 4, "tanh": 4, "exp": 2, "log": 2, "erf": 4,
-    "native_dropout": 2, "bernoulli_": 2, "rsqrt": 2, "sqrt": 2, "pow": 2,
-}
-_SDPA_CPU = "_scaled_dot_product_flash_attention_for_cpu"
-
-_Count: TypeAlias = int | torch.SymInt
-"""A count of elements, bytes or FLOPs: symbolic in the batch size on fake tensors."""
+_Count: TypeAlias = Count
 _Op: TypeAlias = OpOverload[..., Any]
 _Saved: TypeAlias = tuple[Literal["arg", "out", "new"], int, sympy.Expr | None]
 """("arg", flat index, None) | ("out", output index, None) | ("new", -1, nbytes)."""
+_Work: TypeAlias = dict[str, tuple[sympy.Expr, sympy.Expr, int]]
+"""op class -> (FLOPs, bytes, kernels) of one pass (forward or backward) of a node."""
 
 
 # TorchDispatchMode's __init_subclass__ and __init__ are unannotated in torch.
@@ -69,19 +65,25 @@ class _KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.bytes: list[_Count] = []
         self.kernels = 0
         self.random = False  # a kernel drew random numbers (dropout, rand, bernoulli ...)
+        # op class -> ([FLOPs], [bytes], kernels) of its kernels (fxpipe.profile.kernels)
+        self.by_class: dict[str, tuple[list[_Count], list[_Count], list[int]]] = {}
 
     def __torch_dispatch__(self, func: _Op, types: Sequence[type], args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.random = self.random or _draws_random(func, args, kwargs)
-        if func.namespace == "prim" or func.is_view or func._overloadpacket in _FREE_OPS:
+        if is_free(func):
             return out
         self.kernels += 1
-        self.flops.append(_kernel_flops(func, args, kwargs, out))
-        tensors = [t for t in pytree.tree_leaves((args, kwargs, out))
-                   if isinstance(t, torch.Tensor)]
-        self.bytes.append(sum(t.numel() * t.element_size() for t in tensors))
+        flops, nbytes = _kernel_flops(func, args, kwargs, out), kernel_bytes(func, args, kwargs,
+                                                                              out)
+        self.flops.append(flops)
+        self.bytes.append(nbytes)
+        entry = self.by_class.setdefault(op_class(func), ([], [], [0]))
+        entry[0].append(flops)
+        entry[1].append(nbytes)
+        entry[2][0] += 1
         return out
 
 
@@ -98,34 +100,11 @@ def _draws_random(func: _Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return values.get("train", values.get("training", True)) is not False
 
 
-_FREE_OPS = {torch.ops.aten.detach, torch.ops.aten.sym_size, torch.ops.aten.sym_numel,
-             torch.ops.aten.sym_stride, torch.ops.aten.lift_fresh, torch.ops.aten._unsafe_view,
-             torch.ops.aten._assert_tensor_metadata}
-
-
 def _kernel_flops(func: _Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> _Count:
-    packet = func._overloadpacket
-    flops: _Count
-    if packet in flop_counter.flop_registry:
-        flops = flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
-        return flops
-    name = packet.__name__
-    # torch.utils.flop_counter's sdpa formulas are unannotated
-    if name == _SDPA_CPU:
-        q, k, v = args[:3]
-        flops = flop_counter.sdpa_flop_count(  # type: ignore[no-untyped-call]
-            q.shape, k.shape, v.shape)
-        return flops
-    if name == _SDPA_CPU + "_backward":
-        grad_out, q, k, v = args[:4]
-        flops = flop_counter.sdpa_backward_flop_count(  # type: ignore[no-untyped-call]
-            grad_out.shape, q.shape, k.shape, v.shape)
-        return flops
+    name = func._overloadpacket.__name__
     if name in ("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"):
         return _lstm_layer_flops(args, backward=name.endswith("backward"))
-    largest = max((t.numel() for t in pytree.tree_leaves((args, out))
-                   if isinstance(t, torch.Tensor)), default=0, key=_hint)
-    return ELEMENTWISE_FACTOR.get(name, 1) * largest
+    return kernel_flops(func, args, kwargs, out)
 
 
 def _lstm_layer_flops(args: tuple[Any, ...], backward: bool) -> _Count:
@@ -144,13 +123,6 @@ def _lstm_layer_flops(args: tuple[Any, ...], backward: bool) -> _Count:
     return (2 * matmul if backward else matmul) + pointwise
 
 
-def _hint(x: _Count) -> int:
-    if isinstance(x, torch.SymInt):
-        hint: int | None = x.node.hint
-        return hint if hint is not None else 0
-    return int(x)
-
-
 @dataclass
 class _NodeCost:
     fwd_flops: sympy.Expr
@@ -161,6 +133,8 @@ class _NodeCost:
     bwd_kernels: int
     saved: list[_Saved]  # ("arg", flat index, _) | ("out", index, _) | ("new", _, nbytes)
     random: bool = False
+    fwd_work: _Work = field(default_factory=dict)
+    bwd_work: _Work = field(default_factory=dict)
 
 
 @dataclass
@@ -405,8 +379,13 @@ class _CostRunner(Interpreter):
                 torch.autograd.grad(outs, wrt, grads, allow_unused=True)
         cost = _NodeCost(self._sum(fwd.flops), self._sum(bwd.flops), self._sum(fwd.bytes),
                          self._sum(bwd.bytes), fwd.kernels, bwd.kernels,
-                         self._classify(saved_keys, fresh, out, params, copies), fwd.random)
+                         self._classify(saved_keys, fresh, out, params, copies), fwd.random,
+                         self._work(fwd), self._work(bwd))
         return out, cost
+
+    def _work(self, counter: _KernelCounter) -> _Work:
+        return {c: (self._sum(flops), self._sum(nbytes), count[0])
+                for c, (flops, nbytes, count) in sorted(counter.by_class.items())}
 
     def _interpolated(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any],
                       real: bool = False) -> tuple[Any, _NodeCost]:
@@ -440,11 +419,24 @@ class _CostRunner(Interpreter):
                 points.append((b, int(nbytes)))
             return shapes.interpolate(points)
 
+        def fit_work(phase: str) -> _Work:
+            """Each op class's FLOPs and bytes, fitted like the totals."""
+            works = {b: getattr(c, phase) for b, (_, c) in samples.items()}
+
+            def fit_part(cls: str, part: int) -> sympy.Expr:
+                return shapes.interpolate([(b, int(w[cls][part]) if cls in w else 0)
+                                           for b, w in works.items()])
+
+            first_work: _Work = works[shapes.SAMPLE_SIZES[0]]
+            return {cls: (fit_part(cls, 0), fit_part(cls, 1), kernels)
+                    for cls, (_, _, kernels) in first_work.items()}
+
         first = samples[shapes.SAMPLE_SIZES[0]][1]
         saved: list[_Saved] = [(kind, index, fit_saved(i) if kind == "new" else None)
                                for i, (kind, index, _) in enumerate(first.saved)]
         cost = _NodeCost(fit("fwd_flops"), fit("bwd_flops"), fit("fwd_bytes"), fit("bwd_bytes"),
-                         first.fwd_kernels, first.bwd_kernels, saved, first.random)
+                         first.fwd_kernels, first.bwd_kernels, saved, first.random,
+                         fit_work("fwd_work"), fit_work("bwd_work"))
         outs = {b: o for b, (o, _) in samples.items()}  # only their shapes are read
         out = shapes.symbolic_like(outs, self.shape_env, self.sym)
         return out, cost
@@ -548,7 +540,8 @@ class _CostRunner(Interpreter):
                 bwd_bytes=raw.bwd_bytes, grad_param_bytes=grad_params,
                 fwd_kernels=raw.fwd_kernels, bwd_kernels=raw.bwd_kernels,
                 internal_saved_bytes=internal,
-                saves=tuple(sorted(self.saves.get(node, {}).items())), random=raw.random)
+                saves=tuple(sorted(self.saves.get(node, {}).items())), random=raw.random,
+                work=_class_work(raw))
             node.meta[ir.COST] = cost
             by_node[node.name] = cost
             totals["fwd"].append(cost.fwd_flops)
@@ -638,9 +631,23 @@ def _value_bytes(info: ir.ValueInfo | None) -> sympy.Expr:
     return sympy.Integer(0)
 
 
+def _class_work(raw: _NodeCost) -> tuple[ir.ClassWork, ...]:
+    return tuple(ir.ClassWork(cls, backward, flops, nbytes, kernels)
+                 for backward, work in ((False, raw.fwd_work), (True, raw.bwd_work))
+                 for cls, (flops, nbytes, kernels) in work.items())
+
+
 def estimate_time(cost: ir.Cost, profile: DeviceProfile, b: int) -> tuple[float, float]:
-    """Roofline forward and backward seconds of one node at micro-batch size b."""
-    at = cost.at(b)
-    fwd = profile.compute_time(at["fwd_flops"], at["fwd_bytes"], cost.fwd_kernels)
-    bwd = profile.compute_time(at["bwd_flops"], at["bwd_bytes"], cost.bwd_kernels)
-    return fwd, bwd
+    """Forward and backward seconds of one node at micro-batch size b: each op class's work at
+    that class's rate (a roofline per class, fxpipe.profile.device)."""
+    if not cost.work:  # costed without op classes: one roofline over the totals
+        at = cost.at(b)
+        return (profile.compute_time(at["fwd_flops"], at["fwd_bytes"], cost.fwd_kernels,
+                                     op_class="matmul"),
+                profile.compute_time(at["bwd_flops"], at["bwd_bytes"], cost.bwd_kernels,
+                                     op_class="matmul"))
+    times = [0.0, 0.0]
+    for w in cost.work:
+        times[w.backward] += profile.class_time(w.op_class, float(ir.evaluate(w.flops, b)),
+                                                float(ir.evaluate(w.bytes, b)), w.kernels)
+    return times[0], times[1]

@@ -8,18 +8,18 @@ Graph:  unchanged (annotation only); the model's buffers, parameters' .grad and 
 The graph runs once on real inputs cut to the micro-batch size, which gives every node its real
 input values. Each compute node is then timed alone: its forward on those values (with autograd
 recording, as in training), and its backward as autograd.grad of its floating outputs with
-respect to its floating inputs that require grad and its module's parameters. Both are medians
-after warm-up, with a fixed number of threads. A forward or backward that launches no kernel
-(views, getitem, shape arithmetic) gets 0 without timing: timed alone it would show only the
-fixed cost of a Python call or of starting autograd.grad, which the whole graph pays once. On
-CPU, per-node times add up to the whole only with one thread per process (DESIGN.md, "CPU
-timing").
+respect to its floating inputs that require grad and its module's parameters. Both are the
+fastest of the repeated runs after warm-up (other processes on the machine can only slow a run
+down, so the minimum is the node's own time), with a fixed number of threads. A forward or
+backward that launches no kernel (views, getitem, shape arithmetic) gets 0 without timing: timed
+alone it would show only the fixed cost of a Python call or of starting autograd.grad, which the
+whole graph pays once. On CPU, per-node times add up to the whole only with one thread per
+process (DESIGN.md, "CPU timing").
 """
 from __future__ import annotations
 
 import contextlib
 import operator
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias, TypeVar
@@ -48,7 +48,7 @@ def measure_times(gm: GraphModule, flat_inputs: Sequence[torch.Tensor], *, micro
         flat_inputs: the graph's tensor inputs, e.g. `signature.flatten_inputs(args, kwargs)`;
             each batched input must hold at least `microbatch_size` examples.
         microbatch_size: the batch size b the nodes are timed at.
-        warmup, repeat: untimed runs, then timed runs whose median is kept.
+        warmup, repeat: untimed runs, then timed runs whose minimum is kept.
         threads: torch.set_num_threads for the duration (restored afterwards); None keeps it.
 
     Returns:
@@ -182,7 +182,7 @@ _State = TypeVar("_State")
 
 
 class _NodeTimer:
-    """Forward and backward median times of one node on its recorded inputs."""
+    """Forward and backward times (fastest of repeats) of one node on its recorded inputs."""
 
     def __init__(self, gm: GraphModule, node: Node, values: dict[Node, Any], warmup: int,
                  repeat: int, sync: Callable[[], None] | None) -> None:
@@ -201,7 +201,7 @@ class _NodeTimer:
         probe = _Kernels()
         with probe:
             outs, wrt = self._forward(self._inputs())
-        fwd = self._median(self._inputs, self._forward) if probe.count else 0.0
+        fwd = self._fastest(self._inputs, self._forward) if probe.count else 0.0
         if not outs or not wrt:
             return fwd, 0.0
         grads = [torch.ones_like(t) for t in outs]
@@ -214,7 +214,7 @@ class _NodeTimer:
             backward((outs, wrt))
         if not probe.count:  # the backward of a view is a view
             return fwd, 0.0
-        return fwd, self._median(lambda: self._forward(self._inputs()), backward)
+        return fwd, self._fastest(lambda: self._forward(self._inputs()), backward)
 
     def _inputs(self) -> _Inputs:
         """(args, kwargs, leaves to differentiate with respect to)."""
@@ -242,8 +242,8 @@ class _NodeTimer:
                          if p.requires_grad]
         return outs, list({id(t): t for t in wrt}.values())
 
-    def _median(self, setup: Callable[[], _State], timed: Callable[[_State], object]) -> float:
-        """Median of `repeat` timings of `timed(setup())` after `warmup` untimed runs."""
+    def _fastest(self, setup: Callable[[], _State], timed: Callable[[_State], object]) -> float:
+        """Fastest of `repeat` timings of `timed(setup())` after `warmup` untimed runs."""
         samples: list[float] = []
         for i in range(self.warmup + self.repeat):
             state = setup()
@@ -255,6 +255,6 @@ class _NodeTimer:
                 self.sync()
             if i >= self.warmup:
                 samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+        return min(samples)
 
 

@@ -25,21 +25,34 @@ def test_busy_time_excludes_receive_waits_inside_compute_spans():
 
 def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     rc = main(["bench", "mlp", "--set", "batch=8", "--stages", "2", "--chunks", "4",
-               "--steps", "1", "--warmup", "0", "--port", "0", "--out", str(tmp_path)])
+               "--steps", "1", "--warmup", "0", "--port", "0", "--out", str(tmp_path),
+               "--torch-schedules", "gpipe,interleaved_1f1b"])
     assert rc == 0
     result = json.loads((tmp_path / "bench.json").read_text())
-    variants = {"single_process", "fxpipe", "fxpipe_remat_except_last", "fxpipe_remat_always"}
-    assert variants <= set(result["step_time_s"])
+    variants = {"single_process", "fxpipe", "fxpipe_1f1b", "fxpipe_remat_except_last",
+                "fxpipe_remat_always"}
+    torch_variants = {f"torch_{frontend}_{cut}_{schedule}" for frontend in ("traced", "manual")
+                      for cut in ("natural", "fxpipe")
+                      for schedule in ("gpipe", "interleaved_1f1b")}
+    assert variants | torch_variants <= set(result["step_time_s"]), result["skipped"]
     # same model, data and micro-batches: every variant's first loss is the plain model's
     losses = result["losses_first_step"]
-    for name in variants | ({"torch_pipelining"} & set(losses)):
+    for name in variants | torch_variants:
         assert losses[name] == pytest.approx(losses["single_process"], rel=1e-5), name
+    assert result["best_schedule"] in ("gpipe", "1f1b")
+    assert result["torch_pipelining_best"] in torch_variants
+    best = result["step_time_s"]["fxpipe" if result["best_schedule"] == "gpipe"
+                                 else "fxpipe_" + result["best_schedule"]]
+    assert result["step_time_ratio_vs_torch_pipelining_best"] == pytest.approx(
+        best / result["step_time_s"][result["torch_pipelining_best"]])
+    assert result["stage_imbalance"] >= 0 and result["balance_rounds"]
     assert result["speedup_vs_single_process"] > 0
     for name, (low, high) in result["step_time_min_max_s"].items():
         assert 0 < low <= result["step_time_s"][name] <= high, name
     assert set(result["remat_step_time_ratios"]) == {"except_last", "always"}
     for stage in result["stages_detail"]:
-        assert 0 < stage["busy_s"] <= result["step_time_s"]["fxpipe"] * 1.05
+        assert 0 < stage["busy_s"] <= result["pipeline_step_time_s"] * 1.05
+        assert 0 <= stage["recv_wait_s"] <= result["pipeline_step_time_s"]
         assert stage["kept_bytes_remat_always"] < stage["kept_bytes_remat_never"]
         assert stage["kept_reductions"]["always"] > 1
     assert (tmp_path / "bench.md").exists() and (tmp_path / "bench_trace.json").exists()

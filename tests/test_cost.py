@@ -16,15 +16,15 @@ from torch import nn
 
 import fxpipe
 from fxpipe import ir
-from fxpipe.frontend.capture import preserved_state
 from fxpipe.errors import ConfigError
+from fxpipe.frontend.capture import preserved_state
 from fxpipe.models import MODELS
+from fxpipe.models import load as load_model
 from fxpipe.passes import cost as cost_pass
 from fxpipe.passes.cost import _KernelCounter, annotate_costs
-from fxpipe.tools.cost_bench import benchmark_estimate
 from fxpipe.passes.timing import measure_times
-from fxpipe.profile import median_time
-from fxpipe.models import load as load_model
+from fxpipe.profile import min_time
+from fxpipe.tools.cost_bench import benchmark_estimate
 
 b = ir.BATCH
 UNSEEN_B = 7  # a micro-batch size annotation never runs at: not the example batch (8 or 4),
@@ -54,7 +54,7 @@ def _annotated(name: str, inline: bool = True, config: tuple = ()) -> tuple:
     return _annotated_once(name, inline, config)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _annotated_once(name: str, inline: bool, config: tuple) -> tuple:
     model, args, kwargs = _build(name, config)
     gm = fxpipe.capture(model, args, kwargs, inline_modules=inline)
@@ -419,7 +419,7 @@ def test_measured_node_forward_times_add_up_to_the_whole_forward():
         previous = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            whole = median_time(lambda: gm(*small_args, **small_kwargs), warmup=2, repeat=5)
+            whole = min_time(lambda: gm(*small_args, **small_kwargs), warmup=2, samples=20)
         finally:
             torch.set_num_threads(previous)
         print(f"gpt forward at b={size}: sum over nodes {nodes * 1e3:.3f} ms, "

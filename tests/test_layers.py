@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces
     ("fxpipe.report",),
     ("fxpipe.pipeline",),  # build(): the passes in order
-    ("fxpipe.reference", "fxpipe.writer", "fxpipe.held", "fxpipe.program"),  # take the built plan
+    # take the built plan
+    ("fxpipe.reference", "fxpipe.writer", "fxpipe.held", "fxpipe.rebalance", "fxpipe.program"),
     ("fxpipe.api", "fxpipe.cli", "fxpipe.__main__", "fxpipe"),  # what users call
 ]
 BESIDE = ("fxpipe.tools", "fxpipe.testing")  # import anything; imported only by fxpipe.cli

@@ -17,7 +17,7 @@ from fxpipe.losses import default_loss
 from fxpipe.models import gpt
 from fxpipe.passes.cost import annotate_costs, estimate_time
 from fxpipe.passes.timing import measure_times
-from fxpipe.profile import DeviceProfile, measure, median_time
+from fxpipe.profile import DeviceProfile, cached_profile, min_time
 
 __all__ = ["AnnotationBench", "EstimateBench", "benchmark_annotation", "benchmark_estimate", "main"]
 
@@ -66,15 +66,16 @@ def benchmark_estimate(*, profile: DeviceProfile | None = None, warmup: int = 2,
     """Sum of per-node roofline estimates against the measured training step of the reference
     GPT (gpt.build(dropout=0.0): forward, default loss, backward; one thread).
 
-    The profile, measured on this CPU by fxpipe.profile.measure (matmul FLOP/s, copy bandwidth,
-    per-kernel overhead), is the calibration. The loss is outside the captured graph, so the
-    estimate leaves it out while the measured step includes it (a few percent for this model).
+    The profile, measured on this CPU (fxpipe.profile: a rate per op class, cached per
+    machine), is the calibration; both sides keep the fastest of repeated runs. The loss is
+    outside the captured graph, so the estimate leaves it out while the measured step includes
+    it (a few percent for this model).
 
     Returns the measured and estimated seconds, their ratio (estimated / measured), the profile,
     and the `worst` nodes by |estimated - measured| per-node time (passes.timing) to show where
     an estimate goes wrong.
     """
-    profile = profile or measure("cpu", threads=1)
+    profile = profile or cached_profile("cpu")
     model, inputs = gpt.build(dropout=0.0)
     target = gpt.target(inputs)
     batch = inputs[0].shape[0]
@@ -87,7 +88,7 @@ def benchmark_estimate(*, profile: DeviceProfile | None = None, warmup: int = 2,
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        measured = median_time(step, warmup=warmup, repeat=repeat)
+        measured = min_time(step, warmup=warmup, samples=max(repeat, 10), budget=2.0)
     finally:
         torch.set_num_threads(previous)
         model.zero_grad(set_to_none=True)

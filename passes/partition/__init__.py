@@ -4,8 +4,17 @@
     problem.py   the partition problem as plain data: validation, exact stage costs (pure)
     solver.py    the exact search for the cuts that minimise the slowest stage (pure)
     chunks.py    the number of micro-batches whose plan predicts the fastest step
+    correct.py   node times corrected by measured stage times (balancing by measurement)
 """
 from fxpipe.passes.partition.chunks import choose_chunks
+from fxpipe.passes.partition.correct import (
+    LOSS,
+    TOLERANCE,
+    BalanceRound,
+    best_round,
+    corrected,
+    spread,
+)
 from fxpipe.passes.partition.graph import (
     BALANCE_MODES,
     PartitionPlan,
@@ -15,4 +24,5 @@ from fxpipe.passes.partition.graph import (
 )
 
 __all__ = ["partition", "choose_chunks", "PartitionPlan", "StagePlan", "atoms_of",
-           "BALANCE_MODES"]
+           "BALANCE_MODES", "BalanceRound", "LOSS", "TOLERANCE", "best_round", "corrected",
+           "spread"]

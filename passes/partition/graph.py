@@ -1,6 +1,7 @@
 """Balanced, contiguous pipeline stages.
 
-Reads:  COST (passes.cost), TIME (passes.timing) for balance="time"
+Reads:  COST (passes.cost), TIME (passes.timing) for balance="time", and node-time corrections
+        measured by balancing (passes.partition.correct) for balance="dynamic"
 Writes: STAGE on every compute node
 Graph:  unchanged (annotation only)
 
@@ -12,7 +13,7 @@ exact solver in passes.partition.solver minimises the slowest stage, within a me
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch.fx import GraphModule, Node
@@ -20,6 +21,7 @@ from torch.fx import GraphModule, Node
 from fxpipe import ir
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.passes.cost import estimate_time
+from fxpipe.passes.partition.correct import LOSS
 from fxpipe.passes.partition.problem import Partition, evaluate
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
@@ -27,7 +29,7 @@ from fxpipe.profile import DeviceProfile
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
            "BALANCE_MODES", "OPTIMIZER_STATE_FACTOR"]
 
-BALANCE_MODES = ("cost", "time", "params")
+BALANCE_MODES = ("cost", "time", "params", "dynamic")
 OPTIMIZER_STATE_FACTOR = 2.0  # Adam keeps two moments per parameter
 
 
@@ -113,7 +115,12 @@ def _atom_index(groups: list[list[Node]]) -> dict[Node, int]:
     return {n: i for i, g in enumerate(groups) for n in g}
 
 
-def _node_time(node: Node, balance: str, profile: DeviceProfile, b: int) -> tuple[float, float]:
+def _node_time(node: Node, balance: str, profile: DeviceProfile, b: int,
+               corrections: Mapping[str, float]) -> tuple[float, float]:
+    factor = corrections.get(node.name, 1.0)
+    if factor != 1.0:
+        fwd, bwd = _node_time(node, balance, profile, b, {})
+        return fwd * factor, bwd * factor
     if balance == "time":
         t = ir.measured_time(node)
         scale = b / t.b  # measured at one size; per-example time scales with b
@@ -138,7 +145,8 @@ def _value_bytes(node: Node, b: int) -> tuple[float, float]:
 
 
 def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
-                  profile: DeviceProfile, b: int, remat: str, chunks: int) -> Atoms:
+                  profile: DeviceProfile, b: int, remat: str, chunks: int,
+                  corrections: Mapping[str, float] | None = None) -> Atoms:
     index = _atom_index(groups)
     n = len(groups)
     recompute = 0.0 if remat == "never" else (
@@ -148,9 +156,11 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     mem_act: list[float] = []
     saved: list[float] = []
     forward: list[float] = []
+    corrections = corrections or {}
     for group in groups:
-        fwd = sum(_node_time(x, balance, profile, b)[0] for x in group)
-        bwd = sum(_node_time(x, balance, profile, b)[1] for x in group)
+        times = [_node_time(x, balance, profile, b, corrections) for x in group]
+        fwd = sum(t[0] for t in times)
+        bwd = sum(t[1] for t in times)
         compute.append(fwd + bwd + recompute * fwd)
         forward.append(fwd)
         costs = [ir.cost(x) for x in group]
@@ -204,11 +214,16 @@ def partition(
     memory_limit: float | None = None,
     schedule: str = "gpipe",
     loss_time: float = 0.0,
+    corrections: Mapping[str, float] | None = None,
+    starts: Sequence[str] | None = None,
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
 
     loss_time: seconds per micro-batch of the training loss (forward and backward), which the
     last stage computes after the model's outputs.
+    corrections: node name -> factor on its estimated time, learned by measuring stages
+    (passes.partition.correct; "(loss)" scales loss_time).
+    starts: the first node of each stage: keeps a cut measured before instead of solving.
 
     Raises:
         PartitionError: more stages than atoms, or no partition fits the memory limit.
@@ -226,12 +241,17 @@ def partition(
         mode = balance
         cuts = None
     b = microbatch_size
-    atoms = measure_atoms(gm, groups, balance=mode if mode != "explicit" else "cost",
-                           profile=profile, b=b, remat=remat, chunks=chunks)
+    corrections = corrections or {}
+    loss_time *= corrections.get(LOSS, 1.0)
+    costed = "cost" if mode in ("explicit", "dynamic") else mode
+    atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=remat,
+                          chunks=chunks, corrections=corrections)
     if mode != "params":
         atoms.compute[-1] += loss_time  # the last atom is always in the last stage
     inflight = [min(num_stages - s, chunks) if schedule == "1f1b" else chunks
                 for s in range(num_stages)]
+    if starts is not None:
+        cuts = _cuts_from_starts(groups, starts, num_stages)
     if split_points is not None:
         if cuts is not None:
             raise ConfigError("both split_points and a list of node counts (balance=[...]) "
@@ -298,6 +318,17 @@ def _cuts_from_counts(gm: GraphModule, counts: list[int], k: int) -> tuple[int, 
     for c in counts:
         cuts.append(cuts[-1] + c)
     return tuple(cuts)
+
+
+def _cuts_from_starts(groups: list[list[Node]], starts: Sequence[str],
+                      k: int) -> tuple[int, ...]:
+    atom = {n.name: i for i, g in enumerate(groups) for n in g}
+    missing = [name for name in starts[1:] if name not in atom]
+    if len(starts) != k or missing:
+        raise PartitionError(f"a remembered cut {list(starts)} does not fit this graph of "
+                             f"{k} stages (unknown nodes {missing})",
+                             hint="clear the cache (fxpipe profile --clear) and balance again")
+    return (0, *(atom[name] for name in starts[1:]), len(groups))
 
 
 def _cuts_from_split_points(groups: list[list[Node]], points: Sequence[str],

@@ -3,8 +3,9 @@
 #     profile='a100')
 #
 # Stage 1 of 3 of MLP: blocks.3.ln -> blocks.5 (15 ops)
-#   time    292.0 us per micro-batch, forward + backward (predicted): 34.8% of all stages' time,
+#   time    291.3 us per micro-batch, forward + backward (predicted): 34.8% of all stages' time,
 #             33.3% if even
+#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   408.96 KFLOP forward per micro-batch
 #   params  389.2 KiB; saved activations 15.0 KiB per micro-batch (512 B kept with remat)
 #   recv    blocks_2_add  f32[b, 64]  <- stage 0

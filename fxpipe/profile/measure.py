@@ -1,0 +1,312 @@
+"""Measures a device profile: each op class timed at a few sizes, the minimum over repeats.
+
+Another process that loads the machine can only slow a run down, never speed one up, so the
+fastest of many short runs is the device's own speed: every micro-benchmark is a kernel of a few
+milliseconds at most, repeated until enough samples are in, and the profile keeps the minimum.
+Work is counted by fxpipe.profile.kernels, the counting the cost pass uses, so a rate measured
+here applies to the counts of any model. On a GPU the kernels are launched back to back with one
+synchronisation per batch of launches (a sync per call would add its own latency to each).
+
+The link between stages is timed at the message sizes activations have, from 4 KiB to 16 MiB:
+between two CUDA devices when there are two, else (CPU) as gloo point-to-point over loopback
+between two process groups of this process.
+"""
+from __future__ import annotations
+
+import datetime
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fxpipe.profile.device import OP_CLASSES, ClassRate, Curve, DeviceProfile
+from fxpipe.profile.kernels import WorkCounter
+from fxpipe.profile.presets import SPECS
+
+__all__ = ["measure", "min_time", "median_time", "MESSAGE_SIZES"]
+
+MESSAGE_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
+_PCIE4 = 25e9
+
+
+def median_time(fn: Callable[[], object], *, warmup: int = 3, repeat: int = 7,
+                sync: Callable[[], None] | None = None) -> float:
+    """Median wall time of `fn` after warm-up (seconds)."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def min_time(fn: Callable[[], object], *, sync: Callable[[], None] | None = None,
+             inner: int = 1, samples: int = 30, budget: float = 0.25, warmup: int = 2) -> float:
+    """The fastest run of `fn` (seconds per call): `inner` calls per sample with one sync after
+    them, up to `samples` samples or `budget` seconds (at least 5 samples)."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    best = float("inf")
+    start = time.perf_counter()
+    for i in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        if sync:
+            sync()
+        best = min(best, (time.perf_counter() - t0) / inner)
+        if i >= 4 and time.perf_counter() - start > budget:
+            break
+    return best
+
+
+@dataclass
+class _Point:
+    """One micro-benchmark: a call, the work its kernels of one class do, its fastest run."""
+
+    curve: str  # "<class>.flops" or "<class>.bytes"
+    fn: Callable[[], object]
+    work: float  # FLOPs or bytes per kernel of the class
+    kernels: int
+    best: float = float("inf")  # seconds per call
+
+
+class _Suite:
+    """Micro-benchmarks timed round-robin: every point gets samples spread over the whole
+    measurement, so a burst of load elsewhere cannot spoil all samples of one point."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        cuda = device.type == "cuda"
+        self.sync: Callable[[], None] | None = torch.cuda.synchronize if cuda else None
+        self.inner = 10 if cuda else 1
+        self.points: list[_Point] = []
+
+    def tensor(self, *shape: int, grad: bool = False) -> torch.Tensor:
+        return torch.randn(*shape, device=self.device, dtype=self.dtype, requires_grad=grad)
+
+    def add(self, op_class: str, axis: str, calls: Sequence[Callable[[], object]]) -> None:
+        """Points of the curve `op_class`.`axis` ("flops" or "bytes"), one per call."""
+        for fn in calls:
+            counter = WorkCounter()
+            with counter:
+                fn()
+            flops, nbytes, kernels = counter.work[op_class]
+            kernels = int(max(kernels, 1))
+            work = (flops if axis == "flops" else nbytes) / kernels
+            self.points.append(_Point(f"{op_class}.{axis}", fn, work, kernels))
+
+    def run(self, budget: float, rounds: int = 40, least: int = 6) -> None:
+        """Samples every point once per round, `least` to `rounds` rounds within `budget` s;
+        each sample follows an untimed call of the same point (caches warm, as in a model where
+        each kernel reads what the previous one wrote)."""
+        start = time.perf_counter()
+        for i in range(rounds):
+            for point in self.points:
+                point.fn()
+                if self.sync:
+                    self.sync()
+                t0 = time.perf_counter()
+                for _ in range(self.inner):
+                    point.fn()
+                if self.sync:
+                    self.sync()
+                point.best = min(point.best, (time.perf_counter() - t0) / self.inner)
+            if i + 1 >= least and time.perf_counter() - start > budget:
+                break
+
+    def curve(self, name: str) -> Curve:
+        """(work per kernel, work per second) of the points of one curve."""
+        rates: dict[float, float] = {}
+        for p in self.points:
+            if p.curve == name and p.work > 0:
+                rates[p.work] = p.work * p.kernels / p.best
+        return Curve(tuple(sorted(rates.items())))
+
+
+Call = Callable[[], object]
+
+
+def _fwd_bwd(fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Call:
+    """fn(*args, **kwargs) and the backward of its sum."""
+    def run() -> None:
+        torch.autograd.backward(fn(*args, **kwargs).sum())
+    return run
+
+
+def _launches(tiny: torch.Tensor) -> list[torch.Tensor]:
+    return [tiny + 1 for _ in range(10)]
+
+
+def _linear_products(x: torch.Tensor, w: torch.Tensor,
+                     g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The three products of a linear layer: x @ w.T forward, g @ w and g.T @ x backward."""
+    return x @ w.T, g @ w, g.T @ x
+
+
+def _add_points(suite: _Suite) -> None:
+    gpu = suite.device.type == "cuda"
+    t = suite.tensor
+    # launching a kernel: ten in a row, as a model's kernels follow one another
+    suite.points.append(_Point("overhead", partial(_launches, torch.ones(8, device=suite.device)),
+                               0.0, 10))
+    # element-wise: x + y streams memory, gelu computes (8 FLOPs per element as counted)
+    numels = [2**i for i in (range(16, 29, 2) if gpu else range(10, 23, 2))]
+    pairs = [(t(n), t(n)) for n in numels]
+    rows = [x.view(-1, 256) for x, _ in pairs]
+    big = [x for x in rows if 2**14 <= x.numel() <= (2**24 if gpu else 2**20)]
+    suite.add("elementwise", "bytes", [partial(torch.add, x, y) for x, y in pairs])
+    suite.add("elementwise", "flops", [partial(F.gelu, x) for x in big])
+    suite.add("reduction", "bytes", [partial(torch.sum, x, -1) for x in rows])
+    suite.add("reduction", "flops", [partial(F.layer_norm, x, (256,)) for x in big])
+    # compute-bound classes at their own FLOP/s (the memory's bandwidth for skinny shapes):
+    # the products of linear layers, with an output 4x wider as in an MLP
+    linear = [(t(n, n), t(4 * n, n), t(n, 4 * n))
+              for n in ([1024, 2048, 4096] if gpu else [32, 64, 128, 256])]
+    suite.add("matmul", "flops", [partial(_linear_products, *xwg) for xwg in linear])
+    heads = 16 if gpu else 4
+    qkv = [[t(1, heads, s, 64, grad=True) for _ in range(3)]
+           for s in ([512, 1024, 2048] if gpu else [32, 64, 128])]
+    suite.add("attention", "flops", [_fwd_bwd(F.scaled_dot_product_attention, *q, is_causal=True)
+                                     for q in qkv])
+    side, batch = (32, 8) if gpu else (16, 2)
+    convs = [(t(batch, c, side, side, grad=True), t(c, c, 3, 3, grad=True))
+             for c in ([64, 128, 256] if gpu else [16, 32, 64])]
+    suite.add("convolution", "flops", [_fwd_bwd(F.conv2d, x, w, padding=1) for x, w in convs])
+    # embedding: a gather forward, a scatter into the table's gradient backward
+    table = t(4096, 256, grad=True)
+    ids = [torch.randint(4096, (r,), device=suite.device)
+           for r in ([4096, 16384, 65536] if gpu else [64, 256, 1024])]
+    suite.add("embedding", "bytes", [_fwd_bwd(F.embedding, i, table) for i in ids])
+
+
+def _class_rates(suite: _Suite) -> dict[str, ClassRate]:
+    memory = suite.curve("elementwise.bytes")
+    return {"matmul": ClassRate(memory, suite.curve("matmul.flops")),
+            "attention": ClassRate(memory, suite.curve("attention.flops")),
+            "convolution": ClassRate(memory, suite.curve("convolution.flops")),
+            "embedding": ClassRate(suite.curve("embedding.bytes")),
+            "reduction": ClassRate(suite.curve("reduction.bytes"),
+                                   suite.curve("reduction.flops")),
+            "elementwise": ClassRate(memory, suite.curve("elementwise.flops"))}
+
+
+def _link_curve(points: Sequence[tuple[float, float]]) -> Curve:
+    return Curve(tuple(sorted((float(size), rate) for size, rate in points if rate > 0)))
+
+
+def _gloo_link() -> Curve:
+    """Gloo send/recv over loopback between two process groups of this process, ping-pong."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()  # type: ignore[attr-defined]  # not re-exported in the stubs
+    groups: list[Any] = [None, None]
+    timeout = datetime.timedelta(seconds=60)
+
+    def make(rank: int) -> None:
+        prefixed = dist.PrefixStore("fxpipe-link", store)  # type: ignore[attr-defined]
+        groups[rank] = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+
+    _both(make)
+    best: dict[int, float] = {}
+
+    def ping(rank: int) -> None:
+        group = groups[rank]
+        assert group is not None
+        for size in MESSAGE_SIZES:
+            buffer = torch.ones(size // 4)
+            fastest = float("inf")
+            for _ in range(8 if size <= 2**20 else 4):
+                start = time.perf_counter()
+                if rank == 0:
+                    group.send([buffer], 1, 0).wait()
+                    group.recv([buffer], 1, 1).wait()
+                else:
+                    group.recv([buffer], 0, 0).wait()
+                    group.send([buffer], 0, 1).wait()
+                fastest = min(fastest, (time.perf_counter() - start) / 2)
+            if rank == 0:
+                best[size] = fastest
+
+    _both(ping)
+    return _link_curve([(size, size / seconds) for size, seconds in best.items()])
+
+
+def _both(fn: Callable[[int], None]) -> None:
+    threads = [threading.Thread(target=fn, args=(rank,), daemon=True) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _cuda_link(device: torch.device) -> tuple[Curve, str]:
+    if torch.cuda.device_count() >= 2:
+        other = torch.device("cuda", (device.index or 0) + 1 if (device.index or 0) + 1 <
+                             torch.cuda.device_count() else 0)
+        points = []
+        for size in MESSAGE_SIZES:
+            x = torch.empty(size // 4, device=device)
+            seconds = min_time(partial(x.to, other, non_blocking=True),
+                               sync=torch.cuda.synchronize, inner=10, samples=10)
+            points.append((float(size), size / seconds))
+        return _link_curve(points), f"copies {device} -> {other}"
+    name = torch.cuda.get_device_name(device)
+    for key, spec in SPECS.items():
+        if spec.name.split()[-2:] == name.split()[-2:] or key.upper() in name.upper():
+            return Curve.flat(spec.link), f"{spec.link_name} from the {key} datasheet"
+    return Curve.flat(_PCIE4), "PCIe 4.0 x16 assumed (one GPU: nothing to measure)"
+
+
+def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.float32,
+            threads: int | None = 1, link: bool = True, name: str = "", key: str = "",
+            budget: float = 2.0) -> DeviceProfile:
+    """Measures every op class, the kernel overhead and the link on `device` (a few seconds).
+
+    Args:
+        device: where to measure ("cpu", "cuda:0", ...).
+        dtype: the floating-point dtype the model computes in.
+        threads: torch.set_num_threads during the measurement on CPU (restored afterwards);
+            a pipeline runs one stage per process, one thread each.
+        link: measure the link between stages too (else a constant for loopback gloo).
+        budget: seconds of round-robin sampling of the op classes (at least 6 rounds).
+    """
+    device = torch.device(device)
+    previous = torch.get_num_threads()
+    if threads and device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        suite = _Suite(device, dtype)
+        _add_points(suite)
+        suite.run(budget)
+        rates = _class_rates(suite)
+        overhead = next(p.best / p.kernels for p in suite.points if p.curve == "overhead")
+        if device.type == "cuda":
+            curve, how = _cuda_link(device)
+        elif link:
+            curve, how = _gloo_link(), "gloo loopback ping-pong, 4 KiB .. 16 MiB"
+        else:
+            curve, how = Curve.flat(0.8e9), "gloo loopback assumed at 0.8 GB/s"
+    finally:
+        torch.set_num_threads(previous)
+    where = f"{device.type}, {threads} thread(s)" if device.type == "cpu" else str(device)
+    precision = str(dtype).replace("torch.", "")
+    source = (f"measured on {where} in {precision}: each op class at 3-7 sizes, fastest of "
+              f"round-robin runs; link: {how}")
+    return DeviceProfile(name or f"measured {where} ({precision})",
+                         tuple((c, rates[c]) for c in OP_CLASSES), overhead, curve,
+                         0.0, source, precision, key)

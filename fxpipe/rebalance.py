@@ -1,0 +1,329 @@
+"""Balancing by measurement (balance="dynamic", program.rebalance()): measure, correct, cut
+again; and the parameters and optimizer state that then change hands.
+
+The loop: measure each stage's compute time on the current cut, correct every node's time by
+its stage's measured / predicted ratio (passes.partition.correct), solve the partition again,
+and repeat until the measured stages are within TOLERANCE of each other or the cut comes back to
+one already measured; the fastest cut measured is kept. Every rank of a torchrun job measures its
+own stage, all ranks share the numbers, and rank 0's partition is the one every rank builds.
+
+A balanced cut is remembered in the user's cache folder (fxpipe.profile.cache_dir()/balance),
+keyed by the captured graph, the options, the device profile and the number of processes, so the
+next compile of the same model on the same machine gets the same cut without measuring.
+
+When a running program's cut changes under torchrun, parameters, buffers and optimizer state
+move from the rank that held them to the rank that now holds them, one message per pair of
+ranks, in an order every rank derives alike (a pair's two ranks reach it together).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpipe.built import Built
+from fxpipe.errors import RuntimeInputError
+from fxpipe.files import atomic_write
+from fxpipe.losses import LossFn
+from fxpipe.passes.partition import TOLERANCE, BalanceRound, best_round, corrected
+from fxpipe.pipeline import PlanAgreement, rebuild
+from fxpipe.profile import cache_dir
+from fxpipe.runtime.distributed import Mesh
+from fxpipe.runtime.local import LocalExecutor, remat_enabled
+from fxpipe.runtime.rank import RankStage
+from fxpipe.runtime.stagetime import time_stages
+from fxpipe.runtime.timeline import busy_time
+from fxpipe.signature import Signature
+from fxpipe.state import graph_tensors
+from fxpipe.version import __version__
+
+__all__ = ["balance_by_measurement", "cut_of", "balance_key", "load_balance", "save_balance",
+           "moves", "move_state", "move_optimizer_state", "untouched", "measure_local",
+           "measure_ranks", "robust_time"]
+
+Measure = Callable[[Built], list[float]]
+"""Seconds of compute per micro-batch of each stage of a built program, measured."""
+
+
+def cut_of(built: Built) -> tuple[str, ...]:
+    """The first node of every stage: what identifies a cut."""
+    return tuple(s.nodes[0] if s.nodes else "" for s in built.plan.stages)
+
+
+def _round(built: Built, measured: Sequence[float]) -> BalanceRound:
+    plan = built.plan
+    return BalanceRound(cut_of(built), tuple(s.first_module for s in plan.stages),
+                        tuple(s.compute_time for s in plan.stages), tuple(measured))
+
+
+def balance_by_measurement(built: Built, *, measure: Measure, install: Callable[[Built], None],
+                           agree: PlanAgreement | None = None, rounds: int = 4,
+                           tolerance: float = TOLERANCE,
+                           progress: Callable[[str], None] | None = None) -> Built:
+    """Measures and re-cuts `built` (already installed) until balanced; returns the program
+    built on the fastest cut measured, installed, with its rounds recorded."""
+    history: list[BalanceRound] = []
+    made_with: dict[tuple[str, ...], dict[str, float]] = {}
+    current = built
+    for index in range(rounds):
+        made_with[cut_of(current)] = dict(current.corrections)
+        this = _round(current, measure(current))
+        history.append(this)
+        if progress:
+            progress(f"balance round {index + 1}: stages start at {', '.join(this.modules)}; "
+                     f"measured {_ms(this.measured)} ms per micro-batch (predicted "
+                     f"{_ms(this.predicted)}), {this.spread:.1%} apart")
+        if this.spread <= tolerance or index == rounds - 1:
+            break
+        stages = [list(s.nodes) for s in current.plan.stages]
+        fixes = corrected(current.corrections, stages, this.predicted, this.measured)
+        following = rebuild(current, fixes, agree=agree)
+        if cut_of(following) in made_with:  # the cut stopped moving
+            break
+        install(following)
+        current = following
+    # The fastest cut measured, its nodes corrected by its own measurement: what it predicts
+    # is what it measured.
+    best = best_round(history)
+    stages = _stage_nodes(current, best.starts, made_with[best.starts], agree)
+    fixes = corrected(made_with[best.starts], stages, best.predicted, best.measured)
+    final = rebuild(current, fixes, agree=agree, starts=best.starts)
+    if cut_of(final) != cut_of(current):
+        install(final)
+    else:  # same stages: only the predictions changed
+        current.plan, current.corrections = final.plan, final.corrections
+        final = current
+    final.rounds = history
+    return final
+
+
+def _stage_nodes(current: Built, starts: tuple[str, ...], corrections: dict[str, float],
+                 agree: PlanAgreement | None) -> list[list[str]]:
+    if cut_of(current) == starts:
+        return [list(s.nodes) for s in current.plan.stages]
+    return [list(s.nodes) for s in
+            rebuild(current, corrections, agree=agree, starts=starts).plan.stages]
+
+
+def _ms(times: Sequence[float]) -> str:
+    return " / ".join(f"{t * 1e3:.2f}" for t in times)
+
+
+# --- remembering balanced cuts -----------------------------------------------------------------
+
+def balance_key(built: Built, world: int) -> str:
+    """What a balanced cut depends on: the graph, the options, the device, the processes."""
+    config = built.config
+    parts = [built.captured.code, built.model_name, str(config.stages), str(config.chunks),
+             config.remat, config.schedule, repr(config.devices), repr(config.memory_limit),
+             built.profile.key or built.profile.name, str(world), torch.__version__, __version__]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def load_balance(key: str
+                 ) -> tuple[tuple[str, ...], dict[str, float], list[BalanceRound]] | None:
+    """The cut (first node of each stage), corrections and rounds balanced before, or None."""
+    path = cache_dir() / "balance" / f"{key}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        rounds = [BalanceRound(tuple(r["starts"]), tuple(r["modules"]),
+                               tuple(r["predicted_s"]), tuple(r["measured_s"]))
+                  for r in data["rounds"]]
+        corrections = {str(k): float(v) for k, v in data["corrections"].items()}
+        return tuple(str(n) for n in data["starts"]), corrections, rounds
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_balance(key: str, built: Built) -> None:
+    path = cache_dir() / "balance" / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(str(path), json.dumps({"starts": list(cut_of(built)),
+                                        "corrections": built.corrections,
+                                        "rounds": [r.to_json() for r in built.rounds]},
+                                       indent=1, sort_keys=True) + "\n")
+
+
+# --- moving state between ranks ----------------------------------------------------------------
+
+def _holders(built: Built) -> dict[str, list[int]]:
+    """Model tensor (graph qualified name) -> the stages that hold it."""
+    out: dict[str, list[int]] = {}
+    for st in built.stages:
+        for name in graph_tensors(st.graph_module):
+            out.setdefault(name, []).append(st.index)
+    return out
+
+
+def moves(old: Built, new: Built) -> list[tuple[int, int, str]]:
+    """(from stage, to stage, tensor) for every tensor a stage holds under `new` but not under
+    `old`; it comes from the lowest stage that held it. Sorted: every rank walks one order."""
+    before, after = _holders(old), _holders(new)
+    out = []
+    for name, stages in sorted(after.items()):
+        held = before.get(name, [])
+        for stage in stages:
+            if stage not in held and held:
+                out.append((min(held), stage, name))
+    return sorted(out)
+
+
+def move_state(old: Built, new: Built, mesh: Mesh, tensors: Mapping[str, torch.Tensor],
+               optimizer: torch.optim.Optimizer | None) -> int:
+    """Sends this rank's tensors (and their optimizer state) that another stage now holds, and
+    receives those this stage now holds; then makes `optimizer` hold exactly the parameters of
+    this rank's new stage. `tensors`: the model's tensors by graph qualified name (every rank
+    holds the whole model; only the owner's copy is current). Returns the tensors received."""
+    pairs: dict[tuple[int, int], list[str]] = {}
+    for src, dst, name in moves(old, new):
+        pairs.setdefault((src, dst), []).append(name)
+    received = 0
+    for (src, dst), moved in sorted(pairs.items()):
+        if mesh.stage == src:
+            payload = {q: _packed(tensors[q], optimizer) for q in moved}
+            dist.send_object_list([payload], dst=mesh.rank_of(dst))
+        elif mesh.stage == dst:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=mesh.rank_of(src))
+            for q, entry in box[0].items():
+                _unpack(tensors[q], entry, optimizer)
+                received += 1
+    if optimizer is not None:
+        _keep_only(optimizer, [tensors[q] for q, stages in _holders(new).items()
+                               if mesh.stage in stages])
+    return received
+
+
+def _group_of(optimizer: torch.optim.Optimizer | None, tensor: torch.Tensor) -> int:
+    if optimizer is not None:
+        for i, group in enumerate(optimizer.param_groups):
+            if any(p is tensor for p in group["params"]):
+                return i
+    return 0
+
+
+def _packed(tensor: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    if optimizer is not None and tensor in optimizer.state:
+        state = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                 for k, v in optimizer.state[tensor].items()}
+    return {"value": tensor.detach().cpu(), "state": state,
+            "group": _group_of(optimizer, tensor)}
+
+
+def _unpack(tensor: torch.Tensor, entry: Mapping[str, Any],
+            optimizer: torch.optim.Optimizer | None) -> None:
+    with torch.no_grad():
+        tensor.copy_(entry["value"])
+    if optimizer is None or not isinstance(tensor, torch.nn.Parameter):
+        return
+    if entry["state"]:
+        optimizer.state[tensor] = {
+            k: v.to(tensor.device) if isinstance(v, torch.Tensor) and v.dim() else v
+            for k, v in entry["state"].items()}
+    groups = optimizer.param_groups
+    if entry["group"] >= len(groups):
+        raise RuntimeInputError(
+            f"a parameter moving to this rank belonged to optimizer parameter group "
+            f"{entry['group']}, but this rank's optimizer has {len(groups)} groups",
+            hint="build the optimizer with the same parameter groups on every rank (empty ones "
+                 "included)")
+    if not any(p is tensor for g in groups for p in g["params"]):
+        groups[entry["group"]]["params"].append(tensor)
+
+
+def _keep_only(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    """Drops from the optimizer (and its state) the parameters this rank no longer holds."""
+    keep = {id(p) for p in params}
+    for group in optimizer.param_groups:
+        dropped = [p for p in group["params"] if id(p) not in keep]
+        group["params"] = [p for p in group["params"] if id(p) in keep]
+        for p in dropped:
+            optimizer.state.pop(p, None)
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Puts each parameter's optimizer state on that parameter's device (a stage moved it)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.device != p.device:
+                    optimizer.state[p][key] = value.to(p.device)
+
+
+
+# --- measuring a program's stages --------------------------------------------------------------
+
+@contextlib.contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Measuring steps leave no trace: gradients, buffers (BatchNorm statistics) and the RNG
+    streams are as they were before."""
+    grads = {p: (p.grad.clone() if p.grad is not None else None) for p in model.parameters()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, grad in grads.items():
+            p.grad = grad
+
+
+def measure_local(executor: LocalExecutor, signature: Signature, chunks: int, remat: str,
+                  flat: Sequence[torch.Tensor], target: torch.Tensor | None,
+                  loss_fn: LossFn, steps: int) -> list[float]:
+    """Seconds per micro-batch each stage computes, every stage timed alone in this process
+    (CPU stages with one thread each, as one process per stage runs them)."""
+    previous = torch.get_num_threads()
+    if all(st.device.type == "cpu" for st in executor.stages):
+        torch.set_num_threads(1)
+    try:
+        times = time_stages(executor.stages, signature, chunks, remat, flat, target, loss_fn,
+                            steps=steps)
+    finally:
+        torch.set_num_threads(previous)
+    return [robust_time(per_step, remat) for per_step in times]
+
+
+def robust_time(samples: Sequence[Sequence[float]], remat: str) -> float:
+    """Seconds per micro-batch from samples[step][micro-batch]: among micro-batches that do the
+    same work (those that recompute, and those that do not), the fastest sample, weighted by
+    how many there are. Load elsewhere only slows samples down, so the fastest is the stage's
+    own time; taking it over steps and micro-batches gives many chances to see it."""
+    chunks = len(samples[0])
+    groups: dict[bool, list[float]] = {}
+    for per_mb in samples:
+        for mb, seconds in enumerate(per_mb):
+            groups.setdefault(remat_enabled(remat, mb, chunks), []).append(seconds)
+    counts = {flag: sum(remat_enabled(remat, mb, chunks) == flag for mb in range(chunks))
+              for flag in groups}
+    return sum(min(times) * counts[flag] for flag, times in groups.items()) / chunks
+
+
+def measure_ranks(rank: RankStage, flat: list[torch.Tensor], target: torch.Tensor | None,
+                  loss_fn: LossFn, steps: int) -> list[float]:
+    """Seconds per micro-batch each stage computes in real pipeline steps (one warm-up, then
+    the fastest of `steps`; waits excluded), the same list on every rank (averaged over
+    data-parallel replicas)."""
+    mesh = rank.mesh
+    samples = []
+    for i in range(steps + 1):
+        _, result = rank.step(flat, target, loss_fn)
+        if i:
+            samples.append([busy_time([e for e in result.events if e.microbatch == mb],
+                                      mesh.stage) for mb in range(rank.chunks)])
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mesh.stage, robust_time(samples, rank.remat)))
+    per_stage: dict[int, list[float]] = {}
+    for stage, seconds in everyone:
+        per_stage.setdefault(stage, []).append(seconds)
+    return [sum(v) / len(v) for _, v in sorted(per_stage.items())]

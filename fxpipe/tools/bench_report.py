@@ -1,0 +1,193 @@
+"""What `fxpipe bench` reports: step times side by side, fxpipe's stages measured against their
+prediction, the race against torch.distributed.pipelining; bench.json, bench.md, a trace."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any
+
+from tabulate import tabulate
+
+from fxpipe.report import human_bytes
+from fxpipe.runtime.timeline import Event, write_chrome_trace
+from fxpipe.tools.bench_worker import REMAT_COMPARED
+
+__all__ = ["summarise", "write"]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _fastest(step: dict[str, float], prefix: str, exclude: tuple[str, ...] = ()) -> str | None:
+    names = [n for n in step if n.startswith(prefix) and not n.startswith(exclude)]
+    return min(names, key=lambda n: step[n]) if names else None
+
+
+def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[str, float]]],
+              options: dict[str, Any]) -> dict[str, Any]:
+    ranks = sorted(results)
+    first = results[ranks[0]]
+    step, spread = {}, {}
+    for name, samples in first["times"].items():
+        per_step = [max(results[r]["times"][name][i] for r in ranks if results[r]["times"][name])
+                    for i in range(len(samples))]
+        step[name] = _median(per_step)
+        spread[name] = [min(per_step), max(per_step)] if per_step else [0.0, 0.0]
+    measured = step["fxpipe"]
+    pipeline = _median([max(results[r]["pipeline"]["fxpipe"][i] for r in ranks)
+                        for i in range(len(first["pipeline"]["fxpipe"]))])
+    best_schedule = _fastest(step, "fxpipe", exclude=("fxpipe_remat_",)) or "fxpipe"
+    torch_best = _fastest(step, "torch_")
+    compute = [_median([c for c, _ in results[r]["stage_times"]["fxpipe"]]) for r in ranks]
+    waits = [_median([w for _, w in results[r]["stage_times"]["fxpipe"]]) for r in ranks]
+    by_mode = {m: step["fxpipe" if m == options["remat"] else f"fxpipe_remat_{m}"]
+               for m in REMAT_COMPARED}
+    predicted = first["predicted"]["fxpipe"]
+    summary: dict[str, Any] = {
+        **{k: options[k] for k in ("model", "stages", "chunks", "remat", "batch", "balance")},
+        "load_average": options["load_average"],
+        "step_time_s": step, "step_time_min_max_s": spread,
+        "samples_per_s": {k: options["batch"] / v for k, v in step.items()},
+        "speedup_vs_single_process": step["single_process"] / measured,
+        "speedups_vs_single_process": {k: step["single_process"] / v for k, v in step.items()},
+        "ideal_speedup": options["stages"] * options["chunks"]
+        / (options["chunks"] + options["stages"] - 1),
+        "best_schedule": best_schedule.removeprefix("fxpipe_") if best_schedule != "fxpipe"
+        else "gpipe",
+        "torch_pipelining_best": torch_best,
+        "step_time_ratio_vs_torch_pipelining_best":
+            step[best_schedule] / step[torch_best] if torch_best else None,
+        # the old comparison: torch's traced GPipe at fxpipe's cut
+        "step_time_ratio_vs_torch_pipelining":
+            measured / step["torch_traced_fxpipe_gpipe"]
+            if "torch_traced_fxpipe_gpipe" in step else None,
+        "stage_imbalance": max(compute) / min(compute) - 1 if min(compute) > 0 else None,
+        "predicted_step_time_s": predicted,
+        "pipeline_step_time_s": pipeline,  # program.step alone, what the prediction covers
+        "predicted_over_measured": predicted / pipeline,
+        "remat_step_time_ratio": by_mode["except_last"] / by_mode["never"],
+        "remat_step_time_ratios": {m: by_mode[m] / by_mode["never"] for m in REMAT_COMPARED[1:]},
+        "stages_detail": [],
+        "kept_activations": memory,
+        "losses_first_step": first["losses"],
+        "split_points": first["split_points"],
+        "balance_rounds": first["balance_rounds"], "balance_source": first["balance"],
+        "profile": first["profile"],
+        "torch_variants": first["variants"],
+        "skipped": sorted({note for r in ranks for note in results[r]["skipped"]}),
+    }
+    for r, busy, wait in zip(ranks, compute, waits):
+        kept = {m: memory[m][r]["measured_bytes"] for m in REMAT_COMPARED}
+        summary["stages_detail"].append({
+            "stage": r, **first["stages"][r], "busy_s": busy, "recv_wait_s": wait,
+            "idle_s": max(0.0, pipeline - busy), "bubble": max(0.0, 1 - busy / pipeline),
+            **{f"kept_bytes_remat_{m}": kept[m] for m in REMAT_COMPARED},
+            "kept_reduction": _ratio(kept["never"], kept["except_last"]),
+            "kept_reductions": {m: _ratio(kept["never"], kept[m]) for m in REMAT_COMPARED[1:]}})
+    summary["events"] = {r: results[r]["events"] for r in ranks}
+    summary["predicted_events"] = first["predicted_events"]
+    return summary
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _lines(summary: dict[str, Any]) -> list[str]:
+    spread, step = summary["step_time_min_max_s"], summary["step_time_s"]
+    rows = [[name, f"{t:.3f}", f"{spread[name][0]:.3f}-{spread[name][1]:.3f}",
+             f"{summary['samples_per_s'][name]:.1f}", f"{step['single_process'] / t:.2f}x"]
+            for name, t in sorted(step.items(), key=lambda kv: kv[1])]
+    lines = [f"# fxpipe bench: {summary['model']}, {summary['stages']} stages x "
+             f"{summary['chunks']} micro-batches, remat={summary['remat']}, "
+             f"balance={summary['balance']}", "",
+             f"machine load average (1 min) before / after: "
+             f"{summary['load_average'][0]:.2f} / {summary['load_average'][1]:.2f}", "",
+             tabulate(rows, headers=["variant", "median step (s)", "min-max (s)", "samples/s",
+                                     "speedup vs 1 process"], tablefmt="github"), "",
+             f"- speedup over one process (fxpipe GPipe): "
+             f"**{summary['speedup_vs_single_process']:.2f}x** "
+             f"(ideal {summary['ideal_speedup']:.2f}x)",
+             f"- fxpipe's best schedule: {summary['best_schedule']}"]
+    if summary["torch_pipelining_best"]:
+        lines.append(f"- fastest torch.distributed.pipelining variant: "
+                     f"{summary['torch_pipelining_best']}; fxpipe best / it: "
+                     f"**{summary['step_time_ratio_vs_torch_pipelining_best']:.3f}**")
+    imbalance = summary["stage_imbalance"]
+    lines += ["- measured stage imbalance (slowest / fastest compute - 1): "
+              + (f"**{imbalance:.1%}**" if imbalance is not None else "-"),
+              f"- predicted step time {summary['predicted_step_time_s']:.3f} s vs measured "
+              f"program.step {summary['pipeline_step_time_s']:.3f} s "
+              f"(predicted/measured {summary['predicted_over_measured']:.3f})",
+              "- step time with remat on / off: " + ", ".join(
+                  f"{m} {r:.3f}" for m, r in summary["remat_step_time_ratios"].items()),
+              f"- fxpipe's cut (stages 1.. begin at): {summary['split_points']}; "
+              f"{summary['balance_source']}", f"- profile: {summary['profile']}", ""]
+    for i, r in enumerate(summary["balance_rounds"]):
+        lines.append(f"- balance round {i + 1}: stages at {r['modules']}, predicted "
+                     f"{[round(t * 1e3, 2) for t in r['predicted_s']]} ms, measured "
+                     f"{[round(t * 1e3, 2) for t in r['measured_s']]} ms per micro-batch "
+                     f"({r['spread']:.1%} apart)")
+    lines += ["", tabulate(
+        [[d["stage"], d["first"], d["last"], d["ops"], f"{d['predicted_s']:.3f}",
+          f"{d['busy_s']:.3f}", f"{d['recv_wait_s']:.3f}", f"{d['idle_s']:.3f}",
+          f"{d['bubble']:.1%}",
+          *[human_bytes(d[f"kept_bytes_remat_{m}"]) for m in REMAT_COMPARED]]
+         for d in summary["stages_detail"]],
+        headers=["stage", "first", "last", "ops", "predicted compute (s)", "compute (s)",
+                 "recv waits (s)", "not computing (s)", "bubble",
+                 *[f"kept ({m})" for m in REMAT_COMPARED]], tablefmt="github")]
+    if summary["skipped"]:
+        lines += ["", "not run:"] + [f"- {s}" for s in summary["skipped"]]
+    return lines
+
+
+def write(summary: dict[str, Any], out: str, plot: bool = False) -> None:
+    os.makedirs(out, exist_ok=True)
+    events = summary.pop("events")
+    predicted_events = summary.pop("predicted_events")
+    text = "\n".join(_lines(summary)) + "\n"
+    print("\n" + text)
+    with open(os.path.join(out, "bench.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(os.path.join(out, "bench.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, sort_keys=True, default=str)
+    measured = [Event(**e) for evs in events.values() for e in evs]
+    predicted = [Event(**e) for e in predicted_events]
+    write_chrome_trace(os.path.join(out, "bench_trace.json"),
+                       {"fxpipe measured": measured, "fxpipe predicted": predicted})
+    print(f"wrote {out}/bench.json, {out}/bench.md, {out}/bench_trace.json")
+    if plot:
+        _plot(measured, os.path.join(out, "bench_timeline.png"))
+
+
+def _plot(events: list[Event], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); skipped")
+        return
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "recv": "tab:gray",
+              "send": "tab:green", "recv_grad": "tab:gray", "send_grad": "tab:green"}
+    stages = sorted({e.stage for e in events if e.stage >= 0})
+    fig, ax = plt.subplots(figsize=(12, 1 + len(stages)))
+    for e in events:
+        if e.kind in colors and e.stage >= 0:
+            ax.barh(e.stage, e.end - e.start, left=e.start, color=colors[e.kind],
+                    edgecolor="black", linewidth=0.3)
+            if e.kind in ("forward", "backward"):
+                ax.text(e.start + (e.end - e.start) / 2, e.stage,
+                        f"{'F' if e.kind == 'forward' else 'B'}{e.microbatch}", ha="center",
+                        va="center", fontsize=7)
+    ax.set_yticks(stages)
+    ax.set_yticklabels([f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

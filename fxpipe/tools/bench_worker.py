@@ -1,0 +1,217 @@
+"""One rank of `fxpipe bench`: builds every variant on the same model, data and micro-batches, then
+times them step by step, alternating, so that drifts of the machine hit them alike.
+
+Variants: the plain model in one process (rank 0; gradient accumulation over the same
+micro-batches), fxpipe with every schedule of fxpipe.runtime.schedule.SCHEDULES (remat as asked)
+and with the other remat modes (GPipe), and the torch.distributed.pipelining variants of
+fxpipe.tools.bench_torch. fxpipe's steps also record, per stage, the compute (forward, backward,
+recompute; waits excluded) and the time spent waiting for receives.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fxpipe
+from fxpipe.errors import FxPipeError
+from fxpipe.losses import default_loss
+from fxpipe.models import load_factory
+from fxpipe.program import Program
+from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.timeline import Event, busy_time, predicted_events
+from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
+
+__all__ = ["worker", "REMAT_COMPARED"]
+
+# Remat modes measured side by side: off, the default (every micro-batch but the last, whose
+# backward follows at once), and every micro-batch.
+REMAT_COMPARED = ("never", "except_last", "always")
+_WAITS = ("recv", "recv_grad")
+TRY_TIMEOUT_S = 60  # the first step of a torch variant, on every rank
+
+Step = Callable[[], float]
+
+
+def worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
+    try:
+        queue.put((rank, run_worker(rank, world, port, args)))
+    except Exception:  # noqa: BLE001 - report to the parent, which prints it once
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+class _FxpipeVariant:
+    """A compiled program, its optimizer, and what each of its steps measured."""
+
+    def __init__(self, program: Program, inputs: tuple[Any, ...], target: Any) -> None:
+        self.program, self.inputs, self.target = program, inputs, target
+        self.optimizer = torch.optim.SGD(program.parameters(), lr=1e-3)
+        self.pipeline: list[float] = []  # seconds of program.step alone
+        self.stage: list[tuple[float, float]] = []  # (compute, receive waits) of this rank
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        loss = self.program.step(*self.inputs, target=self.target)
+        self.pipeline.append(time.perf_counter() - start)
+        events: list[Event] = self.program.measured.get("last_step_events", [])
+        waits = sum(e.end - e.start for e in events if e.kind in _WAITS)
+        self.stage.append((busy_time(events), waits))  # every stage of this rank
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+
+def _compile(model: Any, inputs: tuple[Any, ...], world: int, args: dict[str, Any],
+             remat: str, schedule: str) -> Program:
+    """fxpipe's program for `schedule`: one stage per rank, else (schedules with several stages
+    per rank) two."""
+    options = dict(chunks=args["chunks"], remat=remat, balance=args["balance"],
+                   schedule=schedule)
+    try:
+        return fxpipe.compile(copy.deepcopy(model), inputs, stages=world, **options)
+    except FxPipeError:
+        if schedule == "gpipe":
+            raise
+        return fxpipe.compile(copy.deepcopy(model), inputs, stages=2 * world, **options)
+
+
+def _single(model: Any, inputs: tuple[Any, ...], target: Any, chunks: int) -> Step:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    micro = list(zip(*[x.tensor_split(chunks, dim=0) for x in inputs]))
+    targets = target.tensor_split(chunks, dim=0)
+
+    def step() -> float:
+        total = 0.0
+        for args, tgt in zip(micro, targets):
+            loss = default_loss(model(*args), tgt) / chunks
+            torch.autograd.backward(loss)
+            total += float(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+def _build_fxpipe(rank: int, world: int, model: Any, inputs: tuple[Any, ...], target: Any,
+                  args: dict[str, Any], skipped: list[str]) -> dict[str, _FxpipeVariant]:
+    out: dict[str, _FxpipeVariant] = {}
+    for schedule in SCHEDULES:
+        name = "fxpipe" if schedule == "gpipe" else f"fxpipe_{schedule}"
+        _say(rank, f"compiling {name} (balance={args['balance']}, remat={args['remat']}) ...")
+        start = time.perf_counter()
+        try:
+            program = _compile(model, inputs, world, args, args["remat"], schedule)
+        except FxPipeError as e:
+            skipped.append(f"{name}: {str(e).splitlines()[0]}")
+            continue
+        out[name] = _FxpipeVariant(program, inputs, target)
+        _say(rank, f"  {name} ready in {time.perf_counter() - start:.1f} s; stages start at "
+                   + ", ".join(s.first_module for s in program.plan.stages))
+    for remat in REMAT_COMPARED:
+        if remat != args["remat"]:
+            _say(rank, f"compiling fxpipe_remat_{remat} ...")
+            out[f"fxpipe_remat_{remat}"] = _FxpipeVariant(
+                _compile(model, inputs, world, args, remat, "gpipe"), inputs, target)
+    return out
+
+
+def _try_torch(variant: TorchVariant, model: Any, inputs: tuple[Any, ...], target: Any,
+               chunks: int, rank: int, world: int, skipped: list[str],
+               losses: dict[str, float]) -> Step | None:
+    """The variant's step after a first one that worked on every rank (its loss is the
+    variant's first), else None and a note. Each variant has its own process group with a
+    timeout, so a rank that torch fails on leaves the others waiting only that long."""
+    group = dist.new_group(timeout=timedelta(seconds=TRY_TIMEOUT_S))
+    step: Step | None = None
+    error = ""
+    try:
+        step = build_torch_step(variant, copy.deepcopy(model), inputs, target, chunks, rank,
+                                world, group)
+        losses[variant.name] = step()
+    except Exception as e:  # noqa: BLE001 - a variant torch cannot run is reported
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        step = None
+    failed = torch.tensor([0 if step is not None else 1])
+    dist.all_reduce(failed)
+    if int(failed):
+        if error:
+            skipped.append(f"{variant.name} (rank {rank}): {error[:300]}")
+        losses.pop(variant.name, None)
+        return None
+    return step
+
+
+def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str, Any]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=900))
+    torch.manual_seed(0)
+    model, inputs, _, target = load_factory(args["factory"], args["settings"])
+    chunks = args["chunks"]
+    skipped: list[str] = []
+    fx = _build_fxpipe(rank, world, model, inputs, target, args, skipped)
+    main = fx["fxpipe"].program
+    points = {world: [s.first_module for s in main.plan.stages[1:]],
+              **{int(k): v for k, v in args["fxpipe_points"].items()}}
+    variants, notes = plan_variants(model, world, points, args["torch_schedules"])
+    skipped += notes
+    steps: dict[str, Step] = {name: v.step for name, v in fx.items()}
+    losses: dict[str, float] = {}
+    for variant in variants:
+        _say(rank, f"building {variant.name} (stages start at "
+                   f"{', '.join(variant.points) or variant.units}) and trying one step ...")
+        step = _try_torch(variant, model, inputs, target, chunks, rank, world, skipped, losses)
+        if step is not None:
+            steps[variant.name] = step
+    single = _single(copy.deepcopy(model), inputs, target, chunks) if rank == 0 else None
+    times: dict[str, list[float]] = {name: [] for name in ["single_process", *steps]}
+    total = args["warmup"] + args["steps"]
+    for i in range(total):
+        label = f"step {i + 1}/{total}" + (" (warm-up)" if i < args["warmup"] else "")
+        dist.barrier()
+        if single is not None:
+            start = time.perf_counter()
+            losses.setdefault("single_process", single())
+            times["single_process"].append(time.perf_counter() - start)
+            _say(rank, f"  {label} single_process: {times['single_process'][-1]:.2f} s")
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            losses.setdefault(name, step())
+            times[name].append(time.perf_counter() - start)
+            _say(rank, f"  {label} {name}: {times[name][-1]:.2f} s")
+    warm = args["warmup"]
+    result = {
+        "times": {k: v[warm:] for k, v in times.items()}, "losses": losses,
+        "skipped": skipped,
+        "pipeline": {k: v.pipeline[warm:] for k, v in fx.items()},
+        "stage_times": {k: v.stage[warm:] for k, v in fx.items()},
+        "events": [e.__dict__ for e in main.measured.get("last_step_events", [])],
+        "predicted": {k: v.program.plan.predicted_step_time for k, v in fx.items()},
+        "predicted_events": [e.__dict__ for e in predicted_events(main.plan)],
+        "stages": [{"first": s.first_module, "last": s.last_module, "ops": len(s.nodes),
+                    "predicted_s": s.compute_time * main.plan.chunks}
+                   for s in main.plan.stages],
+        "balance_rounds": [r.to_json() for r in main.built.rounds],
+        "balance": main.measured.get("balance", args["balance"]),
+        "profile": main.report().profile,
+        "variants": {v.name: {"frontend": v.frontend, "cut": v.cut, "schedule": v.schedule,
+                              "points": list(v.points), "units": list(v.units)}
+                     for v in variants},
+        "split_points": points[world],
+    }
+    dist.destroy_process_group()
+    return result

@@ -1,0 +1,81 @@
+"""Balancing by measurement: node times corrected by what each stage measured (pure).
+
+The cost model predicts each stage's compute time; a few training steps measure it. Every node
+of stage s then has its time multiplied by measured_s / predicted_s, so the corrected model
+predicts exactly what was measured for this cut, and the partition is solved again. Nodes that
+change stage carry the correction of the stage they were measured in. Rounds repeat until the
+measured stages are within a tolerance of each other or the cut stops moving (it comes back to
+one already measured); the best cut measured wins.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from fxpipe.errors import ConfigError
+
+__all__ = ["BalanceRound", "LOSS", "TOLERANCE", "corrected", "spread", "best_round"]
+
+LOSS = "(loss)"
+"""The key of the loss's correction (the last stage computes it after the model's outputs)."""
+TOLERANCE = 0.05
+"""Measured stages within 5% of each other (slowest / fastest - 1) count as balanced."""
+
+
+@dataclass(frozen=True)
+class BalanceRound:
+    """One cut tried while balancing by measurement, per stage in seconds per micro-batch."""
+
+    starts: tuple[str, ...]  # the first node of each stage: the cut
+    modules: tuple[str, ...]  # the first module of each stage, for the report
+    predicted: tuple[float, ...]  # compute time predicted before this round's measurement
+    measured: tuple[float, ...]  # compute time measured (forward, backward, recompute)
+
+    @property
+    def spread(self) -> float:
+        return spread(self.measured)
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.measured)
+
+    def to_json(self) -> dict[str, object]:
+        return {"starts": list(self.starts), "modules": list(self.modules),
+                "predicted_s": list(self.predicted), "measured_s": list(self.measured),
+                "spread": self.spread}
+
+
+def spread(times: Sequence[float]) -> float:
+    """How far apart stage times are: slowest / fastest - 1 (0 when equal)."""
+    low = min(times)
+    return max(times) / low - 1 if low > 0 else float("inf")
+
+
+def corrected(corrections: Mapping[str, float], stages: Sequence[Sequence[str]],
+              predicted: Sequence[float], measured: Sequence[float]) -> dict[str, float]:
+    """New node corrections: each node of stage s (node names per stage) multiplied by
+    measured[s] / predicted[s]; the loss takes the last stage's factor.
+
+    >>> corrected({}, [["a"], ["b"]], [1.0, 1.0], [1.0, 2.0])
+    {'a': 1.0, 'b': 2.0, '(loss)': 2.0}
+    """
+    if not len(stages) == len(predicted) == len(measured):
+        raise ConfigError(f"{len(stages)} stages, {len(predicted)} predicted and "
+                          f"{len(measured)} measured times", hint="give one per stage")
+    out = dict(corrections)
+    for nodes, want, got in zip(stages, predicted, measured):
+        if want <= 0 or got <= 0:
+            continue  # nothing to learn from a stage without predicted or measured work
+        factor = got / want
+        for name in nodes:
+            out[name] = out.get(name, 1.0) * factor
+    if predicted[-1] > 0 and measured[-1] > 0:
+        out[LOSS] = out.get(LOSS, 1.0) * measured[-1] / predicted[-1]
+    return out
+
+
+def best_round(rounds: Sequence[BalanceRound]) -> BalanceRound:
+    """The round whose slowest measured stage was fastest (the first of equals)."""
+    if not rounds:
+        raise ConfigError("no balancing round was measured", hint="run at least one round")
+    return min(rounds, key=lambda r: r.bottleneck)

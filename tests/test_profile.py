@@ -1,0 +1,211 @@
+"""Device profiles: a rate per op class, GPU presets by compute precision, measured profiles cached
+per machine, and the cost model timing each class of work at its own rate."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe import ir
+from fxpipe.cli import main
+from fxpipe.models import gpt, load_factory
+from fxpipe.passes.cost import annotate_costs, estimate_time
+from fxpipe.profile import (
+    OP_CLASSES,
+    ClassRate,
+    Curve,
+    DeviceProfile,
+    cache,
+    compute_precision,
+    get_profile,
+    preset,
+    select_profile,
+)
+from fxpipe.profile.kernels import WorkCounter
+from fxpipe.tools.bench import BENCH_GPT
+
+
+@pytest.fixture
+def cache_folder(tmp_path, monkeypatch):
+    """A fresh cache folder and no profile remembered in this process."""
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    cache.clear_memory()
+    yield tmp_path / "cache"
+    cache.clear_memory()
+
+
+@pytest.fixture
+def counted_measure(monkeypatch):
+    """Counts measurements; each one is a short real measurement without the link."""
+    calls = []
+    real = cache.measure
+
+    def measure(device, **kwargs):
+        calls.append(str(device))
+        return real(device, **{**kwargs, "budget": 0.1, "link": False})
+
+    monkeypatch.setattr(cache, "measure", measure)
+    return calls
+
+
+def uniform(matmul: float, other: float) -> DeviceProfile:
+    """A device whose matmuls run at `matmul` FLOP/s and everything else at `other`."""
+    memory = Curve.flat(1e12)
+    rates = tuple((c, ClassRate(memory, Curve.flat(matmul if c == "matmul" else other)))
+                  for c in OP_CLASSES)
+    return DeviceProfile("test", rates, 0.0, Curve.flat(1e9), 0.0, "test")
+
+
+def test_a_rate_curve_interpolates_log_log_between_points_and_is_flat_beyond_them():
+    curve = Curve(((10.0, 1.0), (1000.0, 100.0)))
+    assert curve.at(1.0) == 1.0 and curve.at(1e6) == 100.0
+    assert curve.at(100.0) == pytest.approx(10.0)
+    assert curve.peak == 100.0
+
+
+def test_each_op_class_is_timed_at_its_own_rate():
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+    gm = fxpipe.capture(model, (torch.randn(8, 64),), inline_modules=True)
+    annotate_costs(gm)
+    linear, gelu = ir.compute_nodes(gm.graph)
+    fast_matmul, slow_matmul = uniform(1e12, 1e9), uniform(1e9, 1e9)
+    assert estimate_time(ir.cost(linear), slow_matmul, 8)[0] == pytest.approx(
+        1000 * estimate_time(ir.cost(linear), fast_matmul, 8)[0], rel=0.05)
+    # the element-wise GELU does not get faster with faster matmuls
+    assert estimate_time(ir.cost(gelu), slow_matmul, 8) == estimate_time(ir.cost(gelu),
+                                                                         fast_matmul, 8)
+
+
+def test_class_work_adds_up_to_the_node_totals():
+    model, inputs = gpt.build(dropout=0.0)
+    gm = fxpipe.capture(model, inputs, inline_modules=True)
+    annotate_costs(gm)
+    for node in ir.compute_nodes(gm.graph):
+        cost = ir.cost(node)
+        for backward, flops, kernels in ((False, cost.fwd_flops, cost.fwd_kernels),
+                                         (True, cost.bwd_flops, cost.bwd_kernels)):
+            parts = [w for w in cost.work if w.backward == backward]
+            assert sum(ir.evaluate(w.flops, 3) for w in parts) == ir.evaluate(flops, 3), node
+            assert sum(w.kernels for w in parts) == kernels, node
+    classes = {w.op_class for n in ir.compute_nodes(gm.graph) for w in ir.cost(n).work}
+    assert {"matmul", "attention", "embedding", "reduction", "elementwise"} <= classes
+
+
+def test_the_profile_counts_work_as_the_cost_pass_does():
+    """A rate measured on F.linear applies to a model's linear layers: same FLOPs and bytes."""
+    model = nn.Linear(32, 128, bias=False)
+    x = torch.randn(16, 32)
+    gm = fxpipe.capture(model, (x,), inline_modules=True)
+    annotate_costs(gm)
+    (node,) = ir.compute_nodes(gm.graph)
+    counter = WorkCounter()
+    with counter:
+        F.linear(x, model.weight)
+    matmul = [w for w in ir.cost(node).work if w.op_class == "matmul" and not w.backward]
+    assert [ir.evaluate(matmul[0].flops, 16), ir.evaluate(matmul[0].bytes, 16)] == \
+        counter.work["matmul"][:2]
+
+
+def test_presets_use_the_peak_of_the_compute_precision():
+    assert preset("h100", "bf16").peak_flops == 989e12
+    assert preset("h200", "fp16").peak_flops == 989e12
+    assert preset("a100", "bf16").peak_flops == 312e12
+    assert preset("a100").peak_flops == 19.5e12  # fp32 without TF32: torch's default
+    assert preset("a100", "tf32").peak_flops == 156e12
+    assert get_profile("h100:bf16").peak_flops == 989e12
+    assert preset("h100").link_bandwidth == 450e9 and preset("l4").link_bandwidth == 25e9
+    with pytest.raises(fxpipe.FxPipeError, match="h100:bf16"):
+        get_profile("h100:int3")
+
+
+def test_the_precision_follows_the_dtype_autocast_and_allow_tf32():
+    assert compute_precision(torch.float32, allow_tf32=False) == "fp32"
+    assert compute_precision(torch.float32, allow_tf32=True) == "tf32"
+    assert compute_precision(torch.bfloat16) == "bf16"
+    assert compute_precision(torch.float32, autocast=torch.float16) == "fp16"
+    model = nn.Linear(4, 4)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert select_profile("a100", model, "cpu").precision == "fp32"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert select_profile("a100", model, "cpu").precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert select_profile("h100", model, "cpu").peak_flops == 989e12
+    assert select_profile("h100", model.to(torch.bfloat16), "cpu").precision == "bf16"
+
+
+def test_a_profile_survives_its_json_form():
+    profile = preset("h100", "bf16")
+    assert DeviceProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+
+
+def test_a_measured_profile_is_cached_per_machine_and_read_back(cache_folder, counted_measure):
+    first = cache.cached_profile("cpu")
+    assert len(counted_measure) == 1 and first.key and first.precision == "float32"
+    assert cache.profile_path(first.key).exists()
+    assert str(cache.profile_path(first.key)).startswith(str(cache_folder))
+    cache.clear_memory()  # as a new process: read from the folder, not measured
+    assert cache.cached_profile("cpu") == first
+    assert len(counted_measure) == 1
+    cache.cached_profile("cpu", torch.bfloat16)  # another dtype is another profile
+    assert len(counted_measure) == 2
+    assert cache.cached_profile("cpu", refresh=True) != first or len(counted_measure) == 3
+
+
+def test_the_second_compile_uses_the_cached_profile_and_cuts_alike(cache_folder,
+                                                                   counted_measure):
+    model, inputs = gpt.build(dropout=0.0)
+    first = fxpipe.compile(model, inputs, stages=2, chunks=4)
+    cache.clear_memory()
+    second = fxpipe.compile(model, inputs, stages=2, chunks=4)
+    assert len(counted_measure) == 1
+    assert [s.nodes for s in first.plan.stages] == [s.nodes for s in second.plan.stages]
+
+
+def test_the_stage_header_and_the_report_name_the_profile(cache_folder):
+    model, inputs = gpt.build(dropout=0.0)
+    program = fxpipe.compile(model, inputs, stages=2, chunks=4, profile="h100:bf16")
+    assert "#   profile NVIDIA H100 SXM5 (bf16) [h100:bf16]" in program.stages[0].source
+    assert "device profile: NVIDIA H100 SXM5 (bf16) [h100:bf16]" in program.report().text()
+
+
+def test_fxpipe_profile_shows_a_preset_and_measures_once(cache_folder, counted_measure, capsys):
+    assert main(["profile", "--preset", "a100:bf16"]) == 0
+    assert "312" in capsys.readouterr().out
+    assert main(["profile"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul" in out and "elementwise" in out and str(cache_folder) in out
+    assert main(["profile"]) == 0  # cached now
+    assert len(counted_measure) == 1
+    assert main(["profile", "--refresh"]) == 0
+    assert len(counted_measure) == 2
+
+
+@pytest.mark.slow
+def test_the_bundled_gpt_gets_one_cut_in_repeated_compiles_also_beside_a_busy_loop(
+        cache_folder, counted_measure):
+    settings = [f"{k}={json.dumps(v)}" for k, v in BENCH_GPT.items()]
+    model, inputs, _, _ = load_factory("fxpipe.models.gpt:build", settings)
+    cuts = []
+    for i in range(5):
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if i % 2 == 0 \
+            else None
+        try:
+            cache.clear_memory()  # as a new process would: the profile comes from the folder
+            program = fxpipe.compile(model, inputs, stages=2, chunks=8, remat="never")
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+        cuts.append([s.nodes for s in program.plan.stages])
+    assert len(counted_measure) == 1  # measured once, beside the busy loop, then read back
+    assert all(cut == cuts[0] for cut in cuts)
