@@ -170,7 +170,7 @@ class Program(nn.Module):
             raise ConfigError(
                 f"{type(self.model).__name__} was built on the meta device, and balancing by "
                 "measurement runs training steps of the whole program in this process",
-                hint="balance with balance='time' (the cost model and the device profile), or "
+                hint="balance with balance='cost' (the cost model and the device profile), or "
                      "compile a smaller instance of the model with balance='dynamic' to find "
                      "the cut")
         device = self._rank.executor.device if self._rank is not None else None

@@ -142,3 +142,12 @@ def test_init_weights_of_a_model_with_weights_is_an_error():
     program = fxpipe.compile(gpt.GPT(**CONFIG), (IDX,), stages=2, profile="a100")
     with pytest.raises(ConfigError, match="already has weights"):
         program.init_weights()
+
+
+def test_balancing_by_measurement_is_refused_for_a_meta_model_with_what_to_do_instead(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))  # no balanced cut remembered
+    with pytest.raises(ConfigError, match="meta device") as error:
+        fxpipe.compile(meta(gpt.GPT, **CONFIG), (IDX,), stages=2, chunks=2, profile="a100",
+                       check="shapes", balance="dynamic")
+    assert "balance='cost'" in (error.value.hint or "")
