@@ -222,7 +222,9 @@ def _distributed(folder: Path, spec: ProgramSpec,
                  args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = rank_device(backend)  # before the process group: NCCL binds to it
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    # device_id binds the NCCL communicator to this rank's GPU at once (no guessing later)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)
     mesh = mesh_of_world(len(spec.stages))
     groups = make_groups(mesh, spec.shared)
     stage = spec.stages[mesh.stage]
