@@ -13,12 +13,12 @@ import importlib
 
 import pytest
 import torch
-from fxpipe.models import load as load_model
 from ranks import spawn
 from test_p2p import _chain_case
 
 import fxpipe
 from fxpipe.losses import default_loss
+from fxpipe.models import load as load_model
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 

@@ -1,5 +1,5 @@
-"""Tests of fxpipe.tools.bench_partition: the Barany-Grinberg baseline, the DP oracle, the comparison
-and the bench-partition command (no assertions on wall times)."""
+"""Tests of fxpipe.tools.bench_partition: the Barany-Grinberg baseline, the DP oracle, the
+comparison and the bench-partition command (no assertions on wall times)."""
 from __future__ import annotations
 
 import itertools
@@ -7,12 +7,12 @@ import json
 
 import numpy as np
 import pytest
-from fxpipe.testing.partition_oracle import brute_force_partition
-from fxpipe.passes.partition.problem import equal_count_cuts, evaluate
-from fxpipe.passes.partition.solver import solve_partition
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fxpipe.passes.partition.problem import equal_count_cuts, evaluate
+from fxpipe.passes.partition.solver import solve_partition
+from fxpipe.testing.partition_oracle import brute_force_partition
 from fxpipe.tools.bench_partition import (
     bg_partition,
     compare,

@@ -1,7 +1,6 @@
 """fxpipe.capture: any model to a checked GraphModule with symbolic shapes."""
 from __future__ import annotations
 
-
 import pytest
 import sympy
 import torch
@@ -9,8 +8,8 @@ from torch import nn
 
 import fxpipe
 from fxpipe import ir
-from fxpipe.frontend.batching import seeded
 from fxpipe.errors import CaptureError, RuntimeInputError
+from fxpipe.frontend.batching import seeded
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
 

@@ -146,7 +146,8 @@ def _nccl_steps(rank: int, world: int, cases: list[tuple[str, int]]) -> dict:
         program.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             bf16 = program.step(x, target=y)  # learns the bf16 boundary dtypes over NCCL
-        out[(schedule, chunks)] = (loss, grads, bf16, [e.kind for e in program._rank.executor.last.events])
+        events = [e.kind for e in program._rank.executor.last.events]
+        out[(schedule, chunks)] = (loss, grads, bf16, events)
     return out
 
 

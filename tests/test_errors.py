@@ -6,8 +6,14 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.errors import (CaptureError, ConfigError, FxPipeError, NotBuiltError, PartitionError,
-                           RuntimeInputError)
+from fxpipe.errors import (
+    CaptureError,
+    ConfigError,
+    FxPipeError,
+    NotBuiltError,
+    PartitionError,
+    RuntimeInputError,
+)
 from fxpipe.models import branchy, mlp
 
 

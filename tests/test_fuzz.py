@@ -3,11 +3,11 @@
 The hypothesis test compiles 200 random models (1-3 inputs, Linear/LayerNorm/activations/
 Dropout, residuals, long skips, add/mul/cat merges, tied and reused weights, an optional keyword
 input, tensor/tuple/dict outputs) with random stages, chunks and remat, and compares outputs,
-loss and every gradient with the plain model (fxpipe.testing.transparency.check_transparent: float32, default
-assert_close tolerances, differences explained by float32 rounding against float64 excepted).
-Models with active dropout are compared in eval mode, and in train mode between remat and no
-remat (same masks); the others in the mode the generator chose. derandomize=True: CI runs the
-same 200 examples every time.
+loss and every gradient with the plain model (fxpipe.testing.transparency.check_transparent:
+float32, default assert_close tolerances, differences explained by float32 rounding against
+float64 excepted). Models with active dropout are compared in eval mode, and in train mode
+between remat and no remat (same masks); the others in the mode the generator chose.
+derandomize=True: CI runs the same 200 examples every time.
 
 Each regression test is a small explicit model reproducing one failure the fuzzer found.
 """
@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import fxpipe
+from fxpipe.testing.transparency import check_transparent
 from fxpipe.tools import fuzz
 from fxpipe.tools.fuzz import models_and_configs, random_model, random_spec
-from fxpipe.testing.transparency import check_transparent
 
 # Features the hypothesis test leaves out while a bug they trigger is open (none now). The
 # fuzzer found three, fixed and kept below as regression tests: in-place ops in the cost pass

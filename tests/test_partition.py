@@ -22,11 +22,11 @@ import fxpipe
 from fxpipe import ir
 from fxpipe.errors import FxPipeError, PartitionError
 from fxpipe.models import MODELS, gpt
+from fxpipe.models import load as load_model
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import PartitionPlan, atoms_of, partition
 from fxpipe.profile import get_profile
 from fxpipe.report import human_time
-from fxpipe.models import load as load_model
 
 PROFILE = get_profile("a100")  # a datasheet preset: deterministic, no CPU micro-benchmark
 

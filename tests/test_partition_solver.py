@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import PartitionError
-from fxpipe.testing.partition_oracle import benchmark, brute_force_partition
 from fxpipe.passes.partition.problem import Partition, equal_count_cuts, evaluate
 from fxpipe.passes.partition.solver import min_memory_limit, solve_partition
+from fxpipe.testing.partition_oracle import benchmark, brute_force_partition
 
 # --------------------------------------------------------------------------------------------
 # helpers

@@ -19,11 +19,11 @@ from torch.fx import GraphModule, Node
 import fxpipe
 from fxpipe import ir
 from fxpipe.models import MODELS
+from fxpipe.models import load as load_model
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import partition
 from fxpipe.passes.split import StageGraph, shared_parameters, split_stages
 from fxpipe.profile import get_profile
-from fxpipe.models import load as load_model
 
 PROFILE = get_profile("a100")  # a datasheet preset: deterministic, no CPU micro-benchmark
 STAGES = (1, 2, 3, 4)
