@@ -195,6 +195,7 @@ def test_an_unknown_autocast_dtype_is_refused_before_any_work():
     assert "bf16" in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_written_program_compiled_with_autocast_trains_in_bf16_and_verifies(tmp_path):
     import subprocess
     import sys

@@ -115,6 +115,7 @@ def test_the_loop_balances_stages_whose_true_times_differ_from_the_estimate():
     assert [s.compute_time for s in final.plan.stages] == pytest.approx(kept.measured, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_balance_dynamic_measures_once_and_remembers_the_cut(monkeypatch):
     model, inputs, _ = make_gpt()
     program = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=PROFILE,
@@ -213,6 +214,7 @@ def _plain_adam(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, model.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_rebalance_under_torchrun_moves_parameters_with_their_optimizer_state():
     results = spawn(2, "tests.test_balance", "_rebalance_on_ranks", timeout=120, bound=400)
@@ -237,6 +239,7 @@ def _dynamic_on_ranks(rank: int, world: int) -> dict:
             "rounds": [r.to_json() for r in program.built.rounds]}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_balance_dynamic_under_torchrun_agrees_on_every_rank_and_stays_transparent():
     results = spawn(2, "tests.test_balance", "_dynamic_on_ranks", timeout=120, bound=400)

@@ -23,6 +23,7 @@ def test_busy_time_excludes_receive_waits_inside_compute_spans():
     assert busy_time(events, stage=0) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     rc = main(["bench", "mlp", "--set", "batch=8", "--stages", "2", "--chunks", "4",
                "--steps", "1", "--warmup", "0", "--port", "0", "--out", str(tmp_path),

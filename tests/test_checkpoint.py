@@ -128,6 +128,7 @@ def _losses(result: subprocess.CompletedProcess) -> list[str]:
     return [line.split(" (")[0] for line in result.stdout.splitlines() if line.startswith("step ")]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_distributed_resume_gives_exactly_the_losses_of_an_uninterrupted_run(tmp_path):
     program = fxpipe.compile(copy.deepcopy(MODEL), (X,), stages=2, chunks=4, profile="a100")

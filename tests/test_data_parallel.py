@@ -205,6 +205,7 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
 
+@pytest.mark.slow
 def test_written_program_runs_as_two_by_two_under_fxpipe_run(written_gpt):
     result = _run([sys.executable, "-m", "fxpipe", "run", str(written_gpt), "--nproc", "4",
                    "--port", str(_free_port()), "--steps", "3", "--verify"])
@@ -212,6 +213,7 @@ def test_written_program_runs_as_two_by_two_under_fxpipe_run(written_gpt):
     assert "verify: OK" in result.stdout
 
 
+@pytest.mark.slow
 def test_written_program_runs_under_torchrun_with_four_processes(written_gpt):
     result = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
                    "--master-port", str(_free_port()), str(written_gpt / "program.py"),

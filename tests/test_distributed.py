@@ -58,8 +58,11 @@ JOBS: dict[int, list[Job]] = {
     3: [Job(m, r) for m in ("gpt", "unet", "branchy") for r in REMATS]
     + [Job("gpt", "except_last", "1f1b")],
 }
-CASES = [pytest.param(world, job, id=f"world{world}-{job}") for world, jobs in JOBS.items()
-         for job in jobs]
+# Three ranks (skips across two boundaries, the tied embedding on the first and last rank) are
+# the slow tier: one more group of processes.
+CASES = [pytest.param(world, job, id=f"world{world}-{job}",
+                      marks=[pytest.mark.slow] if world == 3 else [])
+         for world, jobs in JOBS.items() for job in jobs]
 
 
 # -- what every process builds (the parent too, for the reference) -----------------------------
@@ -296,6 +299,7 @@ def test_each_rank_holds_and_optimizes_only_its_own_stage(world_results, world, 
             assert shared <= tied, f"ranks {a} and {b} both hold {sorted(shared - tied)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", [j for j in JOBS[3] if j.model == "gpt"], ids=str)
 def test_gpt_tied_embedding_on_first_and_last_rank_trains_like_the_model(world_results, job):
     ranks = world_results(3).get(job)

@@ -1,13 +1,13 @@
 """Transparency on random DAG models (fxpipe.tools.fuzz), and regressions the fuzzer found.
 
-The hypothesis test compiles 200 random models (1-3 inputs, Linear/LayerNorm/activations/
-Dropout, residuals, long skips, add/mul/cat merges, tied and reused weights, an optional keyword
-input, tensor/tuple/dict outputs) with random stages, chunks and remat, and compares outputs,
-loss and every gradient with the plain model (fxpipe.testing.transparency.check_transparent:
-float32, default assert_close tolerances, differences explained by float32 rounding against
-float64 excepted). Models with active dropout are compared in eval mode, and in train mode
-between remat and no remat (same masks); the others in the mode the generator chose.
-derandomize=True: CI runs the same 200 examples every time.
+The hypothesis tests compile random models (30 in the fast tier, 200 in the slow one): 1-3
+inputs, Linear/LayerNorm/activations/Dropout, residuals, long skips, add/mul/cat merges, tied
+and reused weights, an optional keyword input, tensor/tuple/dict outputs, with random stages,
+chunks and remat. Each compares outputs, loss and every gradient with the plain model
+(fxpipe.testing.transparency.check_transparent: float32, default assert_close tolerances,
+differences explained by float32 rounding against float64 excepted). Models with active dropout
+are compared in eval mode, and in train mode between remat and no remat (same masks); the
+others in the mode the generator chose. derandomize=True: CI runs the same examples every time.
 
 Each regression test is a small explicit model reproducing one failure the fuzzer found.
 """
@@ -33,8 +33,18 @@ KNOWN_BUGS: tuple[str, ...] = ()
 # -- the fuzzer ---------------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_FUZZ = dict(deadline=None, derandomize=True, database=None,
+             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=30, **_FUZZ)
+@given(models_and_configs(avoid=KNOWN_BUGS, max_layers=14))
+def test_random_dag_models_compile_to_transparent_programs(example):
+    example.check()
+
+
+@pytest.mark.slow
+@settings(max_examples=200, **_FUZZ)
 @given(models_and_configs(avoid=KNOWN_BUGS, max_layers=14))
 def test_every_random_dag_model_compiles_to_a_transparent_program(example):
     example.check()

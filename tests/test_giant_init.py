@@ -30,6 +30,7 @@ def initialized(model: nn.Module, stages: int, x: torch.Tensor, seed: int = 0):
     return program
 
 
+@pytest.mark.slow
 def test_initial_values_do_not_depend_on_the_partition():
     model = meta(gpt.GPT, **CONFIG)
     whole = initialized(model, 1, IDX).state_dict()

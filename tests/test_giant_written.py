@@ -84,6 +84,7 @@ def test_without_weights_or_init_each_rank_says_how_to_run_it(written):
     assert "without weights" in result.stderr and "--weights PATH" in result.stderr
 
 
+@pytest.mark.slow
 def test_ranks_read_their_stage_from_a_checkpoint_and_train_like_the_plain_model(written):
     folder, plain = written
     result = _run(folder, "--weights", str(folder / "model.safetensors"))

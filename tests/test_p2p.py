@@ -164,7 +164,7 @@ def test_strict_mode_passes_one_message_at_a_time_when_every_send_fits_the_eager
     assert spawn(2, __name__, "_play", "one_at_a_time", "1f1b", 4, 2**20, 10.0) == ["ok", "ok"]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_strict_mode_runs_the_plan_of_1f1b_without_eager_buffer(world):
     assert spawn(world, __name__, "_play", "plan", "1f1b", 5, 0, 20.0) == ["ok"] * world
 
@@ -207,7 +207,8 @@ def _step_schedules(rank: int, world: int, cases: list[tuple[str, int]]) -> dict
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_gpipe_and_1f1b_in_strict_mode_train_like_the_model(world):
     ranks = spawn(world, __name__, "_step_schedules", STRICT_CASES, env={"FXPIPE_P2P": "strict"},
                    timeout=60)

@@ -187,6 +187,7 @@ def _free_port() -> int:
         return port
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_written_program_with_dropout_verifies_under_torchrun(tmp_path):
     model, x, y = _case()
