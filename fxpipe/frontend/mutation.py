@@ -63,7 +63,8 @@ def snapshot_state(model: nn.Module, inputs: Sequence[tuple[str, torch.Tensor]])
 
 
 def _changed(model: nn.Module, before: StateSnapshot) -> list[str]:
-    now = {f"parameter {n}": p for n, p in model.named_parameters(remove_duplicate=True)}
+    now: dict[str, torch.Tensor] = {
+        f"parameter {n}": p for n, p in model.named_parameters(remove_duplicate=True)}
     now.update({f"buffer {n}": b for n, b in model.named_buffers(remove_duplicate=True)})
     changed = []
     for key, (tensor, version) in before.tensors.items():
