@@ -50,6 +50,7 @@ from fxpipe.runtime.materialize import initialize
 from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.rank import RankStage, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
+from fxpipe.signature import copy_inputs
 from fxpipe.state import StateNames, graph_tensors
 from fxpipe.weights import WeightsSource, open_weights
 from fxpipe.writer import ProgramFiles, write_program
@@ -91,6 +92,7 @@ class Program(nn.Module):
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         # The device first: under NCCL the plan's broadcast already runs on it.
         device = rank_device() if distributed else None
+        args, kwargs = copy_inputs(args, kwargs)  # compiling runs the model, not on the caller's
         built = build(self.model, args, kwargs, self.config,
                       agree=_broadcast_plan if distributed else None)
         self._names = StateNames.of_model(self.model, built.captured)

@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import RuntimeInputError
 
-__all__ = ["LeafSpec", "Signature", "is_tensor", "ModelArgs", "ModelKwargs"]
+__all__ = ["LeafSpec", "Signature", "is_tensor", "copy_inputs", "ModelArgs", "ModelKwargs"]
 
 ModelArgs: TypeAlias = tuple[Any, ...]
 """A model's positional inputs: whatever its forward takes."""
@@ -21,6 +21,23 @@ ModelKwargs: TypeAlias = dict[str, Any]
 
 def is_tensor(x: object) -> TypeGuard[torch.Tensor]:
     return isinstance(x, torch.Tensor)
+
+
+def copy_inputs(args: ModelArgs, kwargs: ModelKwargs) -> tuple[ModelArgs, ModelKwargs]:
+    """A copy of a call's tensors for compile-time runs, so that a model writing into its inputs
+    never changes the caller's; a tensor passed twice stays one tensor, and leaves that require
+    grad still do."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy(x: Any) -> Any:
+        if not is_tensor(x):
+            return x
+        if id(x) not in copies:
+            copies[id(x)] = x.detach().clone().requires_grad_(x.requires_grad)
+        return copies[id(x)]
+
+    copied: tuple[ModelArgs, ModelKwargs] = pytree.tree_map(copy, (tuple(args), dict(kwargs)))
+    return copied
 
 
 @dataclass(frozen=True)

@@ -197,3 +197,86 @@ def test_every_error_is_an_fxpipe_error_and_builtin_where_expected():
     assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, FxPipeError)
     assert issubclass(PartitionError, ValueError)
     assert issubclass(RuntimeInputError, ValueError)
+
+
+class _TwoLayers(nn.Module):
+    """Two linear layers (so that there are two stages) and, in subclasses, something a pipeline
+    cannot reproduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+
+class _BatchSizeOutput(_TwoLayers):
+    def forward(self, x):
+        return self.b(self.a(x)), x.shape[0]
+
+
+class _Counter(_TwoLayers):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count += 1
+        return self.b(self.a(x))
+
+
+class _MovingAverage(_TwoLayers):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        h = self.a(x)
+        self.ema.copy_(0.9 * self.ema + 0.1 * h.detach().mean(0))
+        return self.b(h)
+
+
+class _InPlaceInput(_TwoLayers):
+    def forward(self, x):
+        x.add_(3.0)
+        return self.b(self.a(x))
+
+
+def test_an_output_number_that_depends_on_the_batch_size_is_refused():
+    # The pipeline returned the micro-batch size (2) where the model returns the batch size (8).
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(_BatchSizeOutput(), (torch.randn(8, 4),), stages=2, chunks=4,
+                       profile="a100")
+    _check(err.value, "output[1] of _BatchSizeOutput is a Python number that depends on the "
+                      "batch (8 for the batch of 8, 4 for its first 4 examples)", "x.shape[0]")
+
+
+@pytest.mark.parametrize("model, buffer", [(_Counter, "count"), (_MovingAverage, "ema")])
+def test_a_buffer_updated_in_forward_is_refused_and_left_as_it_was(model, buffer):
+    # The counter was never updated, the average was updated once per micro-batch.
+    module = model()
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(module, (torch.randn(8, 4),), stages=2, chunks=4, profile="a100")
+    _check(err.value, f"{model.__name__} updates its buffer {buffer} in forward",
+           "once per call, on the whole batch", "outside forward")
+    assert not getattr(module, buffer).any()
+
+
+def test_batch_norm_statistics_are_still_accepted():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    fxpipe.compile(model, (torch.randn(8, 4),), stages=2, chunks=2, profile="a100")
+
+
+def test_compile_leaves_the_callers_inputs_unchanged_and_names_an_input_written_in_place():
+    x = torch.zeros(8, 4)
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(_InPlaceInput(), (x,), stages=2, chunks=4, profile="a100")
+    _check(err.value, "_InPlaceInput modifies its input x in place", "x = x + 1")
+    assert not x.any()
+
+
+def test_compile_runs_on_copies_of_the_example_batch():
+    model, (x,) = mlp.build()
+    before = x.clone()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=4, profile="a100")
+    assert torch.equal(x, before)
+    assert all(t.data_ptr() != x.data_ptr() for t in program._example)

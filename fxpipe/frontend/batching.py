@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.errors import CaptureError
+from fxpipe.frontend.mutation import StateSnapshot, check_unchanged
 from fxpipe.signature import ModelArgs, ModelKwargs, is_tensor
 
 __all__ = ["BatchLayout", "infer_batch_layout", "seeded"]
@@ -117,16 +118,21 @@ def _allclose(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                        leaves: Sequence[Any],
-                       batch_dims: Sequence[int | None] | None) -> BatchLayout:
+                       batch_dims: Sequence[int | None] | None,
+                       before: StateSnapshot | None = None) -> BatchLayout:
     """Finds (or checks the given) batch dims; runs the model in eval mode, without grad.
 
-    The caller restores the model's training flags and buffers afterwards.
+    The first run, in the model's own mode, is checked against `before` (state and inputs
+    written in place are refused: fxpipe.frontend.mutation). The caller restores the model's
+    training flags and buffers afterwards.
     """
     tensors = [x for x in leaves if is_tensor(x)]
     training = model.training
     any_training = any(m.training for m in model.modules())
     with torch.no_grad(), seeded(0):
         out = model(*args, **kwargs)
+    if before is not None:
+        check_unchanged(model, before)
     out_leaves, out_spec = pytree.tree_flatten(out)
     out_is_tensor = tuple(is_tensor(x) for x in out_leaves)
     if batch_dims is not None:
@@ -144,6 +150,7 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                 tried.append(dims)
                 layout = _try(model, args, kwargs, dims, full, out_spec, out_is_tensor, tensors)
                 if layout is not None:
+                    _check_numbers(model, out, full, layout)
                     return replace(layout, eager_outputs=(full, layout.eager_outputs[0])) \
                         if not any_training else replace(layout, eager_outputs=())
     finally:
@@ -156,6 +163,30 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
              "pipelining needs a model whose examples do not interact (no BatchNorm in "
              "train mode across the batch, no in-batch losses)",
     )
+
+
+def _check_numbers(model: nn.Module, out: Any, full: Sequence[Any], layout: BatchLayout) -> None:
+    """Refuses outputs that are Python numbers and differ between the batch and its first half
+    (`x.shape[0]`): each micro-batch computes its own, and none is the plain model's."""
+    half = layout.batch_size // 2
+    paths = [path for path, _ in pytree.tree_flatten_with_path(out)[0]]
+    for path, value, part in zip(paths, full, layout.eager_outputs[0]):
+        if is_tensor(value) or _same_number(value, part):
+            continue
+        raise CaptureError(
+            f"output{pytree.keystr(path)} of {type(model).__name__} is a Python number that "
+            f"depends on the batch ({value!r} for the batch of {layout.batch_size}, {part!r} for "
+            f"its first {half} examples): a pipeline computes it once per micro-batch, so it "
+            "cannot return the plain model's value",
+            hint="return a tensor with one entry per example, or compute the number outside the "
+                 "model (e.g. from x.shape[0] of the batch)")
+
+
+def _same_number(a: object, b: object) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - exotic __eq__: nothing to compare, keep the old behaviour
+        return True
 
 
 def _check_given(batch_dims: Sequence[int | None],

@@ -28,6 +28,7 @@ from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
 from fxpipe.frontend.meta import Check, check_name, eager_runs, run_on_meta, to_meta, validate_check
+from fxpipe.frontend.mutation import snapshot_state
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
@@ -114,9 +115,11 @@ def capture(
         clock.append(time.perf_counter())
         return clock[-1] - clock[-2]
 
+    named_inputs = [(n, x) for n, x in zip(names, leaves) if is_tensor(x)]
     with preserved_state(model):
         with eager_runs(model):
-            layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims)
+            layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims,
+                                        snapshot_state(model, named_inputs))
         signature = _signature(leaves, in_spec, names, layout)
         layout_s = lap()
         gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
@@ -228,16 +231,19 @@ def _signature(leaves: Sequence[Any], in_spec: pytree.TreeSpec, names: Sequence[
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Restores training flags and buffers (BatchNorm statistics) after trial runs."""
+    """Restores training flags and buffers (BatchNorm statistics) after trial runs, including a
+    buffer that forward replaced by another tensor."""
     modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
+               for name, b in m._buffers.items() if b is not None]
     try:
         yield
     finally:
         for m, mode in modes:
             m.training = mode
         with torch.no_grad():
-            for b, saved in buffers:
+            for m, name, b, saved in buffers:
+                m._buffers[name] = b
                 b.copy_(saved)
 
 
