@@ -169,17 +169,26 @@ def _check_numbers(model: nn.Module, out: Any, full: Sequence[Any], layout: Batc
     """Refuses outputs that are Python numbers and differ between the batch and its first half
     (`x.shape[0]`): each micro-batch computes its own, and none is the plain model's."""
     half = layout.batch_size // 2
-    paths = [path for path, _ in pytree.tree_flatten_with_path(out)[0]]
-    for path, value, part in zip(paths, full, layout.eager_outputs[0]):
+    for index, (value, part) in enumerate(zip(full, layout.eager_outputs[0])):
         if is_tensor(value) or _same_number(value, part):
             continue
         raise CaptureError(
-            f"output{pytree.keystr(path)} of {type(model).__name__} is a Python number that "
+            f"output{_output_path(out, index)} of {type(model).__name__} is a Python number that "
             f"depends on the batch ({value!r} for the batch of {layout.batch_size}, {part!r} for "
             f"its first {half} examples): a pipeline computes it once per micro-batch, so it "
             "cannot return the plain model's value",
             hint="return a tensor with one entry per example, or compute the number outside the "
                  "model (e.g. from x.shape[0] of the batch)")
+
+
+def _output_path(out: Any, index: int) -> str:
+    """Where the index-th output leaf sits (`[1]`, `['count']`); its index where a registered
+    output type gives no keys."""
+    try:
+        paths = [path for path, _ in pytree.tree_flatten_with_path(out)[0]]
+    except ValueError:  # registered without flatten_with_keys_fn, as many libraries do
+        return f" leaf {index}"
+    return pytree.keystr(paths[index])
 
 
 def _same_number(a: object, b: object) -> bool:
