@@ -146,3 +146,13 @@ def test_distributed_resume_gives_exactly_the_losses_of_an_uninterrupted_run(tmp
     second = _losses(run("--steps", "2", "--resume", str(tmp_path / "ckpt")))
     assert first + second == whole
     assert second[0].startswith("step 2 ")
+
+
+def test_two_writes_of_a_program_give_identical_files(tmp_path):
+    program, _ = _setup(2, MODEL)
+    program.write(str(tmp_path / "a"), target=Y, reference_steps=0)
+    program.write(str(tmp_path / "b"), target=Y, reference_steps=0)
+    names = sorted(os.listdir(tmp_path / "a"))
+    assert "weights.pt" in names and names == sorted(os.listdir(tmp_path / "b"))
+    for name in names:  # torch.save embedded the temporary file's name before
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
