@@ -259,7 +259,11 @@ def _read_meta(directory: str) -> dict[str, Any]:
         raise CheckpointError(f"{path} cannot be read as JSON ({type(e).__name__}: {e})",
                               hint="the checkpoint is damaged: restore the file from a copy, "
                                    "or save the checkpoint again") from None
-    found = meta.get("format", 1) if isinstance(meta, dict) else type(meta).__name__
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is malformed: a JSON {type(meta).__name__}, not an object",
+                              hint="the checkpoint is damaged: restore the file from a copy, "
+                                   "or save the checkpoint again")
+    found = meta.get("format", 1)
     if found != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {found!r}, this fxpipe reads "
                               f"format {FORMAT}",

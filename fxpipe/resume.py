@@ -59,14 +59,19 @@ def fit_state(checkpoint: Checkpoint, expected: Structure, needed: Iterable[str]
     for key in sorted(set(needed) - set(checkpoint["model"])):
         want = expected.tensors.get(key)
         problems.append(f"missing key {key}: expected {want}, found none in any shard")
-    if not problems and checkpoint["fingerprint"] != expected.fingerprint():
+    mine, theirs = expected.fingerprint()[:16], checkpoint["fingerprint"][:16]
+    if not problems and mine != theirs:
         absent = sorted(set(expected.tensors) - set(checkpoint["model"]))
-        problems.append(f"structure fingerprint: expected {expected.fingerprint()[:16]}, found "
-                        f"{checkpoint['fingerprint'][:16]} in checkpoint.json"
-                        + (f" (the checkpoint lacks {', '.join(absent[:5])})" if absent else ""))
+        problems.append(f"structure fingerprint: expected {mine}, found {theirs} in "
+                        "checkpoint.json" + (f" (the checkpoint lacks {', '.join(absent[:5])})"
+                                             if absent else ""))
     if problems:
+        count = f"{len(problems)} problem" + ("s" if len(problems) > 1 else "")
         _complain(strict, f"checkpoint {checkpoint['path']} does not fit this {expected.model} "
-                          f"({len(problems)} problems):", problems,
+                          f"(structure fingerprint {mine}, the checkpoint's {theirs}; {count}):"
+                  if mine != theirs else
+                  f"checkpoint {checkpoint['path']} does not fit this {expected.model} "
+                  f"({count}):", problems,
                   hint="load it into the model it was saved from; program.load(dir, "
                        "strict=False) loads only the tensors that fit and warns about the rest")
     return fits
@@ -102,8 +107,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, checkpoint: Checkpoint,
                 state[position] = saved["state"][name]
             position += 1
     if problems:
-        _complain(strict, f"{where}: the saved {kind} does not fit this optimizer "
-                          f"({len(problems)} problems):", problems,
+        _complain(strict, f"{where}: the saved {kind} does not fit this optimizer:", problems,
                   hint="make the optimizer over the same parameters and param groups as the "
                        "one saved")
     saved_groups: list[Any] = list(saved["param_groups"] or [])
