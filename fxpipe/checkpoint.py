@@ -15,7 +15,8 @@ Until then checkpoint.json names the previous save, whose folder goes only after
 killed at any moment leaves the previous checkpoint or the new one, never a mix, and a rank
 that dies before its shard is written stops the save. The next save removes what a killed one
 left behind: temporary files and folders, save-N folders checkpoint.json does not name, and
-shards of the older layout (shard-*.pt beside checkpoint.json).
+shards of the older layout (shard-*.pt beside checkpoint.json); so one job at a time saves
+into a folder.
 
 A load reads checkpoint.json, checks each shard's size and sha256, reads it with
 `weights_only=True` and merges the shards, so a checkpoint can be resumed by the same pipeline,
@@ -28,8 +29,8 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any, TypedDict, TypeVar
 
@@ -163,8 +164,9 @@ def _begin(directory: str) -> str:
     """Removes what killed saves left, then makes this save's temporary folder (its name)."""
     os.makedirs(directory, exist_ok=True)
     _remove_leftovers(directory, keep=_current_folder(directory))
-    return os.path.basename(tempfile.mkdtemp(dir=directory, prefix=TEMP_PREFIX + "save-",
-                                             suffix=".tmp"))
+    name = f"{TEMP_PREFIX}save-{secrets.token_hex(6)}.tmp"
+    os.mkdir(os.path.join(directory, name))  # not mkdtemp: the umask, not 0700, sets who reads it
+    return name
 
 
 def _write_shard(directory: str, tmp: str, rank: int, shard: dict[str, Any]) -> dict[str, Any]:
