@@ -214,8 +214,13 @@ def _kill_trials(directory, trials: int, seed: int) -> dict[str, int]:
     step, and the next save must leave nothing else behind."""
     program, optimizer = _small_program()
     rng = random.Random(seed)
-    _stamp(program, optimizer, 0)
-    program.save(str(directory), optimizer=optimizer, step=0)
+    took = []
+    for _ in range(3):
+        start = time.perf_counter()
+        _stamp(program, optimizer, 0)
+        program.save(str(directory), optimizer=optimizer, step=0)
+        took.append(time.perf_counter() - start)
+    window = 4 * sorted(took)[1]  # kills land within the first few saves, at random moments
     last, figures = 0, {"trials": trials, "torn": 0, "partial_left": 0, "leftovers": 0,
                         "saves": 0}
     for _ in range(trials):
@@ -228,7 +233,7 @@ def _kill_trials(directory, trials: int, seed: int) -> dict[str, int]:
             finally:
                 os._exit(1)
         os.close(write)
-        time.sleep(rng.uniform(0.0, 0.08))
+        time.sleep(rng.uniform(0.0, window))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         with os.fdopen(read) as f:
