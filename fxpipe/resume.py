@@ -82,7 +82,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, checkpoint: Checkpoint,
                       skip: Collection[str] = ()) -> None:
     """Loads the checkpoint's name-keyed optimizer state into an optimizer over (some of) its
     parameters (names: id(parameter) -> canonical key). skip: keys whose model tensors were
-    not loaded, so their state is not either (strict=False)."""
+    not loaded, so their state is not either (strict=False); a parameter not restored keeps
+    the state it has."""
     kind, saved = type(optimizer).__name__, checkpoint["optimizer"]
     where = f"{checkpoint['path']}/checkpoint.json"
     if saved is None or checkpoint["optimizer_class"] != kind:
@@ -94,6 +95,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, checkpoint: Checkpoint,
                        f"optimizer=, or load without optimizer= to start a fresh {kind}")
         return
     group_of = {p: i for i, g in enumerate(saved["param_groups"] or []) for p in g["params"]}
+    current = optimizer.state_dict()["state"]  # kept for the parameters not restored
     problems, state, groups, position = [], {}, [], 0
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -103,8 +105,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, checkpoint: Checkpoint,
             elif group_of[name] != i:
                 problems.append(f"parameter {name}: in param group {i}, in group "
                                 f"{group_of[name]} of the checkpoint")
-            elif name in saved["state"] and name not in skip:
+            restored = group_of.get(name) == i and name not in skip
+            if restored and name in saved["state"]:
                 state[position] = saved["state"][name]
+            elif not restored and position in current:
+                state[position] = current[position]
             position += 1
     if problems:
         _complain(strict, f"{where}: the saved {kind} does not fit this optimizer:", problems,

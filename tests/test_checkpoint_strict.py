@@ -51,6 +51,12 @@ def ckpt(saved, tmp_path):
     return copy
 
 
+def _parameter(program, key: str) -> torch.nn.Parameter:
+    """The program's parameter that the model calls `key`."""
+    pointer = program.state_dict()[key].data_ptr()
+    return next(p for p in program.parameters() if p.data_ptr() == pointer)
+
+
 def _shard(directory):
     meta = json.loads((directory / "checkpoint.json").read_text())
     return directory / meta["folder"] / meta["shards"][0]["file"]
@@ -214,11 +220,20 @@ def test_a_malicious_pickle_does_not_run(ckpt, tmp_path):
 
 def test_strict_false_loads_what_fits_and_names_what_it_skipped(tmp_path):
     deep = _program(depth=4, num_classes=1)
-    deep.save(str(tmp_path / "deep"))
+    saved = _trained(deep)
+    deep.save(str(tmp_path / "deep"), optimizer=saved)
     program = _program(depth=2, num_classes=10)
+    optimizer = _trained(program)
     head = program.state_dict()["head.bias"].clone()
+    kept = {k: v.clone() for k, v in optimizer.state[_parameter(program, "head.bias")].items()}
     with pytest.warns(UserWarning) as warned:
-        program.load(str(tmp_path / "deep"), strict=False)
+        program.load(str(tmp_path / "deep"), optimizer=optimizer, strict=False)
+    assert torch.equal(optimizer.state[_parameter(program, "proj.weight")]["exp_avg"],
+                       saved.state[_parameter(deep, "proj.weight")]["exp_avg"])  # restored
+    now = optimizer.state[_parameter(program, "head.bias")]
+    assert kept and now.keys() == kept.keys()  # its tensor was skipped: its state is kept
+    for key, value in now.items():
+        assert torch.equal(value, kept[key]), key
     message = str(warned[0].message)
     assert "unexpected key blocks.3.fc2.bias" in message
     assert "head.bias in save-000001/shard-00000.pt: expected float32[10], found float32[1]" \
