@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 
 from fxpipe import codegen, ir
 from fxpipe.built import Built, Snapshot
-from fxpipe.checkpoint import load_checkpoint, restore, save_shard
+from fxpipe.checkpoint import load_checkpoint, save_shard
 from fxpipe.config import CompileConfig
 from fxpipe.errors import CheckpointError, ConfigError, NotBuiltError, RuntimeInputError
 from fxpipe.frontend.meta import is_meta_model
@@ -42,6 +42,7 @@ from fxpipe.rebalance import (
 )
 from fxpipe.reference import reference_losses
 from fxpipe.report import Report, build_report, cost_table, predicted_kept
+from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.distributed import Mesh
 from fxpipe.runtime.loading import load_named
@@ -52,6 +53,7 @@ from fxpipe.runtime.rank import RankStage, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import copy_inputs
 from fxpipe.state import StateNames, graph_tensors
+from fxpipe.structure import Structure
 from fxpipe.weights import WeightsSource, open_weights
 from fxpipe.writer import ProgramFiles, write_program
 
@@ -458,7 +460,8 @@ class Program(nn.Module):
                              state=self._initialized(state, dict.fromkeys(state, cpu), 0)
                              if self._meta else {},
                              model=self.model if self._meta else None,
-                             state_keys=tuple(self.model.state_dict(keep_vars=True)))
+                             state_keys=tuple(self.model.state_dict(keep_vars=True)),
+                             structure=self._structure())
         return write_program(built, directory, files)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -467,17 +470,24 @@ class Program(nn.Module):
              step: int | None = None) -> None:
         """Writes a checkpoint (this process's stages and optimizer state, in the model's names).
 
-        Under torchrun every rank calls it; fxpipe.load_checkpoint(directory)["model"] loads
-        into the plain model too.
+        Under torchrun every rank calls it; the checkpoint counts once every rank's shard is
+        written (fxpipe.checkpoint), and fxpipe.load_checkpoint(directory)["model"] loads into
+        the plain model too.
         """
         self._require_built("state to save")
         self._require_weights()
         names = self._state_names().canonical(self._stage_modules()) if optimizer else {}
         save_shard(directory, dict(self.state_dict()), optimizer, names, step=step,
-                   model=type(self.model).__name__)
+                   structure=self._structure())
 
-    def load(self, directory: str, *, optimizer: torch.optim.Optimizer | None = None) -> int | None:
-        """Restores parameters, buffers and (if given) optimizer state; returns the saved step."""
+    def load(self, directory: str, *, optimizer: torch.optim.Optimizer | None = None,
+             strict: bool = True) -> int | None:
+        """Restores parameters, buffers and (if given) optimizer state; returns the saved step.
+
+        strict: refuse (CheckpointError) a checkpoint of another model, unexpected or missing
+        keys, other shapes or dtypes, and optimizer state of another class or none; False
+        loads what fits and warns naming everything it skipped.
+        """
         self._require_built("state to load into")
         if optimizer is not None and self._meta:
             raise ConfigError("the optimizer was made before the stages had weights, so it "
@@ -486,15 +496,19 @@ class Program(nn.Module):
                                    "program.parameters() and call program.load(directory, "
                                    "optimizer=...)")
         checkpoint = load_checkpoint(directory)
-        self.load_state_dict(checkpoint["model"])
+        state = fit_state(checkpoint, self._structure(), self.state_dict(), strict=strict)
+        self.load_state_dict(state, strict=False)  # fit_state checked for missing keys
         if optimizer is not None:
-            if checkpoint["optimizer"] is None:
-                raise RuntimeInputError(f"checkpoint {directory} has no optimizer state",
-                                        hint="save it with program.save(dir, optimizer=opt)")
-            restore(optimizer, checkpoint["optimizer"],
-                    self._state_names().canonical(self._stage_modules()))
+            restore_optimizer(optimizer, checkpoint,
+                              self._state_names().canonical(self._stage_modules()),
+                              strict=strict, skip=set(checkpoint["model"]) - set(state))
         step: int | None = checkpoint["step"]
         return step
+
+    def _structure(self) -> Structure:
+        """The model's state as checkpoints record it (class, keys, shapes, dtypes)."""
+        return Structure.of_state(type(self.model).__name__,
+                                  self.model.state_dict(keep_vars=True))
 
     # -- state in the model's own names ---------------------------------------------------------
 

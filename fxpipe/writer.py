@@ -20,6 +20,7 @@ from fxpipe.report import Report
 from fxpipe.runtime.spec import comm_to_json, signature_to_json
 from fxpipe.runtime.timeline import predicted_events
 from fxpipe.state import StateNames
+from fxpipe.structure import Structure
 from fxpipe.version import __version__
 
 __all__ = ["ProgramFiles", "write_program", "write_weights", "LAUNCHER"]
@@ -81,6 +82,7 @@ class ProgramFiles:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors no checkpoint holds
     model: nn.Module | None = None  # the model without data: its initializers serve --init
     state_keys: tuple[str, ...] = ()  # every state_dict key of the model
+    structure: Structure | None = None  # the model's, which the program's checkpoints record
 
 
 def write_program(built: Built, directory: str, files: ProgramFiles) -> list[str]:
@@ -157,6 +159,7 @@ def _spec(built: Built, files: ProgramFiles) -> dict[str, object]:
         "loss": files.loss, "lr": files.lr, "reference_losses": files.reference_losses,
         "deterministic": not any(st.random for st in built.stages),
         "aliases": files.names.to_json(),
+        "structure": None if files.structure is None else files.structure.to_json(),
         "autocast": built.config.autocast,
         "predicted_events": [e.__dict__ for e in predicted_events(built.plan,
                                                                  built.config.schedule)],

@@ -4,16 +4,23 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fxpipe
+from fxpipe.checkpoint import save_shard
 from fxpipe.errors import CheckpointError
-from fxpipe.models import gpt
+from fxpipe.models import gpt, mlp
+from fxpipe.structure import Structure
 
 
 def _setup(stages: int, model):
@@ -111,9 +118,9 @@ def test_an_incomplete_checkpoint_is_refused(tmp_path):
     program, _ = _setup(2, MODEL)
     program.save(str(tmp_path / "ckpt2"))
     meta = json.loads((tmp_path / "ckpt2" / "checkpoint.json").read_text())
-    meta["shards"] = 2
+    meta["shards"].append({**meta["shards"][0], "file": "shard-00001.pt"})
     (tmp_path / "ckpt2" / "checkpoint.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="lacks shard-00001.pt"):
+    with pytest.raises(CheckpointError, match="lacks save-000001/shard-00001.pt"):
         fxpipe.load_checkpoint(str(tmp_path / "ckpt2"))
 
 
@@ -156,3 +163,156 @@ def test_two_writes_of_a_program_give_identical_files(tmp_path):
     assert "weights.pt" in names and names == sorted(os.listdir(tmp_path / "b"))
     for name in names:  # torch.save embedded the temporary file's name before
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+# -- saves are transactions: a killed save leaves the previous checkpoint or the new one ---------
+
+
+def _small_program():
+    model, (x,) = mlp.build(depth=2, width=16, in_features=8, batch=4)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100")
+    optimizer = torch.optim.Adam(program.parameters(), lr=1e-3)
+    program.step(x, target=torch.zeros(4, dtype=torch.long))
+    optimizer.step()  # the optimizer has state to save
+    return program, optimizer
+
+
+def _stamp(program, optimizer, step: int) -> None:
+    """Every tensor of the model and of the optimizer's state holds `step`."""
+    with torch.no_grad():
+        for tensor in [*program.state_dict().values(),
+                       *(v for s in optimizer.state.values() for v in s.values())]:
+            tensor.fill_(step)
+
+
+def _stamps(checkpoint) -> set[float]:
+    tensors = [*checkpoint["model"].values(),
+               *(v for s in checkpoint["optimizer"]["state"].values() for v in s.values())]
+    return {float(v) for t in tensors for v in t.flatten().unique()}
+
+
+def _save_forever(program, optimizer, directory: str, step: int, report: int) -> None:
+    """The child of a kill trial: saves steps step, step+1, ... and reports each one done."""
+    torch.set_num_threads(1)
+    while True:
+        _stamp(program, optimizer, step)
+        program.save(directory, optimizer=optimizer, step=step)
+        os.write(report, f"{step}\n".encode())
+        step += 1
+
+
+def _leftovers(directory) -> list[str]:
+    meta = json.loads((directory / "checkpoint.json").read_text())
+    found = [str(p.relative_to(directory)) for p in directory.rglob("*")]
+    complete = {"checkpoint.json", meta["folder"], f"{meta['folder']}/shard-00000.pt"}
+    return sorted(set(found) - complete)
+
+
+def _kill_trials(directory, trials: int, seed: int) -> dict[str, int]:
+    """Kills a process that saves in a loop at random moments (SIGKILL from here); after each
+    kill the checkpoint must be the last one saved or the one being saved, every tensor of one
+    step, and the next save must leave nothing else behind."""
+    program, optimizer = _small_program()
+    rng = random.Random(seed)
+    took = []
+    for _ in range(3):
+        start = time.perf_counter()
+        _stamp(program, optimizer, 0)
+        program.save(str(directory), optimizer=optimizer, step=0)
+        took.append(time.perf_counter() - start)
+    window = 4 * sorted(took)[1]  # kills land within the first few saves, at random moments
+    last, figures = 0, {"trials": trials, "torn": 0, "partial_left": 0, "leftovers": 0,
+                        "saves": 0}
+    for _ in range(trials):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns to pytest
+            os.close(read)
+            try:
+                _save_forever(program, optimizer, str(directory), last + 1, write)
+            finally:
+                os._exit(1)
+        os.close(write)
+        time.sleep(rng.uniform(0.0, window))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        with os.fdopen(read) as f:
+            done = [int(line) for line in f.read().split()]
+        figures["saves"] += len(done)
+        previous = done[-1] if done else last
+        figures["partial_left"] += bool(_leftovers(directory))
+        checkpoint = fxpipe.load_checkpoint(str(directory))  # never refused: one is complete
+        assert checkpoint["step"] in (previous, previous + 1), (checkpoint["step"], previous)
+        figures["torn"] += _stamps(checkpoint) != {float(checkpoint["step"])}
+        last = checkpoint["step"] + 1
+        _stamp(program, optimizer, last)
+        program.save(str(directory), optimizer=optimizer, step=last)  # the next save cleans up
+        figures["leftovers"] += bool(_leftovers(directory))
+        assert program.load(str(directory), optimizer=optimizer) == last
+    return figures
+
+
+def test_a_killed_save_leaves_the_previous_or_the_new_checkpoint(tmp_path):
+    figures = _kill_trials(tmp_path / "ckpt", trials=10, seed=0)
+    assert figures["torn"] == 0 and figures["leftovers"] == 0, figures
+    assert figures["saves"] > 0, figures  # the children saved, so the kills hit saves
+
+
+@pytest.mark.slow
+def test_fifty_killed_saves_leave_no_torn_checkpoint_and_no_leftovers(tmp_path):
+    figures = _kill_trials(tmp_path / "ckpt", trials=50, seed=1)
+    print("kill trials:", figures)
+    assert figures["torn"] == 0 and figures["leftovers"] == 0, figures
+    assert figures["saves"] > 0 and figures["partial_left"] > 0, figures
+
+
+def _two_rank_saves(directory: str, store: str, rank: int, die_at_step: int | None) -> None:
+    """A rank of a two-rank job (forked): saves steps 1 and 2, its tensors holding the step."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    structure = Structure.of_state("Toy", {"w0": torch.zeros(3), "w1": torch.zeros(3)})
+    for step in (1, 2):
+        if step == die_at_step and rank == 1:
+            torch.save = lambda *args, **kwargs: os._exit(9)  # dies before its shard is written
+        save_shard(directory, {f"w{rank}": torch.full((3,), float(step))}, None, {}, step=step,
+                   structure=structure)
+
+
+def _run_two_ranks(tmp_path, die_at_step: int | None) -> list[int]:
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _two_rank_saves(str(tmp_path / "ckpt"), str(tmp_path / "store"), rank,
+                                die_at_step)
+            except BaseException:  # noqa: BLE001 - the exit status says it
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+
+
+@pytest.mark.distributed
+def test_two_ranks_publish_a_step_only_when_both_shards_are_written(tmp_path):
+    assert _run_two_ranks(tmp_path, die_at_step=None) == [0, 0]
+    checkpoint = fxpipe.load_checkpoint(str(tmp_path / "ckpt"))
+    assert checkpoint["step"] == 2
+    assert {k: v.tolist() for k, v in checkpoint["model"].items()} == {"w0": [2.0] * 3,
+                                                                       "w1": [2.0] * 3}
+
+
+@pytest.mark.distributed
+def test_a_rank_that_dies_before_its_shard_leaves_the_previous_step(tmp_path):
+    assert _run_two_ranks(tmp_path, die_at_step=2) == [1, 9]  # rank 0 raised, rank 1 died
+    checkpoint = fxpipe.load_checkpoint(str(tmp_path / "ckpt"))
+    assert checkpoint["step"] == 1  # not rank 0's step-2 shard with rank 1's step-1 one
+    assert {k: v.tolist() for k, v in checkpoint["model"].items()} == {"w0": [1.0] * 3,
+                                                                       "w1": [1.0] * 3}
+    assert any(p.name.startswith(".fxpipe-") for p in (tmp_path / "ckpt").iterdir())
+    structure = Structure.of_state("Toy", {"w0": torch.zeros(3), "w1": torch.zeros(3)})
+    save_shard(str(tmp_path / "ckpt"), {"w0": torch.zeros(3), "w1": torch.zeros(3)}, None, {},
+               step=3, structure=structure)  # the next save removes what the failed one left
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checkpoint.json",
+                                                                     "save-000002"]

@@ -15,7 +15,8 @@ PACKAGES = {"fxpipe": ROOT / "fxpipe", "fxpipe.passes": ROOT / "passes",
 LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors", "fxpipe.version", "fxpipe.files", "fxpipe.source"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
-     "fxpipe.checkpoint", "fxpipe.weights", "fxpipe.models"),  # contracts: metadata, names, formats
+     "fxpipe.structure", "fxpipe.checkpoint", "fxpipe.resume", "fxpipe.weights",
+     "fxpipe.models"),  # contracts: metadata, names, formats
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces

@@ -15,9 +15,10 @@ from typing import TypeAlias
 import torch
 import torch.distributed as dist
 
-from fxpipe.checkpoint import load_checkpoint, restore, save_shard
+from fxpipe.checkpoint import load_checkpoint, save_shard
 from fxpipe.errors import CheckpointError, FxPipeError, PeerLostError
 from fxpipe.losses import LossFn, resolve_loss
+from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.runtime.local import LocalExecutor, LocalStage
@@ -34,6 +35,7 @@ from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.timeline import Event, write_chrome_trace
 from fxpipe.runtime.written import stage_tensors
 from fxpipe.state import StateNames
+from fxpipe.structure import Structure
 
 __all__ = ["main", "build_stage", "load_spec"]
 
@@ -168,17 +170,26 @@ def _save(directory: str, modules: list[StageModule], optimizer: torch.optim.Opt
           spec: ProgramSpec, step: int) -> None:
     names = StateNames.from_json(spec.aliases)
     save_shard(directory, names.state_dict(modules), optimizer, names.canonical(modules),
-               step=step, model=spec.model)
+               step=step, structure=_structure(spec))
 
 
 def _resume(directory: str, modules: list[StageModule], optimizer: torch.optim.Optimizer,
             spec: ProgramSpec) -> int:
+    structure = _structure(spec)
     checkpoint = load_checkpoint(directory)
     names = StateNames.from_json(spec.aliases)
-    names.load(modules, checkpoint["model"])
-    if checkpoint["optimizer"] is not None:
-        restore(optimizer, checkpoint["optimizer"], names.canonical(modules))
+    names.load(modules, fit_state(checkpoint, structure, names.state_dict(modules)))
+    restore_optimizer(optimizer, checkpoint, names.canonical(modules))
     return int(checkpoint["step"] or 0)
+
+
+def _structure(spec: ProgramSpec) -> Structure:
+    """The model's structure, which checkpoints record and a resume checks."""
+    if spec.structure is None:
+        raise CheckpointError("program.json lacks the model's structure, which --save records "
+                              "and --resume checks (the program was written by an older fxpipe)",
+                              hint="write the program again with this fxpipe version")
+    return spec.structure
 
 
 def _local(folder: Path, spec: ProgramSpec,

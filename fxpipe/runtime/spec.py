@@ -17,6 +17,7 @@ from fxpipe import ir
 from fxpipe.errors import CheckpointError, CodegenError
 from fxpipe.runtime.timeline import EventJSON
 from fxpipe.signature import LeafSpec, Signature
+from fxpipe.structure import Structure
 
 __all__ = ["StageSpec", "ProgramSpec", "value_to_json", "value_from_json", "signature_to_json",
            "signature_from_json", "Constant", "SizeJSON", "TensorJSON", "TupleJSON", "ScalarJSON",
@@ -105,6 +106,7 @@ class ProgramJSON(_ProgramJSON, total=False):
     aliases: dict[str, list[str]]
     predicted_events: list[EventJSON]
     autocast: str | None
+    structure: dict[str, object] | None
 
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -258,6 +260,7 @@ class ProgramSpec:
     aliases: dict[str, list[str]]  # tensor name -> every state_dict name of the model for it
     predicted_events: tuple[EventJSON, ...] = ()  # the cost model's timeline of one step
     autocast: str | None = None  # "bf16" / "fp16": every stage under torch.autocast
+    structure: Structure | None = None  # the model's state, which checkpoints record
 
     @staticmethod
     def from_json(data: ProgramJSON) -> ProgramSpec:
@@ -275,7 +278,12 @@ class ProgramSpec:
                            data["loss"], data["lr"],
                            tuple(data["reference_losses"]), data["deterministic"],
                            {k: list(v) for k, v in data.get("aliases", {}).items()},
-                           tuple(data.get("predicted_events", ())), data.get("autocast"))
+                           tuple(data.get("predicted_events", ())), data.get("autocast"),
+                           _structure(data.get("structure")))
+
+
+def _structure(data: object) -> Structure | None:
+    return None if data is None else Structure.from_json(data, where="program.json")
 
 
 def comm_to_json(c: ir.CommInfo) -> CommJSON:
