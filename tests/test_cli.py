@@ -168,6 +168,8 @@ def test_run_tells_a_failing_rank_in_one_line_with_its_log(written):
     assert "missing.pt" in lines[0]
     log = lines[0].rpartition("(full log: ")[2].removesuffix(")")
     assert "rank 0 (stage 0): error:" in Path(log).read_text()
+    torchrun = Path(log).parents[3] / "torchrun.log"  # kept, as the ranks' logs, after a failure
+    assert "OMP_NUM_THREADS" not in torchrun.read_text()  # set for the ranks: no banner
 
 
 def test_demo_runs_the_main_job(tmp_path):
