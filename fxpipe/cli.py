@@ -14,9 +14,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -34,6 +32,8 @@ from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
 from fxpipe.profile.cache import clear_cache, profile_path
 from fxpipe.program import Program
 from fxpipe.report import cost_table
+from fxpipe.runtime.folder import program_report
+from fxpipe.runtime.torchrun import plan_run, run_program
 from fxpipe.tools.bench import BenchOptions, run_bench, run_bench_compile
 from fxpipe.tools.bench_partition import run_bench_partition
 from fxpipe.tools.bench_torch import SCHEDULES as TORCH_SCHEDULES
@@ -115,25 +115,13 @@ def cmd_costs(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    path = os.path.join(args.dir, "report.json" if args.json else "report.txt")
-    if not os.path.exists(path):
-        raise ConfigError(f"{args.dir} has no {os.path.basename(path)}",
-                          hint="write a program first: fxpipe compile MODULE:FACTORY --out DIR")
-    with open(path, encoding="utf-8") as f:
-        print(f.read(), end="")
+    print(program_report(args.dir, as_json=args.json), end="")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    program = os.path.join(args.dir, "program.py")
-    if not os.path.exists(program):
-        raise ConfigError(f"{args.dir} has no program.py",
-                          hint="write a program first: fxpipe compile MODULE:FACTORY --out DIR")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-               "--master-port", str(args.port), program, *args.program_args]
-    if args.nproc == 1:
-        command = [sys.executable, program, *args.program_args]
-    return subprocess.call(command)
+    plan = plan_run(args.dir, args.nproc, args.port, args.program_args)
+    return run_program(plan, debug=args.debug)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -216,7 +204,8 @@ def parser() -> argparse.ArgumentParser:
     u = sub.add_parser("run", help="train a written program on local processes (torchrun)")
     u.add_argument("dir")
     u.add_argument("--nproc", type=int, required=True, help="processes: stages x replicas")
-    u.add_argument("--port", type=int, default=29500)
+    u.add_argument("--port", type=int, default=None,
+                   help="the rendezvous port (default: a free one)")
     u.set_defaults(func=cmd_run, program_args=[])
     u.epilog = "Other arguments go to program.py, e.g. --steps 5 --verify --timeline t.json"
     d = sub.add_parser("demo", help="compile the bundled GPT, write it, train it on 2 processes")

@@ -16,6 +16,7 @@ __all__ = [
     "MissingMetaError",
     "InvariantError",
     "CheckpointError",
+    "ProgramFolderError",
 ]
 
 
@@ -73,6 +74,10 @@ class NotBuiltError(FxPipeError, RuntimeError):
 
 class CheckpointError(FxPipeError):
     """A checkpoint could not be written or read."""
+
+
+class ProgramFolderError(FxPipeError, ValueError):
+    """A written program's folder is missing files, altered, or not a program at all."""
 
 
 class MissingMetaError(FxPipeError, KeyError):

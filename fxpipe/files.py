@@ -1,20 +1,26 @@
 """Atomic files: a file is either its old content or its new content, never a half-written one.
 
 Each write goes to a temporary file in the target's folder, is flushed to disk, and is then
-renamed over the target (a rename within one file system is atomic).
+renamed over the target (a rename within one file system is atomic). A folder is replaced the
+same way as a whole (replace_folder): built beside the target, then renamed into its place.
+
+Files get the modes an ordinary write gives (0666 less the umask): the temporary file is created
+by open() inside a private temporary folder, never by mkstemp, whose files are 0600.
 """
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["atomic_write", "atomic_save", "fsync_folder", "TEMP_PREFIX"]
+__all__ = ["atomic_write", "atomic_save", "fsync_folder", "replace_folder", "TEMP_PREFIX"]
 
 TEMP_PREFIX = ".fxpipe-"
 
@@ -65,3 +71,52 @@ def fsync_folder(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _sibling(target: str, kind: str) -> str:
+    """A new, empty folder beside `target` (os.mkdir, so its mode follows the umask)."""
+    parent, name = os.path.split(os.path.abspath(target))
+    while True:
+        path = os.path.join(parent, f"{TEMP_PREFIX}{name}-{kind}-{secrets.token_hex(6)}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
+def replace_folder(target: str, fill: Callable[[str], None],
+                   check_replaceable: Callable[[str], None]) -> None:
+    """Builds a folder with `fill(folder)` beside `target`, then puts it in `target`'s place.
+
+    Readers and concurrent writers see the old folder or a complete new one, never a mix: the
+    new folder is renamed in once complete; an existing `target` (`check_replaceable` raises if
+    it must not be replaced) is renamed away just before and removed after. Of two writers, the
+    last to rename wins.
+    """
+    target = os.path.abspath(target)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staged = _sibling(target, "new")
+    olds: list[str] = []
+    try:
+        fill(staged)
+        fsync_folder(staged)
+        while True:
+            try:
+                os.rename(staged, target)  # succeeds onto an absent or empty folder
+                break
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+            check_replaceable(target)
+            old = _sibling(target, "old")
+            os.rmdir(old)  # only its unique name is needed
+            try:
+                os.rename(target, old)
+                olds.append(old)
+            except FileNotFoundError:  # another writer moved it away first
+                pass
+        fsync_folder(os.path.dirname(target))
+    finally:
+        for folder in [staged, *olds]:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 __all__ = ["SourceLine", "from_stack_trace", "from_traceback", "from_exception", "display_path",
-           "safe_comment", "identifier"]
+           "safe_comment", "safe_docstring", "identifier"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXPIPE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -110,6 +110,12 @@ def safe_comment(text: str, limit: int = 160) -> str:
             out.append(ch.encode("unicode_escape").decode("ascii"))
     joined = "".join(out)
     return joined if len(joined) <= limit else joined[: limit - 3] + "..."
+
+
+def safe_docstring(text: str, limit: int = 160) -> str:
+    """Text that reads as itself inside a triple-quoted docstring: control characters,
+    backslashes and double quotes are escaped, so nothing in it can end the string."""
+    return safe_comment(text, limit).replace("\\", "\\\\").replace('"', '\\"')
 
 
 def identifier(text: str, taken: set[str], *, reserved: frozenset[str] | set[str] = frozenset(),

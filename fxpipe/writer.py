@@ -1,11 +1,14 @@
 """write_program(): a built plan as a folder that trains on its own (stage files, launcher,
 weights, example batch, spec and report).
 
-Everything is deterministic (no timestamps, no absolute paths) and every file is written
-atomically (fxpipe.files).
+Everything is deterministic (no timestamps, no absolute paths). The folder is built beside the
+target and renamed into its place as a whole (fxpipe.files.replace_folder): two writers to one
+folder leave one complete program, and no file of an earlier program stays behind. program.json
+records every other file's sha256, which `fxpipe report` and `fxpipe run` check.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 from dataclasses import dataclass, field
@@ -14,11 +17,14 @@ import torch
 from torch import nn
 
 from fxpipe.built import Built
-from fxpipe.errors import CodegenError
-from fxpipe.files import atomic_save, atomic_write
+from fxpipe.errors import CodegenError, ProgramFolderError
+from fxpipe.files import atomic_save, atomic_write, replace_folder
 from fxpipe.report import Report
+from fxpipe.runtime.folder import file_digest, is_program
+from fxpipe.runtime.imports import ProgramCode, source_folders
 from fxpipe.runtime.spec import comm_to_json, signature_to_json
 from fxpipe.runtime.timeline import predicted_events
+from fxpipe.source import safe_docstring
 from fxpipe.state import StateNames
 from fxpipe.structure import Structure
 from fxpipe.version import __version__
@@ -52,6 +58,8 @@ from pathlib import Path
 from fxpipe.runtime.launch import build_stage, main
 
 HERE = Path(__file__).resolve().parent
+# The code this program imports besides fxpipe and torch; program.json may name nothing else.
+{code}
 
 
 def load_stage(index: int):
@@ -86,32 +94,74 @@ class ProgramFiles:
 
 
 def write_program(built: Built, directory: str, files: ProgramFiles) -> list[str]:
-    """Writes the program to `directory`; returns the paths written."""
+    """Writes the program to `directory` (replacing a program there); returns the paths."""
     if any(n.op == "call_module" for st in built.stages for n in st.graph_module.graph.nodes):
         raise CodegenError("the program calls leaf modules, which a standalone program cannot "
                            "rebuild", hint="compile without leaf_modules to write it")
-    os.makedirs(directory, exist_ok=True)
-    written = []
+    directory = os.path.realpath(directory)  # a link to a folder: replace the folder
+    _check_replaceable(directory)
+    names: list[str] = []
+
+    def fill(folder: str) -> None:
+        names.extend(_write_files(built, folder, files, directory))
+
+    replace_folder(directory, fill, _check_replaceable)
+    return [os.path.join(directory, name) for name in names]
+
+
+def _check_replaceable(directory: str) -> None:
+    """Refuses to replace a file, or a folder holding anything but an fxpipe program."""
+    if os.path.isdir(directory) and (not os.listdir(directory) or is_program(directory)):
+        return
+    if not os.path.lexists(directory):
+        return
+    kind = "folder" if os.path.isdir(directory) else "file"
+    raise ProgramFolderError(f"{directory} is a {kind} that holds no fxpipe program, and writing "
+                             "the program would replace it", hint="write to a new or empty "
+                             "folder, or to one that holds a program fxpipe wrote")
+
+
+def _write_files(built: Built, folder: str, files: ProgramFiles, target: str) -> list[str]:
+    """Every file of the program in `folder`, program.json (with the others' sha256) last."""
+    names = []
     for st in built.stages:
-        path = os.path.join(directory, f"stage_{st.index}.py")
-        atomic_write(path, st.source)
-        written.append(path)
+        names.append(f"stage_{st.index}.py")
+        atomic_write(os.path.join(folder, names[-1]), st.source)
+    code = _program_code(built, files, target)
     texts = {
-        "program.py": LAUNCHER.format(version=__version__, model=files.model_name,
-                                      stages=len(built.stages)),
-        "program.json": json.dumps(_spec(built, files), indent=2, sort_keys=True) + "\n",
+        "program.py": LAUNCHER.format(version=__version__, model=safe_docstring(files.model_name),
+                                      stages=len(built.stages), code=code.literal()),
         "report.txt": files.report.text() + "\n",
         "report.json": files.report.json() + "\n",
     }
     for name, text in texts.items():
-        path = os.path.join(directory, name)
-        atomic_write(path, text)
-        written.append(path)
-    written += write_weights(directory, files)
+        atomic_write(os.path.join(folder, name), text)
+        names.append(name)
+    names += [os.path.basename(p) for p in write_weights(folder, files)]
     atomic_save({"inputs": [t.detach().cpu() for t in files.inputs],
                  "target": None if files.target is None else files.target.detach().cpu()},
-                os.path.join(directory, "batch.pt"))
-    return written + [os.path.join(directory, "batch.pt")]
+                os.path.join(folder, "batch.pt"))
+    names.append("batch.pt")
+    digests = {name: file_digest(os.path.join(folder, name)) for name in sorted(names)}
+    spec = {**_spec(built, files), "files": digests}
+    atomic_write(os.path.join(folder, "program.json"),
+                 json.dumps(spec, indent=2, sort_keys=True) + "\n")
+    return [*names, "program.json"]
+
+
+def _program_code(built: Built, files: ProgramFiles, target: str) -> ProgramCode:
+    """What the program imports: the loss (its module's folder is recorded, relative to the
+    program, as are those of modules the stage files import) and its outputs' types' modules."""
+    modules = list(signature_to_json(built.signature)["pytree_modules"])
+    imported = [files.loss.partition(":")[0]] if ":" in files.loss else []
+    for st in built.stages:
+        for node in ast.walk(ast.parse(st.source)):
+            if isinstance(node, ast.Import):
+                imported += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.append(node.module)
+    return ProgramCode(files.loss, tuple(modules),
+                       source_folders(sorted(set(imported + modules)), target))
 
 
 def write_weights(directory: str, files: ProgramFiles) -> list[str]:

@@ -21,11 +21,10 @@ from torch.fx import GraphModule, Node
 
 from fxpipe import ir
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.local import REMAT_MODES
 
 __all__ = ["mark_remat", "RematRegion", "select_regions", "is_mutating", "kept_bytes",
            "REMAT_MODES"]
-
-REMAT_MODES = ("never", "always", "except_last", "auto")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -110,7 +111,65 @@ def test_run_trains_a_written_program_on_two_processes_and_writes_a_chrome_trace
 
 def test_run_of_a_folder_without_a_program_is_a_clear_error(tmp_path, capsys):
     assert main(["run", str(tmp_path), "--nproc", "2"]) == 2
-    assert "has no program.py" in capsys.readouterr().err
+    assert "has no program.json, so it is no program fxpipe wrote" in capsys.readouterr().err
+
+
+def _altered(written: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "altered"
+    shutil.copytree(written, folder)
+    with open(folder / "weights.pt", "ab") as f:
+        f.write(b"\0")
+    return folder
+
+
+def test_report_checks_the_program_and_says_what_it_imports(written, tmp_path, capsys):
+    assert main(["report", str(written)]) == 0
+    assert capsys.readouterr().out.endswith("\nprogram: 2 stages, loss default (fxpipe's own)\n")
+    assert main(["report", str(_altered(written, tmp_path))]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("fxpipe: error: ") and "weights.pt is not the file the program was " \
+        "written with" in err[0]
+    assert err[1].startswith("hint: write the program again") and len(err) == 2
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--nproc", "3"], "--nproc 3 is not a multiple of the program's 2 stages"),
+    (["--nproc", "2", "--stpes", "3"],
+     "program.py does not take '--stpes' (did you mean --steps?)"),
+    (["--nproc", "2", "--steps", "x"], "program.py argument --steps: invalid int value: 'x'"),
+])
+def test_run_checks_its_arguments_before_starting_a_process(written, capsys, args, expected):
+    assert main(["run", str(written), *args]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == f"fxpipe: error: {expected}"
+
+
+def test_run_refuses_an_altered_program_and_a_busy_port_before_starting(written, tmp_path, capsys):
+    assert main(["run", str(_altered(written, tmp_path)), "--nproc", "2"]) == 2
+    assert "weights.pt is not the file the program was written with" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["run", str(written), "--nproc", "2", "--port", str(port)]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == \
+        f"fxpipe: error: port {port} is in use on this machine (another run, or another " \
+        "program, listens on it)"
+
+
+def test_run_tells_a_failing_rank_in_one_line_with_its_log(written):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-m", "fxpipe", "run", str(written), "--nproc", "2",
+                             "--steps", "1", "--weights", str(written / "missing.pt")],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("fxpipe: error: rank 0 (stage 0) failed: ")
+    assert "missing.pt" in lines[0]
+    log = lines[0].rpartition("(full log: ")[2].removesuffix(")")
+    assert "rank 0 (stage 0): error:" in Path(log).read_text()
+    torchrun = Path(log).parents[3] / "torchrun.log"  # kept, as the ranks' logs, after a failure
+    assert "OMP_NUM_THREADS" not in torchrun.read_text()  # set for the ranks: no banner
 
 
 def test_demo_runs_the_main_job(tmp_path):

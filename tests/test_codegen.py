@@ -1,6 +1,7 @@
 """fxpipe.codegen: readable, deterministic, valid and safe stage code."""
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -13,6 +14,7 @@ from torch import nn
 import fxpipe
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
+from fxpipe.runtime.launch import build_stage
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("FXPIPE_UPDATE_GOLDEN") == "1"
@@ -159,3 +161,20 @@ def test_the_command_line_header_is_a_command_that_regenerates_the_program(tmp_p
     assert main([*command[1:], "--out", str(tmp_path / "b")]) == 0
     for name in ("stage_0.py", "stage_1.py"):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+
+
+def test_hostile_class_and_parameter_names_give_a_launcher_and_stages_that_compile(tmp_path):
+    name = 'Model"""\\N{\n'
+    cls = type(name, (nn.Module,), {"forward": lambda self, x: self.get_submodule('b"""\\N')(
+        self.get_submodule("a\\x00'''")(x))})
+    model = cls()
+    model.add_module("a\\x00'''", nn.Linear(4, 4))
+    model.add_module('b"""\\N', nn.Linear(4, 4))
+    program = fxpipe.compile(model, (torch.randn(4, 4),), stages=2, chunks=2, profile="a100")
+    program.write(str(tmp_path / "prog"), reference_steps=0)
+    for path in sorted((tmp_path / "prog").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))  # a SyntaxError before
+        if path.name == "program.py":
+            assert f"for {name.strip()}\\n." in ast.get_docstring(tree)  # reads as the name
+    stage = build_stage(tmp_path / "prog", 0)
+    assert list(stage.PARAMETERS.values()) == ["a\\x00'''.weight", "a\\x00'''.bias"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -17,10 +16,12 @@ import torch.distributed as dist
 
 from fxpipe.checkpoint import load_checkpoint, save_shard
 from fxpipe.errors import CheckpointError, FxPipeError, PeerLostError
-from fxpipe.losses import LossFn, resolve_loss
+from fxpipe.losses import LossFn
 from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
-from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
+from fxpipe.runtime.arguments import parse_program_args
+from fxpipe.runtime.folder import check_program
+from fxpipe.runtime.imports import code_of_launcher, import_folders, program_loss
 from fxpipe.runtime.local import LocalExecutor, LocalStage
 from fxpipe.runtime.mesh import make_groups
 from fxpipe.runtime.rank import (
@@ -46,8 +47,13 @@ loss."""
 
 
 def load_spec(folder: Path) -> ProgramSpec:
-    with open(folder / "program.json", encoding="utf-8") as f:
-        return ProgramSpec.from_json(json.load(f))
+    """The program in `folder`, checked (fxpipe.runtime.folder), with the folders of the user's
+    modules on sys.path, since reading the spec imports its outputs' types."""
+    checked = check_program(folder, contents=False)
+    for entry in import_folders(checked.code, Path(folder)):
+        if entry not in sys.path:
+            sys.path.append(entry)
+    return ProgramSpec.from_json(checked.data)
 
 
 def _stage_class(folder: Path, spec: ProgramSpec, index: int) -> type[StageModule]:
@@ -80,51 +86,20 @@ def build_stage(folder: Path, index: int,
                else _tensors(Path(folder), spec, [cls], torch.device("cpu")))
 
 
-def _parse(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="program.py", description=f"Train the fxpipe pipeline of {spec.model}.")
-    parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    parser.add_argument("--lr", type=float, default=spec.lr,
-                        help=f"learning rate of SGD with momentum 0.9 (default {spec.lr})")
-    parser.add_argument("--verify", action="store_true",
-                        help="check the losses against the plain model's (recorded at write time)")
-    parser.add_argument("--timeline", metavar="PATH",
-                        help="write a Chrome trace of the last step (open in Perfetto)")
-    parser.add_argument("--save", metavar="DIR", help="write a checkpoint after training")
-    parser.add_argument("--resume", metavar="DIR", help="start from a checkpoint (model and "
-                        "optimizer state; written by --save or program.save)")
-    parser.add_argument("--check-finite", action="store_true",
-                        help="stop with the stage and value where NaN/Inf first appear")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds a rank waits for a peer before giving up (default 60)")
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--weights", metavar="PATH",
-                         help="each rank reads its stage's tensors from this checkpoint, by the "
-                              "model's state_dict names: a state dict (.pt/.bin), a .safetensors "
-                              "file, or a save_pretrained folder (sharded with an index or not)")
-    weights.add_argument("--init", action="store_true",
-                         help="each rank initializes its stage with the model's initializers "
-                              "(a program of a model compiled on the meta device)")
-    parser.add_argument("--seed", type=int, default=0, help="the seed of --init (default 0)")
-    parser.add_argument("--dp-bucket-mb", type=float, default=DEFAULT_DP_BUCKET_BYTES / 2**20,
-                        help="with data-parallel replicas: average gradients in buckets of this "
-                             "size during the last backward (default 25); 0 averages after it")
-    return parser.parse_args(argv)
-
-
 def main(folder: Path, argv: list[str] | None = None) -> int:
     folder = Path(folder)
-    spec = load_spec(folder)
-    args = _parse(list(argv if argv is not None else sys.argv[1:]), spec)
+    who = f"rank {os.environ.get('RANK', 0)}"
     try:
+        spec = load_spec(folder)
+        who += f" (stage {int(os.environ.get('RANK', 0)) % len(spec.stages)})"
+        args = parse_program_args(list(argv if argv is not None else sys.argv[1:]), spec)
         return _run(folder, spec, args)
     except PeerLostError as e:
         # Not this rank's fault: the rank that failed prints the error; say why we stop.
-        print(f"rank {os.environ.get('RANK', '?')}: stopping, another rank failed or exited "
-              f"({e.message})", file=sys.stderr)
+        print(f"{who}: stopping, another rank failed or exited ({e.message})", file=sys.stderr)
         return 1
     except FxPipeError as e:
-        print(f"rank {os.environ.get('RANK', 0)}: error: {e}", file=sys.stderr)
+        print(f"{who}: error: {e}", file=sys.stderr)
         return 2
 
 
@@ -132,7 +107,7 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     batch = torch.load(folder / "batch.pt", map_location="cpu", weights_only=True)
     inputs: list[torch.Tensor] = batch["inputs"]
     target: torch.Tensor | None = batch["target"]
-    loss_fn = resolve_loss(spec.loss)
+    loss_fn = program_loss(spec.loss, code_of_launcher(folder), folder)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
         step, rank, modules = _distributed(folder, spec, args)

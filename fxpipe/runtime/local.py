@@ -31,9 +31,15 @@ from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
-__all__ = ["LocalExecutor", "remat_enabled", "microbatch_seed", "seeded_forward", "draw_base"]
+__all__ = ["LocalExecutor", "REMAT_MODES", "remat_enabled", "microbatch_seed", "seeded_forward",
+           "draw_base"]
 
 _RNG_LOCK = threading.Lock()
+
+
+REMAT_MODES = ("never", "always", "except_last", "auto")
+"""What recomputes in backward: no micro-batch, every one, all but the last, or the regions
+passes.remat chose under a memory limit (every micro-batch)."""
 
 
 def remat_enabled(mode: str, microbatch: int, chunks: int) -> bool:

@@ -1,11 +1,16 @@
 """program.json: what a written program's launcher needs, as plain JSON (no pickles, no eval).
 
 Shapes are stored as integer polynomial coefficients in the micro-batch size b, dtypes by name,
-so reading the file back never executes anything it contains.
+so reading the file back never executes anything it contains. spec_problems() checks every
+field against what fxpipe writes before anything reads it: an edited file is refused with the
+field, its value and what is allowed. The code a program imports (its loss, its output types'
+modules) is named in program.py, never by this file alone (fxpipe.runtime.imports).
 """
 from __future__ import annotations
 
 import importlib
+import math
+import posixpath
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, TypedDict
 
@@ -15,13 +20,17 @@ import torch.utils._pytree as pytree
 
 from fxpipe import ir
 from fxpipe.errors import CheckpointError, CodegenError
+from fxpipe.runtime.amp import AUTOCAST_DTYPES
+from fxpipe.runtime.local import REMAT_MODES
+from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.runtime.timeline import EventJSON
 from fxpipe.signature import LeafSpec, Signature
 from fxpipe.structure import Structure
 
 __all__ = ["StageSpec", "ProgramSpec", "value_to_json", "value_from_json", "signature_to_json",
            "signature_from_json", "Constant", "SizeJSON", "TensorJSON", "TupleJSON", "ScalarJSON",
-           "ValueJSON", "LeafJSON", "SignatureJSON", "CommJSON", "StageJSON", "ProgramJSON"]
+           "ValueJSON", "LeafJSON", "SignatureJSON", "CommJSON", "StageJSON", "ProgramJSON",
+           "spec_problems", "is_inside_path"]
 
 SizeJSON: TypeAlias = list[int] | int | float
 """A size: integer polynomial coefficients in b (constant first), or a constant."""
@@ -107,6 +116,108 @@ class ProgramJSON(_ProgramJSON, total=False):
     predicted_events: list[EventJSON]
     autocast: str | None
     structure: dict[str, object] | None
+    files: dict[str, str]  # every other file of the program -> its sha256, hex
+
+
+def is_inside_path(path: object) -> bool:
+    """Whether `path` names a file inside the folder it is read from: relative, with no `..`."""
+    return isinstance(path, str) and path != "" and "\\" not in path and ":" not in path \
+        and not posixpath.isabs(path) and ".." not in path.split("/")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(float(value))  # type: ignore[arg-type]
+
+
+def spec_problems(data: object) -> list[str]:
+    """Every field of program.json that fxpipe would not have written, as `field is value
+    (allowed: ...)`; empty when the spec is sound."""
+    if not isinstance(data, dict):
+        return [f"program.json holds a {type(data).__name__}, not an object"]
+    known = ProgramJSON.__required_keys__ | ProgramJSON.__optional_keys__
+    problems = [f"unknown field {k!r} (allowed: {', '.join(sorted(known))})"
+                for k in sorted(set(data) - known)]
+    problems += [f"field {k!r} is missing"
+                 for k in sorted(ProgramJSON.__required_keys__ - set(data))]
+    if problems:
+        return problems
+
+    def check(ok: bool, name: str, allowed: str) -> None:
+        if not ok:
+            problems.append(f"{name} is {data.get(name)!r} (allowed: {allowed})")
+
+    check(_is_int(data["chunks"]) and data["chunks"] >= 1, "chunks", "an integer >= 1")
+    check(data["remat"] in REMAT_MODES, "remat", ", ".join(REMAT_MODES))
+    check(data["schedule"] in SCHEDULES, "schedule", ", ".join(SCHEDULES))
+    check(data.get("autocast") is None or data.get("autocast") in AUTOCAST_DTYPES, "autocast",
+          "null, " + ", ".join(AUTOCAST_DTYPES))
+    check(_is_number(data["lr"]) and data["lr"] > 0, "lr", "a finite number > 0")
+    check(isinstance(data["loss"], str), "loss", "a loss name or MODULE:FUNCTION")
+    check(isinstance(data["deterministic"], bool), "deterministic", "true, false")
+    check(isinstance(data["reference_losses"], list)
+          and all(_is_number(x) for x in data["reference_losses"]), "reference_losses",
+          "a list of finite numbers")
+    files = data.get("files", {})
+    check(isinstance(files, dict)
+          and all(is_inside_path(k) and isinstance(v, str) for k, v in files.items()),
+          "files", "file names inside the folder -> sha256")
+    stages = data["stages"]
+    if not isinstance(stages, list) or not stages:
+        return [*problems, f"stages is {stages!r} (allowed: a non-empty list)"]
+    return problems + _stage_problems(stages, data)
+
+
+def _stage_problems(stages: list[object], data: dict[str, object]) -> list[str]:
+    """The stages, their messages and the edges between them: indexes 0..n-1 in order, peers in
+    range, every send received by its peer, edges as the sends say."""
+    n, problems = len(stages), []
+    sends: set[tuple[str, object, object]] = set()
+    recvs: set[tuple[str, object, object]] = set()
+    for i, st in enumerate(stages):
+        where = f"stages[{i}]"
+        if not isinstance(st, dict) or set(st) != set(StageJSON.__required_keys__):
+            problems.append(f"{where} is not a stage (allowed keys: "
+                            f"{', '.join(sorted(StageJSON.__required_keys__))})")
+            continue
+        if st["index"] != i:
+            problems.append(f"{where}.index is {st['index']!r} (allowed: {i}, its position)")
+        if not is_inside_path(st["file"]) or not str(st["file"]).endswith(".py"):
+            problems.append(f"{where}.file is {st['file']!r} (allowed: a .py file inside the "
+                            "program's folder, no absolute path, no '..')")
+        if not (isinstance(st["class_name"], str) and st["class_name"].isidentifier()):
+            problems.append(f"{where}.class_name is {st['class_name']!r} (allowed: an identifier)")
+        for kind, messages, into in (("recvs", st["recvs"], recvs), ("sends", st["sends"], sends)):
+            for c in messages if isinstance(messages, list) else [None]:
+                peer = c.get("peer") if isinstance(c, dict) else None
+                tag = c.get("tag") if isinstance(c, dict) else None
+                if not (_is_int(peer) and peer in range(n) and peer != i):
+                    problems.append(f"{where}.{kind} has peer {peer!r} (allowed: another stage, "
+                                    f"0..{n - 1})")
+                elif not isinstance(tag, str):
+                    problems.append(f"{where}.{kind} has tag {tag!r} (allowed: a string)")
+                else:
+                    into.add((tag, i, peer) if kind == "sends" else (tag, peer, i))
+    if problems:
+        return problems
+    if sends != recvs:
+        problems.append(f"stages send and receive different messages (sent, not received: "
+                        f"{sorted(map(str, sends - recvs))}; received, not sent: "
+                        f"{sorted(map(str, recvs - sends))})")
+    edges = data["edges"]
+    if not isinstance(edges, list) or not all(
+            isinstance(e, list) and all(isinstance(x, (str, int)) for x in e) for e in edges) \
+            or {tuple(e) for e in edges} != sends:
+        problems.append(f"edges is {edges!r} (allowed: the stages' sends as [tag, src, dst])")
+    shared = data["shared"]
+    if not isinstance(shared, dict) or not all(
+            isinstance(v, list) and all(_is_int(s) and 0 <= s < n for s in v)
+            for v in shared.values()):
+        problems.append(f"shared is {shared!r} (allowed: tensor name -> stages 0..{n - 1})")
+    return problems
 
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (

@@ -1,0 +1,64 @@
+"""The command line of a written program.py: its options, and an unknown one named with the
+option it most resembles, so that `fxpipe run` can check a command before starting ranks."""
+from __future__ import annotations
+
+import argparse
+import difflib
+
+from fxpipe.errors import ConfigError
+from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
+from fxpipe.runtime.spec import ProgramSpec
+
+__all__ = ["program_parser", "parse_program_args"]
+
+
+def program_parser(spec: ProgramSpec) -> argparse.ArgumentParser:
+    """program.py's options (their defaults depend on the program)."""
+    parser = argparse.ArgumentParser(
+        prog="program.py", description=f"Train the fxpipe pipeline of {spec.model}.",
+        exit_on_error=False)
+    parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    parser.add_argument("--lr", type=float, default=spec.lr,
+                        help=f"learning rate of SGD with momentum 0.9 (default {spec.lr})")
+    parser.add_argument("--verify", action="store_true",
+                        help="check the losses against the plain model's (recorded at write time)")
+    parser.add_argument("--timeline", metavar="PATH",
+                        help="write a Chrome trace of the last step (open in Perfetto)")
+    parser.add_argument("--save", metavar="DIR", help="write a checkpoint after training")
+    parser.add_argument("--resume", metavar="DIR", help="start from a checkpoint (model and "
+                        "optimizer state; written by --save or program.save)")
+    parser.add_argument("--check-finite", action="store_true",
+                        help="stop with the stage and value where NaN/Inf first appear")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds a rank waits for a peer before giving up (default 60)")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--weights", metavar="PATH",
+                         help="each rank reads its stage's tensors from this checkpoint, by the "
+                              "model's state_dict names: a state dict (.pt/.bin), a .safetensors "
+                              "file, or a save_pretrained folder (sharded with an index or not)")
+    weights.add_argument("--init", action="store_true",
+                         help="each rank initializes its stage with the model's initializers "
+                              "(a program of a model compiled on the meta device)")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of --init (default 0)")
+    parser.add_argument("--dp-bucket-mb", type=float, default=DEFAULT_DP_BUCKET_BYTES / 2**20,
+                        help="with data-parallel replicas: average gradients in buckets of this "
+                             "size during the last backward (default 25); 0 averages after it")
+    return parser
+
+
+def parse_program_args(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
+    """program.py's options from `argv`; raises ConfigError naming a word it does not take."""
+    parser = program_parser(spec)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"program.py {e}", hint="program.py --help lists its options") from None
+    if unknown:
+        # argparse lists its options only in this attribute
+        options = [o for action in parser._actions for o in action.option_strings]
+        word = unknown[0]
+        close = difflib.get_close_matches(word.partition("=")[0], options, n=1)
+        raise ConfigError(f"program.py does not take {word!r}"
+                          + (f" (did you mean {close[0]}?)" if close else ""),
+                          hint="program.py --help lists its options")
+    return args

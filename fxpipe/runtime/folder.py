@@ -1,0 +1,138 @@
+"""A written program's folder, checked before anything in it runs: program.json as fxpipe writes
+it, the code program.py allows, stage files inside the folder, and every file present with the
+contents it was written with (program.json records each one's sha256).
+
+The digests catch a folder mixed from two programs, a stale or truncated file, or a file copied
+in from elsewhere; they are no defence against someone who edits program.json to match (the
+allow-lists of fxpipe.runtime.spec and fxpipe.runtime.imports are).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fxpipe.errors import ProgramFolderError
+from fxpipe.runtime.imports import ProgramCode, allowed_loss, code_of_launcher
+from fxpipe.runtime.spec import ProgramJSON, spec_problems
+
+__all__ = ["CheckedProgram", "check_program", "file_digest", "is_program", "program_report"]
+
+_HINT = "write the program again (program.write(dir) or fxpipe compile ... --out DIR)"
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file's bytes, hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def is_program(folder: str | os.PathLike[str]) -> bool:
+    """Whether `folder` holds a program fxpipe wrote (program.py and its program.json)."""
+    try:
+        with open(Path(folder) / "program.json", encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "fxpipe" in data and (Path(folder) / "program.py").is_file()
+
+
+@dataclass(frozen=True)
+class CheckedProgram:
+    """A folder that passed check_program, with what it holds."""
+
+    folder: Path
+    data: ProgramJSON
+    code: ProgramCode
+
+    @property
+    def stages(self) -> int:
+        return len(self.data["stages"])
+
+
+def _read(folder: Path) -> object:
+    if not folder.is_dir():
+        raise ProgramFolderError(f"{folder} is not a folder" if folder.exists() else
+                                 f"{folder} does not exist", hint=_HINT)
+    try:
+        with open(folder / "program.json", encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ProgramFolderError(f"{folder} has no program.json, so it is no program fxpipe "
+                                 "wrote", hint=_HINT) from None
+    except (OSError, ValueError) as e:
+        raise ProgramFolderError(f"{folder}/program.json cannot be read ({e})",
+                                 hint=_HINT) from None
+
+
+def check_program(folder: str | os.PathLike[str], *, contents: bool = True) -> CheckedProgram:
+    """The program in `folder`, checked; raises ProgramFolderError naming the first thing wrong.
+
+    contents: compare every file's sha256 with the one recorded (reads the weights once);
+    without, only that every file is present.
+    """
+    folder = Path(folder)
+    data = _read(folder)
+    problems = spec_problems(data)
+    if problems:
+        raise ProgramFolderError(f"{folder}/program.json is not as fxpipe writes it: "
+                                 + "; ".join(problems), hint=_HINT)
+    spec: ProgramJSON = data  # type: ignore[assignment]  # checked field by field above
+    code = code_of_launcher(folder)
+    allowed_loss(spec["loss"], code)
+    outside = set(spec["signature"].get("pytree_modules", [])) - set(code.modules)
+    if outside:
+        raise ProgramFolderError(f"program.json names output types from {sorted(outside)}, which "
+                                 f"program.py does not record (allowed: {list(code.modules)})",
+                                 hint=_HINT)
+    if "files" not in spec:
+        raise ProgramFolderError(f"{folder}/program.json lists no files (written by an older "
+                                 "fxpipe)", hint=_HINT)
+    files = spec["files"]
+    for stage in spec["stages"]:
+        if stage["file"] not in files:
+            raise ProgramFolderError(f"program.json names the stage file {stage['file']!r}, "
+                                     f"which it does not list among the program's files "
+                                     f"({', '.join(sorted(files))})", hint=_HINT)
+    root = folder.resolve()
+    for name, digest in sorted(files.items()):
+        path = folder / name
+        if not path.resolve().is_relative_to(root):
+            raise ProgramFolderError(f"{path} leads out of the program's folder (a link to "
+                                     f"{path.resolve()})", hint=_HINT)
+        if not path.is_file():
+            raise ProgramFolderError(f"{folder} has no {name}, which the program needs",
+                                     hint=_HINT)
+        if contents and file_digest(path) != digest:
+            raise ProgramFolderError(f"{path} is not the file the program was written with "
+                                     f"(sha256 {file_digest(path)[:12]}..., recorded "
+                                     f"{digest[:12]}...): the folder was altered or mixed with "
+                                     "another program", hint=_HINT)
+    return CheckedProgram(folder, spec, code)
+
+
+def program_report(folder: str | os.PathLike[str], *, as_json: bool = False) -> str:
+    """The report of the checked program in `folder` (report.txt, or report.json), with what it
+    imports besides fxpipe: the loss, and where the user's modules are looked for."""
+    checked = check_program(folder)
+    code = checked.code
+    if as_json:
+        with open(checked.folder / "report.json", encoding="utf-8") as f:
+            data = json.load(f)
+        data["program"] = {"stages": checked.stages, "loss": checked.data["loss"],
+                           "modules": list(code.modules), "folders": list(code.folders)}
+        return json.dumps(data, indent=2) + "\n"
+    text = (checked.folder / "report.txt").read_text(encoding="utf-8")
+    loss = checked.data["loss"]
+    where = f" (its module is looked for in the current folder and {', '.join(code.folders)})" \
+        if code.folders else ""
+    line = f"program: {checked.stages} stages, loss {loss}" + (
+        where if ":" in loss else " (fxpipe's own)")
+    if code.modules:
+        line += f"; output types from {', '.join(code.modules)}"
+    return text.rstrip("\n") + "\n\n" + line + "\n"

@@ -1,0 +1,113 @@
+"""fxpipe.writer and fxpipe.files.replace_folder: a written folder holds one whole program, never
+files of an earlier one, and never replaces what is not a program."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import fxpipe
+from fxpipe.errors import ProgramFolderError
+from fxpipe.files import TEMP_PREFIX, replace_folder
+from fxpipe.models import mlp
+from fxpipe.runtime.folder import check_program
+
+
+def _program(stages: int):
+    model, inputs = mlp.build(depth=3)
+    return fxpipe.compile(model, inputs, stages=stages, chunks=2, profile="a100"), inputs
+
+
+def test_writing_two_stages_over_three_leaves_no_stage_file_of_the_old_program(tmp_path):
+    folder = tmp_path / "prog"
+    three, inputs = _program(3)
+    three.write(str(folder), target=mlp.target(inputs), reference_steps=0)
+    assert (folder / "stage_2.py").exists()
+    two, _ = _program(2)
+    two.write(str(folder), target=mlp.target(inputs), reference_steps=0)
+    assert not (folder / "stage_2.py").exists()
+    assert check_program(folder).stages == 2
+    assert os.listdir(tmp_path) == ["prog"]  # no temporary folder left beside it
+
+
+def test_a_folder_that_holds_no_program_is_never_replaced(tmp_path):
+    program, inputs = _program(2)
+    (tmp_path / "notes.txt").write_text("my thesis")
+    with pytest.raises(ProgramFolderError, match=r"is a folder that holds no fxpipe program"):
+        program.write(str(tmp_path), reference_steps=0)
+    assert os.listdir(tmp_path) == ["notes.txt"]
+    (tmp_path / "file").write_text("data")
+    with pytest.raises(ProgramFolderError, match=r"is a file that holds no fxpipe program"):
+        program.write(str(tmp_path / "file"), reference_steps=0)
+    assert (tmp_path / "file").read_text() == "data"
+    (tmp_path / "empty").mkdir()
+    program.write(str(tmp_path / "empty"), reference_steps=0)  # an empty folder is fine
+    assert check_program(tmp_path / "empty").stages == 2
+
+
+def test_a_writer_that_finishes_last_wins_whole(tmp_path):
+    """Two writers interleaved by hand: B swaps its folder in while A is still filling its own."""
+    target = str(tmp_path / "out")
+
+    def fill_b(folder: str) -> None:
+        Path(folder, "b.txt").write_text("b")
+
+    def fill_a(folder: str) -> None:
+        Path(folder, "a.txt").write_text("a")
+        replace_folder(target, fill_b, lambda _: None)  # B, start to end, meanwhile
+
+    replace_folder(target, fill_a, lambda _: None)
+    assert os.listdir(target) == ["a.txt"]
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_written_files_and_folder_have_ordinary_modes_under_the_umask(tmp_path):
+    program, inputs = _program(2)
+    old = os.umask(0o027)
+    try:
+        program.write(str(tmp_path / "prog"), target=mlp.target(inputs), reference_steps=0)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "prog").st_mode) == 0o750
+    modes = {name: stat.S_IMODE(os.stat(tmp_path / "prog" / name).st_mode)
+             for name in os.listdir(tmp_path / "prog")}
+    assert modes == dict.fromkeys(modes, 0o640)
+
+
+_WRITER = textwrap.dedent("""
+    import sys, time
+    import fxpipe
+    from fxpipe.models import gpt, mlp
+    name, folder, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    module = {"mlp": mlp, "gpt": gpt}[name]
+    model, inputs = module.build(**({"dropout": 0.0} if name == "gpt" else {}))
+    program = fxpipe.compile(model, inputs, stages=3 if name == "mlp" else 2, chunks=2,
+                             profile="a100")
+    while time.time() < start:
+        time.sleep(0.01)
+    for _ in range(4):
+        program.write(folder, reference_steps=0)
+""")
+
+
+@pytest.mark.slow
+def test_two_processes_writing_one_folder_at_once_leave_one_whole_program(tmp_path):
+    folder = tmp_path / "prog"
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    for _ in range(3):
+        start = str(time.time() + 25)  # both compiled by then, on a busy machine too
+        procs = [subprocess.Popen([sys.executable, str(script), name, str(folder), start],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+                 for name in ("mlp", "gpt")]
+        assert [p.wait(timeout=300) for p in procs] == [0, 0]
+        checked = check_program(folder)  # every file is the one its program.json records
+        assert set(checked.data["files"]) | {"program.json"} == set(os.listdir(folder))
+        assert (checked.data["model"], checked.stages) in {("MLP", 3), ("GPT", 2)}
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(TEMP_PREFIX)]
