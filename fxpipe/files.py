@@ -86,13 +86,15 @@ def _sibling(target: str, kind: str) -> str:
 
 
 def replace_folder(target: str, fill: Callable[[str], None],
-                   check_replaceable: Callable[[str], None]) -> None:
+                   check_replaceable: Callable[[str], None],
+                   carry: Callable[[str, str], None] | None = None) -> None:
     """Builds a folder with `fill(folder)` beside `target`, then puts it in `target`'s place.
 
     Readers and concurrent writers see the old folder or a complete new one, never a mix: the
     new folder is renamed in once complete; an existing `target` (`check_replaceable` raises if
     it must not be replaced) is renamed away just before and removed after. Of two writers, the
-    last to rename wins.
+    last to rename wins. `carry(old, new)` moves what must outlive the old folder into the new
+    one before the old one is removed.
     """
     target = os.path.abspath(target)
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -116,6 +118,9 @@ def replace_folder(target: str, fill: Callable[[str], None],
                 olds.append(old)
             except FileNotFoundError:  # another writer moved it away first
                 pass
+        if carry is not None:
+            for old in olds:
+                carry(old, target)
         fsync_folder(os.path.dirname(target))
     finally:
         for folder in [staged, *olds]:

@@ -105,8 +105,33 @@ def write_program(built: Built, directory: str, files: ProgramFiles) -> list[str
     def fill(folder: str) -> None:
         names.extend(_write_files(built, folder, files, directory))
 
-    replace_folder(directory, fill, _check_replaceable)
+    replace_folder(directory, fill, _check_replaceable, _carry_user_files)
     return [os.path.join(directory, name) for name in names]
+
+
+def _carry_user_files(old: str, new: str) -> None:
+    """Moves what the user kept in the old program's folder (a checkpoint saved there, a
+    timeline, notes) into the new one: rewriting a program replaces fxpipe's files only."""
+    for name in sorted(os.listdir(old)):
+        if not _written_by_fxpipe(old, name) and not os.path.lexists(os.path.join(new, name)):
+            os.rename(os.path.join(old, name), os.path.join(new, name))
+
+
+def _written_by_fxpipe(folder: str, name: str) -> bool:
+    """Whether `name` is a file of the program in `folder` (program.json lists them)."""
+    try:
+        with open(os.path.join(folder, "program.json"), encoding="utf-8") as f:
+            recorded = json.load(f).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        recorded = {}
+    return name in recorded or name == "program.json" or name in _FXPIPE_NAMES \
+        or (name.startswith("stage_") and name.endswith(".py"))
+
+
+# What any version of the writer puts in a folder (programs written before program.json listed
+# its files included), so stale files of an earlier program are never carried over.
+_FXPIPE_NAMES = frozenset({"program.py", "report.txt", "report.json", "weights.pt", "weights.json",
+                           "state.pt", "model.pt", "batch.pt", "__pycache__"})
 
 
 def _check_replaceable(directory: str) -> None:

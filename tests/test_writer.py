@@ -36,6 +36,22 @@ def test_writing_two_stages_over_three_leaves_no_stage_file_of_the_old_program(t
     assert os.listdir(tmp_path) == ["prog"]  # no temporary folder left beside it
 
 
+def test_rewriting_a_program_keeps_what_the_user_kept_in_its_folder(tmp_path):
+    folder = tmp_path / "prog"
+    three, inputs = _program(3)
+    three.write(str(folder), target=mlp.target(inputs), reference_steps=0)
+    (folder / "ckpt").mkdir()  # e.g. program.py --save prog/ckpt
+    (folder / "ckpt" / "checkpoint.json").write_text("{}")
+    (folder / "timeline.json").write_text("[]")
+    two, _ = _program(2)
+    two.write(str(folder), target=mlp.target(inputs), reference_steps=0)
+    assert (folder / "ckpt" / "checkpoint.json").read_text() == "{}"
+    assert (folder / "timeline.json").read_text() == "[]"
+    assert not (folder / "stage_2.py").exists()
+    assert check_program(folder).stages == 2
+    assert sorted(os.listdir(tmp_path)) == ["prog"]
+
+
 def test_a_folder_that_holds_no_program_is_never_replaced(tmp_path):
     program, inputs = _program(2)
     (tmp_path / "notes.txt").write_text("my thesis")
