@@ -8,10 +8,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, TypedDict
 
-from fxpipe.runtime.schedule import get_schedule, simulate
+from fxpipe.runtime.schedule import TimedEvent, get_schedule, simulate
 
 __all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
-           "chrome_trace", "write_chrome_trace", "predicted_events"]
+           "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step"]
 
 
 class EventJSON(TypedDict):
@@ -170,14 +170,27 @@ class PlanTimes(Protocol):
     def chunks(self) -> int: ...
 
 
-def predicted_events(plan: PlanTimes, schedule: str = "gpipe") -> list[Event]:
-    """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
+def _simulated(plan: PlanTimes, schedule: str) -> tuple[list[TimedEvent], float]:
     k, m = len(plan.stages), plan.chunks
     fwd = [s.forward_time for s in plan.stages]
     bwd = [s.compute_time - s.forward_time for s in plan.stages]
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
-    events, _ = simulate(get_schedule(schedule)(m, k), forward_time=fwd, backward_time=bwd,
-                         comm_time=comm)
-    kinds = {"F": "forward", "B": "backward"}
+    return simulate(get_schedule(schedule)(m, k), forward_time=fwd, backward_time=bwd,
+                    comm_time=comm)
+
+
+def predicted_step(plan: PlanTimes, schedule: str) -> tuple[float, float]:
+    """(step time, bubble) of `schedule` simulated with the plan's stage times; the bubble is
+    the stages' idle share of the step."""
+    _, makespan = _simulated(plan, schedule)
+    work = sum(s.compute_time for s in plan.stages) * plan.chunks
+    total = makespan * len(plan.stages)
+    return makespan, (1 - work / total) if total > 0 else 0.0
+
+
+def predicted_events(plan: PlanTimes, schedule: str = "gpipe") -> list[Event]:
+    """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
+    events, _ = _simulated(plan, schedule)
+    kinds = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
     return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end)
             for e in events]
