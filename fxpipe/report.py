@@ -199,6 +199,8 @@ class Report:
             "predicted_step_time_s": plan.predicted_step_time,
             "chunk_candidates": [{"chunks": c, "predicted_step_time_s": t}
                                  for c, t in plan.candidates],
+            "auto_schedules": [{"schedule": name, "step_time_s": t}
+                               for name, t in plan.schedules],
             "schedules": [{"schedule": name, "step_time_s": t, "bubble": b}
                           for name in SCHEDULES for t, b in [predicted_step(plan, name)]],
         }
@@ -254,6 +256,13 @@ class Report:
         for key, value in self.measured.items():
             lines.append(f"measured {key}: {value}")
         k, m = s["stages"], s["chunks"]
+        if s["auto_schedules"]:
+            lines.append(f"schedule='auto' chose {s['schedule']}: the fastest simulated step "
+                         "that fits the memory limit (" + ", ".join(
+                             f"{c['schedule']} " + (human_time(c['step_time_s'])
+                                                    if c['step_time_s'] is not None
+                                                    else "does not fit")
+                             for c in s["auto_schedules"]) + ")")
         lines.append("simulated step time by schedule (stage costs, bubble = idle share): "
                      + ", ".join(f"{c['schedule']} {human_time(c['step_time_s'])} "
                                  f"(bubble {c['bubble']:.1%})" for c in s["schedules"]))

@@ -18,6 +18,7 @@ from fxpipe import ir
 from fxpipe.models import gpt
 from fxpipe.profile import get_profile
 from fxpipe.report import cost_table, human_bytes, human_flops, human_time
+from fxpipe.runtime.schedule import SCHEDULES
 
 STAGES, CHUNKS = 3, 4
 
@@ -209,3 +210,44 @@ def test_remat_always_keeps_at_least_three_times_less_than_never_in_every_stage(
         print(f"\nstage {n['stage']}: never {n['measured_bytes']:.0f} B, "
               f"always {a['measured_bytes']:.0f} B ({ratio:.1f}x)")
         assert 3 * a["measured_bytes"] <= n["measured_bytes"]
+
+
+# -- schedule="auto" ----------------------------------------------------------------------------
+
+
+def _auto(memory_limit: float | None = None) -> Any:
+    model, inputs = gpt.build(dropout=0.0)
+    return fxpipe.compile(model, inputs, stages=2, chunks=8, profile="a100", schedule="auto",
+                          remat="never", memory_limit=memory_limit)
+
+
+def test_auto_schedule_picks_the_fastest_simulated_step_and_the_report_lists_each_one():
+    program = _auto()
+    times = dict(program.plan.schedules)
+    assert set(times) == set(SCHEDULES) and None not in times.values()
+    chosen = program.built.config.schedule
+    assert chosen == min(times, key=lambda name: times[name])
+    assert chosen == "zb-h1"  # the weight gradients fill 1F1B's bubble
+    assert times["zb-h1"] < times["1f1b"]
+    text = program.report().text()
+    assert f"schedule={chosen})" in text.splitlines()[0]
+    assert (f"schedule='auto' chose {chosen}: the fastest simulated step that fits the memory "
+            "limit (" + ", ".join(f"{n} {human_time(t)}" for n, t in times.items()) + ")") in text
+    assert "ZB-H1, 2 stages x 8 microbatches" in text
+
+
+def test_auto_schedule_leaves_out_a_schedule_whose_activations_do_not_fit():
+    plans = {name: _plan(name) for name in ("gpipe", "1f1b")}
+    peak = {name: max(s.memory for s in plan.stages) for name, plan in plans.items()}
+    assert peak["1f1b"] < peak["gpipe"]  # 1F1B keeps 2 of 8 micro-batches, GPipe all 8
+    program = _auto(memory_limit=(peak["1f1b"] + peak["gpipe"]) / 2)
+    times = dict(program.plan.schedules)
+    assert times["gpipe"] is None and times["1f1b"] is not None
+    assert program.built.config.schedule != "gpipe"
+    assert "gpipe does not fit" in program.report().text()
+
+
+def _plan(schedule: str) -> Any:
+    model, inputs = gpt.build(dropout=0.0)
+    return fxpipe.compile(model, inputs, stages=2, chunks=8, profile="a100", schedule=schedule,
+                          remat="never").plan

@@ -228,7 +228,7 @@ def validate(schedule: Schedule) -> tuple[int, int]:
             if (a.kind, a.microbatch) in seen:
                 raise ConfigError(f"stage {s} runs {a} twice", hint="list each action once")
             seen.add((a.kind, a.microbatch))
-        missing = sorted(expected - seen, key=lambda km: (km[0] != FORWARD, km[1]))
+        missing = sorted(expected - seen, key=lambda km: (_KINDS.index(km[0]), km[1]))
         if missing:
             names = ", ".join(f"{k}{m}" for k, m in missing)
             raise ConfigError(
