@@ -19,6 +19,7 @@ from fxpipe.models import gpt
 from fxpipe.profile import get_profile
 from fxpipe.report import cost_table, human_bytes, human_flops, human_time
 from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.timeline import chrome_trace, predicted_events, predicted_step
 
 STAGES, CHUNKS = 3, 4
 
@@ -251,3 +252,15 @@ def _plan(schedule: str) -> Any:
     model, inputs = gpt.build(dropout=0.0)
     return fxpipe.compile(model, inputs, stages=2, chunks=8, profile="a100", schedule=schedule,
                           remat="never").plan
+
+
+def test_predicted_zb_h1_timeline_labels_the_split_backward_and_matches_the_report():
+    program = _auto()  # zb-h1, as above
+    plan = program.plan
+    events = predicted_events(plan, "zb-h1")
+    split = [e for e in events if e.kind == "backward"]
+    assert sorted((e.detail, e.stage, e.microbatch) for e in split) == sorted(
+        (d, s, m) for d in ("I", "W") for s in range(2) for m in range(8))
+    assert max(e.end for e in events) == pytest.approx(predicted_step(plan, "zb-h1")[0])
+    names = {t["name"] for t in chrome_trace(events) if t["ph"] == "X"}
+    assert {"F0", "I0", "W7"} <= names and "B0" not in names

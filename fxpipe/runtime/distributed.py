@@ -200,12 +200,13 @@ class DistributedExecutor:
                             losses[mb] = loss if scale is None else loss * scale
                             total += loss.detach().double()
                 elif action.kind == "I":
-                    with self.timeline.span("backward", stage, mb):
+                    with self.timeline.span("backward", stage, mb, detail="I"):
                         comm.backward_input(stage, mb, losses.pop(mb, None))
                 else:
                     if self.averager and tick.index == last_backward:
                         self.averager.arm()
-                    with self.timeline.span("backward", stage, mb):
+                    detail = "W" if action.kind == "W" else ""
+                    with self.timeline.span("backward", stage, mb, detail=detail):
                         if action.kind == "W":
                             comm.backward_weight(stage, mb, weights)
                         else:

@@ -64,6 +64,7 @@ class Timeline:
 
 
 _COMPUTE = ("forward", "backward", "recompute")
+SPLIT_BACKWARD = ("I", "W")  # the detail of a backward span: the input or the weight gradients
 _WAITS = ("recv", "recv_grad")
 
 
@@ -131,6 +132,8 @@ def chrome_trace(events: Sequence[Event], *, name: str = "fxpipe",
                     "args": {"name": f"stage {stage}"}})
     for e in events:
         label = {"forward": "F", "backward": "B", "recompute": "R"}.get(e.kind, e.kind)
+        if e.kind == "backward" and e.detail in SPLIT_BACKWARD:  # a split backward's I or W
+            label = e.detail
         out.append({"name": f"{label}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": pid,
                     "tid": e.stage, "ts": round(e.start * 1e6, 3),
                     "dur": round(max(e.end - e.start, 0.0) * 1e6, 3),
@@ -191,6 +194,7 @@ def predicted_step(plan: PlanTimes, schedule: str) -> tuple[float, float]:
 def predicted_events(plan: PlanTimes, schedule: str = "gpipe") -> list[Event]:
     """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
     events, _ = _simulated(plan, schedule)
-    kinds = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
-    return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end)
+    kinds = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
+    return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
+                  e.kind if e.kind in SPLIT_BACKWARD else "")
             for e in events]
