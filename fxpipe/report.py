@@ -25,7 +25,7 @@ from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["Report", "StageRow", "build_report", "stage_header", "compile_command",
            "predicted_kept", "communication", "cost_table", "human_bytes", "human_flops",
-           "human_time"]
+           "human_time", "SCHEDULE_TITLES"]
 
 
 def human_bytes(n: float) -> str:

@@ -36,6 +36,7 @@ __all__ = [
     "SCHEDULES",
     "get_schedule",
     "validate",
+    "is_split",
     "clock_cycles",
     "render_grid",
     "bubble_fraction",

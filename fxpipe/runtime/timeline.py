@@ -8,10 +8,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, TypedDict
 
-from fxpipe.runtime.schedule import TimedEvent, get_schedule, simulate
+from fxpipe.runtime.schedule import TimedEvent, get_schedule, is_split, simulate
 
 __all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
-           "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step"]
+           "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step",
+           "INPUT_GRAD_SHARE", "SPLIT_BACKWARD"]
 
 
 class EventJSON(TypedDict):
@@ -173,20 +174,31 @@ class PlanTimes(Protocol):
     def chunks(self) -> int: ...
 
 
+INPUT_GRAD_SHARE = 0.5  # of a stage's backward: the input-gradient chain (a linear's one matmul)
+
+
 def _simulated(plan: PlanTimes, schedule: str) -> tuple[list[TimedEvent], float]:
+    """The schedule played with the plan's stage times as the executors run it: a split
+    backward's I costs the input-gradient share of the backward, and its W a whole backward,
+    since W runs autograd again from the stage's outputs to its weights (NOTE [Split backward]
+    in fxpipe/runtime/comm.py)."""
     k, m = len(plan.stages), plan.chunks
     fwd = [s.forward_time for s in plan.stages]
     bwd = [s.compute_time - s.forward_time for s in plan.stages]
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
-    return simulate(get_schedule(schedule)(m, k), forward_time=fwd, backward_time=bwd,
-                    comm_time=comm)
+    actions = get_schedule(schedule)(m, k)
+    if is_split(actions):
+        return simulate(actions, forward_time=fwd,
+                        backward_time=[(1 + INPUT_GRAD_SHARE) * b for b in bwd],
+                        weight_time=bwd, comm_time=comm)
+    return simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm)
 
 
 def predicted_step(plan: PlanTimes, schedule: str) -> tuple[float, float]:
     """(step time, bubble) of `schedule` simulated with the plan's stage times; the bubble is
     the stages' idle share of the step."""
-    _, makespan = _simulated(plan, schedule)
-    work = sum(s.compute_time for s in plan.stages) * plan.chunks
+    events, makespan = _simulated(plan, schedule)
+    work = sum(e.end - e.start for e in events if e.kind != "send")
     total = makespan * len(plan.stages)
     return makespan, (1 - work / total) if total > 0 else 0.0
 
