@@ -57,7 +57,11 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         devices: one device per stage for the local executor (default: the GPUs this process
             sees, one per stage or in turn when fewer; the CPU without any).
         capture: "auto", "fx" or "export" (see fxpipe.capture).
-        schedule: "gpipe" (fill-drain) or "1f1b" (same bubble, fewer activations in flight).
+        schedule: "gpipe" (fill-drain), "1f1b" (same bubble, fewer activations in flight),
+            "zb-h1" (zero-bubble H1: the backward split into input and weight gradients, the
+            weight gradients fill the bubble, with 1F1B's memory; the distributed executor runs
+            it, the local executor keeps its own order) or "auto" (the fastest schedule by the
+            stages' simulated costs that fits memory_limit; the report lists each one's time).
         profile: a DeviceProfile, a preset name ("a100", "h100", or "h100:bf16" with its
             precision; else the model's dtype, autocast and allow_tf32 choose it), or None for
             the profile measured on this machine (cached in the user's cache folder).

@@ -62,7 +62,7 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", type=_balance, default="cost",
                    help="cost|dynamic|time|params or node counts like 20,21")
     p.add_argument("--memory-limit", type=float, default=None, help="bytes per stage")
-    p.add_argument("--schedule", default="gpipe", help="gpipe|1f1b")
+    p.add_argument("--schedule", default="gpipe", help="gpipe|1f1b|zb-h1|auto")
     p.add_argument("--profile", default=None, help="device profile preset (a100, h100, ...)")
 
 

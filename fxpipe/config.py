@@ -12,7 +12,9 @@ from fxpipe.profile import DeviceProfile
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
 from fxpipe.runtime.schedule import SCHEDULES
 
-__all__ = ["CompileConfig", "check_config"]
+__all__ = ["AUTO", "CompileConfig", "check_config"]
+
+AUTO = "auto"  # schedule="auto": the fastest simulated schedule that fits memory (pipeline.py)
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,9 @@ def check_config(config: CompileConfig) -> None:
     if isinstance(config.balance, str) and config.balance not in BALANCE_MODES:
         raise ConfigError(f"unknown balance mode {config.balance!r}",
                           hint=f"use one of {BALANCE_MODES} or a list of node counts per stage")
-    if config.schedule not in SCHEDULES:
+    if config.schedule not in SCHEDULES and config.schedule != AUTO:
         raise ConfigError(f"unknown schedule {config.schedule!r}",
-                          hint=f"use one of {tuple(SCHEDULES)}")
+                          hint=f"use one of {(*SCHEDULES, AUTO)}")
     if config.capture not in METHODS:
         raise ConfigError(f"unknown capture method {config.capture!r}",
                           hint=f"use one of {METHODS}")

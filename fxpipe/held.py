@@ -97,7 +97,7 @@ def hold_stages(built: Built, classes: Sequence[type[StageModule]], config: Comp
                             st.random),
         mesh=mesh, groups=make_groups(mesh, built.shared), device=device,
         signature=built.signature, edges=built.edges, shared=built.shared,
-        chunks=built.plan.chunks, remat=config.remat, schedule=config.schedule,
+        chunks=built.plan.chunks, remat=config.remat, schedule=built.config.schedule,
         check_finite=config.check_finite, dp_bucket_mb=config.dp_bucket_mb,
         graph=st.graph_module)
     return HeldStages([module], [device], views, None, rank, meta)

@@ -26,8 +26,8 @@ from torch.fx import GraphModule
 
 from fxpipe import codegen, ir
 from fxpipe.built import Built, BuiltStage, Snapshot
-from fxpipe.config import CompileConfig, check_config
-from fxpipe.errors import ConfigError
+from fxpipe.config import AUTO, CompileConfig, check_config
+from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.frontend.capture import CaptureInfo, capture
 from fxpipe.frontend.meta import is_meta_model
 from fxpipe.losses import loss_time
@@ -41,6 +41,8 @@ from fxpipe.passes.unroll_rnn import unroll_rnns
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
 from fxpipe.runtime.rank import devices_for_stages
+from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["build", "rebuild", "PlanAgreement"]
 
@@ -116,11 +118,11 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
     """partition, split_stages, mark_remat and codegen on an annotated graph."""
     info: CaptureInfo = gm.meta[ir.CAPTURE]
     with _timed(timings, "partition"):
-        plan = _partition(gm, config, info.batch_size, profile, corrections, starts)
+        plan, schedule = _partition(gm, config, info.batch_size, profile, corrections, starts)
         if agree is not None:
             plan = agree(gm, plan)
         ir.verify(gm, after="partition")
-    config = replace(config, chunks=plan.chunks)
+    config = replace(config, chunks=plan.chunks, schedule=schedule)
     # Stage graphs are new modules: the captured graph stays whole for reports and checks.
     with _timed(timings, "split_stages"):
         graphs = split_stages(gm, config.stages)
@@ -174,19 +176,47 @@ def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
 
 
 def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: DeviceProfile,
-               corrections: dict[str, float], starts: Sequence[str] | None) -> PartitionPlan:
+               corrections: dict[str, float], starts: Sequence[str] | None
+               ) -> tuple[PartitionPlan, str]:
+    """The plan and its schedule: config.schedule, or for "auto" the schedule whose simulated
+    step (the stages' costs played by the schedule) is the fastest among those that fit the
+    memory limit (each keeps its own number of micro-batches in flight)."""
     balance: str | list[int] = config.balance if isinstance(config.balance, str) \
         else list(config.balance)
 
-    def plan_for(chunks: int) -> PartitionPlan:
-        b = batch // chunks
-        return partition(gm, config.stages, microbatch_size=b, chunks=chunks, profile=profile,
-                         balance=balance, split_points=config.split_points, remat=config.remat,
-                         memory_limit=config.memory_limit, schedule=config.schedule,
-                         loss_time=loss_time(gm, b, profile, config.balance == "time"),
-                         corrections=corrections, starts=starts)
+    def plan_for(schedule: str) -> PartitionPlan:
+        def for_chunks(chunks: int) -> PartitionPlan:
+            b = batch // chunks
+            return partition(gm, config.stages, microbatch_size=b, chunks=chunks,
+                             profile=profile, balance=balance, split_points=config.split_points,
+                             remat=config.remat, memory_limit=config.memory_limit,
+                             schedule=schedule,
+                             loss_time=loss_time(gm, b, profile, config.balance == "time"),
+                             corrections=corrections, starts=starts)
+        return choose_chunks(batch, config.chunks, for_chunks)
 
-    return choose_chunks(batch, config.chunks, plan_for)
+    if config.schedule != AUTO:
+        return plan_for(config.schedule), config.schedule
+    plans: dict[str, PartitionPlan] = {}
+    times: list[tuple[str, float | None]] = []
+    failure: PartitionError | None = None
+    for name in SCHEDULES:
+        try:
+            plans[name] = plan_for(name)
+        except PartitionError as e:  # no partition fits the memory limit under this schedule
+            failure = failure or e
+            times.append((name, None))
+            continue
+        times.append((name, predicted_step(plans[name], name)[0]))
+    fits = [(t, name) for name, t in times if t is not None]
+    if not fits:
+        assert failure is not None
+        raise failure
+    chosen = min(fits)[1]
+    for node in ir.compute_nodes(gm.graph):  # the last partition tried wrote its stages
+        node.meta.pop(ir.STAGE, None)
+    plan = plan_for(chosen)
+    return replace(plan, schedules=tuple(times)), chosen
 
 
 def _fixed_bytes(g: StageGraph) -> float:

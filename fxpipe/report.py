@@ -20,11 +20,12 @@ from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
 from fxpipe.runtime.distributed import Mesh
-from fxpipe.runtime.schedule import bubble_fraction, get_schedule, render_grid
+from fxpipe.runtime.schedule import SCHEDULES, bubble_fraction, get_schedule, render_grid
+from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["Report", "StageRow", "build_report", "stage_header", "compile_command",
            "predicted_kept", "communication", "cost_table", "human_bytes", "human_flops",
-           "human_time"]
+           "human_time", "SCHEDULE_TITLES"]
 
 
 def human_bytes(n: float) -> str:
@@ -170,6 +171,9 @@ class StageRow(TypedDict, total=False):
     kept_measured_bytes: float  # only after program.measure_activations()
 
 
+SCHEDULE_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1"}
+
+
 @dataclass
 class Report:
     """The partition report of a compiled program; str() gives the text form."""
@@ -195,6 +199,10 @@ class Report:
             "predicted_step_time_s": plan.predicted_step_time,
             "chunk_candidates": [{"chunks": c, "predicted_step_time_s": t}
                                  for c, t in plan.candidates],
+            "auto_schedules": [{"schedule": name, "step_time_s": t}
+                               for name, t in plan.schedules],
+            "schedules": [{"schedule": name, "step_time_s": t, "bubble": b}
+                          for name in SCHEDULES for t, b in [predicted_step(plan, name)]],
         }
 
     def rows(self) -> list[list[object]]:
@@ -248,8 +256,18 @@ class Report:
         for key, value in self.measured.items():
             lines.append(f"measured {key}: {value}")
         k, m = s["stages"], s["chunks"]
+        if s["auto_schedules"]:
+            lines.append(f"schedule='auto' chose {s['schedule']}: the fastest simulated step "
+                         "that fits the memory limit (" + ", ".join(
+                             f"{c['schedule']} " + (human_time(c['step_time_s'])
+                                                    if c['step_time_s'] is not None
+                                                    else "does not fit")
+                             for c in s["auto_schedules"]) + ")")
+        lines.append("simulated step time by schedule (stage costs, bubble = idle share): "
+                     + ", ".join(f"{c['schedule']} {human_time(c['step_time_s'])} "
+                                 f"(bubble {c['bubble']:.1%})" for c in s["schedules"]))
         lines += ["", render_grid(get_schedule(self.schedule)(m, k),
-                                  title="GPipe" if self.schedule == "gpipe" else "1F1B")]
+                                  title=SCHEDULE_TITLES.get(self.schedule, self.schedule))]
         return "\n".join(lines)
 
     def balance_lines(self) -> list[str]:

@@ -30,8 +30,8 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
                "--torch-schedules", "gpipe,interleaved_1f1b"])
     assert rc == 0
     result = json.loads((tmp_path / "bench.json").read_text())
-    variants = {"single_process", "fxpipe", "fxpipe_1f1b", "fxpipe_remat_except_last",
-                "fxpipe_remat_always"}
+    variants = {"single_process", "fxpipe", "fxpipe_1f1b", "fxpipe_zb-h1",
+                "fxpipe_remat_except_last", "fxpipe_remat_always"}
     torch_variants = {f"torch_{frontend}_{cut}_{schedule}" for frontend in ("traced", "manual")
                       for cut in ("natural", "fxpipe")
                       for schedule in ("gpipe", "interleaved_1f1b")}
@@ -40,7 +40,7 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     losses = result["losses_first_step"]
     for name in variants | torch_variants:
         assert losses[name] == pytest.approx(losses["single_process"], rel=1e-5), name
-    assert result["best_schedule"] in ("gpipe", "1f1b")
+    assert result["best_schedule"] in ("gpipe", "1f1b", "zb-h1")
     assert result["torch_pipelining_best"] in torch_variants
     best = result["step_time_s"]["fxpipe" if result["best_schedule"] == "gpipe"
                                  else "fxpipe_" + result["best_schedule"]]

@@ -28,8 +28,10 @@ CASES = {  # name -> (model module, build config)
 STEPS = 3
 LR = 0.05
 # gradient averaging: in 4 KiB buckets during the last backward (several buckets per stage, so
-# their order across replicas matters), or after the backward
-BUCKET_MB = {"overlapped": 4 / 1024, "after_backward": 0}
+# their order across replicas matters), or after the backward; under ZB-H1 the last backward is
+# the last weight-gradient pass
+BUCKET_MB = {"overlapped": (4 / 1024, "gpipe"), "after_backward": (0, "gpipe"),
+             "overlapped_zb-h1": (4 / 1024, "zb-h1")}
 
 
 def _free_port() -> int:
@@ -55,10 +57,10 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
         results = {}
         for name in CASES:
-            for mode, bucket_mb in BUCKET_MB.items():
+            for mode, (bucket_mb, schedule) in BUCKET_MB.items():
                 model, inputs, target = _build(name)
                 program = fxpipe.compile(model, inputs, stages=2, chunks=2, profile="a100",
-                                         dp_bucket_mb=bucket_mb)
+                                         dp_bucket_mb=bucket_mb, schedule=schedule)
                 optimizer = torch.optim.SGD(program.parameters(), lr=LR)
                 losses = []
                 for _ in range(STEPS):
@@ -146,10 +148,11 @@ def test_replicas_hold_identical_copies_of_each_stage(two_by_two):
 def test_small_buckets_are_averaged_while_the_last_backward_runs(two_by_two):
     for rank, results in two_by_two.items():
         for name in CASES:
-            overlapped = results[name, "overlapped"]
-            assert overlapped["buckets"] > 2, (rank, name)
-            # every bucket whose gradients the last backward produced left before it ended
-            assert overlapped["overlapped"] == overlapped["buckets"], (rank, name)
+            for mode in ("overlapped", "overlapped_zb-h1"):
+                overlapped = results[name, mode]
+                assert overlapped["buckets"] > 2, (rank, name, mode)
+                # every bucket whose gradients the last backward produced left before it ended
+                assert overlapped["overlapped"] == overlapped["buckets"], (rank, name, mode)
             assert results[name, "after_backward"]["buckets"] == 0
 
 

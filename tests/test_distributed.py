@@ -52,11 +52,14 @@ class Job(NamedTuple):
         return f"{self.model}-{self.remat}-{self.schedule}"
 
 
-# 1F1B with remat="except_last" runs both a recomputed and a kept micro-batch.
+# 1F1B with remat="except_last" runs both a recomputed and a kept micro-batch. ZB-H1 on gpt:
+# the split backward with the tied embedding summed over the first and last stage after the
+# last W, with remat off and on.
 JOBS: dict[int, list[Job]] = {
-    2: [Job(m, r) for m in MODELS for r in REMATS] + [Job("gpt", "except_last", "1f1b")],
+    2: [Job(m, r) for m in MODELS for r in REMATS] + [Job("gpt", "except_last", "1f1b")]
+    + [Job("gpt", r, "zb-h1") for r in ("never", "always")],
     3: [Job(m, r) for m in ("gpt", "unet", "branchy") for r in REMATS]
-    + [Job("gpt", "except_last", "1f1b")],
+    + [Job("gpt", "except_last", "1f1b"), Job("gpt", "always", "zb-h1")],
 }
 # Three ranks (skips across two boundaries, the tied embedding on the first and last rank) are
 # the slow tier: one more group of processes.

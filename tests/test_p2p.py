@@ -190,31 +190,51 @@ def _chain_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return Chain(), torch.randn(20, 16), torch.randn(20, 16)
 
 
-STRICT_CASES = [("gpipe", 1), ("gpipe", 4), ("1f1b", 2), ("1f1b", 5)]
+STRICT_CASES = [("gpipe", 1, "except_last"), ("gpipe", 4, "except_last"),
+                ("1f1b", 2, "except_last"), ("1f1b", 5, "except_last")]
+# a split backward with remat off and on (on: I and W both recompute the regions)
+ZB_CASES = [("zb-h1", 1, "never"), ("zb-h1", 5, "never"), ("zb-h1", 5, "always")]
 
 
-def _step_schedules(rank: int, world: int, cases: list[tuple[str, int]]) -> dict:
+def _step_schedules(rank: int, world: int, cases: list[tuple[str, int, str]]) -> dict:
     out = {}
-    for schedule, chunks in cases:
+    for schedule, chunks, remat in cases:
         model, x, y = _chain_case()
         program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule=schedule,
                                  split_points=[f"blocks.{i}" for i in range(1, world)],
-                                 profile="a100")
+                                 remat=remat, profile="a100")
         loss = program.step(x, target=y)
-        out[(schedule, chunks)] = (loss, {n: p.grad for n, p in model.named_parameters()
+        out[(schedule, chunks, remat)] = (loss, {n: p.grad for n, p in model.named_parameters()
                                           if p.grad is not None},
-                                   type(program._rank.executor.transport).__name__)
+                                   type(program._rank.executor.transport).__name__,
+                                   sorted({t.action.kind for ticks in
+                                           program._rank.executor.plans.values()
+                                           for t in ticks if t.action is not None}))
     return out
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
                                    pytest.param(4, marks=pytest.mark.slow)])
 def test_gpipe_and_1f1b_in_strict_mode_train_like_the_model(world):
-    ranks = spawn(world, __name__, "_step_schedules", STRICT_CASES, env={"FXPIPE_P2P": "strict"},
-                   timeout=60)
+    _check_strict_cases(world, STRICT_CASES)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
+def test_zb_h1_in_strict_mode_trains_like_the_model_with_and_without_remat(world):
+    _check_strict_cases(world, ZB_CASES)
+
+
+def _check_strict_cases(world: int, cases: list[tuple[str, int, str]]) -> None:
+    """Every rank's loss and every gradient of each case, under NCCL's rules (every send waits
+    for its receive: no eager buffer), equal the plain model's."""
+    ranks = spawn(world, __name__, "_step_schedules", cases, env={"FXPIPE_P2P": "strict"},
+                  timeout=60)
     loss, grads = _plain_grads(*_chain_case())
-    for case in STRICT_CASES:
+    for case in cases:
         assert {r[case][2] for r in ranks} == {"StrictTransport"}
+        split = case[0] == "zb-h1"
+        assert {tuple(r[case][3]) for r in ranks} == {("F", "I", "W") if split else ("B", "F")}
         assert [r[case][0] for r in ranks] == [ranks[0][case][0]] * world  # every rank's loss
         assert ranks[0][case][0] == pytest.approx(loss, rel=1e-5), case
         got = {k: g for r in ranks for k, g in r[case][1].items()}

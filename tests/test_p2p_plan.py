@@ -14,7 +14,7 @@ import pytest
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.plan import Message, Tick, clock, plan_rank
-from fxpipe.runtime.schedule import Action, clock_cycles, get_schedule
+from fxpipe.runtime.schedule import SCHEDULES, Action, clock_cycles, get_schedule
 
 
 class Deadlock(Exception):
@@ -100,8 +100,9 @@ def plan_programs(schedule, messages, edges) -> list[list[tuple]]:
                 program.append(("post", ops))
             if tick.action is not None:
                 a = tick.action
+                kind = "B" if a.kind == "I" else a.kind  # a split backward's I takes the grads
                 program += [("wait", x) for x in mine
-                            if x.dst_rank == rank and consumed_by(x) == (a.kind, a.stage,
+                            if x.dst_rank == rank and consumed_by(x) == (kind, a.stage,
                                                                           a.microbatch)]
         programs.append(program)
     return programs
@@ -126,10 +127,10 @@ def one_at_a_time_programs(schedule, messages) -> list[list[tuple]]:
     return programs
 
 
-SIZES = [(k, m) for k in (2, 3, 4, 5) for m in (1, 2, 3, 4, 7)]
+SIZES = [(k, m) for k in (2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 8)]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize(("k", "m"), SIZES)
 def test_plan_cannot_deadlock_under_nccl_rules_and_matches_every_message(name, k, m):
     schedule = get_schedule(name)(m, k)
@@ -140,7 +141,7 @@ def test_plan_cannot_deadlock_under_nccl_rules_and_matches_every_message(name, k
     assert sorted(s for s, _ in matched) == sorted(messages)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_plan_with_skip_connections_cannot_deadlock(name):
     k, m = 4, 5
     skips = ((0, 2), (0, 3), (1, 3))
@@ -164,7 +165,7 @@ def test_one_message_at_a_time_gets_through_gpipe_which_never_crosses_directions
 
 
 def test_clock_of_one_stage_per_rank_on_a_chain_is_clock_cycles():
-    for name in ("gpipe", "1f1b"):
+    for name in SCHEDULES:
         schedule = get_schedule(name)(5, 3)
         ticks = clock(schedule, [(0, 1), (1, 2)])
         grid = clock_cycles(schedule)
@@ -205,6 +206,22 @@ def test_each_message_is_posted_after_its_producer_and_by_its_consumer():
                 kind = "B" if x.grad else "F"
                 assert ticks[(kind, x.sender, x.microbatch)] == t.index - 1
                 assert ticks[(kind, x.receiver, x.microbatch)] >= t.index
+
+
+def test_a_split_backward_posts_each_gradient_the_tick_after_its_input_gradient_pass():
+    k, m = 3, 4
+    schedule = get_schedule("zb-h1")(m, k)
+    edges = [(0, 1), (1, 2)]
+    ticks = clock(schedule, edges)
+    for rank in range(k):
+        mine = [x for x in chain_messages(k, m) if rank in (x.src_rank, x.dst_rank)]
+        plan = plan_rank(rank, schedule, edges, mine)
+        assert sorted(x for t in plan for x in t.post) == sorted(mine)
+        for t in plan:
+            for x in t.post:
+                if x.grad:
+                    assert ticks[("I", x.sender, x.microbatch)] == t.index - 1
+                    assert ticks[("I", x.receiver, x.microbatch)] >= t.index
 
 
 def test_plan_ticks_are_increasing_and_hold_every_action_of_the_rank():

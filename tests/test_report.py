@@ -17,7 +17,14 @@ import fxpipe
 from fxpipe import ir
 from fxpipe.models import gpt
 from fxpipe.profile import get_profile
-from fxpipe.report import cost_table, human_bytes, human_flops, human_time
+from fxpipe.report import SCHEDULE_TITLES, cost_table, human_bytes, human_flops, human_time
+from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.timeline import (
+    INPUT_GRAD_SHARE,
+    chrome_trace,
+    predicted_events,
+    predicted_step,
+)
 
 STAGES, CHUNKS = 3, 4
 
@@ -209,3 +216,57 @@ def test_remat_always_keeps_at_least_three_times_less_than_never_in_every_stage(
         print(f"\nstage {n['stage']}: never {n['measured_bytes']:.0f} B, "
               f"always {a['measured_bytes']:.0f} B ({ratio:.1f}x)")
         assert 3 * a["measured_bytes"] <= n["measured_bytes"]
+
+
+# -- schedule="auto" ----------------------------------------------------------------------------
+
+
+def _auto(memory_limit: float | None = None) -> Any:
+    model, inputs = gpt.build(dropout=0.0)
+    return fxpipe.compile(model, inputs, stages=2, chunks=8, profile="a100", schedule="auto",
+                          remat="never", memory_limit=memory_limit)
+
+
+def test_auto_schedule_picks_the_fastest_simulated_step_and_the_report_lists_each_one():
+    program = _auto()
+    times = dict(program.plan.schedules)
+    assert set(times) == set(SCHEDULES) and None not in times.values()
+    chosen = program.built.config.schedule
+    assert chosen == min(times, key=lambda name: times[name])
+    text = program.report().text()
+    assert f"schedule={chosen})" in text.splitlines()[0]
+    assert (f"schedule='auto' chose {chosen}: the fastest simulated step that fits the memory "
+            "limit (" + ", ".join(f"{n} {human_time(t)}" for n, t in times.items()) + ")") in text
+    assert f"{SCHEDULE_TITLES[chosen]}, 2 stages x 8 microbatches" in text
+
+
+def test_auto_schedule_leaves_out_a_schedule_whose_activations_do_not_fit():
+    plans = {name: _plan(name) for name in ("gpipe", "1f1b")}
+    peak = {name: max(s.memory for s in plan.stages) for name, plan in plans.items()}
+    assert peak["1f1b"] < peak["gpipe"]  # 1F1B keeps 2 of 8 micro-batches, GPipe all 8
+    program = _auto(memory_limit=(peak["1f1b"] + peak["gpipe"]) / 2)
+    times = dict(program.plan.schedules)
+    assert times["gpipe"] is None and times["1f1b"] is not None
+    assert program.built.config.schedule != "gpipe"
+    assert "gpipe does not fit" in program.report().text()
+
+
+def _plan(schedule: str) -> Any:
+    model, inputs = gpt.build(dropout=0.0)
+    return fxpipe.compile(model, inputs, stages=2, chunks=8, profile="a100", schedule=schedule,
+                          remat="never").plan
+
+
+def test_predicted_zb_h1_timeline_labels_the_split_backward_and_charges_w_a_whole_backward():
+    plan = _plan("zb-h1")
+    events = predicted_events(plan, "zb-h1")
+    split = [e for e in events if e.kind == "backward"]
+    assert sorted((e.detail, e.stage, e.microbatch) for e in split) == sorted(
+        (d, s, m) for d in ("I", "W") for s in range(2) for m in range(8))
+    for e in split:  # W runs autograd again from the outputs to the weights
+        backward = plan.stages[e.stage].compute_time - plan.stages[e.stage].forward_time
+        share = 1.0 if e.detail == "W" else INPUT_GRAD_SHARE
+        assert e.end - e.start == pytest.approx(share * backward)
+    assert max(e.end for e in events) == pytest.approx(predicted_step(plan, "zb-h1")[0])
+    names = {t["name"] for t in chrome_trace(events) if t["ph"] == "X"}
+    assert {"F0", "I0", "W7"} <= names and "B0" not in names

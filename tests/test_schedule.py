@@ -22,6 +22,7 @@ from fxpipe.runtime.schedule import (
     render_grid,
     simulate,
     validate,
+    zb_h1,
 )
 
 ALL_SIZES = list(itertools.product(range(1, 9), range(1, 6)))  # (M, K)
@@ -45,9 +46,12 @@ def parse(stage_rows):
 
 
 def assert_grid_respects_dependencies(schedule, grid):
-    """Checked independently of clock_cycles: completeness, list order and data dependencies."""
+    """Checked independently of clock_cycles: completeness, list order and data dependencies
+    (with a split backward: I after F and after the next stage's I, W after I)."""
     num_stages = len(schedule)
-    num_microbatches = len(schedule[0]) // 2
+    split = any(a.kind == "I" for a in schedule[0])
+    kinds = "FIW" if split else "FB"
+    num_microbatches = len(schedule[0]) // len(kinds)
     tick_of = {}
     for tick, row in enumerate(grid):
         assert len(row) == num_stages
@@ -58,22 +62,24 @@ def assert_grid_respects_dependencies(schedule, grid):
                 tick_of[a] = tick
     expected = {
         Action(kind, s, m)
-        for kind in "FB"
+        for kind in kinds
         for s in range(num_stages)
         for m in range(num_microbatches)
     }
     assert set(tick_of) == expected
     for s, actions in enumerate(schedule):
-        assert len(actions) == 2 * num_microbatches
+        assert len(actions) == len(kinds) * num_microbatches
         assert sorted(actions, key=tick_of.__getitem__) == actions, f"stage {s} out of list order"
     for a, t in tick_of.items():
         s, m = a.stage, a.microbatch
         if a.kind == "F" and s > 0:
             assert tick_of[Action("F", s - 1, m)] < t
-        if a.kind == "B":
+        if a.kind in "BI":
             assert tick_of[Action("F", s, m)] < t
             if s < num_stages - 1:
-                assert tick_of[Action("B", s + 1, m)] < t
+                assert tick_of[Action(a.kind, s + 1, m)] < t
+        if a.kind == "W":
+            assert tick_of[Action("I", s, m)] < t
 
 
 # --------------------------------------------------------------------------- shapes
@@ -114,10 +120,11 @@ def test_single_stage_1f1b_alternates_from_the_start():
     assert rows(one_f_one_b(3, 1)) == ["F0 B0 F1 B1 F2 B2"]
 
 
-def test_get_schedule_finds_both_schedules_by_name():
+def test_get_schedule_finds_every_schedule_by_name():
     assert get_schedule("gpipe") is gpipe
     assert get_schedule("1f1b") is one_f_one_b
-    assert set(SCHEDULES) == {"gpipe", "1f1b"}
+    assert get_schedule("zb-h1") is zb_h1
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "zb-h1"}
 
 
 # --------------------------------------------------------------------------- clock grid
@@ -479,3 +486,56 @@ def test_simulate_rejects_bad_times_and_edges(kwargs, message):
     args = {"forward_time": [1, 1, 1], "backward_time": [1, 1, 1], **kwargs}
     with pytest.raises(ConfigError, match=message):
         simulate(gpipe(2, 3), **args)
+
+
+# --------------------------------------------------------------------------- ZB-H1
+
+
+def test_zb_h1_3x4_defers_weight_gradients_behind_the_input_gradients():
+    assert rows(zb_h1(4, 3)) == [
+        "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
+        "F0 F1 I0 W0 F2 I1 W1 F3 I2 W2 I3 W3",
+        "F0 I0 W0 F1 I1 W1 F2 I2 W2 F3 I3 W3",
+    ]
+
+
+@pytest.mark.parametrize(("num_microbatches", "num_stages"), ALL_SIZES)
+def test_zb_h1_holds_no_more_microbatches_than_1f1b(num_microbatches, num_stages):
+    assert peak_inflight(zb_h1(num_microbatches, num_stages)) == peak_inflight(
+        one_f_one_b(num_microbatches, num_stages)
+    )
+
+
+@pytest.mark.parametrize(("num_microbatches", "num_stages"), ALL_SIZES)
+def test_zb_h1_bubble_is_stages_minus_one_times_f_plus_b_minus_w(num_microbatches, num_stages):
+    k, m = num_stages, num_microbatches
+    times = {"forward_time": [1.0] * k, "backward_time": [2.0] * k}  # I = W = 1
+    _, zb = simulate(zb_h1(m, k), **times)
+    _, ofob = simulate(one_f_one_b(m, k), **times)
+    assert zb == m * 3 + (k - 1) * (1 + 2 - 1)
+    assert ofob == (m + k - 1) * 3
+    assert zb < ofob or k == 1
+
+
+def test_simulate_splits_the_backward_by_weight_time():
+    events, makespan = simulate(
+        zb_h1(1, 1), forward_time=[1.0], backward_time=[3.0], weight_time=[0.5]
+    )
+    assert compute_events(events) == {
+        ("F", 0, 0): (0.0, 1.0), ("I", 0, 0): (1.0, 3.5), ("W", 0, 0): (3.5, 4.0)}
+    assert makespan == 4.0
+    with pytest.raises(ConfigError, match=r"weight_time\[0\] = 4.0 exceeds"):
+        simulate(zb_h1(1, 1), forward_time=[1.0], backward_time=[3.0], weight_time=[4.0])
+
+
+def test_validate_refuses_a_weight_gradient_before_its_input_gradient():
+    with pytest.raises(ConfigError, match="runs W0 before I0"):
+        validate(parse(["F0 W0 I0"]))
+    with pytest.raises(ConfigError, match="never runs I0, W0"):
+        validate(parse(["F0 I0 W0", "F0 B0"]))
+
+
+def test_zb_h1_grid_notes_the_measured_idle_share():
+    text = render_grid(zb_h1(4, 3), title="ZB-H1")
+    assert text.splitlines()[0].endswith("ZB-H1, 3 stages x 4 microbatches")
+    assert "bubble = idle/total = 12/48 = 25%" in text.splitlines()[1]

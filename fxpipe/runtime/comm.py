@@ -18,6 +18,16 @@ of every sent tensor, runs autograd on them, and sends the gradient of every rec
     backward(y, grad=recv_grad) <--- send_grad(y'.grad)
     send_grad(x.grad) ----> ...
 
+NOTE [Split backward]
+Zero-bubble schedules split a micro-batch's backward in two. I (`backward_input`) runs autograd
+from the loss or the sent values to the received leaves only (torch.autograd.grad with
+retain_graph=True) and sends their gradients back at once: the previous stage waits for them.
+W (`backward_weight`) later runs autograd again on the kept graph with inputs= the stage's
+parameters, accumulating into .grad, and frees the graph. W walks again the part of the graph
+between the outputs and the weights, and a remat region, whose recomputed tensors torch keeps per
+autograd call, recomputes in W as well as in I. Gradients summed over tied stages or replicas are
+reduced after the step's last action, so after every W.
+
 DistComm posts nothing itself when the stage code calls send/recv: `send` leaves the value in an
 outbox and `recv` waits for a receive posted earlier. At each tick of the rank's plan
 (fxpipe/runtime/plan.py) `begin_tick` posts that tick's sends and receives as one batch, in the
@@ -219,6 +229,9 @@ class DistComm:
         self.outbox: dict[Message, torch.Tensor] = {}  # produced, posted at its tick
         self.inbox: dict[Message, tuple[Handle | None, torch.Tensor]] = {}  # posted receives
         self.sent_values: dict[Message, torch.Tensor] = {}  # grad buffers take their shape
+        # (stage, mb) -> the backward's start tensors and gradients, kept from I until W
+        self.retained: dict[tuple[int, int],
+                            tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
 
     # -- posting --------------------------------------------------------------------------------
 
@@ -387,6 +400,39 @@ class DistComm:
     def backward(self, stage: int, mb: int, loss: torch.Tensor | None = None) -> None:
         """Backward of one micro-batch: gradients in, autograd, gradients out."""
         record = self.records.pop((stage, mb), _Record())
+        tensors, grads = self._output_grads(record, stage, mb, loss)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for leaf, msg in record.received:
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            self.outbox[_gradient(msg)] = grad.detach().contiguous()
+
+    def backward_input(self, stage: int, mb: int, loss: torch.Tensor | None = None) -> None:
+        """The input-gradient half of a split backward (NOTE [Split backward]): gradients in,
+        the received leaves' gradients out; the graph stays for `backward_weight`."""
+        record = self.records.pop((stage, mb), _Record())
+        tensors, grads = self._output_grads(record, stage, mb, loss)
+        leaves = [leaf for leaf, _ in record.received]
+        got: Sequence[torch.Tensor | None] = [None] * len(leaves)
+        if tensors and leaves:
+            got = torch.autograd.grad(tensors, leaves, grads, retain_graph=True,
+                                      allow_unused=True)
+        for (leaf, msg), grad in zip(record.received, got):
+            grad = grad if grad is not None else torch.zeros_like(leaf)
+            self.outbox[_gradient(msg)] = grad.detach().contiguous()
+        self.retained[(stage, mb)] = (tensors, grads)
+
+    def backward_weight(self, stage: int, mb: int, weights: Sequence[torch.Tensor]) -> None:
+        """The weight-gradient half: accumulates into `weights`' .grad through the graph that
+        `backward_input` kept, then frees it."""
+        tensors, grads = self.retained.pop((stage, mb))
+        if tensors and weights:
+            torch.autograd.backward(tensors, grads, inputs=list(weights))
+
+    def _output_grads(self, record: _Record, stage: int, mb: int, loss: torch.Tensor | None
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The tensors a backward starts from (the loss, the sent values) and their gradients,
+        waiting for each gradient's receive."""
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if loss is not None and loss.requires_grad:
@@ -398,16 +444,14 @@ class DistComm:
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 tensors.append(value)
                 grads.append(grad)
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        for leaf, msg in record.received:
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            self.outbox[_gradient(msg)] = grad.detach().contiguous()
+        return tensors, grads
 
     def finish(self) -> None:
         """Waits for every send of the step; everything posted must have been used."""
         self.transport.flush()
         left = sorted(self.outbox) + sorted(self.inbox)
+        unweighted = sorted(self.retained)
+        self.retained.clear()
         self.outbox.clear()
         self.inbox.clear()
         self.records.clear()
@@ -416,6 +460,10 @@ class DistComm:
             raise PipelineRuntimeError(f"{len(left)} messages were never sent or never used, "
                                        f"e.g. {left[0]}", hint="this is a scheduling bug; please "
                                        "report it")
+        if unweighted:
+            raise PipelineRuntimeError(f"{len(unweighted)} split backwards never ran their weight "
+                                       f"gradient, e.g. (stage, micro-batch) {unweighted[0]}",
+                                       hint="this is a scheduling bug; please report it")
 
     def _event(self, kind: str, stage: int, mb: int, tag: str) -> Any:
         if self.timeline is None:

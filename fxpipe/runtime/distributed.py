@@ -1,7 +1,8 @@
 """The distributed executor: one process per stage, torch.distributed point-to-point.
 
 Every rank calls `step(inputs, target)` with the whole batch; each runs its own stage's actions
-in schedule order (GPipe: all forwards, then all backwards; 1F1B interleaves them), exchanging
+in schedule order (GPipe: all forwards, then all backwards; 1F1B interleaves them; ZB-H1 splits
+each backward into its input and weight gradients, NOTE [Split backward] in comm.py), exchanging
 activations and gradients with its peers (fxpipe.runtime.comm.DistComm). The actions run on the
 ticks of a clock all ranks share (fxpipe.runtime.plan), and each tick's sends and receives are
 posted together, in one agreed order, so no schedule can deadlock under NCCL. Micro-batch losses
@@ -170,7 +171,10 @@ class DistributedExecutor:
         discard_batch_norms()
         losses: dict[int, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        last_backward = max(t.index for t in ticks if t.action is not None and t.action.kind != "F")
+        # the last action that accumulates gradients (B, or W of a split backward)
+        last_backward = max(t.index for t in ticks
+                            if t.action is not None and t.action.kind in ("B", "W"))
+        weights = [p for p in self.module.parameters() if p.requires_grad]
         for tick in ticks:
             comm.begin_tick(tick)
             action = tick.action
@@ -195,11 +199,18 @@ class DistributedExecutor:
                                               loss_fn) / chunks
                             losses[mb] = loss if scale is None else loss * scale
                             total += loss.detach().double()
+                elif action.kind == "I":
+                    with self.timeline.span("backward", stage, mb, detail="I"):
+                        comm.backward_input(stage, mb, losses.pop(mb, None))
                 else:
                     if self.averager and tick.index == last_backward:
                         self.averager.arm()
-                    with self.timeline.span("backward", stage, mb):
-                        comm.backward(stage, mb, losses.pop(mb, None))
+                    detail = "W" if action.kind == "W" else ""
+                    with self.timeline.span("backward", stage, mb, detail=detail):
+                        if action.kind == "W":
+                            comm.backward_weight(stage, mb, weights)
+                        else:
+                            comm.backward(stage, mb, losses.pop(mb, None))
                     if memory:
                         memory.release(mb)
             except PipelineRuntimeError:

@@ -9,6 +9,10 @@ these lists, and the same lists drive the pictures and cost estimates.
 * `one_f_one_b` is PipeDream-flush (1F1B): a short warm-up of forwards, then one forward and one
   backward alternately, then the remaining backwards. It takes as many ticks as GPipe but
   stage s keeps at most min(K - s, M) micro-batches alive instead of M.
+* `zb_h1` is zero-bubble ZB-H1 (Qi et al., ICLR'24): the backward is split into an
+  input-gradient pass "I", which the previous stage waits for, and a weight-gradient pass "W",
+  which nobody waits for and so fills the bubble. Stage s keeps at most min(K - s, M)
+  micro-batches alive (forward done, W not), as in 1F1B.
 * `clock_cycles` plays a schedule on a unit-time clock (each action one tick, as early as its
   dependencies allow) and so also checks that it cannot deadlock; `render_grid` draws it.
 * `simulate` does the same with per-stage durations and communication times, for any stage
@@ -28,9 +32,11 @@ __all__ = [
     "TimedEvent",
     "gpipe",
     "one_f_one_b",
+    "zb_h1",
     "SCHEDULES",
     "get_schedule",
     "validate",
+    "is_split",
     "clock_cycles",
     "render_grid",
     "bubble_fraction",
@@ -40,13 +46,15 @@ __all__ = [
 
 FORWARD = "F"
 BACKWARD = "B"
+INPUT_GRAD = "I"  # the input-gradient half of a split backward
+WEIGHT_GRAD = "W"  # the weight-gradient half: after I(s, m); nothing waits for it
 
 
 @dataclass(frozen=True)
 class Action:
     """One unit of work: the forward or the backward of one micro-batch on one stage."""
 
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B", or "I" and "W" (a split backward)
     stage: int
     microbatch: int
 
@@ -62,7 +70,7 @@ Schedule: TypeAlias = list[list[Action]]
 class TimedEvent:
     """An action (or a message) placed in time by `simulate`.
 
-    kind is "F", "B" or "send". For a send, `stage` is the sender and `peer` the receiver:
+    kind is "F", "B", "I", "W" or "send". For a send, `stage` is the sender and `peer` the receiver:
     peer > stage ships activations forward, peer < stage ships gradients backward.
     """
 
@@ -123,11 +131,49 @@ def one_f_one_b(num_microbatches: int, num_stages: int) -> Schedule:
     return schedule
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zb_h1(num_microbatches: int, num_stages: int) -> Schedule:
+    """ZB-H1: each stage takes, tick by tick, the first ready action among I > F > W.
+
+    Built by playing a unit-time clock (F, I and W one tick each): I as soon as the next stage's
+    I(m) is done (it unblocks the stages before), F while the stage holds fewer than
+    min(K - s, M) micro-batches whose W is not done (1F1B's memory), else the oldest pending W.
+    The W's so fill the ticks where 1F1B's stages wait: at equal times the bubble is about a
+    third of 1F1B's.
+    """
+    _check_sizes(num_microbatches, num_stages)
+    k, m_all = num_stages, num_microbatches
+    done: dict[Action, int] = {}  # action -> tick it ran
+    schedule: Schedule = [[] for _ in range(k)]
+    next_f, next_i, next_w = [0] * k, [0] * k, [0] * k
+    tick = 0
+    while any(w < m_all for w in next_w):
+        for s in range(k):
+            f, i, w = next_f[s], next_i[s], next_w[s]
+            a: Action | None = None
+            if i < f and (s == k - 1 or done.get(Action(INPUT_GRAD, s + 1, i), tick) < tick) \
+                    and done[Action(FORWARD, s, i)] < tick:
+                a = Action(INPUT_GRAD, s, i)
+                next_i[s] += 1
+            elif f < m_all and f - w < min(k - s, m_all) and \
+                    (s == 0 or done.get(Action(FORWARD, s - 1, f), tick) < tick):
+                a = Action(FORWARD, s, f)
+                next_f[s] += 1
+            elif w < i:
+                a = Action(WEIGHT_GRAD, s, w)
+                next_w[s] += 1
+            if a is not None:
+                done[a] = tick
+                schedule[s].append(a)
+        tick += 1
+    return schedule
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
 
 
 def get_schedule(name: str) -> Callable[[int, int], Schedule]:
-    """The schedule function registered under `name` ("gpipe" or "1f1b")."""
+    """The schedule function registered under `name` ("gpipe", "1f1b" or "zb-h1")."""
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):
@@ -141,11 +187,18 @@ def get_schedule(name: str) -> Callable[[int, int], Schedule]:
 # --------------------------------------------------------------------------- analysis
 
 
-_BUILD_HINT = "build one with gpipe(M, K) or one_f_one_b(M, K)"
+_BUILD_HINT = "build one with gpipe(M, K), one_f_one_b(M, K) or zb_h1(M, K)"
+_KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
+
+
+def is_split(schedule: Schedule) -> bool:
+    """Whether the schedule splits backwards into I and W (see `zb_h1`)."""
+    return any(a.kind == INPUT_GRAD for acts in schedule for a in acts)
 
 
 def validate(schedule: Schedule) -> tuple[int, int]:
-    """Check that every stage runs F and B of every micro-batch exactly once; return (M, K).
+    """Check that every stage runs F and B (or I and W, for every stage) of every micro-batch
+    exactly once, and W(s, m) after I(s, m); return (M, K).
 
     Only the content is checked here; `clock_cycles` also checks that the order cannot deadlock.
     """
@@ -155,7 +208,8 @@ def validate(schedule: Schedule) -> tuple[int, int]:
     num_microbatches = 1 + max((a.microbatch for acts in schedule for a in acts), default=-1)
     if num_microbatches < 1:
         raise ConfigError("schedule has no actions", hint=_BUILD_HINT)
-    expected = {(k, m) for k in (FORWARD, BACKWARD) for m in range(num_microbatches)}
+    backward = (INPUT_GRAD, WEIGHT_GRAD) if is_split(schedule) else (BACKWARD,)
+    expected = {(k, m) for k in (FORWARD, *backward) for m in range(num_microbatches)}
     for s, actions in enumerate(schedule):
         seen: set[tuple[str, int]] = set()
         for a in actions:
@@ -164,20 +218,23 @@ def validate(schedule: Schedule) -> tuple[int, int]:
                     f"action {a} of stage {a.stage} is listed under stage {s}",
                     hint="schedule[s] must only hold actions with stage == s",
                 )
-            if a.kind not in (FORWARD, BACKWARD) or a.microbatch < 0:
+            if a.kind not in _KINDS or a.microbatch < 0:
                 raise ConfigError(
                     f"stage {s}: invalid action {a!r}",
-                    hint='kind must be "F" or "B" and microbatch >= 0',
+                    hint='kind must be "F", "B", "I" or "W" and microbatch >= 0',
                 )
+            if a.kind == WEIGHT_GRAD and (INPUT_GRAD, a.microbatch) not in seen:
+                raise ConfigError(f"stage {s} runs {a} before I{a.microbatch}",
+                                  hint="a weight gradient needs its input gradient's pass first")
             if (a.kind, a.microbatch) in seen:
                 raise ConfigError(f"stage {s} runs {a} twice", hint="list each action once")
             seen.add((a.kind, a.microbatch))
-        missing = sorted(expected - seen, key=lambda km: (km[0] != FORWARD, km[1]))
+        missing = sorted(expected - seen, key=lambda km: (_KINDS.index(km[0]), km[1]))
         if missing:
             names = ", ".join(f"{k}{m}" for k, m in missing)
             raise ConfigError(
                 f"stage {s} never runs {names} ({num_microbatches} micro-batches in the schedule)",
-                hint="every stage must run F and B of every micro-batch",
+                hint="every stage must run F and B (or I and W) of every micro-batch",
             )
     return num_microbatches, num_stages
 
@@ -187,9 +244,11 @@ def _deps(action: Action, num_stages: int) -> list[Action]:
     s, m = action.stage, action.microbatch
     if action.kind == FORWARD:
         return [Action(FORWARD, s - 1, m)] if s > 0 else []
+    if action.kind == WEIGHT_GRAD:
+        return [Action(INPUT_GRAD, s, m)]
     deps = [Action(FORWARD, s, m)]
     if s < num_stages - 1:
-        deps.append(Action(BACKWARD, s + 1, m))
+        deps.append(Action(action.kind, s + 1, m))  # B after B, I after I
     return deps
 
 
@@ -239,11 +298,14 @@ def bubble_fraction(num_microbatches: int, num_stages: int) -> float:
 
 
 def peak_inflight(schedule: Schedule) -> list[int]:
-    """Per stage: the most micro-batches whose forward is done and backward is not, at once."""
+    """Per stage: the most micro-batches whose forward is done and backward (W, in a split
+    backward: it still reads the activations) is not, at once."""
     peaks = []
     for actions in schedule:
         live = peak = 0
         for a in actions:
+            if a.kind == INPUT_GRAD:
+                continue
             live += 1 if a.kind == FORWARD else -1
             peak = max(peak, live)
         peaks.append(peak)
@@ -262,9 +324,10 @@ def render_grid(schedule: Schedule, *, title: str = "") -> str:
     ticks = len(grid)
 
     size = f"{num_stages} stages x {num_microbatches} microbatches"
-    idle = ticks * num_stages - 2 * num_microbatches * num_stages
+    work = sum(len(acts) for acts in schedule)
+    idle = ticks * num_stages - work
     ideal_num, ideal_den = num_stages - 1, num_microbatches + num_stages - 1
-    if idle * ideal_den == ideal_num * ticks * num_stages:
+    if not is_split(schedule) and idle * ideal_den == ideal_num * ticks * num_stages:
         percent = 100 * ideal_num / ideal_den
         bubble = f"bubble = (S-1)/(M+S-1) = {ideal_num}/{ideal_den} = {percent:.0f}%"
     else:
@@ -319,6 +382,7 @@ def simulate(
     backward_time: Sequence[float],
     comm_time: Sequence[float] | float | Mapping[tuple[int, int], float] = 0.0,
     edges: Sequence[tuple[int, int]] | None = None,
+    weight_time: Sequence[float] | None = None,
 ) -> tuple[list[TimedEvent], float]:
     """Place every action of `schedule` in time; return (events sorted by start, makespan).
 
@@ -334,10 +398,22 @@ def simulate(
     leaving s, i.e. the size of stage s's outputs) or a mapping {(src, dst): time} (edges not
     in it cost 0). Messages that take time appear as "send" events; they overlap compute.
     With gpipe, equal times t_f, t_b and no communication the makespan is (M+K-1)(t_f+t_b).
+
+    A split backward (I and W) costs the backward in all: W takes weight_time[s] (default half
+    the backward, as a linear layer's two matmuls), I the rest; I(s, m) waits for I of the
+    consumers, W(s, m) for I(s, m).
     """
     num_microbatches, num_stages = validate(schedule)
     fwd = _per_stage(forward_time, "forward_time", num_stages)
     bwd = _per_stage(backward_time, "backward_time", num_stages)
+    wgt = [b / 2 for b in bwd] if weight_time is None else \
+        _per_stage(weight_time, "weight_time", num_stages)
+    for s, (b, w) in enumerate(zip(bwd, wgt)):
+        if w > b:
+            raise ConfigError(f"weight_time[{s}] = {w} exceeds backward_time[{s}] = {b}",
+                              hint="the weight-gradient pass is a part of the backward")
+    duration_of = {FORWARD: fwd, BACKWARD: bwd, WEIGHT_GRAD: wgt,
+                   INPUT_GRAD: [b - w for b, w in zip(bwd, wgt)]}
 
     if edges is None:
         edge_list = [(s - 1, s) for s in range(1, num_stages)]
@@ -392,11 +468,12 @@ def simulate(
                 m = a.microbatch
                 if a.kind == FORWARD:
                     inputs = [(Action(FORWARD, p, m), edge_comm[(p, s)]) for p in producers[s]]
-                    duration = fwd[s]
+                elif a.kind == WEIGHT_GRAD:
+                    inputs = [(Action(INPUT_GRAD, s, m), 0.0)]
                 else:
                     inputs = [(Action(FORWARD, s, m), 0.0)]
-                    inputs += [(Action(BACKWARD, d, m), edge_comm[(s, d)]) for d in consumers[s]]
-                    duration = bwd[s]
+                    inputs += [(Action(a.kind, d, m), edge_comm[(s, d)]) for d in consumers[s]]
+                duration = duration_of[a.kind][s]
                 if any(dep not in end for dep, _ in inputs):
                     break
                 start = max([free[s]] + [end[dep] + c for dep, c in inputs])
@@ -421,7 +498,7 @@ def simulate(
                 "B(s, m) needs its consumers' B(m) and F(s, m) first",
             )
 
-    order = {FORWARD: 0, BACKWARD: 1, "send": 2}
+    order = {FORWARD: 0, BACKWARD: 1, INPUT_GRAD: 1, WEIGHT_GRAD: 2, "send": 3}
     events.sort(key=lambda e: (e.start, e.stage, order[e.kind], e.microbatch))
     makespan = max(e.end for e in events if e.kind != "send")
     return events, makespan

@@ -8,10 +8,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, TypedDict
 
-from fxpipe.runtime.schedule import get_schedule, simulate
+from fxpipe.runtime.schedule import TimedEvent, get_schedule, is_split, simulate
 
 __all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
-           "chrome_trace", "write_chrome_trace", "predicted_events"]
+           "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step",
+           "INPUT_GRAD_SHARE", "SPLIT_BACKWARD"]
 
 
 class EventJSON(TypedDict):
@@ -64,6 +65,7 @@ class Timeline:
 
 
 _COMPUTE = ("forward", "backward", "recompute")
+SPLIT_BACKWARD = ("I", "W")  # the detail of a backward span: the input or the weight gradients
 _WAITS = ("recv", "recv_grad")
 
 
@@ -131,6 +133,8 @@ def chrome_trace(events: Sequence[Event], *, name: str = "fxpipe",
                     "args": {"name": f"stage {stage}"}})
     for e in events:
         label = {"forward": "F", "backward": "B", "recompute": "R"}.get(e.kind, e.kind)
+        if e.kind == "backward" and e.detail in SPLIT_BACKWARD:  # a split backward's I or W
+            label = e.detail
         out.append({"name": f"{label}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": pid,
                     "tid": e.stage, "ts": round(e.start * 1e6, 3),
                     "dur": round(max(e.end - e.start, 0.0) * 1e6, 3),
@@ -170,14 +174,39 @@ class PlanTimes(Protocol):
     def chunks(self) -> int: ...
 
 
-def predicted_events(plan: PlanTimes, schedule: str = "gpipe") -> list[Event]:
-    """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
+INPUT_GRAD_SHARE = 0.5  # of a stage's backward: the input-gradient chain (a linear's one matmul)
+
+
+def _simulated(plan: PlanTimes, schedule: str) -> tuple[list[TimedEvent], float]:
+    """The schedule played with the plan's stage times as the executors run it: a split
+    backward's I costs the input-gradient share of the backward, and its W a whole backward,
+    since W runs autograd again from the stage's outputs to its weights (NOTE [Split backward]
+    in fxpipe/runtime/comm.py)."""
     k, m = len(plan.stages), plan.chunks
     fwd = [s.forward_time for s in plan.stages]
     bwd = [s.compute_time - s.forward_time for s in plan.stages]
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
-    events, _ = simulate(get_schedule(schedule)(m, k), forward_time=fwd, backward_time=bwd,
-                         comm_time=comm)
-    kinds = {"F": "forward", "B": "backward"}
-    return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end)
+    actions = get_schedule(schedule)(m, k)
+    if is_split(actions):
+        return simulate(actions, forward_time=fwd,
+                        backward_time=[(1 + INPUT_GRAD_SHARE) * b for b in bwd],
+                        weight_time=bwd, comm_time=comm)
+    return simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm)
+
+
+def predicted_step(plan: PlanTimes, schedule: str) -> tuple[float, float]:
+    """(step time, bubble) of `schedule` simulated with the plan's stage times; the bubble is
+    the stages' idle share of the step."""
+    events, makespan = _simulated(plan, schedule)
+    work = sum(e.end - e.start for e in events if e.kind != "send")
+    total = makespan * len(plan.stages)
+    return makespan, (1 - work / total) if total > 0 else 0.0
+
+
+def predicted_events(plan: PlanTimes, schedule: str = "gpipe") -> list[Event]:
+    """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
+    events, _ = _simulated(plan, schedule)
+    kinds = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
+    return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
+                  e.kind if e.kind in SPLIT_BACKWARD else "")
             for e in events]

@@ -4,10 +4,10 @@ With a GPU it checks, against the plain model on that GPU (loss and every parame
 every reference model pipelined on devices ["cuda:0", "cuda:0"] in every remat mode, in fp32
 and under bf16 autocast; a model that already sits on the GPU, compiled as it is; a written
 program run in one process on the GPU (its --verify against the plain model); with two or more
-GPUs, GPipe and 1F1B programs under torchrun over NCCL. It also times the device profile
-against the datasheet preset. Without a GPU it runs the same checks on the CPU (torchrun over
-gloo in strict point-to-point mode, which keeps NCCL's ordering rules) and says what it skipped.
-One table at the end; exit status 1 when a check failed.
+GPUs, a written program of every schedule (GPipe, 1F1B, ZB-H1) under torchrun over NCCL. It
+also times the device profile against the datasheet preset. Without a GPU it runs the same
+checks on the CPU (torchrun over gloo in strict point-to-point mode, which keeps NCCL's ordering
+rules) and says what it skipped. One table at the end; exit status 1 when a check failed.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import MODELS, load
 from fxpipe.profile import PRESETS, DeviceProfile, measure
+from fxpipe.runtime.schedule import SCHEDULES
 
 __all__ = ["run_selfcheck", "Check"]
 
@@ -80,7 +81,7 @@ def run_selfcheck(models: Sequence[str] = MODELS, *, remat: Sequence[str] = REMA
     record(_timed("written program, one process", str(device), _written_local))
     if distributed:
         backend = "nccl" if gpus >= 2 else "gloo, strict point-to-point"
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in SCHEDULES:
             record(_timed(f"written program, 2 ranks, {schedule}", backend,
                           functools.partial(_written_torchrun, schedule, gpus >= 2)))
         if 0 < gpus < 2:

@@ -25,6 +25,7 @@ from fxpipe.passes.partition.correct import LOSS
 from fxpipe.passes.partition.problem import Partition, evaluate
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
+from fxpipe.runtime.schedule import get_schedule, peak_inflight
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
            "BALANCE_MODES", "OPTIMIZER_STATE_FACTOR"]
@@ -55,6 +56,8 @@ class PartitionPlan:
     bottleneck: float
     predicted_step_time: float  # (M + K - 1) x slowest stage
     candidates: tuple[tuple[int, float], ...] = ()  # (chunks, predicted step time) for "auto"
+    # schedule="auto": (schedule, simulated step time, or None where no partition fits memory)
+    schedules: tuple[tuple[str, float | None], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -248,8 +251,7 @@ def partition(
                           chunks=chunks, corrections=corrections)
     if mode != "params":
         atoms.compute[-1] += loss_time  # the last atom is always in the last stage
-    inflight = [min(num_stages - s, chunks) if schedule == "1f1b" else chunks
-                for s in range(num_stages)]
+    inflight = peak_inflight(get_schedule(schedule)(chunks, num_stages))
     if starts is not None:
         cuts = _cuts_from_starts(groups, starts, num_stages)
     if split_points is not None:
