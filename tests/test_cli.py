@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fxpipe.cli import main
+from fxpipe.runtime.timeline import Event, chrome_trace
 
 
 def _free_port() -> int:
@@ -39,7 +40,7 @@ def test_compile_prints_the_report_and_writes_the_program(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "fxpipe partition of MLP: 2 stages x 4 micro-batches" in out
-    assert "bubble (K-1)/(M+K-1): 20.0%" in out
+    assert "bubble (S-1)/(M+S-1): 20.0%" in out  # the notation of the schedule grid
     for name in ("stage_0.py", "stage_1.py", "program.py", "program.json", "weights.pt",
                  "batch.pt", "report.txt", "report.json"):
         assert (tmp_path / "prog" / name).exists(), name
@@ -234,3 +235,10 @@ def test_costs_top_without_sort_shows_the_costliest_nodes(capsys):
     costliest = sorted((_microseconds(r) for r in every), reverse=True)[:3]
     assert [_microseconds(r) for r in top] == costliest
     assert top != every[:3]  # the first three nodes are not the costliest in this model
+
+
+def test_a_step_event_in_the_chrome_trace_says_what_it_is():
+    events = chrome_trace([Event("forward", 0, 2, 0.0, 1.0), Event("reduce", 0, -1, 1.0, 2.0)])
+    names = [e["name"] for e in events if e.get("ph") == "X"]
+    assert names == ["F2", "gradient all-reduce (tied weights across stages, data-parallel "
+                           "replicas)"]

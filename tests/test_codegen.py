@@ -159,3 +159,12 @@ def test_the_command_line_header_is_a_command_that_regenerates_the_program(tmp_p
     assert main([*command[1:], "--out", str(tmp_path / "b")]) == 0
     for name in ("stage_0.py", "stage_1.py"):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+
+
+def test_header_shares_and_the_report_imbalance_are_one_measure():
+    program = _compile("gpt", 2, "always", dropout=0.0)
+    shares = [float(re.search(r"([\d.]+)% of all stages' time", s.source).group(1))
+              for s in program.stages]
+    imbalance = program.report().summary()["imbalance"]
+    assert max(shares) / (100 / len(shares)) == pytest.approx(imbalance, abs=2e-3)
+    assert f"{imbalance:.3f}" in program.report().text()

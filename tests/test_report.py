@@ -6,6 +6,7 @@ lives in the first and the last stage. Programs use the deterministic "a100" pre
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -15,7 +16,7 @@ import pytest
 
 import fxpipe
 from fxpipe import ir
-from fxpipe.models import gpt
+from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
 from fxpipe.report import cost_table, human_bytes, human_flops, human_time
 
@@ -209,3 +210,14 @@ def test_remat_always_keeps_at_least_three_times_less_than_never_in_every_stage(
         print(f"\nstage {n['stage']}: never {n['measured_bytes']:.0f} B, "
               f"always {a['measured_bytes']:.0f} B ({ratio:.1f}x)")
         assert 3 * a["measured_bytes"] <= n["measured_bytes"]
+
+
+def test_a_measured_profile_is_described_once_in_the_report():
+    measured = dataclasses.replace(
+        get_profile("a100"), name="measured cpu, 1 thread(s) (float32)", key="cpu-t1",
+        source="measured on cpu, 1 thread(s) in float32: each op class at 3-7 sizes")
+    model, inputs = mlp.build()
+    text = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=measured).report().text()
+    assert ("device profile: measured cpu, 1 thread(s) (float32) [cpu-t1] (each op class at "
+            "3-7 sizes)") in text
+    assert text.count("1 thread(s)") == 1
