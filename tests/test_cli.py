@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from fxpipe import cli
 from fxpipe.cli import main
+from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.timeline import Event, chrome_trace
 
 
@@ -242,3 +244,21 @@ def test_a_step_event_in_the_chrome_trace_says_what_it_is():
     names = [e["name"] for e in events if e.get("ph") == "X"]
     assert names == ["F2", "gradient all-reduce (tied weights across stages, data-parallel "
                            "replicas)"]
+
+
+def test_a_pipeline_that_fails_while_running_exits_1_and_bad_input_2(monkeypatch, capsys):
+    def fails(args):
+        raise PipelineRuntimeError("stage 1 failed in F0: ValueError: boom", hint="see stage 1")
+
+    monkeypatch.setattr(cli, "cmd_compile", fails)
+    assert main(["compile", "fxpipe.models.mlp:build"]) == 1
+    assert "fxpipe: error: stage 1 failed in F0" in capsys.readouterr().err
+
+
+def test_the_readme_lists_every_command_once_and_the_factory_forms():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("### The command line")[1].split("## Training at scale")[0]
+    for command in ("demo", "compile", "costs", "report", "run", "selfcheck", "bench",
+                    "profile", "bench-partition", "bench-compile", "--version"):
+        assert len(re.findall(rf"\| `fxpipe {re.escape(command)}[ `]", table)) == 1, command
+    assert "`(model, example_inputs, example_kwargs)`" in table and "target(inputs" in table
