@@ -76,7 +76,7 @@ def test_report_text_states_imbalance_bubble_step_time_and_the_schedule_grid():
 
     assert plan.imbalance == pytest.approx(max(times) / (sum(times) / len(times)))
     assert f"imbalance (slowest / mean stage): {plan.imbalance:.3f}" in text
-    assert f"bubble (K-1)/(M+K-1): {bubble:.1%}" in text and "33.3%" in text
+    assert f"bubble (S-1)/(M+S-1): {bubble:.1%}" in text and "33.3%" in text
     assert plan.predicted_step_time == pytest.approx((CHUNKS + STAGES - 1) * plan.bottleneck)
     assert f"predicted step time: {human_time(plan.predicted_step_time)}" in text
 
