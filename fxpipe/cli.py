@@ -145,6 +145,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_costs(args: argparse.Namespace) -> int:
     model, inputs, kwargs, _ = load_factory(args.factory, args.set)
+    print(f"capturing {type(model).__name__} and costing every node ...", file=sys.stderr,
+          flush=True)
     gm = capture(model, inputs, kwargs, inline_modules=not args.modules)
     annotate_costs(gm)
     b = args.microbatch or gm.meta[ir.CAPTURE].batch_size
