@@ -372,3 +372,10 @@ def test_parameters_of_a_lazy_program_are_the_models_so_an_optimizer_made_first_
     assert {id(p) for p in program.parameters()} == {id(p) for p in model.parameters()}
     with pytest.raises(NotBuiltError):
         fxpipe.compile(model, stages=2).state_dict()
+
+
+def test_capture_with_batch_dims_and_one_sample_gives_the_same_clear_message():
+    x = torch.randn(1, 4)
+    with pytest.raises(CaptureError) as err:
+        fxpipe.capture(_TwoInputs(), (x, x), batch_dims=[0, 0])
+    _check(err.value, "has 1 sample", "at least 2 samples")
