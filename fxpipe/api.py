@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fxpipe.config import CompileConfig, check_config
+from fxpipe.errors import ConfigError
 from fxpipe.profile import DeviceProfile
 from fxpipe.program import Program
 
@@ -36,6 +37,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     autocast: str | None = None,
     command: str | None = None,
     check: str | nn.Module | None = None,
+    batch_dims: Sequence[int | None] | None = None,
 ) -> Program:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
 
@@ -82,6 +84,9 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             accepts the example inputs, whose capture is checked against its eager outputs; or
             "shapes" to check only output shapes and dtypes. Then `program.load_weights(path)`
             or `program.init_weights()` gives each process the weights of its own stages.
+        batch_dims: the batch dimension of each tensor input (None for unbatched ones, e.g.
+            [0, None]); inferred when omitted. The example batch needs at least 2 samples
+            either way: the batch dimension is checked on two halves of it.
 
     Returns:
         A Program: call it like the model (drop-in, differentiable), `step()` it to train
@@ -93,6 +98,11 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         >>> program(x).shape
         torch.Size([8, 10])
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"fxpipe.compile needs a torch.nn.Module (got {type(model).__name__} {model!r})",
+            hint="wrap a function in a module: class Fn(torch.nn.Module): "
+                 "def forward(self, x): return fn(x); then fxpipe.compile(Fn(), ...)")
     config = CompileConfig(
         stages=stages, chunks=chunks, remat=remat,
         balance=balance if isinstance(balance, str) else tuple(balance),
@@ -101,7 +111,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         devices=tuple(str(d) for d in devices) if devices is not None else None,
         capture=capture, schedule=schedule, profile=profile, leaf_modules=tuple(leaf_modules),
         deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,
-        dp_bucket_mb=dp_bucket_mb, autocast=autocast, command=command, check=check)
+        dp_bucket_mb=dp_bucket_mb, autocast=autocast, command=command, check=check,
+        batch_dims=tuple(batch_dims) if batch_dims is not None else None)
     check_config(config)
     program = Program(model, config)
     program.train(model.training)

@@ -1,19 +1,12 @@
-"""The `fxpipe` command line: argparse over the public API.
+"""The `fxpipe` command line: compile, inspect, run and benchmark pipelines of any PyTorch model.
 
-    fxpipe demo                              compile the bundled GPT, write it, train on 2 processes
-    fxpipe compile MODULE:FACTORY [options]  print the partition report, write the program
-    fxpipe costs MODULE:FACTORY [options]    per-node cost table
-    fxpipe report DIR                        the report of a written program
-    fxpipe run DIR --nproc K [program args]  train a written program (torchrun)
-    fxpipe selfcheck                         prove the GPU paths here (CPU parts without)
-    fxpipe bench MODEL [options]             fxpipe vs one process vs torch.distributed.pipelining
-    fxpipe bench-partition                   solver quality and speed against baselines
-    fxpipe bench-compile                     compile time of a 48-block GPT, pass by pass
-    fxpipe profile [--refresh | --preset NAME] the device profile compiles use (cached)
+Exit status: 0 ok, 1 a failure while running, 2 bad input (an option, a model, a factory).
 """
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import shlex
 import sys
 import traceback
@@ -24,46 +17,92 @@ from tabulate import tabulate
 
 from fxpipe import ir
 from fxpipe.api import compile as compile_program
-from fxpipe.errors import ConfigError, FxPipeError
+from fxpipe.errors import ConfigError, FxPipeError, PipelineRuntimeError
 from fxpipe.frontend.capture import capture
 from fxpipe.models import MODELS, load_factory
 from fxpipe.passes.cost import annotate_costs
+from fxpipe.passes.partition import BALANCE_MODES
+from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
 from fxpipe.profile.cache import clear_cache, profile_path
 from fxpipe.program import Program
 from fxpipe.report import cost_table
 from fxpipe.runtime.folder import program_report
+from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.runtime.torchrun import plan_run, run_program
 from fxpipe.tools.bench import BenchOptions, run_bench, run_bench_compile
 from fxpipe.tools.bench_partition import run_bench_partition
 from fxpipe.tools.bench_torch import SCHEDULES as TORCH_SCHEDULES
 from fxpipe.tools.demo import run_demo
 from fxpipe.tools.selfcheck import run_selfcheck
+from fxpipe.version import __version__
 
 __all__ = ["main"]
 
 
+FACTORY_FORMS = """\
+MODULE:FACTORY names a callable, imported from the current folder or sys.path (as `python -m`
+does); --set KEY=VALUE passes keyword arguments to it (JSON values). It returns one of:
+  (model, example_inputs)                 example_inputs: a tensor or a tuple of tensors
+  (model, example_inputs, example_kwargs) example_kwargs: keyword inputs, a dict of tensors
+Its module may also define example_kwargs(inputs, **settings) (keyword inputs, when the factory
+returns none) and target(inputs, **settings) (the training target the written program uses)."""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line (unless it says its own, or it is a flag);
+    descriptions and examples as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _chunks(value: str) -> int | str:
-    return value if value == "auto" else int(value)
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
 def _balance(value: str) -> list[int] | str:
-    return [int(x) for x in value.split(",")] if value[0].isdigit() else value
+    if value in BALANCE_MODES:
+        return value
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(BALANCE_MODES)} or node counts like 20,21, got "
+            f"{value!r}") from None
+
+
+def _add_factory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs), e.g. "
+                                   "fxpipe.models.gpt:build (forms: see below)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the factory (JSON value), repeatable")
 
 
 def _add_compile_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs), e.g. "
-                                   "fxpipe.models.gpt:build")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="keyword argument for the factory (JSON value), repeatable")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--chunks", type=_chunks, default=4, help="micro-batches, or 'auto'")
-    p.add_argument("--remat", default="except_last", help="never|always|except_last|auto")
+    _add_factory(p)
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages (processes)")
+    p.add_argument("--chunks", type=_chunks, default=4,
+                   help="micro-batches per batch, or 'auto' (the best divisor of the batch)")
+    p.add_argument("--remat", default="except_last", choices=REMAT_MODES,
+                   help="what to recompute in backward")
     p.add_argument("--balance", type=_balance, default="cost",
-                   help="cost|dynamic|time|params or node counts like 20,21")
-    p.add_argument("--memory-limit", type=float, default=None, help="bytes per stage")
-    p.add_argument("--schedule", default="gpipe", help="gpipe|1f1b|zb-h1|auto")
-    p.add_argument("--profile", default=None, help="device profile preset (a100, h100, ...)")
+                   help=f"{'|'.join(BALANCE_MODES)}, or node counts per stage like 20,21")
+    p.add_argument("--memory-limit", type=float, default=None,
+                   help="bytes per stage (default: no limit)")
+    p.add_argument("--schedule", default="gpipe", choices=(*SCHEDULES, "auto"),
+                   help="pipeline schedule; auto: the fastest predicted one that fits")
+    p.add_argument("--profile", default=None,
+                   help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
+                        "on this machine")
 
 
 def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
@@ -106,10 +145,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_costs(args: argparse.Namespace) -> int:
     model, inputs, kwargs, _ = load_factory(args.factory, args.set)
+    print(f"capturing {type(model).__name__} and costing every node ...", file=sys.stderr,
+          flush=True)
     gm = capture(model, inputs, kwargs, inline_modules=not args.modules)
     annotate_costs(gm)
     b = args.microbatch or gm.meta[ir.CAPTURE].batch_size
-    print(cost_table(gm, b=b, profile=get_profile(args.profile), sort=args.sort,
+    sort = args.sort or ("time" if args.top else None)  # top N: the costliest N
+    print(cost_table(gm, b=b, profile=get_profile(args.profile), sort=sort,
                      by_module=args.by_module, top=args.top))
     return 0
 
@@ -177,66 +219,104 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines) if lines else ""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fxpipe", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.split("\n")[2:11]))
+    p = argparse.ArgumentParser(
+        prog="fxpipe", formatter_class=_Formatter,
+        description="Compile any PyTorch model into a GPipe pipeline, inspect it, train it.",
+        epilog=_examples("fxpipe demo", "fxpipe compile fxpipe.models.gpt:build --stages 2 "
+                         "--out prog", "fxpipe run prog --nproc 2 --steps 5",
+                         "fxpipe COMMAND --help") + "\n\n" + __doc__.split("\n\n")[1])
+    p.add_argument("--version", action="version",
+                   version=f"fxpipe {__version__} (torch {torch.__version__})")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    c = sub.add_parser("compile", help="partition a model, print the report, write the program")
+    # --debug after the command too: every subcommand takes it (SUPPRESS keeps the top's value)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+
+    def command(name: str, help: str, *examples: str, epilog: str = "") -> argparse.ArgumentParser:
+        text = "\n\n".join(t for t in (_examples(*examples), epilog) if t)
+        cp = sub.add_parser(name, help=help, description=help, epilog=text, parents=[common],
+                            formatter_class=_Formatter)
+        cp.set_defaults(command_parser=cp)  # whose options an unknown flag is compared with
+        return cp
+
+    c = command("compile", "partition a model, print the report, write the program",
+                "fxpipe compile fxpipe.models.gpt:build --set n_layer=8 --stages 4 --out prog",
+                "fxpipe compile mymodel:build --chunks auto --profile a100",
+                epilog=FACTORY_FORMS)
     _add_compile_options(c)
-    c.add_argument("--out", help="folder to write the program to")
+    c.add_argument("--out", help="folder to write the program to (default: print the report only)")
     c.set_defaults(func=cmd_compile)
-    k = sub.add_parser("costs", help="per-node cost table of a model")
-    k.add_argument("factory")
-    k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    k.add_argument("--microbatch", type=int, default=None, help="micro-batch size to evaluate at")
-    k.add_argument("--sort", choices=["time", "fwd_flops", "params", "saved"], default=None)
+    k = command("costs", "per-node cost table of a model",
+                "fxpipe costs fxpipe.models.gpt:build --top 10",
+                "fxpipe costs fxpipe.models.mlp:build --by-module --sort params",
+                epilog=FACTORY_FORMS)
+    _add_factory(k)
+    k.add_argument("--microbatch", type=int, default=None,
+                   help="micro-batch size to evaluate at (default: the example's batch size)")
+    k.add_argument("--sort", choices=["time", "fwd_flops", "params", "saved"], default=None,
+                   help="sort rows by this column, largest first (default: graph order, or "
+                        "time with --top)")
     k.add_argument("--by-module", action="store_true", help="group rows by module")
     k.add_argument("--modules", action="store_true", help="keep torch.nn modules as single nodes")
-    k.add_argument("--top", type=int, default=None)
-    k.add_argument("--profile", default="measure")
+    k.add_argument("--top", type=int, default=None,
+                   help="only the N costliest rows (by --sort, else by time)")
+    k.add_argument("--profile", default="measure",
+                   help="device profile: 'measure' (this machine) or a preset (a100, h100, ...)")
     k.set_defaults(func=cmd_costs)
-    r = sub.add_parser("report", help="print the report of a written program")
-    r.add_argument("dir")
-    r.add_argument("--json", action="store_true")
+    r = command("report", "print the report of a written program", "fxpipe report prog",
+                "fxpipe report prog --json")
+    r.add_argument("dir", help="folder written by fxpipe compile --out")
+    r.add_argument("--json", action="store_true", help="print report.json instead of the text")
     r.set_defaults(func=cmd_report)
-    u = sub.add_parser("run", help="train a written program on local processes (torchrun)")
-    u.add_argument("dir")
+    u = command("run", "train a written program on local processes (torchrun)")
+    u.add_argument("dir", help="folder written by fxpipe compile --out")
     u.add_argument("--nproc", type=int, required=True, help="processes: stages x replicas")
     u.add_argument("--port", type=int, default=None,
                    help="the rendezvous port (default: a free one)")
     u.set_defaults(func=cmd_run, program_args=[])
     u.epilog = "Other arguments go to program.py, e.g. --steps 5 --verify --timeline t.json"
-    d = sub.add_parser("demo", help="compile the bundled GPT, write it, train it on 2 processes")
-    d.add_argument("--out", default="fxpipe-demo")
-    d.add_argument("--steps", type=int, default=3)
+    d = command("demo", "compile the bundled GPT, write it, train it on 2 processes",
+                "fxpipe demo", "fxpipe demo --out /tmp/demo --steps 5")
+    d.add_argument("--out", default="fxpipe-demo", help="folder to write the program to")
+    d.add_argument("--steps", type=int, default=3, help="training steps")
     d.set_defaults(func=cmd_demo)
-    s = sub.add_parser("selfcheck", help="prove the GPU paths on this machine (CPU parts without "
-                                         "a GPU); run it on every new machine or torch version")
-    s.add_argument("--models", default=",".join(MODELS),
-                   help=f"reference models to check (default {','.join(MODELS)})")
+    s = command("selfcheck", "prove the GPU paths on this machine (CPU parts without a GPU); run "
+                "it on every new machine or torch version", "fxpipe selfcheck --quick")
+    s.add_argument("--models", default=",".join(MODELS), help="reference models to check")
     s.add_argument("--quick", action="store_true",
                    help="one remat mode (except_last) instead of all three")
     s.add_argument("--no-distributed", action="store_true",
                    help="skip the checks that start torchrun")
     s.set_defaults(func=cmd_selfcheck)
-    b = sub.add_parser("bench", help="step time against one process and torch pipelining")
+    b = command("bench", "step time against one process and torch pipelining",
+                "fxpipe bench", "fxpipe bench gpt --set n_layer=8 --stages 4 --chunks 8",
+                "fxpipe bench mymodel:build --steps 10 --plot")
     _add_bench_options(b)
     b.set_defaults(func=cmd_bench)
-    bc = sub.add_parser("bench-compile", help="compile time of a deep GPT, pass by pass")
-    bc.add_argument("--n-layer", type=int, default=48)
-    bc.add_argument("--stages", type=int, default=4)
-    bc.add_argument("--profile", default="a100")
+    bc = command("bench-compile", "compile time of a deep GPT, pass by pass",
+                 "fxpipe bench-compile --n-layer 24")
+    bc.add_argument("--n-layer", type=int, default=48, help="GPT blocks")
+    bc.add_argument("--stages", type=int, default=4, help="pipeline stages")
+    bc.add_argument("--profile", default="a100", help="device profile preset")
     bc.set_defaults(func=cmd_bench_compile)
-    bp = sub.add_parser("bench-partition", help="partition quality and solve time")
-    bp.add_argument("--sizes", default="1000,10000,100000")
-    bp.add_argument("--stages", type=int, default=8)
-    bp.add_argument("--out", default=".")
+    bp = command("bench-partition", "partition quality and solve time",
+                 "fxpipe bench-partition --sizes 1000,10000 --stages 4")
+    bp.add_argument("--sizes", default="1000,10000,100000",
+                    help="graph sizes (nodes) to solve, comma-separated")
+    bp.add_argument("--stages", type=int, default=8, help="pipeline stages")
+    bp.add_argument("--out", default=".", help="folder for the results")
     bp.set_defaults(func=cmd_bench_partition)
-    pr = sub.add_parser("profile", help="show (or measure again) the device profile compiles use")
-    pr.add_argument("--device", default="cpu")
-    pr.add_argument("--dtype", default="float32")
+    pr = command("profile", "show (or measure again) the device profile compiles use",
+                 "fxpipe profile", "fxpipe profile --preset h100:bf16", "fxpipe profile --refresh")
+    pr.add_argument("--device", default="cpu", help="device to measure")
+    pr.add_argument("--dtype", default="float32", help="dtype to measure")
     pr.add_argument("--refresh", action="store_true", help="measure again and cache the result")
     pr.add_argument("--preset", default=None, help="show a datasheet preset, e.g. h100:bf16")
     pr.add_argument("--clear", action="store_true",
@@ -246,29 +326,43 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_options(b: argparse.ArgumentParser) -> None:
-    b.add_argument("model", nargs="?", default="gpt", help="bundled model name or MODULE:FACTORY")
-    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    b.add_argument("--stages", type=int, default=2)
-    b.add_argument("--chunks", type=int, default=8)
-    b.add_argument("--remat", default="never")
+    b.add_argument("model", nargs="?", default="gpt",
+                   help=f"bundled model ({', '.join(MODELS)}) or MODULE:FACTORY")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the factory (JSON value), repeatable")
+    b.add_argument("--stages", type=int, default=2, help="pipeline stages (processes)")
+    b.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
+    b.add_argument("--remat", default="never", choices=REMAT_MODES,
+                   help="what fxpipe recomputes in backward")
     b.add_argument("--steps", type=int, default=5, help="measured steps per variant")
-    b.add_argument("--warmup", type=int, default=2)
-    b.add_argument("--out", default=".")
+    b.add_argument("--warmup", type=int, default=2, help="warm-up steps per variant")
+    b.add_argument("--out", default=".", help="folder for the results")
     b.add_argument("--plot", action="store_true", help="write a PNG Gantt chart (matplotlib)")
-    b.add_argument("--port", type=int, default=29511)
-    b.add_argument("--balance", default="dynamic", help="fxpipe's balance mode (cost|dynamic|...)")
+    b.add_argument("--port", type=int, default=29511, help="rendezvous port of the ranks")
+    b.add_argument("--balance", default="dynamic", choices=BALANCE_MODES,
+                   help="fxpipe's balance mode")
     b.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
                    help="torch.distributed.pipelining schedules to race, comma-separated")
 
 
+def _unknown(p: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Refuses unknown arguments, suggesting the closest option of the command (exit 2)."""
+    options = re.findall(r"--[\w-]+", p.format_help())
+    notes = [f"did you mean {close[0]}?" for word in extra if word.startswith("-")
+             for close in [difflib.get_close_matches(word.split("=")[0], options, n=1)] if close]
+    p.error(f"unrecognized arguments: {' '.join(extra)}"
+            + (f" ({'; '.join(notes)})" if notes else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, extra = parser().parse_known_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
     if extra and getattr(args, "command", None) == "run":
         args.program_args = [a for a in extra if a != "--"]
     elif extra:
-        parser().error(f"unrecognized arguments: {' '.join(extra)}")
+        _unknown(args.command_parser if getattr(args, "command_parser", None) else p, extra)
     if not getattr(args, "func", None):
-        parser().print_help()
+        p.print_help()
         return 2
     func: Callable[[argparse.Namespace], int] = args.func  # a cmd_* function above
     try:
@@ -278,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         else:
             print(f"fxpipe: error: {e}", file=sys.stderr)
-        return 2
+        # a pipeline that failed while running is a failure; anything else was bad input
+        return 1 if isinstance(e, PipelineRuntimeError) else 2
     except KeyboardInterrupt:
         return 130
 

@@ -38,6 +38,7 @@ class CompileConfig:
     autocast: str | None = None  # "bf16" or "fp16": every stage under torch.autocast
     command: str | None = None  # how to regenerate, shown in stage headers
     check: Any = None  # a meta model's capture check: a twin nn.Module or "shapes"
+    batch_dims: tuple[int | None, ...] | None = None  # per tensor input; None: inferred
 
     @property
     def fixed_chunks(self) -> int | None:
@@ -47,12 +48,19 @@ class CompileConfig:
 
 def check_config(config: CompileConfig) -> None:
     """Rejects bad arguments before any work is done, with the values and a fix."""
-    if not isinstance(config.stages, int) or isinstance(config.stages, bool) or config.stages < 1:
+    if not _is_int(config.stages) or config.stages < 1:
         raise ConfigError(f"stages must be an integer >= 1 (got {config.stages!r})",
                           hint="use stages=2 or more to pipeline, 1 to run unsplit")
-    if config.chunks != "auto" and (not isinstance(config.chunks, int) or config.chunks < 1):
+    if config.chunks != "auto" and (not _is_int(config.chunks) or int(config.chunks) < 1):
         raise ConfigError(f"chunks must be an integer >= 1 or 'auto' (got {config.chunks!r})",
                           hint="chunks is the number of micro-batches per batch, e.g. 4 x stages")
+    if isinstance(config.balance, tuple) and not all(_is_int(n) for n in config.balance):
+        raise ConfigError(f"balance must be a mode or a list of integer node counts (got "
+                          f"{list(config.balance)!r})", hint="e.g. balance=[20, 21]")
+    if config.batch_dims is not None and not all(d is None or (_is_int(d) and int(d) >= 0)
+                                                 for d in config.batch_dims):
+        raise ConfigError(f"batch_dims must hold a dimension index or None per tensor input "
+                          f"(got {list(config.batch_dims)!r})", hint="e.g. batch_dims=[0, None]")
     if config.remat not in REMAT_MODES:
         raise ConfigError(f"unknown remat mode {config.remat!r}", hint=f"use one of {REMAT_MODES}")
     if isinstance(config.balance, str) and config.balance not in BALANCE_MODES:
@@ -64,14 +72,16 @@ def check_config(config: CompileConfig) -> None:
     if config.capture not in METHODS:
         raise ConfigError(f"unknown capture method {config.capture!r}",
                           hint=f"use one of {METHODS}")
-    if config.memory_limit is not None and not config.memory_limit > 0:
+    if config.memory_limit is not None and (isinstance(config.memory_limit, bool)
+                                            or not config.memory_limit > 0):
         raise ConfigError(f"memory_limit must be a positive number of bytes (got "
                           f"{config.memory_limit!r})", hint="e.g. memory_limit=8 * 2**30")
     if config.remat == "auto" and config.memory_limit is None:
         raise ConfigError("remat='auto' chooses what to recompute to fit memory_limit, "
                           "but no memory_limit was given",
                           hint="pass memory_limit (bytes per stage), or remat='always'")
-    if not isinstance(config.dp_bucket_mb, (int, float)) or not config.dp_bucket_mb >= 0:
+    if not isinstance(config.dp_bucket_mb, (int, float)) or isinstance(config.dp_bucket_mb, bool) \
+            or not config.dp_bucket_mb >= 0:
         raise ConfigError(f"dp_bucket_mb must be a number >= 0 (got {config.dp_bucket_mb!r})",
                           hint="use e.g. 25 (DDP's default), or 0 to average after the backward")
     if config.autocast is not None and config.autocast not in AUTOCAST_DTYPES:
@@ -81,3 +91,8 @@ def check_config(config: CompileConfig) -> None:
         raise ConfigError(f"fewer devices than stages ({len(config.devices)} < {config.stages})",
                           hint=f"give {config.stages} devices (e.g. ['cpu'] * {config.stages}), "
                                "or fewer stages")
+
+
+def _is_int(value: object) -> bool:
+    """An integer option: bool is an int to Python, but chunks=True is a mistake, not 1."""
+    return isinstance(value, int) and not isinstance(value, bool)

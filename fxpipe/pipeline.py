@@ -67,7 +67,8 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
     # The graph everything else works on; functional so that stage code is self-contained.
     with _timed(timings, "capture"):
         gm = capture(model, args, kwargs, method=config.capture,
-                     leaf_modules=config.leaf_modules, inline_modules=True, check=config.check)
+                     leaf_modules=config.leaf_modules, inline_modules=True, check=config.check,
+                     batch_dims=config.batch_dims)
         ir.verify(gm, after="capture")
     _snapshot(history, "capture", gm)
     # Before costs and cuts: a stacked RNN is one node, which no cut could enter.

@@ -522,6 +522,18 @@ class Program(nn.Module):
             assert isinstance(module, StageModule)
             yield module
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The stages' parameters; before a lazy program's first call, the model's own.
+
+        The stages hold the model's parameter objects, so an optimizer made before the first
+        call (`torch.optim.Adam(program.parameters())`) trains the built program, as it would
+        the model.
+        """
+        if self._built is None:
+            return self.model.named_parameters(prefix, recurse, remove_duplicate)
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """This process's parameters and buffers under the model's state_dict keys."""
         out = {k: v.detach() for k, v in self._state_names().state_dict(

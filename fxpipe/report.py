@@ -234,9 +234,9 @@ class Report:
                  f"device profile: {self.profile}", "",
                  tabulate(self.rows(), headers=self.headers(), tablefmt=fmt), "",
                  f"imbalance (slowest / mean stage): {s['imbalance']:.3f}",
-                 f"bubble (K-1)/(M+K-1): {s['bubble']:.1%}",
+                 f"bubble (S-1)/(M+S-1): {s['bubble']:.1%}",
                  f"predicted step time: {human_time(s['predicted_step_time_s'])} "
-                 f"((M+K-1) x slowest stage)"]
+                 f"((M+S-1) x slowest stage)"]
         if self.shared:
             lines.append("tied parameters (gradients summed across stages): "
                          + ", ".join(f"{k} in stages {v}" for k, v in self.shared.items()))
@@ -373,7 +373,11 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
     replicas = mesh.replicas if mesh is not None else 1
     profile = built.profile
     which = f"{profile.name} [{profile.key}]" if profile.key else profile.name
-    return Report(model, plan, stages, f"{which} ({profile.source})",
+    # A measured profile's name already says where and in which precision; its source repeats
+    # that before the method ("measured on cpu, 1 thread(s) in float32: each op class ...").
+    head, sep, method = profile.source.partition(": ")
+    how = method if sep and head.startswith("measured on ") else profile.source
+    return Report(model, plan, stages, f"{which} ({how})",
                   built.config.schedule, shared=dict(built.shared),
                   mesh=mesh.describe() if mesh is not None else [],
                   comm=communication(built, replicas), rounds=list(built.rounds))

@@ -78,15 +78,32 @@ class Signature:
 
     # -- inputs ---------------------------------------------------------------------------------
 
+    def _difference(self, spec: pytree.TreeSpec) -> str:
+        """What differs between a call's inputs and the compiled ones, in argument terms."""
+        def shape(of: pytree.TreeSpec) -> tuple[int, list[str]]:
+            args, kwargs = pytree.tree_unflatten([None] * of.num_leaves, of)
+            return len(args), list(kwargs)
+
+        (n_got, got), (n_want, want) = shape(spec), shape(self.in_spec)
+        parts = []
+        if missing := [k for k in want if k not in got]:
+            parts.append(f"missing keyword inputs {missing}")
+        if extra := [k for k in got if k not in want]:
+            parts.append(f"unexpected keyword inputs {extra}")
+        if n_got != n_want:
+            parts.append(f"{n_got} positional inputs instead of {n_want}")
+        if not parts:
+            parts.append("an input has another nesting (tuple, list or dict) than the example's")
+        return (f"{'; '.join(parts)} (compiled with {n_want} positional inputs and keyword "
+                f"inputs {want})")
+
     def flatten_inputs(self, args: Sequence[Any],
                        kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
         """The tensor leaves of a call, checked against the compiled signature."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         if spec != self.in_spec:
             raise RuntimeInputError(
-                f"inputs have another structure than at compile time "
-                f"(got {len(leaves)} leaves {spec}, compiled for {len(self.leaves)} leaves "
-                f"{self.in_spec})",
+                f"inputs have another structure than at compile time: {self._difference(spec)}",
                 hint="call the program with the same positional and keyword arguments as the "
                      "example inputs, or compile again",
             )

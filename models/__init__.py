@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import os
+import sys
 from typing import Any
 
 import torch
@@ -46,6 +49,8 @@ def load_factory(spec: str, settings: list[str] | None = None
         raise ConfigError(f"expected MODULE:FACTORY, got {spec!r}",
                           hint="e.g. fxpipe.models.gpt:build (any importable callable returning "
                                "(model, example_inputs))")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the user's module beside them, as `python -m` finds it
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -59,6 +64,7 @@ def load_factory(spec: str, settings: list[str] | None = None
             raise ConfigError(f"module {module_name!r} has no attribute {attr!r}",
                               hint=f"names it has: {names}")
     config = _settings(settings or [])
+    _check_keywords(spec, factory, config)
     result = factory(**config)
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise ConfigError(f"{spec} returned {type(result).__name__}, not (model, example_inputs)",
@@ -70,6 +76,23 @@ def load_factory(spec: str, settings: list[str] | None = None
         kwargs = module.example_kwargs(inputs, **config)
     target = module.target(inputs, **config) if hasattr(module, "target") else None
     return model, inputs, kwargs, target
+
+
+def _check_keywords(spec: str, factory: Any, config: dict[str, Any]) -> None:
+    """Refuses --set keys the factory does not take, naming those it does."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [key for key in config if key not in accepted]
+    if unknown:
+        raise ConfigError(f"{spec} takes no keyword {', '.join(map(repr, unknown))} "
+                          f"(it accepts {', '.join(accepted) or 'none'})",
+                          hint=f"--set one of: {', '.join(accepted)}" if accepted else
+                          "drop --set: this factory takes no keywords")
 
 
 def _settings(pairs: list[str]) -> dict[str, Any]:

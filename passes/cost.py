@@ -28,7 +28,7 @@ from torch._dynamo.source import ConstantSource
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx import GraphModule, Interpreter, Node
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.fx.experimental.symbolic_shapes import DimDynamic, GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.node import Argument, Target
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -169,6 +169,32 @@ def annotate_costs(gm: GraphModule, *, batch_hint: int | None = None) -> CostSum
             sampled.add(e.key)
 
 
+_VALUE_READS = ("item", "tolist", "nonzero", "_local_scalar_dense")
+
+
+def _data_dependent(n: Node) -> CostError:
+    """The error for a node that depends on a tensor's values (`.item()` upstream): costs are
+    computed on shapes alone, without values."""
+    seen: set[Node] = set()
+    todo = [n]
+    read: Node | None = None
+    while todo and read is None:
+        node = todo.pop()
+        seen.add(node)
+        if getattr(node.target, "__name__", node.target) in _VALUE_READS or \
+                str(node.target).split(".")[-1].split("(")[0] in _VALUE_READS:
+            read = node
+        todo += [m for m in node.all_input_nodes if m not in seen]
+    culprit = read or n
+    where = source.from_stack_trace(culprit.meta.get("stack_trace"))
+    return CostError(
+        f"{culprit.name} ({culprit.op} {culprit.target}) reads a tensor's value into Python"
+        + (f" at {where}" if where else "") + f", and {n.name} depends on it: costs are computed "
+        "from shapes alone, without values, so a value read inside forward cannot be costed",
+        hint="keep the value a tensor (e.g. x * w.sum() instead of x * w.sum().item()), or "
+             "compute it outside forward and pass it in as an input")
+
+
 @dataclass
 class _Cached:
     """A node's cost and its output, reused for identical nodes; an output that aliases an
@@ -266,6 +292,8 @@ class _CostRunner(Interpreter):
             out, cost = self._measure(n, args, kwargs)
         except shapes.Specialised:
             raise
+        except GuardOnDataDependentSymNode as e:
+            raise _data_dependent(n) from e
         except Exception as e:  # noqa: BLE001 - name the node, keep the cause
             where = source.from_stack_trace(n.meta.get("stack_trace"))
             raise CostError(f"cannot cost {n.name} ({n.op} {n.target}): {type(e).__name__}: {e}"

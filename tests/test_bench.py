@@ -57,4 +57,8 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
         assert stage["kept_bytes_remat_always"] < stage["kept_bytes_remat_never"]
         assert stage["kept_reductions"]["always"] > 1
     assert (tmp_path / "bench.md").exists() and (tmp_path / "bench_trace.json").exists()
-    assert "speedup over one process" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "speedup over one process" in out
+    steps = ["fxpipe bench: ", "measuring kept activations", "starting 2 processes",
+             "writing the results"]  # a line before each step that takes more than a second
+    assert [out.index(step) for step in steps] == sorted(out.index(step) for step in steps)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from fxpipe import cli
 from fxpipe.cli import main
+from fxpipe.errors import PipelineRuntimeError
+from fxpipe.runtime.timeline import Event, chrome_trace
 
 
 def _free_port() -> int:
@@ -39,7 +43,7 @@ def test_compile_prints_the_report_and_writes_the_program(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "fxpipe partition of MLP: 2 stages x 4 micro-batches" in out
-    assert "bubble (K-1)/(M+K-1): 20.0%" in out
+    assert "bubble (S-1)/(M+S-1): 20.0%" in out  # the notation of the schedule grid
     for name in ("stage_0.py", "stage_1.py", "program.py", "program.json", "weights.pt",
                  "batch.pt", "report.txt", "report.json"):
         assert (tmp_path / "prog" / name).exists(), name
@@ -179,3 +183,143 @@ def test_demo_runs_the_main_job(tmp_path):
     assert "verify: OK" in result.stdout
     assert (tmp_path / "demo" / "stage_1.py").exists()
     assert (tmp_path / "demo" / "timeline.json").exists()
+
+
+_FACTORY = '''
+import torch
+from torch import nn
+
+
+def build(width=4):
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+    return model, (torch.randn(8, width),)
+'''
+
+
+def test_a_factory_beside_the_user_imports_from_the_current_folder(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mymodel_here.py").write_text(_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["costs", "mymodel_here:build", "--profile", "a100"]) == 0
+    assert "node" in capsys.readouterr().out
+
+
+def test_an_unknown_factory_keyword_is_one_line_naming_the_accepted_ones(capsys):
+    assert main(["compile", "fxpipe.models.mlp:build", "--set", "n_layerz=6"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "fxpipe.models.mlp:build takes no keyword 'n_layerz' (it accepts " in err
+    assert "hint: --set one of: " in err
+
+
+def test_debug_is_accepted_after_the_command(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", "fxpipe.models.mlp:build", "--debug", "--help"])
+    assert exit_.value.code == 0
+    assert main(["compile", "fxpipe.models.mlp:nothing", "--debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_misspelt_option_gets_a_suggestion_and_exit_status_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", "fxpipe.models.mlp:build", "--stags", "2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: fxpipe compile" in err
+    assert "unrecognized arguments: --stags 2 (did you mean --stages?)" in err
+
+
+@pytest.mark.parametrize("option", [["--remat", "sometimes"], ["--schedule", "zb"],
+                                    ["--balance", "evenly"], ["--chunks", "many"]])
+def test_choices_are_checked_before_compiling(option, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", "fxpipe.models.nothing:build", *option])  # no import: refused before
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option[0]}: " in err and "cannot import" not in err
+
+
+def test_version_prints_fxpipe_and_torch(capsys):
+    import torch
+
+    import fxpipe
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    expected = f"fxpipe {fxpipe.__version__} (torch {torch.__version__})"
+    assert capsys.readouterr().out.strip() == expected
+
+
+def _help(capsys, *command: str) -> str:
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    return capsys.readouterr().out
+
+
+def test_help_lists_commands_once_and_describes_every_option_with_its_default(capsys):
+    top = _help(capsys)
+    assert "argparse" not in top
+    assert top.count("bench-partition") == 1 and top.count(" costs ") == 1
+    for command in ("compile", "costs", "report", "run", "demo", "bench", "bench-compile",
+                    "bench-partition", "profile", "selfcheck"):
+        text = _help(capsys, command)
+        options = text.split("options:")[1].split("\n\n")[0]
+        entries = re.split(r"\n  (?=-)", options.strip())
+        undescribed = [e.split()[0] for e in entries if len(re.split(r"\s{2,}", e.strip())) < 2]
+        assert undescribed == [], (command, undescribed)
+        if command != "run":
+            assert "examples:" in text, command
+    compile_help = _help(capsys, "compile")
+    assert "--stages STAGES       pipeline stages (processes) (default: 2)" in compile_help
+    assert "1000,10000,100000" in _help(capsys, "bench-partition")
+    assert "(default: gpt)" in _help(capsys, "bench")
+
+
+def test_compile_help_documents_every_factory_form(capsys):
+    text = _help(capsys, "compile")
+    assert "(model, example_inputs)" in text
+    assert "(model, example_inputs, example_kwargs)" in text
+    assert "target(inputs" in text and "example_kwargs(inputs" in text
+
+
+def _microseconds(row: str) -> float:
+    value, unit = row.split()[-2:]
+    return float(value) * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[unit]
+
+
+def test_costs_top_without_sort_shows_the_costliest_nodes(capsys):
+    assert main(["costs", "fxpipe.models.mlp:build", "--profile", "a100"]) == 0
+    every = capsys.readouterr().out.strip().splitlines()[2:]
+    assert main(["costs", "fxpipe.models.mlp:build", "--top", "3", "--profile", "a100"]) == 0
+    captured = capsys.readouterr()
+    assert "capturing MLP and costing every node ..." in captured.err  # it takes seconds
+    top = captured.out.strip().splitlines()[2:]
+    assert len(top) == 3
+    costliest = sorted((_microseconds(r) for r in every), reverse=True)[:3]
+    assert [_microseconds(r) for r in top] == costliest
+    assert top != every[:3]  # the first three nodes are not the costliest in this model
+
+
+def test_a_step_event_in_the_chrome_trace_says_what_it_is():
+    events = chrome_trace([Event("forward", 0, 2, 0.0, 1.0), Event("reduce", 0, -1, 1.0, 2.0)])
+    names = [e["name"] for e in events if e.get("ph") == "X"]
+    assert names == ["F2", "gradient all-reduce (tied weights across stages, data-parallel "
+                           "replicas)"]
+
+
+def test_a_pipeline_that_fails_while_running_exits_1_and_bad_input_2(monkeypatch, capsys):
+    def fails(args):
+        raise PipelineRuntimeError("stage 1 failed in F0: ValueError: boom", hint="see stage 1")
+
+    monkeypatch.setattr(cli, "cmd_compile", fails)
+    assert main(["compile", "fxpipe.models.mlp:build"]) == 1
+    assert "fxpipe: error: stage 1 failed in F0" in capsys.readouterr().err
+
+
+def test_the_readme_lists_every_command_once_and_the_factory_forms():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("### The command line")[1].split("## Training at scale")[0]
+    for command in ("demo", "compile", "costs", "report", "run", "selfcheck", "bench",
+                    "profile", "bench-partition", "bench-compile", "--version"):
+        assert len(re.findall(rf"\| `fxpipe {re.escape(command)}[ `]", table)) == 1, command
+    assert "`(model, example_inputs, example_kwargs)`" in table and "target(inputs" in table

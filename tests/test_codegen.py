@@ -178,3 +178,10 @@ def test_hostile_class_and_parameter_names_give_a_launcher_and_stages_that_compi
             assert f"for {name.strip()}\\n." in ast.get_docstring(tree)  # reads as the name
     stage = build_stage(tmp_path / "prog", 0)
     assert list(stage.PARAMETERS.values()) == ["a\\x00'''.weight", "a\\x00'''.bias"]
+def test_header_shares_and_the_report_imbalance_are_one_measure():
+    program = _compile("gpt", 2, "always", dropout=0.0)
+    shares = [float(re.search(r"([\d.]+)% of all stages' time", s.source).group(1))
+              for s in program.stages]
+    imbalance = program.report().summary()["imbalance"]
+    assert max(shares) / (100 / len(shares)) == pytest.approx(imbalance, abs=2e-3)
+    assert f"{imbalance:.3f}" in program.report().text()

@@ -46,7 +46,8 @@ def test_stages_below_one(example, stages):
 def test_more_stages_than_compute_nodes(example):
     with pytest.raises(PartitionError) as err:
         _compile(example, stages=500)
-    _check(err.value, "more stages than atoms (500 >", "use at most")
+    _check(err.value, "more stages than atoms (500 >", "use at most", "fewer leaf_modules")
+    assert "inline_modules" not in str(err.value)  # an option of capture, not of compile
 
 
 @pytest.mark.parametrize("chunks", [0, -2])
@@ -137,7 +138,9 @@ def test_missing_keyword_input():
                              profile="a100")
     with pytest.raises(RuntimeInputError) as err:
         program(*inputs)
-    _check(err.value, "another structure than at compile time")
+    names = sorted(branchy.example_kwargs(inputs))
+    _check(err.value, f"missing keyword inputs {names}", f"keyword inputs {names})")
+    assert "TreeSpec" not in str(err.value)
 
 
 def test_outputs_that_cannot_be_joined_along_a_batch_dimension():
@@ -280,3 +283,99 @@ def test_compile_runs_on_copies_of_the_example_batch():
     program = fxpipe.compile(model, (x,), stages=2, chunks=4, profile="a100")
     assert torch.equal(x, before)
     assert all(t.data_ptr() != x.data_ptr() for t in program._example)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.b(torch.relu(self.a(x))) + y
+
+
+@pytest.mark.parametrize("batch_dims", [None, [0, 0]])
+def test_an_example_batch_of_one_says_it_needs_two_samples(batch_dims):
+    x = torch.randn(1, 4)
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(_TwoInputs(), (x, x), stages=2, chunks=1, profile="a100",
+                       batch_dims=batch_dims)
+    _check(err.value, "has 1 sample", "at least 2 samples", "batch = chunks works")
+    assert "batch_dims" not in err.value.hint  # giving them does not help
+
+
+def test_an_empty_example_batch_has_its_own_message():
+    x = torch.randn(0, 4)
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(_TwoInputs(), (x, x), stages=2, chunks=1, profile="a100")
+    _check(err.value, "example batch of _TwoInputs is empty")
+
+
+def test_compile_takes_batch_dims_and_checks_them():
+    x, y = torch.randn(4, 4), torch.randn(4)
+    program = fxpipe.compile(_TwoInputs(), (x, y), stages=2, chunks=4, profile="a100",
+                             batch_dims=[0, None])  # y broadcast to every sample
+    assert program.built.signature.input_batch_dims == (0, None)
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(_TwoInputs(), (x, y), profile="a100", batch_dims=[0])
+    _check(err.value, "batch_dims has 1 entries for 2 tensor inputs")
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(_TwoInputs(), (x, y), profile="a100", batch_dims=[0, 1])
+    _check(err.value, "does not name a dimension of each batched input")
+    with pytest.raises(ConfigError) as err:
+        fxpipe.compile(_TwoInputs(), (x, y), profile="a100", batch_dims=[True, None])
+    _check(err.value, "batch_dims must hold a dimension index or None")
+
+
+@pytest.mark.parametrize("option", ["stages", "chunks", "dp_bucket_mb", "memory_limit"])
+def test_a_bool_is_not_a_number_of_anything(example, option):
+    with pytest.raises(ConfigError) as err:
+        _compile(example, **{option: True})
+    _check(err.value, f"{option} must be", "(got True)")
+
+
+def test_compile_of_a_function_asks_for_an_nn_module():
+    with pytest.raises(ConfigError) as err:
+        fxpipe.compile(lambda x: x)
+    _check(err.value, "needs a torch.nn.Module (got function", "class Fn(torch.nn.Module)")
+
+
+class _ReadsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scale = self.a.weight.sum().item()
+        return self.b(self.a(x)) * scale
+
+
+def test_item_in_forward_names_the_op_and_line_without_guard_text():
+    with pytest.raises(fxpipe.FxPipeError) as err:
+        fxpipe.compile(_ReadsAValue(), (torch.randn(8, 4),), stages=2, chunks=2, profile="a100")
+    _check(err.value, "item (call_method item) reads a tensor's value",
+           "in forward: scale = self.a.weight.sum().item()", "keep the value a tensor")
+    assert "guard" not in str(err.value).lower()
+
+
+def test_parameters_of_a_lazy_program_are_the_models_so_an_optimizer_made_first_trains_it():
+    model, x = mlp.build()[0], mlp.build()[1][0]
+    program = fxpipe.compile(model, stages=2, chunks=4, profile="a100")
+    assert [id(p) for p in program.parameters()] == [id(p) for p in model.parameters()]
+    optimizer = torch.optim.SGD(program.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    program(x).sum().backward()
+    optimizer.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert {id(p) for p in program.parameters()} == {id(p) for p in model.parameters()}
+    with pytest.raises(NotBuiltError):
+        fxpipe.compile(model, stages=2).state_dict()
+
+
+def test_capture_with_batch_dims_and_one_sample_gives_the_same_clear_message():
+    x = torch.randn(1, 4)
+    with pytest.raises(CaptureError) as err:
+        fxpipe.capture(_TwoInputs(), (x, x), batch_dims=[0, 0])
+    _check(err.value, "has 1 sample", "at least 2 samples")

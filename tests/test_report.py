@@ -6,6 +6,7 @@ lives in the first and the last stage. Programs use the deterministic "a100" pre
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -15,7 +16,7 @@ import pytest
 
 import fxpipe
 from fxpipe import ir
-from fxpipe.models import gpt
+from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
 from fxpipe.report import SCHEDULE_TITLES, cost_table, human_bytes, human_flops, human_time
 from fxpipe.runtime.schedule import SCHEDULES
@@ -82,7 +83,7 @@ def test_report_text_states_imbalance_bubble_step_time_and_the_schedule_grid():
 
     assert plan.imbalance == pytest.approx(max(times) / (sum(times) / len(times)))
     assert f"imbalance (slowest / mean stage): {plan.imbalance:.3f}" in text
-    assert f"bubble (K-1)/(M+K-1): {bubble:.1%}" in text and "33.3%" in text
+    assert f"bubble (S-1)/(M+S-1): {bubble:.1%}" in text and "33.3%" in text
     assert plan.predicted_step_time == pytest.approx((CHUNKS + STAGES - 1) * plan.bottleneck)
     assert f"predicted step time: {human_time(plan.predicted_step_time)}" in text
 
@@ -270,3 +271,12 @@ def test_predicted_zb_h1_timeline_labels_the_split_backward_and_charges_w_a_whol
     assert max(e.end for e in events) == pytest.approx(predicted_step(plan, "zb-h1")[0])
     names = {t["name"] for t in chrome_trace(events) if t["ph"] == "X"}
     assert {"F0", "I0", "W7"} <= names and "B0" not in names
+def test_a_measured_profile_is_described_once_in_the_report():
+    measured = dataclasses.replace(
+        get_profile("a100"), name="measured cpu, 1 thread(s) (float32)", key="cpu-t1",
+        source="measured on cpu, 1 thread(s) in float32: each op class at 3-7 sizes")
+    model, inputs = mlp.build()
+    text = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=measured).report().text()
+    assert ("device profile: measured cpu, 1 thread(s) (float32) [cpu-t1] (each op class at "
+            "3-7 sizes)") in text
+    assert text.count("1 thread(s)") == 1

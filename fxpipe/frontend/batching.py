@@ -155,9 +155,38 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                         if not any_training else replace(layout, eager_outputs=())
     finally:
         model.train(training)
+    raise _no_batch_dim(model, tensors, batch_dims, tried)
+
+
+def _no_batch_dim(model: nn.Module, tensors: Sequence[torch.Tensor],
+                  batch_dims: Sequence[int | None] | None,
+                  tried: list[tuple[int | None, ...]]) -> CaptureError:
+    """Why no batch dimension was found: too few examples, or examples that interact."""
+    name = type(model).__name__
     shapes = [tuple(t.shape) for t in tensors]
-    raise CaptureError(
-        f"found no batch dimension along which {type(model).__name__} is separable "
+    dims = tuple(batch_dims) if batch_dims is not None else (0,) * len(tensors)
+    sizes = {t.shape[d] for t, d in zip(tensors, dims) if d is not None and d < t.dim()}
+    if sizes and max(sizes) == 0:
+        return CaptureError(
+            f"the example batch of {name} is empty (tensor input shapes {shapes})",
+            hint="pass an example batch with at least 2 samples along the batch dimension")
+    if sizes and max(sizes) == 1:
+        return CaptureError(
+            f"the example batch of {name} has 1 sample (tensor input shapes {shapes}): finding "
+            "and checking the batch dimension compares the model on two halves of the example, "
+            "so it needs at least 2 samples",
+            hint="pass an example batch of 2 or more samples (e.g. torch.cat([x, x])); "
+                 "micro-batches of 1 sample are fine, so batch = chunks works")
+    if batch_dims is not None:
+        return CaptureError(
+            f"{name} is not separable along the given batch_dims {dims} (tensor input shapes "
+            f"{shapes}): its outputs on two halves of the batch do not make its output on the "
+            "whole batch",
+            hint="check batch_dims (one entry per tensor input, None for unbatched ones); "
+                 "pipelining needs a model whose examples do not interact (no BatchNorm in "
+                 "train mode across the batch, no in-batch losses)")
+    return CaptureError(
+        f"found no batch dimension along which {name} is separable "
         f"(tensor input shapes {shapes}; tried batch dims {tried})",
         hint="pass batch_dims=[...] (one entry per tensor input, None for unbatched ones); "
              "pipelining needs a model whose examples do not interact (no BatchNorm in "
@@ -201,9 +230,18 @@ def _same_number(a: object, b: object) -> bool:
 def _check_given(batch_dims: Sequence[int | None],
                  tensors: Sequence[torch.Tensor]) -> tuple[int | None, ...]:
     dims = tuple(batch_dims)
+    shapes = [tuple(t.shape) for t in tensors]
     if len(dims) != len(tensors):
-        raise CaptureError(f"batch_dims has {len(dims)} entries for {len(tensors)} tensor inputs",
+        raise CaptureError(f"batch_dims has {len(dims)} entries for {len(tensors)} tensor inputs "
+                           f"(shapes {shapes})",
                            hint="give one entry per tensor input, None for unbatched ones")
+    bad = [(d, s) for d, s in zip(dims, shapes) if d is not None and
+           (not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < len(s))]
+    if bad or all(d is None for d in dims):
+        raise CaptureError(f"batch_dims {dims} does not name a dimension of each batched input "
+                           f"(tensor input shapes {shapes})",
+                           hint="give each batched input's dimension index (e.g. 0), None for "
+                                "unbatched ones, and at least one batched input")
     sizes = {t.shape[d] for t, d in zip(tensors, dims) if d is not None}
     if len(sizes) != 1:
         raise CaptureError(f"batch_dims {dims} select different batch sizes ({sorted(sizes)})",

@@ -123,6 +123,10 @@ TraceEvent: TypeAlias = MetadataEvent | SpanEvent
 """One entry of a Chrome trace's traceEvents."""
 
 
+_STEP_EVENTS = {"reduce": "gradient all-reduce (tied weights across stages, data-parallel "
+                           "replicas)"}
+
+
 def chrome_trace(events: Sequence[Event], *, name: str = "fxpipe",
                  pid: int = 0) -> list[TraceEvent]:
     """Trace events: one process `name`, one track (thread) per stage, times in microseconds."""
@@ -135,7 +139,9 @@ def chrome_trace(events: Sequence[Event], *, name: str = "fxpipe",
         label = {"forward": "F", "backward": "B", "recompute": "R"}.get(e.kind, e.kind)
         if e.kind == "backward" and e.detail in SPLIT_BACKWARD:  # a split backward's I or W
             label = e.detail
-        out.append({"name": f"{label}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": pid,
+        # an event of the whole step (micro-batch -1) is named for what it does, not "reduce-1"
+        title = f"{label}{e.microbatch}" if e.microbatch >= 0 else _STEP_EVENTS.get(e.kind, e.kind)
+        out.append({"name": title, "cat": e.kind, "ph": "X", "pid": pid,
                     "tid": e.stage, "ts": round(e.start * 1e6, 3),
                     "dur": round(max(e.end - e.start, 0.0) * 1e6, 3),
                     "args": {"microbatch": e.microbatch, "detail": e.detail}})

@@ -139,9 +139,12 @@ def run_bench(ns: BenchOptions) -> int:
         args["fxpipe_points"][str(stages)] = _local_cuts(args, stages)
         print(f"  stages begin at {args['fxpipe_points'][str(stages)]} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
+    print(f"starting {ns.stages} processes: each compiles and times every variant "
+          f"({ns.warmup} warm-up + {ns.steps} measured steps) ...", flush=True)
     results = _run_ranks(ns, args)
     if results is None:
         return 1
+    print(f"writing the results to {ns.out}/ ...", flush=True)
     _, inputs, _, _ = load_factory(factory, settings)
     options = {"model": ns.model, "stages": ns.stages, "chunks": ns.chunks, "remat": ns.remat,
                "batch": inputs[0].shape[0], "balance": ns.balance,

@@ -264,8 +264,7 @@ def partition(
             raise PartitionError(
                 f"cannot split {type(gm).__name__} into {num_stages} stages: more stages than "
                 f"atoms ({num_stages} > {len(groups)})",
-                hint=f"use at most {len(groups)} stages, or capture with inline_modules=True / "
-                     "fewer leaf_modules to expose more operations")
+                hint=f"use at most {len(groups)} stages, or {_more_operations(gm)}")
         result = solve_partition(
             atoms.compute, num_stages, cut_comm=atoms.cut_comm, memory_limit=memory_limit,
             mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
@@ -358,3 +357,12 @@ def _cuts_from_split_points(groups: list[list[Node]], points: Sequence[str],
 
 def _in_module(path: str, point: str) -> bool:
     return path == point or path.startswith(point + ".")
+
+
+def _more_operations(gm: GraphModule) -> str:
+    """How to expose more operations, in options of the call that captured `gm`:
+    fxpipe.compile always inlines torch.nn modules; fxpipe.capture does on request."""
+    info = gm.meta.get(ir.CAPTURE)
+    if info is not None and not info.inline_modules:
+        return "capture with inline_modules=True (or fewer leaf_modules) to expose more operations"
+    return "pass fewer leaf_modules to expose more operations"
