@@ -179,6 +179,7 @@ def _bad_world(rank: int, world: int, port: int, queue) -> None:
         queue.put((rank, traceback.format_exc()))
 
 
+@pytest.mark.slow
 def test_world_size_that_is_not_a_multiple_of_the_stages_is_a_clear_error():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -58,7 +58,7 @@ def _claim_three_stages(data):
     (lambda d: d.update(remat="bogus"),
      "remat is 'bogus' (allowed: never, always, except_last, auto)"),
     (lambda d: d.update(chunks=0), "chunks is 0 (allowed: an integer >= 1)"),
-    (lambda d: d.update(schedule="zigzag"), "schedule is 'zigzag' (allowed: gpipe, 1f1b)"),
+    (lambda d: d.update(schedule="zigzag"), "schedule is 'zigzag' (allowed: gpipe, 1f1b, zb-h1)"),
     (lambda d: d.update(lr=float("nan")), "lr is nan (allowed: a finite number > 0)"),
     (lambda d: d.update(extra=1), "unknown field 'extra' (allowed: aliases, autocast"),
     (lambda d: d["stages"][0].update(file="/etc/passwd.py"),

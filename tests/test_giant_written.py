@@ -78,6 +78,7 @@ def test_the_program_is_written_without_weights_and_lists_what_it_needs(written)
     assert os.path.getsize(folder / "program" / "model.pt") < 64 * 1024  # no data in it
 
 
+@pytest.mark.slow
 def test_without_weights_or_init_each_rank_says_how_to_run_it(written):
     result = _run(written[0])
     assert result.returncode != 0

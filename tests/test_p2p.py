@@ -160,6 +160,7 @@ def test_strict_mode_detects_that_one_message_at_a_time_deadlocks_1f1b():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 def test_strict_mode_passes_one_message_at_a_time_when_every_send_fits_the_eager_buffer():
     assert spawn(2, __name__, "_play", "one_at_a_time", "1f1b", 4, 2**20, 10.0) == ["ok", "ok"]
 
@@ -281,6 +282,7 @@ def _mismatch(rank: int, world: int) -> str:
     return "ok"
 
 
+@pytest.mark.slow
 def test_strict_mode_names_both_messages_when_the_ends_disagree_on_the_order():
     results = spawn(2, __name__, "_mismatch", timeout=30)
     assert "expected message #0 from rank 0 to be 'b' mb 0 (float32[4])" in results[1]

@@ -26,6 +26,7 @@ def test_selfcheck_runs_the_cpu_checks_and_says_what_it_skipped():
     assert "ok, 0 failed, 1 skipped" in out
 
 
+@pytest.mark.slow
 def test_a_pipeline_that_computes_something_else_fails_the_selfcheck(monkeypatch):
     real_step = Program.step
 
