@@ -172,6 +172,7 @@ def test_an_optimizer_over_other_param_groups_is_refused(ckpt):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch, about the garbage bytes
 def test_a_damaged_shard_is_refused_naming_it(ckpt, damage):
     path = _shard(ckpt)
     data = path.read_bytes()
