@@ -210,7 +210,7 @@ def _plain_adam(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, model.state_dict()
 
 
