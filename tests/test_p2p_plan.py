@@ -9,6 +9,7 @@ the matched pairs, or raises Deadlock with what each rank waits for.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 
 import pytest
 
@@ -191,15 +192,22 @@ def test_two_stages_per_rank_are_planned_from_the_placement():
     assert all(send == recv for send, recv in matched) and len(matched) == len(messages)
 
 
-def test_each_message_is_posted_after_its_producer_and_by_its_consumer():
+def _chain_plans(name: str) -> Iterator[tuple[dict[tuple[str, int, int], int], list[Tick]]]:
+    """The shared clock and each rank's plan of schedule `name` on a 3-stage chain, 4
+    micro-batches, after checking that each rank posts exactly its own messages."""
     k, m = 3, 4
-    schedule = get_schedule("1f1b")(m, k)
+    schedule = get_schedule(name)(m, k)
     edges = [(0, 1), (1, 2)]
     ticks = clock(schedule, edges)
     for rank in range(k):
         mine = [x for x in chain_messages(k, m) if rank in (x.src_rank, x.dst_rank)]
         plan = plan_rank(rank, schedule, edges, mine)
         assert sorted(x for t in plan for x in t.post) == sorted(mine)
+        yield ticks, plan
+
+
+def test_each_message_is_posted_after_its_producer_and_by_its_consumer():
+    for ticks, plan in _chain_plans("1f1b"):
         for t in plan:
             assert list(t.post) == sorted(t.post)
             for x in t.post:
@@ -209,14 +217,7 @@ def test_each_message_is_posted_after_its_producer_and_by_its_consumer():
 
 
 def test_a_split_backward_posts_each_gradient_the_tick_after_its_input_gradient_pass():
-    k, m = 3, 4
-    schedule = get_schedule("zb-h1")(m, k)
-    edges = [(0, 1), (1, 2)]
-    ticks = clock(schedule, edges)
-    for rank in range(k):
-        mine = [x for x in chain_messages(k, m) if rank in (x.src_rank, x.dst_rank)]
-        plan = plan_rank(rank, schedule, edges, mine)
-        assert sorted(x for t in plan for x in t.post) == sorted(mine)
+    for ticks, plan in _chain_plans("zb-h1"):
         for t in plan:
             for x in t.post:
                 if x.grad:
