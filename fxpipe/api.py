@@ -38,6 +38,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     command: str | None = None,
     check: str | nn.Module | None = None,
     batch_dims: Sequence[int | None] | None = None,
+    stages_per_rank: int | None = None,
 ) -> Program:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
 
@@ -46,7 +47,9 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         example_inputs: a batch (tensor or tuple). Without it the program is built on its first
             call from that call's inputs, as torch.compile does.
         example_kwargs: keyword inputs of the example batch.
-        stages: number of pipeline stages (devices, or processes under torchrun).
+        stages: number of pipeline stages (stage files). Each runs on its own device, or
+            process under torchrun, except under a looped schedule, where a rank holds
+            `stages_per_rank` of them.
         chunks: micro-batches per batch, or "auto" to pick the divisor of the batch size with
             the best predicted step time.
         remat: "except_last" (GPipe's default), "always", "never", or "auto" (fit memory_limit
@@ -55,15 +58,25 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             stage in a few training steps until the stages are within 5%; remembered per
             machine), "time" (measured per node), "params", or a list of node counts per stage.
         split_points: qualified module names where stages 1.. begin (instead of balancing).
-        memory_limit: bytes per stage the partition (and remat="auto") must respect.
-        devices: one device per stage for the local executor (default: the GPUs this process
-            sees, one per stage or in turn when fewer; the CPU without any).
+        memory_limit: bytes per rank the partition (and remat="auto") must respect; a rank
+            holding several stages gives each an equal share.
+        devices: one device per rank for the local executor, i.e. per stage under a flat
+            schedule (default: the GPUs this process sees, one per rank or in turn when fewer;
+            the CPU without any).
         capture: "auto", "fx" or "export" (see fxpipe.capture).
         schedule: "gpipe" (fill-drain), "1f1b" (same bubble, fewer activations in flight),
             "zb-h1" (zero-bubble H1: the backward split into input and weight gradients, the
-            weight gradients fill the bubble, with 1F1B's memory; the distributed executor runs
-            it, the local executor keeps its own order) or "auto" (the fastest schedule by the
-            stages' simulated costs that fits memory_limit; the report lists each one's time).
+            weight gradients fill the bubble, with 1F1B's memory), and the looped schedules,
+            which place several stages on each rank: "interleaved-1f1b" (stage s on rank
+            s mod ranks; the bubble shrinks by stages_per_rank) and "zb-v" (two stages per
+            rank in a V, split backward: near zero bubble with 1F1B's memory); or "auto" (the
+            fastest schedule by the stages' simulated costs that fits memory_limit, on the
+            same number of ranks: a looped one cuts the model into stages_per_rank (2) times
+            more stages; the report lists each one's time). The distributed executor runs
+            every schedule; the local executor (one process) runs the forwards in fill order
+            and one autograd backward, as GPipe does.
+        stages_per_rank: stages each rank holds: 1 for the flat schedules, 2 (the default) or
+            more for "interleaved-1f1b", exactly 2 for "zb-v".
         profile: a DeviceProfile, a preset name ("a100", "h100", or "h100:bf16" with its
             precision; else the model's dtype, autocast and allow_tf32 choose it), or None for
             the profile measured on this machine (cached in the user's cache folder).
@@ -112,7 +125,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         capture=capture, schedule=schedule, profile=profile, leaf_modules=tuple(leaf_modules),
         deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,
         dp_bucket_mb=dp_bucket_mb, autocast=autocast, command=command, check=check,
-        batch_dims=tuple(batch_dims) if batch_dims is not None else None)
+        batch_dims=tuple(batch_dims) if batch_dims is not None else None,
+        stages_per_rank=stages_per_rank)
     check_config(config)
     program = Program(model, config)
     program.train(model.training)

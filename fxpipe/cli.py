@@ -89,7 +89,9 @@ def _add_factory(p: argparse.ArgumentParser) -> None:
 
 def _add_compile_options(p: argparse.ArgumentParser) -> None:
     _add_factory(p)
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages (processes)")
+    p.add_argument("--stages", type=int, default=2,
+                   help="pipeline stages (processes, except under a looped schedule: "
+                        "stages / stages-per-rank)")
     p.add_argument("--chunks", type=_chunks, default=4,
                    help="micro-batches per batch, or 'auto' (the best divisor of the batch)")
     p.add_argument("--remat", default="except_last", choices=REMAT_MODES,
@@ -99,7 +101,12 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", type=float, default=None,
                    help="bytes per stage (default: no limit)")
     p.add_argument("--schedule", default="gpipe", choices=(*SCHEDULES, "auto"),
-                   help="pipeline schedule; auto: the fastest predicted one that fits")
+                   help="pipeline schedule; interleaved-1f1b and zb-v place several stages "
+                        "on each rank; auto: the fastest predicted one that fits, on the same "
+                        "number of ranks")
+    p.add_argument("--stages-per-rank", type=int, default=None,
+                   help="stages each rank holds (default: 2 for interleaved-1f1b and zb-v, "
+                        "1 for the others)")
     p.add_argument("--profile", default=None,
                    help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
                         "on this machine")
@@ -112,6 +119,7 @@ def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
     program = compile_program(model, inputs, example_kwargs=kwargs, stages=args.stages,
                              chunks=args.chunks, remat=args.remat, balance=args.balance,
                              memory_limit=args.memory_limit, schedule=args.schedule,
+                             stages_per_rank=args.stages_per_rank,
                              profile=args.profile, command=_command_line(args))
     return program, target
 
@@ -128,6 +136,8 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--memory-limit", repr(args.memory_limit)]
     if args.schedule != "gpipe":
         words += ["--schedule", args.schedule]
+    if args.stages_per_rank is not None:
+        words += ["--stages-per-rank", str(args.stages_per_rank)]
     if args.profile is not None:
         words += ["--profile", args.profile]
     return shlex.join(words)
@@ -139,7 +149,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.out:
         files = program.write(args.out, target=target)
         print(f"\nwrote {len(files)} files to {args.out}/ (run: fxpipe run {args.out} "
-              f"--nproc {args.stages})")
+              f"--nproc {program.built.config.ranks})")
     return 0
 
 

@@ -10,7 +10,7 @@ from fxpipe.passes.partition import BALANCE_MODES
 from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import DeviceProfile
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
-from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.schedule import SCHEDULES, check_layout, default_stages_per_rank, placement
 
 __all__ = ["AUTO", "CompileConfig", "check_config"]
 
@@ -39,11 +39,31 @@ class CompileConfig:
     command: str | None = None  # how to regenerate, shown in stage headers
     check: Any = None  # a meta model's capture check: a twin nn.Module or "shapes"
     batch_dims: tuple[int | None, ...] | None = None  # per tensor input; None: inferred
+    stages_per_rank: int | None = None  # None: the schedule's (2 for the looped ones, else 1)
 
     @property
     def fixed_chunks(self) -> int | None:
         """The number of micro-batches when given, None for "auto"."""
         return self.chunks if isinstance(self.chunks, int) else None
+
+    @property
+    def per_rank(self) -> int:
+        """Stages each pipeline rank holds (before schedule="auto" is resolved: as given, 1
+        by default)."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 1 if self.schedule == AUTO else default_stages_per_rank(self.schedule)
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks of one replica: processes under torchrun, devices in one process.
+        schedule="auto" keeps this number whichever schedule it picks."""
+        return max(self.stages // self.per_rank, 1)
+
+    @property
+    def placement(self) -> list[int]:
+        """placement[s]: the pipeline rank of stage s (the schedule resolved)."""
+        return placement(self.schedule, self.stages, self.ranks)
 
 
 def check_config(config: CompileConfig) -> None:
@@ -69,6 +89,13 @@ def check_config(config: CompileConfig) -> None:
     if config.schedule not in SCHEDULES and config.schedule != AUTO:
         raise ConfigError(f"unknown schedule {config.schedule!r}",
                           hint=f"use one of {(*SCHEDULES, AUTO)}")
+    if config.schedule != AUTO:
+        check_layout(config.schedule, config.stages, config.per_rank)
+    elif config.stages_per_rank is not None and (not _is_int(config.stages_per_rank)
+                                                 or config.stages % config.stages_per_rank):
+        raise ConfigError(f"stages_per_rank={config.stages_per_rank!r} does not divide "
+                          f"{config.stages} stages", hint="pass a divisor of stages, or leave "
+                                                          "stages_per_rank out")
     if config.capture not in METHODS:
         raise ConfigError(f"unknown capture method {config.capture!r}",
                           hint=f"use one of {METHODS}")
@@ -87,9 +114,11 @@ def check_config(config: CompileConfig) -> None:
     if config.autocast is not None and config.autocast not in AUTOCAST_DTYPES:
         raise ConfigError(f"unknown autocast dtype {config.autocast!r}",
                           hint=f"use one of {sorted(AUTOCAST_DTYPES)}, or None for full precision")
-    if config.devices is not None and len(config.devices) < config.stages:
-        raise ConfigError(f"fewer devices than stages ({len(config.devices)} < {config.stages})",
-                          hint=f"give {config.stages} devices (e.g. ['cpu'] * {config.stages}), "
+    if config.devices is not None and len(config.devices) < config.ranks:
+        what = "stages" if config.per_rank == 1 else f"ranks ({config.stages} stages, " \
+            f"{config.per_rank} per rank)"
+        raise ConfigError(f"fewer devices than {what} ({len(config.devices)} < {config.ranks})",
+                          hint=f"give {config.ranks} devices (e.g. ['cpu'] * {config.ranks}), "
                                "or fewer stages")
 
 

@@ -1,8 +1,9 @@
 """The stages one process holds: their modules on their devices, and the executor that runs them.
 
-Locally a process holds every stage (one device each); under torchrun it holds its rank's
-stage. A stage is built on a mapping of qualified names to tensors: the model's own (so the
-model trains with the program), or new ones with weights for a model built on the meta device.
+Locally a process holds every stage (on its rank's device); under torchrun it holds its rank's
+stages (one, or several under a looped schedule). A stage is built on a mapping of qualified
+names to tensors: the model's own (so the model trains with the program), or new ones with
+weights for a model built on the meta device.
 Stages that still hold meta tensors get no executor until they have weights.
 """
 from __future__ import annotations
@@ -18,12 +19,11 @@ from fxpipe.built import Built, BuiltStage
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
 from fxpipe.passes.remat import RematRegion
-from fxpipe.runtime.distributed import Mesh
 from fxpipe.runtime.local import LocalExecutor, LocalStage
 from fxpipe.runtime.materialize import meta_names
-from fxpipe.runtime.mesh import make_groups
+from fxpipe.runtime.mesh import Mesh, make_groups
 from fxpipe.runtime.rank import RankStage, StageWiring, devices_for_stages, setup_rank
-from fxpipe.runtime.stage import StageModule
+from fxpipe.runtime.stage import StageModule, share_tied
 
 __all__ = ["Stage", "HeldStages", "hold_stages", "held_tensors"]
 
@@ -57,7 +57,7 @@ class HeldStages:
     devices: list[torch.device]  # the device of each
     views: list[Stage]  # every stage of the program (module None where another rank holds it)
     local: LocalExecutor | None  # every stage in this process, once they have weights
-    rank: RankStage | None  # this rank's stage under torchrun, once it has weights
+    rank: RankStage | None  # this rank's stages under torchrun, once they have weights
     meta: list[str]  # qualified names of the tensors that have no weights yet
 
 
@@ -67,8 +67,9 @@ def hold_stages(built: Built, classes: Sequence[type[StageModule]], config: Comp
     """Builds the stages of this process (all of them when `mesh` is None) on `tensors`."""
     modules = {ir.qualname(built.captured, k): v for k, v in built.captured.named_modules()}
     if mesh is None:
-        devices = devices_for_stages(config.stages, config.devices)
+        devices = devices_for_stages(built.config.placement, config.devices)
         held = [classes[st.index](tensors, modules) for st in built.stages]
+        share_tied(held)
         views = []
         local = []
         placed: set[int] = set()  # a tensor shared by stages lives where the first one runs
@@ -83,24 +84,26 @@ def hold_stages(built: Built, classes: Sequence[type[StageModule]], config: Comp
                                                    check_finite=config.check_finite)
         return HeldStages(held, devices[:len(held)], views, executor, None, meta)
     assert device is not None  # the rank's device comes with its mesh
-    st = built.stages[mesh.stage]
-    module = classes[mesh.stage](tensors, modules)
-    module.place(device, set())
-    views = [Stage(other.index, other.graph_module, other.source,
-                   module if other.index == mesh.stage else None, other)
-             for other in built.stages]
-    meta = meta_names(module.named_model_tensors())
+    mine = [classes[s](tensors, modules) for s in mesh.held]
+    share_tied(mine)
+    placed = set()
+    for module in mine:
+        module.place(device, placed)
+    by_index = dict(zip(mesh.held, mine))
+    views = [Stage(other.index, other.graph_module, other.source, by_index.get(other.index),
+                   other) for other in built.stages]
+    meta = sorted({q for m in mine for q in meta_names(m.named_model_tensors())})
     if meta:
-        return HeldStages([module], [device], views, None, None, meta)
+        return HeldStages(mine, [device] * len(mine), views, None, None, meta)
     rank = setup_rank(
-        module, StageWiring(st.index, st.input_indexes, st.graph.recvs, st.graph.sends,
-                            st.random),
+        [(by_index[st.index], StageWiring(st.index, st.input_indexes, st.graph.recvs,
+                                          st.graph.sends, st.random), st.graph_module)
+         for st in built.stages if st.index in by_index],
         mesh=mesh, groups=make_groups(mesh, built.shared), device=device,
         signature=built.signature, edges=built.edges, shared=built.shared,
         chunks=built.plan.chunks, remat=config.remat, schedule=built.config.schedule,
-        check_finite=config.check_finite, dp_bucket_mb=config.dp_bucket_mb,
-        graph=st.graph_module)
-    return HeldStages([module], [device], views, None, rank, meta)
+        check_finite=config.check_finite, dp_bucket_mb=config.dp_bucket_mb)
+    return HeldStages(mine, [device] * len(mine), views, None, rank, meta)
 
 
 def held_tensors(held: HeldStages) -> tuple[dict[str, torch.Tensor], dict[str, torch.device]]:

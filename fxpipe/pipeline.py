@@ -41,7 +41,7 @@ from fxpipe.passes.unroll_rnn import unroll_rnns
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
 from fxpipe.runtime.rank import devices_for_stages
-from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
 from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["build", "rebuild", "PlanAgreement"]
@@ -119,11 +119,11 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
     """partition, split_stages, mark_remat and codegen on an annotated graph."""
     info: CaptureInfo = gm.meta[ir.CAPTURE]
     with _timed(timings, "partition"):
-        plan, schedule = _partition(gm, config, info.batch_size, profile, corrections, starts)
+        plan, config = _partition(gm, config, info.batch_size, profile, corrections, starts)
         if agree is not None:
             plan = agree(gm, plan)
         ir.verify(gm, after="partition")
-    config = replace(config, chunks=plan.chunks, schedule=schedule)
+    config = replace(config, chunks=plan.chunks)
     # Stage graphs are new modules: the captured graph stays whole for reports and checks.
     with _timed(timings, "split_stages"):
         graphs = split_stages(gm, config.stages)
@@ -155,7 +155,7 @@ def _profile_device(config: CompileConfig) -> torch.device:
     under NCCL, else the first stage's device."""
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return devices_for_stages(config.stages, config.devices)[0]
+    return devices_for_stages([0], config.devices)[0]  # the first rank's
 
 
 def _snapshot(history: list[Snapshot], after: str, gm: GraphModule) -> None:
@@ -178,46 +178,64 @@ def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
 
 def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: DeviceProfile,
                corrections: dict[str, float], starts: Sequence[str] | None
-               ) -> tuple[PartitionPlan, str]:
-    """The plan and its schedule: config.schedule, or for "auto" the schedule whose simulated
-    step (the stages' costs played by the schedule) is the fastest among those that fit the
-    memory limit (each keeps its own number of micro-batches in flight)."""
+               ) -> tuple[PartitionPlan, CompileConfig]:
+    """The plan and the config with its schedule resolved: config.schedule, or for "auto" the
+    schedule whose simulated step (the stages' costs played by the schedule) is the fastest
+    among those that fit the memory limit (each keeps its own number of micro-batches in
+    flight), on the same number of ranks."""
     balance: str | list[int] = config.balance if isinstance(config.balance, str) \
         else list(config.balance)
 
-    def plan_for(schedule: str) -> PartitionPlan:
+    def plan_for(candidate: CompileConfig) -> PartitionPlan:
         def for_chunks(chunks: int) -> PartitionPlan:
             b = batch // chunks
-            return partition(gm, config.stages, microbatch_size=b, chunks=chunks,
+            limit = config.memory_limit / candidate.per_rank if config.memory_limit else None
+            return partition(gm, candidate.stages, microbatch_size=b, chunks=chunks,
                              profile=profile, balance=balance, split_points=config.split_points,
-                             remat=config.remat, memory_limit=config.memory_limit,
-                             schedule=schedule,
+                             remat=config.remat, memory_limit=limit,
+                             schedule=candidate.schedule, ranks=candidate.ranks,
                              loss_time=loss_time(gm, b, profile, config.balance == "time"),
                              corrections=corrections, starts=starts)
         return choose_chunks(batch, config.chunks, for_chunks)
 
     if config.schedule != AUTO:
-        return plan_for(config.schedule), config.schedule
-    plans: dict[str, PartitionPlan] = {}
+        resolved = replace(config, stages_per_rank=config.per_rank)
+        return plan_for(resolved), resolved
+    plans: dict[str, tuple[PartitionPlan, CompileConfig]] = {}
     times: list[tuple[str, float | None]] = []
     failure: PartitionError | None = None
-    for name in SCHEDULES:
+    for candidate in _auto_candidates(config):
+        name = candidate.schedule
         try:
-            plans[name] = plan_for(name)
-        except PartitionError as e:  # no partition fits the memory limit under this schedule
+            plans[name] = (plan_for(candidate), candidate)
+        except PartitionError as e:  # no partition fits the memory limit, or too few atoms
             failure = failure or e
             times.append((name, None))
             continue
-        times.append((name, predicted_step(plans[name], name)[0]))
+        times.append((name, predicted_step(plans[name][0], name, candidate.ranks)[0]))
     fits = [(t, name) for name, t in times if t is not None]
     if not fits:
         assert failure is not None
         raise failure
-    chosen = min(fits)[1]
+    chosen = plans[min(fits)[1]][1]
     for node in ir.compute_nodes(gm.graph):  # the last partition tried wrote its stages
         node.meta.pop(ir.STAGE, None)
     plan = plan_for(chosen)
     return replace(plan, schedules=tuple(times)), chosen
+
+
+def _auto_candidates(config: CompileConfig) -> list[CompileConfig]:
+    """Every schedule on config's number of ranks: the flat ones with a stage per rank, the
+    looped ones with stages_per_rank (if given, else 2) stages per rank."""
+    ranks = config.ranks
+    out = []
+    for name in SCHEDULES:
+        per_rank = default_stages_per_rank(name)
+        if name == "interleaved-1f1b" and config.per_rank > 1:
+            per_rank = config.per_rank
+        out.append(replace(config, schedule=name, stages=ranks * per_rank,
+                           stages_per_rank=per_rank))
+    return out
 
 
 def _fixed_bytes(g: StageGraph) -> float:

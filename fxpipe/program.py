@@ -44,11 +44,11 @@ from fxpipe.reference import reference_losses
 from fxpipe.report import Report, build_report, cost_table, predicted_kept
 from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
-from fxpipe.runtime.distributed import Mesh
 from fxpipe.runtime.loading import load_named
 from fxpipe.runtime.local import LocalExecutor
 from fxpipe.runtime.materialize import initialize
 from fxpipe.runtime.memory import KeptMemory
+from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.rank import RankStage, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import copy_inputs
@@ -113,7 +113,7 @@ class Program(nn.Module):
             self._local = None
         self._classes = [codegen.load_stage_class(s.source, f"<fxpipe stage {s.index}>",
                                                   s.class_name) for s in built.stages]
-        self._mesh = mesh_of_world(self.config.stages) if device is not None else None
+        self._mesh = mesh_of_world(built.config.placement) if device is not None else None
         self._device = device
         self._instantiate(graph_tensors(built.captured))
 
@@ -545,7 +545,7 @@ class Program(nn.Module):
         return OrderedDict(sorted(out.items()))
 
     def _holds_first_stage(self) -> bool:
-        return self._mesh is None or self._mesh.stage == 0
+        return self._mesh is None or 0 in self._mesh.held
 
     def _unused_state(self) -> dict[str, torch.Tensor]:
         used = {id(t) for t in graph_tensors(self.graph_module).values()}

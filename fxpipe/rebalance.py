@@ -34,8 +34,8 @@ from fxpipe.losses import LossFn
 from fxpipe.passes.partition import TOLERANCE, BalanceRound, best_round, corrected
 from fxpipe.pipeline import PlanAgreement, rebuild
 from fxpipe.profile import cache_dir
-from fxpipe.runtime.distributed import Mesh
 from fxpipe.runtime.local import LocalExecutor, remat_enabled
+from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.rank import RankStage
 from fxpipe.runtime.stagetime import time_stages
 from fxpipe.runtime.timeline import busy_time
@@ -121,7 +121,8 @@ def balance_key(built: Built, world: int) -> str:
     """What a balanced cut depends on: the graph, the options, the device, the processes."""
     config = built.config
     parts = [built.captured.code, built.model_name, str(config.stages), str(config.chunks),
-             config.remat, config.schedule, repr(config.devices), repr(config.memory_limit),
+             config.remat, config.schedule, str(config.per_rank), repr(config.devices),
+             repr(config.memory_limit),
              built.profile.key or built.profile.name, str(world), torch.__version__, __version__]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
@@ -185,18 +186,21 @@ def move_state(old: Built, new: Built, mesh: Mesh, tensors: Mapping[str, torch.T
         pairs.setdefault((src, dst), []).append(name)
     received = 0
     for (src, dst), moved in sorted(pairs.items()):
-        if mesh.stage == src:
+        sender, receiver = mesh.rank_of(src), mesh.rank_of(dst)
+        if sender == receiver:  # two stages of one rank: the tensors are here already
+            continue
+        if mesh.rank == sender:
             payload = {q: _packed(tensors[q], optimizer) for q in moved}
-            dist.send_object_list([payload], dst=mesh.rank_of(dst))
-        elif mesh.stage == dst:
+            dist.send_object_list([payload], dst=receiver)
+        elif mesh.rank == receiver:
             box: list[Any] = [None]
-            dist.recv_object_list(box, src=mesh.rank_of(src))
+            dist.recv_object_list(box, src=sender)
             for q, entry in box[0].items():
                 _unpack(tensors[q], entry, optimizer)
                 received += 1
     if optimizer is not None:
         _keep_only(optimizer, [tensors[q] for q, stages in _holders(new).items()
-                               if mesh.stage in stages])
+                               if set(stages) & set(mesh.held)])
     return received
 
 
@@ -314,16 +318,17 @@ def measure_ranks(rank: RankStage, flat: list[torch.Tensor], target: torch.Tenso
     """Seconds per micro-batch each stage computes in real pipeline steps (one warm-up, then
     the fastest of `steps`; waits excluded), the same list on every rank (averaged over
     data-parallel replicas)."""
-    mesh = rank.mesh
-    samples = []
+    held = rank.mesh.held
+    samples: dict[int, list[list[float]]] = {s: [] for s in held}
     for i in range(steps + 1):
         _, result = rank.step(flat, target, loss_fn)
         if i:
-            samples.append([busy_time([e for e in result.events if e.microbatch == mb],
-                                      mesh.stage) for mb in range(rank.chunks)])
+            for s in held:
+                samples[s].append([busy_time([e for e in result.events if e.microbatch == mb],
+                                             s) for mb in range(rank.chunks)])
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (mesh.stage, robust_time(samples, rank.remat)))
+    dist.all_gather_object(everyone, [(s, robust_time(samples[s], rank.remat)) for s in held])
     per_stage: dict[int, list[float]] = {}
-    for stage, seconds in everyone:
+    for stage, seconds in (pair for mine in everyone for pair in mine):
         per_stage.setdefault(stage, []).append(seconds)
     return [sum(v) / len(v) for _, v in sorted(per_stage.items())]

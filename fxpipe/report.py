@@ -14,13 +14,21 @@ from fxpipe import ir
 from fxpipe.built import Built
 from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
+from fxpipe.errors import ConfigError
 from fxpipe.passes.cost import estimate_time
 from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
-from fxpipe.runtime.distributed import Mesh
-from fxpipe.runtime.schedule import SCHEDULES, bubble_fraction, get_schedule, render_grid
+from fxpipe.runtime.grid import bubble_fraction, render_grid
+from fxpipe.runtime.mesh import Mesh
+from fxpipe.runtime.schedule import (
+    LOOPED,
+    SCHEDULES,
+    check_layout,
+    default_stages_per_rank,
+    make_schedule,
+)
 from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["Report", "StageRow", "build_report", "stage_header", "compile_command",
@@ -97,6 +105,9 @@ def compile_command(config: CompileConfig, model: str) -> tuple[str, bool]:
         always = f.name in ("stages", "chunks", "remat", "balance")
         if f.name == "command" or (not always and value == getattr(defaults, f.name)):
             continue
+        if f.name == "stages_per_rank" and config.schedule in SCHEDULES \
+                and value == default_stages_per_rank(config.schedule):
+            continue  # what the schedule places anyway
         if isinstance(value, DeviceProfile):
             value = value.name
         if isinstance(value, nn.Module):  # a twin that checked a meta model's capture
@@ -123,18 +134,33 @@ def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: Partit
     lines = [("time", f"{human_time(stage_plan.time)} per micro-batch, forward + backward "
                       f"({how}): {share:.1%} of all stages' time, {1 / k:.1%} if even"),
              ("profile", f"{profile.name} [{profile.key}]" if profile.key else profile.name)]
+    rank_of = config.placement
+    if config.per_rank > 1:
+        mine = [str(s) for s, r in enumerate(rank_of) if r == rank_of[graph.index]]
+        lines.append(("rank", f"{rank_of[graph.index]} of {config.ranks} ({config.schedule}: "
+                              f"stages {', '.join(mine)} run on it)"))
     lines.append(("flops", f"{human_flops(figures['fwd_flops'])} forward per micro-batch"))
     lines.append(("params", f"{human_bytes(figures['params'])}; saved activations "
                             f"{human_bytes(figures['saved'])} per micro-batch"
                   + (f" ({human_bytes(figures['kept_with_remat'])} kept with remat)"
                      if regions else "")))
+    def local(peer: int) -> str:
+        same = config.per_rank > 1 and rank_of[peer] == rank_of[graph.index]
+        return " (same rank: handed over in the process)" if same else ""
+
     for c in graph.recvs:
-        lines.append(("recv", f"{c.tag}  {ir.format_shape(c.value)}  <- stage {c.peer}"))
+        lines.append(("recv", f"{c.tag}  {ir.format_shape(c.value)}  <- stage {c.peer}"
+                              + local(c.peer)))
     for c in graph.sends:
-        lines.append(("send", f"{c.tag}  {ir.format_shape(c.value)}  -> stage {c.peer}"))
+        lines.append(("send", f"{c.tag}  {ir.format_shape(c.value)}  -> stage {c.peer}"
+                              + local(c.peer)))
     for name, holders in sorted(shared.items()):
         if graph.index in holders:
             others = ", ".join(str(s) for s in holders if s != graph.index)
+            if len({rank_of[s] for s in holders}) == 1:
+                lines.append(("tied", f"{name} is also held by stage {others} on this rank: "
+                                      "one Parameter, whose gradient both accumulate"))
+                continue
             lines.append(("tied", f"{name} is also held by stage {others}; its gradient is "
                                   f"summed over stages {', '.join(map(str, holders))} after the "
                                   "backward, so every copy takes the same step"))
@@ -171,7 +197,8 @@ class StageRow(TypedDict, total=False):
     kept_measured_bytes: float  # only after program.measure_activations()
 
 
-SCHEDULE_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1"}
+SCHEDULE_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1",
+                   "interleaved-1f1b": "Interleaved 1F1B", "zb-v": "ZB-V"}
 
 
 @dataclass
@@ -185,25 +212,53 @@ class Report:
     schedule: str
     measured: dict[str, Any] = field(default_factory=dict)
     shared: dict[str, list[int]] = field(default_factory=dict)
-    mesh: list[tuple[int, int, int]] = field(default_factory=list)  # (rank, replica, stage)
+    # (rank, replica, stages it runs)
+    mesh: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
     comm: dict[str, float] = field(default_factory=dict)  # bytes per step by kind
     rounds: list[BalanceRound] = field(default_factory=list)  # balancing by measurement
+    stages_per_rank: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return len(self.plan.stages) // self.stages_per_rank
 
     def summary(self) -> dict[str, Any]:
         plan = self.plan
         k, m = len(plan.stages), plan.chunks
+        step, simulated_bubble = predicted_step(plan, self.schedule, self.ranks)
+        flat = self.schedule not in LOOPED
         return {
-            "stages": k, "chunks": m, "microbatch_size": plan.microbatch_size,
+            "stages": k, "ranks": self.ranks, "stages_per_rank": self.stages_per_rank,
+            "chunks": m, "microbatch_size": plan.microbatch_size,
             "balance": plan.balance, "schedule": self.schedule,
-            "imbalance": plan.imbalance, "bubble": bubble_fraction(m, k),
+            "imbalance": plan.imbalance,
+            "bubble": bubble_fraction(m, k) if flat else simulated_bubble,
             "predicted_step_time_s": plan.predicted_step_time,
+            "simulated_step_time_s": step,
             "chunk_candidates": [{"chunks": c, "predicted_step_time_s": t}
                                  for c, t in plan.candidates],
             "auto_schedules": [{"schedule": name, "step_time_s": t}
                                for name, t in plan.schedules],
-            "schedules": [{"schedule": name, "step_time_s": t, "bubble": b}
-                          for name in SCHEDULES for t, b in [predicted_step(plan, name)]],
+            "schedules": [{"schedule": name, "ranks": r, "step_time_s": t, "bubble": b}
+                          for name, r in self._layouts()
+                          for t, b in [predicted_step(plan, name, r)]],
         }
+
+    def _layouts(self) -> list[tuple[str, int]]:
+        """Each schedule that runs these stages on this program's ranks, with that number: the
+        flat ones for one stage per rank, the looped ones for several."""
+        k = len(self.plan.stages)
+        out = []
+        for name in SCHEDULES:
+            per_rank = default_stages_per_rank(name)
+            if name == "interleaved-1f1b" and self.stages_per_rank > 1:
+                per_rank = self.stages_per_rank
+            try:
+                if check_layout(name, k, per_rank) == self.ranks:
+                    out.append((name, self.ranks))
+            except ConfigError:
+                continue  # e.g. an odd number of stages under zb-v
+        return out
 
     def rows(self) -> list[list[object]]:
         out: list[list[object]] = []
@@ -228,15 +283,20 @@ class Report:
 
     def text(self, fmt: str = "simple") -> str:
         s = self.summary()
-        lines = [f"fxpipe partition of {self.model}: {s['stages']} stages x {s['chunks']} "
+        on = "" if s["stages_per_rank"] == 1 else \
+            f" on {s['ranks']} ranks ({s['stages_per_rank']} per rank)"
+        lines = [f"fxpipe partition of {self.model}: {s['stages']} stages{on} x {s['chunks']} "
                  f"micro-batches of {s['microbatch_size']} (balance={s['balance']}, "
                  f"schedule={s['schedule']})",
                  f"device profile: {self.profile}", "",
                  tabulate(self.rows(), headers=self.headers(), tablefmt=fmt), "",
                  f"imbalance (slowest / mean stage): {s['imbalance']:.3f}",
-                 f"bubble (S-1)/(M+S-1): {s['bubble']:.1%}",
-                 f"predicted step time: {human_time(s['predicted_step_time_s'])} "
-                 f"((M+S-1) x slowest stage)"]
+                 f"bubble (S-1)/(M+S-1): {s['bubble']:.1%}" if s["stages_per_rank"] == 1 and
+                 s["schedule"] not in LOOPED else
+                 f"bubble (simulated, idle share of the ranks): {s['bubble']:.1%}",
+                 f"predicted step time: {human_time(s['simulated_step_time_s'])} "
+                 f"({s['schedule']} played with the stage costs; (M+S-1) x slowest stage: "
+                 f"{human_time(s['predicted_step_time_s'])})"]
         if self.shared:
             lines.append("tied parameters (gradients summed across stages): "
                          + ", ".join(f"{k} in stages {v}" for k, v in self.shared.items()))
@@ -246,9 +306,11 @@ class Report:
                 for c in s["chunk_candidates"]))
         if self.mesh:
             replicas = 1 + max(r for _, r, _ in self.mesh)
-            lines.append(f"mesh (dp x pp): {replicas} replica(s) x {s['stages']} stages; "
-                         + ", ".join(f"rank {rank} = replica {rep} stage {st}"
-                                     for rank, rep, st in self.mesh))
+            lines.append(f"mesh (dp x pp): {replicas} replica(s) x {s['ranks']} ranks; "
+                         + ", ".join(f"rank {rank} = replica {rep} " + (
+                             f"stage {held[0]}" if len(held) == 1 else
+                             f"stages {', '.join(map(str, held))}")
+                                     for rank, rep, held in self.mesh))
         if self.comm:
             lines.append("communication per step (each replica): " + ", ".join(
                 f"{kind} {human_bytes(v)}" for kind, v in self.comm.items()))
@@ -266,7 +328,7 @@ class Report:
         lines.append("simulated step time by schedule (stage costs, bubble = idle share): "
                      + ", ".join(f"{c['schedule']} {human_time(c['step_time_s'])} "
                                  f"(bubble {c['bubble']:.1%})" for c in s["schedules"]))
-        lines += ["", render_grid(get_schedule(self.schedule)(m, k),
+        lines += ["", render_grid(make_schedule(self.schedule, m, k, self.ranks),
                                   title=SCHEDULE_TITLES.get(self.schedule, self.schedule))]
         return "\n".join(lines)
 
@@ -325,17 +387,20 @@ def communication(built: Built, replicas: int = 1) -> dict[str, float]:
     plan = built.plan
     m = plan.chunks
     b = max(1, plan.microbatch_size // replicas)  # each replica pipelines its share of the batch
+    rank_of = built.config.placement
     p2p = 0.0
     for st in built.stages:
         for c in st.graph.sends:
+            if rank_of[st.index] == rank_of[c.peer]:
+                continue  # two stages of one rank: handed over in the process
             size = _value_bytes(c.value, b)
             grads = size if isinstance(c.value, ir.TensorInfo) and c.value.is_float \
                 and c.value.requires_grad else 0.0
             p2p += m * (size + grads)
     grads = sum(float(p.numel() * p.element_size()) for st in built.stages
                 for p in st.graph_module.parameters() if p.requires_grad)
-    tied = sum(float(p.numel() * p.element_size()) * (len(stages) - 1)
-               for st in built.stages[:1] for name, stages in built.shared.items()
+    tied = sum(float(p.numel() * p.element_size()) * (len({rank_of[s] for s in stages}) - 1)
+               for name, stages in built.shared.items()
                for p in [_tied_param(built, name)] if p is not None)
     out = {"point-to-point": p2p, "tied-weight all-reduce": tied}
     if replicas > 1:
@@ -380,7 +445,8 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
     return Report(model, plan, stages, f"{which} ({how})",
                   built.config.schedule, shared=dict(built.shared),
                   mesh=mesh.describe() if mesh is not None else [],
-                  comm=communication(built, replicas), rounds=list(built.rounds))
+                  comm=communication(built, replicas), rounds=list(built.rounds),
+                  stages_per_rank=built.config.per_rank)
 
 
 def cost_table(gm: GraphModule, *, b: int, profile: DeviceProfile, sort: str | None = None,

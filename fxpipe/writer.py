@@ -222,7 +222,9 @@ def write_weights(directory: str, files: ProgramFiles) -> list[str]:
 
 def _spec(built: Built, files: ProgramFiles) -> dict[str, object]:
     """program.json: what the launcher needs, as plain JSON (fxpipe.runtime.spec reads it)."""
+    per_rank = built.config.per_rank
     return {
+        **({"stages_per_rank": per_rank} if per_rank > 1 else {}),
         "fxpipe": __version__, "model": files.model_name,
         "chunks": built.plan.chunks, "remat": built.config.remat,
         "schedule": built.config.schedule, "signature": signature_to_json(built.signature),
@@ -236,6 +238,6 @@ def _spec(built: Built, files: ProgramFiles) -> dict[str, object]:
         "aliases": files.names.to_json(),
         "structure": None if files.structure is None else files.structure.to_json(),
         "autocast": built.config.autocast,
-        "predicted_events": [e.__dict__ for e in predicted_events(built.plan,
-                                                                 built.config.schedule)],
+        "predicted_events": [e.__dict__ for e in predicted_events(
+            built.plan, built.config.schedule, built.config.ranks)],
     }

@@ -270,7 +270,8 @@ def test_help_lists_commands_once_and_describes_every_option_with_its_default(ca
         if command != "run":
             assert "examples:" in text, command
     compile_help = _help(capsys, "compile")
-    assert "--stages STAGES       pipeline stages (processes) (default: 2)" in compile_help
+    assert "--stages STAGES       pipeline stages (processes, except under a looped" in compile_help
+    assert "--stages-per-rank STAGES_PER_RANK" in compile_help
     assert "1000,10000,100000" in _help(capsys, "bench-partition")
     assert "(default: gpt)" in _help(capsys, "bench")
 

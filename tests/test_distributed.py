@@ -33,6 +33,7 @@ import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
+from fxpipe.runtime.schedule import default_stages_per_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -54,12 +55,17 @@ class Job(NamedTuple):
 
 # 1F1B with remat="except_last" runs both a recomputed and a kept micro-batch. ZB-H1 on gpt:
 # the split backward with the tied embedding summed over the first and last stage after the
-# last W, with remat off and on.
+# last W, with remat off and on. The looped schedules run two stages per rank: ZB-V puts the
+# first and last stage (gpt's tied embedding and head) on rank 0, interleaving puts them on
+# the first and last rank; unet's skip connections cross several stages.
 JOBS: dict[int, list[Job]] = {
     2: [Job(m, r) for m in MODELS for r in REMATS] + [Job("gpt", "except_last", "1f1b")]
-    + [Job("gpt", r, "zb-h1") for r in ("never", "always")],
+    + [Job("gpt", r, "zb-h1") for r in ("never", "always")]
+    + [Job("gpt", "never", "zb-v"), Job("gpt", "always", "interleaved-1f1b"),
+       Job("unet", "except_last", "zb-v")],
     3: [Job(m, r) for m in ("gpt", "unet", "branchy") for r in REMATS]
-    + [Job("gpt", "except_last", "1f1b"), Job("gpt", "always", "zb-h1")],
+    + [Job("gpt", "except_last", "1f1b"), Job("gpt", "always", "zb-h1"),
+       Job("gpt", "always", "zb-v"), Job("branchy", "except_last", "interleaved-1f1b")],
 }
 # Three ranks (skips across two boundaries, the tied embedding on the first and last rank) are
 # the slow tier: one more group of processes.
@@ -82,7 +88,8 @@ def make_case(name: str) -> tuple[torch.nn.Module, tuple, dict, torch.Tensor]:
 def _run_job(job: Job, world: int) -> dict[str, Any]:
     model, inputs, kwargs, target = make_case(job.model)
     torch.manual_seed(0)
-    program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=world, chunks=CHUNKS,
+    stages = world * default_stages_per_rank(job.schedule)
+    program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=stages, chunks=CHUNKS,
                              remat=job.remat, schedule=job.schedule, profile=PROFILE)
     params = dict(model.named_parameters(remove_duplicate=False))
     own = {id(p) for p in program.parameters()}
@@ -303,7 +310,8 @@ def test_each_rank_holds_and_optimizes_only_its_own_stage(world_results, world, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", [j for j in JOBS[3] if j.model == "gpt"], ids=str)
+@pytest.mark.parametrize("job", [j for j in JOBS[3] if j.model == "gpt" and j.schedule != "zb-v"],
+                         ids=str)
 def test_gpt_tied_embedding_on_first_and_last_rank_trains_like_the_model(world_results, job):
     ranks = world_results(3).get(job)
     tied = ("wte.weight", "lm_head.weight")
@@ -316,3 +324,18 @@ def test_gpt_tied_embedding_on_first_and_last_rank_trains_like_the_model(world_r
             torch.testing.assert_close(ranks[rank]["grads"][key], expected["grads"][key])
             torch.testing.assert_close(ranks[rank]["state"][key], expected["state"][key])
     assert torch.equal(ranks[0]["state"]["wte.weight"], ranks[2]["state"]["wte.weight"])
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_zb_v_holds_the_tied_embedding_and_head_on_rank_0_as_one_parameter(world_results, world):
+    ranks = world_results(world).get(next(j for j in JOBS[world] if j.schedule == "zb-v"
+                                          and j.model == "gpt"))
+    tied = ("wte.weight", "lm_head.weight")
+    assert [all(k in r["state"] for k in tied) for r in ranks] == [True] + [False] * (world - 1)
+    # rank 0 trains the model's own Parameter under both names; had its two stages held a copy
+    # each, each copy would get half the gradient below
+    assert all(k in ranks[0]["parameters"] for k in tied)
+    expected = reference("gpt")
+    for key in tied:
+        torch.testing.assert_close(ranks[0]["grads"][key], expected["grads"][key])
+        torch.testing.assert_close(ranks[0]["state"][key], expected["state"][key])

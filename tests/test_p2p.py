@@ -122,11 +122,11 @@ def _play(rank: int, world: int, order: str, schedule: str, m: int, eager_bytes:
     """Plays rank `rank`'s program (tests/test_p2p_plan.py) with 64 KiB messages."""
     from test_p2p_plan import chain_messages, one_at_a_time_programs, plan_programs
 
-    from fxpipe.runtime.schedule import get_schedule
+    from fxpipe.runtime.schedule import make_schedule
     from fxpipe.runtime.strict import StrictTransport
     from fxpipe.runtime.transport import Op
 
-    actions = get_schedule(schedule)(m, world)
+    actions = make_schedule(schedule, m, world)
     messages = chain_messages(world, m)
     if order == "plan":
         programs = plan_programs(actions, messages, [(s, s + 1) for s in range(world - 1)])

@@ -15,7 +15,14 @@ import pytest
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.plan import Message, Tick, clock, plan_rank
-from fxpipe.runtime.schedule import SCHEDULES, Action, clock_cycles, get_schedule
+from fxpipe.runtime.grid import clock_cycles
+from fxpipe.runtime.schedule import (
+    SCHEDULES,
+    Action,
+    default_stages_per_rank,
+    make_schedule,
+    placement,
+)
 
 
 class Deadlock(Exception):
@@ -74,15 +81,24 @@ def run_nccl_model(programs: list[list[tuple]]) -> list[tuple[Message, Message]]
 # -- programs: the plan's, and one message at a time in action order ----------------------------
 
 
-def chain_messages(k: int, m: int, skips: tuple[tuple[int, int], ...] = ()) -> list[Message]:
-    """Stage s sends h{s} to s+1 (and h{s} to each skip destination); one stage per rank."""
+def chain_messages(k: int, m: int, skips: tuple[tuple[int, int], ...] = (),
+                   ranks: list[int] | None = None) -> list[Message]:
+    """Stage s sends h{s} to s+1 (and h{s} to each skip destination); stage s on rank
+    ranks[s] (default: one stage per rank)."""
+    rank = ranks or list(range(k))
     edges = [(s, s + 1) for s in range(k - 1)] + list(skips)
     out = []
     for src, dst in edges:
         for mb in range(m):
-            out.append(Message(src, dst, f"h{src}", mb, False, src, dst))
-            out.append(Message(dst, src, f"h{src}", mb, True, dst, src))
+            out.append(Message(rank[src], rank[dst], f"h{src}", mb, False, src, dst))
+            out.append(Message(rank[dst], rank[src], f"h{src}", mb, True, dst, src))
     return out
+
+
+def on_ranks(name: str, m: int, ranks: int) -> tuple[list[list[Action]], list[int]]:
+    """Schedule `name` on `ranks` ranks (its default stages per rank) and its placement."""
+    stages = ranks * default_stages_per_rank(name)
+    return make_schedule(name, m, stages, ranks), placement(name, stages, ranks)
 
 
 def consumed_by(msg: Message) -> tuple[str, int, int]:
@@ -90,9 +106,12 @@ def consumed_by(msg: Message) -> tuple[str, int, int]:
 
 
 def plan_programs(schedule, messages, edges) -> list[list[tuple]]:
+    """Each rank's posts and waits under the plan; a message between two stages of one rank
+    is handed over in the process, not posted."""
     programs = []
     for rank in range(len(schedule)):
-        mine = [x for x in messages if rank in (x.src_rank, x.dst_rank)]
+        mine = [x for x in messages if rank in (x.src_rank, x.dst_rank)
+                and x.src_rank != x.dst_rank]
         ticks = plan_rank(rank, schedule, edges, mine)
         program: list[tuple] = []
         for tick in ticks:
@@ -134,41 +153,45 @@ SIZES = [(k, m) for k in (2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 8)]
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize(("k", "m"), SIZES)
 def test_plan_cannot_deadlock_under_nccl_rules_and_matches_every_message(name, k, m):
-    schedule = get_schedule(name)(m, k)
-    edges = [(s, s + 1) for s in range(k - 1)]
-    messages = chain_messages(k, m)
+    schedule, ranks = on_ranks(name, m, k)
+    stages = len(ranks)
+    edges = [(s, s + 1) for s in range(stages - 1)]
+    messages = chain_messages(stages, m, ranks=ranks)
     matched = run_nccl_model(plan_programs(schedule, messages, edges))
     assert all(send == recv for send, recv in matched)  # order-based matching pairs equals
-    assert sorted(s for s, _ in matched) == sorted(messages)
+    remote = [x for x in messages if x.src_rank != x.dst_rank]
+    assert sorted(s for s, _ in matched) == sorted(remote)
+    if name == "zb-v":  # the bottom of the V, stage k-1 -> k, stays on rank k-1
+        assert len(remote) == len(messages) - 2 * m
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_plan_with_skip_connections_cannot_deadlock(name):
-    k, m = 4, 5
+    m = 5
+    schedule, ranks = on_ranks(name, m, 4 // default_stages_per_rank(name))
     skips = ((0, 2), (0, 3), (1, 3))
-    schedule = get_schedule(name)(m, k)
-    edges = [(s, s + 1) for s in range(k - 1)] + list(skips)
-    messages = chain_messages(k, m, skips)
+    edges = [(s, s + 1) for s in range(3)] + list(skips)
+    messages = chain_messages(4, m, skips, ranks=ranks)
     matched = run_nccl_model(plan_programs(schedule, messages, edges))
     assert all(send == recv for send, recv in matched)
-    assert len(matched) == len(messages)
+    assert len(matched) == len([x for x in messages if x.src_rank != x.dst_rank])
 
 
 def test_one_message_at_a_time_deadlocks_1f1b_under_nccl_rules():
-    schedule = get_schedule("1f1b")(4, 2)
+    schedule = make_schedule("1f1b", 4, 2)
     with pytest.raises(Deadlock, match="rank 0: grad of 'h0' mb 0"):
         run_nccl_model(one_at_a_time_programs(schedule, chain_messages(2, 4)))
 
 
 def test_one_message_at_a_time_gets_through_gpipe_which_never_crosses_directions():
-    schedule = get_schedule("gpipe")(4, 3)
+    schedule = make_schedule("gpipe", 4, 3)
     run_nccl_model(one_at_a_time_programs(schedule, chain_messages(3, 4)))
 
 
-def test_clock_of_one_stage_per_rank_on_a_chain_is_clock_cycles():
+def test_clock_of_a_chain_is_clock_cycles():
     for name in SCHEDULES:
-        schedule = get_schedule(name)(5, 3)
-        ticks = clock(schedule, [(0, 1), (1, 2)])
+        schedule, ranks = on_ranks(name, 5, 3)
+        ticks = clock(schedule, [(s, s + 1) for s in range(len(ranks) - 1)])
         grid = clock_cycles(schedule)
         expected = {(a.kind, a.stage, a.microbatch): t for t, row in enumerate(grid)
                     for a in row if a is not None}
@@ -196,7 +219,7 @@ def _chain_plans(name: str) -> Iterator[tuple[dict[tuple[str, int, int], int], l
     """The shared clock and each rank's plan of schedule `name` on a 3-stage chain, 4
     micro-batches, after checking that each rank posts exactly its own messages."""
     k, m = 3, 4
-    schedule = get_schedule(name)(m, k)
+    schedule = make_schedule(name, m, k)
     edges = [(0, 1), (1, 2)]
     ticks = clock(schedule, edges)
     for rank in range(k):
@@ -226,7 +249,7 @@ def test_a_split_backward_posts_each_gradient_the_tick_after_its_input_gradient_
 
 
 def test_plan_ticks_are_increasing_and_hold_every_action_of_the_rank():
-    schedule = get_schedule("gpipe")(3, 2)
+    schedule = make_schedule("gpipe", 3, 2)
     plan = plan_rank(1, schedule, [(0, 1)], [])
     assert [t.action for t in plan] == schedule[1]
     assert [t.index for t in plan] == sorted(t.index for t in plan)
@@ -240,6 +263,6 @@ def test_a_schedule_whose_order_deadlocks_is_refused():
 
 
 def test_a_message_of_another_rank_is_refused():
-    schedule = get_schedule("gpipe")(1, 3)
+    schedule = make_schedule("gpipe", 1, 3)
     with pytest.raises(ConfigError, match="not sent or received by rank 0"):
         plan_rank(0, schedule, [(0, 1), (1, 2)], [Message(1, 2, "h1", 0, False, 1, 2)])

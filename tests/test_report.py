@@ -20,12 +20,7 @@ from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
 from fxpipe.report import SCHEDULE_TITLES, cost_table, human_bytes, human_flops, human_time
 from fxpipe.runtime.schedule import SCHEDULES
-from fxpipe.runtime.timeline import (
-    INPUT_GRAD_SHARE,
-    chrome_trace,
-    predicted_events,
-    predicted_step,
-)
+from fxpipe.runtime.timeline import chrome_trace, predicted_events, predicted_step
 
 STAGES, CHUNKS = 3, 4
 
@@ -85,7 +80,9 @@ def test_report_text_states_imbalance_bubble_step_time_and_the_schedule_grid():
     assert f"imbalance (slowest / mean stage): {plan.imbalance:.3f}" in text
     assert f"bubble (S-1)/(M+S-1): {bubble:.1%}" in text and "33.3%" in text
     assert plan.predicted_step_time == pytest.approx((CHUNKS + STAGES - 1) * plan.bottleneck)
-    assert f"predicted step time: {human_time(plan.predicted_step_time)}" in text
+    simulated = predicted_step(plan, "gpipe", STAGES)[0]
+    assert (f"predicted step time: {human_time(simulated)} (gpipe played with the stage costs; "
+            f"(M+S-1) x slowest stage: {human_time(plan.predicted_step_time)})") in text
 
     grid = text[text.index("\nclock"):]
     assert all(f"stage {s}" in grid.splitlines()[1] for s in range(STAGES))
@@ -238,7 +235,25 @@ def test_auto_schedule_picks_the_fastest_simulated_step_and_the_report_lists_eac
     assert f"schedule={chosen})" in text.splitlines()[0]
     assert (f"schedule='auto' chose {chosen}: the fastest simulated step that fits the memory "
             "limit (" + ", ".join(f"{n} {human_time(t)}" for n, t in times.items()) + ")") in text
-    assert f"{SCHEDULE_TITLES[chosen]}, 2 stages x 8 microbatches" in text
+    stages = program.built.config.stages
+    on = " on 2 ranks" if stages == 4 else ""
+    assert f"{SCHEDULE_TITLES[chosen]}, {stages} stages x 8 microbatches{on}" in text
+    assert program.built.config.ranks == 2  # auto keeps the number of ranks
+
+
+def test_auto_cuts_a_looped_candidate_into_twice_the_stages_on_the_same_ranks():
+    program = _auto()
+    times = dict(program.plan.schedules)
+    assert set(times) == set(SCHEDULES)
+    looped = fxpipe.compile(*gpt.build(dropout=0.0), stages=4, chunks=8, profile="a100",
+                            schedule="zb-v", remat="never")
+    assert looped.built.config.ranks == 2 and len(looped.stages) == 4
+    assert predicted_step(looped.plan, "zb-v", 2)[0] == pytest.approx(times["zb-v"])
+    text = looped.report().text()
+    assert "fxpipe partition of GPT: 4 stages on 2 ranks (2 per rank) x 8 micro-batches" in text
+    assert "simulated step time by schedule (stage costs, bubble = idle share): " \
+           "interleaved-1f1b " in text and " zb-h1 " not in text
+    assert "ZB-V, 4 stages x 8 microbatches on 2 ranks" in text
 
 
 def test_auto_schedule_leaves_out_a_schedule_whose_activations_do_not_fit():
@@ -258,16 +273,18 @@ def _plan(schedule: str) -> Any:
                           remat="never").plan
 
 
-def test_predicted_zb_h1_timeline_labels_the_split_backward_and_charges_w_a_whole_backward():
+def test_predicted_zb_h1_timeline_labels_the_split_backward_and_charges_w_its_weight_part():
     plan = _plan("zb-h1")
     events = predicted_events(plan, "zb-h1")
     split = [e for e in events if e.kind == "backward"]
     assert sorted((e.detail, e.stage, e.microbatch) for e in split) == sorted(
         (d, s, m) for d in ("I", "W") for s in range(2) for m in range(8))
-    for e in split:  # W runs autograd again from the outputs to the weights
-        backward = plan.stages[e.stage].compute_time - plan.stages[e.stage].forward_time
-        share = 1.0 if e.detail == "W" else INPUT_GRAD_SHARE
-        assert e.end - e.start == pytest.approx(share * backward)
+    for e in split:  # W: the weight gradients; I the rest of the backward
+        st = plan.stages[e.stage]
+        backward = st.compute_time - st.forward_time
+        assert 0 < st.weight_time < backward and st.recompute_time == 0  # remat never
+        expected = st.weight_time if e.detail == "W" else backward - st.weight_time
+        assert e.end - e.start == pytest.approx(expected)
     assert max(e.end for e in events) == pytest.approx(predicted_step(plan, "zb-h1")[0])
     names = {t["name"] for t in chrome_trace(events) if t["ph"] == "X"}
     assert {"F0", "I0", "W7"} <= names and "B0" not in names

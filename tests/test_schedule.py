@@ -1,4 +1,5 @@
-"""Tests for fxpipe.runtime.schedule: schedule shapes, the tick grid, rendering and timing."""
+"""Tests for fxpipe.runtime.schedule (schedule shapes, placement), fxpipe.runtime.grid (the tick
+grid, rendering, activations in flight) and fxpipe.runtime.simulate (timing)."""
 from __future__ import annotations
 
 import itertools
@@ -9,23 +10,32 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.grid import bubble_fraction, clock_cycles, peak_inflight, render_grid
 from fxpipe.runtime.schedule import (
+    LOOPED,
     SCHEDULES,
     Action,
-    TimedEvent,
-    bubble_fraction,
-    clock_cycles,
-    get_schedule,
+    check_layout,
+    default_stages_per_rank,
     gpipe,
+    interleaved_1f1b,
+    make_schedule,
     one_f_one_b,
-    peak_inflight,
-    render_grid,
-    simulate,
+    placement,
+    stage_ranks,
     validate,
     zb_h1,
+    zb_v,
 )
+from fxpipe.runtime.simulate import TimedEvent, simulate
 
 ALL_SIZES = list(itertools.product(range(1, 9), range(1, 6)))  # (M, K)
+
+
+def on_ranks(name, num_microbatches, num_ranks):
+    """Schedule `name` on `num_ranks` ranks: one stage each, or its stages per rank (2)."""
+    return make_schedule(name, num_microbatches, num_ranks * default_stages_per_rank(name),
+                         num_ranks)
 
 
 def rows(schedule):
@@ -48,38 +58,40 @@ def parse(stage_rows):
 def assert_grid_respects_dependencies(schedule, grid):
     """Checked independently of clock_cycles: completeness, list order and data dependencies
     (with a split backward: I after F and after the next stage's I, W after I)."""
-    num_stages = len(schedule)
-    split = any(a.kind == "I" for a in schedule[0])
+    rank_of = {a.stage: r for r, acts in enumerate(schedule) for a in acts}
+    num_stages = len(rank_of)
+    split = any(a.kind == "I" for acts in schedule for a in acts)
     kinds = "FIW" if split else "FB"
-    num_microbatches = len(schedule[0]) // len(kinds)
+    num_microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
     tick_of = {}
     for tick, row in enumerate(grid):
-        assert len(row) == num_stages
-        for s, a in enumerate(row):
+        assert len(row) == len(schedule)
+        for r, a in enumerate(row):
             if a is not None:
-                assert a.stage == s
+                assert rank_of[a.stage] == r
                 assert a not in tick_of, f"{a} runs twice"
-                tick_of[a] = tick
+                tick_of[(a.kind, a.stage, a.microbatch)] = tick
     expected = {
-        Action(kind, s, m)
+        (kind, s, m)
         for kind in kinds
         for s in range(num_stages)
         for m in range(num_microbatches)
     }
     assert set(tick_of) == expected
-    for s, actions in enumerate(schedule):
-        assert len(actions) == len(kinds) * num_microbatches
-        assert sorted(actions, key=tick_of.__getitem__) == actions, f"stage {s} out of list order"
-    for a, t in tick_of.items():
-        s, m = a.stage, a.microbatch
-        if a.kind == "F" and s > 0:
-            assert tick_of[Action("F", s - 1, m)] < t
-        if a.kind in "BI":
-            assert tick_of[Action("F", s, m)] < t
+    for r, actions in enumerate(schedule):
+        held = len({a.stage for a in actions})
+        assert len(actions) == len(kinds) * num_microbatches * held
+        ticks = [tick_of[(a.kind, a.stage, a.microbatch)] for a in actions]
+        assert ticks == sorted(ticks), f"rank {r} out of list order"
+    for (kind, s, m), t in tick_of.items():
+        if kind == "F" and s > 0:
+            assert tick_of[("F", s - 1, m)] < t
+        if kind in "BI":
+            assert tick_of[("F", s, m)] < t
             if s < num_stages - 1:
-                assert tick_of[Action(a.kind, s + 1, m)] < t
-        if a.kind == "W":
-            assert tick_of[Action("I", s, m)] < t
+                assert tick_of[(kind, s + 1, m)] < t
+        if kind == "W":
+            assert tick_of[("I", s, m)] < t
 
 
 # --------------------------------------------------------------------------- shapes
@@ -120,11 +132,15 @@ def test_single_stage_1f1b_alternates_from_the_start():
     assert rows(one_f_one_b(3, 1)) == ["F0 B0 F1 B1 F2 B2"]
 
 
-def test_get_schedule_finds_every_schedule_by_name():
-    assert get_schedule("gpipe") is gpipe
-    assert get_schedule("1f1b") is one_f_one_b
-    assert get_schedule("zb-h1") is zb_h1
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "zb-h1"}
+def test_make_schedule_builds_every_schedule_by_name():
+    assert make_schedule("gpipe", 4, 3) == gpipe(4, 3)
+    assert make_schedule("1f1b", 4, 3) == one_f_one_b(4, 3)
+    assert make_schedule("zb-h1", 4, 3) == zb_h1(4, 3)
+    assert make_schedule("interleaved-1f1b", 4, 6) == interleaved_1f1b(4, 6, 3)
+    assert make_schedule("interleaved-1f1b", 4, 6, 2) == interleaved_1f1b(4, 6, 2)
+    assert make_schedule("zb-v", 4, 6) == zb_v(4, 6)
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"}
+    assert LOOPED == {"interleaved-1f1b", "zb-v"}
 
 
 # --------------------------------------------------------------------------- clock grid
@@ -216,9 +232,11 @@ def test_render_grid_reports_measured_idle_time_when_a_schedule_idles_more_than_
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_schedule_runs_each_action_once_in_dependency_order(name):
-    for num_microbatches, num_stages in ALL_SIZES:
-        schedule = get_schedule(name)(num_microbatches, num_stages)
-        assert validate(schedule) == (num_microbatches, num_stages)
+    for num_microbatches, num_ranks in ALL_SIZES:
+        schedule = on_ranks(name, num_microbatches, num_ranks)
+        stages = num_ranks * default_stages_per_rank(name)
+        assert validate(schedule) == (num_microbatches, stages)
+        assert stage_ranks(schedule) == placement(name, stages, num_ranks)
         assert_grid_respects_dependencies(schedule, clock_cycles(schedule))
 
 
@@ -226,10 +244,10 @@ def test_every_schedule_runs_each_action_once_in_dependency_order(name):
 @given(
     name=st.sampled_from(sorted(SCHEDULES)),
     num_microbatches=st.integers(1, 24),
-    num_stages=st.integers(1, 10),
+    num_ranks=st.integers(1, 10),
 )
-def test_schedules_are_valid_for_any_size(name, num_microbatches, num_stages):
-    schedule = get_schedule(name)(num_microbatches, num_stages)
+def test_schedules_are_valid_for_any_size(name, num_microbatches, num_ranks):
+    schedule = on_ranks(name, num_microbatches, num_ranks)
     assert_grid_respects_dependencies(schedule, clock_cycles(schedule))
 
 
@@ -441,7 +459,7 @@ def test_bad_sizes_raise_config_error_with_the_value_and_a_hint(fn, args, messag
 
 def test_unknown_schedule_name_lists_the_known_ones():
     with pytest.raises(ConfigError, match="unknown schedule 'zb'") as info:
-        get_schedule("zb")
+        make_schedule("zb", 4, 2)
     assert "'gpipe'" in info.value.message and "'1f1b'" in info.value.message
 
 
@@ -458,9 +476,13 @@ def test_incomplete_schedules_are_rejected(stage_rows, message):
         clock_cycles(parse(stage_rows))
 
 
-def test_action_under_the_wrong_stage_is_rejected():
-    with pytest.raises(ConfigError, match="listed under stage 0"):
-        validate([[Action("F", 1, 0), Action("B", 1, 0)], []])
+def test_a_stage_on_two_ranks_a_missing_stage_and_an_idle_rank_are_rejected():
+    with pytest.raises(ConfigError, match="stage 1 runs on ranks 0 and 1"):
+        validate([[Action("F", 1, 0), Action("B", 1, 0)], [Action("F", 1, 1)]])
+    with pytest.raises(ConfigError, match=r"stages \[0\] of 0..1 are not in the schedule"):
+        validate([[Action("F", 1, 0), Action("B", 1, 0)]])
+    with pytest.raises(ConfigError, match="rank 1 of the schedule runs nothing"):
+        validate([[Action("F", 0, 0), Action("B", 0, 0)], []])
 
 
 def test_backward_before_forward_deadlocks():
@@ -539,3 +561,132 @@ def test_zb_h1_grid_notes_the_measured_idle_share():
     text = render_grid(zb_h1(4, 3), title="ZB-H1")
     assert text.splitlines()[0].endswith("ZB-H1, 3 stages x 4 microbatches")
     assert "bubble = idle/total = 12/48 = 25%" in text.splitlines()[1]
+
+
+# --------------------------------------------------------------------------- looped schedules
+
+
+def rank_peaks(schedule):
+    """Per rank: the most stage-micro-batches alive at once (F done, B or W not)."""
+    peaks = []
+    for actions in schedule:
+        live = peak = 0
+        for a in actions:
+            if a.kind != "I":
+                live += 1 if a.kind == "F" else -1
+                peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def labelled(schedule):
+    """Each rank's actions as "<stage><kind><micro-batch>" tokens."""
+    return [" ".join(f"{a.stage}{a}" for a in actions) for actions in schedule]
+
+
+def test_interleaved_1f1b_2x4_warms_up_a_round_per_extra_stage_then_alternates():
+    assert labelled(interleaved_1f1b(4, 4, 2)) == [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+    ]
+
+
+def test_zb_v_2x4_runs_down_the_v_then_up_with_the_weight_gradients_in_the_gaps():
+    assert labelled(zb_v(4, 4)) == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 "
+        "0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 "
+        "1I3 1W2 2W3 1W3",
+    ]
+
+
+def test_looped_schedules_place_stages_round_the_ranks_or_in_a_v():
+    assert placement("interleaved-1f1b", 6, 3) == [0, 1, 2, 0, 1, 2]
+    assert placement("interleaved-1f1b", 6, 2) == [0, 1, 0, 1, 0, 1]
+    assert placement("zb-v", 6, 3) == [0, 1, 2, 2, 1, 0]
+    assert placement("1f1b", 3, 3) == [0, 1, 2]
+    assert stage_ranks(zb_v(5, 6)) == [0, 1, 2, 2, 1, 0]
+    assert stage_ranks(interleaved_1f1b(5, 6, 3)) == [0, 1, 2, 0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: check_layout("zb-v", 4, 3), "zb-v places exactly 2 stages on each rank"),
+        (lambda: check_layout("gpipe", 4, 2), "schedule 'gpipe' runs one stage per rank"),
+        (lambda: check_layout("interleaved-1f1b", 4, 1), "places several stages on each rank"),
+        (lambda: check_layout("interleaved-1f1b", 5, 2), "5 stages do not divide into 2"),
+        (lambda: check_layout("zb-v", 4, True), "stages_per_rank must be an integer"),
+        (lambda: zb_v(4, 3), r"zb-v needs exactly 2 stages per rank \(3 stages on 1 ranks\)"),
+        (lambda: interleaved_1f1b(4, 5, 2), "the same number of stages on every rank"),
+        (lambda: make_schedule("gpipe", 4, 4, 2), "gpipe needs exactly 1 stages per rank"),
+    ],
+)
+def test_layouts_a_schedule_cannot_run_are_refused_with_the_numbers_and_a_fix(call, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        call()
+    assert info.value.hint
+
+
+def test_check_layout_gives_the_number_of_ranks():
+    assert check_layout("zb-v", 8, 2) == 4
+    assert check_layout("interleaved-1f1b", 9, 3) == 3
+    assert check_layout("zb-h1", 3, 1) == 3
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+@pytest.mark.parametrize("per_rank", [2, 3])
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_interleaved_1f1b_divides_the_1f1b_bubble_by_the_stages_per_rank(num_ranks, per_rank,
+                                                                          rounds):
+    # A rank's model share costs F = 1 and B = 2, split evenly over its stages.
+    m, v, k = rounds * num_ranks, per_rank, num_ranks
+    f, b = [1 / v] * (k * v), [2 / v] * (k * v)
+    _, looped = simulate(interleaved_1f1b(m, k * v, k), forward_time=f, backward_time=b)
+    _, flat = simulate(one_f_one_b(m, k), forward_time=[1] * k, backward_time=[2] * k)
+    assert flat == pytest.approx(3 * m + (k - 1) * 3)
+    assert looped == pytest.approx(3 * m + (k - 1) * 3 / v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_microbatches=st.integers(1, 24), num_ranks=st.integers(1, 6),
+       per_rank=st.integers(2, 4))
+def test_interleaved_1f1b_is_never_slower_than_1f1b_at_equal_work(num_microbatches, num_ranks,
+                                                                   per_rank):
+    m, v, k = num_microbatches, per_rank, num_ranks
+    _, looped = simulate(interleaved_1f1b(m, k * v, k), forward_time=[1 / v] * (k * v),
+                         backward_time=[2 / v] * (k * v))
+    _, flat = simulate(one_f_one_b(m, k), forward_time=[1] * k, backward_time=[2] * k)
+    assert looped <= flat + 1e-9
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 5])
+def test_zb_v_bubble_at_equal_f_i_w_is_one_stage_forward_per_extra_rank(num_ranks):
+    # Stage (half a rank's share) times F = I = W = 0.5: 2M stage-micro-batches of 1.5 per rank.
+    k = num_ranks
+    for m in range(2 * k - 1, 2 * k + 9):
+        _, makespan = simulate(zb_v(m, 2 * k), forward_time=[0.5] * (2 * k),
+                               backward_time=[1.0] * (2 * k), weight_time=[0.5] * (2 * k))
+        assert makespan == pytest.approx(3 * m + (k - 1) * 0.5), m
+        _, zb = simulate(zb_h1(m, k), forward_time=[1] * k, backward_time=[2] * k,
+                         weight_time=[1] * k)
+        assert makespan <= zb
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+def test_zb_v_keeps_1f1b_memory_and_interleaving_a_little_more(num_ranks):
+    # In stage-micro-batches of half a rank's share: 1F1B's first rank holds K full shares.
+    k = num_ranks
+    for m in (2 * k, 4 * k):
+        assert rank_peaks(zb_v(m, 2 * k)) == [2 * k] * k
+        assert rank_peaks(interleaved_1f1b(m, 2 * k, k))[0] == 2 * k + k - 1
+        assert [2 * p for p in rank_peaks(one_f_one_b(m, k))][0] == 2 * k
+
+
+def test_a_looped_grid_has_a_column_per_rank_and_names_the_stage_in_each_cell():
+    text = render_grid(zb_v(4, 4), title="ZB-V")
+    lines = text.splitlines()
+    assert lines[0] == "clock  rank 0  rank 1        ZB-V, 4 stages x 4 microbatches on 2 ranks"
+    assert lines[1].endswith("bubble = idle/total = 2/50 = 4%")
+    assert "2F3: stage 2 forwards micro-batch 3" in lines[2]
+    assert lines[4].split() == ["3", "3F0", "1F1"]

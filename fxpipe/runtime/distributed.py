@@ -1,14 +1,16 @@
-"""The distributed executor: one process per stage, torch.distributed point-to-point.
+"""The distributed executor: one process per pipeline rank, torch.distributed point-to-point.
 
-Every rank calls `step(inputs, target)` with the whole batch; each runs its own stage's actions
-in schedule order (GPipe: all forwards, then all backwards; 1F1B interleaves them; ZB-H1 splits
-each backward into its input and weight gradients, NOTE [Split backward] in comm.py), exchanging
+Every rank calls `step(inputs, target)` with the whole batch; each runs its own stages' actions
+(one stage, or several under a looped schedule) in schedule order (GPipe: all forwards, then all
+backwards; 1F1B interleaves them; ZB-H1 and ZB-V split each backward into its input and weight
+gradients, NOTE [Split backward] in comm.py), exchanging
 activations and gradients with its peers (fxpipe.runtime.comm.DistComm). The actions run on the
 ticks of a clock all ranks share (fxpipe.runtime.plan), and each tick's sends and receives are
 posted together, in one agreed order, so no schedule can deadlock under NCCL. Micro-batch losses
 are weighted by their share of the batch, so the accumulated gradients equal those of one
 full-batch mean loss. Parameters that several stages hold (tied weights) have their gradients
-summed across those stages; with data parallelism, gradients are then averaged across replicas.
+summed across the ranks that hold them (stages of one rank share the Parameter itself); with
+data parallelism, gradients are then averaged across replicas.
 
 Mixed precision: the caller's `torch.autocast` applies to the stage (it runs in the caller's
 thread), values cross stages in the dtype they have, and a GradScaler passed to `step` scales
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fxpipe import ir
 from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
@@ -32,42 +35,32 @@ from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_dev
 from fxpipe.runtime.finite import check_finite
 from fxpipe.runtime.local import remat_enabled, seeded_forward
 from fxpipe.runtime.memory import KeptMemory
+from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.overlap import ReplicaAverager
 from fxpipe.runtime.plan import Tick, plan_rank
-from fxpipe.runtime.schedule import get_schedule
+from fxpipe.runtime.schedule import make_schedule, stage_ranks
 from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.strict import make_transport
 from fxpipe.runtime.timeline import Event
 from fxpipe.runtime.transport import Transport
 from fxpipe.signature import Signature
 
-__all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "Mesh", "split_target"]
+__all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "RankUnit", "split_target",
+           "stage_info"]
 
 DEFAULT_DP_BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb
 
 
-@dataclass(frozen=True)
-class Mesh:
-    """Where each stage of each pipeline replica runs: rank = replica * stages + stage."""
+@dataclass
+class RankUnit:
+    """One stage this rank runs: its module and how it is wired into the pipeline."""
 
-    stages: int
-    replicas: int
-    rank: int
-
-    @property
-    def stage(self) -> int:
-        return self.rank % self.stages
-
-    @property
-    def replica(self) -> int:
-        return self.rank // self.stages
-
-    def rank_of(self, stage: int, replica: int | None = None) -> int:
-        return (self.replica if replica is None else replica) * self.stages + stage
-
-    def describe(self) -> list[tuple[int, int, int]]:
-        """(rank, replica, stage) for every rank."""
-        return [(r, r // self.stages, r % self.stages) for r in range(self.stages * self.replicas)]
+    index: int
+    module: StageModule
+    inputs: tuple[int, ...]  # the flat model inputs it reads
+    comm_info: dict[tuple[str, int, int], Any]  # (value, src, dst) -> value info, its messages
+    random: bool
+    graph: Any = None  # the stage GraphModule when known (names the node of a NaN/Inf)
 
 
 @dataclass
@@ -93,29 +86,26 @@ def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
 
 
 class DistributedExecutor:
-    """Runs one stage of the program on this rank."""
+    """Runs this rank's stages of the program (one, or several under a looped schedule)."""
 
-    def __init__(self, *, module: StageModule, mesh: Mesh, signature: Signature,
-                 input_indexes: Sequence[int], comm_info: dict[tuple[str, int, int], Any],
-                 edges: Sequence[tuple[str, int, int]], random: bool, device: torch.device,
+    def __init__(self, *, units: Sequence[RankUnit], mesh: Mesh, signature: Signature,
+                 edges: Sequence[tuple[str, int, int]], device: torch.device,
                  pp_group: Any = None, shared: dict[str, list[int]] | None = None,
                  shared_groups: dict[str, Any] | None = None,
-                 dp_group: Any = None, check_finite: bool = False, graph: Any = None,
+                 dp_group: Any = None, check_finite: bool = False,
                  dp_bucket_bytes: int = DEFAULT_DP_BUCKET_BYTES, p2p: str | None = None) -> None:
-        self.module = module
+        self.units = {u.index: u for u in units}
         self.mesh = mesh
         self.signature = signature
-        self.inputs = list(input_indexes)
-        self.comm_info = comm_info
+        self.comm_info = {k: v for u in units for k, v in u.comm_info.items()}
         self.edges = list(edges)  # every (tag, src, dst) of the program: the same tags on all ranks
-        self.random = random
+        self.random = any(u.random for u in units)
         self.device = device
         self.pp_group = pp_group
         self.dp_group = dp_group
         self.shared = shared or {}
         self.shared_groups = shared_groups or {}
         self.check_finite = check_finite
-        self.graph = graph  # the stage GraphModule when known (names the node of a NaN/Inf)
         self.timeline = make_timeline(device)
         self.record_memory = False
         # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
@@ -130,40 +120,53 @@ class DistributedExecutor:
         # Tied parameters wait for their sum over stages, which needs every stage's backward.
         self.averager = None
         if dp_group is not None and mesh.replicas > 1 and dp_bucket_bytes > 0:
-            tied = {id(t) for name, t in module.named_model_tensors().items()
-                    if name in self.shared}
-            self.averager = ReplicaAverager((p for p in module.parameters() if id(p) not in tied),
+            tied = {id(t) for name, t in self.named_tensors().items() if name in self.shared}
+            self.averager = ReplicaAverager((p for p in self.parameters() if id(p) not in tied),
                                             dp_group, mesh.replicas, dp_bucket_bytes)
 
-    @property
-    def is_last(self) -> bool:
-        return self.mesh.stage == self.mesh.stages - 1
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once (stages of one rank share a tied one)."""
+        return list({id(p): p for u in self.units.values() for p in u.module.parameters()}
+                    .values())
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by the model's qualified names."""
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units.values():
+            for name, tensor in u.module.named_model_tensors().items():
+                out.setdefault(name, tensor)
+        return out
+
+    def is_last(self, stage: int) -> bool:
+        return stage == self.mesh.stages - 1
 
     def step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
              loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: str,
              schedule: str = "gpipe", scaler: Any = None) -> StepResult:
-        """One training step of this rank's stage: forwards and backwards of every micro-batch.
+        """One training step of this rank's stages: forwards and backwards of every micro-batch.
 
         scaler: a torch.amp.GradScaler; the backward runs on the scaled loss (the returned loss
         is not scaled) and all ranks agree on skipping the step (NOTE [Loss scaling across
         ranks] in fxpipe/runtime/amp.py).
         """
-        stage, k = self.mesh.stage, self.mesh.stages
         tensors = list(tensors)
-        for i, t in zip(self.inputs, pin_for([tensors[i] for i in self.inputs], self.device)):
-            tensors[i] = t  # the inputs this stage reads, pinned once for async copies
+        read = sorted({i for u in self.units.values() for i in u.inputs})
+        for i, t in zip(read, pin_for([tensors[i] for i in read], self.device)):
+            tensors[i] = t  # the inputs these stages read, pinned once for async copies
         batch = self.signature.batch_size(tensors)
         micro = self.signature.split_inputs(tensors, chunks)
         out_dim = next((d for d in self.signature.out_batch_dims if d is not None), 0)
         targets = split_target(target, chunks, out_dim, batch)
-        if self.is_last and target is not None:
+        last_stage = self.mesh.stages - 1
+        if last_stage in self.units and target is not None:
             targets = pin_for(targets, self.device)
         self._warm_up()
         comm = self._comm(batch // chunks, chunks)
         ticks = self._plan(schedule, chunks)
-        memory = KeptMemory(self.module.parameters()) if self.record_memory else None
+        memory = KeptMemory(self.parameters()) if self.record_memory else None
         base = int(torch.randint(0, 2**62, (1,)).item()) if self.random else None
-        devices = stage_devices(self.device, [*self.module.parameters(), *self.module.buffers()])
+        devices = {s: stage_devices(self.device, [*u.module.parameters(), *u.module.buffers()])
+                   for s, u in self.units.items()}
         scale = loss_scale(scaler, self.device)
         self.timeline.reset()
         if self.averager:
@@ -174,26 +177,29 @@ class DistributedExecutor:
         # the last action that accumulates gradients (B, or W of a split backward)
         last_backward = max(t.index for t in ticks
                             if t.action is not None and t.action.kind in ("B", "W"))
-        weights = [p for p in self.module.parameters() if p.requires_grad]
+        weights = {s: [p for p in u.module.parameters() if p.requires_grad]
+                   for s, u in self.units.items()}
         for tick in ticks:
             comm.begin_tick(tick)
             action = tick.action
             if action is None:
                 continue
-            mb = action.microbatch
+            stage, mb = action.stage, action.microbatch
+            unit = self.units[stage]
             try:
                 if action.kind == "F":
                     view = MicrobatchComm(comm, stage, mb, remat_enabled(remat, mb, chunks),
                                           self.device)
-                    args = [to_device(micro[mb][i], self.device) for i in self.inputs]
+                    args = [to_device(micro[mb][i], self.device) for i in unit.inputs]
                     with self.timeline.span("forward", stage, mb), \
-                            seeded_forward(base, mb, devices), \
-                            (memory.forward(mb) if memory else _nothing()):
-                        out = self.module(view, *args)
+                            seeded_forward(base if unit.random else None, mb, devices[stage]), \
+                            (memory.forward((stage, mb)) if memory else _nothing()):
+                        out = unit.module(view, *args)
+                        last = self.is_last(stage)
                         if self.check_finite:
-                            check_finite(stage, mb, view.sent, out if self.is_last else None,
-                                         view.received, args, self.graph)
-                        if self.is_last:
+                            check_finite(stage, mb, view.sent, out if last else None,
+                                         view.received, args, unit.graph)
+                        if last:
                             # equal micro-batches: weight 1/M makes the sum the batch mean
                             loss = self._loss(out, to_device(targets[mb], self.device),
                                               loss_fn) / chunks
@@ -201,18 +207,20 @@ class DistributedExecutor:
                             total += loss.detach().double()
                 elif action.kind == "I":
                     with self.timeline.span("backward", stage, mb, detail="I"):
-                        comm.backward_input(stage, mb, losses.pop(mb, None))
+                        comm.backward_input(stage, mb, losses.pop(mb, None)
+                                            if self.is_last(stage) else None)
                 else:
                     if self.averager and tick.index == last_backward:
                         self.averager.arm()
                     detail = "W" if action.kind == "W" else ""
                     with self.timeline.span("backward", stage, mb, detail=detail):
                         if action.kind == "W":
-                            comm.backward_weight(stage, mb, weights)
+                            comm.backward_weight(stage, mb, weights[stage])
                         else:
-                            comm.backward(stage, mb, losses.pop(mb, None))
+                            comm.backward(stage, mb, losses.pop(mb, None)
+                                          if self.is_last(stage) else None)
                     if memory:
-                        memory.release(mb)
+                        memory.release((stage, mb))
             except PipelineRuntimeError:
                 raise
             except Exception as e:
@@ -224,14 +232,15 @@ class DistributedExecutor:
         self._learned(comm)
         commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
         overflow = False
+        first = min(self.units)
         try:
-            with self.timeline.span("reduce", stage, -1):
+            with self.timeline.span("reduce", first, -1):
                 self._reduce_gradients()
-            dist.broadcast(total, src=self.mesh.rank_of(k - 1), group=self.pp_group)
+            dist.broadcast(total, src=self.mesh.rank_of(last_stage), group=self.pp_group)
             if scale is not None:
-                overflow = agree_on_overflow(self.module.parameters(), self.device)
+                overflow = agree_on_overflow(self.parameters(), self.device)
         except RuntimeError as e:
-            raise PeerLostError(f"stage {stage} (rank {self.mesh.rank}): a collective with the "
+            raise PeerLostError(f"stage {first} (rank {self.mesh.rank}): a collective with the "
                                 f"other ranks failed: {str(e).splitlines()[0]}",
                                 hint="another rank failed or exited; its error says why") from e
         sends_held = self.transport.peak
@@ -253,11 +262,16 @@ class DistributedExecutor:
         """This rank's ticks (fxpipe.runtime.plan): the same clock on every rank."""
         key = (schedule, chunks)
         if key not in self.plans:
-            k = self.mesh.stages
-            actions_by_rank = get_schedule(schedule)(chunks, k)  # stage s on pipeline rank s
+            mesh = self.mesh
+            actions_by_rank = make_schedule(schedule, chunks, mesh.stages, mesh.ranks)
+            if stage_ranks(actions_by_rank) != list(mesh.placement):
+                raise PipelineRuntimeError(
+                    f"schedule {schedule!r} places the stages on ranks "
+                    f"{stage_ranks(actions_by_rank)}, but this program runs them on "
+                    f"{list(mesh.placement)}", hint="compile the program for this schedule")
             edges = {(src, dst) for _, src, dst in self.edges}
-            messages = messages_of(self.comm_info, chunks, list(range(k)))
-            self.plans[key] = plan_rank(self.mesh.stage, actions_by_rank, edges, messages)
+            messages = messages_of(self.comm_info, chunks, mesh.placement)
+            self.plans[key] = plan_rank(mesh.pipe_rank, actions_by_rank, edges, messages)
         return self.plans[key]
 
     def _comm(self, b: int, chunks: int) -> DistComm:
@@ -265,9 +279,9 @@ class DistributedExecutor:
         step for each autocast dtype and micro-batch size (every rank runs the same step)."""
         autocast = AutocastState.capture().dtype(self.device.type)
         known = self.boundary_dtypes.get((autocast, b)) if autocast is not None else {}
-        return DistComm(rank=self.mesh.stage,
-                        global_ranks=[self.mesh.rank_of(s) for s in range(self.mesh.stages)],
-                        placement=list(range(self.mesh.stages)), info=self.comm_info,
+        return DistComm(rank=self.mesh.pipe_rank,
+                        global_ranks=[self.mesh.global_rank(r) for r in range(self.mesh.ranks)],
+                        placement=list(self.mesh.placement), info=self.comm_info,
                         microbatch_size=b, device=self.device, transport=self.transport,
                         tags=TagTable(self.edges, chunks), dtypes=dict(known or {}),
                         learn=known is None, timeline=self.timeline)
@@ -282,9 +296,9 @@ class DistributedExecutor:
         return loss_fn(structured, target) if target is not None else loss_fn(structured)
 
     def _reduce_gradients(self) -> None:
-        """Sums tied parameters' gradients over the stages that hold them, then averages every
+        """Sums tied parameters' gradients over the ranks that hold them, then averages every
         gradient over data-parallel replicas."""
-        named = self.module.named_model_tensors()
+        named = self.named_tensors()
         for name in sorted(self.shared):
             group = self.shared_groups.get(name)
             param = named.get(name)
@@ -299,7 +313,7 @@ class DistributedExecutor:
         if self.averager is not None:
             self.averager.finish()
             tied = {id(t) for name, t in named.items() if name in self.shared}
-        for param in self.module.parameters():
+        for param in self.parameters():
             if self.averager is None or id(param) in tied:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)

@@ -1,4 +1,4 @@
-"""What a written program.py runs: build this rank's stage from the files, train, verify."""
+"""What a written program.py runs: build this rank's stages from the files, train, verify."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +32,7 @@ from fxpipe.runtime.rank import (
     setup_rank,
 )
 from fxpipe.runtime.spec import ProgramSpec
-from fxpipe.runtime.stage import StageModule
+from fxpipe.runtime.stage import StageModule, share_tied
 from fxpipe.runtime.timeline import Event, write_chrome_trace
 from fxpipe.runtime.written import stage_tensors
 from fxpipe.state import StateNames
@@ -91,7 +91,9 @@ def main(folder: Path, argv: list[str] | None = None) -> int:
     who = f"rank {os.environ.get('RANK', 0)}"
     try:
         spec = load_spec(folder)
-        who += f" (stage {int(os.environ.get('RANK', 0)) % len(spec.stages)})"
+        pipe_rank = int(os.environ.get("RANK", 0)) % spec.ranks
+        held = [s for s, r in enumerate(spec.placement) if r == pipe_rank]
+        who += f" (stage {held[0]})" if len(held) == 1 else f" (stages {held})"
         args = parse_program_args(list(argv if argv is not None else sys.argv[1:]), spec)
         return _run(folder, spec, args)
     except PeerLostError as e:
@@ -172,9 +174,9 @@ def _local(folder: Path, spec: ProgramSpec,
     classes = [_stage_class(folder, spec, s.index) for s in spec.stages]
     weights = _tensors(folder, spec, classes, torch.device("cpu"), args)
     stages = []
-    for s, cls, device in zip(spec.stages, classes, devices_for_stages(len(spec.stages))):
+    for s, cls, device in zip(spec.stages, classes, devices_for_stages(spec.placement)):
         stages.append(LocalStage(cls(weights), device, s.inputs, s.random))
-    _tie_local(stages, spec)
+    share_tied([st.module for st in stages])
     placed: set[int] = set()  # the GPUs this process sees, in turn (else the CPU)
     for st in stages:
         st.module.place(st.device, placed)
@@ -193,17 +195,6 @@ def _local(folder: Path, spec: ProgramSpec,
     return step, 0, [st.module for st in stages]
 
 
-def _tie_local(stages: list[LocalStage], spec: ProgramSpec) -> None:
-    """Stages of one process share tied parameters: one Parameter object, as in the model."""
-    owner: dict[str, torch.nn.Parameter] = {}
-    for st in stages:
-        for attr, qualname in st.module.PARAMETERS.items():
-            if qualname in owner:
-                st.module._parameters[attr] = owner[qualname]
-            else:
-                owner[qualname] = getattr(st.module, attr)
-
-
 def _distributed(folder: Path, spec: ProgramSpec,
                  args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -211,14 +202,19 @@ def _distributed(folder: Path, spec: ProgramSpec,
     # device_id binds the NCCL communicator to this rank's GPU at once (no guessing later)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
                             device_id=device if device.type == "cuda" else None)
-    mesh = mesh_of_world(len(spec.stages))
+    mesh = mesh_of_world(spec.placement)
     groups = make_groups(mesh, spec.shared)
-    stage = spec.stages[mesh.stage]
-    cls = _stage_class(folder, spec, stage.index)
-    module = cls(_tensors(folder, spec, [cls], device, args))  # this stage's tensors only
-    module.place(device, set())
+    mine = [spec.stages[s] for s in mesh.held]
+    classes = [_stage_class(folder, spec, st.index) for st in mine]
+    weights = _tensors(folder, spec, classes, device, args)  # these stages' tensors only
+    modules = [cls(weights) for cls in classes]
+    share_tied(modules)
+    placed: set[int] = set()
+    for module in modules:
+        module.place(device, placed)
     rank_stage = setup_rank(
-        module, StageWiring(stage.index, stage.inputs, stage.recvs, stage.sends, stage.random),
+        [(module, StageWiring(st.index, st.inputs, st.recvs, st.sends, st.random), None)
+         for module, st in zip(modules, mine)],
         mesh=mesh, groups=groups, device=device, signature=spec.signature, edges=spec.edges,
         shared=spec.shared, chunks=spec.chunks, remat=spec.remat, schedule=spec.schedule,
         check_finite=args.check_finite, dp_bucket_mb=args.dp_bucket_mb)
@@ -230,7 +226,7 @@ def _distributed(folder: Path, spec: ProgramSpec,
             _write_timeline(args.timeline, result.events, mesh.rank, spec)
         return loss
 
-    return step, mesh.rank, [module]
+    return step, mesh.rank, modules
 
 
 def _write_timeline(path: str, events: list[Event], rank: int, spec: ProgramSpec) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 import torch
 
@@ -22,15 +22,18 @@ def active_tracker() -> KeptMemory | None:
     return getattr(_ACTIVE, "tracker", None)
 
 
+Key = Hashable  # a micro-batch, or (stage, micro-batch) where one process runs several stages
+
+
 class KeptMemory:
     """Per micro-batch sets of kept storages; `peak` is the most held at any point."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
         self.exclude = {p.untyped_storage().data_ptr() for p in parameters}
-        self.live: dict[int, dict[int, int]] = {}  # microbatch -> storage -> bytes
+        self.live: dict[Key, dict[int, int]] = {}  # microbatch -> storage -> bytes
         self.peak = 0
-        self.per_microbatch: dict[int, int] = {}
-        self._current: int | None = None
+        self.per_microbatch: dict[Key, int] = {}
+        self._current: Key | None = None
 
     def _add(self, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or self._current is None:
@@ -47,7 +50,7 @@ class KeptMemory:
                 self._add(t)
 
     @contextlib.contextmanager
-    def forward(self, microbatch: int) -> Iterator[None]:
+    def forward(self, microbatch: Key) -> Iterator[None]:
         """Tracks what the forward of one micro-batch keeps for its backward."""
         self._current = microbatch
         _ACTIVE.tracker = self
@@ -65,7 +68,7 @@ class KeptMemory:
             self.per_microbatch[microbatch] = sum(self.live.get(microbatch, {}).values())
             self.peak = max(self.peak, self.total())
 
-    def release(self, microbatch: int) -> None:
+    def release(self, microbatch: Key) -> None:
         """The micro-batch's backward ran: its activations are freed."""
         self.live.pop(microbatch, None)
 

@@ -1,11 +1,15 @@
-"""Process groups of a data-parallel x pipeline-parallel run, on torch's own DeviceMesh.
+"""Where stages run in a data-parallel x pipeline-parallel run, and its process groups.
 
-Ranks form a 2-D mesh ("dp", "pp"): rank = replica * stages + stage. Point-to-point traffic stays
-inside a "pp" row; gradient averaging runs down a "dp" column; tied parameters get one group per
-replica over the stages that hold them.
+Ranks form a 2-D mesh ("dp", "pp"): rank = replica * R + placement[stage], where R is the
+number of pipeline ranks of one replica and placement says which of them runs each stage (stage
+s on rank s under a flat schedule; several stages per rank under a looped one). Point-to-point
+traffic stays inside a "pp" row; gradient averaging runs down a "dp" column; tied parameters
+get one group per replica over the ranks that hold them (none when one rank holds them all).
+The groups sit on torch's own DeviceMesh.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -13,9 +17,65 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fxpipe.runtime.distributed import Mesh
+__all__ = ["Mesh", "Groups", "make_groups", "average_over_replicas"]
 
-__all__ = ["Groups", "make_groups", "average_over_replicas"]
+
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place: `placement[s]` is the pipeline rank of stage s (0..R-1), and
+    rank = replica * R + pipeline rank."""
+
+    placement: tuple[int, ...]
+    replicas: int
+    rank: int
+
+    @classmethod
+    def flat(cls, stages: int, replicas: int, rank: int) -> Mesh:
+        """One stage per pipeline rank."""
+        return cls(tuple(range(stages)), replicas, rank)
+
+    @property
+    def stages(self) -> int:
+        """Stages of the pipeline."""
+        return len(self.placement)
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks of one replica."""
+        return max(self.placement) + 1
+
+    @property
+    def pipe_rank(self) -> int:
+        """This process's rank within its pipeline replica."""
+        return self.rank % self.ranks
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.ranks
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The stages this process runs, in stage order."""
+        return self.stages_of(self.pipe_rank)
+
+    def stages_of(self, pipe_rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.placement) if r == pipe_rank)
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """The global rank that runs `stage` of `replica` (default: this one's)."""
+        return self.global_rank(self.placement[stage], replica)
+
+    def global_rank(self, pipe_rank: int, replica: int | None = None) -> int:
+        return (self.replica if replica is None else replica) * self.ranks + pipe_rank
+
+    def ranks_of(self, stages: Sequence[int], replica: int | None = None) -> list[int]:
+        """The global ranks that run any of `stages`, each once, in order."""
+        return sorted({self.rank_of(s, replica) for s in stages})
+
+    def describe(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(rank, replica, stages it runs) for every rank."""
+        return [(r, r // self.ranks, self.stages_of(r % self.ranks))
+                for r in range(self.ranks * self.replicas)]
 
 
 @dataclass
@@ -30,13 +90,15 @@ class Groups:
 def make_groups(mesh: Mesh, shared: dict[str, list[int]]) -> Groups:
     """Creates the groups; every rank must call this in the same order (it is collective)."""
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = init_device_mesh(device_type, (mesh.replicas, mesh.stages),
+    device_mesh = init_device_mesh(device_type, (mesh.replicas, mesh.ranks),
                                    mesh_dim_names=("dp", "pp"))
     groups = Groups(pp=device_mesh.get_group("pp"), dp=device_mesh.get_group("dp"),
                     device_mesh=device_mesh)
     for name, stages in sorted(shared.items()):
         for replica in range(mesh.replicas):
-            ranks = [mesh.rank_of(s, replica) for s in stages]
+            ranks = mesh.ranks_of(stages, replica)
+            if len(ranks) < 2:  # the stages share one Parameter object on their one rank
+                continue
             group = dist.new_group(ranks)
             if replica == mesh.replica and mesh.rank in ranks:
                 groups.shared[name] = group

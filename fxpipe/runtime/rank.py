@@ -16,8 +16,8 @@ from torch.fx import GraphModule
 from fxpipe import ir
 from fxpipe.errors import ConfigError, RuntimeInputError
 from fxpipe.losses import LossFn
-from fxpipe.runtime.distributed import DistributedExecutor, Mesh, StepResult, stage_info
-from fxpipe.runtime.mesh import Groups, average_over_replicas
+from fxpipe.runtime.distributed import DistributedExecutor, RankUnit, StepResult, stage_info
+from fxpipe.runtime.mesh import Groups, Mesh, average_over_replicas
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
@@ -51,27 +51,35 @@ def rank_device(backend: str | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def devices_for_stages(stages: int, devices: Sequence[str] | None = None) -> list[torch.device]:
-    """One device per stage in one process: as given; else the GPUs this process sees, one per
-    stage when there are enough and in turn when there are fewer; else the CPU."""
+def devices_for_stages(placement: Sequence[int],
+                       devices: Sequence[str] | None = None) -> list[torch.device]:
+    """The device of each stage in one process, stage s on its rank placement[s]'s device: one
+    device per rank as given; else the GPUs this process sees, one per rank when there are
+    enough and in turn when there are fewer; else the CPU."""
+    ranks = max(placement, default=-1) + 1
     if devices is not None:
-        return [torch.device(d) for d in devices[:stages]]
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count:
-        return [torch.device("cuda", s % count) for s in range(stages)]
-    return [torch.device("cpu")] * stages
+        per_rank = [torch.device(d) for d in devices[:ranks]]
+    else:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        per_rank = [torch.device("cuda", r % count) if count else torch.device("cpu")
+                    for r in range(ranks)]
+    return [per_rank[r] for r in placement]
 
 
-def mesh_of_world(stages: int) -> Mesh:
-    """This rank's place in a (replicas x stages) mesh of the initialized process group."""
+def mesh_of_world(placement: Sequence[int]) -> Mesh:
+    """This rank's place in a (replicas x pipeline ranks) mesh of the initialized process
+    group; placement[s] is the pipeline rank of stage s."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % stages:
-        raise ConfigError(f"world size {world} is not a multiple of the number of stages "
-                          f"({stages})",
-                          hint=f"launch {stages} x replicas processes (e.g. torchrun "
-                               f"--nproc-per-node {stages}), or use a number of stages that "
+    ranks = max(placement) + 1
+    if world % ranks:
+        what = f"the number of stages ({ranks})" if ranks == len(placement) else \
+            f"the number of pipeline ranks ({ranks}: {len(placement)} stages, " \
+            f"{len(placement) // ranks} per rank)"
+        raise ConfigError(f"world size {world} is not a multiple of {what}",
+                          hint=f"launch {ranks} x replicas processes (e.g. torchrun "
+                               f"--nproc-per-node {ranks}), or use a number of stages that "
                                f"divides {world}")
-    return Mesh(stages, world // stages, rank)
+    return Mesh(tuple(placement), world // ranks, rank)
 
 
 def shard_batch(signature: Signature, flat: list[torch.Tensor], target: torch.Tensor | None,
@@ -104,7 +112,7 @@ class StageWiring:
 
 @dataclass
 class RankStage:
-    """This rank's stage of a distributed pipeline, ready to step."""
+    """This rank's stages of a distributed pipeline, ready to step."""
 
     executor: DistributedExecutor
     mesh: Mesh
@@ -128,17 +136,18 @@ class RankStage:
         return loss, result
 
 
-def setup_rank(module: StageModule, wiring: StageWiring, *, mesh: Mesh, groups: Groups,
-               device: torch.device, signature: Signature, edges: Sequence[tuple[str, int, int]],
-               shared: dict[str, list[int]], chunks: int, remat: str, schedule: str,
-               check_finite: bool = False, dp_bucket_mb: float = 25.0,
-               graph: GraphModule | None = None) -> RankStage:
-    """Builds the executor of this rank's stage (the module already sits on `device`)."""
+def setup_rank(stages: Sequence[tuple[StageModule, StageWiring, GraphModule | None]], *,
+               mesh: Mesh, groups: Groups, device: torch.device, signature: Signature,
+               edges: Sequence[tuple[str, int, int]], shared: dict[str, list[int]], chunks: int,
+               remat: str, schedule: str, check_finite: bool = False,
+               dp_bucket_mb: float = 25.0) -> RankStage:
+    """Builds the executor of this rank's stages, each (module, wiring, its graph when known);
+    the modules already sit on `device` and share their tied parameters."""
+    units = [RankUnit(w.index, module, w.inputs, stage_info(w.recvs, w.sends, w.index),
+                      w.random, graph) for module, w, graph in stages]
     executor = DistributedExecutor(
-        module=module, mesh=mesh, signature=signature, input_indexes=wiring.inputs,
-        comm_info=stage_info(wiring.recvs, wiring.sends, wiring.index), edges=edges,
-        random=wiring.random, device=device, pp_group=groups.pp, dp_group=groups.dp,
-        shared=shared, shared_groups=groups.shared, check_finite=check_finite, graph=graph,
-        dp_bucket_bytes=int(dp_bucket_mb * 2**20))
+        units=units, mesh=mesh, signature=signature, edges=edges, device=device,
+        pp_group=groups.pp, dp_group=groups.dp, shared=shared, shared_groups=groups.shared,
+        check_finite=check_finite, dp_bucket_bytes=int(dp_bucket_mb * 2**20))
     return RankStage(executor, mesh, groups, signature, chunks, remat, schedule)
 

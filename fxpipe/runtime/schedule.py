@@ -1,9 +1,12 @@
-"""Pipeline schedules: which forward and backward each stage runs, in what order, and when.
+"""Pipeline schedules: which forwards and backwards each rank runs, in what order.
 
-A schedule is a list with one entry per stage: the forward ("F") and backward ("B") actions
-that stage performs, in execution order. Nothing here imports torch; the executors consume
-these lists, and the same lists drive the pictures and cost estimates.
+A schedule is a list with one entry per pipeline rank: the actions that rank performs, in
+execution order. An action is the forward ("F") or backward ("B") of one micro-batch on one
+stage; a rank holds one stage (flat schedules, stage s on rank s) or several (looped ones).
+Nothing here imports torch; the executors consume these lists, and the same lists drive the
+pictures (fxpipe.runtime.grid) and the time predictions (fxpipe.runtime.simulate).
 
+Flat, one stage per rank:
 * `gpipe` is fill-drain: every stage runs all forwards, then all backwards in reverse
   micro-batch order (as GPipe and torchgpipe do).
 * `one_f_one_b` is PipeDream-flush (1F1B): a short warm-up of forwards, then one forward and one
@@ -13,14 +16,18 @@ these lists, and the same lists drive the pictures and cost estimates.
   input-gradient pass "I", which the previous stage waits for, and a weight-gradient pass "W",
   which nobody waits for and so fills the bubble. Stage s keeps at most min(K - s, M)
   micro-batches alive (forward done, W not), as in 1F1B.
-* `clock_cycles` plays a schedule on a unit-time clock (each action one tick, as early as its
-  dependencies allow) and so also checks that it cannot deadlock; `render_grid` draws it.
-* `simulate` does the same with per-stage durations and communication times, for any stage
-  graph (skip connections included), and returns timed events and the makespan.
+
+Looped, several stages per rank (the model cut into more, smaller stages):
+* `interleaved_1f1b` (Narayanan et al., SC'21) places stage s on rank s mod R, so each rank
+  holds v = S / R stages spread along the model; the pipeline fills in 1/v of the time, which
+  divides the bubble by about v, for v times the messages.
+* `zb_v` (Qi et al., ICLR'24, section 6) places 2R stages in a V: rank r holds stage r and stage
+  2R-1-r, so the last stage sits on rank 0, beside the first. With a split backward, W fills
+  what is left of the bubble: near zero at equal F, I and W, with 1F1B's activation memory.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -29,19 +36,25 @@ from fxpipe.errors import ConfigError
 __all__ = [
     "Action",
     "Schedule",
-    "TimedEvent",
     "gpipe",
     "one_f_one_b",
     "zb_h1",
+    "interleaved_1f1b",
+    "zb_v",
     "SCHEDULES",
-    "get_schedule",
+    "LOOPED",
+    "make_schedule",
+    "placement",
+    "default_stages_per_rank",
+    "check_layout",
     "validate",
+    "stage_ranks",
     "is_split",
-    "clock_cycles",
-    "render_grid",
-    "bubble_fraction",
-    "peak_inflight",
-    "simulate",
+    "check_sizes",
+    "FORWARD",
+    "BACKWARD",
+    "INPUT_GRAD",
+    "WEIGHT_GRAD",
 ]
 
 FORWARD = "F"
@@ -63,29 +76,14 @@ class Action:
 
 
 Schedule: TypeAlias = list[list[Action]]
-"""schedule[s] is the list of actions stage s performs, in execution order."""
-
-
-@dataclass(frozen=True)
-class TimedEvent:
-    """An action (or a message) placed in time by `simulate`.
-
-    kind is "F", "B", "I", "W" or "send". For a send, `stage` is the sender and `peer` the receiver:
-    peer > stage ships activations forward, peer < stage ships gradients backward.
-    """
-
-    stage: int
-    kind: str
-    microbatch: int
-    start: float
-    end: float
-    peer: int | None = None
+"""schedule[r] is the list of actions pipeline rank r performs, in execution order."""
 
 
 # --------------------------------------------------------------------------- construction
 
 
-def _check_sizes(num_microbatches: int, num_stages: int) -> None:
+def check_sizes(num_microbatches: int, num_stages: int) -> None:
+    """ConfigError unless both counts are integers >= 1."""
     for name, value in (("num_microbatches", num_microbatches), ("num_stages", num_stages)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(
@@ -101,7 +99,7 @@ def _check_sizes(num_microbatches: int, num_stages: int) -> None:
 
 def gpipe(num_microbatches: int, num_stages: int) -> Schedule:
     """Fill-drain: each stage runs F0..F(M-1), then B(M-1)..B0."""
-    _check_sizes(num_microbatches, num_stages)
+    check_sizes(num_microbatches, num_stages)
     m_all = range(num_microbatches)
     return [
         [Action(FORWARD, s, m) for m in m_all] + [Action(BACKWARD, s, m) for m in reversed(m_all)]
@@ -115,20 +113,23 @@ def one_f_one_b(num_microbatches: int, num_stages: int) -> Schedule:
     Backwards run in micro-batch order 0..M-1. Stage s never holds more than min(K - s, M)
     micro-batches whose forward is done and whose backward is not.
     """
-    _check_sizes(num_microbatches, num_stages)
+    check_sizes(num_microbatches, num_stages)
     schedule: Schedule = []
     for s in range(num_stages):
         warmup = min(num_stages - s - 1, num_microbatches)
-        actions = [Action(FORWARD, s, m) for m in range(warmup)]
-        next_f, next_b = warmup, 0
-        while next_f < num_microbatches:  # steady state: one forward, one backward
-            actions.append(Action(FORWARD, s, next_f))
-            actions.append(Action(BACKWARD, s, next_b))
-            next_f += 1
-            next_b += 1
-        actions.extend(Action(BACKWARD, s, m) for m in range(next_b, num_microbatches))
-        schedule.append(actions)
+        forwards = [Action(FORWARD, s, m) for m in range(num_microbatches)]
+        backwards = [Action(BACKWARD, s, m) for m in range(num_microbatches)]
+        schedule.append(_warm_up_then_alternate(forwards, backwards, warmup))
     return schedule
+
+
+def _warm_up_then_alternate(forwards: list[Action], backwards: list[Action],
+                            warmup: int) -> list[Action]:
+    """`warmup` forwards, then one forward and one backward in turn, then the other backwards."""
+    actions = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards):
+        actions += [f, b]
+    return actions + backwards[len(forwards) - warmup:]
 
 
 def zb_h1(num_microbatches: int, num_stages: int) -> Schedule:
@@ -140,7 +141,7 @@ def zb_h1(num_microbatches: int, num_stages: int) -> Schedule:
     The W's so fill the ticks where 1F1B's stages wait: at equal times the bubble is about a
     third of 1F1B's.
     """
-    _check_sizes(num_microbatches, num_stages)
+    check_sizes(num_microbatches, num_stages)
     k, m_all = num_stages, num_microbatches
     done: dict[Action, int] = {}  # action -> tick it ran
     schedule: Schedule = [[] for _ in range(k)]
@@ -168,26 +169,220 @@ def zb_h1(num_microbatches: int, num_stages: int) -> Schedule:
     return schedule
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
+def _rounds(num_microbatches: int, num_ranks: int) -> list[range]:
+    """Micro-batches in rounds of at least `num_ranks` (as equal as possible), so a rank's
+    first round keeps every rank busy before the backwards come back."""
+    count = max(1, num_microbatches // num_ranks)
+    size, larger = divmod(num_microbatches, count)
+    rounds, start = [], 0
+    for i in range(count):
+        end = start + size + (1 if i < larger else 0)
+        rounds.append(range(start, end))
+        start = end
+    return rounds
 
 
-def get_schedule(name: str) -> Callable[[int, int], Schedule]:
-    """The schedule function registered under `name` ("gpipe", "1f1b" or "zb-h1")."""
-    try:
-        return SCHEDULES[name]
-    except (KeyError, TypeError):
+def interleaved_1f1b(num_microbatches: int, num_stages: int, num_ranks: int) -> Schedule:
+    """Interleaved 1F1B: stage s on rank s mod R, v = S / R stages per rank.
+
+    A rank takes its (stage, micro-batch) pairs round by round (`_rounds`): within a round,
+    forwards stage by stage along the model and backwards in the opposite direction. It warms
+    up with the forwards the first backward needs (v - 1 rounds' worth, plus two per rank
+    after it: the way down and back of micro-batch 0), then alternates one forward and one
+    backward, then drains. Rank r keeps at most about (v - 1) rounds + 2(R - r) + 1 of its
+    stage-micro-batches alive.
+    """
+    check_sizes(num_microbatches, num_stages)
+    v = _stages_per_rank(num_stages, num_ranks, "interleaved-1f1b")
+    rounds = _rounds(num_microbatches, num_ranks)
+
+    def order(kind: str, rank: int, chunks: list[int]) -> list[Action]:
+        return [Action(kind, c * num_ranks + rank, m) for group in rounds for c in chunks
+                for m in group]
+
+    schedule: Schedule = []
+    for r in range(num_ranks):
+        forwards = order(FORWARD, r, list(range(v)))
+        backwards = order(BACKWARD, r, list(reversed(range(v))))
+        warmup = min(2 * (num_ranks - r - 1) + (v - 1) * len(rounds[0]), len(forwards))
+        schedule.append(_warm_up_then_alternate(forwards, backwards, warmup))
+    return schedule
+
+
+def zb_v(num_microbatches: int, num_stages: int) -> Schedule:
+    """ZB-V: 2R stages in a V over R ranks (rank r holds stages r and 2R-1-r), the backward
+    split into I and W.
+
+    Rank r's order, with c0 = stage r (down the V) and c1 = stage 2R-1-r (up the V):
+    warm up with 2(R-r)-1 forwards of c0, then r pairs (F c1, F c0), then R-r triples
+    (F c1, I c1, W c1); in the steady state repeat (F c0, I c0, W c0, F c1, I c1, W c1); cool
+    down with r pairs (I c0, I c1), R-r pairs (I c0, W c0), then the W's left. At equal F, I
+    and W times no rank waits once the V is full, and a rank keeps at most about 2R
+    stage-micro-batches alive, as 1F1B keeps R of stages twice the size. Fewer than 2R-1
+    micro-batches play the order of 2R-1 with the missing ones left out.
+    """
+    check_sizes(num_microbatches, num_stages)
+    _stages_per_rank(num_stages, num_stages // 2 or 1, "zb-v", exactly=2)
+    ranks = num_stages // 2
+    played = max(num_microbatches, 2 * ranks - 1)
+    return [[a for a in _zb_v_rank(r, ranks, played) if a.microbatch < num_microbatches]
+            for r in range(ranks)]
+
+
+class _Counter:
+    """A rank's actions in order, each kind of each stage numbered 0, 1, ... as it runs."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.count: dict[tuple[str, int], int] = {}
+
+    def run(self, *steps: tuple[str, int]) -> None:
+        for kind, stage in steps:
+            m = self.ran(kind, stage)
+            self.count[(kind, stage)] = m + 1
+            self.actions.append(Action(kind, stage, m))
+
+    def ran(self, kind: str, stage: int) -> int:
+        return self.count.get((kind, stage), 0)
+
+
+def _zb_v_rank(r: int, ranks: int, played: int) -> list[Action]:
+    """Rank r's ZB-V order for `played` micro-batches (see `zb_v`)."""
+    f_down, i_down, w_down = ((k, r) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
+    up = 2 * ranks - 1 - r
+    f_up, i_up, w_up = ((k, up) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
+    c = _Counter()
+    for _ in range(2 * (ranks - r) - 1):
+        c.run(f_down)
+    for _ in range(r):
+        c.run(f_up, f_down)
+    for _ in range(ranks - r):
+        c.run(f_up, i_up, w_up)
+    while c.ran(*f_up) < c.ran(*f_down) or c.ran(*f_down) < played:
+        if c.ran(*f_down) < played:
+            c.run(f_down)
+        c.run(i_down, w_down, f_up, i_up, w_up)
+    for _ in range(r):
+        c.run(i_down, i_up)
+    for _ in range(ranks - r):
+        c.run(i_down, w_down)
+    while c.ran(*w_up) < c.ran(*i_up):
+        c.run(w_up)
+    while c.ran(*w_down) < c.ran(*i_down):
+        c.run(w_down)
+    return c.actions
+
+
+def _stages_per_rank(num_stages: int, num_ranks: int, name: str, exactly: int | None = None) -> int:
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ConfigError(f"num_ranks must be an integer >= 1 (got {num_ranks!r})",
+                          hint="pass the number of pipeline ranks")
+    if num_stages % num_ranks or (exactly is not None and num_stages != exactly * num_ranks):
+        need = f"exactly {exactly} stages per rank" if exactly else "the same number of " \
+            "stages on every rank"
+        raise ConfigError(f"{name} needs {need} ({num_stages} stages on {num_ranks} ranks)",
+                          hint=f"use {(exactly or 2) * num_ranks} stages, or another schedule")
+    return num_stages // num_ranks
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def _flat(fn: Callable[[int, int], Schedule], name: str
+          ) -> Callable[[int, int, int], Schedule]:
+    def build(num_microbatches: int, num_stages: int, num_ranks: int) -> Schedule:
+        _stages_per_rank(num_stages, num_ranks, name, exactly=1)
+        return fn(num_microbatches, num_stages)
+    return build
+
+
+def _zb_v_on(num_microbatches: int, num_stages: int, num_ranks: int) -> Schedule:
+    _stages_per_rank(num_stages, num_ranks, "zb-v", exactly=2)
+    return zb_v(num_microbatches, num_stages)
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+    "gpipe": _flat(gpipe, "gpipe"),
+    "1f1b": _flat(one_f_one_b, "1f1b"),
+    "zb-h1": _flat(zb_h1, "zb-h1"),
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-v": _zb_v_on,
+}
+"""Every schedule by name: (micro-batches, stages, ranks) -> the schedule."""
+
+LOOPED = frozenset({"interleaved-1f1b", "zb-v"})
+"""The schedules that place several stages on each rank."""
+
+
+def _known(name: str) -> None:
+    if not isinstance(name, str) or name not in SCHEDULES:
         known = ", ".join(repr(k) for k in SCHEDULES)
-        raise ConfigError(
-            f"unknown schedule {name!r}; known schedules: {known}",
-            hint=f"pass one of {known}",
-        ) from None
+        raise ConfigError(f"unknown schedule {name!r}; known schedules: {known}",
+                          hint=f"pass one of {known}")
 
 
-# --------------------------------------------------------------------------- analysis
+def default_stages_per_rank(name: str) -> int:
+    """How many stages a rank holds under `name` unless told otherwise: 2 for the looped
+    schedules (ZB-V takes exactly 2), 1 for the others."""
+    _known(name)
+    return 2 if name in LOOPED else 1
 
 
-_BUILD_HINT = "build one with gpipe(M, K), one_f_one_b(M, K) or zb_h1(M, K)"
+def check_layout(name: str, num_stages: int, stages_per_rank: int) -> int:
+    """The number of ranks of `num_stages` stages at `stages_per_rank` each under schedule
+    `name`; raises ConfigError where the schedule cannot place them so."""
+    _known(name)
+    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) \
+            or stages_per_rank < 1:
+        raise ConfigError(f"stages_per_rank must be an integer >= 1 (got {stages_per_rank!r})",
+                          hint="pass 1, or 2 or more for a looped schedule")
+    if name not in LOOPED and stages_per_rank != 1:
+        raise ConfigError(f"schedule {name!r} runs one stage per rank (stages_per_rank="
+                          f"{stages_per_rank})",
+                          hint="use schedule='interleaved-1f1b' or 'zb-v' for several stages "
+                               "per rank, or stages_per_rank=1")
+    if name == "zb-v" and stages_per_rank != 2:
+        raise ConfigError(f"zb-v places exactly 2 stages on each rank (stages_per_rank="
+                          f"{stages_per_rank})", hint="pass stages_per_rank=2, or use "
+                                                     "schedule='interleaved-1f1b'")
+    if name in LOOPED and stages_per_rank < 2:
+        raise ConfigError(f"{name} places several stages on each rank (stages_per_rank=1)",
+                          hint="pass stages_per_rank=2 or more, or use a flat schedule "
+                               "('gpipe', '1f1b', 'zb-h1')")
+    if num_stages % stages_per_rank:
+        raise ConfigError(f"{num_stages} stages do not divide into {stages_per_rank} stages "
+                          f"per rank under {name}",
+                          hint=f"use a multiple of {stages_per_rank} stages")
+    return num_stages // stages_per_rank
+
+
+def make_schedule(name: str, num_microbatches: int, num_stages: int,
+                  num_ranks: int | None = None) -> Schedule:
+    """The schedule `name` for M micro-batches and S stages on R ranks (default: S for the
+    flat schedules, S / 2 for the looped ones)."""
+    _known(name)
+    if num_ranks is None:
+        num_ranks = max(num_stages // default_stages_per_rank(name), 1)
+    return SCHEDULES[name](num_microbatches, num_stages, num_ranks)
+
+
+def placement(name: str, num_stages: int, num_ranks: int) -> list[int]:
+    """placement[s]: the pipeline rank that runs stage s under schedule `name`."""
+    _known(name)
+    if name == "zb-v":
+        _stages_per_rank(num_stages, num_ranks, name, exactly=2)
+        return [s if s < num_ranks else num_stages - 1 - s for s in range(num_stages)]
+    if name in LOOPED:
+        _stages_per_rank(num_stages, num_ranks, name)
+        return [s % num_ranks for s in range(num_stages)]
+    _stages_per_rank(num_stages, num_ranks, name, exactly=1)
+    return list(range(num_stages))
+
+
+# --------------------------------------------------------------------------- checks
+
+
+_BUILD_HINT = "build one with make_schedule(name, M, S) (or gpipe(M, K), one_f_one_b(M, K), ...)"
 _KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
@@ -196,309 +391,64 @@ def is_split(schedule: Schedule) -> bool:
     return any(a.kind == INPUT_GRAD for acts in schedule for a in acts)
 
 
-def validate(schedule: Schedule) -> tuple[int, int]:
-    """Check that every stage runs F and B (or I and W, for every stage) of every micro-batch
-    exactly once, and W(s, m) after I(s, m); return (M, K).
+def stage_ranks(schedule: Schedule) -> list[int]:
+    """ranks[s]: the rank whose list holds stage s's actions. Raises ConfigError if a stage
+    appears on two ranks, a stage index is missing, or a rank holds nothing."""
+    if not schedule:
+        raise ConfigError("schedule has no ranks", hint=_BUILD_HINT)
+    rank_of: dict[int, int] = {}
+    for r, actions in enumerate(schedule):
+        if not actions:
+            raise ConfigError(f"rank {r} of the schedule runs nothing",
+                              hint="every rank must run at least one stage")
+        for a in actions:
+            if rank_of.setdefault(a.stage, r) != r:
+                raise ConfigError(f"stage {a.stage} runs on ranks {rank_of[a.stage]} and {r}",
+                                  hint="list all of a stage's actions under one rank")
+    missing = sorted(set(range(max(rank_of) + 1)) - set(rank_of))
+    if missing or min(rank_of) < 0:
+        raise ConfigError(f"stages {missing or [min(rank_of)]} of 0..{max(rank_of)} are not in "
+                          "the schedule", hint="number the stages 0..S-1, every one scheduled")
+    return [rank_of[s] for s in range(len(rank_of))]
 
-    Only the content is checked here; `clock_cycles` also checks that the order cannot deadlock.
+
+def validate(schedule: Schedule) -> tuple[int, int]:
+    """Check that every stage runs on one rank, F and B (or I and W, for every stage) of every
+    micro-batch exactly once, and W(s, m) after I(s, m); return (M, S).
+
+    Only the content is checked here; `fxpipe.runtime.grid.clock_cycles` also checks that the
+    order cannot deadlock.
     """
-    num_stages = len(schedule)
-    if num_stages == 0:
-        raise ConfigError("schedule has no stages", hint=_BUILD_HINT)
-    num_microbatches = 1 + max((a.microbatch for acts in schedule for a in acts), default=-1)
-    if num_microbatches < 1:
-        raise ConfigError("schedule has no actions", hint=_BUILD_HINT)
+    if not schedule or not any(schedule):
+        raise ConfigError("schedule has no stages" if not schedule else "schedule has no "
+                          "actions", hint=_BUILD_HINT)
+    for r, actions in enumerate(schedule):
+        for a in actions:
+            if a.kind not in _KINDS or a.microbatch < 0 or a.stage < 0:
+                raise ConfigError(
+                    f"rank {r}: invalid action {a!r}",
+                    hint='kind must be "F", "B", "I" or "W", stage and microbatch >= 0',
+                )
+    ranks = stage_ranks(schedule)
+    num_microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
     backward = (INPUT_GRAD, WEIGHT_GRAD) if is_split(schedule) else (BACKWARD,)
     expected = {(k, m) for k in (FORWARD, *backward) for m in range(num_microbatches)}
-    for s, actions in enumerate(schedule):
-        seen: set[tuple[str, int]] = set()
+    seen: list[set[tuple[str, int]]] = [set() for _ in ranks]
+    for actions in schedule:
         for a in actions:
-            if a.stage != s:
-                raise ConfigError(
-                    f"action {a} of stage {a.stage} is listed under stage {s}",
-                    hint="schedule[s] must only hold actions with stage == s",
-                )
-            if a.kind not in _KINDS or a.microbatch < 0:
-                raise ConfigError(
-                    f"stage {s}: invalid action {a!r}",
-                    hint='kind must be "F", "B", "I" or "W" and microbatch >= 0',
-                )
-            if a.kind == WEIGHT_GRAD and (INPUT_GRAD, a.microbatch) not in seen:
+            s = a.stage
+            if a.kind == WEIGHT_GRAD and (INPUT_GRAD, a.microbatch) not in seen[s]:
                 raise ConfigError(f"stage {s} runs {a} before I{a.microbatch}",
                                   hint="a weight gradient needs its input gradient's pass first")
-            if (a.kind, a.microbatch) in seen:
+            if (a.kind, a.microbatch) in seen[s]:
                 raise ConfigError(f"stage {s} runs {a} twice", hint="list each action once")
-            seen.add((a.kind, a.microbatch))
-        missing = sorted(expected - seen, key=lambda km: (_KINDS.index(km[0]), km[1]))
+            seen[s].add((a.kind, a.microbatch))
+    for s, done in enumerate(seen):
+        missing = sorted(expected - done, key=lambda km: (_KINDS.index(km[0]), km[1]))
         if missing:
             names = ", ".join(f"{k}{m}" for k, m in missing)
             raise ConfigError(
                 f"stage {s} never runs {names} ({num_microbatches} micro-batches in the schedule)",
                 hint="every stage must run F and B (or I and W) of every micro-batch",
             )
-    return num_microbatches, num_stages
-
-
-def _deps(action: Action, num_stages: int) -> list[Action]:
-    """What must finish before `action` may start, on the chain of stages 0 -> 1 -> ... -> K-1."""
-    s, m = action.stage, action.microbatch
-    if action.kind == FORWARD:
-        return [Action(FORWARD, s - 1, m)] if s > 0 else []
-    if action.kind == WEIGHT_GRAD:
-        return [Action(INPUT_GRAD, s, m)]
-    deps = [Action(FORWARD, s, m)]
-    if s < num_stages - 1:
-        deps.append(Action(action.kind, s + 1, m))  # B after B, I after I
-    return deps
-
-
-def clock_cycles(schedule: Schedule) -> list[list[Action | None]]:
-    """Play `schedule` on a unit-time clock; return grid[tick][stage] (None where idle).
-
-    Each action takes one tick and starts at the first tick when its stage has run everything
-    listed before it and its dependencies finished in an earlier tick: F(s, m) after F(s-1, m);
-    B(s, m) after B(s+1, m) and after F(s, m) (the last stage's B(m) only after its F(m)).
-    Raises ConfigError if the schedule is incomplete or its order deadlocks.
-    """
-    _, num_stages = validate(schedule)
-    done: set[Action] = set()
-    position = [0] * num_stages
-    grid: list[list[Action | None]] = []
-    remaining = sum(len(acts) for acts in schedule)
-    while remaining:
-        row: list[Action | None] = [None] * num_stages
-        for s, actions in enumerate(schedule):
-            if position[s] < len(actions):
-                a = actions[position[s]]
-                if all(d in done for d in _deps(a, num_stages)):
-                    row[s] = a
-        ran = [a for a in row if a is not None]
-        if not ran:
-            stuck = ", ".join(
-                f"stage {s}: {acts[position[s]]}"
-                for s, acts in enumerate(schedule)
-                if position[s] < len(acts)
-            )
-            raise ConfigError(
-                f"schedule deadlocks at tick {len(grid)}; next actions wait forever ({stuck})",
-                hint="F(s, m) needs F(s-1, m) first and B(s, m) needs B(s+1, m) and F(s, m) first",
-            )
-        for a in ran:
-            done.add(a)
-            position[a.stage] += 1
-        remaining -= len(ran)
-        grid.append(row)
-    return grid
-
-
-def bubble_fraction(num_microbatches: int, num_stages: int) -> float:
-    """Idle fraction of GPipe (and 1F1B) with equal unit costs: (K-1)/(M+K-1)."""
-    _check_sizes(num_microbatches, num_stages)
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
-
-
-def peak_inflight(schedule: Schedule) -> list[int]:
-    """Per stage: the most micro-batches whose forward is done and backward (W, in a split
-    backward: it still reads the activations) is not, at once."""
-    peaks = []
-    for actions in schedule:
-        live = peak = 0
-        for a in actions:
-            if a.kind == INPUT_GRAD:
-                continue
-            live += 1 if a.kind == FORWARD else -1
-            peak = max(peak, live)
-        peaks.append(peak)
-    return peaks
-
-
-def render_grid(schedule: Schedule, *, title: str = "") -> str:
-    """Draw `clock_cycles(schedule)` as text, one row per tick, with notes on the right.
-
-    The notes are "<title>, K stages x M microbatches" and the bubble, e.g.
-    "bubble = (S-1)/(M+S-1) = 2/6 = 33%" (S = stages); if the schedule idles more than that
-    formula says, the measured idle fraction is shown instead.
-    """
-    num_microbatches, num_stages = validate(schedule)
-    grid = clock_cycles(schedule)
-    ticks = len(grid)
-
-    size = f"{num_stages} stages x {num_microbatches} microbatches"
-    work = sum(len(acts) for acts in schedule)
-    idle = ticks * num_stages - work
-    ideal_num, ideal_den = num_stages - 1, num_microbatches + num_stages - 1
-    if not is_split(schedule) and idle * ideal_den == ideal_num * ticks * num_stages:
-        percent = 100 * ideal_num / ideal_den
-        bubble = f"bubble = (S-1)/(M+S-1) = {ideal_num}/{ideal_den} = {percent:.0f}%"
-    else:
-        total = ticks * num_stages
-        bubble = f"bubble = idle/total = {idle}/{total} = {100 * idle / total:.0f}%"
-    notes = [f"{title}, {size}" if title else size, bubble]
-
-    clock_w = max(len("clock"), len(str(ticks - 1)))
-    headers = [f"stage {s}" for s in range(num_stages)]
-    widths = [
-        max([len(headers[s])] + [len(str(row[s])) for row in grid if row[s] is not None])
-        for s in range(num_stages)
-    ]
-    sep, note_gap = "  ", " " * 8
-
-    lines = ["clock".ljust(clock_w) + "".join(sep + h.ljust(w) for h, w in zip(headers, widths))]
-    for tick, row in enumerate(grid):
-        cells = ["" if a is None else str(a) for a in row]
-        body = "".join(sep + c.ljust(w) for c, w in zip(cells, widths))
-        lines.append(str(tick).rjust(clock_w) + body)
-    while len(lines) < len(notes):
-        lines.append(" " * len(lines[0]))
-    for i, note in enumerate(notes):
-        lines[i] = lines[i] + note_gap + note
-    return "\n".join(line.rstrip() for line in lines)
-
-
-# --------------------------------------------------------------------------- timing
-
-
-_TIME_HINT = "times cannot be negative"
-
-
-def _per_stage(values: Sequence[float], name: str, num_stages: int) -> list[float]:
-    if isinstance(values, (int, float)) or len(values) != num_stages:
-        got = values if isinstance(values, (int, float)) else f"{len(values)} values"
-        raise ConfigError(
-            f"{name} needs one value per stage ({num_stages} stages, got {got})",
-            hint=f"pass a sequence of {num_stages} non-negative numbers",
-        )
-    out = [float(v) for v in values]
-    for s, v in enumerate(out):
-        if not v >= 0:  # also rejects NaN
-            raise ConfigError(f"{name}[{s}] must be >= 0 (got {v})", hint=_TIME_HINT)
-    return out
-
-
-def simulate(
-    schedule: Schedule,
-    *,
-    forward_time: Sequence[float],
-    backward_time: Sequence[float],
-    comm_time: Sequence[float] | float | Mapping[tuple[int, int], float] = 0.0,
-    edges: Sequence[tuple[int, int]] | None = None,
-    weight_time: Sequence[float] | None = None,
-) -> tuple[list[TimedEvent], float]:
-    """Place every action of `schedule` in time; return (events sorted by start, makespan).
-
-    Each stage runs its actions in list order, each as soon as the stage is free and its inputs
-    have arrived. `edges` are the (src, dst) data edges between stages, src < dst (default: the
-    chain (s-1, s)). F(s, m) needs F(p, m) + comm for every producer p of s; B(s, m) needs
-    B(d, m) + comm for every consumer d of s, and F(s, m); a stage without consumers starts
-    B(m) after its own F(m).
-
-    comm_time is the time to ship one micro-batch over an edge; the gradient of an activation
-    has the activation's size, so the backward message on an edge costs the same as the
-    forward one. It is a scalar (every edge), a per-stage sequence (comm_time[s] for every edge
-    leaving s, i.e. the size of stage s's outputs) or a mapping {(src, dst): time} (edges not
-    in it cost 0). Messages that take time appear as "send" events; they overlap compute.
-    With gpipe, equal times t_f, t_b and no communication the makespan is (M+K-1)(t_f+t_b).
-
-    A split backward (I and W) costs the backward in all: W takes weight_time[s] (default half
-    the backward, as a linear layer's two matmuls), I the rest; I(s, m) waits for I of the
-    consumers, W(s, m) for I(s, m).
-    """
-    num_microbatches, num_stages = validate(schedule)
-    fwd = _per_stage(forward_time, "forward_time", num_stages)
-    bwd = _per_stage(backward_time, "backward_time", num_stages)
-    wgt = [b / 2 for b in bwd] if weight_time is None else \
-        _per_stage(weight_time, "weight_time", num_stages)
-    for s, (b, w) in enumerate(zip(bwd, wgt)):
-        if w > b:
-            raise ConfigError(f"weight_time[{s}] = {w} exceeds backward_time[{s}] = {b}",
-                              hint="the weight-gradient pass is a part of the backward")
-    duration_of = {FORWARD: fwd, BACKWARD: bwd, WEIGHT_GRAD: wgt,
-                   INPUT_GRAD: [b - w for b, w in zip(bwd, wgt)]}
-
-    if edges is None:
-        edge_list = [(s - 1, s) for s in range(1, num_stages)]
-    else:
-        edge_list = []
-        for edge in edges:
-            src, dst = edge
-            if not (0 <= src < dst < num_stages):
-                raise ConfigError(
-                    f"edge {edge!r} is not a forward edge between stages 0..{num_stages - 1}",
-                    hint="edges are (src, dst) pairs of stage indices with src < dst",
-                )
-            if (src, dst) not in edge_list:
-                edge_list.append((src, dst))
-
-    if isinstance(comm_time, Mapping):
-        comm: dict[tuple[int, int], float] = {}
-        for edge, t in comm_time.items():
-            if edge not in edge_list:
-                raise ConfigError(
-                    f"comm_time names edge {edge!r}, which is not among the edges {edge_list}",
-                    hint="give comm_time only for edges listed in `edges`",
-                )
-            if not float(t) >= 0:
-                raise ConfigError(f"comm_time[{edge!r}] must be >= 0 (got {t})", hint=_TIME_HINT)
-            comm[edge] = float(t)
-        edge_comm = {e: comm.get(e, 0.0) for e in edge_list}
-    elif isinstance(comm_time, (int, float)):
-        if not float(comm_time) >= 0:
-            raise ConfigError(f"comm_time must be >= 0 (got {comm_time})", hint=_TIME_HINT)
-        edge_comm = {e: float(comm_time) for e in edge_list}
-    else:
-        per_stage = _per_stage(comm_time, "comm_time", num_stages)
-        edge_comm = {e: per_stage[e[0]] for e in edge_list}
-
-    producers: list[list[int]] = [[] for _ in range(num_stages)]
-    consumers: list[list[int]] = [[] for _ in range(num_stages)]
-    for src, dst in edge_list:
-        producers[dst].append(src)
-        consumers[src].append(dst)
-
-    end: dict[Action, float] = {}
-    events: list[TimedEvent] = []
-    position = [0] * num_stages
-    free = [0.0] * num_stages
-    remaining = sum(len(acts) for acts in schedule)
-    while remaining:
-        progressed = False
-        for s, actions in enumerate(schedule):
-            while position[s] < len(actions):
-                a = actions[position[s]]
-                m = a.microbatch
-                if a.kind == FORWARD:
-                    inputs = [(Action(FORWARD, p, m), edge_comm[(p, s)]) for p in producers[s]]
-                elif a.kind == WEIGHT_GRAD:
-                    inputs = [(Action(INPUT_GRAD, s, m), 0.0)]
-                else:
-                    inputs = [(Action(FORWARD, s, m), 0.0)]
-                    inputs += [(Action(a.kind, d, m), edge_comm[(s, d)]) for d in consumers[s]]
-                duration = duration_of[a.kind][s]
-                if any(dep not in end for dep, _ in inputs):
-                    break
-                start = max([free[s]] + [end[dep] + c for dep, c in inputs])
-                end[a] = free[s] = start + duration
-                events.append(TimedEvent(s, a.kind, m, start, end[a]))
-                for dep, c in inputs:
-                    if c > 0:  # the message that brought this input
-                        sent = end[dep]
-                        events.append(TimedEvent(dep.stage, "send", m, sent, sent + c, peer=s))
-                position[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = ", ".join(
-                f"stage {s}: {acts[position[s]]}"
-                for s, acts in enumerate(schedule)
-                if position[s] < len(acts)
-            )
-            raise ConfigError(
-                f"schedule deadlocks on the given edges; next actions wait forever ({stuck})",
-                hint="F(s, m) needs its producers' F(m) first; "
-                "B(s, m) needs its consumers' B(m) and F(s, m) first",
-            )
-
-    order = {FORWARD: 0, BACKWARD: 1, INPUT_GRAD: 1, WEIGHT_GRAD: 2, "send": 3}
-    events.sort(key=lambda e: (e.start, e.stage, order[e.kind], e.microbatch))
-    makespan = max(e.end for e in events if e.kind != "send")
-    return events, makespan
+    return num_microbatches, len(ranks)

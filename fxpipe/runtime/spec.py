@@ -19,10 +19,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe import ir
-from fxpipe.errors import CheckpointError, CodegenError
+from fxpipe.errors import CheckpointError, CodegenError, ConfigError
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
 from fxpipe.runtime.local import REMAT_MODES
-from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.schedule import SCHEDULES, check_layout, placement
 from fxpipe.runtime.timeline import EventJSON
 from fxpipe.signature import LeafSpec, Signature
 from fxpipe.structure import Structure
@@ -117,6 +117,7 @@ class ProgramJSON(_ProgramJSON, total=False):
     autocast: str | None
     structure: dict[str, object] | None
     files: dict[str, str]  # every other file of the program -> its sha256, hex
+    stages_per_rank: int  # under a looped schedule; absent: 1
 
 
 def is_inside_path(path: object) -> bool:
@@ -168,6 +169,13 @@ def spec_problems(data: object) -> list[str]:
     stages = data["stages"]
     if not isinstance(stages, list) or not stages:
         return [*problems, f"stages is {stages!r} (allowed: a non-empty list)"]
+    per_rank = data.get("stages_per_rank", 1)
+    if data["schedule"] in SCHEDULES:
+        try:
+            check_layout(data["schedule"], len(stages), per_rank)
+        except ConfigError as e:
+            problems.append(f"stages_per_rank is {per_rank!r} with {len(stages)} stages under "
+                            f"{data['schedule']} (allowed: {e.hint})")
     return problems + _stage_problems(stages, data)
 
 
@@ -372,6 +380,17 @@ class ProgramSpec:
     predicted_events: tuple[EventJSON, ...] = ()  # the cost model's timeline of one step
     autocast: str | None = None  # "bf16" / "fp16": every stage under torch.autocast
     structure: Structure | None = None  # the model's state, which checkpoints record
+    stages_per_rank: int = 1  # more than 1 under a looped schedule
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks of one replica."""
+        return len(self.stages) // self.stages_per_rank
+
+    @property
+    def placement(self) -> list[int]:
+        """placement[s]: the pipeline rank of stage s."""
+        return placement(self.schedule, len(self.stages), self.ranks)
 
     @staticmethod
     def from_json(data: ProgramJSON) -> ProgramSpec:
@@ -390,7 +409,7 @@ class ProgramSpec:
                            tuple(data["reference_losses"]), data["deterministic"],
                            {k: list(v) for k, v in data.get("aliases", {}).items()},
                            tuple(data.get("predicted_events", ())), data.get("autocast"),
-                           _structure(data.get("structure")))
+                           _structure(data.get("structure")), data.get("stages_per_rank", 1))
 
 
 def _structure(data: object) -> Structure | None:

@@ -1,7 +1,7 @@
 """The base class of generated stage modules, and the checkpoint helper their remat regions use."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from fxpipe.errors import CodegenError
 from fxpipe.runtime.memory import active_tracker
 
-__all__ = ["StageModule", "checkpoint"]
+__all__ = ["StageModule", "checkpoint", "share_tied"]
 
 
 def checkpoint(region: Callable[..., Any], *args: Any, enabled: bool) -> Any:
@@ -28,6 +28,21 @@ def checkpoint(region: Callable[..., Any], *args: Any, enabled: bool) -> Any:
     if tracker is not None:
         tracker.add_region_inputs(args)
     return _torch_checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def share_tied(modules: Sequence[StageModule]) -> None:
+    """Stages of one process share tied parameters: one Parameter object under every stage that
+    binds its qualified name, as in the model (so its gradient accumulates once)."""
+    owner: dict[str, nn.Parameter] = {}
+    for module in modules:
+        for attr, qualname in module.PARAMETERS.items():
+            param = module._parameters.get(attr)
+            if param is None:
+                continue
+            if qualname in owner:
+                module._parameters[attr] = owner[qualname]
+            else:
+                owner[qualname] = param
 
 
 class StageModule(nn.Module):

@@ -8,11 +8,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, TypedDict
 
-from fxpipe.runtime.schedule import TimedEvent, get_schedule, is_split, simulate
+from fxpipe.runtime.schedule import default_stages_per_rank, is_split, make_schedule
+from fxpipe.runtime.simulate import TimedEvent, simulate
 
 __all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
            "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step",
-           "INPUT_GRAD_SHARE", "SPLIT_BACKWARD"]
+           "SPLIT_BACKWARD"]
 
 
 class EventJSON(TypedDict):
@@ -169,6 +170,12 @@ class StageTimes(Protocol):
     @property
     def comm_time(self) -> float: ...
 
+    @property
+    def recompute_time(self) -> float: ...
+
+    @property
+    def weight_time(self) -> float: ...
+
 
 class PlanTimes(Protocol):
     """What predicted_events reads of a partition plan (a PartitionPlan, from a layer above)."""
@@ -180,38 +187,42 @@ class PlanTimes(Protocol):
     def chunks(self) -> int: ...
 
 
-INPUT_GRAD_SHARE = 0.5  # of a stage's backward: the input-gradient chain (a linear's one matmul)
-
-
-def _simulated(plan: PlanTimes, schedule: str) -> tuple[list[TimedEvent], float]:
-    """The schedule played with the plan's stage times as the executors run it: a split
-    backward's I costs the input-gradient share of the backward, and its W a whole backward,
-    since W runs autograd again from the stage's outputs to its weights (NOTE [Split backward]
-    in fxpipe/runtime/comm.py)."""
+def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
+               ) -> tuple[list[TimedEvent], float]:
+    """The schedule played with the plan's stage times as the executors run it. A split
+    backward's W costs the weight-gradient part of the backward, and I the rest; under remat,
+    W recomputes the regions again (their recomputed values live for one autograd call;
+    NOTE [Split backward] in fxpipe/runtime/comm.py), so a split backward costs one
+    recomputation more than a whole one."""
     k, m = len(plan.stages), plan.chunks
     fwd = [s.forward_time for s in plan.stages]
-    bwd = [s.compute_time - s.forward_time for s in plan.stages]
+    bwd = [s.compute_time - s.forward_time for s in plan.stages]  # recompute included
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
-    actions = get_schedule(schedule)(m, k)
+    actions = make_schedule(schedule, m, k, ranks)
     if is_split(actions):
+        weight = [s.weight_time + s.recompute_time for s in plan.stages]
         return simulate(actions, forward_time=fwd,
-                        backward_time=[(1 + INPUT_GRAD_SHARE) * b for b in bwd],
-                        weight_time=bwd, comm_time=comm)
+                        backward_time=[b + s.recompute_time for b, s in zip(bwd, plan.stages)],
+                        weight_time=weight, comm_time=comm)
     return simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm)
 
 
-def predicted_step(plan: PlanTimes, schedule: str) -> tuple[float, float]:
-    """(step time, bubble) of `schedule` simulated with the plan's stage times; the bubble is
-    the stages' idle share of the step."""
-    events, makespan = _simulated(plan, schedule)
+def predicted_step(plan: PlanTimes, schedule: str, ranks: int | None = None
+                   ) -> tuple[float, float]:
+    """(step time, bubble) of `schedule` on `ranks` ranks (default: the schedule's stages per
+    rank) simulated with the plan's stage times; the bubble is the ranks' idle share of the
+    step."""
+    ranks = ranks or max(len(plan.stages) // default_stages_per_rank(schedule), 1)
+    events, makespan = _simulated(plan, schedule, ranks)
     work = sum(e.end - e.start for e in events if e.kind != "send")
-    total = makespan * len(plan.stages)
+    total = makespan * ranks
     return makespan, (1 - work / total) if total > 0 else 0.0
 
 
-def predicted_events(plan: PlanTimes, schedule: str = "gpipe") -> list[Event]:
+def predicted_events(plan: PlanTimes, schedule: str = "gpipe",
+                     ranks: int | None = None) -> list[Event]:
     """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
-    events, _ = _simulated(plan, schedule)
+    events, _ = _simulated(plan, schedule, ranks)
     kinds = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
     return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
                   e.kind if e.kind in SPLIT_BACKWARD else "")

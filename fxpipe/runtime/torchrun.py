@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ class RunPlan:
 
     folder: Path
     nproc: int
-    stages: int
+    placement: tuple[int, ...]  # the pipeline rank of each stage
     port: int
     program_args: tuple[str, ...]
 
@@ -67,19 +68,21 @@ def plan_run(folder: str | os.PathLike[str], nproc: int, port: int | None,
     """Checks the program, the process count, program.py's arguments, the loss's module and
     the port, all before any process starts."""
     checked = check_program(folder)
-    stages = checked.stages
-    if nproc < 1 or nproc % stages:
-        raise ConfigError(f"--nproc {nproc} is not a multiple of the program's {stages} stages",
-                          hint=f"run {stages} processes per replica: --nproc {stages} (or "
-                               f"{2 * stages}, {3 * stages}, ... for data-parallel replicas)")
     spec = load_spec(Path(folder))  # imports the outputs' types, from the user's folders
+    ranks = spec.ranks
+    if nproc < 1 or nproc % ranks:
+        what = f"{ranks} stages" if ranks == checked.stages else \
+            f"{ranks} pipeline ranks ({checked.stages} stages, {spec.stages_per_rank} per rank)"
+        raise ConfigError(f"--nproc {nproc} is not a multiple of the program's {what}",
+                          hint=f"run {ranks} processes per replica: --nproc {ranks} (or "
+                               f"{2 * ranks}, {3 * ranks}, ... for data-parallel replicas)")
     parse_program_args(program_args, spec)
     program_loss(spec.loss, checked.code, Path(folder))
     if port is None:
         port = free_port()
     else:
         _check_port(port)
-    return RunPlan(Path(folder), nproc, stages, port, tuple(program_args))
+    return RunPlan(Path(folder), nproc, tuple(spec.placement), port, tuple(program_args))
 
 
 def run_program(plan: RunPlan, *, debug: bool = False) -> int:
@@ -105,11 +108,11 @@ def run_program(plan: RunPlan, *, debug: bool = False) -> int:
     if code == 0:
         shutil.rmtree(logs, ignore_errors=True)
         return 0
-    print(f"fxpipe: error: {rank_failure(Path(logs), plan.stages)}", file=sys.stderr)
+    print(f"fxpipe: error: {rank_failure(Path(logs), plan.placement)}", file=sys.stderr)
     return 1
 
 
-_ERROR = re.compile(r"^rank \d+(?: \(stage \d+\))?: error: (?P<cause>.*)$")
+_ERROR = re.compile(r"^rank \d+(?: \(stages? [^)]*\))?: error: (?P<cause>.*)$")
 _STOPPED = "stopping, another rank failed or exited"
 
 
@@ -136,17 +139,25 @@ def _cause(text: str) -> str | None:
     return None
 
 
-def rank_failure(logs: Path, stages: int) -> str:
+def rank_failure(logs: Path, placement: int | Sequence[int]) -> str:
     """One line on a failed run: the first rank that failed of its own accord, its stage, its
-    cause, and where its whole log is."""
+    cause, and where its whole log is. placement: the pipeline rank of each stage (a number of
+    stages: one per rank)."""
+    stage_ranks = list(range(placement)) if isinstance(placement, int) else list(placement)
+    ranks = max(stage_ranks) + 1
+
+    def stages(rank: int) -> str:
+        held = [s for s, r in enumerate(stage_ranks) if r == rank % ranks]
+        return f"stage {held[0]}" if len(held) == 1 else f"stages {held}"
+
     followers = []
     for rank, path in _rank_logs(logs).items():
         text = path.read_text(encoding="utf-8", errors="replace")
         cause = _cause(text)
         if cause is not None:
-            return f"rank {rank} (stage {rank % stages}) failed: {cause} (full log: {path})"
+            return f"rank {rank} ({stages(rank)}) failed: {cause} (full log: {path})"
         if _STOPPED in text:
-            followers.append(f"rank {rank} (stage {rank % stages}) stopped: another rank failed "
+            followers.append(f"rank {rank} ({stages(rank)}) stopped: another rank failed "
                              f"or exited (full log: {path})")
     if followers:
         return followers[0]

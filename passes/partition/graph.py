@@ -25,10 +25,11 @@ from fxpipe.passes.partition.correct import LOSS
 from fxpipe.passes.partition.problem import Partition, evaluate
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
-from fxpipe.runtime.schedule import get_schedule, peak_inflight
+from fxpipe.runtime.grid import peak_inflight
+from fxpipe.runtime.schedule import make_schedule
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
-           "BALANCE_MODES", "OPTIMIZER_STATE_FACTOR"]
+           "BALANCE_MODES", "OPTIMIZER_STATE_FACTOR", "WEIGHT_GRAD_SHARE"]
 
 BALANCE_MODES = ("cost", "time", "params", "dynamic")
 OPTIMIZER_STATE_FACTOR = 2.0  # Adam keeps two moments per parameter
@@ -45,6 +46,8 @@ class StagePlan:
     first_module: str
     last_module: str
     forward_time: float = 0.0  # the part of compute_time spent in forwards (recompute: backward)
+    recompute_time: float = 0.0  # the part spent recomputing remat regions in the backward
+    weight_time: float = 0.0  # the backward's weight-gradient part (W of a split backward)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class Atoms:
     mem_act: list[float]
     saved: list[float]
     forward: list[float]  # seconds of the forward alone, per atom
+    recompute: list[float]  # seconds of recomputation in the backward, per atom
+    weight: list[float]  # seconds of the backward's weight gradients, per atom
 
 
 def _is_glue(node: Node) -> bool:
@@ -116,6 +121,17 @@ def atoms_of(gm: GraphModule) -> list[list[Node]]:
 
 def _atom_index(groups: list[list[Node]]) -> dict[Node, int]:
     return {n: i for i, g in enumerate(groups) for n in g}
+
+
+WEIGHT_GRAD_SHARE = 0.5
+"""Of the backward of a node with trainable parameters: the weight gradient (a linear layer's
+or a convolution's backward is two products of the forward's size, one for the input's gradient,
+one for the weight's). Nodes without trainable parameters have no weight-gradient part."""
+
+
+def _weight_share(node: Node) -> float:
+    cost: ir.Cost | None = node.meta.get(ir.COST)
+    return WEIGHT_GRAD_SHARE if cost is not None and cost.grad_param_bytes != 0 else 0.0
 
 
 def _node_time(node: Node, balance: str, profile: DeviceProfile, b: int,
@@ -159,6 +175,8 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     mem_act: list[float] = []
     saved: list[float] = []
     forward: list[float] = []
+    recomputed: list[float] = []
+    weight: list[float] = []
     corrections = corrections or {}
     for group in groups:
         times = [_node_time(x, balance, profile, b, corrections) for x in group]
@@ -166,6 +184,8 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         bwd = sum(t[1] for t in times)
         compute.append(fwd + bwd + recompute * fwd)
         forward.append(fwd)
+        recomputed.append(recompute * fwd)
+        weight.append(sum(_weight_share(x) * t[1] for x, t in zip(group, times)))
         costs = [ir.cost(x) for x in group]
         params = sum(float(ir.evaluate(c.param_bytes, b)) for c in costs)
         grads = sum(float(ir.evaluate(c.grad_param_bytes, b)) for c in costs)
@@ -201,7 +221,8 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         comm = [profile.comm_time(f, m) + profile.comm_time(bw, m if bw else 0)
                 for f, bw, m in zip(cut_f, cut_b, cut_m)]
     comm[0] = comm[n] = 0.0
-    return Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved, forward)
+    return Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved, forward, recomputed,
+                 weight)
 
 
 def partition(
@@ -216,12 +237,16 @@ def partition(
     remat: str = "except_last",
     memory_limit: float | None = None,
     schedule: str = "gpipe",
+    ranks: int | None = None,
     loss_time: float = 0.0,
     corrections: Mapping[str, float] | None = None,
     starts: Sequence[str] | None = None,
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
 
+    schedule, ranks: the schedule and its number of ranks (default: one stage per rank, two
+    under a looped schedule), which say how many micro-batches each stage keeps alive.
+    memory_limit: bytes per stage.
     loss_time: seconds per micro-batch of the training loss (forward and backward), which the
     last stage computes after the model's outputs.
     corrections: node name -> factor on its estimated time, learned by measuring stages
@@ -251,7 +276,7 @@ def partition(
                           chunks=chunks, corrections=corrections)
     if mode != "params":
         atoms.compute[-1] += loss_time  # the last atom is always in the last stage
-    inflight = peak_inflight(get_schedule(schedule)(chunks, num_stages))
+    inflight = peak_inflight(make_schedule(schedule, chunks, num_stages, ranks))
     if starts is not None:
         cuts = _cuts_from_starts(groups, starts, num_stages)
     if split_points is not None:
@@ -297,7 +322,8 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
             s, tuple(n.name for n in members), evaluated.stage_times[s],
             evaluated.stage_times[s] - comm, comm,
             evaluated.stage_memory[s] if evaluated.stage_memory else None,
-            modules[0], modules[-1], sum(atoms.forward[cuts[s]:cuts[s + 1]])))
+            modules[0], modules[-1], sum(atoms.forward[cuts[s]:cuts[s + 1]]),
+            sum(atoms.recompute[cuts[s]:cuts[s + 1]]), sum(atoms.weight[cuts[s]:cuts[s + 1]])))
     bottleneck = max(st.time for st in stages)
     return PartitionPlan(tuple(stages), b, chunks, mode, bottleneck, (chunks + k - 1) * bottleneck)
 
