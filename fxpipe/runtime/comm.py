@@ -19,14 +19,33 @@ of every sent tensor, runs autograd on them, and sends the gradient of every rec
     send_grad(x.grad) ----> ...
 
 NOTE [Split backward]
-Zero-bubble schedules split a micro-batch's backward in two. I (`backward_input`) runs autograd
-from the loss or the sent values to the received leaves only (torch.autograd.grad with
-retain_graph=True) and sends their gradients back at once: the previous stage waits for them.
-W (`backward_weight`) later runs autograd again on the kept graph with inputs= the stage's
-parameters, accumulating into .grad, and frees the graph. W walks again the part of the graph
-between the outputs and the weights, and a remat region, whose recomputed tensors torch keeps per
-autograd call, recomputes in W as well as in I. Gradients summed over tied stages or replicas are
-reduced after the step's last action, so after every W.
+Zero-bubble schedules split a micro-batch's backward in two (fxpipe/runtime/split_backward.py).
+I (`backward_input`) runs autograd from the loss or the sent values to the received leaves only:
+it walks the input closure, the nodes from which a received leaf is reachable, and sends the
+leaves' gradients back at once, since the previous stage waits for them. Prehooks keep, on the
+way, the incoming gradient of each intermediate: a node of the closure with an edge toward a
+weight. W (`backward_weight`) later starts autograd at the intermediates with those gradients
+and walks only what lies between them and the weights: it reruns each intermediate for its
+weight-side outputs (a Linear's dW and db; a custom autograd Function computes all of its
+outputs again) and the nodes that lead only to weights, never the input-only nodes I ran. Each
+weight's gradient reaches its .grad through AccumulateGrad once, so post-accumulate hooks fire
+as in a plain backward. Between I and W the rank keeps the intermediates, the graph below them
+(input-only nodes there keep their saved tensors until W frees everything) and the kept
+gradients; the sent values are detached where nothing else holds them, which frees the graph
+above the intermediates.
+
+A micro-batch with an output that depends on no received leaf but reaches a weight (every
+micro-batch of a first stage; `w * x_input` sent beside `f(received)`) falls back: I takes the
+leaves' gradients with the whole graph retained, and W runs a full backward from the outputs
+with inputs= the stage's parameters, so W costs a whole backward there. This is decided per
+stage and micro-batch from the graph, so any mixture of split and fallback micro-batches is
+exact. Remat regions recompute per autograd call: I recomputes a region it reaches, as a plain
+backward would, and W recomputes it once more when it needs tensors saved inside it (W's
+autograd calls, one per group of weights that share intermediates, share one GraphExecGroup, so
+once in all), so under remat W costs one extra forward of each region it reaches on top of the
+weight gradients; reusing I's recomputation instead would hold the region's activations from I
+to W, which remat exists to avoid. Gradients summed over tied stages or replicas are reduced
+after the step's last action, so after every W.
 
 DistComm posts nothing itself when the stage code calls send/recv: `send` leaves the value in an
 outbox and `recv` waits for a receive posted earlier. At each tick of the rank's plan
@@ -53,6 +72,7 @@ import torch.utils._pytree as pytree
 from fxpipe import ir
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.plan import Message, Tick
+from fxpipe.runtime.split_backward import WeightPass, input_backward
 from fxpipe.runtime.transport import Handle, Op, Transport
 
 __all__ = ["LocalComm", "DistComm", "MicrobatchComm", "TagTable", "DTYPE_CODES", "messages_of"]
@@ -229,9 +249,7 @@ class DistComm:
         self.outbox: dict[Message, torch.Tensor] = {}  # produced, posted at its tick
         self.inbox: dict[Message, tuple[Handle | None, torch.Tensor]] = {}  # posted receives
         self.sent_values: dict[Message, torch.Tensor] = {}  # grad buffers take their shape
-        # (stage, mb) -> the backward's start tensors and gradients, kept from I until W
-        self.retained: dict[tuple[int, int],
-                            tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
+        self.retained: dict[tuple[int, int], WeightPass] = {}  # (stage, mb): I done, W to run
 
     # -- posting --------------------------------------------------------------------------------
 
@@ -409,25 +427,20 @@ class DistComm:
 
     def backward_input(self, stage: int, mb: int, loss: torch.Tensor | None = None) -> None:
         """The input-gradient half of a split backward (NOTE [Split backward]): gradients in,
-        the received leaves' gradients out; the graph stays for `backward_weight`."""
+        the received leaves' gradients out; what the weight half needs stays for
+        `backward_weight`."""
         record = self.records.pop((stage, mb), _Record())
         tensors, grads = self._output_grads(record, stage, mb, loss)
-        leaves = [leaf for leaf, _ in record.received]
-        got: Sequence[torch.Tensor | None] = [None] * len(leaves)
-        if tensors and leaves:
-            got = torch.autograd.grad(tensors, leaves, grads, retain_graph=True,
-                                      allow_unused=True)
+        got, self.retained[(stage, mb)] = input_backward(
+            tensors, grads, [leaf for leaf, _ in record.received])
         for (leaf, msg), grad in zip(record.received, got):
             grad = grad if grad is not None else torch.zeros_like(leaf)
             self.outbox[_gradient(msg)] = grad.detach().contiguous()
-        self.retained[(stage, mb)] = (tensors, grads)
 
     def backward_weight(self, stage: int, mb: int, weights: Sequence[torch.Tensor]) -> None:
-        """The weight-gradient half: accumulates into `weights`' .grad through the graph that
+        """The weight-gradient half: accumulates into `weights`' .grad from what
         `backward_input` kept, then frees it."""
-        tensors, grads = self.retained.pop((stage, mb))
-        if tensors and weights:
-            torch.autograd.backward(tensors, grads, inputs=list(weights))
+        self.retained.pop((stage, mb)).run(weights)
 
     def _output_grads(self, record: _Record, stage: int, mb: int, loss: torch.Tensor | None
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:

@@ -205,6 +205,7 @@ class DistributedExecutor:
                                               loss_fn) / chunks
                             losses[mb] = loss if scale is None else loss * scale
                             total += loss.detach().double()
+                    del view, out  # the comm keeps what the backward needs
                 elif action.kind == "I":
                     with self.timeline.span("backward", stage, mb, detail="I"):
                         comm.backward_input(stage, mb, losses.pop(mb, None)

@@ -190,21 +190,29 @@ class PlanTimes(Protocol):
 def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
                ) -> tuple[list[TimedEvent], float]:
     """The schedule played with the plan's stage times as the executors run it. A split
-    backward's W costs the weight-gradient part of the backward, and I the rest; under remat,
+    backward's W costs the stage's weight time and I the rest of the backward; under remat,
     W recomputes the regions again (their recomputed values live for one autograd call;
     NOTE [Split backward] in fxpipe/runtime/comm.py), so a split backward costs one
-    recomputation more than a whole one."""
+    recomputation more than a whole one, except where W is the whole backward (the first
+    stage: I has nothing to compute)."""
     k, m = len(plan.stages), plan.chunks
     fwd = [s.forward_time for s in plan.stages]
     bwd = [s.compute_time - s.forward_time for s in plan.stages]  # recompute included
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
     actions = make_schedule(schedule, m, k, ranks)
-    if is_split(actions):
-        weight = [s.weight_time + s.recompute_time for s in plan.stages]
-        return simulate(actions, forward_time=fwd,
-                        backward_time=[b + s.recompute_time for b, s in zip(bwd, plan.stages)],
-                        weight_time=weight, comm_time=comm)
-    return simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm)
+    if not is_split(actions):
+        return simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm)
+    inputs, weights = [], []
+    for s, backward in zip(plan.stages, bwd):
+        pure = backward - s.recompute_time
+        if s.weight_time >= pure * (1 - 1e-9):  # W is the whole backward
+            inputs.append(0.0)
+            weights.append(backward)
+        else:
+            inputs.append(s.recompute_time + pure - s.weight_time)
+            weights.append(s.recompute_time + s.weight_time)
+    return simulate(actions, forward_time=fwd, weight_time=weights,
+                    backward_time=[i + w for i, w in zip(inputs, weights)], comm_time=comm)
 
 
 def predicted_step(plan: PlanTimes, schedule: str, ranks: int | None = None

@@ -47,7 +47,9 @@ class StagePlan:
     last_module: str
     forward_time: float = 0.0  # the part of compute_time spent in forwards (recompute: backward)
     recompute_time: float = 0.0  # the part spent recomputing remat regions in the backward
-    weight_time: float = 0.0  # the backward's weight-gradient part (W of a split backward)
+    # the part of the backward a split backward's W runs (besides recomputing): the weight
+    # gradients; the whole backward in the first stage, which has no input gradient to send
+    weight_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -318,12 +320,17 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
             node.meta[ir.STAGE] = s
         comm = atoms.cut_comm[cuts[s]] + atoms.cut_comm[cuts[s + 1]]
         modules = [ir.module_path(n) for n in members if ir.module_path(n)] or ["(top level)"]
+        compute = evaluated.stage_times[s] - comm
+        forward = sum(atoms.forward[cuts[s]:cuts[s + 1]])
+        recompute = sum(atoms.recompute[cuts[s]:cuts[s + 1]])
+        # the first stage receives no gradient-carrying value: its split backward's W is the
+        # whole backward (NOTE [Split backward] in fxpipe/runtime/comm.py)
+        weight = compute - forward - recompute if s == 0 else \
+            sum(atoms.weight[cuts[s]:cuts[s + 1]])
         stages.append(StagePlan(
-            s, tuple(n.name for n in members), evaluated.stage_times[s],
-            evaluated.stage_times[s] - comm, comm,
+            s, tuple(n.name for n in members), evaluated.stage_times[s], compute, comm,
             evaluated.stage_memory[s] if evaluated.stage_memory else None,
-            modules[0], modules[-1], sum(atoms.forward[cuts[s]:cuts[s + 1]]),
-            sum(atoms.recompute[cuts[s]:cuts[s + 1]]), sum(atoms.weight[cuts[s]:cuts[s + 1]])))
+            modules[0], modules[-1], forward, recompute, weight))
     bottleneck = max(st.time for st in stages)
     return PartitionPlan(tuple(stages), b, chunks, mode, bottleneck, (chunks + k - 1) * bottleneck)
 

@@ -1,0 +1,527 @@
+"""The split backward (fxpipe.runtime.split_backward): I then W equals one full backward, and W
+runs only the weights' part of the graph.
+
+Each test builds a small stage-like computation by hand (received leaves that require grad,
+parameters, outputs with the gradients the next stage would send, or a loss), runs
+`input_backward` and later `WeightPass.run`, and compares the leaves' gradients and every
+parameter's .grad with a plain `torch.autograd.backward` on an identical copy. Counting autograd
+Functions show which nodes ran in which half.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe.errors import PipelineRuntimeError
+from fxpipe.runtime.split_backward import WeightPass, input_backward
+from fxpipe.runtime.stage import checkpoint
+
+Outputs = list[torch.Tensor]
+
+
+def counting() -> Any:
+    """A fresh identity autograd Function whose backward counts its calls in `.calls`."""
+
+    class Counting(torch.autograd.Function):
+        calls = 0
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            Counting.calls += 1
+            return grad
+
+    return Counting
+
+
+def params(module: nn.Module) -> list[torch.Tensor]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def run_split(module: nn.Module, received: Sequence[torch.Tensor],
+              grads: Sequence[torch.Tensor | None] | None = None,
+              ) -> tuple[list[torch.Tensor | None], WeightPass]:
+    leaves = [r.clone().requires_grad_() for r in received]
+    outputs = module(*leaves)
+    got, weight_pass = input_backward(outputs, grads or [None] * len(outputs), leaves)
+    return got, weight_pass
+
+
+def run_full(module: nn.Module, received: Sequence[torch.Tensor],
+             grads: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
+    leaves = [r.clone().requires_grad_() for r in received]
+    outputs = module(*leaves)
+    torch.autograd.backward(outputs, grads or [None] * len(outputs))
+    return [leaf.grad for leaf in leaves]
+
+
+def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def check(module: nn.Module, received: Sequence[torch.Tensor],
+          grads: Sequence[torch.Tensor | None] | None = None, *, fallback: bool) -> None:
+    """Split on `module`, full backward on a copy: same leaf gradients, same .grad."""
+    reference = copy.deepcopy(module)
+    got, weight_pass = run_split(module, received, grads)
+    assert weight_pass.fallback == fallback
+    weight_pass.run(params(module))
+    expected = run_full(reference, received, grads)
+    for g, e in zip(got, expected):
+        if e is None:
+            assert g is None
+        else:
+            assert g is not None
+            torch.testing.assert_close(g, e)
+    assert_same_grads(module, reference)
+
+
+# -- stages ---------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A residual MLP block, the shape of a transformer layer's second half."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class Middle(nn.Module):
+    """A middle stage: received x, two blocks, sends the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x: torch.Tensor) -> Outputs:
+        return [self.blocks(x)]
+
+
+def test_split_backward_of_a_middle_stage_equals_a_full_backward() -> None:
+    check(Middle(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
+
+
+def test_the_last_stage_loss_starts_from_a_none_gradient() -> None:
+    class Last(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            return [self.head(self.block(x)).logsumexp(-1).mean()]
+
+    check(Last(), [torch.randn(4, 8)], fallback=False)
+
+
+def test_input_pass_runs_no_weight_only_node_and_weight_pass_no_input_only_node() -> None:
+    to_input, to_weight = counting(), counting()
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            h = to_input.apply(self.a(to_input.apply(x)))  # only on the way to x
+            return [torch.nn.functional.linear(h, to_weight.apply(self.b.weight), self.b.bias)]
+
+    stage = Stage()
+    reference = copy.deepcopy(stage)
+    grad = torch.randn(4, 8)
+    _, weight_pass = run_split(stage, [torch.randn(4, 8)], [grad])
+    assert (to_input.calls, to_weight.calls) == (2, 0)
+    weight_pass.run(params(stage))
+    assert (to_input.calls, to_weight.calls) == (2, 1)
+    run_full(reference, [torch.randn(4, 8)], [grad])  # also counts: a full walk runs both
+    assert (to_input.calls, to_weight.calls) == (4, 2)
+
+
+def test_weight_pass_does_not_walk_the_input_path_between_layers() -> None:
+    between = counting()
+
+    class Deep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            for layer in self.layers:
+                x = between.apply(torch.tanh(layer(x)))
+            return [x]
+
+    check(Deep(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
+    assert between.calls == 4 + 4  # once in I of the split, once in the reference; none in W
+
+
+def test_first_stage_without_received_leaves_falls_back_to_a_full_weight_pass() -> None:
+    path = counting()
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.block = Block()
+
+        def forward(self) -> Outputs:
+            return [path.apply(self.block(self.emb(torch.tensor([1, 2, 3]))))]
+
+    stage = First()
+    reference = copy.deepcopy(stage)
+    grad = torch.randn(3, 8)
+    got, weight_pass = run_split(stage, [], [grad])
+    assert got == [] and weight_pass.fallback and path.calls == 0  # I has nothing to do
+    weight_pass.run(params(stage))
+    assert path.calls == 1
+    run_full(reference, [], [grad])
+    assert_same_grads(stage, reference)
+
+
+def test_an_output_that_depends_on_no_received_leaf_makes_the_micro_batch_fall_back() -> None:
+    class TwoOutputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.scale = nn.Parameter(torch.randn(8))
+            self.model_input = torch.randn(4, 8)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            # scale reaches the outputs both through the received x and beside it
+            return [self.lin(x) * self.scale, self.scale * self.model_input]
+
+    check(TwoOutputs(), [torch.randn(4, 8)], [torch.randn(4, 8), torch.randn(4, 8)],
+          fallback=True)
+
+
+def test_a_weight_used_only_beside_the_received_leaf_makes_the_micro_batch_fall_back() -> None:
+    class Beside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.other = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            return [self.lin(x), self.other(torch.ones(2, 8))]
+
+    check(Beside(), [torch.randn(4, 8)], [torch.randn(4, 8), torch.randn(2, 8)], fallback=True)
+
+
+def test_an_output_outside_the_input_closure_that_reaches_no_weight_does_not_fall_back() -> None:
+    lin = nn.Linear(8, 8)
+    reference = copy.deepcopy(lin)
+    x, side = torch.randn(4, 8), torch.randn(4, 8)
+    grads = [torch.randn(4, 8), torch.randn(4, 8)]
+    leaf, aside = x.clone().requires_grad_(), side.clone().requires_grad_()
+    got, weight_pass = input_backward([lin(leaf), aside * 3], grads, [leaf],
+                                      weights=list(lin.parameters()))
+    assert not weight_pass.fallback
+    weight_pass.run(list(lin.parameters()))
+    leaf2 = x.clone().requires_grad_()
+    torch.autograd.backward([reference(leaf2)], grads[:1])
+    torch.testing.assert_close(got[0], leaf2.grad)
+    assert_same_grads(lin, reference)
+
+
+def test_a_weight_pass_given_a_weight_the_input_pass_did_not_serve_refuses_it() -> None:
+    lin, extra = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+    leaf = torch.randn(4, 8, requires_grad=True)
+    _, weight_pass = input_backward([lin(leaf) * extra], [torch.randn(4, 8)], [leaf],
+                                    weights=list(lin.parameters()))
+    with pytest.raises(PipelineRuntimeError, match="was not given"):
+        weight_pass.run([*lin.parameters(), extra])
+
+
+def test_a_tied_weight_used_above_and_below_other_layers_gets_its_exact_gradient() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(8, 8)
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            h = torch.tanh(self.shared(x))
+            h = torch.tanh(self.a(h))
+            h = torch.tanh(self.shared(h))  # a path through the input closure joins both uses
+            return [self.shared(self.b(h))]
+
+    check(Tied(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
+
+
+def test_a_tied_weight_inside_a_remat_region_is_exact() -> None:
+    class TiedRemat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(8, 8)
+            self.a = nn.Linear(8, 8)  # its node lies on the path that joins both uses
+
+        def region(self, x: torch.Tensor) -> torch.Tensor:
+            return self.shared(torch.tanh(self.a(torch.tanh(self.shared(x)))))
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            return [checkpoint(self.region, x, enabled=True)]
+
+    check(TiedRemat(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
+
+
+def test_a_tied_weight_used_side_by_side_gets_its_exact_gradient() -> None:
+    class SideBySide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> Outputs:
+            return [self.shared(x) + self.shared(y)]
+
+    check(SideBySide(), [torch.randn(4, 8), torch.randn(4, 8)], [torch.randn(4, 8)],
+          fallback=False)
+
+
+def test_a_tensor_hook_on_an_intermediate_output_applies_once() -> None:
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            h = self.a(x)
+            h.register_hook(lambda grad: grad * 2)  # runs before the node that made h
+            return [self.b(torch.tanh(h))]
+
+    check(Hooked(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
+
+
+def test_frozen_parameters_and_buffers_get_no_gradient() -> None:
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.frozen = nn.Linear(8, 8)
+            self.frozen.requires_grad_(False)
+            self.trained = nn.Linear(8, 8)
+            self.register_buffer("shift", torch.randn(8))
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            return [self.trained(self.frozen(x) + self.shift)]
+
+    stage = Frozen()
+    check(stage, [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
+    assert stage.frozen.weight.grad is None and stage.trained.weight.grad is not None
+
+
+def test_a_parameter_that_scales_the_received_leaf_gets_its_exact_gradient() -> None:
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Parameter(torch.randn(8))  # used right at the received value
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            return [self.lin(torch.tanh(x * self.gate))]
+
+    check(Gate(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
+
+
+def test_in_place_ops_and_views_keep_the_gradients_exact() -> None:
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.scale = nn.Parameter(torch.randn(4))
+            self.bias = nn.Parameter(torch.randn(8))
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            h = self.lin(x)
+            h[:, :4].mul_(self.scale)  # in place on a view: CopySlices
+            h.add_(self.bias)
+            return [h.t(), h.view(2, 16)[0]]  # sent values that are views
+
+    check(InPlace(), [torch.randn(4, 8)], [torch.randn(8, 4), torch.randn(16)], fallback=False)
+
+
+def test_outputs_that_are_a_tuple_of_tensors_get_exact_gradients() -> None:
+    class Split(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> Outputs:
+            a, b = self.lin(x).chunk(2, dim=-1)  # one node with two outputs
+            return [a * self.w, b, y]  # y: a received leaf sent on as it is
+
+    check(Split(), [torch.randn(4, 8), torch.randn(3)],
+          [torch.randn(4, 4), torch.randn(4, 4), torch.randn(3)], fallback=False)
+
+
+def test_weight_passes_run_in_another_order_and_add_to_existing_grads() -> None:
+    stage = Middle()
+    reference = copy.deepcopy(stage)
+    for module in (stage, reference):
+        for p in module.parameters():
+            p.grad = torch.ones_like(p)
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(3)]
+    passes = [run_split(stage, [x], [g])[1] for x, g in batches]
+    for k in (2, 0, 1):
+        passes[k].run(params(stage))
+    for x, g in batches:
+        run_full(reference, [x], [g])
+    assert_same_grads(stage, reference)
+
+
+def test_fallback_and_split_micro_batches_mix_in_any_order() -> None:
+    class Sometimes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+            self.side = nn.Parameter(torch.randn(8))
+            self.beside = False
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            out = [self.block(x) * self.side]
+            return out + [self.side * 2.0] if self.beside else out
+
+    stage = Sometimes()
+    reference = copy.deepcopy(stage)
+    batches = []
+    for mb in range(4):
+        grads = [torch.randn(4, 8)] + ([torch.randn(8)] if mb % 2 else [])
+        batches.append((mb % 2 == 1, torch.randn(4, 8), grads))
+    passes = []
+    for beside, x, grads in batches:
+        stage.beside = beside
+        passes.append(run_split(stage, [x], grads)[1])
+    assert [p.fallback for p in passes] == [False, True, False, True]
+    for k in (3, 0, 2, 1):
+        passes[k].run(params(stage))
+    for beside, x, grads in batches:
+        reference.beside = beside
+        run_full(reference, [x], grads)
+    assert_same_grads(stage, reference)
+
+
+class Remat(nn.Module):
+    """A block inside a remat region that counts how often it runs."""
+
+    def __init__(self, region_runs: list[int]) -> None:
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Linear(8, 8)
+        self.runs = region_runs
+
+    def region(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs.append(1)
+        return self.block(x)
+
+    def forward(self, x: torch.Tensor) -> Outputs:
+        return [self.head(checkpoint(self.region, x, enabled=True))]
+
+
+def test_remat_is_exact_and_the_weight_pass_recomputes_a_region_once() -> None:
+    runs: list[int] = []
+    stage = Remat(runs)
+    reference = copy.deepcopy(stage)
+    reference.runs = []
+    x, grad = torch.randn(4, 8), torch.randn(4, 8)
+    got, weight_pass = run_split(stage, [x], [grad])
+    assert len(runs) == 2  # forward, and the recompute of I
+    weight_pass.run(params(stage))
+    assert len(runs) == 3  # the region holds three weight groups; W recomputes it once
+    expected = run_full(reference, [x], [grad])
+    torch.testing.assert_close(got[0], expected[0])
+    assert_same_grads(stage, reference)
+
+
+def test_remat_on_a_stage_that_falls_back_is_exact() -> None:
+    runs: list[int] = []
+    stage = Remat(runs)
+    reference = copy.deepcopy(stage)
+    model_input, grad = torch.randn(4, 8), torch.randn(4, 8)  # no received leaf: the first stage
+    _, weight_pass = input_backward(stage(model_input), [grad], [])
+    assert weight_pass.fallback
+    weight_pass.run(params(stage))
+    assert len(runs) == 2  # forward, and the recompute of W's full backward
+    torch.autograd.backward(reference(model_input), [grad])
+    assert_same_grads(stage, reference)
+
+
+class Probe(torch.autograd.Function):
+    """Identity whose autograd node holds a marker, to see when the node is freed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.marker = Marker()
+        Marker.last = weakref.ref(ctx.marker)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class Marker:
+    last: Any = None
+
+
+def test_input_pass_frees_the_graph_above_the_intermediates() -> None:
+    lin = nn.Linear(8, 8)
+    leaf = torch.randn(4, 8, requires_grad=True)
+    outputs = [Probe.apply(lin(leaf))]
+    _, weight_pass = input_backward(outputs, [torch.randn(4, 8)], [leaf])
+    gc.collect()
+    assert not weight_pass.fallback and Marker.last() is None  # outputs held, graph not
+    weight_pass.run(list(lin.parameters()))
+    assert lin.weight.grad is not None
+
+
+def test_a_sent_value_that_a_later_node_saves_stays_usable_by_the_weight_pass() -> None:
+    class Skip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            y = self.a(x)
+            return [y, self.b(y)]  # b saved y to compute its weight's gradient
+
+    check(Skip(), [torch.randn(4, 8)], [torch.randn(4, 8), torch.randn(4, 8)], fallback=False)
+
+
+def test_input_pass_keeps_the_whole_graph_when_the_weight_pass_falls_back() -> None:
+    lin = nn.Linear(8, 8)
+    leaf = torch.randn(4, 8, requires_grad=True)
+    outputs = [Probe.apply(lin(leaf)), lin(torch.ones(4, 8))]
+    _, weight_pass = input_backward(outputs, [torch.randn(4, 8), torch.randn(4, 8)], [leaf])
+    del outputs
+    gc.collect()
+    assert weight_pass.fallback and Marker.last() is not None
+    weight_pass.run(list(lin.parameters()))
+    del weight_pass
+    gc.collect()
+    assert Marker.last() is None
+
+
+def test_a_weight_pass_runs_only_once() -> None:
+    _, weight_pass = run_split(Middle(), [torch.randn(4, 8)], [torch.randn(4, 8)])
+    weight_pass.run()
+    with pytest.raises(PipelineRuntimeError, match="already run"):
+        weight_pass.run()
