@@ -29,6 +29,7 @@ from fxpipe.passes.partition import (
 )
 from fxpipe.profile import cache, get_profile
 from fxpipe.rebalance import balance_by_measurement, cut_of, robust_time
+from fxpipe.runtime.schedule import default_stages_per_rank
 from tests.ranks import spawn
 
 PROFILE = "a100"
@@ -179,10 +180,11 @@ def test_a_rebalanced_program_trains_exactly_as_the_plain_model(monkeypatch):
 
 # --- under torchrun ----------------------------------------------------------------------------
 
-def _rebalance_on_ranks(rank: int, world: int) -> dict:
+def _rebalance_on_ranks(rank: int, world: int, schedule: str = "gpipe") -> dict:
     """Trains 3 Adam steps with a rebalance (forced to move the cut) after the first."""
     model, inputs, target = make_gpt()
-    program = fxpipe.compile(model, inputs, stages=world, chunks=4, profile=PROFILE)
+    program = fxpipe.compile(model, inputs, stages=world * default_stages_per_rank(schedule),
+                             chunks=4, profile=PROFILE, schedule=schedule)
     opt = torch.optim.Adam(program.parameters(), lr=1e-3)
     losses = [program.step(*inputs, target=target)]
     opt.step()
@@ -216,8 +218,11 @@ def _plain_adam(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_rebalance_under_torchrun_moves_parameters_with_their_optimizer_state():
-    results = spawn(2, "tests.test_balance", "_rebalance_on_ranks", timeout=120, bound=400)
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-v"])
+def test_rebalance_under_torchrun_moves_parameters_with_their_optimizer_state(schedule):
+    # zb-v: four stages on two ranks, the first and last (the tied embedding) on rank 0
+    results = spawn(2, "tests.test_balance", "_rebalance_on_ranks", schedule, timeout=120,
+                    bound=400)
     losses, state = _plain_adam(3)
     assert results[0]["after"] != results[0]["before"]
     assert results[0]["rounds"] == results[1]["rounds"]  # every rank agrees

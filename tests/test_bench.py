@@ -31,6 +31,7 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     assert rc == 0
     result = json.loads((tmp_path / "bench.json").read_text())
     variants = {"single_process", "fxpipe", "fxpipe_1f1b", "fxpipe_zb-h1",
+                "fxpipe_interleaved-1f1b", "fxpipe_zb-v",
                 "fxpipe_remat_except_last", "fxpipe_remat_always"}
     torch_variants = {f"torch_{frontend}_{cut}_{schedule}" for frontend in ("traced", "manual")
                       for cut in ("natural", "fxpipe")
@@ -40,13 +41,17 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     losses = result["losses_first_step"]
     for name in variants | torch_variants:
         assert losses[name] == pytest.approx(losses["single_process"], rel=1e-5), name
-    assert result["best_schedule"] in ("gpipe", "1f1b", "zb-h1")
+    assert result["best_schedule"] in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
     assert result["torch_pipelining_best"] in torch_variants
     best = result["step_time_s"]["fxpipe" if result["best_schedule"] == "gpipe"
                                  else "fxpipe_" + result["best_schedule"]]
     assert result["step_time_ratio_vs_torch_pipelining_best"] == pytest.approx(
         best / result["step_time_s"][result["torch_pipelining_best"]])
     assert result["stage_imbalance"] >= 0 and result["balance_rounds"]
+    fxpipe_variants = {v for v in variants if v.startswith("fxpipe")}
+    assert set(result["predicted_over_measured_by_variant"]) == fxpipe_variants
+    assert all(r > 0 for r in result["predicted_over_measured_by_variant"].values())
+    assert set(result["stage_imbalance_by_variant"]) == fxpipe_variants
     assert result["speedup_vs_single_process"] > 0
     for name, (low, high) in result["step_time_min_max_s"].items():
         assert 0 < low <= result["step_time_s"][name] <= high, name

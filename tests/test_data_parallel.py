@@ -158,7 +158,7 @@ def test_small_buckets_are_averaged_while_the_last_backward_runs(two_by_two):
 
 def test_report_shows_the_mesh_and_both_kinds_of_traffic(two_by_two):
     text = two_by_two[0]["gpt_tied", "overlapped"]["report"]
-    assert "2 replica(s) x 2 stages" in text
+    assert "2 replica(s) x 2 ranks" in text
     assert "rank 3 = replica 1 stage 1" in text
     assert "point-to-point" in text and "data-parallel all-reduce" in text
     assert "tied-weight all-reduce" in text

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.plan import Message, Tick, clock, plan_rank
 from fxpipe.runtime.grid import clock_cycles
+from fxpipe.runtime.plan import Message, Tick, clock, plan_rank
 from fxpipe.runtime.schedule import (
     SCHEDULES,
     Action,

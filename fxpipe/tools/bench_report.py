@@ -36,12 +36,21 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         step[name] = _median(per_step)
         spread[name] = [min(per_step), max(per_step)] if per_step else [0.0, 0.0]
     measured = step["fxpipe"]
-    pipeline = _median([max(results[r]["pipeline"]["fxpipe"][i] for r in ranks)
-                        for i in range(len(first["pipeline"]["fxpipe"]))])
+    pipelines = {name: _median([max(results[r]["pipeline"][name][i] for r in ranks)
+                                for i in range(len(first["pipeline"][name]))])
+                 for name in first["pipeline"]}
+    pipeline = pipelines["fxpipe"]
     best_schedule = _fastest(step, "fxpipe", exclude=("fxpipe_remat_",)) or "fxpipe"
     torch_best = _fastest(step, "torch_")
-    compute = [_median([c for c, _ in results[r]["stage_times"]["fxpipe"]]) for r in ranks]
-    waits = [_median([w for _, w in results[r]["stage_times"]["fxpipe"]]) for r in ranks]
+
+    def per_rank(name: str, part: int) -> list[float]:
+        return [_median([t[part] for t in results[r]["stage_times"][name]]) for r in ranks]
+
+    def imbalance(name: str) -> float | None:
+        busy = per_rank(name, 0)
+        return max(busy) / min(busy) - 1 if min(busy) > 0 else None
+
+    compute, waits = per_rank("fxpipe", 0), per_rank("fxpipe", 1)
     by_mode = {m: step["fxpipe" if m == options["remat"] else f"fxpipe_remat_{m}"]
                for m in REMAT_COMPARED}
     predicted = first["predicted"]["fxpipe"]
@@ -63,10 +72,14 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         "step_time_ratio_vs_torch_pipelining":
             measured / step["torch_traced_fxpipe_gpipe"]
             if "torch_traced_fxpipe_gpipe" in step else None,
-        "stage_imbalance": max(compute) / min(compute) - 1 if min(compute) > 0 else None,
+        "stage_imbalance": imbalance("fxpipe"),
+        "best_schedule_stage_imbalance": imbalance(best_schedule),
+        "stage_imbalance_by_variant": {name: imbalance(name) for name in first["stage_times"]},
         "predicted_step_time_s": predicted,
         "pipeline_step_time_s": pipeline,  # program.step alone, what the prediction covers
         "predicted_over_measured": predicted / pipeline,
+        "predicted_over_measured_by_variant": {
+            name: first["predicted"][name] / t for name, t in pipelines.items()},
         "remat_step_time_ratio": by_mode["except_last"] / by_mode["never"],
         "remat_step_time_ratios": {m: by_mode[m] / by_mode["never"] for m in REMAT_COMPARED[1:]},
         "stages_detail": [],
@@ -115,12 +128,14 @@ def _lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"- fastest torch.distributed.pipelining variant: "
                      f"{summary['torch_pipelining_best']}; fxpipe best / it: "
                      f"**{summary['step_time_ratio_vs_torch_pipelining_best']:.3f}**")
-    imbalance = summary["stage_imbalance"]
-    lines += ["- measured stage imbalance (slowest / fastest compute - 1): "
-              + (f"**{imbalance:.1%}**" if imbalance is not None else "-"),
+    lines += ["- measured imbalance of the ranks' compute (slowest / fastest - 1): "
+              + ", ".join(f"{name} " + (f"**{v:.1%}**" if v is not None else "-")
+                          for name, v in summary["stage_imbalance_by_variant"].items()),
               f"- predicted step time {summary['predicted_step_time_s']:.3f} s vs measured "
               f"program.step {summary['pipeline_step_time_s']:.3f} s "
-              f"(predicted/measured {summary['predicted_over_measured']:.3f})",
+              f"(predicted/measured {summary['predicted_over_measured']:.3f}); by schedule: "
+              + ", ".join(f"{name} {v:.3f}" for name, v in
+                          summary["predicted_over_measured_by_variant"].items()),
               "- step time with remat on / off: " + ", ".join(
                   f"{m} {r:.3f}" for m, r in summary["remat_step_time_ratios"].items()),
               f"- fxpipe's cut (stages 1.. begin at): {summary['split_points']}; "

@@ -25,8 +25,8 @@ from fxpipe.errors import FxPipeError
 from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
 from fxpipe.program import Program
-from fxpipe.runtime.schedule import SCHEDULES
-from fxpipe.runtime.timeline import Event, busy_time, predicted_events
+from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
+from fxpipe.runtime.timeline import Event, busy_time, predicted_events, predicted_step
 from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
 
 __all__ = ["worker", "REMAT_COMPARED"]
@@ -75,16 +75,12 @@ class _FxpipeVariant:
 
 def _compile(model: Any, inputs: tuple[Any, ...], world: int, args: dict[str, Any],
              remat: str, schedule: str) -> Program:
-    """fxpipe's program for `schedule`: one stage per rank, else (schedules with several stages
-    per rank) two."""
-    options = dict(chunks=args["chunks"], remat=remat, balance=args["balance"],
-                   schedule=schedule)
-    try:
-        return fxpipe.compile(copy.deepcopy(model), inputs, stages=world, **options)
-    except FxPipeError:
-        if schedule == "gpipe":
-            raise
-        return fxpipe.compile(copy.deepcopy(model), inputs, stages=2 * world, **options)
+    """fxpipe's program for `schedule` on `world` ranks: one stage per rank, or two under the
+    looped schedules (interleaved-1f1b, zb-v)."""
+    return fxpipe.compile(copy.deepcopy(model), inputs,
+                          stages=world * default_stages_per_rank(schedule),
+                          chunks=args["chunks"], remat=remat, balance=args["balance"],
+                          schedule=schedule)
 
 
 def _single(model: Any, inputs: tuple[Any, ...], target: Any, chunks: int) -> Step:
@@ -200,7 +196,9 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
         "pipeline": {k: v.pipeline[warm:] for k, v in fx.items()},
         "stage_times": {k: v.stage[warm:] for k, v in fx.items()},
         "events": [e.__dict__ for e in main.measured.get("last_step_events", [])],
-        "predicted": {k: v.program.plan.predicted_step_time for k, v in fx.items()},
+        # each schedule played with its program's stage costs
+        "predicted": {k: predicted_step(v.program.plan, v.program.built.config.schedule,
+                                        world)[0] for k, v in fx.items()},
         "predicted_events": [e.__dict__ for e in predicted_events(main.plan)],
         "stages": [{"first": s.first_module, "last": s.last_module, "ops": len(s.nodes),
                     "predicted_s": s.compute_time * main.plan.chunks}

@@ -4,7 +4,8 @@ With a GPU it checks, against the plain model on that GPU (loss and every parame
 every reference model pipelined on devices ["cuda:0", "cuda:0"] in every remat mode, in fp32
 and under bf16 autocast; a model that already sits on the GPU, compiled as it is; a written
 program run in one process on the GPU (its --verify against the plain model); with two or more
-GPUs, a written program of every schedule (GPipe, 1F1B, ZB-H1) under torchrun over NCCL. It
+GPUs, a written program of every schedule (GPipe, 1F1B, ZB-H1 on 2 stages; interleaved 1F1B
+and ZB-V on 4 stages, two per rank) under torchrun over NCCL. It
 also times the device profile against the datasheet preset. Without a GPU it runs the same
 checks on the CPU (torchrun over gloo in strict point-to-point mode, which keeps NCCL's ordering
 rules) and says what it skipped. One table at the end; exit status 1 when a check failed.
@@ -33,7 +34,7 @@ import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import MODELS, load
 from fxpipe.profile import PRESETS, DeviceProfile, measure
-from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
 
 __all__ = ["run_selfcheck", "Check"]
 
@@ -198,7 +199,8 @@ def _model_on_device(device: torch.device) -> str:
 
 def _write(folder: str, schedule: str) -> None:
     model, inputs, kwargs, target = _case("gpt", torch.device("cpu"))
-    program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=2, chunks=2,
+    program = fxpipe.compile(model, inputs, example_kwargs=kwargs,
+                             stages=2 * default_stages_per_rank(schedule), chunks=2,
                              schedule=schedule, profile="a100")
     program.write(folder, target=target, reference_steps=2)
 
