@@ -9,6 +9,7 @@ recompute; waits excluded) and the time spent waiting for receives.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -146,6 +147,10 @@ def _try_torch(variant: TorchVariant, model: Any, inputs: tuple[Any, ...], targe
         if error:
             skipped.append(f"{variant.name} (rank {rank}): {error[:300]}")
         losses.pop(variant.name, None)
+        # a step that failed on one rank leaves the others' operations pending in the group:
+        # its connections would keep the machine busy while the other variants are timed
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
         return None
     return step
 

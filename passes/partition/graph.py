@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch.fx import GraphModule, Node
 
 from fxpipe import ir
@@ -126,14 +127,39 @@ def _atom_index(groups: list[list[Node]]) -> dict[Node, int]:
 
 
 WEIGHT_GRAD_SHARE = 0.5
-"""Of the backward of a node with trainable parameters: the weight gradient (a linear layer's
-or a convolution's backward is two products of the forward's size, one for the input's gradient,
-one for the weight's). Nodes without trainable parameters have no weight-gradient part."""
+"""Of the backward of a node that reads trainable parameters: the weight gradient (a linear
+layer's or a convolution's backward is two products of the forward's size, one for the input's
+gradient, one for the weight's). Nodes without trainable parameters have no weight-gradient
+part."""
 
 
-def _weight_share(node: Node) -> float:
-    cost: ir.Cost | None = node.meta.get(ir.COST)
-    return WEIGHT_GRAD_SHARE if cost is not None and cost.grad_param_bytes != 0 else 0.0
+def _weight_readers(gm: GraphModule) -> set[Node]:
+    """The nodes whose backward has a weight-gradient part: those reading a trainable parameter,
+    directly or through nodes computed from parameters alone (a transpose, a cast), tied
+    parameters at every use."""
+    derived: set[Node] = set()  # trainable parameters and what is computed from them alone
+    readers: set[Node] = set()
+    for node in gm.graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "get_attr":
+            value = _attribute(gm, str(node.target))
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                derived.add(node)
+        elif inputs and all(a in derived for a in inputs):
+            derived.add(node)
+        if any(a in derived for a in inputs):
+            readers.add(node)
+        if node.op == "call_module" and any(
+                p.requires_grad for p in gm.get_submodule(str(node.target)).parameters()):
+            readers.add(node)
+    return readers
+
+
+def _attribute(gm: GraphModule, target: str) -> object:
+    value: object = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def _node_time(node: Node, balance: str, profile: DeviceProfile, b: int,
@@ -179,6 +205,7 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     forward: list[float] = []
     recomputed: list[float] = []
     weight: list[float] = []
+    readers = _weight_readers(gm)
     corrections = corrections or {}
     for group in groups:
         times = [_node_time(x, balance, profile, b, corrections) for x in group]
@@ -187,7 +214,8 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         compute.append(fwd + bwd + recompute * fwd)
         forward.append(fwd)
         recomputed.append(recompute * fwd)
-        weight.append(sum(_weight_share(x) * t[1] for x, t in zip(group, times)))
+        weight.append(sum(WEIGHT_GRAD_SHARE * t[1] for x, t in zip(group, times)
+                          if x in readers))
         costs = [ir.cost(x) for x in group]
         params = sum(float(ir.evaluate(c.param_bytes, b)) for c in costs)
         grads = sum(float(ir.evaluate(c.grad_param_bytes, b)) for c in costs)
