@@ -17,6 +17,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.losses import default_loss
+from fxpipe.runtime.schedule import default_stages_per_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -174,11 +175,11 @@ def test_strict_mode_runs_the_plan_of_1f1b_without_eager_buffer(world):
 
 
 class Chain(nn.Module):
-    """Four tanh(Linear) blocks: one boundary value per cut, whatever the number of stages."""
+    """tanh(Linear) blocks: one boundary value per cut, whatever the number of stages."""
 
-    def __init__(self, width: int = 16) -> None:
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -186,23 +187,28 @@ class Chain(nn.Module):
         return x
 
 
-def _chain_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def _chain_case(depth: int = 4) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    return Chain(), torch.randn(20, 16), torch.randn(20, 16)
+    return Chain(depth=max(depth, 4)), torch.randn(20, 16), torch.randn(20, 16)
 
 
 STRICT_CASES = [("gpipe", 1, "except_last"), ("gpipe", 4, "except_last"),
                 ("1f1b", 2, "except_last"), ("1f1b", 5, "except_last")]
 # a split backward with remat off and on (on: I and W both recompute the regions)
 ZB_CASES = [("zb-h1", 1, "never"), ("zb-h1", 5, "never"), ("zb-h1", 5, "always")]
+# two stages per rank: interleaved (stage s on rank s % world) and the V (the last stage on
+# rank 0, the middle hop inside the last rank), with remat and a split backward
+LOOPED_CASES = [("interleaved-1f1b", 5, "except_last"), ("interleaved-1f1b", 4, "never"),
+                ("zb-v", 1, "never"), ("zb-v", 5, "always")]
 
 
 def _step_schedules(rank: int, world: int, cases: list[tuple[str, int, str]]) -> dict:
     out = {}
     for schedule, chunks, remat in cases:
-        model, x, y = _chain_case()
-        program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule=schedule,
-                                 split_points=[f"blocks.{i}" for i in range(1, world)],
+        model, x, y = _chain_case(2 * world)
+        stages = world * default_stages_per_rank(schedule)
+        program = fxpipe.compile(model, (x,), stages=stages, chunks=chunks, schedule=schedule,
+                                 split_points=[f"blocks.{i}" for i in range(1, stages)],
                                  remat=remat, profile="a100")
         loss = program.step(x, target=y)
         out[(schedule, chunks, remat)] = (loss, {n: p.grad for n, p in model.named_parameters()
@@ -226,15 +232,20 @@ def test_zb_h1_in_strict_mode_trains_like_the_model_with_and_without_remat(world
     _check_strict_cases(world, ZB_CASES)
 
 
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_interleaved_1f1b_and_zb_v_in_strict_mode_train_like_the_model(world):
+    _check_strict_cases(world, LOOPED_CASES)
+
+
 def _check_strict_cases(world: int, cases: list[tuple[str, int, str]]) -> None:
     """Every rank's loss and every gradient of each case, under NCCL's rules (every send waits
     for its receive: no eager buffer), equal the plain model's."""
     ranks = spawn(world, __name__, "_step_schedules", cases, env={"FXPIPE_P2P": "strict"},
                   timeout=60)
-    loss, grads = _plain_grads(*_chain_case())
+    loss, grads = _plain_grads(*_chain_case(2 * world))
     for case in cases:
         assert {r[case][2] for r in ranks} == {"StrictTransport"}
-        split = case[0] == "zb-h1"
+        split = case[0] in ("zb-h1", "zb-v")
         assert {tuple(r[case][3]) for r in ranks} == {("F", "I", "W") if split else ("B", "F")}
         assert [r[case][0] for r in ranks] == [ranks[0][case][0]] * world  # every rank's loss
         assert ranks[0][case][0] == pytest.approx(loss, rel=1e-5), case
