@@ -41,7 +41,9 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     losses = result["losses_first_step"]
     for name in variants | torch_variants:
         assert losses[name] == pytest.approx(losses["single_process"], rel=1e-5), name
-    assert result["best_schedule"] in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+    schedules = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+    assert result["best_schedule"] in schedules
+    assert result["predicted_best_schedule"] in schedules
     assert result["torch_pipelining_best"] in torch_variants
     best = result["step_time_s"]["fxpipe" if result["best_schedule"] == "gpipe"
                                  else "fxpipe_" + result["best_schedule"]]

@@ -63,8 +63,11 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         "speedups_vs_single_process": {k: step["single_process"] / v for k, v in step.items()},
         "ideal_speedup": options["stages"] * options["chunks"]
         / (options["chunks"] + options["stages"] - 1),
-        "best_schedule": best_schedule.removeprefix("fxpipe_") if best_schedule != "fxpipe"
-        else "gpipe",
+        "best_schedule": _schedule(best_schedule),
+        # what schedule="auto" would pick: the fastest predicted of the variants raced
+        "predicted_best_schedule": _schedule(min(
+            (n for n in first["predicted"] if not n.startswith("fxpipe_remat_")),
+            key=lambda n: first["predicted"][n])),
         "torch_pipelining_best": torch_best,
         "step_time_ratio_vs_torch_pipelining_best":
             step[best_schedule] / step[torch_best] if torch_best else None,
@@ -104,6 +107,11 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
     return summary
 
 
+def _schedule(variant: str) -> str:
+    """The schedule of an fxpipe variant's name ("fxpipe" runs GPipe)."""
+    return "gpipe" if variant == "fxpipe" else variant.removeprefix("fxpipe_")
+
+
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
@@ -123,7 +131,8 @@ def _lines(summary: dict[str, Any]) -> list[str]:
              f"- speedup over one process (fxpipe GPipe): "
              f"**{summary['speedup_vs_single_process']:.2f}x** "
              f"(ideal {summary['ideal_speedup']:.2f}x)",
-             f"- fxpipe's best schedule: {summary['best_schedule']}"]
+             f"- fxpipe's best schedule: {summary['best_schedule']} (the fastest predicted, "
+             f"which schedule='auto' picks: {summary['predicted_best_schedule']})"]
     if summary["torch_pipelining_best"]:
         lines.append(f"- fastest torch.distributed.pipelining variant: "
                      f"{summary['torch_pipelining_best']}; fxpipe best / it: "
