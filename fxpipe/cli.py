@@ -17,6 +17,7 @@ from tabulate import tabulate
 
 from fxpipe import ir
 from fxpipe.api import compile as compile_program
+from fxpipe.costs import cost_table
 from fxpipe.errors import ConfigError, FxPipeError, PipelineRuntimeError
 from fxpipe.frontend.capture import capture
 from fxpipe.models import MODELS, load_factory
@@ -26,7 +27,6 @@ from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
 from fxpipe.profile.cache import clear_cache, profile_path
 from fxpipe.program import Program
-from fxpipe.report import cost_table
 from fxpipe.runtime.folder import program_report
 from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.runtime.torchrun import plan_run, run_program

@@ -22,6 +22,7 @@ from fxpipe import codegen, ir
 from fxpipe.built import Built, Snapshot
 from fxpipe.checkpoint import load_checkpoint, save_shard
 from fxpipe.config import CompileConfig
+from fxpipe.costs import cost_table
 from fxpipe.errors import CheckpointError, ConfigError, NotBuiltError, RuntimeInputError
 from fxpipe.frontend.meta import is_meta_model
 from fxpipe.held import HeldStages, Stage, held_tensors, hold_stages
@@ -41,7 +42,7 @@ from fxpipe.rebalance import (
     untouched,
 )
 from fxpipe.reference import reference_losses
-from fxpipe.report import Report, build_report, cost_table, predicted_kept
+from fxpipe.report import Report, build_report, predicted_kept
 from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.loading import load_named

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces
     ("fxpipe.report",),
+    ("fxpipe.costs",),
     ("fxpipe.pipeline",),  # build(): the passes in order
     # take the built plan
     ("fxpipe.reference", "fxpipe.writer", "fxpipe.held", "fxpipe.rebalance", "fxpipe.program"),

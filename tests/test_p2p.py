@@ -305,7 +305,7 @@ def test_strict_mode_names_both_messages_when_the_ends_disagree_on_the_order():
 
 def _comm(dtypes=None, learn=False):
     from fxpipe import ir
-    from fxpipe.runtime.comm import DistComm
+    from fxpipe.runtime.dist_comm import DistComm
 
     info = {("h", 0, 1): ir.TensorInfo((ir.BATCH, 16), torch.float32, 0, True)}
     return DistComm(rank=0, global_ranks=[0, 1], placement=[0, 1], info=info,

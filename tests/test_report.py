@@ -16,9 +16,10 @@ import pytest
 
 import fxpipe
 from fxpipe import ir
+from fxpipe.costs import cost_table
 from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
-from fxpipe.report import SCHEDULE_TITLES, cost_table, human_bytes, human_flops, human_time
+from fxpipe.report import SCHEDULE_TITLES, human_bytes, human_flops, human_time
 from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.runtime.timeline import chrome_trace, predicted_events, predicted_step
 

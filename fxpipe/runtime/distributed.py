@@ -3,8 +3,8 @@
 Every rank calls `step(inputs, target)` with the whole batch; each runs its own stages' actions
 (one stage, or several under a looped schedule) in schedule order (GPipe: all forwards, then all
 backwards; 1F1B interleaves them; ZB-H1 and ZB-V split each backward into its input and weight
-gradients, NOTE [Split backward] in comm.py), exchanging
-activations and gradients with its peers (fxpipe.runtime.comm.DistComm). The actions run on the
+gradients, NOTE [Split backward] in dist_comm.py), exchanging
+activations and gradients with its peers (fxpipe.runtime.dist_comm.DistComm). The actions run on the
 ticks of a clock all ranks share (fxpipe.runtime.plan), and each tick's sends and receives are
 posted together, in one agreed order, so no schedule can deadlock under NCCL. Micro-batch losses
 are weighted by their share of the batch, so the accumulated gradients equal those of one
@@ -30,8 +30,9 @@ from fxpipe import ir
 from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
 from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
-from fxpipe.runtime.comm import DistComm, MicrobatchComm, TagTable, messages_of
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_device
+from fxpipe.runtime.dist_comm import DistComm, TagTable, messages_of
 from fxpipe.runtime.finite import check_finite
 from fxpipe.runtime.local import remat_enabled, seeded_forward
 from fxpipe.runtime.memory import KeptMemory

@@ -39,7 +39,7 @@ it then runs its action of tick t, first waiting only for the receives that acti
 3. The data of a send is ready when posted: its producer ran at an earlier tick on this rank.
 
 A tick may post two batches, both derived from the plan on both ends (the dtype headers of the
-first step under autocast, waited for, then the data; fxpipe/runtime/comm.py): the argument
+first step under autocast, waited for, then the data; fxpipe/runtime/dist_comm.py): the argument
 holds with each batch as a tick of its own.
 
 Nothing depends on tags, on buffering, or on how long an action takes (the clock only orders,

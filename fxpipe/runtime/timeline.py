@@ -192,7 +192,7 @@ def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
     """The schedule played with the plan's stage times as the executors run it. A split
     backward's W costs the stage's weight time and I the rest of the backward; under remat,
     W recomputes the regions again (their recomputed values live for one autograd call;
-    NOTE [Split backward] in fxpipe/runtime/comm.py), so a split backward costs one
+    NOTE [Split backward] in fxpipe/runtime/dist_comm.py), so a split backward costs one
     recomputation more than a whole one, except where W is the whole backward (the first
     stage: I has nothing to compute)."""
     k, m = len(plan.stages), plan.chunks

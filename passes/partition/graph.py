@@ -352,7 +352,7 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
         forward = sum(atoms.forward[cuts[s]:cuts[s + 1]])
         recompute = sum(atoms.recompute[cuts[s]:cuts[s + 1]])
         # the first stage receives no gradient-carrying value: its split backward's W is the
-        # whole backward (NOTE [Split backward] in fxpipe/runtime/comm.py)
+        # whole backward (NOTE [Split backward] in fxpipe/runtime/dist_comm.py)
         weight = compute - forward - recompute if s == 0 else \
             sum(atoms.weight[cuts[s]:cuts[s + 1]])
         stages.append(StagePlan(
