@@ -54,6 +54,10 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     assert set(result["predicted_over_measured_by_variant"]) == fxpipe_variants
     assert all(r > 0 for r in result["predicted_over_measured_by_variant"].values())
     assert set(result["stage_imbalance_by_variant"]) == fxpipe_variants
+    speed = result["single_process_predicted_s"] / result["step_time_s"]["single_process"]
+    assert result["machine_speed_factor"] == pytest.approx(speed)
+    for name, ratio in result["predicted_over_measured_at_run_speed"].items():
+        assert ratio == pytest.approx(result["predicted_over_measured_by_variant"][name] / speed)
     assert result["speedup_vs_single_process"] > 0
     for name, (low, high) in result["step_time_min_max_s"].items():
         assert 0 < low <= result["step_time_s"][name] <= high, name

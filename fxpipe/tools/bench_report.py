@@ -54,6 +54,7 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
     by_mode = {m: step["fxpipe" if m == options["remat"] else f"fxpipe_remat_{m}"]
                for m in REMAT_COMPARED}
     predicted = first["predicted"]["fxpipe"]
+    single_predicted = sum(st["predicted_s"] for st in first["stages"])
     summary: dict[str, Any] = {
         **{k: options[k] for k in ("model", "stages", "chunks", "remat", "batch", "balance")},
         "load_average": options["load_average"],
@@ -83,6 +84,14 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         "predicted_over_measured": predicted / pipeline,
         "predicted_over_measured_by_variant": {
             name: first["predicted"][name] / t for name, t in pipelines.items()},
+        # the same, divided by the one-process step predicted (every stage's compute, one
+        # after the other) over measured in this run: how well the pipeline is predicted at
+        # the machine's speed of the moment, which drifts between runs on a shared machine
+        "single_process_predicted_s": single_predicted,
+        "machine_speed_factor": single_predicted / step["single_process"],
+        "predicted_over_measured_at_run_speed": {
+            name: first["predicted"][name] / t / (single_predicted / step["single_process"])
+            for name, t in pipelines.items()},
         "remat_step_time_ratio": by_mode["except_last"] / by_mode["never"],
         "remat_step_time_ratios": {m: by_mode[m] / by_mode["never"] for m in REMAT_COMPARED[1:]},
         "stages_detail": [],
@@ -145,6 +154,11 @@ def _lines(summary: dict[str, Any]) -> list[str]:
               f"(predicted/measured {summary['predicted_over_measured']:.3f}); by schedule: "
               + ", ".join(f"{name} {v:.3f}" for name, v in
                           summary["predicted_over_measured_by_variant"].items()),
+              f"- the machine ran at {summary['machine_speed_factor']:.2f}x the predicted speed "
+              f"(one process: predicted {summary['single_process_predicted_s']:.3f} s, measured "
+              f"{summary['step_time_s']['single_process']:.3f} s); predicted/measured at that "
+              "speed: " + ", ".join(f"{name} {v:.3f}" for name, v in
+                                    summary["predicted_over_measured_at_run_speed"].items()),
               "- step time with remat on / off: " + ", ".join(
                   f"{m} {r:.3f}" for m, r in summary["remat_step_time_ratios"].items()),
               f"- fxpipe's cut (stages 1.. begin at): {summary['split_points']}; "
