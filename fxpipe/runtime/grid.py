@@ -19,6 +19,7 @@ from fxpipe.runtime.schedule import (
     is_split,
     stage_ranks,
     validate,
+    waiting,
 )
 
 __all__ = ["clock_cycles", "render_grid", "bubble_fraction", "peak_inflight", "dependencies"]
@@ -59,11 +60,7 @@ def clock_cycles(schedule: Schedule) -> list[list[Action | None]]:
                     row[r] = a
         ran = [(r, a) for r, a in enumerate(row) if a is not None]
         if not ran:
-            stuck = ", ".join(
-                f"stage {acts[position[r]].stage}: {acts[position[r]]}"
-                for r, acts in enumerate(schedule)
-                if position[r] < len(acts)
-            )
+            stuck = waiting(schedule, position)
             raise ConfigError(
                 f"schedule deadlocks at tick {len(grid)}; next actions wait forever ({stuck})",
                 hint="F(s, m) needs F(s-1, m) first and B(s, m) needs B(s+1, m) and F(s, m) first",

@@ -27,7 +27,7 @@ Looped, several stages per rank (the model cut into more, smaller stages):
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -50,6 +50,7 @@ __all__ = [
     "validate",
     "stage_ranks",
     "is_split",
+    "waiting",
     "check_sizes",
     "FORWARD",
     "BACKWARD",
@@ -410,6 +411,13 @@ def stage_ranks(schedule: Schedule) -> list[int]:
         raise ConfigError(f"stages {missing or [min(rank_of)]} of 0..{max(rank_of)} are not in "
                           "the schedule", hint="number the stages 0..S-1, every one scheduled")
     return [rank_of[s] for s in range(len(rank_of))]
+
+
+def waiting(schedule: Schedule, position: Sequence[int]) -> str:
+    """The next action of every rank with actions left (rank r at index position[r]), for the
+    message of a schedule that deadlocks."""
+    return ", ".join(f"stage {acts[p].stage}: {acts[p]}" for acts, p in zip(schedule, position)
+                     if p < len(acts))
 
 
 def validate(schedule: Schedule) -> tuple[int, int]:

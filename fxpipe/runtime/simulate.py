@@ -20,6 +20,7 @@ from fxpipe.runtime.schedule import (
     Schedule,
     stage_ranks,
     validate,
+    waiting,
 )
 
 __all__ = ["TimedEvent", "simulate"]
@@ -180,11 +181,7 @@ def simulate(
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = ", ".join(
-                f"stage {acts[position[r]].stage}: {acts[position[r]]}"
-                for r, acts in enumerate(schedule)
-                if position[r] < len(acts)
-            )
+            stuck = waiting(schedule, position)
             raise ConfigError(
                 f"schedule deadlocks on the given edges; next actions wait forever ({stuck})",
                 hint="F(s, m) needs its producers' F(m) first; "
