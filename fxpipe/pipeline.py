@@ -41,7 +41,7 @@ from fxpipe.passes.unroll_rnn import unroll_rnns
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
 from fxpipe.runtime.rank import devices_for_stages
-from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
+from fxpipe.runtime.schedule import SCHEDULES, stages_per_rank_for
 from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["build", "rebuild", "PlanAgreement"]
@@ -230,9 +230,7 @@ def _auto_candidates(config: CompileConfig) -> list[CompileConfig]:
     ranks = config.ranks
     out = []
     for name in SCHEDULES:
-        per_rank = default_stages_per_rank(name)
-        if name == "interleaved-1f1b" and config.per_rank > 1:
-            per_rank = config.per_rank
+        per_rank = stages_per_rank_for(name, config.per_rank)
         out.append(replace(config, schedule=name, stages=ranks * per_rank,
                            stages_per_rank=per_rank))
     return out

@@ -27,6 +27,8 @@ from fxpipe.runtime.schedule import (
     check_layout,
     default_stages_per_rank,
     make_schedule,
+    stages_on,
+    stages_per_rank_for,
 )
 from fxpipe.runtime.timeline import predicted_step
 
@@ -135,7 +137,7 @@ def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: Partit
              ("profile", f"{profile.name} [{profile.key}]" if profile.key else profile.name)]
     rank_of = config.placement
     if config.per_rank > 1:
-        mine = [str(s) for s, r in enumerate(rank_of) if r == rank_of[graph.index]]
+        mine = map(str, stages_on(rank_of, rank_of[graph.index]))
         lines.append(("rank", f"{rank_of[graph.index]} of {config.ranks} ({config.schedule}: "
                               f"stages {', '.join(mine)} run on it)"))
     lines.append(("flops", f"{human_flops(figures['fwd_flops'])} forward per micro-batch"))
@@ -249,11 +251,9 @@ class Report:
         k = len(self.plan.stages)
         out = []
         for name in SCHEDULES:
-            per_rank = default_stages_per_rank(name)
-            if name == "interleaved-1f1b" and self.stages_per_rank > 1:
-                per_rank = self.stages_per_rank
             try:
-                if check_layout(name, k, per_rank) == self.ranks:
+                if check_layout(name, k, stages_per_rank_for(name, self.stages_per_rank)) \
+                        == self.ranks:
                     out.append((name, self.ranks))
             except ConfigError:
                 continue  # e.g. an odd number of stages under zb-v
@@ -290,8 +290,7 @@ class Report:
                  f"device profile: {self.profile}", "",
                  tabulate(self.rows(), headers=self.headers(), tablefmt=fmt), "",
                  f"imbalance (slowest / mean stage): {s['imbalance']:.3f}",
-                 f"bubble (S-1)/(M+S-1): {s['bubble']:.1%}" if s["stages_per_rank"] == 1 and
-                 s["schedule"] not in LOOPED else
+                 f"bubble (S-1)/(M+S-1): {s['bubble']:.1%}" if s["schedule"] not in LOOPED else
                  f"bubble (simulated, idle share of the ranks): {s['bubble']:.1%}",
                  f"predicted step time: {human_time(s['simulated_step_time_s'])} "
                  f"({s['schedule']} played with the stage costs; (M+S-1) x slowest stage: "

@@ -6,7 +6,7 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TypeAlias
@@ -31,6 +31,7 @@ from fxpipe.runtime.rank import (
     rank_device,
     setup_rank,
 )
+from fxpipe.runtime.schedule import stages_on
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.stage import StageModule, share_tied
 from fxpipe.runtime.timeline import Event, write_chrome_trace
@@ -38,7 +39,7 @@ from fxpipe.runtime.written import stage_tensors
 from fxpipe.state import StateNames
 from fxpipe.structure import Structure
 
-__all__ = ["main", "build_stage", "load_spec"]
+__all__ = ["main", "build_stage", "load_spec", "rank_stages"]
 
 StepFn: TypeAlias = Callable[[list[torch.Tensor], "torch.Tensor | None", LossFn,
                              torch.amp.GradScaler], float]
@@ -86,14 +87,18 @@ def build_stage(folder: Path, index: int,
                else _tensors(Path(folder), spec, [cls], torch.device("cpu")))
 
 
+def rank_stages(placement: Sequence[int], rank: int) -> str:
+    """What global rank `rank` runs, as its messages name it: "stage 1", or "stages [0, 3]"."""
+    held = stages_on(placement, rank % (max(placement) + 1))
+    return f"stage {held[0]}" if len(held) == 1 else f"stages {held}"
+
+
 def main(folder: Path, argv: list[str] | None = None) -> int:
     folder = Path(folder)
     who = f"rank {os.environ.get('RANK', 0)}"
     try:
         spec = load_spec(folder)
-        pipe_rank = int(os.environ.get("RANK", 0)) % spec.ranks
-        held = [s for s, r in enumerate(spec.placement) if r == pipe_rank]
-        who += f" (stage {held[0]})" if len(held) == 1 else f" (stages {held})"
+        who += f" ({rank_stages(spec.placement, int(os.environ.get('RANK', 0)))})"
         args = parse_program_args(list(argv if argv is not None else sys.argv[1:]), spec)
         return _run(folder, spec, args)
     except PeerLostError as e:

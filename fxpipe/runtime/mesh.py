@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fxpipe.runtime.schedule import stages_on
+
 __all__ = ["Mesh", "Groups", "make_groups", "average_over_replicas"]
 
 
@@ -28,11 +30,6 @@ class Mesh:
     placement: tuple[int, ...]
     replicas: int
     rank: int
-
-    @classmethod
-    def flat(cls, stages: int, replicas: int, rank: int) -> Mesh:
-        """One stage per pipeline rank."""
-        return cls(tuple(range(stages)), replicas, rank)
 
     @property
     def stages(self) -> int:
@@ -59,7 +56,7 @@ class Mesh:
         return self.stages_of(self.pipe_rank)
 
     def stages_of(self, pipe_rank: int) -> tuple[int, ...]:
-        return tuple(s for s, r in enumerate(self.placement) if r == pipe_rank)
+        return tuple(stages_on(self.placement, pipe_rank))
 
     def rank_of(self, stage: int, replica: int | None = None) -> int:
         """The global rank that runs `stage` of `replica` (default: this one's)."""

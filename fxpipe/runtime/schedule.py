@@ -46,6 +46,8 @@ __all__ = [
     "make_schedule",
     "placement",
     "default_stages_per_rank",
+    "stages_per_rank_for",
+    "stages_on",
     "check_layout",
     "validate",
     "stage_ranks",
@@ -327,6 +329,19 @@ def default_stages_per_rank(name: str) -> int:
     schedules (ZB-V takes exactly 2), 1 for the others."""
     _known(name)
     return 2 if name in LOOPED else 1
+
+
+def stages_per_rank_for(name: str, requested: int) -> int:
+    """The stages per rank `name` runs when a program asks for `requested`: interleaving takes
+    any number from 2 (else 2), ZB-V exactly 2, the flat schedules 1."""
+    if name == "interleaved-1f1b" and requested > 1:
+        return requested
+    return default_stages_per_rank(name)
+
+
+def stages_on(placement: Sequence[int], rank: int) -> list[int]:
+    """The stages that `placement` (stage -> rank) puts on `rank`, in order."""
+    return [s for s, r in enumerate(placement) if r == rank]
 
 
 def check_layout(name: str, num_stages: int, stages_per_rank: int) -> int:

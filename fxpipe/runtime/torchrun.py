@@ -24,7 +24,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.runtime.arguments import parse_program_args
 from fxpipe.runtime.folder import check_program
 from fxpipe.runtime.imports import program_loss
-from fxpipe.runtime.launch import load_spec
+from fxpipe.runtime.launch import load_spec, rank_stages
 
 __all__ = ["RunPlan", "plan_run", "run_program", "free_port", "rank_failure"]
 
@@ -144,21 +144,16 @@ def rank_failure(logs: Path, placement: int | Sequence[int]) -> str:
     cause, and where its whole log is. placement: the pipeline rank of each stage (a number of
     stages: one per rank)."""
     stage_ranks = list(range(placement)) if isinstance(placement, int) else list(placement)
-    ranks = max(stage_ranks) + 1
-
-    def stages(rank: int) -> str:
-        held = [s for s, r in enumerate(stage_ranks) if r == rank % ranks]
-        return f"stage {held[0]}" if len(held) == 1 else f"stages {held}"
 
     followers = []
     for rank, path in _rank_logs(logs).items():
         text = path.read_text(encoding="utf-8", errors="replace")
         cause = _cause(text)
+        who = f"rank {rank} ({rank_stages(stage_ranks, rank)})"
         if cause is not None:
-            return f"rank {rank} ({stages(rank)}) failed: {cause} (full log: {path})"
+            return f"{who} failed: {cause} (full log: {path})"
         if _STOPPED in text:
-            followers.append(f"rank {rank} ({stages(rank)}) stopped: another rank failed "
-                             f"or exited (full log: {path})")
+            followers.append(f"{who} stopped: another rank failed or exited (full log: {path})")
     if followers:
         return followers[0]
     own = logs / "torchrun.log"
