@@ -102,14 +102,17 @@ def _bf16_steps(rank: int, world: int, names: list[str]) -> dict:
         out["fp32"] = (program.step(*inputs, target=target, **kwargs), None)
         out["dtypes"] = sorted({str(d) for v in program._rank.executor.boundary_dtypes.values()
                                 for d in v.values()})
+        out["early"] = sorted(key[2] for key in program._rank.executor.plans)
         results[name] = out
     return results
 
 
-def test_autocast_around_distributed_steps_sends_bf16_and_matches_the_model():
-    # strict mode: the dtype headers of the first step follow NCCL's rules too
+@pytest.mark.parametrize("p2p", ["strict", "batched"])
+def test_autocast_around_distributed_steps_sends_bf16_and_matches_the_model(p2p):
+    # strict: the dtype headers of the first step follow NCCL's rules too; batched (gloo): the
+    # learned step posts every message at its tick, the next posts receives early
     names = ["chain", "gpt"]
-    ranks = spawn(2, __name__, "_bf16_steps", names, env={"FXPIPE_P2P": "strict"})
+    ranks = spawn(2, __name__, "_bf16_steps", names, env={"FXPIPE_P2P": p2p})
     for name in names:
         model, inputs, kwargs, target = _case(name)
         loss_ref, grads_ref = _reference(model, inputs, kwargs, target)
@@ -124,6 +127,7 @@ def test_autocast_around_distributed_steps_sends_bf16_and_matches_the_model():
     # the chain's stage 1 receives tanh of a bf16 matmul, in bf16
     assert ranks[1]["chain"]["dtypes"] == ["torch.bfloat16"]
     assert ranks[1]["gpt"]["dtypes"]  # learned too (the residual stream stays float32)
+    assert ranks[0]["chain"]["early"] == ([False] if p2p == "strict" else [False, True])
 
 
 def _scaled_step(rank: int, world: int, poison: bool) -> dict:

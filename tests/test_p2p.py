@@ -93,7 +93,8 @@ def _step_layouts(rank: int, world: int, names: list[str]) -> dict:
 
 def _two_rank_jobs(rank: int, world: int) -> dict:
     return {"layouts": _step_layouts(rank, world, list(LAYOUTS)),
-            "sends_held": _sends_held(rank, world, 8)}
+            "sends_held": _sends_held(rank, world, 8),
+            "schedules": _step_schedules(rank, world, STRICT_CASES + ZB_CASES + LOOPED_CASES)}
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +217,9 @@ def _step_schedules(rank: int, world: int, cases: list[tuple[str, int, str]]) ->
                                    type(program._rank.executor.transport).__name__,
                                    sorted({t.action.kind for ticks in
                                            program._rank.executor.plans.values()
-                                           for t in ticks if t.action is not None}))
+                                           for t in ticks if t.action is not None}),
+                                   sorted({early for _, _, early in
+                                           program._rank.executor.plans}))
     return out
 
 
@@ -237,14 +240,26 @@ def test_interleaved_1f1b_and_zb_v_in_strict_mode_train_like_the_model(world):
     _check_strict_cases(world, LOOPED_CASES)
 
 
+def test_every_schedule_over_gloo_posts_receives_early_and_trains_like_the_model(two_ranks):
+    # NOTE [Early receives] in fxpipe/runtime/plan.py: gloo matches by tag
+    _check_cases([r["schedules"] for r in two_ranks], 2, STRICT_CASES + ZB_CASES + LOOPED_CASES,
+                 "TorchTransport", early=True)
+
+
 def _check_strict_cases(world: int, cases: list[tuple[str, int, str]]) -> None:
     """Every rank's loss and every gradient of each case, under NCCL's rules (every send waits
     for its receive: no eager buffer), equal the plain model's."""
     ranks = spawn(world, __name__, "_step_schedules", cases, env={"FXPIPE_P2P": "strict"},
                   timeout=60)
+    _check_cases(ranks, world, cases, "StrictTransport", early=False)
+
+
+def _check_cases(ranks: list[dict], world: int, cases: list[tuple[str, int, str]],
+                 transport: str, early: bool) -> None:
     loss, grads = _plain_grads(*_chain_case(2 * world))
     for case in cases:
-        assert {r[case][2] for r in ranks} == {"StrictTransport"}
+        assert {r[case][2] for r in ranks} == {transport}
+        assert {tuple(r[case][4]) for r in ranks} == {(early,)}
         split = case[0] in ("zb-h1", "zb-v")
         assert {tuple(r[case][3]) for r in ranks} == {("F", "I", "W") if split else ("B", "F")}
         assert [r[case][0] for r in ranks] == [ranks[0][case][0]] * world  # every rank's loss

@@ -15,7 +15,7 @@ import pytest
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.grid import clock_cycles
-from fxpipe.runtime.plan import Message, Tick, clock, plan_rank
+from fxpipe.runtime.plan import RECEIVE_LEAD, Message, Tick, clock, plan_rank
 from fxpipe.runtime.schedule import (
     SCHEDULES,
     Action,
@@ -78,6 +78,36 @@ def run_nccl_model(programs: list[list[tuple]]) -> list[tuple[Message, Message]]
             raise Deadlock("; ".join(map(str, waits)))
 
 
+def run_gloo_model(programs: list[list[tuple]]) -> None:
+    """The same programs under gloo's rules: a send and its receive meet by tag whatever the
+    order either was posted in, and a send never waits. A wait needs its receive posted by
+    this rank before it and the send posted by its peer; raises Deadlock if none can go on."""
+    world = len(programs)
+    pc = [0] * world
+    sent: set[Message] = set()
+    received: set[tuple[int, Message]] = set()
+    while not all(pc[r] == len(programs[r]) for r in range(world)):
+        progress = False
+        for r in range(world):
+            while pc[r] < len(programs[r]):
+                kind, arg = programs[r][pc[r]]
+                if kind == "post":
+                    for op, msg in arg:
+                        if op == "send":
+                            sent.add(msg)
+                        else:
+                            received.add((r, msg))
+                else:
+                    assert (r, arg) in received, f"rank {r} waits for {arg}, never posted"
+                    if arg not in sent:
+                        break
+                pc[r] += 1
+                progress = True
+        if not progress:
+            raise Deadlock("; ".join(f"rank {r}: {programs[r][pc[r]][1]}" for r in range(world)
+                                     if pc[r] < len(programs[r])))
+
+
 # -- programs: the plan's, and one message at a time in action order ----------------------------
 
 
@@ -105,14 +135,14 @@ def consumed_by(msg: Message) -> tuple[str, int, int]:
     return ("B" if msg.grad else "F", msg.receiver, msg.microbatch)
 
 
-def plan_programs(schedule, messages, edges) -> list[list[tuple]]:
+def plan_programs(schedule, messages, edges, early: bool = False) -> list[list[tuple]]:
     """Each rank's posts and waits under the plan; a message between two stages of one rank
     is handed over in the process, not posted."""
     programs = []
     for rank in range(len(schedule)):
         mine = [x for x in messages if rank in (x.src_rank, x.dst_rank)
                 and x.src_rank != x.dst_rank]
-        ticks = plan_rank(rank, schedule, edges, mine)
+        ticks = plan_rank(rank, schedule, edges, mine, early_receives=early)
         program: list[tuple] = []
         for tick in ticks:
             ops = [("send" if x.src_rank == rank else "recv", x) for x in tick.post]
@@ -266,3 +296,82 @@ def test_a_message_of_another_rank_is_refused():
     schedule = make_schedule("gpipe", 1, 3)
     with pytest.raises(ConfigError, match="not sent or received by rank 0"):
         plan_rank(0, schedule, [(0, 1), (1, 2)], [Message(1, 2, "h1", 0, False, 1, 2)])
+
+
+# -- early receives (NOTE [Early receives]): transports that match by tag ----------------------
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize(("k", "m"), [(2, 1), (2, 4), (3, 5), (4, 8)])
+def test_early_receives_cannot_deadlock_under_gloo_rules(name, k, m):
+    schedule, ranks = on_ranks(name, m, k)
+    edges = [(s, s + 1) for s in range(len(ranks) - 1)]
+    messages = chain_messages(len(ranks), m, ranks=ranks)
+    run_gloo_model(plan_programs(schedule, messages, edges, early=True))
+    run_gloo_model(plan_programs(schedule, messages, edges))
+
+
+def test_early_receives_with_skip_connections_cannot_deadlock_under_gloo_rules():
+    for name in SCHEDULES:
+        schedule, ranks = on_ranks(name, 5, 4 // default_stages_per_rank(name))
+        skips = ((0, 2), (0, 3), (1, 3))
+        edges = [(s, s + 1) for s in range(3)] + list(skips)
+        run_gloo_model(plan_programs(schedule, chain_messages(4, 5, skips, ranks=ranks), edges,
+                                     early=True))
+
+
+def test_early_receives_break_nccl_order_which_is_why_nccl_plans_keep_them():
+    # posted early, rank 1's receives of later activations precede its gradient sends in its
+    # order, but not in rank 0's: under NCCL's rules this 1F1B hangs
+    schedule = make_schedule("1f1b", 4, 2)
+    messages = chain_messages(2, 4)
+    with pytest.raises(Deadlock):
+        run_nccl_model(plan_programs(schedule, messages, [(0, 1)], early=True))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_an_early_receive_is_posted_lead_actions_before_its_consumer(name):
+    m, k = 6, 3
+    schedule, ranks = on_ranks(name, m, k)
+    edges = [(s, s + 1) for s in range(len(ranks) - 1)]
+    ticks = clock(schedule, edges)
+    messages = chain_messages(len(ranks), m, ranks=ranks)
+    for rank in range(k):
+        mine = [x for x in messages if rank in (x.src_rank, x.dst_rank)]
+        late = {x: t.index for t in plan_rank(rank, schedule, edges, mine) for x in t.post}
+        early = {x: t.index for t in plan_rank(rank, schedule, edges, mine, early_receives=True)
+                 for x in t.post}
+        assert sorted(early) == sorted(late)  # every message once
+        own = sorted(ticks[(a.kind, a.stage, a.microbatch)] for a in schedule[rank])
+        backward = {(key[1], key[2]): key[0] for key in ticks if key[0] in ("B", "I")}
+        for x, at in early.items():
+            if x.src_rank == rank or x.src_rank == x.dst_rank:  # sends, hand-overs: as planned
+                assert at == late[x]
+                continue
+            consumer = ticks[(backward[(x.receiver, x.microbatch)], x.receiver, x.microbatch)
+                             if x.grad else ("F", x.receiver, x.microbatch)]
+            overlapped = len([t for t in own if at <= t < consumer])
+            planned = len([t for t in own if late[x] <= t < consumer])
+            expected = max(planned, min(RECEIVE_LEAD, len([t for t in own if t < consumer])))
+            assert at <= late[x]
+            if x.grad:  # its buffer takes the shape of the activation sent at F's tick + 1
+                first = ticks[("F", x.receiver, x.microbatch)] + 1
+                assert at >= first and (at == first or overlapped == expected)
+            else:
+                assert overlapped == expected
+
+
+def test_early_receives_of_gpipe_literally():
+    # 2 stages, 3 micro-batches: rank 1 runs F0 F1 F2 at ticks 1-3 and takes every activation
+    # at tick 1; rank 0 runs F at 0-2, B at 5-7 and takes gradient 2 at tick 3 (after F2 sent
+    # its activation), gradient 1 at tick 2, gradient 0 at tick 5.
+    schedule = make_schedule("gpipe", 3, 2)
+    messages = chain_messages(2, 3)
+    posts = {}
+    for rank in range(2):
+        mine = [x for x in messages if rank in (x.src_rank, x.dst_rank)]
+        for t in plan_rank(rank, schedule, [(0, 1)], mine, early_receives=True):
+            for x in t.post:
+                if x.dst_rank == rank:
+                    posts[("g" if x.grad else "a") + str(x.microbatch)] = t.index
+    assert posts == {"a0": 1, "a1": 1, "a2": 1, "g2": 3, "g1": 2, "g0": 5}

@@ -112,7 +112,7 @@ class DistributedExecutor:
         # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
         # None reads FXPIPE_P2P (fxpipe/runtime/transport.py)
         self.transport: Transport = make_transport(p2p, pp_group)
-        self.plans: dict[tuple[str, int], list[Tick]] = {}
+        self.plans: dict[tuple[str, int, bool], list[Tick]] = {}
         # dtypes of received values under each autocast state, learned on its first step
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
         self.warm = False
@@ -163,7 +163,9 @@ class DistributedExecutor:
             targets = pin_for(targets, self.device)
         self._warm_up()
         comm = self._comm(batch // chunks, chunks)
-        ticks = self._plan(schedule, chunks)
+        # a step that learns dtypes waits for each header at its tick: every message in its
+        # tick's batch on both ends
+        ticks = self._plan(schedule, chunks, early=self.transport.by_tag and not comm.learn)
         memory = KeptMemory(self.parameters()) if self.record_memory else None
         base = int(torch.randint(0, 2**62, (1,)).item()) if self.random else None
         devices = {s: stage_devices(self.device, [*u.module.parameters(), *u.module.buffers()])
@@ -260,9 +262,10 @@ class DistributedExecutor:
         if dist.get_backend(self.pp_group) == "nccl":
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
 
-    def _plan(self, schedule: str, chunks: int) -> list[Tick]:
-        """This rank's ticks (fxpipe.runtime.plan): the same clock on every rank."""
-        key = (schedule, chunks)
+    def _plan(self, schedule: str, chunks: int, early: bool) -> list[Tick]:
+        """This rank's ticks (fxpipe.runtime.plan): the same clock on every rank; `early`
+        posts receives some actions before their consumer (NOTE [Early receives] there)."""
+        key = (schedule, chunks, early)
         if key not in self.plans:
             mesh = self.mesh
             actions_by_rank = make_schedule(schedule, chunks, mesh.stages, mesh.ranks)
@@ -273,7 +276,8 @@ class DistributedExecutor:
                     f"{list(mesh.placement)}", hint="compile the program for this schedule")
             edges = {(src, dst) for _, src, dst in self.edges}
             messages = messages_of(self.comm_info, chunks, mesh.placement)
-            self.plans[key] = plan_rank(mesh.pipe_rank, actions_by_rank, edges, messages)
+            self.plans[key] = plan_rank(mesh.pipe_rank, actions_by_rank, edges, messages,
+                                        early_receives=early)
         return self.plans[key]
 
     def _comm(self, b: int, chunks: int) -> DistComm:

@@ -45,9 +45,20 @@ holds with each batch as a tick of its own.
 Nothing depends on tags, on buffering, or on how long an action takes (the clock only orders,
 it does not time). tests/test_p2p_plan.py checks 1-3 on many schedules with a model of these
 rules, and tests/test_p2p.py runs every schedule under the strict transport that enforces them.
+
+NOTE [Early receives]
+A transfer starts only once both ends have posted it. Posted at the tick after its producer ran,
+a receive goes out when its rank reaches that tick, which is after the rank's previous action:
+when that action ends later than the producer, the data crosses while the rank waits for it
+(gloo on CPU: a few milliseconds per MiB, between every two actions). Where messages match by tag
+(gloo), order does not matter, so a receive can be posted RECEIVE_LEAD actions of its rank before
+its consumer, and the transfer overlaps them. Its buffer lives that much longer. A gradient's
+receive is never posted before its activation was sent (its buffer takes the sent value's shape
+and dtype). NCCL matches by order, so its plan keeps every message in the batch of its tick.
 """
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,10 +66,12 @@ from dataclasses import dataclass
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.schedule import Action
 
-__all__ = ["Message", "Tick", "clock", "plan_rank", "BACKWARD_INPUT"]
+__all__ = ["Message", "Tick", "clock", "plan_rank", "BACKWARD_INPUT", "RECEIVE_LEAD"]
 
 BACKWARD_INPUT = ("B", "I")  # actions that take an output's gradient and give the input's
 WEIGHT = "W"  # a weight-gradient action: no messages, after the stage's input gradient
+RECEIVE_LEAD = 2  # actions an early receive is posted before its consumer (one is too few
+# where the action before the consumer is short: interleaved 1F1B's forwards)
 
 ActionKey = tuple[str, int, int]  # (kind, stage, micro-batch)
 
@@ -152,11 +165,13 @@ def clock(actions_by_rank: Sequence[Sequence[Action]],
 
 
 def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
-              edges: Iterable[tuple[int, int]], messages: Iterable[Message]) -> list[Tick]:
+              edges: Iterable[tuple[int, int]], messages: Iterable[Message], *,
+              early_receives: bool = False) -> list[Tick]:
     """Rank `rank`'s ticks, in order: its action and the messages it posts at each.
 
     messages: every message this rank sends or receives. Ticks with neither an action nor a
-    message are left out.
+    message are left out. early_receives: post each receive RECEIVE_LEAD actions of this rank
+    before its consumer (NOTE [Early receives]); only for transports that match by tag.
     """
     tick_of = clock(actions_by_rank, edges)
     backward = {(k[1], k[2]): k[0] for k in tick_of if k[0] in BACKWARD_INPUT}
@@ -169,6 +184,7 @@ def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
         return tick_of[key]
 
     posts: dict[int, list[Message]] = defaultdict(list)
+    own = sorted(tick_of[_key(a)] for a in actions_by_rank[rank])
     for msg in messages:
         if rank not in (msg.src_rank, msg.dst_rank):
             raise ConfigError(f"message {msg} is not sent or received by rank {rank}",
@@ -177,7 +193,17 @@ def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
         if made(msg.receiver, msg.microbatch, msg.grad) < at:  # the consumer ran first
             raise ConfigError(f"message {msg} is consumed before it is produced",
                               hint="the edges do not match the schedule's stages")
+        if early_receives and msg.dst_rank == rank != msg.src_rank:
+            at = _early(at, made(msg.receiver, msg.microbatch, msg.grad),
+                        made(msg.receiver, msg.microbatch, False) + 1 if msg.grad else 0, own)
         posts[at].append(msg)
     mine = {tick_of[_key(a)]: a for a in actions_by_rank[rank]}
     return [Tick(t, mine.get(t), tuple(sorted(posts.get(t, ()))))
             for t in sorted(set(mine) | set(posts))]
+
+
+def _early(planned: int, consumer: int, earliest: int, own_ticks: Sequence[int]) -> int:
+    """The tick of a receive posted early: that of the rank's action RECEIVE_LEAD actions
+    before its consumer (or its first), no earlier than `earliest`, no later than planned."""
+    i = bisect.bisect_left(own_ticks, consumer)
+    return min(planned, max(earliest, own_ticks[max(i - RECEIVE_LEAD, 0)])) if i else planned

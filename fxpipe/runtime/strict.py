@@ -142,6 +142,10 @@ class StrictTransport:
         self.eager.flush()
 
     @property
+    def by_tag(self) -> bool:
+        return False  # NCCL's order-based matching
+
+    @property
     def peak(self) -> int:
         return self.most
 

@@ -61,6 +61,12 @@ class Transport(Protocol):
         ...
 
     @property
+    def by_tag(self) -> bool:
+        """Whether a send meets its receive by tag (gloo), whatever the order they were posted
+        in; NCCL (and strict mode) match by order."""
+        ...
+
+    @property
     def peak(self) -> int:
         """The most send tensors held at once since reset_peak()."""
         ...
@@ -197,6 +203,10 @@ class TorchTransport:
 
     def flush(self) -> None:
         self.sends.flush()
+
+    @property
+    def by_tag(self) -> bool:
+        return self.tags
 
     @property
     def peak(self) -> int:
