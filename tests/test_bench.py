@@ -58,6 +58,13 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     assert result["machine_speed_factor"] == pytest.approx(speed)
     for name, ratio in result["predicted_over_measured_at_run_speed"].items():
         assert ratio == pytest.approx(result["predicted_over_measured_by_variant"][name] / speed)
+    # the schedule simulated at the compute each rank measured: never shorter than the
+    # busiest rank's compute
+    at_compute = result["predicted_over_measured_at_measured_compute"]
+    assert set(at_compute) == fxpipe_variants
+    busiest = max(stage["busy_s"] for stage in result["stages_detail"])
+    assert at_compute["fxpipe"] * result["pipeline_step_time_s"] >= busiest * (1 - 1e-9)
+    assert all(r > 0 for r in at_compute.values())
     assert result["speedup_vs_single_process"] > 0
     for name, (low, high) in result["step_time_min_max_s"].items():
         assert 0 < low <= result["step_time_s"][name] <= high, name
@@ -73,3 +80,27 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     steps = ["fxpipe bench: ", "measuring kept activations", "starting 2 processes",
              "writing the results"]  # a line before each step that takes more than a second
     assert [out.index(step) for step in steps] == sorted(out.index(step) for step in steps)
+
+
+def test_a_plan_at_measured_compute_gives_each_rank_the_compute_it_measured():
+    from types import SimpleNamespace
+
+    from fxpipe.tools.bench_worker import _at_compute
+
+    def stage(t: float) -> SimpleNamespace:
+        return SimpleNamespace(forward_time=t / 3, compute_time=t, comm_time=0.5,
+                               recompute_time=t / 10, weight_time=t / 4)
+
+    # interleaved on 2 ranks: stages 0 and 2 on rank 0, 1 and 3 on rank 1
+    program = SimpleNamespace(plan=SimpleNamespace(stages=[stage(1.0), stage(2.0), stage(3.0),
+                                                           stage(4.0)], chunks=4),
+                              built=SimpleNamespace(config=SimpleNamespace(placement=[0, 1, 0, 1])))
+    scaled = _at_compute(program, [32.0, 12.0])  # predicted 16 and 24 s per step
+    assert scaled.chunks == 4
+    assert [s.compute_time for s in scaled.stages] == [2.0, 1.0, 6.0, 2.0]
+    for before, after in zip(program.plan.stages, scaled.stages):
+        factor = after.compute_time / before.compute_time
+        assert after.forward_time == pytest.approx(before.forward_time * factor)
+        assert after.recompute_time == pytest.approx(before.recompute_time * factor)
+        assert after.weight_time == pytest.approx(before.weight_time * factor)
+        assert after.comm_time == before.comm_time  # messages keep their predicted times

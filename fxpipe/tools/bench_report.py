@@ -92,6 +92,11 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         "predicted_over_measured_at_run_speed": {
             name: first["predicted"][name] / t / (single_predicted / step["single_process"])
             for name, t in pipelines.items()},
+        # the schedule's model alone: each variant simulated with the compute its ranks
+        # measured in this run, over the step measured
+        "predicted_over_measured_at_measured_compute": {
+            name: first["predicted_at_measured_compute"][name] / t
+            for name, t in pipelines.items()},
         "remat_step_time_ratio": by_mode["except_last"] / by_mode["never"],
         "remat_step_time_ratios": {m: by_mode[m] / by_mode["never"] for m in REMAT_COMPARED[1:]},
         "stages_detail": [],
@@ -159,6 +164,10 @@ def _lines(summary: dict[str, Any]) -> list[str]:
               f"{summary['step_time_s']['single_process']:.3f} s); predicted/measured at that "
               "speed: " + ", ".join(f"{name} {v:.3f}" for name, v in
                                     summary["predicted_over_measured_at_run_speed"].items()),
+              "- predicted/measured with the compute each rank measured in this run (the "
+              "schedule's model alone): " + ", ".join(
+                  f"{name} {v:.3f}" for name, v in
+                  summary["predicted_over_measured_at_measured_compute"].items()),
               "- step time with remat on / off: " + ", ".join(
                   f"{m} {r:.3f}" for m, r in summary["remat_step_time_ratios"].items()),
               f"- fxpipe's cut (stages 1.. begin at): {summary['split_points']}; "

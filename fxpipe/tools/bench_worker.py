@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import statistics
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +74,35 @@ class _FxpipeVariant:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+
+@dataclass(frozen=True)
+class _ScaledStage:
+    forward_time: float
+    compute_time: float
+    comm_time: float
+    recompute_time: float
+    weight_time: float
+
+
+@dataclass(frozen=True)
+class _ScaledPlan:
+    stages: list[_ScaledStage]
+    chunks: int
+
+
+def _at_compute(program: Program, busy: list[float]) -> _ScaledPlan:
+    """The program's plan with the compute of each rank's stages scaled so that their sum is
+    what the rank measured (busy[r], seconds per step); messages keep their predicted times."""
+    plan, placement = program.plan, program.built.config.placement
+    predicted = [0.0] * len(busy)
+    for s, stage in zip(placement, plan.stages):
+        predicted[s] += stage.compute_time * plan.chunks
+    scale = [b / p if p > 0 else 1.0 for b, p in zip(busy, predicted)]
+    return _ScaledPlan([_ScaledStage(st.forward_time * scale[r], st.compute_time * scale[r],
+                                     st.comm_time, st.recompute_time * scale[r],
+                                     st.weight_time * scale[r])
+                        for r, st in zip(placement, plan.stages)], plan.chunks)
 
 
 def _compile(model: Any, inputs: tuple[Any, ...], world: int, args: dict[str, Any],
@@ -195,6 +226,9 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
             times[name].append(time.perf_counter() - start)
             _say(rank, f"  {label} {name}: {times[name][-1]:.2f} s")
     warm = args["warmup"]
+    busy = {name: statistics.median(t[0] for t in v.stage[warm:]) for name, v in fx.items()}
+    every_busy: list[Any] = [None] * world
+    dist.all_gather_object(every_busy, busy)
     result = {
         "times": {k: v[warm:] for k, v in times.items()}, "losses": losses,
         "skipped": skipped,
@@ -204,6 +238,12 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
         # each schedule played with its program's stage costs
         "predicted": {k: predicted_step(v.program.plan, v.program.built.config.schedule,
                                         world)[0] for k, v in fx.items()},
+        # the same with each rank's stages scaled to the compute they measured in this run:
+        # what the schedule's model predicts once the machine's speed of the moment is known
+        "predicted_at_measured_compute": {
+            k: predicted_step(_at_compute(v.program, [b[k] for b in every_busy]),
+                              v.program.built.config.schedule, world)[0]
+            for k, v in fx.items()},
         "predicted_events": [e.__dict__ for e in predicted_events(main.plan)],
         "stages": [{"first": s.first_module, "last": s.last_module, "ops": len(s.nodes),
                     "predicted_s": s.compute_time * main.plan.chunks}
