@@ -85,20 +85,23 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
 def test_a_plan_at_measured_compute_gives_each_rank_the_compute_it_measured():
     from types import SimpleNamespace
 
+    from fxpipe.passes.partition import PartitionPlan, StagePlan
     from fxpipe.tools.bench_worker import _at_compute
 
-    def stage(t: float) -> SimpleNamespace:
-        return SimpleNamespace(forward_time=t / 3, compute_time=t, comm_time=0.5,
-                               recompute_time=t / 10, weight_time=t / 4)
+    def stage(i: int, t: float) -> StagePlan:
+        return StagePlan(i, (), t + 0.5, t, 0.5, None, "", "", forward_time=t / 3,
+                         recompute_time=t / 10, weight_time=t / 4)
 
     # interleaved on 2 ranks: stages 0 and 2 on rank 0, 1 and 3 on rank 1
-    program = SimpleNamespace(plan=SimpleNamespace(stages=[stage(1.0), stage(2.0), stage(3.0),
-                                                           stage(4.0)], chunks=4),
-                              built=SimpleNamespace(config=SimpleNamespace(placement=[0, 1, 0, 1])))
+    plan = PartitionPlan(tuple(stage(i, t) for i, t in enumerate([1.0, 2.0, 3.0, 4.0])),
+                         microbatch_size=1, chunks=4, balance="cost", bottleneck=4.5,
+                         predicted_step_time=0.0)
+    program = SimpleNamespace(plan=plan, built=SimpleNamespace(
+        config=SimpleNamespace(placement=[0, 1, 0, 1])))
     scaled = _at_compute(program, [32.0, 12.0])  # predicted 16 and 24 s per step
     assert scaled.chunks == 4
     assert [s.compute_time for s in scaled.stages] == [2.0, 1.0, 6.0, 2.0]
-    for before, after in zip(program.plan.stages, scaled.stages):
+    for before, after in zip(plan.stages, scaled.stages):
         factor = after.compute_time / before.compute_time
         assert after.forward_time == pytest.approx(before.forward_time * factor)
         assert after.recompute_time == pytest.approx(before.recompute_time * factor)

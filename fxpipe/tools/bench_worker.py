@@ -16,7 +16,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +27,7 @@ import fxpipe
 from fxpipe.errors import FxPipeError
 from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
+from fxpipe.passes.partition import PartitionPlan
 from fxpipe.program import Program
 from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
 from fxpipe.runtime.timeline import Event, busy_time, predicted_events, predicted_step
@@ -76,33 +77,19 @@ class _FxpipeVariant:
         return loss
 
 
-@dataclass(frozen=True)
-class _ScaledStage:
-    forward_time: float
-    compute_time: float
-    comm_time: float
-    recompute_time: float
-    weight_time: float
-
-
-@dataclass(frozen=True)
-class _ScaledPlan:
-    stages: list[_ScaledStage]
-    chunks: int
-
-
-def _at_compute(program: Program, busy: list[float]) -> _ScaledPlan:
+def _at_compute(program: Program, busy: list[float]) -> PartitionPlan:
     """The program's plan with the compute of each rank's stages scaled so that their sum is
     what the rank measured (busy[r], seconds per step); messages keep their predicted times."""
     plan, placement = program.plan, program.built.config.placement
     predicted = [0.0] * len(busy)
-    for s, stage in zip(placement, plan.stages):
-        predicted[s] += stage.compute_time * plan.chunks
+    for r, stage in zip(placement, plan.stages):
+        predicted[r] += stage.compute_time * plan.chunks
     scale = [b / p if p > 0 else 1.0 for b, p in zip(busy, predicted)]
-    return _ScaledPlan([_ScaledStage(st.forward_time * scale[r], st.compute_time * scale[r],
-                                     st.comm_time, st.recompute_time * scale[r],
-                                     st.weight_time * scale[r])
-                        for r, st in zip(placement, plan.stages)], plan.chunks)
+    return replace(plan, stages=tuple(
+        replace(st, forward_time=st.forward_time * scale[r], compute_time=st.compute_time
+                * scale[r], recompute_time=st.recompute_time * scale[r],
+                weight_time=st.weight_time * scale[r])
+        for r, st in zip(placement, plan.stages)))
 
 
 def _compile(model: Any, inputs: tuple[Any, ...], world: int, args: dict[str, Any],
