@@ -183,8 +183,9 @@ def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
                               hint="every stage must run F and B of every micro-batch")
         return tick_of[key]
 
+    mine = {tick_of[_key(a)]: a for a in actions_by_rank[rank]}
+    own = sorted(mine)  # the ticks of this rank's actions
     posts: dict[int, list[Message]] = defaultdict(list)
-    own = sorted(tick_of[_key(a)] for a in actions_by_rank[rank])
     for msg in messages:
         if rank not in (msg.src_rank, msg.dst_rank):
             raise ConfigError(f"message {msg} is not sent or received by rank {rank}",
@@ -197,7 +198,6 @@ def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
             at = _early(at, made(msg.receiver, msg.microbatch, msg.grad),
                         made(msg.receiver, msg.microbatch, False) + 1 if msg.grad else 0, own)
         posts[at].append(msg)
-    mine = {tick_of[_key(a)]: a for a in actions_by_rank[rank]}
     return [Tick(t, mine.get(t), tuple(sorted(posts.get(t, ()))))
             for t in sorted(set(mine) | set(posts))]
 
