@@ -6,6 +6,11 @@ s on rank s under a flat schedule; several stages per rank under a looped one). 
 traffic stays inside a "pp" row; gradient averaging runs down a "dp" column; tied parameters
 get one group per replica over the ranks that hold them (none when one rank holds them all).
 The groups sit on torch's own DeviceMesh.
+
+A group costs more than its messages: each gloo group runs a thread that wakes every 10 ms,
+which takes time from the compute on a busy CPU. So no group is made twice: a single replica's
+"pp" group is the default group, and a tied parameter held by every rank uses the default group
+too, as do ties over ranks another tie already has a group for.
 """
 from __future__ import annotations
 
@@ -86,18 +91,26 @@ class Groups:
 
 def make_groups(mesh: Mesh, shared: dict[str, list[int]]) -> Groups:
     """Creates the groups; every rank must call this in the same order (it is collective)."""
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = init_device_mesh(device_type, (mesh.replicas, mesh.ranks),
-                                   mesh_dim_names=("dp", "pp"))
-    groups = Groups(pp=device_mesh.get_group("pp"), dp=device_mesh.get_group("dp"),
-                    device_mesh=device_mesh)
+    world = dist.get_world_size()
+    if mesh.replicas == 1 and mesh.ranks == world:  # one pipeline: all of it is the default group
+        groups = Groups(pp=dist.group.WORLD)
+    else:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_mesh = init_device_mesh(device_type, (mesh.replicas, mesh.ranks),
+                                       mesh_dim_names=("dp", "pp"))
+        groups = Groups(pp=device_mesh.get_group("pp"), dp=device_mesh.get_group("dp"),
+                        device_mesh=device_mesh)
+    made: dict[tuple[int, ...], ProcessGroup | None] = {tuple(range(world)): dist.group.WORLD}
     for name, stages in sorted(shared.items()):
         for replica in range(mesh.replicas):
-            ranks = mesh.ranks_of(stages, replica)
+            ranks = tuple(mesh.ranks_of(stages, replica))
             if len(ranks) < 2:  # the stages share one Parameter object on their one rank
                 continue
-            group = dist.new_group(ranks)
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks))
             if replica == mesh.replica and mesh.rank in ranks:
+                group = made[ranks]
+                assert group is not None
                 groups.shared[name] = group
     return groups
 
