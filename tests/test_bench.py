@@ -37,6 +37,8 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
                       for cut in ("natural", "fxpipe")
                       for schedule in ("gpipe", "interleaved_1f1b")}
     assert variants | torch_variants <= set(result["step_time_s"]), result["skipped"]
+    # every variant runs on the default group: no other group's thread wakes while timing
+    assert result["process_groups_while_timing"] == 1
     # same model, data and micro-batches: every variant's first loss is the plain model's
     losses = result["losses_first_step"]
     for name in variants | torch_variants:

@@ -58,6 +58,7 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
     summary: dict[str, Any] = {
         **{k: options[k] for k in ("model", "stages", "chunks", "remat", "batch", "balance")},
         "load_average": options["load_average"],
+        "process_groups_while_timing": max(results[r]["process_groups"] for r in ranks),
         "step_time_s": step, "step_time_min_max_s": spread,
         "samples_per_s": {k: options["batch"] / v for k, v in step.items()},
         "speedup_vs_single_process": step["single_process"] / measured,
@@ -139,7 +140,8 @@ def _lines(summary: dict[str, Any]) -> list[str]:
              f"{summary['chunks']} micro-batches, remat={summary['remat']}, "
              f"balance={summary['balance']}", "",
              f"machine load average (1 min) before / after: "
-             f"{summary['load_average'][0]:.2f} / {summary['load_average'][1]:.2f}", "",
+             f"{summary['load_average'][0]:.2f} / {summary['load_average'][1]:.2f}; process "
+             f"groups per rank while timing: {summary['process_groups_while_timing']}", "",
              tabulate(rows, headers=["variant", "median step (s)", "min-max (s)", "samples/s",
                                      "speedup vs 1 process"], tablefmt="github"), "",
              f"- speedup over one process (fxpipe GPipe): "

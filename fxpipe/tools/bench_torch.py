@@ -253,26 +253,38 @@ def _manual(model: nn.Module, microbatch: tuple[Any, ...], variant: TorchVariant
 
 
 def _tie_groups(ties: list[dict[int, str]], modules: list[nn.Module], mine: list[int],
-                placement: Callable[[int], int]) -> list[tuple[list[nn.Parameter], Any]]:
+                placement: Callable[[int], int], group: Any,
+                made: dict[tuple[int, ...], Any]) -> list[tuple[list[nn.Parameter], Any]]:
     """Per tied weight: this rank's copies and the group of ranks that hold one (None: alone).
-    Every rank creates every group, in one order (new_group is collective)."""
+    A tie over every rank uses the variant's `group`; others get a group of their ranks, made
+    once per set of ranks (`made`: every rank makes them in one order, new_group is
+    collective)."""
     out = []
+    world = dist.get_world_size()
     for tie in ties:
-        ranks = sorted({placement(s) for s in tie})
-        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        ranks = tuple(sorted({placement(s) for s in tie}))
+        holders: Any = None
+        if len(ranks) == world:
+            holders = group if group is not None else dist.group.WORLD
+        elif len(ranks) > 1:
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks))
+            holders = made[ranks]
         params = list({id(p): p for p in (modules[mine.index(s)].get_parameter(name)
                                           for s, name in tie.items() if s in mine)}.values())
         if params:
-            out.append((params, group))
+            out.append((params, holders))
     return out
 
 
 def build_torch_step(variant: TorchVariant, model: nn.Module, inputs: tuple[Any, ...],
                      target: torch.Tensor, chunks: int, rank: int, ranks: int,
-                     group: Any = None) -> Step:
+                     group: Any = None,
+                     tie_groups: dict[tuple[int, ...], Any] | None = None) -> Step:
     """A training step (forward, backward, tied-weight sums, SGD) of `variant` on this rank;
     returns the batch's loss on every rank. `group`: the process group of all ranks it runs
-    on (its own, so that a variant torch fails in times out alone)."""
+    on (None: the default group); `tie_groups`: the groups of tied weights held by some of the
+    ranks, by their ranks, made on first use and shared by the variants given the same dict."""
     from torch.distributed import pipelining
 
     cls_name, per_rank, placement = SCHEDULES[variant.schedule]
@@ -286,7 +298,8 @@ def build_torch_step(variant: TorchVariant, model: nn.Module, inputs: tuple[Any,
     def owner(stage: int) -> int:
         return rank_stages_owner(variant.schedule, stage, ranks)
 
-    tied = _tie_groups(ties, modules, mine, owner)
+    tied = _tie_groups(ties, modules, mine, owner, group,
+                       tie_groups if tie_groups is not None else {})
     cls = getattr(pipelining, cls_name)
     schedule = cls(stages[0] if per_rank == 1 else stages, chunks, loss_fn=default_loss)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())

@@ -145,32 +145,43 @@ def _build_fxpipe(rank: int, world: int, model: Any, inputs: tuple[Any, ...], ta
 
 def _try_torch(variant: TorchVariant, model: Any, inputs: tuple[Any, ...], target: Any,
                chunks: int, rank: int, world: int, skipped: list[str],
-               losses: dict[str, float]) -> Step | None:
-    """The variant's step after a first one that worked on every rank (its loss is the
-    variant's first), else None and a note. Each variant has its own process group with a
-    timeout, so a rank that torch fails on leaves the others waiting only that long."""
-    group = dist.new_group(timeout=timedelta(seconds=TRY_TIMEOUT_S))
-    step: Step | None = None
+               losses: dict[str, float], tie_groups: dict[tuple[int, ...], Any]) -> Step | None:
+    """The variant's step, built on the default group as torch's users run it, once a first
+    step worked on every rank (its loss is the variant's first), else None and a note.
+
+    The first step runs on a group of its own with a timeout, so that a rank torch fails on
+    leaves the others waiting only that long; that group is thrown away either way. A group
+    kept per variant would cost every variant's compute time: each gloo group keeps a thread
+    that wakes every 10 ms, and thirty groups slowed the pipelines' compute by 6-11%."""
+    trial = dist.new_group(timeout=timedelta(seconds=TRY_TIMEOUT_S))
+    trial_ties: dict[tuple[int, ...], Any] = {}
     error = ""
     try:
-        step = build_torch_step(variant, copy.deepcopy(model), inputs, target, chunks, rank,
-                                world, group)
-        losses[variant.name] = step()
+        build_torch_step(variant, copy.deepcopy(model), inputs, target, chunks, rank, world,
+                         trial, trial_ties)()
     except Exception as e:  # noqa: BLE001 - a variant torch cannot run is reported
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        step = None
-    failed = torch.tensor([0 if step is not None else 1])
+    failed = torch.tensor([1 if error else 0])
     dist.all_reduce(failed)
+    # a step that failed on one rank leaves the others' operations pending in the trial
+    # groups: their connections would keep the machine busy while the other variants are timed
+    for group in (trial, *trial_ties.values()):
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
     if int(failed):
         if error:
             skipped.append(f"{variant.name} (rank {rank}): {error[:300]}")
-        losses.pop(variant.name, None)
-        # a step that failed on one rank leaves the others' operations pending in the group:
-        # its connections would keep the machine busy while the other variants are timed
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group(group)
         return None
+    step = build_torch_step(variant, copy.deepcopy(model), inputs, target, chunks, rank, world,
+                            None, tie_groups)
+    losses[variant.name] = step()
     return step
+
+
+def _process_groups() -> int:
+    """The process groups this rank holds (torch has no public count): each gloo group keeps a
+    thread that wakes every 10 ms, which the timed variants would pay for."""
+    return len(dist.distributed_c10d._world.pg_map)
 
 
 def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -189,14 +200,17 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
     skipped += notes
     steps: dict[str, Step] = {name: v.step for name, v in fx.items()}
     losses: dict[str, float] = {}
+    tie_groups: dict[tuple[int, ...], Any] = {}
     for variant in variants:
         _say(rank, f"building {variant.name} (stages start at "
                    f"{', '.join(variant.points) or variant.units}) and trying one step ...")
-        step = _try_torch(variant, model, inputs, target, chunks, rank, world, skipped, losses)
+        step = _try_torch(variant, model, inputs, target, chunks, rank, world, skipped, losses,
+                          tie_groups)
         if step is not None:
             steps[variant.name] = step
     single = _single(copy.deepcopy(model), inputs, target, chunks) if rank == 0 else None
     times: dict[str, list[float]] = {name: [] for name in ["single_process", *steps]}
+    groups = _process_groups()
     total = args["warmup"] + args["steps"]
     for i in range(total):
         label = f"step {i + 1}/{total}" + (" (warm-up)" if i < args["warmup"] else "")
@@ -218,7 +232,7 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
     dist.all_gather_object(every_busy, busy)
     result = {
         "times": {k: v[warm:] for k, v in times.items()}, "losses": losses,
-        "skipped": skipped,
+        "skipped": skipped, "process_groups": groups,
         "pipeline": {k: v.pipeline[warm:] for k, v in fx.items()},
         "stage_times": {k: v.stage[warm:] for k, v in fx.items()},
         "events": [e.__dict__ for e in main.measured.get("last_step_events", [])],
