@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fxpipe.runtime.schedule import stages_on
 
-__all__ = ["Mesh", "Groups", "make_groups", "average_over_replicas"]
+__all__ = ["Mesh", "Groups", "make_groups", "group_over", "average_over_replicas"]
 
 
 @dataclass(frozen=True)
@@ -100,19 +100,32 @@ def make_groups(mesh: Mesh, shared: dict[str, list[int]]) -> Groups:
                                        mesh_dim_names=("dp", "pp"))
         groups = Groups(pp=device_mesh.get_group("pp"), dp=device_mesh.get_group("dp"),
                         device_mesh=device_mesh)
-    made: dict[tuple[int, ...], ProcessGroup | None] = {tuple(range(world)): dist.group.WORLD}
+    made: dict[tuple[int, ...], ProcessGroup] = {}
     for name, stages in sorted(shared.items()):
         for replica in range(mesh.replicas):
-            ranks = tuple(mesh.ranks_of(stages, replica))
+            ranks = mesh.ranks_of(stages, replica)
             if len(ranks) < 2:  # the stages share one Parameter object on their one rank
                 continue
-            if ranks not in made:
-                made[ranks] = dist.new_group(list(ranks))
+            group = group_over(ranks, made)
             if replica == mesh.replica and mesh.rank in ranks:
-                group = made[ranks]
-                assert group is not None
                 groups.shared[name] = group
     return groups
+
+
+def group_over(ranks: Sequence[int], made: dict[tuple[int, ...], ProcessGroup],
+               whole: ProcessGroup | None = None) -> ProcessGroup:
+    """The process group of exactly `ranks`: `whole` (default: the default group) when they
+    are every rank, else one made on first use and kept in `made` by its ranks. Collective:
+    every rank calls it for the same ranks in the same order."""
+    key = tuple(sorted(ranks))
+    if len(key) == dist.get_world_size():
+        group = whole if whole is not None else dist.group.WORLD
+    else:
+        if key not in made:
+            made[key] = dist.new_group(list(key))
+        group = made[key]
+    assert group is not None
+    return group
 
 
 def average_over_replicas(loss: float, group: ProcessGroup | None, replicas: int) -> float:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpipe.losses import default_loss
+from fxpipe.runtime.mesh import group_over
 
 __all__ = ["TorchVariant", "SCHEDULES", "plan_variants", "build_torch_step", "natural_points",
            "units_of", "rank_stages"]
@@ -256,20 +257,12 @@ def _tie_groups(ties: list[dict[int, str]], modules: list[nn.Module], mine: list
                 placement: Callable[[int], int], group: Any,
                 made: dict[tuple[int, ...], Any]) -> list[tuple[list[nn.Parameter], Any]]:
     """Per tied weight: this rank's copies and the group of ranks that hold one (None: alone).
-    A tie over every rank uses the variant's `group`; others get a group of their ranks, made
-    once per set of ranks (`made`: every rank makes them in one order, new_group is
-    collective)."""
+    A tie over every rank uses the variant's `group`; others a group of their ranks, made once
+    per set of ranks and kept in `made` (fxpipe.runtime.mesh.group_over)."""
     out = []
-    world = dist.get_world_size()
     for tie in ties:
-        ranks = tuple(sorted({placement(s) for s in tie}))
-        holders: Any = None
-        if len(ranks) == world:
-            holders = group if group is not None else dist.group.WORLD
-        elif len(ranks) > 1:
-            if ranks not in made:
-                made[ranks] = dist.new_group(list(ranks))
-            holders = made[ranks]
+        ranks = sorted({placement(s) for s in tie})
+        holders = group_over(ranks, made, group) if len(ranks) > 1 else None
         params = list({id(p): p for p in (modules[mine.index(s)].get_parameter(name)
                                           for s, name in tie.items() if s in mine)}.values())
         if params:
