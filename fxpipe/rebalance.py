@@ -59,7 +59,8 @@ def cut_of(built: Built) -> tuple[str, ...]:
 def _round(built: Built, measured: Sequence[float]) -> BalanceRound:
     plan = built.plan
     return BalanceRound(cut_of(built), tuple(s.first_module for s in plan.stages),
-                        tuple(s.compute_time for s in plan.stages), tuple(measured))
+                        tuple(s.compute_time for s in plan.stages), tuple(measured),
+                        tuple(built.config.placement))
 
 
 def balance_by_measurement(built: Built, *, measure: Measure, install: Callable[[Built], None],
@@ -117,13 +118,19 @@ def _ms(times: Sequence[float]) -> str:
 
 # --- remembering balanced cuts -----------------------------------------------------------------
 
+_KEPT_BY = "busiest rank"
+"""How the kept cut is chosen among the rounds (passes.partition.best_round); part of the key,
+so cuts kept by an earlier rule are measured again."""
+
+
 def balance_key(built: Built, world: int) -> str:
     """What a balanced cut depends on: the graph, the options, the device, the processes."""
     config = built.config
     parts = [built.captured.code, built.model_name, str(config.stages), str(config.chunks),
              config.remat, config.schedule, str(config.per_rank), repr(config.devices),
              repr(config.memory_limit),
-             built.profile.key or built.profile.name, str(world), torch.__version__, __version__]
+             built.profile.key or built.profile.name, str(world), torch.__version__, __version__,
+             _KEPT_BY]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -134,7 +141,8 @@ def load_balance(key: str
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         rounds = [BalanceRound(tuple(r["starts"]), tuple(r["modules"]),
-                               tuple(r["predicted_s"]), tuple(r["measured_s"]))
+                               tuple(r["predicted_s"]), tuple(r["measured_s"]),
+                               tuple(int(x) for x in r.get("ranks", ())))
                   for r in data["rounds"]]
         corrections = {str(k): float(v) for k, v in data["corrections"].items()}
         return tuple(str(n) for n in data["starts"]), corrections, rounds

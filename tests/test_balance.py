@@ -74,6 +74,25 @@ def test_corrections_scale_each_stage_by_measured_over_predicted():
     assert best_round(rounds).starts == ("y",)
 
 
+def test_under_a_looped_schedule_the_busiest_rank_decides_which_cut_is_kept():
+    # interleaved on 2 ranks: stages 0 and 2 on rank 0, 1 and 3 on rank 1. The first cut's
+    # slowest stage is the faster one (64.7 < 65.2 ms), but it leaves rank 1 with 127 ms
+    # against rank 0's 86.7; the second's ranks are 123.2 and 119.2 ms.
+    ranks = (0, 1, 0, 1)
+    uneven = BalanceRound(("a",), ("m",), (1.0,) * 4, (41.4, 64.7, 45.3, 62.3), ranks)
+    even = BalanceRound(("b",), ("n",), (1.0,) * 4, (65.2, 59.6, 58.0, 59.6), ranks)
+    assert uneven.rank_loads == pytest.approx((86.7, 127.0))
+    assert best_round([uneven, even]) is even
+    assert even.to_json()["rank_spread"] == pytest.approx(123.2 / 119.2 - 1)
+    # one stage per rank: the slowest stage is the busiest rank
+    assert best_round([BalanceRound(("a",), ("m",), (1.0,) * 2, (64.7, 41.4), (0, 1)),
+                       BalanceRound(("b",), ("n",), (1.0,) * 2, (65.2, 60.0), (0, 1))]
+                      ).starts == ("a",)
+    # ZB-V: rank r holds stages r and 3 - r
+    v = BalanceRound(("c",), ("o",), (1.0,) * 4, (1.0, 2.0, 3.0, 4.0), (0, 1, 1, 0))
+    assert v.rank_loads == (5.0, 5.0) and v.bottleneck == 5.0
+
+
 def test_robust_time_takes_the_fastest_sample_of_alike_micro_batches():
     # except_last: micro-batches 0-2 recompute, 3 does not
     samples = [[5.0, 2.0, 9.0, 1.0], [2.5, 3.0, 2.0, 1.5]]

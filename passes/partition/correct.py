@@ -5,7 +5,9 @@ of stage s then has its time multiplied by measured_s / predicted_s, so the corr
 predicts exactly what was measured for this cut, and the partition is solved again. Nodes that
 change stage carry the correction of the stage they were measured in. Rounds repeat until the
 measured stages are within a tolerance of each other or the cut stops moving (it comes back to
-one already measured); the best cut measured wins.
+one already measured); the best cut measured wins: the one whose busiest rank computed least.
+Under a looped schedule a rank holds several stages, and what its step waits on is their sum, so
+a cut of equal stage maxima can still leave one rank far busier than the other.
 """
 from __future__ import annotations
 
@@ -30,19 +32,32 @@ class BalanceRound:
     modules: tuple[str, ...]  # the first module of each stage, for the report
     predicted: tuple[float, ...]  # compute time predicted before this round's measurement
     measured: tuple[float, ...]  # compute time measured (forward, backward, recompute)
+    ranks: tuple[int, ...] = ()  # the pipeline rank of each stage; () is one stage per rank
 
     @property
     def spread(self) -> float:
         return spread(self.measured)
 
     @property
+    def rank_loads(self) -> tuple[float, ...]:
+        """Measured compute of each rank: the sum of its stages."""
+        if not self.ranks:
+            return self.measured
+        loads = [0.0] * (max(self.ranks) + 1)
+        for rank, seconds in zip(self.ranks, self.measured, strict=True):
+            loads[rank] += seconds
+        return tuple(loads)
+
+    @property
     def bottleneck(self) -> float:
-        return max(self.measured)
+        """The busiest rank's measured compute: what bounds the step."""
+        return max(self.rank_loads)
 
     def to_json(self) -> dict[str, object]:
         return {"starts": list(self.starts), "modules": list(self.modules),
                 "predicted_s": list(self.predicted), "measured_s": list(self.measured),
-                "spread": self.spread}
+                "ranks": list(self.ranks), "spread": self.spread,
+                "rank_spread": spread(self.rank_loads)}
 
 
 def spread(times: Sequence[float]) -> float:
@@ -75,7 +90,8 @@ def corrected(corrections: Mapping[str, float], stages: Sequence[Sequence[str]],
 
 
 def best_round(rounds: Sequence[BalanceRound]) -> BalanceRound:
-    """The round whose slowest measured stage was fastest (the first of equals)."""
+    """The round whose busiest rank computed least, then whose slowest stage did (the first of
+    equals)."""
     if not rounds:
         raise ConfigError("no balancing round was measured", hint="run at least one round")
-    return min(rounds, key=lambda r: r.bottleneck)
+    return min(rounds, key=lambda r: (r.bottleneck, max(r.measured)))
