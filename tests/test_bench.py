@@ -56,6 +56,11 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     assert set(result["predicted_over_measured_by_variant"]) == fxpipe_variants
     assert all(r > 0 for r in result["predicted_over_measured_by_variant"].values())
     assert set(result["stage_imbalance_by_variant"]) == fxpipe_variants
+    # the cores' own drift, measured beside every fxpipe step, and the imbalance net of it
+    assert result["core_speed_spread"] >= 0
+    assert set(result["stage_imbalance_at_equal_speed_by_variant"]) == fxpipe_variants
+    assert result["stage_imbalance_at_equal_speed"] == \
+        result["stage_imbalance_at_equal_speed_by_variant"]["fxpipe"] >= 0
     speed = result["single_process_predicted_s"] / result["step_time_s"]["single_process"]
     assert result["machine_speed_factor"] == pytest.approx(speed)
     for name, ratio in result["predicted_over_measured_at_run_speed"].items():
@@ -78,7 +83,7 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
         assert stage["kept_reductions"]["always"] > 1
     assert (tmp_path / "bench.md").exists() and (tmp_path / "bench_trace.json").exists()
     out = capsys.readouterr().out
-    assert "speedup over one process" in out
+    assert "speedup over one process" in out and "ran identical work" in out
     steps = ["fxpipe bench: ", "measuring kept activations", "starting 2 processes",
              "writing the results"]  # a line before each step that takes more than a second
     assert [out.index(step) for step in steps] == sorted(out.index(step) for step in steps)

@@ -9,6 +9,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from fxpipe.profile.core_speed import imbalance_at_equal_speed, speed_spread
 from fxpipe.report import human_bytes
 from fxpipe.runtime.timeline import Event, write_chrome_trace
 from fxpipe.tools.bench_worker import REMAT_COMPARED
@@ -50,6 +51,16 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         busy = per_rank(name, 0)
         return max(busy) / min(busy) - 1 if min(busy) > 0 else None
 
+    def by_step(name: str, key: str) -> list[list[float]]:
+        """[step][rank]: each rank's compute, or its reference-work seconds, per step."""
+        rows = zip(*[results[r][key][name] for r in ranks])
+        return [[t[0] if key == "stage_times" else t for t in row] for row in rows]
+
+    def at_equal_speed(name: str) -> float | None:
+        busy, probes = by_step(name, "stage_times"), by_step(name, "probes")
+        return imbalance_at_equal_speed(busy, probes) if busy and probes else None
+
+    every_probe = [p for name in first["probes"] for p in by_step(name, "probes")]
     compute, waits = per_rank("fxpipe", 0), per_rank("fxpipe", 1)
     by_mode = {m: step["fxpipe" if m == options["remat"] else f"fxpipe_remat_{m}"]
                for m in REMAT_COMPARED}
@@ -80,6 +91,13 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         "stage_imbalance": imbalance("fxpipe"),
         "best_schedule_stage_imbalance": imbalance(best_schedule),
         "stage_imbalance_by_variant": {name: imbalance(name) for name in first["stage_times"]},
+        # the machine's noise floor: identical work timed on every rank at once, around each
+        # fxpipe step; and the imbalance left once each rank's compute is divided by its core's
+        # relative slowness at that step
+        "core_speed_spread": speed_spread(every_probe) if every_probe else None,
+        "stage_imbalance_at_equal_speed": at_equal_speed("fxpipe"),
+        "stage_imbalance_at_equal_speed_by_variant": {
+            name: at_equal_speed(name) for name in first["stage_times"]},
         "predicted_step_time_s": predicted,
         "pipeline_step_time_s": pipeline,  # program.step alone, what the prediction covers
         "predicted_over_measured": predicted / pipeline,
@@ -105,6 +123,7 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         "losses_first_step": first["losses"],
         "split_points": first["split_points"],
         "balance_rounds": first["balance_rounds"], "balance_source": first["balance"],
+        "balance_rounds_by_variant": first["balance_rounds_by_variant"],
         "profile": first["profile"],
         "torch_variants": first["variants"],
         "skipped": sorted({note for r in ranks for note in results[r]["skipped"]}),
@@ -125,6 +144,10 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
 def _schedule(variant: str) -> str:
     """The schedule of an fxpipe variant's name ("fxpipe" runs GPipe)."""
     return "gpipe" if variant == "fxpipe" else variant.removeprefix("fxpipe_")
+
+
+def _percent(value: float | None) -> str:
+    return f"{value:.1%}" if value is not None else "-"
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -156,6 +179,11 @@ def _lines(summary: dict[str, Any]) -> list[str]:
     lines += ["- measured imbalance of the ranks' compute (slowest / fastest - 1): "
               + ", ".join(f"{name} " + (f"**{v:.1%}**" if v is not None else "-")
                           for name, v in summary["stage_imbalance_by_variant"].items()),
+              f"- the ranks' cores ran identical work {_percent(summary['core_speed_spread'])} "
+              "apart (median over fxpipe's steps: the machine's own drift); the imbalance "
+              "left at equal core speed: " + ", ".join(
+                  f"{name} {_percent(v)}"
+                  for name, v in summary["stage_imbalance_at_equal_speed_by_variant"].items()),
               f"- predicted step time {summary['predicted_step_time_s']:.3f} s vs measured "
               f"program.step {summary['pipeline_step_time_s']:.3f} s "
               f"(predicted/measured {summary['predicted_over_measured']:.3f}); by schedule: "
@@ -179,6 +207,14 @@ def _lines(summary: dict[str, Any]) -> list[str]:
                      f"{[round(t * 1e3, 2) for t in r['predicted_s']]} ms, measured "
                      f"{[round(t * 1e3, 2) for t in r['measured_s']]} ms per micro-batch "
                      f"({r['spread']:.1%} apart)")
+    for name, rounds in summary["balance_rounds_by_variant"].items():
+        kept = [r for r in rounds if r.get("kept")]
+        if name != "fxpipe" and kept:
+            r = kept[0]
+            lines.append(f"- {name}'s cut, kept of {len(rounds)} balance round(s): stages at "
+                         f"{r['modules']}, measured {[round(t * 1e3, 2) for t in r['measured_s']]}"
+                         f" ms per micro-batch on ranks {r['ranks']} ({r['rank_spread']:.1%} "
+                         "apart by rank)")
     lines += ["", tabulate(
         [[d["stage"], d["first"], d["last"], d["ops"], f"{d['predicted_s']:.3f}",
           f"{d['busy_s']:.3f}", f"{d['recv_wait_s']:.3f}", f"{d['idle_s']:.3f}",

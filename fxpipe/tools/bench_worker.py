@@ -5,7 +5,9 @@ Variants: the plain model in one process (rank 0; gradient accumulation over the
 micro-batches), fxpipe with every schedule of fxpipe.runtime.schedule.SCHEDULES (remat as asked)
 and with the other remat modes (GPipe), and the torch.distributed.pipelining variants of
 fxpipe.tools.bench_torch. fxpipe's steps also record, per stage, the compute (forward, backward,
-recompute; waits excluded) and the time spent waiting for receives.
+recompute; waits excluded) and the time spent waiting for receives, and around each of their
+steps every rank times the same reference work at once (fxpipe.profile.core_speed), so that the
+report can tell the partition's imbalance from the cores' own drift.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ import fxpipe
 from fxpipe.errors import FxPipeError
 from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
-from fxpipe.passes.partition import PartitionPlan
+from fxpipe.passes.partition import PartitionPlan, best_round
+from fxpipe.profile.core_speed import CoreProbe
 from fxpipe.program import Program
 from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
 from fxpipe.runtime.timeline import Event, busy_time, predicted_events, predicted_step
@@ -64,6 +67,7 @@ class _FxpipeVariant:
         self.optimizer = torch.optim.SGD(program.parameters(), lr=1e-3)
         self.pipeline: list[float] = []  # seconds of program.step alone
         self.stage: list[tuple[float, float]] = []  # (compute, receive waits) of this rank
+        self.probes: list[float] = []  # seconds of the reference work around each step
 
     def step(self) -> float:
         start = time.perf_counter()
@@ -90,6 +94,13 @@ def _at_compute(program: Program, busy: list[float]) -> PartitionPlan:
                 * scale[r], recompute_time=st.recompute_time * scale[r],
                 weight_time=st.weight_time * scale[r])
         for r, st in zip(placement, plan.stages)))
+
+
+def _rounds(program: Program) -> list[dict[str, Any]]:
+    """The program's balance rounds as JSON, the one its cut was kept from marked."""
+    rounds = program.built.rounds
+    kept = best_round(rounds) if rounds else None
+    return [{**r.to_json(), "kept": r is kept} for r in rounds]
 
 
 def _compile(model: Any, inputs: tuple[Any, ...], world: int, args: dict[str, Any],
@@ -211,6 +222,7 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
     single = _single(copy.deepcopy(model), inputs, target, chunks) if rank == 0 else None
     times: dict[str, list[float]] = {name: [] for name in ["single_process", *steps]}
     groups = _process_groups()
+    probe = CoreProbe()
     total = args["warmup"] + args["steps"]
     for i in range(total):
         label = f"step {i + 1}/{total}" + (" (warm-up)" if i < args["warmup"] else "")
@@ -221,10 +233,17 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
             times["single_process"].append(time.perf_counter() - start)
             _say(rank, f"  {label} single_process: {times['single_process'][-1]:.2f} s")
         for name, step in steps.items():
+            timed = fx.get(name)
             dist.barrier()
+            if timed is not None:  # every rank times the reference work at once
+                before = probe.seconds()
+                dist.barrier()
             start = time.perf_counter()
             losses.setdefault(name, step())
             times[name].append(time.perf_counter() - start)
+            if timed is not None:
+                dist.barrier()
+                timed.probes.append((before + probe.seconds()) / 2)
             _say(rank, f"  {label} {name}: {times[name][-1]:.2f} s")
     warm = args["warmup"]
     busy = {name: statistics.median(t[0] for t in v.stage[warm:]) for name, v in fx.items()}
@@ -235,6 +254,7 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
         "skipped": skipped, "process_groups": groups,
         "pipeline": {k: v.pipeline[warm:] for k, v in fx.items()},
         "stage_times": {k: v.stage[warm:] for k, v in fx.items()},
+        "probes": {k: v.probes[warm:] for k, v in fx.items()},
         "events": [e.__dict__ for e in main.measured.get("last_step_events", [])],
         # each schedule played with its program's stage costs
         "predicted": {k: predicted_step(v.program.plan, v.program.built.config.schedule,
@@ -250,6 +270,7 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
                     "predicted_s": s.compute_time * main.plan.chunks}
                    for s in main.plan.stages],
         "balance_rounds": [r.to_json() for r in main.built.rounds],
+        "balance_rounds_by_variant": {k: _rounds(v.program) for k, v in fx.items()},
         "balance": main.measured.get("balance", args["balance"]),
         "profile": main.report().profile,
         "variants": {v.name: {"frontend": v.frontend, "cut": v.cut, "schedule": v.schedule,

@@ -1,0 +1,86 @@
+"""How fast each rank's core runs identical work at one moment, to tell a stage's work from its
+core's speed.
+
+On a shared machine (a cloud VM whose cores share physical cores with other guests) the speed
+of a core drifts on its own by tens of percent within seconds, so two ranks doing equal work can
+measure far apart. Balancing by measurement (fxpipe.rebalance.measure_ranks) times this
+reference work on every CPU rank at once around each measuring step and divides each rank's
+samples by its core's relative slowness at that step, so a stage measured at a slow moment does
+not pull the cut toward it; `fxpipe bench` does the same around each step it times, and reports
+the imbalance left at equal core speed beside the raw one.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CoreProbe", "relative_slowness", "speed_spread", "imbalance_at_equal_speed",
+           "at_equal_speed"]
+
+
+class CoreProbe:
+    """A fixed slice of transformer-like work (matmuls, GELU, layer norm, softmax) on fixed
+    tensors; `seconds()` times it. Built once per process, so every call does the same work."""
+
+    def __init__(self, width: int = 256, rows: int = 256, repeats: int = 3) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(rows, width, generator=generator)
+        self.w1 = torch.randn(width, 4 * width, generator=generator) / width ** 0.5
+        self.w2 = torch.randn(4 * width, width, generator=generator) / (4 * width) ** 0.5
+        self.repeats = repeats
+
+    def _work(self) -> torch.Tensor:
+        h = self.x
+        for _ in range(4):
+            h = F.layer_norm(h + F.gelu(h @ self.w1) @ self.w2, h.shape[-1:])
+            h = h + torch.softmax(h @ h.T / h.shape[-1] ** 0.5, dim=-1) @ h
+        return h
+
+    def seconds(self) -> float:
+        """The fastest of a few back-to-back runs: a preemption spike is not the core's speed,
+        a slower core of the moment is (it slows every run alike)."""
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(self.repeats):
+                start = time.perf_counter()
+                self._work()
+                best = min(best, time.perf_counter() - start)
+        return best
+
+
+def relative_slowness(probe_seconds: Sequence[float]) -> list[float]:
+    """Each rank's probe time over the ranks' mean: 1.1 = this core ran 10% slower."""
+    mean = sum(probe_seconds) / len(probe_seconds)
+    return [t / mean for t in probe_seconds]
+
+
+def speed_spread(probes: Sequence[Sequence[float]]) -> float:
+    """Median over steps of how far apart the ranks' cores ran identical work (slowest /
+    fastest - 1); probes[step][rank] in seconds."""
+    return statistics.median(max(p) / min(p) - 1 for p in probes)
+
+
+def imbalance_at_equal_speed(busy: Sequence[Sequence[float]],
+                             probes: Sequence[Sequence[float]]) -> float:
+    """The ranks' compute imbalance (slowest / fastest - 1) once each step's compute is divided
+    by its core's relative slowness; busy[step][rank] and probes[step][rank] in seconds. Per
+    rank the median over steps, as for the raw imbalance."""
+    ranks = len(busy[0])
+    normalised: list[list[float]] = [[] for _ in range(ranks)]
+    for step_busy, step_probe in zip(busy, probes, strict=True):
+        for r, (b, s) in enumerate(zip(step_busy, relative_slowness(step_probe), strict=True)):
+            normalised[r].append(b / s)
+    medians = [statistics.median(v) for v in normalised]
+    return max(medians) / min(medians) - 1
+
+
+def at_equal_speed(samples: Sequence[Sequence[float]], probes: Sequence[Sequence[float]],
+                   rank: int) -> list[list[float]]:
+    """`rank`'s samples[step][...] (seconds), each step's divided by the rank's relative
+    slowness at that step; probes[step][rank] in seconds."""
+    return [[t / relative_slowness(step_probe)[rank] for t in step_samples]
+            for step_samples, step_probe in zip(samples, probes, strict=True)]
