@@ -34,7 +34,6 @@ from fxpipe.losses import LossFn
 from fxpipe.passes.partition import TOLERANCE, BalanceRound, best_round, corrected
 from fxpipe.pipeline import PlanAgreement, rebuild
 from fxpipe.profile import cache_dir
-from fxpipe.profile.core_speed import CoreProbe, at_equal_speed
 from fxpipe.runtime.local import LocalExecutor, remat_enabled
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.rank import RankStage
@@ -323,45 +322,21 @@ def robust_time(samples: Sequence[Sequence[float]], remat: str) -> float:
 
 
 def measure_ranks(rank: RankStage, flat: list[torch.Tensor], target: torch.Tensor | None,
-                  loss_fn: LossFn, steps: int,
-                  probe: Callable[[], float] | None = None) -> list[float]:
+                  loss_fn: LossFn, steps: int) -> list[float]:
     """Seconds per micro-batch each stage computes in real pipeline steps (one warm-up, then
     the fastest of `steps`; waits excluded), the same list on every rank (averaged over
-    data-parallel replicas).
-
-    On CPU ranks (or with `probe`, seconds of fixed work) every rank times the same reference
-    work at once before and after each step, and its samples of that step are divided by its
-    core's relative slowness (fxpipe.profile.core_speed): on a shared machine one core can run
-    tens of percent slower than another for seconds, which would move the cut for nothing."""
+    data-parallel replicas)."""
     held = rank.mesh.held
-    if probe is None and rank.executor.device.type == "cpu":
-        probe = CoreProbe().seconds
     samples: dict[int, list[list[float]]] = {s: [] for s in held}
-    mine: list[float] = []  # this rank's probe seconds per measured step
     for i in range(steps + 1):
-        before = _probe_at_once(probe)
         _, result = rank.step(flat, target, loss_fn)
-        after = _probe_at_once(probe)
         if i:
-            mine.append((before + after) / 2)
             for s in held:
                 samples[s].append([busy_time([e for e in result.events if e.microbatch == mb],
                                              s) for mb in range(rank.chunks)])
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    probes = [list(step) for step in zip(*everyone)]  # [step][rank]
-    me = dist.get_rank()
-    dist.all_gather_object(everyone, [
-        (s, robust_time(at_equal_speed(samples[s], probes, me), rank.remat)) for s in held])
+    dist.all_gather_object(everyone, [(s, robust_time(samples[s], rank.remat)) for s in held])
     per_stage: dict[int, list[float]] = {}
     for stage, seconds in (pair for mine in everyone for pair in mine):
         per_stage.setdefault(stage, []).append(seconds)
     return [sum(v) / len(v) for _, v in sorted(per_stage.items())]
-
-
-def _probe_at_once(probe: Callable[[], float] | None) -> float:
-    """Seconds of the reference work, started on every rank together (1.0 without a probe)."""
-    if probe is None:
-        return 1.0
-    dist.barrier()
-    return probe()

@@ -6,7 +6,6 @@ import torch
 
 from fxpipe.profile.core_speed import (
     CoreProbe,
-    at_equal_speed,
     imbalance_at_equal_speed,
     relative_slowness,
     speed_spread,
@@ -44,18 +43,6 @@ def test_the_correction_is_per_step():
     assert imbalance_at_equal_speed(busy, probes) == pytest.approx(0.0, abs=1e-12)
     # the same compute at equal core speed is 50% apart
     assert imbalance_at_equal_speed([[1.5, 1.0]], [[0.010, 0.010]]) == pytest.approx(0.5)
-
-
-def test_a_ranks_samples_are_scaled_by_its_cores_slowness_at_each_step():
-    # rank 1's core ran twice as slow as rank 0's in step 0, as fast in step 1
-    probes = [[0.01, 0.02], [0.01, 0.01]]
-    samples = [[3.0, 6.0], [2.0, 4.0]]  # [step][micro-batch]
-    flat = [t for step in at_equal_speed(samples, probes, 1) for t in step]
-    assert flat == pytest.approx([2.25, 4.5, 2.0, 4.0])
-    flat = [t for step in at_equal_speed(samples, probes, 0) for t in step]
-    assert flat == pytest.approx([4.5, 9.0, 2.0, 4.0])
-    with pytest.raises(ValueError):  # a probe per measured step
-        at_equal_speed(samples, probes[:1], 0)
 
 
 def test_the_probe_does_the_same_work_every_time():
