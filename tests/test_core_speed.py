@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxpipe.profile.core_speed import (
+from fxpipe.tools.core_speed import (
     CoreProbe,
     imbalance_at_equal_speed,
     relative_slowness,

@@ -5,7 +5,6 @@
     presets.py   datasheet GPUs by compute precision (fp32, tf32, bf16, fp16, fp64)
     measure.py   micro-benchmarks on this machine, the fastest of repeated runs
     cache.py     measured profiles cached per machine in the user's cache folder; get_profile
-    core_speed.py  each rank's core speed of the moment, timed on identical work
 """
 from fxpipe.profile.cache import (
     cache_dir,

@@ -9,10 +9,10 @@ from typing import Any
 
 from tabulate import tabulate
 
-from fxpipe.profile.core_speed import imbalance_at_equal_speed, speed_spread
 from fxpipe.report import human_bytes
 from fxpipe.runtime.timeline import Event, write_chrome_trace
 from fxpipe.tools.bench_worker import REMAT_COMPARED
+from fxpipe.tools.core_speed import imbalance_at_equal_speed, speed_spread
 
 __all__ = ["summarise", "write"]
 

@@ -6,7 +6,7 @@ micro-batches), fxpipe with every schedule of fxpipe.runtime.schedule.SCHEDULES 
 and with the other remat modes (GPipe), and the torch.distributed.pipelining variants of
 fxpipe.tools.bench_torch. fxpipe's steps also record, per stage, the compute (forward, backward,
 recompute; waits excluded) and the time spent waiting for receives, and around each of their
-steps every rank times the same reference work at once (fxpipe.profile.core_speed), so that the
+steps every rank times the same reference work at once (fxpipe.tools.core_speed), so that the
 report can tell the partition's imbalance from the cores' own drift.
 """
 from __future__ import annotations
@@ -30,11 +30,11 @@ from fxpipe.errors import FxPipeError
 from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
 from fxpipe.passes.partition import PartitionPlan, best_round
-from fxpipe.profile.core_speed import CoreProbe
 from fxpipe.program import Program
 from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
 from fxpipe.runtime.timeline import Event, busy_time, predicted_events, predicted_step
 from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
+from fxpipe.tools.core_speed import CoreProbe
 
 __all__ = ["worker", "REMAT_COMPARED"]
 
