@@ -15,7 +15,7 @@ from fxpipe.built import Built
 from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
-from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, spread
+from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
@@ -340,7 +340,7 @@ class Report:
             stages = ", ".join(f"{m} {human_time(p)} -> {human_time(t)}"
                                for m, p, t in zip(r.modules, r.predicted, r.measured))
             mark = "  <- kept" if r is kept else ""
-            ranks = (f", ranks {spread(r.rank_loads):.1%} apart"
+            ranks = (f", ranks {r.rank_spread:.1%} apart"
                      if len(set(r.ranks)) < len(r.ranks) else "")
             lines.append(f"  round {i + 1}: {stages}; measured {r.spread:.1%} apart{ranks}"
                          f"{mark}")

@@ -49,6 +49,11 @@ class BalanceRound:
         return tuple(loads)
 
     @property
+    def rank_spread(self) -> float:
+        """How far apart the ranks' measured compute is (what a looped schedule waits on)."""
+        return spread(self.rank_loads)
+
+    @property
     def bottleneck(self) -> float:
         """The busiest rank's measured compute: what bounds the step."""
         return max(self.rank_loads)
@@ -57,7 +62,7 @@ class BalanceRound:
         return {"starts": list(self.starts), "modules": list(self.modules),
                 "predicted_s": list(self.predicted), "measured_s": list(self.measured),
                 "ranks": list(self.ranks), "spread": self.spread,
-                "rank_spread": spread(self.rank_loads)}
+                "rank_spread": self.rank_spread}
 
 
 def spread(times: Sequence[float]) -> float:
