@@ -114,3 +114,39 @@ def test_a_plan_at_measured_compute_gives_each_rank_the_compute_it_measured():
         assert after.recompute_time == pytest.approx(before.recompute_time * factor)
         assert after.weight_time == pytest.approx(before.weight_time * factor)
         assert after.comm_time == before.comm_time  # messages keep their predicted times
+
+
+def _fails_on_one_rank(rank: int, world: int) -> list[str]:
+    """_try_torch with a step that raises on rank 1 while rank 0 waits on it in the trial group:
+    rank 1 closing its connections must end rank 0's wait, not the trial group's timeout."""
+    import torch
+    import torch.distributed as dist
+
+    from fxpipe.tools import bench_worker
+    from fxpipe.tools.bench_torch import TorchVariant
+
+    bench_worker.TRY_TIMEOUT_S = 120  # longer than the test's bound: only closing can end it
+
+    def build(variant, model, inputs, target, chunks, rank, world, group, ties):  # noqa: ARG001
+        def step() -> float:
+            if rank == 1:
+                raise RuntimeError("torch cannot run this variant")
+            dist.recv(torch.zeros(1), src=1, group=group)  # what rank 1 never sends
+            return 0.0
+        return step
+
+    bench_worker.build_torch_step = build
+    skipped: list[str] = []
+    variant = TorchVariant("traced", "natural", "zbv", ("blocks.1",), ())
+    step = bench_worker._try_torch(variant, None, (), None, 1, rank, world, skipped, {}, {})
+    assert step is None
+    return skipped
+
+
+@pytest.mark.distributed
+def test_a_torch_variant_failing_on_one_rank_releases_the_others_at_once():
+    from tests.ranks import spawn
+
+    notes = spawn(2, __name__, "_fails_on_one_rank", timeout=120, bound=60)
+    assert "torch cannot run this variant" in notes[1][0]
+    assert "Timed out" not in notes[0][0] and "closed by peer" in notes[0][0], notes[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import statistics
 import time
@@ -160,25 +161,36 @@ def _try_torch(variant: TorchVariant, model: Any, inputs: tuple[Any, ...], targe
     """The variant's step, built on the default group as torch's users run it, once a first
     step worked on every rank (its loss is the variant's first), else None and a note.
 
-    The first step runs on a group of its own with a timeout, so that a rank torch fails on
-    leaves the others waiting only that long; that group is thrown away either way. A group
-    kept per variant would cost every variant's compute time: each gloo group keeps a thread
-    that wakes every 10 ms, and thirty groups slowed the pipelines' compute by 6-11%."""
-    trial = dist.new_group(timeout=timedelta(seconds=TRY_TIMEOUT_S))
+    The first step runs on groups of its own, closed as soon as it fails on a rank, so that the
+    other ranks' operations fail at once rather than wait for them; they are thrown away either
+    way. A group kept per variant would cost every variant's compute time: each gloo group keeps
+    a thread that wakes every 10 ms, and thirty groups slowed the pipelines' compute by 6-11%."""
+    trial = [dist.new_group(timeout=timedelta(seconds=TRY_TIMEOUT_S))]
     trial_ties: dict[tuple[int, ...], Any] = {}
+
+    def close_trial() -> None:
+        """Destroys the trial groups and drops this rank's last references to them, which closes
+        their connections: an operation another rank still waits on there fails at once
+        (connection closed by peer) instead of waiting out TRY_TIMEOUT_S. A failed step also
+        leaves operations pending that would keep the machine busy while the others are timed."""
+        for group in (*trial, *trial_ties.values()):
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+        trial.clear()
+        trial_ties.clear()
+        gc.collect()  # the failed step's stages and schedule hold the groups too
+
     error = ""
     try:
         build_torch_step(variant, copy.deepcopy(model), inputs, target, chunks, rank, world,
-                         trial, trial_ties)()
+                         trial[0], trial_ties)()
     except Exception as e:  # noqa: BLE001 - a variant torch cannot run is reported
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if error:
+        close_trial()
     failed = torch.tensor([1 if error else 0])
     dist.all_reduce(failed)
-    # a step that failed on one rank leaves the others' operations pending in the trial
-    # groups: their connections would keep the machine busy while the other variants are timed
-    for group in (trial, *trial_ties.values()):
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group(group)
+    close_trial()
     if int(failed):
         if error:
             skipped.append(f"{variant.name} (rank {rank}): {error[:300]}")
