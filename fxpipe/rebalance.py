@@ -118,7 +118,7 @@ def _ms(times: Sequence[float]) -> str:
 
 # --- remembering balanced cuts -----------------------------------------------------------------
 
-_KEPT_BY = "busiest rank"
+_KEPT_BY = "busiest rank over the mean"
 """How the kept cut is chosen among the rounds (passes.partition.best_round); part of the key,
 so cuts kept by an earlier rule are measured again."""
 

@@ -5,9 +5,13 @@ of stage s then has its time multiplied by measured_s / predicted_s, so the corr
 predicts exactly what was measured for this cut, and the partition is solved again. Nodes that
 change stage carry the correction of the stage they were measured in. Rounds repeat until the
 measured stages are within a tolerance of each other or the cut stops moving (it comes back to
-one already measured); the best cut measured wins: the one whose busiest rank computed least.
-Under a looped schedule a rank holds several stages, and what its step waits on is their sum, so
-a cut of equal stage maxima can still leave one rank far busier than the other.
+one already measured); the best cut measured wins: the one whose busiest rank is least above the
+ranks' mean. Under a looped schedule a rank holds several stages, and what its step waits on is
+their sum, so a cut of equal stage maxima can still leave one rank far busier than the other.
+Rounds are compared relative to their own mean because each is measured at another moment: every
+cut of a model computes the same work, so the mean is how fast the machine ran that round, and it
+drifts by more than good cuts differ (a GPipe GPT round measured 93.9 / 110.2 ms at one cut and
+89.1 / 108.4 at a worse one, which five benches then measured 12-16% apart).
 """
 from __future__ import annotations
 
@@ -58,6 +62,12 @@ class BalanceRound:
         """The busiest rank's measured compute: what bounds the step."""
         return max(self.rank_loads)
 
+    @property
+    def relative_bottleneck(self) -> float:
+        """The busiest rank over the ranks' mean (1 when balanced): the bottleneck with the
+        machine's speed during this round taken out."""
+        return _over_mean(self.rank_loads)
+
     def to_json(self) -> dict[str, object]:
         return {"starts": list(self.starts), "modules": list(self.modules),
                 "predicted_s": list(self.predicted), "measured_s": list(self.measured),
@@ -95,8 +105,14 @@ def corrected(corrections: Mapping[str, float], stages: Sequence[Sequence[str]],
 
 
 def best_round(rounds: Sequence[BalanceRound]) -> BalanceRound:
-    """The round whose busiest rank computed least, then whose slowest stage did (the first of
-    equals)."""
+    """The round whose busiest rank is least above the ranks' mean, then whose slowest stage is
+    least above the stages' mean (the first of equals)."""
     if not rounds:
         raise ConfigError("no balancing round was measured", hint="run at least one round")
-    return min(rounds, key=lambda r: (r.bottleneck, max(r.measured)))
+    return min(rounds, key=lambda r: (r.relative_bottleneck, _over_mean(r.measured)))
+
+
+def _over_mean(times: Sequence[float]) -> float:
+    """The largest time over the mean (1 when all are equal)."""
+    mean = sum(times) / len(times)
+    return max(times) / mean if mean > 0 else float("inf")
