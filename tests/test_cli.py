@@ -1,7 +1,9 @@
 """The command line, end to end on small models."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -15,6 +17,7 @@ import pytest
 from fxpipe import cli
 from fxpipe.cli import main
 from fxpipe.errors import PipelineRuntimeError
+from fxpipe.runtime import launch
 from fxpipe.runtime.timeline import Event, chrome_trace
 
 
@@ -141,10 +144,44 @@ def test_report_checks_the_program_and_says_what_it_imports(written, tmp_path, c
     (["--nproc", "2", "--stpes", "3"],
      "program.py does not take '--stpes' (did you mean --steps?)"),
     (["--nproc", "2", "--steps", "x"], "program.py argument --steps: invalid int value: 'x'"),
+    (["--nproc", "2", "--lr", "nan", "--verify"],
+     "program.py --lr nan is not a learning rate (allowed: a finite number >= 0)"),
+    (["--nproc", "2", "--lr", "-1"],
+     "program.py --lr -1.0 is not a learning rate (allowed: a finite number >= 0)"),
+    (["--nproc", "2", "--steps", "-1"], "program.py --steps -1 is negative (allowed: 0 or more)"),
+    (["--nproc", "2", "--steps", "0", "--verify"],
+     "program.py --verify with --steps 0 would check no loss"),
+    (["--nproc", "2", "--timeout", "0"],
+     "program.py --timeout 0.0 is not a number of seconds (allowed: a finite number > 0)"),
+    (["--nproc", "2", "--timeline", "/nonexistent/t.json"],
+     "program.py --timeline /nonexistent/t.json is in /nonexistent, which is no folder"),
 ])
 def test_run_checks_its_arguments_before_starting_a_process(written, capsys, args, expected):
     assert main(["run", str(written), *args]) == 2
     assert capsys.readouterr().err.splitlines()[0] == f"fxpipe: error: {expected}"
+
+
+@pytest.mark.parametrize("args", [["--lr", "nan", "--steps", "3", "--verify"],
+                                  ["--steps", "0", "--verify"], ["--steps", "-1", "--verify"]])
+def test_a_written_program_refuses_arguments_that_would_verify_nothing(written, capsys, args):
+    assert launch.main(written, args) == 2
+    out = capsys.readouterr()
+    assert "verify: OK" not in out.out and "rank 0 (stage 0): error: program.py" in out.err
+
+
+def test_verify_fails_on_a_loss_that_is_not_finite_and_when_nothing_was_checked(written, capsys):
+    spec = launch.load_spec(written)
+    reference = list(spec.reference_losses)
+    assert launch._verify(spec, reference, spec.lr) == 0
+    assert launch._verify(spec, [reference[0], math.nan, math.nan], spec.lr) == 1
+    assert "step 1 loss nan against the plain model's" in capsys.readouterr().out
+    assert launch._verify(spec, [math.inf], spec.lr) == 1
+    assert launch._verify(spec, reference, math.nan) == 1
+    assert launch._verify(spec, [], spec.lr) == 1
+    assert "no step ran, so no loss was checked" in capsys.readouterr().out
+    broken = dataclasses.replace(spec, reference_losses=(math.nan, *reference[1:]))
+    assert launch._verify(broken, reference, spec.lr) == 1
+    assert "verify: OK" not in capsys.readouterr().out
 
 
 def test_run_refuses_an_altered_program_and_a_busy_port_before_starting(written, tmp_path, capsys):

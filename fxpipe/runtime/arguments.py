@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
+import os
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
@@ -61,4 +63,32 @@ def parse_program_args(argv: list[str], spec: ProgramSpec) -> argparse.Namespace
         raise ConfigError(f"program.py does not take {word!r}"
                           + (f" (did you mean {close[0]}?)" if close else ""),
                           hint="program.py --help lists its options")
+    _check_values(args)
     return args
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    """Values argparse accepts that would train on garbage or check nothing: a NaN or negative
+    learning rate, a negative step count, a --verify of no steps, a timeline nowhere writable."""
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        raise ConfigError(f"program.py --lr {args.lr} is not a learning rate (allowed: a finite "
+                          "number >= 0)", hint="omit --lr to train with the program's own")
+    if args.steps < 0:
+        raise ConfigError(f"program.py --steps {args.steps} is negative (allowed: 0 or more)",
+                          hint="pass --steps 1 or more to train")
+    if args.verify and args.steps < 1:
+        raise ConfigError(f"program.py --verify with --steps {args.steps} would check no loss",
+                          hint="pass --steps 1 or more with --verify")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError(f"program.py --timeout {args.timeout} is not a number of seconds "
+                          "(allowed: a finite number > 0)", hint="omit --timeout to wait 60 s")
+    if not (math.isfinite(args.dp_bucket_mb) and args.dp_bucket_mb >= 0):
+        raise ConfigError(f"program.py --dp-bucket-mb {args.dp_bucket_mb} is not a size "
+                          "(allowed: a finite number >= 0)", hint="omit --dp-bucket-mb for 25")
+    if args.timeline is not None:
+        folder = os.path.dirname(os.path.abspath(args.timeline))
+        if os.path.isdir(args.timeline) or not os.path.isdir(folder):
+            what = "is a folder" if os.path.isdir(args.timeline) else \
+                f"is in {folder}, which is no folder"
+            raise ConfigError(f"program.py --timeline {args.timeline} {what}",
+                              hint="name a file in an existing folder, e.g. --timeline t.json")

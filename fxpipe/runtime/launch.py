@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -260,12 +261,21 @@ def _verify(spec: ProgramSpec, losses: list[float], lr: float, first: int = 0) -
               "on the CPU, whose generator draws other numbers than a GPU's; verify on CPU "
               "processes, or compile without dropout")
         return 1
-    if abs(lr - spec.lr) > 0:
+    if lr != spec.lr:  # true for a NaN too, unlike abs(lr - spec.lr) > 0
         print(f"verify: the reference was recorded with lr={spec.lr}; run with that lr")
         return 1
     n = min(len(reference), len(losses))
-    worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses[:n], reference[:n])),
-                default=0.0)
+    if n == 0:
+        print(f"verify: FAILED: no step ran, so no loss was checked (steps {first} and later "
+              "have reference losses); run at least one step")
+        return 1
+    pairs = list(zip(losses[:n], reference[:n]))
+    for i, (loss, ref) in enumerate(pairs):
+        if not (math.isfinite(loss) and math.isfinite(ref)):
+            print(f"verify: MISMATCH: step {first + i} loss {loss} against the plain model's "
+                  f"{ref}: a loss that is not finite never verifies")
+            return 1
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
     tolerance = _VERIFY_TOLERANCE[spec.autocast]
     ok = worst <= tolerance
     print(f"verify: {'OK' if ok else 'MISMATCH'}: steps {first}..{first + n - 1} against the "
