@@ -17,6 +17,7 @@ __all__ = [
     "InvariantError",
     "CheckpointError",
     "ProgramFolderError",
+    "StorageError",
 ]
 
 
@@ -78,6 +79,11 @@ class CheckpointError(FxPipeError):
 
 class ProgramFolderError(FxPipeError, ValueError):
     """A written program's folder is missing files, altered, or not a program at all."""
+
+
+class StorageError(FxPipeError, OSError):
+    """A file could not be written (a full disk, a file size limit, no permission): the message
+    names the file; what was there before is kept."""
 
 
 class MissingMetaError(FxPipeError, KeyError):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fxpipe.built import Built
-from fxpipe.errors import CodegenError, ProgramFolderError
+from fxpipe.errors import CodegenError, ProgramFolderError, StorageError
 from fxpipe.files import atomic_save, atomic_write, replace_folder
 from fxpipe.report import Report
 from fxpipe.runtime.folder import file_digest, is_program
@@ -27,6 +27,7 @@ from fxpipe.runtime.timeline import predicted_events
 from fxpipe.source import safe_docstring
 from fxpipe.state import StateNames
 from fxpipe.structure import Structure
+from fxpipe.userfiles import carry_user_files, written_by_fxpipe
 from fxpipe.version import __version__
 
 __all__ = ["ProgramFiles", "write_program", "write_weights", "LAUNCHER"]
@@ -104,34 +105,22 @@ def write_program(built: Built, directory: str, files: ProgramFiles) -> list[str
 
     def fill(folder: str) -> None:
         names.extend(_write_files(built, folder, files, directory))
+        _check_no_clash(directory, names)
 
-    replace_folder(directory, fill, _check_replaceable, _carry_user_files)
+    replace_folder(directory, fill, _check_replaceable, carry_user_files)
     return [os.path.join(directory, name) for name in names]
 
 
-def _carry_user_files(old: str, new: str) -> None:
-    """Moves what the user kept in the old program's folder (a checkpoint saved there, a
-    timeline, notes) into the new one: rewriting a program replaces fxpipe's files only."""
-    for name in sorted(os.listdir(old)):
-        if not _written_by_fxpipe(old, name) and not os.path.lexists(os.path.join(new, name)):
-            os.rename(os.path.join(old, name), os.path.join(new, name))
-
-
-def _written_by_fxpipe(folder: str, name: str) -> bool:
-    """Whether `name` is a file of the program in `folder` (program.json lists them)."""
-    try:
-        with open(os.path.join(folder, "program.json"), encoding="utf-8") as f:
-            recorded = json.load(f).get("files", {})
-    except (OSError, ValueError, AttributeError):
-        recorded = {}
-    return name in recorded or name == "program.json" or name in _FXPIPE_NAMES \
-        or (name.startswith("stage_") and name.endswith(".py"))
-
-
-# What any version of the writer puts in a folder (programs written before program.json listed
-# its files included), so stale files of an earlier program are never carried over.
-_FXPIPE_NAMES = frozenset({"program.py", "report.txt", "report.json", "weights.pt", "weights.json",
-                           "state.pt", "model.pt", "batch.pt", "__pycache__"})
+def _check_no_clash(directory: str, names: list[str]) -> None:
+    """Refuses to replace a file of the user's (one the old program.json does not list) with a
+    file of the new program of the same name: rewriting a program never deletes the user's."""
+    present = os.listdir(directory) if os.path.isdir(directory) else []
+    clash = sorted(n for n in set(names) & set(present) if not written_by_fxpipe(directory, n))
+    if clash:
+        raise ProgramFolderError(f"{directory} holds {', '.join(clash)}, which the program there "
+                                 "does not list as its own, and the new program writes files of "
+                                 "those names", hint="move those files out of the folder, or "
+                                 "write the program to another folder")
 
 
 def _check_replaceable(directory: str) -> None:
@@ -208,6 +197,8 @@ def write_weights(directory: str, files: ProgramFiles) -> list[str]:
         try:
             atomic_save(files.model, os.path.join(directory, "model.pt"))
             paths["model"] = "model.pt"
+        except StorageError:
+            raise
         except Exception as e:  # noqa: BLE001 - pickling fails in many ways; --weights still works
             reason = f"{type(e).__name__}: {e}"
     info = {**paths, "model_error": reason, "state_keys": sorted(files.state_keys),

@@ -1,6 +1,8 @@
 """A written program's folder, checked before anything in it runs: program.json as fxpipe writes
-it, the code program.py allows, stage files inside the folder, and every file present with the
-contents it was written with (program.json records each one's sha256).
+it, the code program.py allows, stage files inside the folder, every file present with the
+contents it was written with (program.json records each one's sha256), and no other Python
+module that an import of program.py would find first. A write killed mid-swap is finished or
+rolled back first (fxpipe.files.recover_folder).
 
 The digests catch a folder mixed from two programs, a stale or truncated file, or a file copied
 in from elsewhere; they are no defence against someone who edits program.json to match (the
@@ -9,17 +11,22 @@ allow-lists of fxpipe.runtime.spec and fxpipe.runtime.imports are).
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from fxpipe.errors import ProgramFolderError
+from fxpipe.files import recover_folder
 from fxpipe.runtime.imports import ProgramCode, allowed_loss, code_of_launcher
 from fxpipe.runtime.spec import ProgramJSON, spec_problems
+from fxpipe.userfiles import carry_user_files
 
 __all__ = ["CheckedProgram", "check_program", "file_digest", "is_program", "program_report"]
 
+_STAGE = re.compile(r"stage_\d+")
 _HINT = "write the program again (program.write(dir) or fxpipe compile ... --out DIR)"
 
 
@@ -77,6 +84,10 @@ def check_program(folder: str | os.PathLike[str], *, contents: bool = True) -> C
     without, only that every file is present.
     """
     folder = Path(folder)
+    try:  # a write killed mid-swap: finish it, or put the old program back
+        recover_folder(str(folder), carry_user_files)
+    except OSError:
+        pass  # a folder this process may not change: checked as it is
     data = _read(folder)
     problems = spec_problems(data)
     if problems:
@@ -113,7 +124,37 @@ def check_program(folder: str | os.PathLike[str], *, contents: bool = True) -> C
                                      f"(sha256 {file_digest(path)[:12]}..., recorded "
                                      f"{digest[:12]}...): the folder was altered or mixed with "
                                      "another program", hint=_HINT)
+    _check_no_shadowing(folder, set(files), code)
     return CheckedProgram(folder, spec, code)
+
+
+def _module_name(path: Path) -> str | None:
+    """The top-level module name `import` would find at `path`, if any."""
+    if path.is_dir():
+        inits = [path / f"__init__{suffix}" for suffix in importlib.machinery.all_suffixes()]
+        return path.name if path.name.isidentifier() and any(p.exists() for p in inits) else None
+    for suffix in importlib.machinery.all_suffixes():
+        stem = path.name.removesuffix(suffix)
+        if path.name.endswith(suffix) and stem.isidentifier():
+            return stem
+    return None
+
+
+def _check_no_shadowing(folder: Path, listed: set[str], code: ProgramCode) -> None:
+    """Refuses a Python module in the folder that program.json does not list: Python puts the
+    folder of `python program.py` first on sys.path, so a torch.py or fxpipe.py there would be
+    imported instead of the real one. Stage files are loaded by path, never by module name; the
+    user's own modules may sit there when the program was written to look for them there."""
+    own = {name.partition(".")[0] for name in [code.loss.partition(":")[0], *code.modules]} \
+        if "." in code.folders else set()
+    for entry in sorted(os.listdir(folder)):
+        module = None if entry in listed else _module_name(folder / entry)
+        if module is not None and module not in own and not _STAGE.fullmatch(module):
+            raise ProgramFolderError(
+                f"{folder / entry} is a Python module ({module!r}) that program.json does not "
+                f"list: program.py, run from {folder}, would import it instead of any installed "
+                f"{module!r}", hint="move it out of the program's folder (or delete it if you did "
+                "not put it there), then run again")
 
 
 def program_report(folder: str | os.PathLike[str], *, as_json: bool = False) -> str:
