@@ -12,6 +12,7 @@ __all__ = [
     "RuntimeInputError",
     "PipelineRuntimeError",
     "PeerLostError",
+    "LossError",
     "NotBuiltError",
     "MissingMetaError",
     "InvariantError",
@@ -67,6 +68,11 @@ class PipelineRuntimeError(FxPipeError, RuntimeError):
 
 class PeerLostError(PipelineRuntimeError):
     """Communication with another stage failed: it raised, died, or timed out."""
+
+
+class LossError(FxPipeError, ValueError):
+    """The loss cannot be computed the way the program runs it (per micro-batch, across
+    ranks) with the result of the plain model."""
 
 
 class NotBuiltError(FxPipeError, RuntimeError):

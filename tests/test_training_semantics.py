@@ -9,10 +9,12 @@ batch's; a written program's --verify compares with that reference.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -201,3 +203,132 @@ def test_written_program_with_dropout_verifies_under_torchrun(tmp_path):
                           timeout=600, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "verify: OK" in proc.stdout
+
+
+# -- the loss under torchrun: a mean or a sum over examples, or refused ------------------------
+
+PAD = -100
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.embed(x))))
+
+
+def _token_mean(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over the real (unpadded) tokens."""
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), t.flatten(), ignore_index=PAD)
+
+
+def _token_sum(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), t.flatten(), ignore_index=PAD,
+                                             reduction="sum")
+
+
+def _mse_sum(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, torch.zeros_like(out), reduction="sum")
+
+
+def _std(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return out.std()
+
+
+def _max(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return out.max()
+
+
+def _counted(out: torch.Tensor, t: torch.Tensor, count: int = 1) -> torch.Tensor:
+    """The padded per-token mean made a sum over examples: the batch's real tokens counted
+    first (what the refusal's hint says to do)."""
+    return _token_sum(out, t) / count
+
+
+def _loss_case(name: str, padded: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
+    torch.manual_seed(0)
+    model, x = _Tokens(), torch.randint(0, 16, (4, 5))
+    y = torch.randint(0, 16, (4, 5))
+    if padded:  # real tokens per example: 5, 4, 2, 1: micro-batches of 9 and 3
+        for row, real in enumerate((5, 4, 2, 1)):
+            y[row, real:] = PAD
+    fns = {"mean": _token_mean, "sum": _token_sum, "mse_sum": _mse_sum, "std": _std,
+           "max": _max, "counted": functools.partial(_counted, count=int((y != PAD).sum()))}
+    return model, x, y, fns[name]
+
+
+LOSS_CASES = [("mean", False), ("sum", False), ("mse_sum", False), ("counted", True),
+              ("mean", True), ("std", False), ("max", False)]
+REFUSED = {("mean", True), ("std", False), ("max", False)}
+
+
+def _loss_steps(rank: int, world: int, cases: list, schedules: list[str]) -> list[dict]:
+    out = []
+    for schedule in schedules:
+        for name, padded in cases:
+            model, x, y, fn = _loss_case(name, padded)
+            program = fxpipe.compile(model, (x,), stages=world, chunks=2, profile="a100",
+                                     split_points=["head"], schedule=schedule)
+            try:
+                loss: Any = program.step(x, target=y, loss_fn=fn)
+            except fxpipe.FxPipeError as e:
+                loss = f"{type(e).__name__}: {e}"
+            own = {id(p) for p in program.parameters()}
+            out.append({"case": (name, padded, schedule), "loss": loss,
+                        "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                                  if id(p) in own and p.grad is not None}})
+    return out
+
+
+def _loss_outcomes(ranks: list[list[dict]]) -> dict[tuple, str]:
+    """Each case's outcome on every rank against the plain model: "same", "refused" (a
+    LossError on every rank, gradients untouched) or "wrong"."""
+    outcomes = {}
+    for results in zip(*ranks):
+        name, padded, schedule = results[0]["case"]
+        plain, x, y, fn = _loss_case(name, padded)
+        expected = fn(plain(x), y)
+        expected.backward()
+        grads = _grads(plain)
+        if all(isinstance(r["loss"], str) for r in results):
+            untouched = all(not g.any() for r in results for g in r["grads"].values())
+            said = all(r["loss"].startswith("LossError") and "neither a mean nor a sum" in
+                       r["loss"] and "hint:" in r["loss"] for r in results)
+            outcome = "refused" if untouched and said else "wrong"
+        else:
+            same = all(not isinstance(r["loss"], str)
+                       and r["loss"] == pytest.approx(float(expected.detach()), rel=1e-5)
+                       and all(torch.allclose(g, grads[n], rtol=1e-4, atol=1e-6)
+                               for n, g in r["grads"].items()) for r in results)
+            covered = set().union(*(r["grads"] for r in results)) == set(grads)
+            outcome = "same" if same and covered else "wrong"
+        outcomes[(name, padded, schedule)] = outcome
+    return outcomes
+
+
+@pytest.mark.distributed
+def test_a_sum_loss_trains_as_the_plain_model_on_two_ranks_and_a_std_is_refused():
+    cases = [("sum", False), ("mean", True), ("std", False)]
+    ranks = spawn(2, __name__, "_loss_steps", cases, ["gpipe", "1f1b"], timeout=120, bound=400)
+    outcomes = _loss_outcomes(ranks)
+    assert outcomes == {("sum", False, "gpipe"): "same", ("sum", False, "1f1b"): "same",
+                        ("mean", True, "gpipe"): "refused", ("mean", True, "1f1b"): "refused",
+                        ("std", False, "gpipe"): "refused", ("std", False, "1f1b"): "refused"}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_every_loss_kind_on_two_ranks_equals_the_plain_model_or_is_refused():
+    """Mean, sums, a padded per-token mean (raw: refused; counted over the batch first: the
+    same), std and max, under each flat schedule: no result differs silently."""
+    schedules = ["gpipe", "1f1b", "zb-h1"]
+    ranks = spawn(2, __name__, "_loss_steps", LOSS_CASES, schedules, timeout=120, bound=600)
+    outcomes = _loss_outcomes(ranks)
+    wrong = [case for case, outcome in outcomes.items() if outcome == "wrong"]
+    assert wrong == []
+    for (name, padded, _), outcome in outcomes.items():
+        assert outcome == ("refused" if (name, padded) in REFUSED else "same"), (name, padded)

@@ -6,11 +6,13 @@ backwards; 1F1B interleaves them; ZB-H1 and ZB-V split each backward into its in
 gradients, NOTE [Split backward] in dist_comm.py), exchanging
 activations and gradients with its peers (fxpipe.runtime.dist_comm.DistComm). The actions run on the
 ticks of a clock all ranks share (fxpipe.runtime.plan), and each tick's sends and receives are
-posted together, in one agreed order, so no schedule can deadlock under NCCL. Micro-batch losses
-are weighted by their share of the batch, so the accumulated gradients equal those of one
-full-batch mean loss. Parameters that several stages hold (tied weights) have their gradients
-summed across the ranks that hold them (stages of one rank share the Parameter itself); with
-data parallelism, gradients are then averaged across replicas.
+posted together, in one agreed order, so no schedule can deadlock under NCCL. Each micro-batch's
+loss starts its backward weighted as a mean or a sum over examples, whichever the loss of the
+joined outputs shows it is (fxpipe.runtime.loss_split), so the accumulated gradients equal those
+of the loss on the whole batch; a loss that is neither is refused. Parameters that several
+stages hold (tied weights) have their gradients summed across the ranks that hold them (stages
+of one rank share the Parameter itself); with data parallelism, gradients are then averaged
+across replicas.
 
 Mixed precision: the caller's `torch.autocast` applies to the stage (it runs in the caller's
 thread), values cross stages in the dtype they have, and a GradScaler passed to `step` scales
@@ -35,6 +37,17 @@ from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_dev
 from fxpipe.runtime.dist_comm import DistComm, TagTable, messages_of
 from fxpipe.runtime.finite import check_finite
 from fxpipe.runtime.local import remat_enabled, seeded_forward
+from fxpipe.runtime.loss_split import (
+    KINDS,
+    MEAN,
+    NEITHER,
+    changed,
+    loss_key,
+    refusal,
+    split_kind,
+    unchanged,
+    weight_of,
+)
 from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.overlap import ReplicaAverager
@@ -117,6 +130,10 @@ class DistributedExecutor:
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
         self.warm = False
         self.last: StepResult | None = None  # the latest step's result
+        # how each loss splits over micro-batches, found on a step that only finds it, for a
+        # schedule whose last stage starts a backward before every forward is done
+        self.loss_kinds: dict[Any, str] = {}
+        self.loss_first: dict[tuple[str, int], bool] = {}
         # Replica averaging of untied gradients overlaps the last backward (0: after it).
         # Tied parameters wait for their sum over stages, which needs every stage's backward.
         self.averager = None
@@ -149,7 +166,41 @@ class DistributedExecutor:
         scaler: a torch.amp.GradScaler; the backward runs on the scaled loss (the returned loss
         is not scaled) and all ranks agree on skipping the step (NOTE [Loss scaling across
         ranks] in fxpipe/runtime/amp.py).
+
+        The loss is computed per micro-batch and once on the joined outputs: the step returns the
+        latter, and weights each micro-batch's backward as the comparison shows (NOTE in
+        fxpipe.runtime.loss_split). Raises LossError on every rank for a loss that is neither a
+        mean nor a sum over examples.
         """
+        key = loss_key(loss_fn, target is not None)
+        run = dict(chunks=chunks, remat=remat, schedule=schedule, scaler=scaler)
+        if self._loss_first(schedule, chunks):  # judged on each step before its backward
+            return self._step(tensors, target, loss_fn, key, None, **run)
+        if key not in self.loss_kinds:  # a step that only judges the loss, then the step
+            devices = sorted({p.device.index or 0 for p in self.parameters() if p.is_cuda})
+            buffers = list({id(b): b for u in self.units.values()
+                            for b in u.module.buffers()}.values())
+            with unchanged(self.parameters(), buffers, devices):
+                self._step(tensors, target, loss_fn, key, None, probe=True, **run)
+        return self._step(tensors, target, loss_fn, key, self.loss_kinds[key], **run)
+
+    def _loss_first(self, schedule: str, chunks: int) -> bool:
+        """Whether the last stage runs every forward before its first backward (GPipe), so it
+        knows the batch's loss before any backward."""
+        if (schedule, chunks) not in self.loss_first:
+            last = self.mesh.stages - 1
+            actions = make_schedule(schedule, chunks, self.mesh.stages, self.mesh.ranks)
+            kinds = [a.kind for a in actions[self.mesh.placement[last]] if a.stage == last]
+            backward = next((i for i, k in enumerate(kinds) if k != "F"), len(kinds))
+            self.loss_first[(schedule, chunks)] = "F" not in kinds[backward:]
+        return self.loss_first[(schedule, chunks)]
+
+    def _step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
+              loss_fn: Callable[..., torch.Tensor], key: Any, assumed: str | None, *,
+              chunks: int, remat: str, schedule: str, scaler: Any,
+              probe: bool = False) -> StepResult:
+        """The step, its backward weighted as `assumed` (None: as the last stage finds before
+        its first backward; `probe`: by 0, only to find the kind, recorded in loss_kinds)."""
         tensors = list(tensors)
         read = sorted({i for u in self.units.values() for i in u.inputs})
         for i, t in zip(read, pin_for([tensors[i] for i in read], self.device)):
@@ -176,7 +227,10 @@ class DistributedExecutor:
             self.averager.armed = False  # armed only during the last backward
         discard_batch_norms()
         losses: dict[int, torch.Tensor] = {}
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        outputs: dict[int, list[Any]] = {}  # the last stage's, detached: the batch's loss
+        values: dict[int, torch.Tensor] = {}  # each micro-batch's loss, detached
+        weight = 0.0 if probe else None if assumed is None else weight_of(assumed, chunks)
+        judged: tuple[float, list[float], str | None] | None = None
         # the last action that accumulates gradients (B, or W of a split backward)
         last_backward = max(t.index for t in ticks
                             if t.action is not None and t.action.kind in ("B", "W"))
@@ -203,15 +257,18 @@ class DistributedExecutor:
                             check_finite(stage, mb, view.sent, out if last else None,
                                          view.received, args, unit.graph)
                         if last:
-                            # equal micro-batches: weight 1/M makes the sum the batch mean
-                            loss = self._loss(out, to_device(targets[mb], self.device),
-                                              loss_fn) / chunks
-                            losses[mb] = loss if scale is None else loss * scale
-                            total += loss.detach().double()
+                            losses[mb] = self._loss(out, to_device(targets[mb], self.device),
+                                                    loss_fn)
+                            values[mb] = losses[mb].detach()
+                            outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
+                                           for o in out]
                     del view, out  # the comm keeps what the backward needs
                 elif action.kind == "I":
+                    if self.is_last(stage) and weight is None:
+                        judged = self._judge(outputs, values, target, loss_fn)
+                        weight = weight_of(judged[2] or self.loss_kinds.get(key, MEAN), chunks)
                     with self.timeline.span("backward", stage, mb, detail="I"):
-                        comm.backward_input(stage, mb, losses.pop(mb, None)
+                        comm.backward_input(stage, mb, self._weighted(losses, mb, weight, scale)
                                             if self.is_last(stage) else None)
                 else:
                     if self.averager and tick.index == last_backward:
@@ -221,7 +278,11 @@ class DistributedExecutor:
                         if action.kind == "W":
                             comm.backward_weight(stage, mb, weights[stage])
                         else:
-                            comm.backward(stage, mb, losses.pop(mb, None)
+                            if self.is_last(stage) and weight is None:
+                                judged = self._judge(outputs, values, target, loss_fn)
+                                weight = weight_of(judged[2] or self.loss_kinds.get(key, MEAN),
+                                                   chunks)
+                            comm.backward(stage, mb, self._weighted(losses, mb, weight, scale)
                                           if self.is_last(stage) else None)
                     if memory:
                         memory.release((stage, mb))
@@ -235,21 +296,30 @@ class DistributedExecutor:
         comm.finish()
         self._learned(comm)
         commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
+        # what the last stage found of the loss: [loss, kind, micro-batch losses...]
+        verdict = torch.zeros(2 + chunks, dtype=torch.float64, device=self.device)
+        if last_stage in self.units:
+            if judged is None:
+                judged = self._judge(outputs, values, target, loss_fn)
+            verdict[0] = judged[0]
+            verdict[1] = KINDS.index(judged[2]) if judged[2] is not None else -1
+            verdict[2:] = torch.tensor(judged[1], dtype=torch.float64)
         overflow = False
         first = min(self.units)
         try:
             with self.timeline.span("reduce", first, -1):
                 self._reduce_gradients()
-            dist.broadcast(total, src=self.mesh.rank_of(last_stage), group=self.pp_group)
+            dist.broadcast(verdict, src=self.mesh.rank_of(last_stage), group=self.pp_group)
             if scale is not None:
                 overflow = agree_on_overflow(self.parameters(), self.device)
         except RuntimeError as e:
             raise PeerLostError(f"stage {first} (rank {self.mesh.rank}): a collective with the "
                                 f"other ranks failed: {str(e).splitlines()[0]}",
                                 hint="another rank failed or exited; its error says why") from e
+        self._settle(verdict.tolist(), loss_fn, key, assumed, probe)
         sends_held = self.transport.peak
         self.transport.reset_peak()
-        self.last = StepResult(float(total.item()), self.timeline.resolve(),
+        self.last = StepResult(float(verdict[0].item()), self.timeline.resolve(),
                                memory.peak if memory else 0, sends_held, overflow)
         return self.last
 
@@ -300,6 +370,37 @@ class DistributedExecutor:
     def _loss(self, out: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         structured = self.signature.unflatten_outputs(list(out))
         return loss_fn(structured, target) if target is not None else loss_fn(structured)
+
+    def _judge(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
+               target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor]
+               ) -> tuple[float, list[float], str | None]:
+        """The loss of the whole batch (its outputs joined, as in one process), the
+        micro-batches' losses, and how they relate (fxpipe.runtime.loss_split.split_kind)."""
+        joined = self.signature.join_outputs([outputs[m] for m in sorted(outputs)])
+        with torch.no_grad():
+            full = self._loss(joined, to_device(target, self.device) if target is not None
+                              else None, loss_fn)
+        parts = [float(values[m]) for m in sorted(values)]
+        return float(full), parts, split_kind(float(full), parts, full.dtype)
+
+    def _weighted(self, losses: dict[int, torch.Tensor], mb: int, weight: float | None,
+                  scale: Any) -> torch.Tensor:
+        assert weight is not None  # set before the last stage's first backward
+        loss = losses.pop(mb) * weight
+        return loss if scale is None else loss * scale
+
+    def _settle(self, verdict: list[float], loss_fn: Callable[..., torch.Tensor], key: Any,
+                assumed: str | None, probe: bool) -> None:
+        """Every rank alike: remembers what a judging step found, refuses a loss that does not
+        split over micro-batches or that changed kind after its backward was scaled."""
+        full, code, parts = verdict[0], int(verdict[1]), verdict[2:]
+        kind = KINDS[code] if code >= 0 else None
+        if probe:
+            self.loss_kinds[key] = kind if kind is not None else MEAN
+        if kind == NEITHER and (probe or assumed is None):
+            raise refusal(loss_fn, full, parts, None)
+        if assumed is not None and not probe and changed(kind, assumed):
+            raise refusal(loss_fn, full, parts, assumed)
 
     def _reduce_gradients(self) -> None:
         """Sums tied parameters' gradients over the ranks that hold them, then averages every
