@@ -21,7 +21,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.passes.remat import RematRegion
 from fxpipe.runtime.local import LocalExecutor, LocalStage
 from fxpipe.runtime.materialize import meta_names
-from fxpipe.runtime.mesh import Mesh, make_groups
+from fxpipe.runtime.mesh import GroupCache, Mesh, make_groups
 from fxpipe.runtime.rank import RankStage, StageWiring, devices_for_stages, setup_rank
 from fxpipe.runtime.stage import StageModule, share_tied
 
@@ -63,8 +63,9 @@ class HeldStages:
 
 def hold_stages(built: Built, classes: Sequence[type[StageModule]], config: CompileConfig,
                 tensors: Mapping[str, torch.Tensor], mesh: Mesh | None,
-                device: torch.device | None) -> HeldStages:
-    """Builds the stages of this process (all of them when `mesh` is None) on `tensors`."""
+                device: torch.device | None, groups: GroupCache | None = None) -> HeldStages:
+    """Builds the stages of this process (all of them when `mesh` is None) on `tensors`;
+    under a mesh its process groups come from `groups` when made before."""
     modules = {ir.qualname(built.captured, k): v for k, v in built.captured.named_modules()}
     if mesh is None:
         devices = devices_for_stages(built.config.placement, config.devices)
@@ -99,7 +100,7 @@ def hold_stages(built: Built, classes: Sequence[type[StageModule]], config: Comp
         [(by_index[st.index], StageWiring(st.index, st.input_indexes, st.graph.recvs,
                                           st.graph.sends, st.random), st.graph_module)
          for st in built.stages if st.index in by_index],
-        mesh=mesh, groups=make_groups(mesh, built.shared), device=device,
+        mesh=mesh, groups=make_groups(mesh, built.shared, device.type, groups), device=device,
         signature=built.signature, edges=built.edges, shared=built.shared,
         chunks=built.plan.chunks, remat=config.remat, schedule=built.config.schedule,
         check_finite=config.check_finite, dp_bucket_mb=config.dp_bucket_mb)

@@ -87,9 +87,11 @@ def resolve_loss(name: str) -> Any:
     return obj
 
 
-def loss_time(gm: GraphModule, b: int, profile: DeviceProfile, measured: bool) -> float:
+def loss_time(gm: GraphModule, b: int, profile: DeviceProfile, measured: bool,
+              device: torch.device | None = None) -> float:
     """Seconds per micro-batch of the default loss on the first floating output (forward and
-    backward): the last stage runs it after the model, so the partition must count it."""
+    backward): the last stage runs it after the model, so the partition must count it.
+    Measured on `device` (where the last stage runs; default the CPU) in the output's dtype."""
     outputs = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     infos = [n.meta.get(ir.TENSOR) for n in outputs]
     info = next((i for i in infos if isinstance(i, ir.TensorInfo) and i.is_float), None)
@@ -97,11 +99,15 @@ def loss_time(gm: GraphModule, b: int, profile: DeviceProfile, measured: bool) -
         return 0.0
     shape = info.concrete_shape(b)
     if measured:
-        logits = torch.randn(shape, requires_grad=True)
-        target = torch.zeros(shape[:-1], dtype=torch.long) if len(shape) > 1 else None
+        device = device or torch.device("cpu")
+        logits = torch.randn(shape, device=device, dtype=info.dtype, requires_grad=True)
+        target = torch.zeros(shape[:-1], dtype=torch.long, device=device) \
+            if len(shape) > 1 else None
 
         def run() -> None:
             torch.autograd.backward(default_loss(logits, target))
+            if device.type == "cuda":  # the kernels are asynchronous: time them, not the launch
+                torch.cuda.synchronize(device)
 
         return median_time(run, warmup=2, repeat=5)
     numel = float(ir.evaluate(info.numel, b))

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,6 +41,7 @@ from fxpipe.passes.timing import measure_times
 from fxpipe.passes.unroll_rnn import unroll_rnns
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
+from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.rank import devices_for_stages
 from fxpipe.runtime.schedule import SCHEDULES, stages_per_rank_for
 from fxpipe.runtime.timeline import predicted_step
@@ -56,8 +58,18 @@ def _debug_level() -> int:
 
 def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: CompileConfig,
           *, agree: PlanAgreement | None = None) -> Built:
-    """Runs every pass on `model` for the example batch (args, kwargs)."""
+    """Runs every pass on `model` for the example batch (args, kwargs), under the program's
+    autocast (config.autocast) as its stages will run: capture then records the dtypes they
+    compute and send, the costs count those bytes, and the profile is chosen for that
+    precision."""
     check_config(config)
+    devices = [torch.device("cpu"), _profile_device(config)]
+    with compiled_autocast(config.autocast, [d for d in devices if d.type in ("cpu", "cuda")]):
+        return _build(model, args, kwargs, config, agree)
+
+
+def _build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+           config: CompileConfig, agree: PlanAgreement | None) -> Built:
     if config.balance == "time" and is_meta_model(model):
         raise ConfigError("balance='time' measures every node on real tensors, and "
                           f"{type(model).__name__} is on the meta device",
@@ -92,8 +104,9 @@ def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], confi
     if config.balance == "time":
         # Measured on real tensors at the micro-batch size the partition will use.
         with _timed(timings, "measure_times"):
-            measure_times(gm, info.signature.flatten_inputs(args, kwargs),
-                          microbatch_size=max(1, info.batch_size // (config.fixed_chunks or 1)))
+            _measure_where_stages_run(gm, info.signature.flatten_inputs(args, kwargs),
+                                      _profile_device(config),
+                                      max(1, info.batch_size // (config.fixed_chunks or 1)))
     return _stages(gm, config, profile, type(model).__name__, history, timings, agree, {})
 
 
@@ -158,6 +171,19 @@ def _profile_device(config: CompileConfig) -> torch.device:
     return devices_for_stages([0], config.devices)[0]  # the first rank's
 
 
+def _measure_where_stages_run(gm: GraphModule, flat: list[torch.Tensor], device: torch.device,
+                              b: int) -> None:
+    """balance="time": every node timed on the device the stages run on (a copy of the graph
+    there when the model is elsewhere, e.g. on the CPU for stages on GPUs)."""
+    inputs = [t.to(device) for t in flat]
+    if {t.device for t in [*gm.parameters(), *gm.buffers()]} <= {device}:
+        measure_times(gm, inputs, microbatch_size=b)
+        return
+    times = measure_times(copy.deepcopy(gm).to(device), inputs, microbatch_size=b)
+    for node in ir.compute_nodes(gm.graph):
+        node.meta[ir.TIME] = times[node.name]
+
+
 def _snapshot(history: list[Snapshot], after: str, gm: GraphModule) -> None:
     history.append(Snapshot(after, gm.code))  # fx wrote it at recompile: no extra work
     level = _debug_level()
@@ -194,7 +220,8 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: Devi
                              profile=profile, balance=balance, split_points=config.split_points,
                              remat=config.remat, memory_limit=limit,
                              schedule=candidate.schedule, ranks=candidate.ranks,
-                             loss_time=loss_time(gm, b, profile, config.balance == "time"),
+                             loss_time=loss_time(gm, b, profile, config.balance == "time",
+                                                 _profile_device(config)),
                              corrections=corrections, starts=starts)
         return choose_chunks(batch, config.chunks, for_chunks)
 

@@ -41,7 +41,7 @@ from fxpipe.rebalance import (
     save_balance,
     untouched,
 )
-from fxpipe.reference import reference_losses
+from fxpipe.reference import reference_device, reference_losses
 from fxpipe.report import Report, build_report, predicted_kept
 from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
@@ -49,7 +49,7 @@ from fxpipe.runtime.loading import load_named
 from fxpipe.runtime.local import LocalExecutor
 from fxpipe.runtime.materialize import initialize
 from fxpipe.runtime.memory import KeptMemory
-from fxpipe.runtime.mesh import Mesh
+from fxpipe.runtime.mesh import GroupCache, Mesh
 from fxpipe.runtime.rank import RankStage, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import copy_inputs
@@ -74,6 +74,7 @@ class Program(nn.Module):
         self._example: list[torch.Tensor] = []
         self._local: LocalExecutor | None = None
         self._rank: RankStage | None = None
+        self._groups = GroupCache()  # the process groups of every cut installed, made once
         self._mesh: Mesh | None = None  # this rank's place, under torchrun
         self._device: torch.device | None = None  # this rank's device, under torchrun
         self._classes: list[type[StageModule]] = []
@@ -181,7 +182,8 @@ class Program(nn.Module):
         device = self._rank.executor.device if self._rank is not None else None
 
         def measure(current: Built) -> list[float]:
-            with untouched(self.model):
+            # under the program's autocast, as its steps run (and as its costs were counted)
+            with untouched(self.model), compiled_autocast(self.config.autocast, self.devices):
                 if self._rank is not None:
                     return measure_ranks(self._rank, flat, target, loss_fn, steps)
                 executor = self._local_executor("balancing")
@@ -200,8 +202,11 @@ class Program(nn.Module):
     def _instantiate(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Builds this process's stage modules on `tensors` (qualified name -> tensor) and
         their executor; stages that hold meta tensors get one once they have weights."""
+        if self._rank is not None:  # its hooks go; its process groups stay in the cache
+            self._rank.close()
+            self._rank = None
         held = hold_stages(self._require_built("stages"), self._classes, self.config, tensors,
-                           self._mesh, self._device)
+                           self._mesh, self._device, self._groups)
         self._held = held
         self.stage_modules = nn.ModuleList(held.modules)
         self._stage_views = held.views
@@ -450,7 +455,8 @@ class Program(nn.Module):
                                      resolve_loss(name), reference_steps, lr,
                                      chunks=built.plan.chunks,
                                      draws_random=any(st.random for st in built.stages),
-                                     device=self.devices[0], autocast=self.config.autocast) \
+                                     device=reference_device(self.model, self.devices[0]),
+                                     autocast=self.config.autocast) \
             if reference_steps and not meta_model else []
         tensors, devices = self._held_tensors()
         keys = self._state_names().keys

@@ -44,8 +44,8 @@ from fxpipe.state import graph_tensors
 from fxpipe.version import __version__
 
 __all__ = ["balance_by_measurement", "cut_of", "balance_key", "load_balance", "save_balance",
-           "moves", "move_state", "move_optimizer_state", "untouched", "measure_local",
-           "measure_ranks", "robust_time"]
+           "moves", "move_state", "placed_state", "move_optimizer_state", "untouched",
+           "measure_local", "measure_ranks", "robust_time"]
 
 Measure = Callable[[Built], list[float]]
 """Seconds of compute per micro-batch of each stage of a built program, measured."""
@@ -193,6 +193,7 @@ def move_state(old: Built, new: Built, mesh: Mesh, tensors: Mapping[str, torch.T
     for src, dst, name in moves(old, new):
         pairs.setdefault((src, dst), []).append(name)
     received = 0
+    holders = _holders(new)
     for (src, dst), moved in sorted(pairs.items()):
         sender, receiver = mesh.rank_of(src), mesh.rank_of(dst)
         if sender == receiver:  # two stages of one rank: the tensors are here already
@@ -200,6 +201,9 @@ def move_state(old: Built, new: Built, mesh: Mesh, tensors: Mapping[str, torch.T
         if mesh.rank == sender:
             payload = {q: _packed(tensors[q], optimizer) for q in moved}
             dist.send_object_list([payload], dst=receiver)
+            for q in moved:
+                if not set(holders[q]) & set(mesh.held):  # no stage here holds it now
+                    _given_away(tensors[q])
         elif mesh.rank == receiver:
             box: list[Any] = [None]
             dist.recv_object_list(box, src=sender)
@@ -207,7 +211,7 @@ def move_state(old: Built, new: Built, mesh: Mesh, tensors: Mapping[str, torch.T
                 _unpack(tensors[q], entry, optimizer)
                 received += 1
     if optimizer is not None:
-        _keep_only(optimizer, [tensors[q] for q, stages in _holders(new).items()
+        _keep_only(optimizer, [tensors[q] for q, stages in holders.items()
                                if set(stages) & set(mesh.held)])
     return received
 
@@ -235,11 +239,11 @@ def _unpack(tensor: torch.Tensor, entry: Mapping[str, Any],
         tensor.copy_(entry["value"])
     if optimizer is None or not isinstance(tensor, torch.nn.Parameter):
         return
-    if entry["state"]:
-        optimizer.state[tensor] = {
-            k: v.to(tensor.device) if isinstance(v, torch.Tensor) and v.dim() else v
-            for k, v in entry["state"].items()}
     groups = optimizer.param_groups
+    if entry["state"]:
+        group = groups[entry["group"]] if entry["group"] < len(groups) else {}
+        optimizer.state[tensor] = {k: placed_state(tensor, k, v, group)
+                                   for k, v in entry["state"].items()}
     if entry["group"] >= len(groups):
         raise RuntimeInputError(
             f"a parameter moving to this rank belonged to optimizer parameter group "
@@ -248,6 +252,30 @@ def _unpack(tensor: torch.Tensor, entry: Mapping[str, Any],
                  "included)")
     if not any(p is tensor for g in groups for p in g["params"]):
         groups[entry["group"]]["params"].append(tensor)
+
+
+def placed_state(param: torch.Tensor, key: str, value: Any, group: Mapping[str, Any]) -> Any:
+    """An optimizer state value that arrived for `param`, placed as torch's optimizers place a
+    loaded one: the step count stays a CPU scalar unless the group is fused or capturable
+    (their kernels read it on the parameter's device, as float32); other tensors go to the
+    parameter's device, floating ones in its dtype."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(device=param.device, dtype=torch.float32)
+        return value
+    if param.is_floating_point() and value.is_floating_point():
+        return value.to(device=param.device, dtype=param.dtype)
+    return value.to(device=param.device)
+
+
+def _given_away(tensor: torch.Tensor) -> None:
+    """A tensor this rank sent to the stage that now holds it: its copy here goes back to the
+    CPU, where the model's tensors of other ranks' stages sit, freeing the device."""
+    if tensor.device.type != "cpu" and not tensor.is_meta:
+        with torch.no_grad():
+            tensor.data = tensor.data.to("cpu")
 
 
 def _keep_only(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:

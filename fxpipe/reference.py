@@ -25,10 +25,11 @@ from torch import nn
 
 from fxpipe.losses import LossFn
 from fxpipe.runtime.amp import compiled_autocast
+from fxpipe.runtime.devices import stage_devices
 from fxpipe.runtime.local import draw_base, seeded_forward
 from fxpipe.signature import Signature
 
-__all__ = ["reference_losses", "microbatched_forward"]
+__all__ = ["reference_losses", "microbatched_forward", "reference_device", "copy_to"]
 
 
 def microbatched_forward(model: nn.Module, signature: Signature, flat: Sequence[torch.Tensor],
@@ -39,12 +40,36 @@ def microbatched_forward(model: nn.Module, signature: Signature, flat: Sequence[
     taken from the caller's generator, as a pipelined step takes it.
     """
     base = draw_base() if draws_random else None
+    # every CUDA generator the model draws from starts each micro-batch at its seed, as the
+    # pipeline's stages seed theirs (not only the CPU's)
+    devices = stage_devices(torch.device("cpu"), [*model.parameters(), *model.buffers(), *flat])
     per_microbatch = []
     for m, tensors in enumerate(signature.split_inputs(flat, chunks)):
         args, kwargs = signature.unflatten_inputs(tensors)
-        with seeded_forward(base, m):
+        with seeded_forward(base, m, devices):
             per_microbatch.append(pytree.tree_leaves(model(*args, **kwargs)))
     return signature.unflatten_outputs(signature.join_outputs(per_microbatch))
+
+
+def reference_device(model: nn.Module, first_stage: torch.device) -> torch.device:
+    """Where the reference copy runs: the first stage's device when the whole model fits there
+    (it sits on that one device), else the CPU: a model spread over several GPUs may fit on
+    none of them."""
+    here = {t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    return first_stage if here <= {first_stage} else torch.device("cpu")
+
+
+def copy_to(model: nn.Module, device: torch.device | None) -> nn.Module:
+    """A deep copy of `model` whose tensors are made on `device` one by one (never a second
+    copy of a tensor on the device it sits on, on the way)."""
+    if device is None:
+        return copy.deepcopy(model)
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        moved = t.detach().to(device, copy=True)
+        memo[id(t)] = nn.Parameter(moved, requires_grad=t.requires_grad) \
+            if isinstance(t, nn.Parameter) else moved
+    return copy.deepcopy(model, memo)
 
 
 def reference_losses(model: nn.Module, signature: Signature, flat: list[torch.Tensor],
@@ -56,9 +81,8 @@ def reference_losses(model: nn.Module, signature: Signature, flat: list[torch.Te
     pipeline computes it (`microbatched_forward`), step i seeded with torch.manual_seed(i), on
     `device` (the model's tensors may be spread over a pipeline's devices; the copy gathers them
     there) and under the program's autocast dtype."""
-    model = copy.deepcopy(model)
+    model = copy_to(model, device)
     if device is not None:
-        model.to(device)
         flat = [t.to(device) for t in flat]
         target = target.to(device) if target is not None else None
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # as the launcher

@@ -19,6 +19,7 @@ process (DESIGN.md, "CPU timing").
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -58,7 +59,9 @@ def measure_times(gm: GraphModule, flat_inputs: Sequence[torch.Tensor], *, micro
         raise ConfigError(f"repeat must be >= 1 and warmup >= 0 (got repeat={repeat}, "
                           f"warmup={warmup})", hint="use e.g. warmup=2, repeat=5")
     tensors = _microbatch(gm, flat_inputs, microbatch_size)
-    sync = torch.cuda.synchronize if any(t.is_cuda for t in tensors) else None
+    cuda = sorted({t.device for t in [*tensors, *gm.parameters(), *gm.buffers()] if t.is_cuda},
+                  key=str)
+    sync = functools.partial(_synchronize, cuda) if cuda else None
     times: dict[str, ir.MeasuredTime] = {}
     with _threads(threads), _preserved_state(gm):
         values = _record_values(gm, tensors)
@@ -74,6 +77,12 @@ def measure_times(gm: GraphModule, flat_inputs: Sequence[torch.Tensor], *, micro
             times[node.name] = ir.MeasuredTime(fwd, bwd, b=microbatch_size)
             node.meta[ir.TIME] = times[node.name]
     return times
+
+
+def _synchronize(devices: Sequence[torch.device]) -> None:
+    """Waits for the kernels of every device the graph uses (not only the current one)."""
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 # --- inputs and state ---------------------------------------------------------------------------

@@ -54,12 +54,20 @@ def _device_name(device: torch.device) -> str:
 
 
 def profile_key(device: str | torch.device, dtype: torch.dtype, threads: int | None = 1) -> str:
-    """The cache key of a measured profile: machine, device, dtype, threads, torch version."""
+    """The cache key of a measured profile: machine, device, dtype, threads, torch version, and
+    on a GPU whether fp32 matmuls and convolutions run in TF32 (several times faster)."""
     device = torch.device(device)
     parts = [platform.node() or "host", device.type, _device_name(device),
              str(dtype).replace("torch.", ""), f"t{threads}" if device.type == "cpu" else "",
-             f"torch{torch.__version__}"]
+             _tf32_flags() if device.type == "cuda" else "", f"torch{torch.__version__}"]
     return re.sub(r"[^A-Za-z0-9.+]+", "-", "-".join(p for p in parts if p)).strip("-").lower()
+
+
+def _tf32_flags() -> str:
+    """How fp32 matmuls (m) and convolutions (c) compute: tf32 (1) or full fp32 (0)."""
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    conv = torch.backends.cudnn.allow_tf32
+    return f"tf32m{int(matmul)}c{int(conv)}"
 
 
 def profile_path(key: str) -> Path:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fxpipe.profile.device import OP_CLASSES, ClassRate, Curve, DeviceProfile
 from fxpipe.profile.kernels import WorkCounter
-from fxpipe.profile.presets import SPECS
+from fxpipe.profile.presets import SPECS, spec_of_device
 
 __all__ = ["measure", "min_time", "median_time", "MESSAGE_SIZES"]
 
@@ -92,7 +92,8 @@ class _Suite:
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         cuda = device.type == "cuda"
-        self.sync: Callable[[], None] | None = torch.cuda.synchronize if cuda else None
+        self.sync: Callable[[], None] | None = \
+            partial(torch.cuda.synchronize, device) if cuda else None
         self.inner = 10 if cuda else 1
         self.points: list[_Point] = []
 
@@ -262,14 +263,19 @@ def _cuda_link(device: torch.device) -> tuple[Curve, str]:
         for size in MESSAGE_SIZES:
             x = torch.empty(size // 4, device=device)
             seconds = min_time(partial(x.to, other, non_blocking=True),
-                               sync=torch.cuda.synchronize, inner=10, samples=10)
+                               sync=partial(_synchronize_both, device, other), inner=10,
+                               samples=10)
             points.append((float(size), size / seconds))
         return _link_curve(points), f"copies {device} -> {other}"
-    name = torch.cuda.get_device_name(device)
-    for key, spec in SPECS.items():
-        if spec.name.split()[-2:] == name.split()[-2:] or key.upper() in name.upper():
-            return Curve.flat(spec.link), f"{spec.link_name} from the {key} datasheet"
+    key = spec_of_device(torch.cuda.get_device_name(device))
+    if key is not None:
+        return Curve.flat(SPECS[key].link), f"{SPECS[key].link_name} from the {key} datasheet"
     return Curve.flat(_PCIE4), "PCIe 4.0 x16 assumed (one GPU: nothing to measure)"
+
+
+def _synchronize_both(a: torch.device, b: torch.device) -> None:
+    torch.cuda.synchronize(a)
+    torch.cuda.synchronize(b)
 
 
 def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.float32,

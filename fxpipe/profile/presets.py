@@ -15,7 +15,8 @@ import torch
 from fxpipe.errors import ConfigError
 from fxpipe.profile.device import OP_CLASSES, ClassRate, Curve, DeviceProfile
 
-__all__ = ["GpuSpec", "SPECS", "PRESETS", "PRECISIONS", "preset", "compute_precision"]
+__all__ = ["GpuSpec", "SPECS", "PRESETS", "PRECISIONS", "preset", "compute_precision",
+           "spec_of_device"]
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp64")
 
@@ -68,6 +69,23 @@ SPECS: dict[str, GpuSpec] = {
 }
 
 _TENSOR_CLASSES = ("matmul", "attention", "convolution")
+
+
+def spec_of_device(name: str) -> str | None:
+    """The preset of a GPU by the name CUDA gives it ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB",
+    "NVIDIA H200"): its model, and the PCIe variant when the name says PCIe (an H100 PCIe has
+    another link and other peaks than an H100 SXM)."""
+    split = name.upper().replace("-", " ").replace("_", " ").split()
+    words = {*split, *(a + b for a, b in zip(split, split[1:]))}  # "RTX 4090" names rtx4090
+    pcie = "PCIE" in words
+    for key in SPECS:
+        model, _, variant = key.partition("-")
+        if model.upper() in words and (variant == "pcie") == pcie:
+            return key
+    for key in SPECS:  # a PCIe part without a PCIe preset: its model's preset
+        if key.partition("-")[0].upper() in words and "-" not in key:
+            return key
+    return None
 
 
 def preset(name: str, precision: str = "fp32") -> DeviceProfile:

@@ -33,6 +33,9 @@ def program_parser(spec: ProgramSpec) -> argparse.ArgumentParser:
                         help="stop with the stage and value where NaN/Inf first appear")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds a rank waits for a peer before giving up (default 60)")
+    parser.add_argument("--setup-timeout", type=float, default=1800.0,
+                        help="seconds the ranks wait for each other while they start and load "
+                             "their stages' weights, before --timeout applies (default 1800)")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--weights", metavar="PATH",
                          help="each rank reads its stage's tensors from this checkpoint, by the "

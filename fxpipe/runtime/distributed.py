@@ -329,7 +329,7 @@ class DistributedExecutor:
         if self.warm:
             return
         self.warm = True
-        if dist.get_backend(self.pp_group) == "nccl":
+        if self.device.type == "cuda":
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
 
     def _plan(self, schedule: str, chunks: int, early: bool) -> list[Tick]:
@@ -370,6 +370,13 @@ class DistributedExecutor:
     def _loss(self, out: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         structured = self.signature.unflatten_outputs(list(out))
         return loss_fn(structured, target) if target is not None else loss_fn(structured)
+
+    def close(self) -> None:
+        """Removes the hooks this executor put on its parameters (a program that installs a
+        new cut builds a new executor over the same parameters)."""
+        if self.averager is not None:
+            self.averager.close()
+            self.averager = None
 
     def _judge(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
                target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor]

@@ -21,10 +21,11 @@ from fxpipe.losses import LossFn
 from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.arguments import parse_program_args
+from fxpipe.runtime.backend import choose_backend
 from fxpipe.runtime.folder import check_program
 from fxpipe.runtime.imports import code_of_launcher, import_folders, program_loss
 from fxpipe.runtime.local import LocalExecutor, LocalStage
-from fxpipe.runtime.mesh import make_groups
+from fxpipe.runtime.mesh import limit_waits, make_groups
 from fxpipe.runtime.rank import (
     StageWiring,
     devices_for_stages,
@@ -203,13 +204,16 @@ def _local(folder: Path, spec: ProgramSpec,
 
 def _distributed(folder: Path, spec: ProgramSpec,
                  args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = rank_device(backend)  # before the process group: NCCL binds to it
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    backend = choose_backend(world, rank, torch.cuda.device_count())
+    device = rank_device(backend, say=False)  # before the process group: NCCL binds to it
+    # Starting and loading may take long (a stage of several GB): the ranks wait for each other
+    # up to --setup-timeout, then every group gets the step's --timeout (NCCL's watchdog too).
     # device_id binds the NCCL communicator to this rank's GPU at once (no guessing later)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.setup_timeout),
                             device_id=device if device.type == "cuda" else None)
     mesh = mesh_of_world(spec.placement)
-    groups = make_groups(mesh, spec.shared)
+    groups = make_groups(mesh, spec.shared, device.type)
     mine = [spec.stages[s] for s in mesh.held]
     classes = [_stage_class(folder, spec, st.index) for st in mine]
     weights = _tensors(folder, spec, classes, device, args)  # these stages' tensors only
@@ -224,6 +228,7 @@ def _distributed(folder: Path, spec: ProgramSpec,
         mesh=mesh, groups=groups, device=device, signature=spec.signature, edges=spec.edges,
         shared=spec.shared, chunks=spec.chunks, remat=spec.remat, schedule=spec.schedule,
         check_finite=args.check_finite, dp_bucket_mb=args.dp_bucket_mb)
+    limit_waits(groups, args.timeout)  # after every rank has loaded (a barrier)
 
     def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
              scaler: torch.amp.GradScaler) -> float:

@@ -10,12 +10,16 @@ The groups sit on torch's own DeviceMesh.
 A group costs more than its messages: each gloo group runs a thread that wakes every 10 ms,
 which takes time from the compute on a busy CPU. So no group is made twice: a single replica's
 "pp" group is the default group, and a tied parameter held by every rank uses the default group
-too, as do ties over ranks another tie already has a group for.
+too, as do ties over ranks another tie already has a group for. Nor is one made again when a
+program installs a new cut (a balance round, a rebalance, new weights): a `GroupCache` keeps
+the groups a process made, by their ranks.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fxpipe.runtime.schedule import stages_on
 
-__all__ = ["Mesh", "Groups", "make_groups", "group_over", "average_over_replicas"]
+__all__ = ["Mesh", "Groups", "GroupCache", "make_groups", "group_over", "limit_waits",
+           "average_over_replicas"]
 
 
 @dataclass(frozen=True)
@@ -89,27 +94,63 @@ class Groups:
     device_mesh: DeviceMesh | None = None
 
 
-def make_groups(mesh: Mesh, shared: dict[str, list[int]]) -> Groups:
-    """Creates the groups; every rank must call this in the same order (it is collective)."""
+@dataclass
+class GroupCache:
+    """The groups one process made (by their ranks) and its DeviceMesh (by device type and
+    shape), for the lifetime of its default group: making a group is collective and each gloo
+    group keeps a thread, so a program that installs a new cut reuses them."""
+
+    world: Any = None  # the default group they belong to
+    groups: dict[tuple[int, ...], ProcessGroup] = field(default_factory=dict)
+    meshes: dict[tuple[str, int, int], DeviceMesh] = field(default_factory=dict)
+
+    def current(self) -> GroupCache:
+        """This cache, emptied first when the default group is not the one its groups are of."""
+        if self.world is not dist.group.WORLD:
+            self.world, self.groups, self.meshes = dist.group.WORLD, {}, {}
+        return self
+
+
+def make_groups(mesh: Mesh, shared: dict[str, list[int]], device_type: str = "cpu",
+                cache: GroupCache | None = None) -> Groups:
+    """Creates the groups (or takes them from `cache`); every rank must call this in the same
+    order with the same cache history (making a group is collective). `device_type`: where the
+    stages run, the device type of the DeviceMesh."""
+    cache = (cache or GroupCache()).current()
     world = dist.get_world_size()
     if mesh.replicas == 1 and mesh.ranks == world:  # one pipeline: all of it is the default group
         groups = Groups(pp=dist.group.WORLD)
     else:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        device_mesh = init_device_mesh(device_type, (mesh.replicas, mesh.ranks),
-                                       mesh_dim_names=("dp", "pp"))
+        key = (device_type, mesh.replicas, mesh.ranks)
+        if key not in cache.meshes:
+            cache.meshes[key] = init_device_mesh(device_type, (mesh.replicas, mesh.ranks),
+                                                 mesh_dim_names=("dp", "pp"))
+        device_mesh = cache.meshes[key]
         groups = Groups(pp=device_mesh.get_group("pp"), dp=device_mesh.get_group("dp"),
                         device_mesh=device_mesh)
-    made: dict[tuple[int, ...], ProcessGroup] = {}
     for name, stages in sorted(shared.items()):
         for replica in range(mesh.replicas):
             ranks = mesh.ranks_of(stages, replica)
             if len(ranks) < 2:  # the stages share one Parameter object on their one rank
                 continue
-            group = group_over(ranks, made)
+            group = group_over(ranks, cache.groups)
             if replica == mesh.replica and mesh.rank in ranks:
                 groups.shared[name] = group
     return groups
+
+
+def limit_waits(groups: Groups, seconds: float) -> None:
+    """Once every rank got here (a barrier under the timeout the groups were made with, long
+    enough to start and load), each collective of `groups` and of the default group waits at
+    most `seconds`; under NCCL its watchdog too. A torch without the setter keeps the longer
+    timeout."""
+    dist.barrier()
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return
+    every = [dist.group.WORLD, groups.pp, groups.dp, *groups.shared.values()]
+    for group in {id(g): g for g in every if g is not None}.values():
+        set_timeout(timedelta(seconds=seconds), group)
 
 
 def group_over(ranks: Sequence[int], made: dict[tuple[int, ...], ProcessGroup],
@@ -128,10 +169,10 @@ def group_over(ranks: Sequence[int], made: dict[tuple[int, ...], ProcessGroup],
     return group
 
 
-def average_over_replicas(loss: float, group: ProcessGroup | None, replicas: int) -> float:
-    """The global-batch loss: the mean of the replicas' losses."""
-    value = torch.tensor([loss], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        value = value.cuda()
+def average_over_replicas(loss: float, group: ProcessGroup | None, replicas: int,
+                          device: torch.device) -> float:
+    """The global-batch loss: the mean of the replicas' losses (on the stages' device, which
+    the group's backend carries)."""
+    value = torch.tensor([loss], dtype=torch.float64, device=device)
     dist.all_reduce(value, group=group)
     return float(value.item()) / replicas

@@ -6,6 +6,7 @@ from stage files), so a rank is set up and stepped the same way whichever way it
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,37 +17,34 @@ from torch.fx import GraphModule
 from fxpipe import ir
 from fxpipe.errors import ConfigError, RuntimeInputError
 from fxpipe.losses import LossFn
+from fxpipe.runtime.backend import carries_cuda, cuda_index_for, local_rank
 from fxpipe.runtime.distributed import DistributedExecutor, RankUnit, StepResult, stage_info
 from fxpipe.runtime.mesh import Groups, Mesh, average_over_replicas
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
-__all__ = ["RankStage", "StageWiring", "setup_rank", "mesh_of_world", "local_device_index",
+__all__ = ["RankStage", "StageWiring", "setup_rank", "mesh_of_world",
            "rank_device", "devices_for_stages", "shard_batch"]
 
-# Launchers that start one process per device say which device is this process's.
-_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK",
-                         "MV2_COMM_WORLD_LOCAL_RANK")
 
-
-def local_device_index(rank: int, device_count: int) -> int:
-    """This process's GPU among `device_count`: the launcher's local rank, else rank modulo
-    the number of devices (one process per device on every node)."""
-    for name in _LOCAL_RANK_VARIABLES:
-        value = os.environ.get(name)
-        if value is not None and value.strip().isdigit():
-            return int(value) % max(device_count, 1)
-    return rank % max(device_count, 1)
-
-
-def rank_device(backend: str | None = None) -> torch.device:
-    """The device of this rank's stage; on CUDA it becomes the current device, as NCCL needs
-    before its first collective."""
+def rank_device(backend: str | None = None, *, say: bool = True) -> torch.device:
+    """The device of this rank's stages (fxpipe.runtime.backend): its own GPU when the backend
+    moves CUDA tensors, which becomes the current device as NCCL needs before its first
+    collective; else the CPU, said in one line when this node has GPUs (`say`: a launcher that
+    chose gloo for more ranks than GPUs said it already)."""
     backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
-    if backend != "nccl":
-        return torch.device("cpu")
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    index = local_device_index(rank, torch.cuda.device_count())
+    world = dist.get_world_size() if dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    if not carries_cuda(backend):
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus and say and local_rank(rank) == 0:
+            print(f"fxpipe: process group backend {backend!r} moves no CUDA tensors point to "
+                  f"point: the stages train on the CPU although this node has {gpus} GPU"
+                  f"{'s' if gpus > 1 else ''} (make the group with backend 'nccl' to use them)",
+                  file=sys.stderr, flush=True)
+        return torch.device("cpu")
+    index = cuda_index_for(rank, world, torch.cuda.device_count())
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -132,8 +130,14 @@ class RankStage:
                                     schedule=self.schedule, scaler=scaler)
         loss = result.loss
         if self.mesh.replicas > 1:
-            loss = average_over_replicas(loss, self.groups.dp, self.mesh.replicas)
+            loss = average_over_replicas(loss, self.groups.dp, self.mesh.replicas,
+                                         self.executor.device)
         return loss, result
+
+
+    def close(self) -> None:
+        """Lets go of what the executor attached to the parameters; the groups stay."""
+        self.executor.close()
 
 
 def setup_rank(stages: Sequence[tuple[StageModule, StageWiring, GraphModule | None]], *,

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import PeerLostError
+from fxpipe.runtime.backend import carries_cuda
 
 __all__ = ["Op", "Handle", "Transport", "TorchTransport", "SendReaper", "P2P_MODES"]
 
@@ -178,7 +179,7 @@ class TorchTransport:
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
-        self.tags = dist.get_backend(group) == "gloo"
+        self.tags = not carries_cuda(dist.get_backend(group))  # gloo matches by tag
         self.sends = SendReaper(poll=not self.tags)
 
     def post(self, ops: Sequence[Op]) -> list[Handle | None]:
