@@ -277,6 +277,55 @@ def test_compile_leaves_the_callers_inputs_unchanged_and_names_an_input_written_
     assert not x.any()
 
 
+class _HalvesARow(_TwoLayers):
+    def forward(self, x):
+        with torch.no_grad():
+            self.a.weight[0].mul_(0.5)
+        return self.b(self.a(x))
+
+
+class _ScalesThroughData(_TwoLayers):
+    def forward(self, x):
+        self.a.weight.data.mul_(0.5)
+        return self.b(self.a(x))
+
+
+class _ClampsThroughData(_TwoLayers):
+    def forward(self, x):
+        self.a.weight.data.clamp_(-0.01, 0.01)
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("model", [_HalvesARow, _ScalesThroughData, _ClampsThroughData])
+def test_a_parameter_written_in_forward_is_refused_as_the_write_and_left_as_it_was(model):
+    # The row was halved, the weight scaled x0.03125 by five trial forwards and reported as
+    # "not separable", the clamped weight compiled: each on the caller's parameter.
+    torch.manual_seed(0)
+    module = model()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(module, (torch.randn(8, 4),), stages=2, chunks=4, profile="a100")
+    _check(err.value, f"{model.__name__} updates its parameter a.weight in forward",
+           "through .data", "left it as it was", "outside forward")
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+class _InputThroughData(_TwoLayers):
+    def forward(self, x):
+        x.data.mul_(2.0)
+        return self.b(self.a(x))
+
+
+def test_an_input_written_through_data_is_named_as_written_not_as_not_separable():
+    x = torch.ones(8, 4)
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(_InputThroughData(), (x,), stages=2, chunks=4, profile="a100")
+    _check(err.value, "_InputThroughData modifies its input x in place (or through .data)",
+           "x = x + 1")
+    assert torch.equal(x, torch.ones(8, 4))
+
+
 def test_compile_runs_on_copies_of_the_example_batch():
     model, (x,) = mlp.build()
     before = x.clone()

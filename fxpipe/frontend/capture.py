@@ -28,7 +28,7 @@ from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
 from fxpipe.frontend.meta import Check, check_name, eager_runs, run_on_meta, to_meta, validate_check
-from fxpipe.frontend.mutation import snapshot_state
+from fxpipe.frontend.mutation import StateSnapshot, restore_values, snapshot_state
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
@@ -116,10 +116,10 @@ def capture(
         return clock[-1] - clock[-2]
 
     named_inputs = [(n, x) for n, x in zip(names, leaves) if is_tensor(x)]
-    with preserved_state(model):
+    before = snapshot_state(model, named_inputs)
+    with preserved_state(model, before):
         with eager_runs(model):
-            layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims,
-                                        snapshot_state(model, named_inputs))
+            layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims, before)
         signature = _signature(leaves, in_spec, names, layout)
         layout_s = lap()
         gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
@@ -230,9 +230,10 @@ def _signature(leaves: Sequence[Any], in_spec: pytree.TreeSpec, names: Sequence[
 
 
 @contextlib.contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
+def preserved_state(model: nn.Module, before: StateSnapshot | None = None) -> Iterator[None]:
     """Restores training flags and buffers (BatchNorm statistics) after trial runs, including a
-    buffer that forward replaced by another tensor."""
+    buffer that forward replaced by another tensor, and the parameters and inputs `before`
+    saved (a forward that writes them is refused, and leaves them as they were)."""
     modes = [(m, m.training) for m in model.modules()]
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
                for name, b in m._buffers.items() if b is not None]
@@ -245,6 +246,8 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
             for m, name, b, saved in buffers:
                 m._buffers[name] = b
                 b.copy_(saved)
+        if before is not None:
+            restore_values(before)
 
 
 class _SignatureCodeGen(fx.graph.CodeGen):

@@ -7,10 +7,10 @@ it, and an input written in place is written in micro-batch slices. Neither is w
 model does, so both are refused at capture time. BatchNorm's running statistics are the one
 exception: the runtime knows them (per micro-batch, or once per batch with deferred_batch_norm).
 
-The version counter of a tensor counts its in-place writes, so comparing counters before and
-after one eager forward finds every write without copying the parameters; buffers are also
-compared by value (a write through `.data` does not count) and by identity (an attribute
-reassigned in forward).
+The version counter of a tensor counts its in-place writes, but not a write through `.data`
+(which has a counter of its own), so parameters, buffers and inputs are also compared by value,
+and by identity (an attribute reassigned in forward). The values saved for the comparison put
+back what the trial forwards wrote: compiling never changes the caller's parameters.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from torch import nn
 
 from fxpipe.errors import CaptureError
 
-__all__ = ["StateSnapshot", "snapshot_state", "check_unchanged", "batch_norm_statistics"]
+__all__ = ["StateSnapshot", "snapshot_state", "check_unchanged", "restore_values",
+           "batch_norm_statistics"]
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -41,7 +42,7 @@ class StateSnapshot:
     """Parameters, buffers and input tensors as they were before a forward."""
 
     tensors: dict[str, tuple[torch.Tensor, int]]  # "buffer count" / "input x" -> (tensor, version)
-    values: dict[str, torch.Tensor]  # buffer values (not on the meta device), by the same key
+    values: dict[str, torch.Tensor]  # values (not on the meta device), by the same key
 
 
 def snapshot_state(model: nn.Module, inputs: Sequence[tuple[str, torch.Tensor]]) -> StateSnapshot:
@@ -49,17 +50,26 @@ def snapshot_state(model: nn.Module, inputs: Sequence[tuple[str, torch.Tensor]])
     tensors: dict[str, tuple[torch.Tensor, int]] = {}
     values: dict[str, torch.Tensor] = {}
     skip = batch_norm_statistics(model)
-    for name, p in model.named_parameters(remove_duplicate=True):
-        tensors[f"parameter {name}"] = (p, p._version)
-    for name, b in model.named_buffers(remove_duplicate=True):
-        if name in skip:
+    named = [*((f"parameter {n}", p) for n, p in model.named_parameters(remove_duplicate=True)),
+             *((f"buffer {n}", b) for n, b in model.named_buffers(remove_duplicate=True)
+               if n not in skip),
+             *((f"input {n}", t) for n, t in inputs)]
+    for key, t in named:
+        if key in tensors:
             continue
-        tensors[f"buffer {name}"] = (b, b._version)
-        if not b.is_meta:
-            values[f"buffer {name}"] = b.detach().clone()
-    for name, t in inputs:
-        tensors.setdefault(f"input {name}", (t, t._version))
+        tensors[key] = (t, t._version)
+        if not t.is_meta:
+            values[key] = t.detach().clone()
     return StateSnapshot(tensors, values)
+
+
+def restore_values(before: StateSnapshot) -> None:
+    """Writes back the saved value of every tensor a forward since `before` changed."""
+    with torch.no_grad():
+        for key, saved in before.values.items():
+            tensor = before.tensors[key][0].detach()
+            if not torch.equal(saved, tensor):
+                tensor.copy_(saved)
 
 
 def _changed(model: nn.Module, before: StateSnapshot) -> list[str]:
@@ -73,9 +83,14 @@ def _changed(model: nn.Module, before: StateSnapshot) -> list[str]:
             changed.append(key)
             continue
         saved = before.values.get(key)
-        if saved is not None and not torch.equal(saved, tensor.detach()):
+        if saved is not None and not torch.equal(saved, tensor.detach()) \
+                and not (saved.is_floating_point() and _same_with_nan(saved, tensor.detach())):
             changed.append(key)
     return changed
+
+
+def _same_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
 
 
 def check_unchanged(model: nn.Module, before: StateSnapshot) -> None:
@@ -88,15 +103,16 @@ def check_unchanged(model: nn.Module, before: StateSnapshot) -> None:
     inputs = [k.removeprefix("input ") for k in changed if k.startswith("input ")]
     if inputs:
         raise CaptureError(
-            f"{name} modifies its input {', '.join(inputs)} in place in forward (the plain model "
-            "writes into the caller's tensor on every call; a pipeline would write into "
-            "micro-batch slices of it, stage by stage)",
+            f"{name} modifies its input {', '.join(inputs)} in place (or through .data) in "
+            "forward (the plain model writes into the caller's tensor on every call; a pipeline "
+            "would write into micro-batch slices of it, stage by stage)",
             hint="compute a new tensor instead (x = x + 1 rather than x.add_(1) or x += 1, "
                  "F.relu(x) rather than inplace=True on an input)")
     state = ", ".join(changed)
     raise CaptureError(
-        f"{name} updates its {state} in forward (the plain model updates it once per call, on "
-        "the whole batch; a pipeline runs forward once per micro-batch, so it would be updated "
-        "once per micro-batch or not at all)",
+        f"{name} updates its {state} in forward, in place or through .data (the plain model "
+        "updates it once per call, on the whole batch; a pipeline runs forward once per "
+        "micro-batch, so it would be updated once per micro-batch or not at all; compiling "
+        "left it as it was)",
         hint="update it outside forward, e.g. in the training loop after program.step(...) "
              "(fxpipe reproduces only BatchNorm's running statistics, see deferred_batch_norm)")
