@@ -5,6 +5,7 @@ A checkpoint folder DIR holds one complete save and the manifest that names it:
     DIR/checkpoint.json              written last: format, step, the model's class and structure
                                      fingerprint (fxpipe.structure), the optimizer's class, the
                                      save's folder and every shard's size and sha256
+    DIR/checkpoint.lock              held by the one process saving (fxpipe.savelock)
     DIR/save-000007/shard-00000.pt   one shard per rank: {"model": tensors by the model's
     DIR/save-000007/shard-00001.pt   state_dict keys, "optimizer": state by parameter names}
 
@@ -15,11 +16,13 @@ Until then checkpoint.json names the previous save, whose folder goes only after
 killed at any moment leaves the previous checkpoint or the new one, never a mix, and a rank
 that dies before its shard is written stops the save. The next save removes what a killed one
 left behind: temporary files and folders, save-N folders checkpoint.json does not name, and
-shards of the older layout (shard-*.pt beside checkpoint.json); so one job at a time saves
-into a folder.
+shards of the older layout (shard-*.pt beside checkpoint.json). One job at a time saves into a
+folder: a second saver is refused, naming the first. A save into a folder that holds anything
+but a checkpoint is refused too, as it would remove the entries it takes for its own.
 
 A load reads checkpoint.json, checks each shard's size and sha256, reads it with
-`weights_only=True` and merges the shards, so a checkpoint can be resumed by the same pipeline,
+`weights_only=True` (all from one open file: a save that removes it meanwhile does not change
+what is read) and merges the shards, so a checkpoint can be resumed by the same pipeline,
 by another number of stages, or by the plain model; fxpipe.resume fits it to the model and
 optimizer that load it.
 """
@@ -32,13 +35,14 @@ import re
 import secrets
 import shutil
 from collections.abc import Callable
-from typing import Any, TypedDict, TypeVar
+from typing import Any, BinaryIO, TypedDict, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError, FxPipeError
-from fxpipe.files import TEMP_PREFIX, atomic_write, fsync_folder
+from fxpipe.files import TEMP_PREFIX, TORCH_WRITE_FAILURES, atomic_write, fsync_folder, write_failed
+from fxpipe.savelock import LOCK, hold_save_lock
 from fxpipe.structure import Structure
 from fxpipe.version import __version__
 
@@ -91,17 +95,22 @@ def save_shard(directory: str, state: dict[str, torch.Tensor],
     checkpoint; under torch.distributed every rank calls it, and it returns once the
     checkpoint is published (or raises on every rank when one rank failed)."""
     rank, world = _rank_world()
-    tmp = _on_rank0(rank, world, lambda: _begin(directory))
-    shard: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in state.items()}}
-    if optimizer is not None:
-        shard["optimizer"] = _optimizer_by_name(optimizer, names)
-    entries = _on_every_rank(rank, world, lambda: _write_shard(directory, tmp, rank, shard),
-                             cleanup=lambda: shutil.rmtree(os.path.join(directory, tmp), True))
-    meta = {"format": FORMAT, "fxpipe": __version__, "step": step, "model": structure.model,
-            "fingerprint": structure.fingerprint(),
-            "optimizer": None if optimizer is None else type(optimizer).__name__,
-            "shards": entries}
-    _on_rank0(rank, world, lambda: _publish(directory, tmp, meta))
+    lock: list[int] = []  # rank 0 holds the folder's save lock until the save is over
+    try:
+        tmp = _on_rank0(rank, world, lambda: _begin(directory, lock))
+        shard: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in state.items()}}
+        if optimizer is not None:
+            shard["optimizer"] = _optimizer_by_name(optimizer, names)
+        entries = _on_every_rank(rank, world, lambda: _write_shard(directory, tmp, rank, shard),
+                                 cleanup=lambda: shutil.rmtree(os.path.join(directory, tmp), True))
+        meta = {"format": FORMAT, "fxpipe": __version__, "step": step, "model": structure.model,
+                "fingerprint": structure.fingerprint(),
+                "optimizer": None if optimizer is None else type(optimizer).__name__,
+                "shards": entries}
+        _on_rank0(rank, world, lambda: _publish(directory, tmp, meta))
+    finally:
+        for fd in lock:
+            os.close(fd)
 
 
 def _on_rank0(rank: int, world: int, fn: Callable[[], _T]) -> _T:
@@ -160,21 +169,50 @@ def _on_every_rank(rank: int, world: int, fn: Callable[[], dict[str, Any]],
     return [entry for entry, _ in gathered]
 
 
-def _begin(directory: str) -> str:
-    """Removes what killed saves left, then makes this save's temporary folder (its name)."""
-    os.makedirs(directory, exist_ok=True)
+def _begin(directory: str, lock: list[int]) -> str:
+    """Takes the folder's save lock (into `lock`), removes what killed saves left, then makes
+    this save's temporary folder (its name)."""
+    _check_checkpoint_folder(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot make the checkpoint folder {directory} ({e})",
+                              hint="save into a folder this process can create") from None
+    lock.append(hold_save_lock(directory))
     _remove_leftovers(directory, keep=_current_folder(directory))
     name = f"{TEMP_PREFIX}save-{secrets.token_hex(6)}.tmp"
     os.mkdir(os.path.join(directory, name))  # not mkdtemp: the umask, not 0700, sets who reads it
     return name
 
 
+def _check_checkpoint_folder(directory: str) -> None:
+    """Refuses a file, and a folder that holds entries but no checkpoint (no checkpoint.json,
+    and no save lock of a first save that was killed): a save would remove its save-*,
+    shard-*.pt and .fxpipe-* entries as a killed save's leftovers."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} is a file, not a checkpoint folder",
+                              hint="save into a new or empty folder")
+    present = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    if present and META not in present and LOCK not in present:
+        shown = ", ".join(present[:5]) + (f", ... ({len(present) - 5} more)"
+                                          if len(present) > 5 else "")
+        raise CheckpointError(f"{directory} holds {shown} but no {META}: it is no checkpoint "
+                              "folder, and a save there could remove what it holds",
+                              hint="save into a new or empty folder, or into one that holds an "
+                                   "fxpipe checkpoint")
+
+
 def _write_shard(directory: str, tmp: str, rank: int, shard: dict[str, Any]) -> dict[str, Any]:
     name = f"shard-{rank:05d}.pt"
     path = os.path.join(directory, tmp, name)
-    torch.save(shard, path)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        torch.save(shard, path)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not any(m in str(e) for m in TORCH_WRITE_FAILURES):
+            raise
+        raise write_failed(path, e) from e
     return {"file": name, "bytes": os.path.getsize(path), "sha256": _sha256(path)}
 
 
@@ -205,7 +243,8 @@ def _remove_leftovers(directory: str, *, keep: str | None) -> None:
     layout (which this fxpipe does not read)."""
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if name.startswith(TEMP_PREFIX) or (_SAVE.fullmatch(name) and name != keep):
+        temporary = name.startswith(TEMP_PREFIX) and name.endswith(".tmp")  # saves' and writes'
+        if temporary or (_SAVE.fullmatch(name) and name != keep):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -216,10 +255,14 @@ def _remove_leftovers(directory: str, *, keep: str | None) -> None:
 
 
 def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
+        return _sha256_of(f)
+
+
+def _sha256_of(f: BinaryIO) -> str:
+    digest = hashlib.sha256()
+    while block := f.read(1 << 20):
+        digest.update(block)
     return digest.hexdigest()
 
 
@@ -320,18 +363,34 @@ def _read_shards(directory: str, meta: dict[str, Any]) -> Checkpoint:
 
 
 def _read_shard(path: str, entry: dict[str, Any]) -> dict[str, Any]:
-    size = os.path.getsize(path)  # FileNotFoundError: the caller looks again
+    """One shard, checked and read through one open file: a save that removes the file after
+    it was opened (a concurrent save publishing) does not change what is read."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - FileNotFoundError: the caller looks again
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e.strerror})",
+                              hint="restore the shard from a copy, or save the checkpoint "
+                                   "again") from None
+    with f:
+        return _read_open_shard(path, f, entry)
+
+
+def _read_open_shard(path: str, f: BinaryIO, entry: dict[str, Any]) -> dict[str, Any]:
+    size = os.fstat(f.fileno()).st_size
     hint = "the shard is damaged: restore it from a copy, or save the checkpoint again"
     if size != entry["bytes"]:
         raise CheckpointError(f"{path}: {size} bytes, checkpoint.json says {entry['bytes']} "
                               "(truncated or replaced)", hint=hint)
-    digest = _sha256(path)
+    digest = _sha256_of(f)
     if digest != entry["sha256"]:
         raise CheckpointError(f"{path}: sha256 {digest[:16]}..., checkpoint.json says "
                               f"{entry['sha256'][:16]}... (its bytes changed after the save)",
                               hint=hint)
+    f.seek(0)
     try:
-        shard = torch.load(path, map_location="cpu", weights_only=True)
+        shard = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling fails in many ways, all mean "damaged"
         raise CheckpointError(f"{path} cannot be read as a checkpoint shard "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",

@@ -204,7 +204,8 @@ def _save_forever(program, optimizer, directory: str, step: int, report: int) ->
 def _leftovers(directory) -> list[str]:
     meta = json.loads((directory / "checkpoint.json").read_text())
     found = [str(p.relative_to(directory)) for p in directory.rglob("*")]
-    complete = {"checkpoint.json", meta["folder"], f"{meta['folder']}/shard-00000.pt"}
+    complete = {"checkpoint.json", "checkpoint.lock", meta["folder"],
+                f"{meta['folder']}/shard-00000.pt"}
     return sorted(set(found) - complete)
 
 
@@ -314,5 +315,5 @@ def test_a_rank_that_dies_before_its_shard_leaves_the_previous_step(tmp_path):
     structure = Structure.of_state("Toy", {"w0": torch.zeros(3), "w1": torch.zeros(3)})
     save_shard(str(tmp_path / "ckpt"), {"w0": torch.zeros(3), "w1": torch.zeros(3)}, None, {},
                step=3, structure=structure)  # the next save removes what the failed one left
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checkpoint.json",
-                                                                     "save-000002"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "checkpoint.json", "checkpoint.lock", "save-000002"]
