@@ -70,11 +70,16 @@ class WeightsSource:
             for start in range(0, rows, step):
                 # Reopened per chunk: the pages a chunk mapped are released before the next,
                 # so reading adds at most one chunk to this process's memory.
-                with _safe_open(file) as f:
-                    if not shape:
-                        out.copy_(f.get_tensor(key))
-                    else:
-                        out[start:start + step].copy_(f.get_slice(key)[start:start + step])
+                try:
+                    with _safe_open(file) as f:
+                        if not shape:
+                            out.copy_(f.get_tensor(key))
+                        else:
+                            out[start:start + step].copy_(f.get_slice(key)[start:start + step])
+                except CheckpointError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - safetensors' errors have no common base
+                    raise _damaged(file, f"reading {key!r}", e) from None
         return out
 
 
@@ -96,23 +101,67 @@ def open_weights(path: str | os.PathLike[str]) -> WeightsSource:
 
 
 def _weight_files(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
+    if not os.path.isdir(path):
+        return [_regular(path, path)]
     for name in INDEX_FILES:
         index = os.path.join(path, name)
         if os.path.exists(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index} has no weight_map",
-                                      hint="write the checkpoint again with save_pretrained")
-            return [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+            return [_regular(os.path.join(path, file), index) for file in _index_files(index)]
     for name in SINGLE_FILES:
         if os.path.exists(os.path.join(path, name)):
-            return [os.path.join(path, name)]
+            return [_regular(os.path.join(path, name), os.path.join(path, name))]
     found = sorted(os.listdir(path))[:8]
     raise CheckpointError(f"found no weights in the folder {path!r} (it holds {found})",
                           hint=f"expected one of {[*INDEX_FILES, *SINGLE_FILES]}; {_HINT}")
+
+
+def _regular(file: str, named_by: str) -> str:
+    """`file`, refused unless it is a regular file (not a device such as /dev/zero, a link
+    to one, or a missing shard)."""
+    if not os.path.isfile(file):
+        what = "does not exist" if not os.path.lexists(file) else "is not a regular file" + (
+            f" (a link to {os.path.realpath(file)})" if os.path.islink(file) else "")
+        raise CheckpointError(f"{file} {what}" + (f", and {named_by} names it"
+                                                  if named_by != file else ""), hint=_HINT)
+    return file
+
+
+def _index_files(index: str) -> list[str]:
+    """The shard files an index (model.safetensors.index.json) names, each a plain name or a
+    path inside the index's folder: a name leading out of it is refused, not followed."""
+    hint = "write the checkpoint again with save_pretrained, or restore the index from a copy"
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{index} cannot be read as JSON ({type(e).__name__}: {e})",
+                              hint=hint) from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no weight_map (an object of tensor name -> file), "
+                              f"it holds a JSON {type(data).__name__}"
+                              + (f" with keys {sorted(data)[:8]}" if isinstance(data, dict)
+                                 else ""), hint=hint)
+    bad = sorted({f"{k!r}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str)})
+    if bad:
+        raise CheckpointError(f"{index}: weight_map entries name no file: {', '.join(bad[:5])}",
+                              hint=hint)
+    files = sorted(set(weight_map.values()))
+    outside = [f for f in files if not f or os.path.isabs(f)
+               or os.path.normpath(f).split(os.sep)[0] == os.pardir or "\0" in f]
+    if outside:
+        raise CheckpointError(f"{index} names files outside its folder: {', '.join(outside[:5])}",
+                              hint="an index names its shards by their names in its own folder; "
+                                   "move the shards there and name them so")
+    return files
+
+
+def _damaged(file: str, doing: str, error: Exception) -> CheckpointError:
+    cause = str(error).splitlines()[0] if str(error) else ""
+    return CheckpointError(f"cannot read the safetensors file {file!r} ({doing}): "
+                           f"{type(error).__name__}: {cause} - the file is damaged, truncated or "
+                           "not safetensors", hint="restore the file from a copy, or save the "
+                                                   "checkpoint again")
 
 
 def _safe_open(file: str, device: str = "cpu") -> Any:
@@ -130,9 +179,10 @@ def _index_safetensors(file: str, source: WeightsSource) -> None:
         with _safe_open(file) as f:
             for key in f.keys():
                 _add(source, key, file, tuple(f.get_slice(key).get_shape()))
-    except (OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"cannot read the safetensors file {file!r}: {e}",
-                              hint=_HINT) from e
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' errors have no common base
+        raise _damaged(file, "reading its header", e) from None
 
 
 def _index_torch(file: str, source: WeightsSource) -> None:

@@ -5,9 +5,13 @@ Every failure must be an FxPipeError naming the file; every kill must leave a wh
 and a whole program, with every file the user kept in them."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
+import socket
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,10 +20,12 @@ import torch
 
 import fxpipe
 from fxpipe.cli import main
-from fxpipe.errors import FxPipeError, ProgramFolderError, StorageError
+from fxpipe.errors import CheckpointError, FxPipeError, ProgramFolderError, StorageError
 from fxpipe.files import TEMP_PREFIX
 from fxpipe.models import mlp
 from fxpipe.runtime.folder import check_program
+from fxpipe.savelock import hold_save_lock
+from fxpipe.weights import open_weights
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -187,3 +193,166 @@ def test_a_full_disk_during_write_is_a_storage_error_naming_the_file(tmp_path, m
     assert isinstance(info.value, FxPipeError) and info.value.hint
     assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
     assert _hidden(tmp_path) == []
+
+
+# -- save(): one saver, checkpoint folders only, loads during a save ---------------------------
+
+
+def _tiny_program():
+    program, inputs = _program()
+    return program, torch.optim.SGD(program.parameters(), lr=0.1)
+
+
+def test_a_second_saver_is_refused_naming_the_first(tmp_path):
+    program, _ = _tiny_program()
+    target = tmp_path / "ckpt"
+    program.save(str(target), step=1)
+    first = hold_save_lock(str(target))  # a save in progress, in this process or another
+    try:
+        with pytest.raises(CheckpointError, match=rf"being saved into by process {os.getpid()} "
+                                                  rf"on {socket.gethostname()}"):
+            program.save(str(target), step=2)
+    finally:
+        os.close(first)
+    assert fxpipe.load_checkpoint(str(target))["step"] == 1  # untouched
+    program.save(str(target), step=2)  # the lock went with its holder
+    assert fxpipe.load_checkpoint(str(target))["step"] == 2
+
+
+@pytest.mark.parametrize("entry", ["save-000123/", "shard-00000.pt", ".fxpipe-mine", "notes.txt"])
+def test_a_save_into_a_folder_that_holds_no_checkpoint_is_refused(tmp_path, entry):
+    program, _ = _tiny_program()
+    path = tmp_path / "mine" / entry.rstrip("/")
+    path.parent.mkdir()
+    if entry.endswith("/"):
+        path.mkdir()
+        (path / "data.bin").write_bytes(b"mine")
+    else:
+        path.write_bytes(b"mine")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'mine'} holds {entry.rstrip('/')} "
+                                              "but no checkpoint.json"):
+        program.save(str(tmp_path / "mine"))
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
+        program.save(str(tmp_path / "file"))
+
+
+def test_a_first_save_that_was_killed_does_not_block_the_next(tmp_path):
+    program, _ = _tiny_program()
+    target = tmp_path / "ckpt"
+    assert _killed_at(0, lambda: program.save(str(target), step=1))  # before its publishing
+    assert "checkpoint.lock" in os.listdir(target)
+    program.save(str(target), step=2)
+    assert sorted(os.listdir(target)) == ["checkpoint.json", "checkpoint.lock", "save-000001"]
+
+
+def test_a_load_during_a_save_reads_the_checkpoint_it_opened(tmp_path, monkeypatch):
+    """A save that publishes while a load reads removes the folder being read: the load must
+    still give one whole checkpoint, never report a damaged shard."""
+    program, optimizer = _tiny_program()
+    target = str(tmp_path / "ckpt")
+    program.save(target, optimizer=optimizer, step=1)
+    real_load, saved = torch.load, []
+
+    def load_while_a_save_publishes(*args, **kwargs):
+        if not saved:
+            saved.append(True)
+            program.save(target, optimizer=optimizer, step=2)  # removes save-000001
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load_while_a_save_publishes)
+    assert fxpipe.load_checkpoint(target)["step"] in (1, 2)
+    assert saved
+
+
+def test_a_full_disk_during_save_is_a_storage_error_and_keeps_the_checkpoint(tmp_path,
+                                                                            monkeypatch):
+    program, _ = _tiny_program()
+    target = tmp_path / "ckpt"
+    program.save(str(target), step=1)
+    before = sorted(os.listdir(target))
+
+    def full(obj, path, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(StorageError, match=rf"writing {target}/.*shard-00000.pt failed .*bytes "
+                                           "free .*the disk is full"):
+        program.save(str(target), step=2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(target)) == before
+    assert fxpipe.load_checkpoint(str(target))["step"] == 1
+
+
+# -- damaged weight files ----------------------------------------------------------------------
+
+
+def _safetensors_bytes(header: dict, data: bytes, length: int | None = None) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text) if length is None else length) + text + data
+
+
+_F32 = {"dtype": "F32", "shape": [2]}
+_DAMAGED = {
+    "offsets out of range": _safetensors_bytes({"w": {**_F32, "data_offsets": [0, 800]}},
+                                               bytes(8)),
+    "dtype over the wrong span": _safetensors_bytes(
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, bytes(8)),
+    "two tensors on one span": _safetensors_bytes(
+        {"a": {**_F32, "data_offsets": [0, 8]}, "b": {**_F32, "data_offsets": [0, 8]}}, bytes(8)),
+    "truncated": _safetensors_bytes({"w": {**_F32, "data_offsets": [0, 8]}}, bytes(8))[:-3],
+    "2^40 header length": _safetensors_bytes({"w": {**_F32, "data_offsets": [0, 8]}}, bytes(8),
+                                             length=2**40),
+    "empty": b"",
+    "not safetensors": b"PK\x03\x04 a zip, say" * 8,
+}
+
+
+def _read_all(path) -> None:
+    source = open_weights(path)
+    for key in source.keys():
+        source.read(key, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGED))
+def test_a_damaged_safetensors_file_is_a_checkpoint_error_naming_it(tmp_path, damage):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_DAMAGED[damage])
+    with pytest.raises(CheckpointError, match=re.escape(str(path))) as info:
+        _read_all(path)
+    assert info.value.hint
+
+
+def test_a_link_to_a_device_is_refused_not_read(tmp_path):
+    (tmp_path / "model.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match=r"model.safetensors is not a regular file \(a "
+                                              r"link to /dev/zero\)"):
+        _read_all(tmp_path / "model.safetensors")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "model.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        _read_all(tmp_path / "folder")
+
+
+_INDEX = "model.safetensors.index.json"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{", r"cannot be read as JSON \(JSONDecodeError"),
+    ("[]", r"has no weight_map .* a JSON list"),
+    ('{"weight_map": {"w": 5}}', r"weight_map entries name no file: 'w': 5"),
+    ('{"weight_map": []}', r"has no weight_map"),
+    ('{"weight_map": {"w": "../outside.safetensors"}}', r"names files outside its folder"),
+    ('{"weight_map": {"w": "OUTSIDE"}}', r"names files outside its folder"),
+    ('{"weight_map": {"w": "absent.safetensors"}}', r"absent.safetensors does not exist, and "
+                                                    r".*index.json names it"),
+])
+def test_a_malformed_or_escaping_index_is_a_checkpoint_error_naming_it(tmp_path, text, says):
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(_safetensors_bytes({"w": {**_F32, "data_offsets": [0, 8]}}, bytes(8)))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / _INDEX).write_text(text.replace("OUTSIDE", str(outside)))
+    with pytest.raises(CheckpointError, match=says):
+        _read_all(tmp_path / "ckpt")
