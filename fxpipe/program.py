@@ -9,6 +9,7 @@ its own stages only (the model itself stays on meta).
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -126,7 +127,8 @@ class Program(nn.Module):
         built = self._require_built("plan")
         distributed = device is not None
         key = balance_key(built, dist.get_world_size() if distributed else 1)
-        box: list[Any] = [load_balance(key) if not distributed or dist.get_rank() == 0 else None]
+        cached = fixed_cut(self.config) is None and (not distributed or dist.get_rank() == 0)
+        box: list[Any] = [load_balance(key) if cached else None]
         if distributed:
             dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
@@ -137,7 +139,8 @@ class Program(nn.Module):
             self._install(agreed, device)
             self.measured["balance"] = "dynamic, the cut measured before on this machine (cache)"
             return
-        self._run_balance(self._example, None, default_loss, steps=2, rounds=4, verbose=False)
+        self._run_balance(self._example, None, default_loss, steps=2, rounds=4, verbose=False,
+                          caller="balance='dynamic'")
         self.measured["balance"] = "dynamic, measured while compiling"
 
     def rebalance(self, *args: Any, target: torch.Tensor | None = None,
@@ -153,7 +156,8 @@ class Program(nn.Module):
         Without a batch it measures on the last step's batch, target and loss (else the example
         batch). The measuring steps change nothing: gradients, buffers and RNG state are
         restored. Every rank calls it. Returns the rounds (cut, predicted and measured time per
-        stage), also in the report.
+        stage), also in the report. A cut the user gave (balance=[...], split_points=[...]) is
+        measured once and kept, with a warning that says so.
         """
         built = self._require_built("plan to rebalance")
         if args or kwargs:
@@ -162,7 +166,7 @@ class Program(nn.Module):
             flat, target, loss_fn = self._last_batch or (self._example, target, loss_fn)
         before = built
         after = self._run_balance(flat, target, loss_fn or default_loss, steps=steps,
-                                  rounds=rounds, verbose=verbose)
+                                  rounds=rounds, verbose=verbose, caller="program.rebalance()")
         if self._rank is not None and cut_of(after) != cut_of(before):
             move_state(before, after, self._rank.mesh, graph_tensors(after.captured), optimizer)
         elif optimizer is not None:
@@ -170,8 +174,10 @@ class Program(nn.Module):
         return after.rounds
 
     def _run_balance(self, flat: list[torch.Tensor], target: torch.Tensor | None,
-                     loss_fn: LossFn, *, steps: int, rounds: int, verbose: bool) -> Built:
+                     loss_fn: LossFn, *, steps: int, rounds: int, verbose: bool,
+                     caller: str) -> Built:
         built = self._require_built("plan to balance")
+        fixed = fixed_cut(self.config)
         if is_meta_model(self.model):
             raise ConfigError(
                 f"{type(self.model).__name__} was built on the meta device, and balancing by "
@@ -194,7 +200,16 @@ class Program(nn.Module):
         after = balance_by_measurement(
             built, measure=measure, install=lambda b: self._install(b, device),
             agree=_broadcast_plan if device is not None else None, rounds=rounds,
-            progress=(lambda line: print(f"[fxpipe] {line}", flush=True)) if show else None)
+            progress=(lambda line: print(f"[fxpipe] {line}", flush=True)) if show else None,
+            move=fixed is None)
+        if fixed is not None:
+            measured = " / ".join(f"{t * 1e3:.2f}" for t in after.rounds[0].measured)
+            warnings.warn(f"{caller} measured the stages at {measured} ms per micro-batch "
+                          f"({after.rounds[0].spread:.1%} apart) and kept the cut: {fixed} "
+                          f"fixes it\nhint: compile without {fixed.partition('=')[0]} "
+                          "(balance='cost', or balance='dynamic' to balance while compiling) "
+                          "to let fxpipe move the cut", UserWarning, stacklevel=3)
+            return after
         if device is None or dist.get_rank() == 0:
             save_balance(balance_key(after, dist.get_world_size() if device else 1), after)
         return after
@@ -578,6 +593,15 @@ class Program(nn.Module):
                     if name in state_dict:
                         tensor.copy_(state_dict[name])
         return None
+
+
+def fixed_cut(config: CompileConfig) -> str | None:
+    """The argument by which the user fixed the cut (balancing then only measures), or None."""
+    if config.split_points is not None:
+        return f"split_points={list(config.split_points)}"
+    if isinstance(config.balance, tuple):
+        return f"balance={list(config.balance)}"
+    return None
 
 
 def _broadcast_plan(gm: GraphModule, plan: PartitionPlan) -> PartitionPlan:

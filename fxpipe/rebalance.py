@@ -66,9 +66,14 @@ def _round(built: Built, measured: Sequence[float]) -> BalanceRound:
 def balance_by_measurement(built: Built, *, measure: Measure, install: Callable[[Built], None],
                            agree: PlanAgreement | None = None, rounds: int = 4,
                            tolerance: float = TOLERANCE,
-                           progress: Callable[[str], None] | None = None) -> Built:
+                           progress: Callable[[str], None] | None = None,
+                           move: bool = True) -> Built:
     """Measures and re-cuts `built` (already installed) until balanced; returns the program
-    built on the fastest cut measured, installed, with its rounds recorded."""
+    built on the fastest cut measured, installed, with its rounds recorded. move=False (a cut
+    the user fixed) measures it once and keeps it."""
+    if not move:
+        built.rounds = [_round(built, measure(built))]
+        return built
     history: list[BalanceRound] = []
     made_with: dict[tuple[str, ...], dict[str, float]] = {}
     current = built

@@ -209,6 +209,36 @@ def test_a_rebalanced_program_trains_exactly_as_the_plain_model(monkeypatch):
         torch.testing.assert_close(p, q, msg=name)
 
 
+def _fixed_cut_compiles():
+    model, inputs, _ = make_gpt()
+    cost = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=PROFILE)
+    nodes = sum(len(s.nodes) for s in cost.plan.stages)
+    return inputs, [
+        ("balance=[12, ", fxpipe.compile(model, inputs, stages=2, chunks=4, profile=PROFILE,
+                                         balance=[12, nodes - 12])),
+        ("split_points=['blocks.3']", fxpipe.compile(model, inputs, stages=2, chunks=4,
+                                                     profile=PROFILE,
+                                                     split_points=["blocks.3"]))]
+
+
+def test_rebalance_keeps_a_cut_the_user_gave_and_says_so_with_the_times_it_measured(monkeypatch):
+    # The cut stayed as given, silently (balance=[...]), or a ConfigError blamed a balance=[...]
+    # the user never passed (split_points).
+    inputs, programs = _fixed_cut_compiles()
+    for given, program in programs:
+        before = cut_of(program.built)
+        monkeypatch.setattr(program_module, "measure_local",
+                            lambda *a, p=program: early_blocks_slower(3.0)(p.built))
+        with pytest.warns(UserWarning) as caught:
+            rounds = program.rebalance(*inputs)
+        text = "\n".join(str(w.message) for w in caught)
+        assert "program.rebalance() measured the stages at" in text and "kept the cut" in text
+        assert given in text and "to let fxpipe move the cut" in text
+        assert len(rounds) == 1 and cut_of(program.built) == before
+        assert not list(cache.cache_dir().glob("balance/*.json"))  # a given cut is not the
+        # balanced one a later balance="dynamic" compile should take
+
+
 # --- under torchrun ----------------------------------------------------------------------------
 
 def _rebalance_on_ranks(rank: int, world: int, schedule: str = "gpipe") -> dict:
