@@ -498,7 +498,7 @@ class Program(nn.Module):
         """
         self._require_built("state to save")
         self._require_weights()
-        names = self._state_names().canonical(self._stage_modules()) if optimizer else {}
+        names = self._optimizer_names(optimizer) if optimizer else {}
         save_shard(directory, dict(self.state_dict()), optimizer, names, step=step,
                    structure=self._structure())
 
@@ -521,11 +521,30 @@ class Program(nn.Module):
         state = fit_state(checkpoint, self._structure(), self.state_dict(), strict=strict)
         self.load_state_dict(state, strict=False)  # fit_state checked for missing keys
         if optimizer is not None:
-            restore_optimizer(optimizer, checkpoint,
-                              self._state_names().canonical(self._stage_modules()),
+            restore_optimizer(optimizer, checkpoint, self._optimizer_names(optimizer),
                               strict=strict, skip=set(checkpoint["model"]) - set(state))
         step: int | None = checkpoint["step"]
         return step
+
+    def _optimizer_names(self, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+        """id(parameter) -> the model key its optimizer state is saved under; refuses an
+        optimizer that holds a parameter this process's stages do not."""
+        names = self._state_names().canonical(self._stage_modules())
+        model = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        outside = [f"group {g} position {i}: " + (f"the model's {model[id(p)]} (not held here)"
+                                                  if id(p) in model else
+                                                  f"a tensor of shape {tuple(p.shape)}")
+                   for g, group in enumerate(optimizer.param_groups)
+                   for i, p in enumerate(group["params"]) if id(p) not in names]
+        if outside:
+            raise ConfigError(
+                f"the optimizer holds {len(outside)} parameter(s) that are not this program's "
+                f"({'; '.join(outside[:5])}{'; ...' if len(outside) > 5 else ''}), so their "
+                "state has no name to be saved or loaded under",
+                hint="build the optimizer over program.parameters() (under torchrun, on every "
+                     "rank: that rank's stages), and give other parameters an optimizer and a "
+                     "checkpoint of their own")
+        return names
 
     def _structure(self) -> Structure:
         """The model's state as checkpoints record it (class, keys, shapes, dtypes)."""

@@ -428,3 +428,21 @@ def test_capture_with_batch_dims_and_one_sample_gives_the_same_clear_message():
     with pytest.raises(CaptureError) as err:
         fxpipe.capture(_TwoInputs(), (x, x), batch_dims=[0, 0])
     _check(err.value, "has 1 sample", "at least 2 samples")
+
+
+def test_an_optimizer_holding_a_parameter_outside_the_program_is_named_on_save_and_load(
+        tmp_path):
+    # Both gave a bare KeyError(<an id>).
+    model, (x,) = mlp.build()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100")
+    extra = nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.Adam([*program.parameters(), extra])
+    program.step(x)
+    optimizer.step()
+    program.save(str(tmp_path / "fine"), optimizer=torch.optim.Adam(program.parameters()))
+    for call in (lambda: program.save(str(tmp_path / "ckpt"), optimizer=optimizer),
+                 lambda: program.load(str(tmp_path / "fine"), optimizer=optimizer)):
+        with pytest.raises(ConfigError) as err:
+            call()
+        _check(err.value, "the optimizer holds 1 parameter(s) that are not this program's",
+               "a tensor of shape (3,)", "program.parameters()")
