@@ -24,7 +24,13 @@ from fxpipe.built import Built, Snapshot
 from fxpipe.checkpoint import load_checkpoint, save_shard
 from fxpipe.config import CompileConfig
 from fxpipe.costs import cost_table
-from fxpipe.errors import CheckpointError, ConfigError, NotBuiltError, RuntimeInputError
+from fxpipe.errors import (
+    CheckpointError,
+    ConfigError,
+    FxPipeError,
+    NotBuiltError,
+    RuntimeInputError,
+)
 from fxpipe.frontend.meta import is_meta_model
 from fxpipe.held import HeldStages, Stage, held_tensors, hold_stages
 from fxpipe.losses import LossFn, default_loss, loss_name, resolve_loss
@@ -34,6 +40,7 @@ from fxpipe.rebalance import (
     balance_by_measurement,
     balance_key,
     cut_of,
+    forget_balance,
     load_balance,
     measure_local,
     measure_ranks,
@@ -133,12 +140,18 @@ class Program(nn.Module):
             dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
             starts, corrections, rounds = box[0]
-            agreed = rebuild(built, corrections, agree=_broadcast_plan if distributed else None,
-                             starts=starts)
-            agreed.rounds = rounds
-            self._install(agreed, device)
-            self.measured["balance"] = "dynamic, the cut measured before on this machine (cache)"
-            return
+            try:  # every rank alike: the same entry fails the same way
+                agreed = rebuild(built, corrections,
+                                 agree=_broadcast_plan if distributed else None, starts=starts)
+            except FxPipeError as e:
+                if not distributed or dist.get_rank() == 0:
+                    forget_balance(key, str(e).splitlines()[0])
+            else:
+                agreed.rounds = rounds
+                self._install(agreed, device)
+                self.measured["balance"] = \
+                    "dynamic, the cut measured before on this machine (cache)"
+                return
         self._run_balance(self._example, None, default_loss, steps=2, rounds=4, verbose=False,
                           caller="balance='dynamic'")
         self.measured["balance"] = "dynamic, measured while compiling"

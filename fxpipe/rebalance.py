@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -43,9 +45,9 @@ from fxpipe.signature import Signature
 from fxpipe.state import graph_tensors
 from fxpipe.version import __version__
 
-__all__ = ["balance_by_measurement", "cut_of", "balance_key", "load_balance", "save_balance",
-           "moves", "move_state", "placed_state", "move_optimizer_state", "untouched",
-           "measure_local", "measure_ranks", "robust_time"]
+__all__ = ["balance_by_measurement", "cut_of", "balance_key", "load_balance", "forget_balance",
+           "save_balance", "moves", "move_state", "placed_state", "move_optimizer_state",
+           "untouched", "measure_local", "measure_ranks", "robust_time"]
 
 Measure = Callable[[Built], list[float]]
 """Seconds of compute per micro-batch of each stage of a built program, measured."""
@@ -141,18 +143,42 @@ def balance_key(built: Built, world: int) -> str:
 
 def load_balance(key: str
                  ) -> tuple[tuple[str, ...], dict[str, float], list[BalanceRound]] | None:
-    """The cut (first node of each stage), corrections and rounds balanced before, or None."""
+    """The cut (first node of each stage), corrections and rounds balanced before, or None
+    (none remembered, or a damaged entry: forgotten with a warning)."""
     path = cache_dir() / "balance" / f"{key}.json"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        forget_balance(key, f"{type(e).__name__}: {e}")
+        return None
+    try:
+        data = json.loads(text)
         rounds = [BalanceRound(tuple(r["starts"]), tuple(r["modules"]),
                                tuple(r["predicted_s"]), tuple(r["measured_s"]),
                                tuple(int(x) for x in r.get("ranks", ())))
                   for r in data["rounds"]]
         corrections = {str(k): float(v) for k, v in data["corrections"].items()}
-        return tuple(str(n) for n in data["starts"]), corrections, rounds
-    except (OSError, ValueError, KeyError, TypeError):
+        if not all(math.isfinite(v) and v > 0 for v in corrections.values()):
+            raise ValueError(f"corrections must be positive numbers, got {corrections}")
+        starts = data["starts"]
+        if not isinstance(starts, list) or not all(isinstance(n, str) for n in starts):
+            raise ValueError(f"starts must be a list of node names, got {starts!r}")
+        return tuple(starts), corrections, rounds
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        forget_balance(key, f"{type(e).__name__}: {e}")
         return None
+
+
+def forget_balance(key: str, why: str) -> None:
+    """Removes a remembered cut that cannot be used, with a warning naming its file: the cut
+    is then measured again (and remembered anew), rather than every compile failing."""
+    path = cache_dir() / "balance" / f"{key}.json"
+    warnings.warn(f"the balanced cut remembered in {path} cannot be used ({why}); it is "
+                  "removed and the cut measured again", UserWarning, stacklevel=2)
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 def save_balance(key: str, built: Built) -> None:

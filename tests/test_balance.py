@@ -17,7 +17,7 @@ import fxpipe
 from fxpipe import ir
 from fxpipe import program as program_module
 from fxpipe.losses import default_loss
-from fxpipe.models import gpt
+from fxpipe.models import gpt, mlp
 from fxpipe.passes.cost import annotate_costs, estimate_time
 from fxpipe.passes.partition import (
     LOSS,
@@ -163,6 +163,27 @@ def test_balance_dynamic_measures_once_and_remembers_the_cut(monkeypatch):
     again = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=PROFILE, balance="dynamic")
     assert cut_of(again.built) == cut_of(program.built)
     assert "cache" in again.measured["balance"]
+
+
+@pytest.mark.parametrize("damage", ['{"starts": ["nope", "x"], "corrections": {}, "rounds": []}',
+                                    '{"starts": "ab", "corrections": [], "rounds": []}',
+                                    '{"starts": ['])
+def test_a_damaged_remembered_cut_is_named_forgotten_and_measured_again(damage):
+    # Every balance="dynamic" compile of the model failed (a PartitionError, or an
+    # AttributeError), naming no file.
+    model, (x,) = mlp.build()
+    fxpipe.compile(model, (x,), stages=2, chunks=2, profile=PROFILE, balance="dynamic")
+    [path] = cache.cache_dir().glob("balance/*.json")
+    path.write_text(damage)
+    with pytest.warns(UserWarning, match="the balanced cut remembered in .* cannot be used") \
+            as caught:
+        again = fxpipe.compile(model, (x,), stages=2, chunks=2, profile=PROFILE,
+                               balance="dynamic")
+    assert any(str(path) in str(w.message) for w in caught)
+    assert again.measured["balance"].endswith("compiling")
+    assert path.read_text() != damage  # measured anew and remembered
+    third = fxpipe.compile(model, (x,), stages=2, chunks=2, profile=PROFILE, balance="dynamic")
+    assert "cache" in third.measured["balance"]
 
 
 # --- rebalancing a running program -------------------------------------------------------------
