@@ -6,6 +6,11 @@ Where CUDA matters it is emulated (a fake device count, tensors on the meta devi
 from __future__ import annotations
 
 import copy
+import os
+import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -271,3 +276,63 @@ def test_the_profile_cache_key_tells_tf32_from_full_fp32_on_a_gpu(monkeypatch):
     assert len({convolutions_tf32, full, matmuls_tf32}) == 3
     assert "tf32" not in cache.profile_key("cpu", torch.float32)
 
+
+
+# --- written programs under torchrun, on an emulated node ---------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def written_mlp(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("program")
+    model, (x,) = mlp.build()
+    fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100").write(str(folder))
+    return folder
+
+
+def _torchrun(folder, startup: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """program.py on 2 ranks, each process starting with `startup` (a sitecustomize module)."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(startup))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(_free_port()), str(folder / "program.py"),
+                           "--steps", "2", "--verify", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_on_a_node_with_one_gpu_train_on_the_cpu_and_say_so_once(written_mlp,
+                                                                         tmp_path):
+    result = _torchrun(written_mlp, """
+        import torch
+        torch.cuda.is_available = lambda: True   # a node whose torch sees one GPU
+        torch.cuda.device_count = lambda: 1
+    """, tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "verify: OK" in result.stdout
+    assert out.count("2 ranks on this node but 1 GPU") == 1, out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_that_loads_for_longer_than_the_timeout_is_waited_for(written_mlp, tmp_path):
+    result = _torchrun(written_mlp, """
+        import os, time
+        if os.environ.get("RANK") == "1":   # this rank's stage takes 8 s to load
+            import fxpipe.runtime.launch as launch
+            load = launch._tensors
+            def slow(*args, **kwargs):
+                time.sleep(8)
+                return load(*args, **kwargs)
+            launch._tensors = slow
+    """, tmp_path, "--timeout", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verify: OK" in result.stdout

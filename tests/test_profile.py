@@ -150,7 +150,7 @@ def test_a_profile_survives_its_json_form():
 
 def test_a_measured_profile_is_cached_per_machine_and_read_back(cache_folder, counted_measure):
     first = cache.cached_profile("cpu")
-    assert len(counted_measure) == 1 and first.key and first.precision == "float32"
+    assert len(counted_measure) == 1 and first.key and first.precision == "fp32"
     assert cache.profile_path(first.key).exists()
     assert str(cache.profile_path(first.key)).startswith(str(cache_folder))
     cache.clear_memory()  # as a new process: read from the folder, not measured

@@ -23,6 +23,8 @@ def test_selfcheck_runs_the_cpu_checks_and_says_what_it_skipped():
     assert "pipeline = model, mlp, remat except_last, bf16" in out
     assert "model already on the GPU" in out and "no GPU" in out
     assert "written program, one process" in out and "--verify OK" in out
+    assert "dropout: the pipeline draws the plain model's masks" in out
+    assert "compile(autocast='bf16') is sized for bf16" in out
     assert "ok, 0 failed, 1 skipped" in out
 
 
@@ -44,3 +46,25 @@ def test_a_pipeline_that_computes_something_else_fails_the_selfcheck(monkeypatch
     assert code == 1
     row = next(line for line in lines if "mlp, remat never, fp32" in line)
     assert "FAILED" in row and "differs by" in row
+
+
+def test_tolerances_follow_the_arithmetic_in_use_tf32_convolutions_included():
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3))
+    linear = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    matmul, convolution = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+        assert selfcheck.arithmetic("fp32", gpu, conv)[0] == "tf32"  # cuDNN's default
+        assert selfcheck.arithmetic("fp32", gpu, linear)[0] == "fp32"
+        assert selfcheck.arithmetic("fp32", cpu, conv)[0] == "fp32"
+        torch.backends.cudnn.allow_tf32 = False
+        assert selfcheck.arithmetic("fp32", gpu, conv)[0] == "fp32"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert selfcheck.arithmetic("fp32", gpu, linear)[0] == "tf32"
+        assert selfcheck.arithmetic("bf16", gpu, linear)[0] == "bf16"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, convolution
+    assert selfcheck.tolerance("fp32") == 1e-4
+    assert selfcheck.tolerance("tf32") == pytest.approx(8 * 2**-11)  # above the 2e-3 it was
+    assert selfcheck.tolerance("bf16") == pytest.approx(8 * 2**-8)

@@ -81,6 +81,10 @@ class ClassRate:
         return per * max(overhead, by_bytes, by_flops) if kernels else max(by_bytes, by_flops)
 
 
+# Measured profiles cached by earlier versions named their arithmetic by torch dtype.
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """Rates of one device per op class, and of the link between two pipeline stages."""
@@ -166,7 +170,9 @@ class DeviceProfile:
                               hint="measure it again: fxpipe profile --refresh")
         return DeviceProfile(str(data["name"]), rates, float(data["kernel_overhead"]),
                              curve(data["link"]), float(data["link_latency"]),
-                             str(data["source"]), str(data["precision"]), str(data["key"]))
+                             str(data["source"]),
+                             _DTYPE_NAMES.get(str(data["precision"]), str(data["precision"])),
+                             str(data["key"]))
 
     def describe(self) -> list[list[str]]:
         """Rows (class, FLOP/s at small and large kernels, bytes/s likewise) for a table."""

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fxpipe.profile.device import OP_CLASSES, ClassRate, Curve, DeviceProfile
 from fxpipe.profile.kernels import WorkCounter
-from fxpipe.profile.presets import SPECS, spec_of_device
+from fxpipe.profile.presets import SPECS, compute_precision, spec_of_device
 
 __all__ = ["measure", "min_time", "median_time", "MESSAGE_SIZES"]
 
@@ -313,6 +313,9 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
     precision = str(dtype).replace("torch.", "")
     source = (f"measured on {where} in {precision}: each op class at 3-7 sizes, fastest of "
               f"round-robin runs; link: {how}")
+    # the arithmetic by its name among the presets' (bf16, fp32, tf32 where a GPU uses it)
+    arithmetic = compute_precision(dtype, allow_tf32=device.type == "cuda" and
+                                   bool(torch.backends.cuda.matmul.allow_tf32))
     return DeviceProfile(name or f"measured {where} ({precision})",
                          tuple((c, rates[c]) for c in OP_CLASSES), overhead, curve,
-                         0.0, source, precision, key)
+                         0.0, source, arithmetic, key)

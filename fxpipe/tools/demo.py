@@ -21,7 +21,8 @@ def _free_port() -> int:
 
 def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
     """Compiles the bundled GPT into 2 stages, prints the report, writes the program to `out`,
-    trains it on `nproc` CPU processes and checks the loss against the plain model."""
+    trains it on `nproc` processes (NCCL when each has a GPU of its own, else gloo on the CPU,
+    said in one line) and checks the loss against the plain model."""
     model, inputs = gpt.build(dropout=0.0)  # so the pipeline's losses can equal the model's
     target = gpt.target(inputs)
     command = ("fxpipe compile fxpipe.models.gpt:build --set dropout=0.0 --stages 2 --chunks 4 "
@@ -32,7 +33,7 @@ def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
     files = program.write(out, target=target)
     print(f"\nwrote {len(files)} files to {out}/: " + ", ".join(os.path.basename(f) for f in files))
     timeline = os.path.join(out, "timeline.json")
-    print(f"\ntraining {steps} steps on {nproc} CPU processes (torchrun), verifying against the "
+    print(f"\ntraining {steps} steps on {nproc} processes (torchrun), verifying against the "
           "plain model ...", flush=True)
     code = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                             str(nproc), "--master-port", str(_free_port()),

@@ -5,10 +5,17 @@ every reference model pipelined on devices ["cuda:0", "cuda:0"] in every remat m
 and under bf16 autocast; a model that already sits on the GPU, compiled as it is; a written
 program run in one process on the GPU (its --verify against the plain model); with two or more
 GPUs, a written program of every schedule (GPipe, 1F1B, ZB-H1 on 2 stages; interleaved 1F1B
-and ZB-V on 4 stages, two per rank) under torchrun over NCCL. It
-also times the device profile against the datasheet preset. Without a GPU it runs the same
-checks on the CPU (torchrun over gloo in strict point-to-point mode, which keeps NCCL's ordering
-rules) and says what it skipped. One table at the end; exit status 1 when a check failed.
+and ZB-V on 4 stages, two per rank) under torchrun over NCCL; two ranks on a node that shows
+them one GPU (gloo on the CPU, said once); a model with dropout whose masks must be the plain
+model's; compile(autocast="bf16") sized for bf16 (profile and boundary dtypes). It also times
+the device profile against the datasheet preset. Without a GPU it runs the same checks on the
+CPU (torchrun over gloo in strict point-to-point mode, which keeps NCCL's ordering rules) and
+says what it skipped. One table at the end; exit status 1 when a check failed.
+
+Each comparison's tolerance follows from the arithmetic in use (`arithmetic`, `tolerance`):
+8 units of roundoff of the autocast dtype, or of TF32 where torch computes fp32 matmuls or a
+model's convolutions in it (cuDNN's default on a GPU), and 1e-4 in full fp32; each row says
+which.
 """
 from __future__ import annotations
 
@@ -31,10 +38,13 @@ import torch
 from tabulate import tabulate
 
 import fxpipe
+from fxpipe import ir
 from fxpipe.losses import default_loss
-from fxpipe.models import MODELS, load
+from fxpipe.models import MODELS, gpt, load
 from fxpipe.profile import PRESETS, DeviceProfile, measure
+from fxpipe.profile.presets import spec_of_device
 from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
+from fxpipe.testing.reference_step import reference_step
 
 __all__ = ["run_selfcheck", "Check"]
 
@@ -79,6 +89,10 @@ def run_selfcheck(models: Sequence[str] = MODELS, *, remat: Sequence[str] = REMA
                       functools.partial(_model_on_device, device)))
     else:
         record(Check("model already on the GPU", "-", "skipped", "no GPU", 0.0))
+    record(_timed("dropout: the pipeline draws the plain model's masks", str(device),
+                  functools.partial(_dropout, device)))
+    record(_timed("compile(autocast='bf16') is sized for bf16", str(device),
+                  functools.partial(_autocast_sizing, device)))
     record(_timed("written program, one process", str(device), _written_local))
     if distributed:
         backend = "nccl" if gpus >= 2 else "gloo, strict point-to-point"
@@ -88,6 +102,9 @@ def run_selfcheck(models: Sequence[str] = MODELS, *, remat: Sequence[str] = REMA
         if 0 < gpus < 2:
             record(Check("NCCL between ranks", "-", "skipped", "needs 2 GPUs (NCCL puts one rank "
                          "on each)", 0.0))
+        if gpus:
+            record(_timed("written program, 2 ranks on 1 visible GPU", "gloo on the CPU",
+                          _more_ranks_than_gpus))
     record(_timed("device profile", str(device), functools.partial(_profile, device)))
     log("\n" + tabulate([[c.name, c.where, c.status, c.detail, f"{c.seconds:.1f}"]
                          for c in checks],
@@ -147,16 +164,34 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if p.grad is not None}
 
 
-def _tolerance(precision: str, device: torch.device) -> float:
-    """Largest error relative to the largest value: bf16 keeps 8 bits of mantissa; fp32 on a
-    GPU convolves in TF32 by default (10 bits), on the CPU in full fp32."""
-    if precision == "bf16":
-        return 3e-2
-    return 2e-3 if device.type == "cuda" else 1e-4
+# Bits of mantissa of each arithmetic (TF32 keeps fp16's 10 over fp32's exponent).
+_MANTISSA_BITS = {"fp32": 23, "tf32": 10, "fp16": 10, "bf16": 7}
+
+
+def arithmetic(precision: str, device: torch.device, model: torch.nn.Module) -> tuple[str, str]:
+    """The coarsest arithmetic a check computes in, and why: the autocast dtype; on a GPU, TF32
+    where torch allows it for matmuls, or for convolutions (cuDNN's default) when the model
+    has any; else fp32."""
+    if precision != "fp32":
+        return precision, f"{precision} autocast"
+    if device.type == "cuda":
+        if torch.backends.cuda.matmul.allow_tf32:
+            return "tf32", "TF32 matmuls (torch.backends.cuda.matmul.allow_tf32)"
+        convolutions = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
+        if convolutions and torch.backends.cudnn.allow_tf32:
+            return "tf32", "TF32 convolutions (torch.backends.cudnn.allow_tf32)"
+    return "fp32", "fp32"
+
+
+def tolerance(arithmetic: str) -> float:
+    """Largest error relative to the largest value: 8 units of roundoff of the arithmetic
+    (2^-(bits+1)), and never below 1e-4, which micro-batches summed in another order than the
+    full batch reach in fp32."""
+    return max(1e-4, 8 * 2.0 ** -(_MANTISSA_BITS[arithmetic] + 1))
 
 
 def _compare(loss: float, grads: dict[str, torch.Tensor], ref_loss: float,
-             ref_grads: dict[str, torch.Tensor], tolerance: float) -> str:
+             ref_grads: dict[str, torch.Tensor], used: tuple[str, str]) -> str:
     """The worst relative error over the loss and every gradient; raises past `tolerance`."""
     if set(grads) != set(ref_grads):
         raise AssertionError(f"gradients of {sorted(set(grads) ^ set(ref_grads))[:3]} exist "
@@ -167,10 +202,11 @@ def _compare(loss: float, grads: dict[str, torch.Tensor], ref_loss: float,
         relative = error / max(float(ref.float().abs().max()), 1e-12)
         if relative > worst:
             worst, where = relative, f"gradient of {name}"
-    if worst > tolerance:
+    bound = tolerance(used[0])
+    if worst > bound:
         raise AssertionError(f"{where} differs by {worst:.2e} of its largest value "
-                             f"(tolerance {tolerance:.0e})")
-    return f"largest difference {worst:.1e} ({where})"
+                             f"(tolerance {bound:.1e} for {used[1]})")
+    return f"largest difference {worst:.1e} ({where}), tolerance {bound:.1e} for {used[1]}"
 
 
 def _transparency(name: str, remat: str, precision: str, device: torch.device) -> str:
@@ -183,7 +219,8 @@ def _transparency(name: str, remat: str, precision: str, device: torch.device) -
                              remat=remat, devices=[device, device], profile="a100")
     with _autocast(precision, device):
         loss = program.step(*inputs, target=target, **kwargs)
-    return _compare(loss, _grads(model), ref_loss, ref_grads, _tolerance(precision, device))
+    return _compare(loss, _grads(model), ref_loss, ref_grads,
+                    arithmetic(precision, device, model))
 
 
 def _model_on_device(device: torch.device) -> str:
@@ -194,7 +231,7 @@ def _model_on_device(device: torch.device) -> str:
     program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=2, chunks=2,
                              profile="a100")
     loss = program.step(*inputs, target=target, **kwargs)
-    return _compare(loss, _grads(model), ref_loss, ref_grads, _tolerance("fp32", device))
+    return _compare(loss, _grads(model), ref_loss, ref_grads, arithmetic("fp32", device, model))
 
 
 def _write(folder: str, schedule: str) -> None:
@@ -205,13 +242,19 @@ def _write(folder: str, schedule: str) -> None:
     program.write(folder, target=target, reference_steps=2)
 
 
-def _run(command: list[str], env: dict[str, str] | None = None) -> str:
+def _run(command: list[str], env: dict[str, str] | None = None, expect: str = "") -> str:
+    """Runs a written program; its --verify line when it passed (and printed `expect`)."""
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     lines = (result.stdout + result.stderr).strip().splitlines()
     verdict = next((line for line in lines if line.startswith("verify:")), None)
     if result.returncode != 0 or verdict is None or "OK" not in verdict:
-        raise AssertionError(verdict or (lines[-1] if lines else f"exit {result.returncode}"))
+        # the verdict when there is one, else the last line that says why (not a banner)
+        why = next((line for line in reversed(lines) if line.strip(" =-")), "")
+        raise AssertionError(verdict if verdict and "OK" not in verdict else
+                             f"exit {result.returncode}: {why}")
+    if expect and sum(expect in line for line in lines) != 1:
+        raise AssertionError(f"the run did not say {expect!r} once")
     difference = verdict.rsplit("difference", 1)[-1].split("(")[0].strip()
     return f"--verify OK, largest loss difference {difference}"
 
@@ -230,6 +273,52 @@ def _written_torchrun(schedule: str, nccl: bool) -> str:
         return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                      "--master-port", str(_free_port()), os.path.join(folder, "program.py"),
                      "--steps", "2", "--verify"], env)
+
+
+def _more_ranks_than_gpus() -> str:
+    """Two ranks on a node that shows them one GPU: gloo on the CPU, said once, not a crash of
+    NCCL's ("Duplicate GPU detected")."""
+    with _folder() as folder:
+        _write(folder, "gpipe")
+        return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     "--master-port", str(_free_port()), os.path.join(folder, "program.py"),
+                     "--steps", "2", "--verify"], {"CUDA_VISIBLE_DEVICES": "0"},
+                    expect="2 ranks on this node but 1 GPU")
+
+
+def _dropout(device: torch.device) -> str:
+    """A model with dropout on `device`: the pipeline's masks are the plain model's on each
+    micro-batch (every generator the stages draw from is seeded per micro-batch)."""
+    model, (idx,) = gpt.build(dropout=0.1)
+    target = gpt.target((idx,)).to(device)
+    model.to(device)
+    idx = idx.to(device)
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=2, devices=[device, device],
+                             profile="a100")
+    torch.manual_seed(0)
+    loss = program.step(idx, target=target)
+    torch.manual_seed(0)
+    ref_loss = reference_step(program, plain, idx, target=target)
+    return _compare(loss, _grads(model), ref_loss, _grads(plain),
+                    arithmetic("fp32", device, model))
+
+
+def _autocast_sizing(device: torch.device) -> str:
+    """compile(autocast='bf16'): the profile measured on `device` in bf16, and a boundary after
+    a matmul sent in bf16."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(device)
+    x = torch.randn(8, 64, device=device)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, devices=[device, device],
+                             autocast="bf16")
+    profile = program.built.profile
+    (sent,) = program.built.stages[0].graph.sends
+    dtype = sent.value.dtype if isinstance(sent.value, ir.TensorInfo) else None
+    if profile.precision != "bf16" or dtype != torch.bfloat16:
+        raise AssertionError(f"profile {profile.name} ({profile.precision}), boundary sent as "
+                             f"{dtype}: not sized for bf16")
+    return f"profile {profile.name} ({profile.precision}), boundary sent as {dtype}"
 
 
 def _profile(device: torch.device) -> str:
@@ -254,8 +343,8 @@ def _rate(value: float, unit: str) -> str:
 def _preset(device: torch.device) -> DeviceProfile | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((PRESETS[key] for key in sorted(PRESETS) if "-" not in key and key in name), None)
+    key = spec_of_device(torch.cuda.get_device_name(device))
+    return PRESETS[key] if key is not None else None
 
 
 @contextlib.contextmanager
