@@ -367,12 +367,13 @@ class Program(nn.Module):
              **kwargs: Any) -> float:
         """One training step (forward and backward of every micro-batch); returns the loss.
 
-        Gradients accumulate into the stage parameters with the scaling of one full-batch mean
-        loss; call your optimizer on program.parameters() afterwards. Under torchrun every rank
-        calls step() with the same batch; each computes its own stage. Under `torch.autocast`
-        every stage runs in mixed precision. With `scaler` (a torch.amp.GradScaler) the backward
-        runs on the scaled loss; then call scaler.step(optimizer) and scaler.update() as usual
-        (every rank skips the step if any rank's gradients are not finite).
+        Gradients accumulate into the stage parameters as those of the loss on the whole batch
+        (under torchrun a mean or a sum over examples, else LossError); call your optimizer on
+        program.parameters() afterwards. Under torchrun every rank calls step() with the same
+        batch; each computes its own stage. Under `torch.autocast` every stage runs in mixed
+        precision. With `scaler` (a torch.amp.GradScaler) the backward runs on the scaled
+        loss; then call scaler.step(optimizer) and scaler.update() as usual (every rank skips
+        the step if any rank's gradients are not finite).
         """
         loss_fn = loss_fn or default_loss
         if self._built is None:
