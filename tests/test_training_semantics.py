@@ -266,12 +266,13 @@ LOSS_CASES = [("mean", False), ("sum", False), ("mse_sum", False), ("counted", T
 REFUSED = {("mean", True), ("std", False), ("max", False)}
 
 
-def _loss_steps(rank: int, world: int, cases: list, schedules: list[str]) -> list[dict]:
+def _loss_steps(rank: int, world: int, cases: list, schedules: list[str],
+                stages: int = 2) -> list[dict]:
     out = []
     for schedule in schedules:
         for name, padded in cases:
             model, x, y, fn = _loss_case(name, padded)
-            program = fxpipe.compile(model, (x,), stages=world, chunks=2, profile="a100",
+            program = fxpipe.compile(model, (x,), stages=stages, chunks=2, profile="a100",
                                      split_points=["head"], schedule=schedule)
             try:
                 loss: Any = program.step(x, target=y, loss_fn=fn)
@@ -332,3 +333,15 @@ def test_every_loss_kind_on_two_ranks_equals_the_plain_model_or_is_refused():
     assert wrong == []
     for (name, padded, _), outcome in outcomes.items():
         assert outcome == ("refused" if (name, padded) in REFUSED else "same"), (name, padded)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_sum_loss_under_data_parallelism_sums_over_the_replicas():
+    """2 replicas x 2 stages: the replicas average their losses and gradients, which a sum over
+    examples must not be."""
+    cases = [("sum", False), ("mean", False), ("std", False)]
+    ranks = spawn(4, __name__, "_loss_steps", cases, ["gpipe", "1f1b"], timeout=120, bound=600)
+    outcomes = _loss_outcomes(ranks)
+    assert outcomes == {(name, False, schedule): "refused" if name == "std" else "same"
+                        for name, _ in cases for schedule in ("gpipe", "1f1b")}

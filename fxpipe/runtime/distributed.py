@@ -41,6 +41,7 @@ from fxpipe.runtime.loss_split import (
     KINDS,
     MEAN,
     NEITHER,
+    SUM,
     changed,
     loss_key,
     refusal,
@@ -229,8 +230,19 @@ class DistributedExecutor:
         losses: dict[int, torch.Tensor] = {}
         outputs: dict[int, list[Any]] = {}  # the last stage's, detached: the batch's loss
         values: dict[int, torch.Tensor] = {}  # each micro-batch's loss, detached
-        weight = 0.0 if probe else None if assumed is None else weight_of(assumed, chunks)
+        replicas = self.mesh.replicas
+        weight = 0.0 if probe else None if assumed is None else \
+            weight_of(assumed, chunks, replicas)
         judged: tuple[float, list[float], str | None] | None = None
+
+        def decided() -> float:
+            """The weight of the last stage's losses, judged on this step before its first
+            backward unless given."""
+            nonlocal judged, weight
+            if weight is None:  # every forward of the last stage is done (_loss_first)
+                judged = self._judge(outputs, values, target, loss_fn)
+                weight = weight_of(judged[2] or self.loss_kinds.get(key, MEAN), chunks, replicas)
+            return weight
         # the last action that accumulates gradients (B, or W of a split backward)
         last_backward = max(t.index for t in ticks
                             if t.action is not None and t.action.kind in ("B", "W"))
@@ -264,11 +276,8 @@ class DistributedExecutor:
                                            for o in out]
                     del view, out  # the comm keeps what the backward needs
                 elif action.kind == "I":
-                    if self.is_last(stage) and weight is None:
-                        judged = self._judge(outputs, values, target, loss_fn)
-                        weight = weight_of(judged[2] or self.loss_kinds.get(key, MEAN), chunks)
                     with self.timeline.span("backward", stage, mb, detail="I"):
-                        comm.backward_input(stage, mb, self._weighted(losses, mb, weight, scale)
+                        comm.backward_input(stage, mb, self._weighted(losses, mb, decided(), scale)
                                             if self.is_last(stage) else None)
                 else:
                     if self.averager and tick.index == last_backward:
@@ -278,11 +287,7 @@ class DistributedExecutor:
                         if action.kind == "W":
                             comm.backward_weight(stage, mb, weights[stage])
                         else:
-                            if self.is_last(stage) and weight is None:
-                                judged = self._judge(outputs, values, target, loss_fn)
-                                weight = weight_of(judged[2] or self.loss_kinds.get(key, MEAN),
-                                                   chunks)
-                            comm.backward(stage, mb, self._weighted(losses, mb, weight, scale)
+                            comm.backward(stage, mb, self._weighted(losses, mb, decided(), scale)
                                           if self.is_last(stage) else None)
                     if memory:
                         memory.release((stage, mb))
@@ -316,10 +321,12 @@ class DistributedExecutor:
             raise PeerLostError(f"stage {first} (rank {self.mesh.rank}): a collective with the "
                                 f"other ranks failed: {str(e).splitlines()[0]}",
                                 hint="another rank failed or exited; its error says why") from e
-        self._settle(verdict.tolist(), loss_fn, key, assumed, probe)
+        used = self._settle(verdict.tolist(), loss_fn, key, assumed, probe)
         sends_held = self.transport.peak
         self.transport.reset_peak()
-        self.last = StepResult(float(verdict[0].item()), self.timeline.resolve(),
+        # the replicas' losses are averaged (fxpipe.runtime.mesh): a sum's is their sum
+        self.last = StepResult(float(verdict[0].item()) * (replicas if used == SUM else 1),
+                               self.timeline.resolve(),
                                memory.peak if memory else 0, sends_held, overflow)
         return self.last
 
@@ -390,16 +397,16 @@ class DistributedExecutor:
         parts = [float(values[m]) for m in sorted(values)]
         return float(full), parts, split_kind(float(full), parts, full.dtype)
 
-    def _weighted(self, losses: dict[int, torch.Tensor], mb: int, weight: float | None,
+    def _weighted(self, losses: dict[int, torch.Tensor], mb: int, weight: float,
                   scale: Any) -> torch.Tensor:
-        assert weight is not None  # set before the last stage's first backward
         loss = losses.pop(mb) * weight
         return loss if scale is None else loss * scale
 
     def _settle(self, verdict: list[float], loss_fn: Callable[..., torch.Tensor], key: Any,
-                assumed: str | None, probe: bool) -> None:
+                assumed: str | None, probe: bool) -> str:
         """Every rank alike: remembers what a judging step found, refuses a loss that does not
-        split over micro-batches or that changed kind after its backward was scaled."""
+        split over micro-batches or that changed kind after its backward was scaled; returns
+        the kind the backward was weighted as."""
         full, code, parts = verdict[0], int(verdict[1]), verdict[2:]
         kind = KINDS[code] if code >= 0 else None
         if probe:
@@ -408,6 +415,7 @@ class DistributedExecutor:
             raise refusal(loss_fn, full, parts, None)
         if assumed is not None and not probe and changed(kind, assumed):
             raise refusal(loss_fn, full, parts, assumed)
+        return assumed or kind or self.loss_kinds.get(key, MEAN)
 
     def _reduce_gradients(self) -> None:
         """Sums tied parameters' gradients over the ranks that hold them, then averages every

@@ -47,9 +47,10 @@ def split_kind(full: float, parts: Sequence[float], dtype: torch.dtype) -> str |
     return NEITHER
 
 
-def weight_of(kind: str, chunks: int) -> float:
-    """What each micro-batch's loss is multiplied by before its backward."""
-    return {MEAN: 1.0 / chunks, SUM: 1.0}.get(kind, 0.0)
+def weight_of(kind: str, chunks: int, replicas: int = 1) -> float:
+    """What each micro-batch's loss is multiplied by before its backward. Data-parallel
+    replicas average their gradients, which a sum's weight undoes."""
+    return {MEAN: 1.0 / chunks, SUM: float(replicas)}.get(kind, 0.0)
 
 
 def loss_key(loss_fn: Callable[..., Any], with_target: bool) -> Hashable:
