@@ -320,12 +320,13 @@ def _keep_only(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor])
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Puts each parameter's optimizer state on that parameter's device (a stage moved it)."""
+    """Puts each parameter's optimizer state where that parameter now is (a stage moved it),
+    as `placed_state` says (a fused or capturable group's step count too)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() and value.device != p.device:
-                    optimizer.state[p][key] = value.to(p.device)
+            state = optimizer.state.get(p)
+            if state:
+                optimizer.state[p] = {k: placed_state(p, k, v, group) for k, v in state.items()}
 
 
 

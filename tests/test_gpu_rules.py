@@ -336,3 +336,16 @@ def test_a_rank_that_loads_for_longer_than_the_timeout_is_waited_for(written_mlp
     """, tmp_path, "--timeout", "3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verify: OK" in result.stdout
+
+
+def test_state_of_a_parameter_a_new_cut_moved_in_this_process_follows_it():
+    from fxpipe.rebalance import move_optimizer_state
+    param = nn.Parameter(torch.empty(3, device="meta"))  # where a new cut put it
+    optimizer = torch.optim.AdamW([param], fused=True)
+    # the state a step made while it was on the CPU
+    optimizer.state[param] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
+                              "exp_avg_sq": torch.zeros(3)}
+    move_optimizer_state(optimizer)
+    state = optimizer.state[param]
+    assert {k: v.device.type for k, v in state.items()} == dict.fromkeys(state, "meta")
+    assert state["step"].dtype == torch.float32
