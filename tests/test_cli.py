@@ -16,8 +16,9 @@ import pytest
 
 from fxpipe import cli
 from fxpipe.cli import main
-from fxpipe.errors import PipelineRuntimeError
+from fxpipe.errors import PipelineRuntimeError, ProgramFolderError
 from fxpipe.runtime import launch
+from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.timeline import Event, chrome_trace
 
 
@@ -195,6 +196,58 @@ def test_run_refuses_an_altered_program_and_a_busy_port_before_starting(written,
     assert capsys.readouterr().err.splitlines()[0] == \
         f"fxpipe: error: port {port} is in use on this machine (another run, or another " \
         "program, listens on it)"
+
+
+def _edited(written: Path, tmp_path: Path, edit) -> Path:
+    folder = tmp_path / "edited"
+    shutil.copytree(written, folder)
+    data = json.loads((folder / "program.json").read_text())
+    edit(data)
+    (folder / "program.json").write_text(json.dumps(data))
+    return folder
+
+
+def _swap_aliases(data):
+    aliases = data["aliases"]
+    a, b = "blocks.0.attn.c_attn.weight", "blocks.1.attn.c_attn.weight"  # one shape
+    aliases[a], aliases[b] = aliases[b], aliases[a]
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda d: d["stages"][0].update(inputs=[5]),
+     "stages[0].inputs is [5] (allowed: distinct indexes of the program's 1 inputs, 0..0)"),
+    (lambda d: d["signature"].update(out_spec="garbage"), "signature.out_spec is 'garbage'"),
+    (lambda d: d["stages"][1].update(file="stage_0.py"),
+     "stages[1].file is 'stage_0.py', as stages[0]'s (allowed: a file of its own)"),
+    (lambda d: d["stages"][1]["recvs"][0].update(value={"kind": "tensor"}),
+     "stages[1].recvs['blocks_0_add_1'].value is {'kind': 'tensor'}"),
+    (lambda d: d["signature"]["leaves"][0].update(dtype="float99"), "signature.leaves[0] is"),
+    (lambda d: d["stages"][0].update(random="no"), "stages[0].random is 'no'"),
+    (lambda d: d.update(aliases=[]), "aliases is [] (allowed: tensor name -> its state_dict keys)"),
+])
+def test_report_refuses_every_program_json_field_fxpipe_would_not_write(written, tmp_path, capsys,
+                                                                       edit, expected):
+    folder = _edited(written, tmp_path, edit)
+    assert main(["report", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "hint: write the program again" in err, err
+    data = json.loads((folder / "program.json").read_text())
+    with pytest.raises(ProgramFolderError, match="was it edited by hand") as info:
+        ProgramSpec.from_json(data)
+    assert expected in str(info.value)
+
+
+def test_swapped_aliases_are_refused_before_a_save_could_swap_the_weights(written, tmp_path,
+                                                                          capsys):
+    folder = _edited(written, tmp_path, _swap_aliases)
+    assert launch.main(folder, ["--steps", "1", "--save", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert "the field aliases does not agree with weights.json" in err
+    assert "aliases['blocks.0.attn.c_attn.weight'] is ['blocks.1.attn.c_attn.weight'], without " \
+        "'blocks.0.attn.c_attn.weight'" in err
+    assert not (tmp_path / "ckpt").exists()
+    assert main(["run", str(folder), "--nproc", "2"]) == 2
+    assert "the field aliases does not agree" in capsys.readouterr().err.splitlines()[0]
 
 
 def test_run_tells_a_failing_rank_in_one_line_with_its_log(written):

@@ -20,14 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.errors import CheckpointError
+from fxpipe.errors import CheckpointError, ProgramFolderError
 from fxpipe.runtime.loading import load_named
 from fxpipe.runtime.materialize import initialize
+from fxpipe.runtime.spec import REWRITE_HINT
 from fxpipe.runtime.stage import StageModule
 from fxpipe.state import StateNames
+from fxpipe.structure import Structure
 from fxpipe.weights import open_weights
 
-__all__ = ["stage_tensors"]
+__all__ = ["stage_tensors", "check_names"]
 
 
 def _info(folder: Path) -> dict[str, Any]:
@@ -62,6 +64,7 @@ def stage_tensors(folder: Path, classes: Sequence[type[StageModule]], names: Sta
     """The tensors the stage classes bind, by qualified name, on `device` (read for these
     stages only when they come from a checkpoint or the initializers)."""
     info = _info(folder)
+    check_names(folder, names, info=info)
     wanted = sorted({q for cls in classes for q in cls.qualified_names().values()})
     own = info.get("weights")
     if weights is None and not init:
@@ -86,6 +89,48 @@ def stage_tensors(folder: Path, classes: Sequence[type[StageModule]], names: Sta
         out.update(initialize(model, {q: _resolve(model, q) for q in in_file}, device,
                               seed=seed))
     return out
+
+
+def check_names(folder: Path, names: StateNames, structure: Structure | None = None, *,
+                info: dict[str, Any] | None = None) -> None:
+    """Checks program.json's aliases (each tensor a stage binds -> the model's state_dict keys
+    for it) against weights.json and the model's structure. --save and --resume write and read
+    every tensor under these keys, so an edited map would swap weights without a word."""
+    info = _info(folder) if info is None else info
+    tensors, state_keys = info.get("tensors"), info.get("state_keys")
+    if not isinstance(tensors, dict) or not isinstance(state_keys, list):
+        return  # written before weights.json listed them: nothing to check against
+    known = set(state_keys)
+    problems: list[str] = []
+    owner: dict[str, str] = {}
+    for q, keys in sorted(names.keys.items()):
+        if q not in tensors:
+            problems.append(f"aliases names {q!r}, which no stage binds")
+        if q in known and q not in keys:
+            problems.append(f"aliases[{q!r}] is {list(keys)}, without {q!r}: the model's own "
+                            "name for that tensor")
+        for key in keys:
+            if key not in known:
+                problems.append(f"aliases[{q!r}] holds {key!r}, which is no state_dict key of "
+                                "the model")
+            elif key in owner:
+                problems.append(f"aliases gives {key!r} to both {owner[key]!r} and {q!r}")
+            owner.setdefault(key, q)
+            spec = structure.tensors.get(key) if structure is not None else None
+            entry = tensors.get(q)
+            bound = (entry.get("dtype"), list(entry.get("shape", []))) \
+                if isinstance(entry, dict) else None
+            if spec is not None and bound is not None and bound != (spec.dtype, list(spec.shape)):
+                problems.append(f"aliases[{q!r}] holds {key!r}, a {spec} in the model, but {q} is "
+                                f"a {bound[0]}{bound[1]}")
+    problems += [f"aliases lacks {q!r}, a tensor the stages bind and a state_dict key of the model"
+                 for q in sorted(tensors) if q in known and q not in names.keys]
+    if problems:
+        raise ProgramFolderError(
+            f"{folder}/program.json: the field aliases does not agree with weights.json and the "
+            "stages (was it edited by hand?): " + "; ".join(problems[:6])
+            + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""),
+            hint=REWRITE_HINT)
 
 
 def _templates(info: dict[str, Any], wanted: list[str]) -> dict[str, torch.Tensor]:
