@@ -66,14 +66,11 @@ def is_glue(node: Node) -> bool:
     return ir.cost(node).fwd_kernels == 0
 
 
-def atom_cut_counts(gm: GraphModule, atom_cut: int) -> list[int]:
-    """Node counts of the 2-stage partition cutting before atom `atom_cut` (program order)."""
+def atom_cut_starts(gm: GraphModule, atom_cut: int) -> list[str]:
+    """The first nodes of the 2-stage partition cutting before atom `atom_cut` (partition's
+    `starts`: atoms need not be program-order prefixes, a constant joins its user's atom)."""
     atoms = atoms_of(gm)
-    first = {n.name for a in atoms[:atom_cut] for n in a}
-    order = [n.name for n in ir.compute_nodes(gm.graph)]
-    k = len(first)
-    assert set(order[:k]) == first, "atom boundary is not a program-order boundary"
-    return [k, len(order) - k]
+    return [atoms[0][0].name, atoms[atom_cut][0].name]
 
 
 # --- atoms -------------------------------------------------------------------------------------
@@ -143,7 +140,7 @@ def test_cost_balance_finds_the_fastest_two_stage_cut():
     gm = captured("gpt").gm
     best = plan_for("gpt", 2)
     assert best.balance == "cost"
-    bottlenecks = [plan_for("gpt", 2, balance=atom_cut_counts(gm, cut)).bottleneck
+    bottlenecks = [plan_for("gpt", 2, starts=atom_cut_starts(gm, cut)).bottleneck
                    for cut in range(1, len(atoms_of(gm)))]
     assert best.bottleneck == pytest.approx(min(bottlenecks), rel=1e-6)
 
@@ -161,7 +158,7 @@ def test_params_balance_minimises_the_largest_stage_parameter_bytes(name):
     options = {"microbatch_size": 2, "chunks": 4, "profile": PROFILE}
     best = {}
     for cut in range(1, len(atoms_of(gm))):
-        partition(gm, 2, balance=atom_cut_counts(gm, cut), **options)
+        partition(gm, 2, starts=atom_cut_starts(gm, cut), **options)
         best[cut] = max(_stage_param_bytes(gm, 2, 2))
 
     plan = partition(gm, 2, balance="params", **options)
@@ -271,6 +268,43 @@ def test_more_stages_than_atoms_raises_partition_error_stating_both_numbers():
     with pytest.raises(PartitionError, match=rf"\({atoms + 2} > {atoms}\)") as error:
         partition(gm, atoms + 2, microbatch_size=2, chunks=2, profile=PROFILE)
     assert f"at most {atoms} stages" in error.value.hint
+
+
+def _computes(node: Node) -> bool:
+    """Launches a kernel that computes a floating-point value (not a view, not a counter)."""
+    info = node.meta.get(ir.TENSOR)
+    return (not is_glue(node) and isinstance(info, ir.TensorInfo)
+            and info.dtype.is_floating_point)
+
+
+def test_at_the_most_stages_accepted_every_stage_of_a_batchnorm_net_computes():
+    from tests.skip_cnn import build
+
+    model, inputs = build()
+    gm = fxpipe.capture(model, inputs, inline_modules=True)  # train mode: counters count
+    annotate_costs(gm)
+    most = len(atoms_of(gm))
+    atom = {n.name: i for i, a in enumerate(atoms_of(gm)) for n in a}
+    assert atom["stem_bn_add_"] == atom["stem_bn_batch_norm"]  # the counter stays with its op
+
+    plan = partition(gm, most, microbatch_size=2, chunks=2, profile=PROFILE)
+    nodes = {n.name: n for n in ir.compute_nodes(gm.graph)}
+    idle = [s.nodes for s in plan.stages if not any(_computes(nodes[x]) for x in s.nodes)]
+    assert idle == []
+    with pytest.raises(PartitionError, match=rf"\({most + 1} > {most}\)") as error:
+        partition(gm, most + 1, microbatch_size=2, chunks=2, profile=PROFILE)
+    assert f"use at most {most} stages" in error.value.hint
+    assert "atom" not in str(error.value) and "leaf_modules" not in error.value.hint
+
+
+def test_too_many_stages_hints_fewer_leaf_modules_only_to_a_user_who_kept_modules_whole():
+    model = ThreeLayers()
+    gm = fxpipe.capture(model, (torch.randn(4, 4),), leaf_modules=[model.b],
+                        inline_modules=True)
+    annotate_costs(gm)
+    with pytest.raises(PartitionError) as error:
+        partition(gm, 9, microbatch_size=2, chunks=2, profile=PROFILE)
+    assert "pass fewer leaf_modules" in error.value.hint and "(b)" in error.value.hint
 
 
 # --- memory ------------------------------------------------------------------------------------

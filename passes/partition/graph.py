@@ -6,10 +6,12 @@ Writes: STAGE on every compute node
 Graph:  unchanged (annotation only)
 
 The graph is first coarsened into atoms: glue (views, getitem, sizes, constants: nodes that launch
-no kernel or produce no tensor) stays with the node that produces its input, so cuts fall between
-real operations. Each atom gets a time (forward + backward + recompute at the micro-batch size)
-and each cut the time of the values crossing it (activations forward, gradients backward); the
-exact solver in passes.partition.solver minimises the slowest stage, within a memory limit.
+no kernel or produce no tensor) and bookkeeping (integer and boolean results: counters such as
+BatchNorm's num_batches_tracked, masks, indices) stay with the node that produces their input, or
+the operation they precede, so cuts fall between real operations and every stage computes.
+Each atom gets a time (forward + backward + recompute at the micro-batch size) and each cut the
+time of the values crossing it (activations forward, gradients backward); the exact solver in
+passes.partition.solver minimises the slowest stage, within a memory limit.
 """
 from __future__ import annotations
 
@@ -97,25 +99,40 @@ def _is_glue(node: Node) -> bool:
     return not isinstance(node.meta.get(ir.TENSOR), ir.TensorInfo)
 
 
+def _has_work(node: Node) -> bool:
+    """Computes a floating-point value. Integer and boolean results (a counter's add_(1), a
+    mask, indices) are bookkeeping: a stage holding only those would compute nothing."""
+    if _is_glue(node):
+        return False
+    info = node.meta.get(ir.TENSOR)
+    if isinstance(info, ir.TensorInfo):
+        return info.is_float
+    if isinstance(info, tuple):
+        return any(isinstance(x, ir.TensorInfo) and x.is_float for x in info)
+    return True
+
+
 def atoms_of(gm: GraphModule) -> list[list[Node]]:
-    """Groups compute nodes into atoms; glue joins the atom of its latest compute input, and
-    glue without compute inputs (constants, sizes of inputs) joins its first user's atom."""
+    """Groups compute nodes into atoms, one per node with work (_has_work). Glue and bookkeeping
+    join the atom of their latest compute input; without one (constants, sizes of inputs, a
+    buffer's counter) their first user's atom, or without users the next atom in program order
+    (a BatchNorm's counter stays with its batch_norm)."""
     nodes = ir.compute_nodes(gm.graph)
     atom: dict[Node, int] = {}
-    pending: list[Node] = []
+    pending: list[tuple[Node, int]] = []  # with the index of the next atom in program order
     count = 0
     for node in nodes:
         inputs = [atom[a] for a in node.all_input_nodes if a in atom]
-        if not _is_glue(node):
+        if _has_work(node):
             atom[node] = count
             count += 1
         elif inputs:
             atom[node] = max(inputs)
         else:
-            pending.append(node)
-    for node in reversed(pending):  # users come later in program order: already placed
+            pending.append((node, count))
+    for node, following in reversed(pending):  # users come later in program order: placed
         users = [atom[u] for u in node.users if u in atom]
-        atom[node] = min(users) if users else max(count - 1, 0)
+        atom[node] = min(users) if users else max(min(following, count - 1), 0)
     groups: list[list[Node]] = [[] for _ in range(max(count, 1))]
     for node in nodes:
         groups[atom[node]].append(node)
@@ -284,7 +301,8 @@ def partition(
     starts: the first node of each stage: keeps a cut measured before instead of solving.
 
     Raises:
-        PartitionError: more stages than atoms, or no partition fits the memory limit.
+        PartitionError: more stages than operations that can start one, or no partition
+            fits the memory limit.
     """
     if not isinstance(balance, str):
         cuts = _cuts_from_counts(gm, list(balance), num_stages)
@@ -317,9 +335,12 @@ def partition(
     if cuts is None:
         if len(groups) < num_stages:
             raise PartitionError(
-                f"cannot split {type(gm).__name__} into {num_stages} stages: more stages than "
-                f"atoms ({num_stages} > {len(groups)})",
-                hint=f"use at most {len(groups)} stages, or {_more_operations(gm)}")
+                f"cannot split {type(gm).__name__} into {num_stages} stages: it has "
+                f"{len(groups)} operations that can start a stage ({num_stages} > "
+                f"{len(groups)}); a stage needs at least one operation that computes a "
+                "floating-point value (a layer, an activation, an addition), and views, "
+                "indexing and integer bookkeeping such as BatchNorm's batch counter go with it",
+                hint=f"use at most {len(groups)} stages{_more_operations(gm)}")
         result = solve_partition(
             atoms.compute, num_stages, cut_comm=atoms.cut_comm, memory_limit=memory_limit,
             mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
@@ -421,9 +442,15 @@ def _in_module(path: str, point: str) -> bool:
 
 
 def _more_operations(gm: GraphModule) -> str:
-    """How to expose more operations, in options of the call that captured `gm`:
-    fxpipe.compile always inlines torch.nn modules; fxpipe.capture does on request."""
+    """How to expose more operations, in options the call that captured `gm` was given:
+    fxpipe.compile always inlines torch.nn modules; fxpipe.capture does on request; a module
+    kept whole (leaf_modules) is one operation."""
     info = gm.meta.get(ir.CAPTURE)
     if info is not None and not info.inline_modules:
-        return "capture with inline_modules=True (or fewer leaf_modules) to expose more operations"
-    return "pass fewer leaf_modules to expose more operations"
+        return ", or capture with inline_modules=True to split modules into their operations"
+    leaves = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_module"})
+    if leaves:
+        shown = ", ".join(leaves[:4]) + (", ..." if len(leaves) > 4 else "")
+        return (f", or pass fewer leaf_modules: {len(leaves)} modules are kept whole, each one "
+                f"operation ({shown})")
+    return ""
