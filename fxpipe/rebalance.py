@@ -3,9 +3,13 @@ again; and the parameters and optimizer state that then change hands.
 
 The loop: measure each stage's compute time on the current cut, correct every node's time by
 its stage's measured / predicted ratio (passes.partition.correct), solve the partition again,
-and repeat until the measured stages are within TOLERANCE of each other or the cut comes back to
-one already measured; the fastest cut measured is kept. Every rank of a torchrun job measures its
-own stage, all ranks share the numbers, and rank 0's partition is the one every rank builds.
+and repeat until the measured stages are within TOLERANCE of each other. When solving again comes
+back to a cut already measured, the next cut is tried (nodes moved from the slowest stage to its
+faster neighbour); the fastest cut measured is kept, and the last round says why balancing
+stopped, so a cut kept far from balanced comes with its reason. A first round whose stages
+measure far from the profile's prediction drops the cached profile (fxpipe.profile.cache).
+Every rank of a torchrun job measures its own stage, all ranks share the numbers, and rank 0's
+partition is the one every rank builds.
 
 A balanced cut is remembered in the user's cache folder (fxpipe.profile.cache_dir()/balance),
 keyed by the captured graph, the options, the device profile and the number of processes, so the
@@ -23,6 +27,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,9 +38,10 @@ from fxpipe.built import Built
 from fxpipe.errors import RuntimeInputError
 from fxpipe.files import atomic_write
 from fxpipe.losses import LossFn
-from fxpipe.passes.partition import TOLERANCE, BalanceRound, best_round, corrected
+from fxpipe.passes.partition import TOLERANCE, BalanceRound, best_round, corrected, next_cut
 from fxpipe.pipeline import PlanAgreement, rebuild
 from fxpipe.profile import cache_dir
+from fxpipe.profile.cache import check_against_run
 from fxpipe.runtime.local import LocalExecutor, remat_enabled
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.rank import RankStage
@@ -74,7 +80,9 @@ def balance_by_measurement(built: Built, *, measure: Measure, install: Callable[
     built on the fastest cut measured, installed, with its rounds recorded. move=False (a cut
     the user fixed) measures it once and keeps it."""
     if not move:
-        built.rounds = [_round(built, measure(built))]
+        built.rounds = [replace(_round(built, measure(built)),
+                                note="the cut was given (split_points or node counts): "
+                                     "measured, not moved")]
         return built
     history: list[BalanceRound] = []
     made_with: dict[tuple[str, ...], dict[str, float]] = {}
@@ -82,18 +90,36 @@ def balance_by_measurement(built: Built, *, measure: Measure, install: Callable[
     for index in range(rounds):
         made_with[cut_of(current)] = dict(current.corrections)
         this = _round(current, measure(current))
+        if index == 0 and not current.corrections:
+            check_against_run(current.profile, this.predicted, this.measured)
         history.append(this)
         if progress:
             progress(f"balance round {index + 1}: stages start at {', '.join(this.modules)}; "
                      f"measured {_ms(this.measured)} ms per micro-batch (predicted "
                      f"{_ms(this.predicted)}), {this.spread:.1%} apart")
-        if this.spread <= tolerance or index == rounds - 1:
+        if this.spread <= tolerance:
+            break
+        if index == rounds - 1:
+            history[-1] = replace(this, note=f"the {rounds} rounds allowed were all measured")
             break
         stages = [list(s.nodes) for s in current.plan.stages]
         fixes = corrected(current.corrections, stages, this.predicted, this.measured)
         following = rebuild(current, fixes, agree=agree)
-        if cut_of(following) in made_with:  # the cut stopped moving
-            break
+        if cut_of(following) in made_with:  # solving again returns a cut already measured
+            starts = next_cut(stages, this.measured)
+            if starts is not None:
+                following = rebuild(current, fixes, agree=agree, starts=starts)
+            if starts is None or cut_of(following) in made_with:
+                history[-1] = replace(this, note=(
+                    "solving again with the measured corrections returns a cut already "
+                    "measured, and so does moving nodes from the slowest stage to its "
+                    "faster neighbour" if starts is not None else
+                    "solving again returns a cut already measured, and the slowest stage "
+                    "is a single operation that cannot be split"))
+                break
+            history[-1] = replace(this, note="solving again returned a cut already measured: "
+                                             "moved nodes from the slowest stage to its "
+                                             "faster neighbour")
         install(following)
         current = following
     # The fastest cut measured, its nodes corrected by its own measurement: what it predicts
@@ -125,7 +151,7 @@ def _ms(times: Sequence[float]) -> str:
 
 # --- remembering balanced cuts -----------------------------------------------------------------
 
-_KEPT_BY = "busiest rank over the mean"
+_KEPT_BY = "busiest rank over the mean, the next cut tried"
 """How the kept cut is chosen among the rounds (passes.partition.best_round); part of the key,
 so cuts kept by an earlier rule are measured again."""
 
@@ -157,7 +183,7 @@ def load_balance(key: str
         data = json.loads(text)
         rounds = [BalanceRound(tuple(r["starts"]), tuple(r["modules"]),
                                tuple(r["predicted_s"]), tuple(r["measured_s"]),
-                               tuple(int(x) for x in r.get("ranks", ())))
+                               tuple(int(x) for x in r.get("ranks", ())), str(r.get("note", "")))
                   for r in data["rounds"]]
         corrections = {str(k): float(v) for k, v in data["corrections"].items()}
         if not all(math.isfinite(v) and v > 0 for v in corrections.values()):

@@ -15,7 +15,7 @@ from fxpipe.built import Built
 from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
-from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round
+from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, kept_reason
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
@@ -344,6 +344,7 @@ class Report:
                      if len(set(r.ranks)) < len(r.ranks) else "")
             lines.append(f"  round {i + 1}: {stages}; measured {r.spread:.1%} apart{ranks}"
                          f"{mark}")
+        lines.append(f"  kept {kept_reason(self.rounds)}")
         now = ", ".join(human_time(s.compute_time) for s in self.plan.stages)
         lines.append(f"  now predicted (corrected by what was measured): {now}")
         return lines

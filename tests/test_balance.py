@@ -9,6 +9,7 @@ measurement forces to move.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -24,11 +25,14 @@ from fxpipe.passes.partition import (
     BalanceRound,
     best_round,
     corrected,
+    kept_reason,
+    next_cut,
     partition,
     spread,
 )
-from fxpipe.profile import cache, get_profile
+from fxpipe.profile import Curve, cache, get_profile
 from fxpipe.rebalance import balance_by_measurement, cut_of, robust_time
+from fxpipe.report import build_report
 from fxpipe.runtime.schedule import default_stages_per_rank
 from tests.ranks import spawn
 
@@ -145,6 +149,33 @@ def test_the_loop_balances_stages_whose_true_times_differ_from_the_estimate():
     assert len(final.plan.stages[0].nodes) < len(built.plan.stages[0].nodes)
     # what the kept cut predicts is what it measured
     assert [s.compute_time for s in final.plan.stages] == pytest.approx(kept.measured, rel=1e-6)
+
+
+def test_a_cut_measured_far_apart_is_not_kept_without_trying_the_next_one_and_a_reason():
+    # A link so slow (as a profile measured under load says) that solving again always returns
+    # the cut at the narrow layer, while the stages measure 9x apart.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)],
+                                torch.nn.Linear(64, 2), torch.nn.Linear(2, 64),
+                                torch.nn.Linear(64, 64))
+    slow_link = dataclasses.replace(get_profile(PROFILE), link=Curve.flat(1e3))
+    program = fxpipe.compile(model, (torch.randn(8, 64),), stages=2, chunks=2,
+                             profile=slow_link)
+    final = balance_by_measurement(program.built, measure=lambda built: [9e-4, 1e-4],
+                                   install=lambda built: None, rounds=4)
+    assert len(final.rounds) >= 2  # the next cut was tried
+    assert final.rounds[1].starts != final.rounds[0].starts
+    assert final.rounds[0].note.startswith("solving again returned a cut already measured")
+    assert final.rounds[-1].note  # why balancing stopped
+    reason = kept_reason(final.rounds)
+    assert "still 800.0% apart" in reason and final.rounds[-1].note in reason
+    assert f"kept {reason}" in build_report(final, "Sequential").text()
+
+
+def test_the_next_cut_moves_nodes_from_the_slowest_stage_to_its_faster_neighbour():
+    assert next_cut([["a", "b", "c", "d"], ["e"]], [3.0, 1.0]) == ("a", "d")
+    assert next_cut([["a"], ["b", "c", "d", "e"]], [1.0, 9.0]) == ("a", "d")
+    assert next_cut([["a"], ["b"]], [9.0, 1.0]) is None  # one operation cannot be split
 
 
 @pytest.mark.slow

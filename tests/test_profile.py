@@ -2,6 +2,7 @@
 per machine, and the cost model timing each class of work at its own rate."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from fxpipe.profile import (
     preset,
     select_profile,
 )
+from fxpipe.profile.checks import disagreeing, implausible
 from fxpipe.profile.kernels import WorkCounter
 from fxpipe.tools.bench import BENCH_GPT
 
@@ -159,6 +161,57 @@ def test_a_measured_profile_is_cached_per_machine_and_read_back(cache_folder, co
     cache.cached_profile("cpu", torch.bfloat16)  # another dtype is another profile
     assert len(counted_measure) == 2
     assert cache.cached_profile("cpu", refresh=True) != first or len(counted_measure) == 3
+
+
+def measured_like(link: Curve) -> DeviceProfile:
+    """A profile as measured on a CPU (elementwise memory at 5-53 GB/s, 5.8 us per kernel) with
+    the given loopback link."""
+    memory = Curve(((12288.0, 5.3e9), (196608.0, 53e9), (50331648.0, 15.9e9)))
+    rates = tuple((c, ClassRate(memory, Curve.flat(50e9))) for c in OP_CLASSES)
+    return DeviceProfile("measured cpu", rates, 5.8e-6, link, 0.0,
+                         "measured on cpu: ...; link: gloo loopback ping-pong, 4 KiB .. 16 MiB",
+                         key="cpu-test")
+
+
+# a link measured while the machine was busy, and measured again on an idle one (GB/s)
+BUSY_LINK = Curve(((4096.0, 0.00158e9), (65536.0, 0.02e9), (16777216.0, 0.994e9)))
+FRESH_LINK = Curve(((4096.0, 0.0295e9), (65536.0, 0.4e9), (16777216.0, 4.3e9)))
+
+
+def test_a_profile_measured_under_load_contradicts_itself_and_says_with_which_values():
+    assert implausible(measured_like(FRESH_LINK)) == []
+    problems = implausible(measured_like(BUSY_LINK))
+    assert any("a 4 KiB loopback message takes 2592 us" in p and "5.80 us" in p
+               for p in problems), problems
+    dipped = Curve(((4096.0, 0.1e9), (65536.0, 1.3e9), (262144.0, 0.2e9), (16777216.0, 1.7e9)))
+    assert disagreeing(dipped.points) == [262144.0]
+    assert any("fewer bytes/s at 256 KiB" in p for p in implausible(measured_like(dipped)))
+    assert implausible(dataclasses.replace(measured_like(BUSY_LINK), source="datasheet")) == []
+
+
+def test_a_cached_profile_that_contradicts_itself_is_measured_again(cache_folder,
+                                                                   counted_measure):
+    key = cache.profile_key("cpu", torch.float32)
+    path = cache.profile_path(key)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(dataclasses.replace(measured_like(BUSY_LINK), key=key).to_json()))
+    with pytest.warns(UserWarning, match="contradicts itself: a 4 KiB loopback message"):
+        fresh = cache.cached_profile("cpu")
+    assert len(counted_measure) == 1 and fresh.link != BUSY_LINK
+    assert json.loads(path.read_text())["link"] != [list(p) for p in BUSY_LINK.points]
+
+
+def test_a_run_measuring_far_from_the_profile_drops_the_cached_one(cache_folder,
+                                                                  counted_measure):
+    profile = cache.cached_profile("cpu")
+    assert not cache.check_against_run(profile, [1e-3, 1e-3], [2e-3, 2.5e-3])  # within 3x
+    assert not cache.check_against_run(preset("a100"), [1e-3], [1.0])  # a preset stays
+    with pytest.warns(UserWarning, match=r"predicts 2 ms of stage compute where a run "
+                                         r"measured 20 ms \(10.00x\)"):
+        assert cache.check_against_run(profile, [1e-3, 1e-3], [9e-3, 11e-3])
+    assert not cache.profile_path(profile.key).exists()
+    cache.cached_profile("cpu")
+    assert len(counted_measure) == 2  # measured again by the next use
 
 
 def test_the_second_compile_uses_the_cached_profile_and_cuts_alike(cache_folder,

@@ -4,7 +4,9 @@ The folder is $FXPIPE_CACHE_DIR, else $XDG_CACHE_HOME/fxpipe, else ~/.cache/fxpi
 measured once and then read back, so every compile on one machine uses the same numbers and cuts
 a model the same way, however loaded the machine is at the time. Processes that start together
 (the ranks of one torchrun) take a file lock: one measures, the others wait and read its result.
-`fxpipe profile --refresh` measures again.
+`fxpipe profile --refresh` measures again; so does a read of a cached profile that contradicts
+itself (fxpipe.profile.checks), and a run whose stages measure far from what it predicted drops
+it (check_against_run), both with a warning.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import json
 import os
 import platform
 import re
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -22,12 +25,14 @@ from torch import nn
 
 from fxpipe.errors import ConfigError
 from fxpipe.files import atomic_write
+from fxpipe.profile.checks import implausible
 from fxpipe.profile.device import DeviceProfile
 from fxpipe.profile.measure import measure
 from fxpipe.profile.presets import PRECISIONS, compute_precision, preset
 
 __all__ = ["cache_dir", "profile_key", "profile_path", "cached_profile", "get_profile",
-           "select_profile", "model_dtype", "locked", "clear_memory", "clear_cache"]
+           "select_profile", "model_dtype", "locked", "clear_memory", "clear_cache",
+           "check_against_run", "RUN_FACTOR"]
 
 _MEMORY: dict[str, DeviceProfile] = {}
 
@@ -104,12 +109,44 @@ def cached_profile(device: str | torch.device = "cpu", dtype: torch.dtype = torc
     path = profile_path(key)
     with locked(key):
         profile = None if refresh else _read(path)
-        if profile is None:
+        problems = implausible(profile) if profile is not None else []
+        if problems:
+            warnings.warn(f"the cached device profile {path} contradicts itself: "
+                          f"{'; '.join(problems)}. It was measured while something else loaded "
+                          "the machine; measuring it again now", stacklevel=2)
+        if profile is None or problems:
             profile = measure(device, dtype=dtype, threads=threads, key=key)
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(str(path), json.dumps(profile.to_json(), indent=1) + "\n")
     _MEMORY[key] = profile
     return profile
+
+
+RUN_FACTOR = 3.0
+"""A run measuring stages this many times slower or faster than the profile predicts means the
+profile no longer describes the machine (measured under load, or another machine's)."""
+
+
+def check_against_run(profile: DeviceProfile, predicted: Sequence[float],
+                      measured: Sequence[float]) -> bool:
+    """Compares stage times a run measured with what `profile` predicted for them; when they
+    differ by RUN_FACTOR or more, warns and drops the cached profile, so the next compile
+    measures it again. Whether it was dropped (never a preset, which is not measured)."""
+    want, got = sum(predicted), sum(measured)
+    if want <= 0 or got <= 0 or 1 / RUN_FACTOR < got / want < RUN_FACTOR:
+        return False
+    if not profile.key or not profile.source.startswith("measured"):
+        return False
+    path = profile_path(profile.key)
+    warnings.warn(f"the device profile {profile.name} [{profile.key}] predicts "
+                  f"{want * 1e3:.3g} ms of stage compute where a run measured {got * 1e3:.3g} ms "
+                  f"({got / want:.2f}x): it no longer describes this machine (measured under "
+                  f"load?); removed {path}, so the next compile measures it again (as fxpipe "
+                  "profile --refresh does)", stacklevel=2)
+    with locked(profile.key):
+        path.unlink(missing_ok=True)
+    _MEMORY.pop(profile.key, None)
+    return True
 
 
 def clear_cache() -> int:

@@ -17,6 +17,7 @@ import datetime
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fxpipe.profile.checks import dips, disagreeing, implausible
 from fxpipe.profile.device import OP_CLASSES, ClassRate, Curve, DeviceProfile
 from fxpipe.profile.kernels import WorkCounter
 from fxpipe.profile.presets import SPECS, compute_precision, spec_of_device
@@ -111,13 +113,14 @@ class _Suite:
             work = (flops if axis == "flops" else nbytes) / kernels
             self.points.append(_Point(f"{op_class}.{axis}", fn, work, kernels))
 
-    def run(self, budget: float, rounds: int = 40, least: int = 6) -> None:
-        """Samples every point once per round, `least` to `rounds` rounds within `budget` s;
-        each sample follows an untimed call of the same point (caches warm, as in a model where
-        each kernel reads what the previous one wrote)."""
+    def run(self, budget: float, rounds: int = 40, least: int = 6,
+            points: Sequence[_Point] | None = None) -> None:
+        """Samples every point (or those given) once per round, `least` to `rounds` rounds within
+        `budget` s; each sample follows an untimed call of the same point (caches warm, as in a
+        model where each kernel reads what the previous one wrote)."""
         start = time.perf_counter()
         for i in range(rounds):
-            for point in self.points:
+            for point in self.points if points is None else points:
                 point.fn()
                 if self.sync:
                     self.sync()
@@ -129,6 +132,19 @@ class _Suite:
                 point.best = min(point.best, (time.perf_counter() - t0) / self.inner)
             if i + 1 >= least and time.perf_counter() - start > budget:
                 break
+
+    def again(self, budget: float, tries: int = 2) -> None:
+        """Samples again the points slower than both neighbours on their curve
+        (fxpipe.profile.checks.dips): load that hit one size more than the others."""
+        for _ in range(tries):
+            slow = []
+            for name in {p.curve for p in self.points}:
+                mine = [p for p in self.points if p.curve == name and p.work > 0]
+                low = set(dips([(p.work, p.work * p.kernels / p.best) for p in mine]))
+                slow += [p for p in mine if p.work in low]
+            if not slow:
+                return
+            self.run(budget / 2, points=slow)
 
     def curve(self, name: str) -> Curve:
         """(work per kernel, work per second) of the points of one curve."""
@@ -210,8 +226,11 @@ def _link_curve(points: Sequence[tuple[float, float]]) -> Curve:
     return Curve(tuple(sorted((float(size), rate) for size, rate in points if rate > 0)))
 
 
-def _gloo_link() -> Curve:
-    """Gloo send/recv over loopback between two process groups of this process, ping-pong."""
+def _gloo_link(passes: int = 3, again: int = 4) -> Curve:
+    """Gloo send/recv over loopback between two process groups of this process, ping-pong:
+    every size in each of `passes` passes spread over the measurement (a burst of load cannot
+    spoil all samples of one size), the fastest kept; sizes that disagree with a smaller one
+    (fxpipe.profile.checks.disagreeing) are measured up to `again` more times."""
     import torch.distributed as dist
 
     store = dist.HashStore()  # type: ignore[attr-defined]  # not re-exported in the stubs
@@ -223,15 +242,15 @@ def _gloo_link() -> Curve:
         groups[rank] = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
 
     _both(make)
-    best: dict[int, float] = {}
+    best = {size: float("inf") for size in MESSAGE_SIZES}
 
-    def ping(rank: int) -> None:
+    def ping(sizes: Sequence[int], rank: int) -> None:
         group = groups[rank]
         assert group is not None
-        for size in MESSAGE_SIZES:
+        for size in sizes:
             buffer = torch.ones(size // 4)
             fastest = float("inf")
-            for _ in range(8 if size <= 2**20 else 4):
+            for _ in range(4 if size <= 2**20 else 2):
                 start = time.perf_counter()
                 if rank == 0:
                     group.send([buffer], 1, 0).wait()
@@ -241,9 +260,15 @@ def _gloo_link() -> Curve:
                     group.send([buffer], 0, 1).wait()
                 fastest = min(fastest, (time.perf_counter() - start) / 2)
             if rank == 0:
-                best[size] = fastest
+                best[size] = min(best[size], fastest)
 
-    _both(ping)
+    for _ in range(passes):
+        _both(partial(ping, MESSAGE_SIZES))
+    for _ in range(again):
+        slow = [int(s) for s in disagreeing([(size, size / t) for size, t in best.items()])]
+        if not slow:
+            break
+        _both(partial(ping, slow))
     return _link_curve([(size, size / seconds) for size, seconds in best.items()])
 
 
@@ -299,12 +324,19 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
         suite = _Suite(device, dtype)
         _add_points(suite)
         suite.run(budget)
+        suite.again(budget)
         rates = _class_rates(suite)
         overhead = next(p.best / p.kernels for p in suite.points if p.curve == "overhead")
         if device.type == "cuda":
             curve, how = _cuda_link(device)
         elif link:
             curve, how = _gloo_link(), "gloo loopback ping-pong, 4 KiB .. 16 MiB"
+            for _ in range(2):  # the link contradicts the rates: measured under load, again
+                draft = DeviceProfile("", tuple(rates.items()), overhead, curve, 0.0,
+                                      f"measured: {how}")
+                if not implausible(draft):
+                    break
+                curve = _faster(curve, _gloo_link())
         else:
             curve, how = Curve.flat(0.8e9), "gloo loopback assumed at 0.8 GB/s"
     finally:
@@ -316,6 +348,21 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
     # the arithmetic by its name among the presets' (bf16, fp32, tf32 where a GPU uses it)
     arithmetic = compute_precision(dtype, allow_tf32=device.type == "cuda" and
                                    bool(torch.backends.cuda.matmul.allow_tf32))
-    return DeviceProfile(name or f"measured {where} ({precision})",
-                         tuple((c, rates[c]) for c in OP_CLASSES), overhead, curve,
-                         0.0, source, arithmetic, key)
+    profile = DeviceProfile(name or f"measured {where} ({precision})",
+                            tuple((c, rates[c]) for c in OP_CLASSES), overhead, curve,
+                            0.0, source, arithmetic, key)
+    problems = implausible(profile)
+    if problems:
+        warnings.warn(f"the device profile of {device} contradicts itself after measuring "
+                      f"again: {'; '.join(problems)}. Something else was loading the machine; "
+                      "measure it again when it is idle: fxpipe profile --refresh",
+                      stacklevel=2)
+    return profile
+
+
+def _faster(a: Curve, b: Curve) -> Curve:
+    """The faster rate of two measurements of one curve at each size."""
+    rates = dict(a.points)
+    for size, rate in b.points:
+        rates[size] = max(rate, rates.get(size, 0.0))
+    return Curve(tuple(sorted(rates.items())))

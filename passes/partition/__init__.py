@@ -13,6 +13,8 @@ from fxpipe.passes.partition.correct import (
     BalanceRound,
     best_round,
     corrected,
+    kept_reason,
+    next_cut,
     spread,
 )
 from fxpipe.passes.partition.graph import (
@@ -25,4 +27,4 @@ from fxpipe.passes.partition.graph import (
 
 __all__ = ["partition", "choose_chunks", "PartitionPlan", "StagePlan", "atoms_of",
            "BALANCE_MODES", "BalanceRound", "LOSS", "TOLERANCE", "best_round", "corrected",
-           "spread"]
+           "spread", "next_cut", "kept_reason"]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["BalanceRound", "LOSS", "TOLERANCE", "corrected", "spread", "best_round"]
+__all__ = ["BalanceRound", "LOSS", "TOLERANCE", "corrected", "spread", "best_round", "next_cut",
+           "kept_reason"]
 
 LOSS = "(loss)"
 """The key of the loss's correction (the last stage computes it after the model's outputs)."""
@@ -37,6 +38,7 @@ class BalanceRound:
     predicted: tuple[float, ...]  # compute time predicted before this round's measurement
     measured: tuple[float, ...]  # compute time measured (forward, backward, recompute)
     ranks: tuple[int, ...] = ()  # the pipeline rank of each stage; () is one stage per rank
+    note: str = ""  # why balancing went on from this round, or why it stopped
 
     @property
     def spread(self) -> float:
@@ -72,7 +74,7 @@ class BalanceRound:
         return {"starts": list(self.starts), "modules": list(self.modules),
                 "predicted_s": list(self.predicted), "measured_s": list(self.measured),
                 "ranks": list(self.ranks), "spread": self.spread,
-                "rank_spread": self.rank_spread}
+                "rank_spread": self.rank_spread, "note": self.note}
 
 
 def spread(times: Sequence[float]) -> float:
@@ -116,3 +118,40 @@ def _over_mean(times: Sequence[float]) -> float:
     """The largest time over the mean (1 when all are equal)."""
     mean = sum(times) / len(times)
     return max(times) / mean if mean > 0 else float("inf")
+
+
+def next_cut(stages: Sequence[Sequence[str]], measured: Sequence[float]) -> tuple[str, ...] | None:
+    """The cut that moves nodes from the slowest stage to its faster neighbour, in proportion to
+    the measured difference (the first node of each stage), for when solving again returns a
+    cut already measured; None when the slowest stage has a single node.
+
+    >>> next_cut([["a", "b", "c", "d"], ["e"]], [3.0, 1.0])
+    ('a', 'd')
+    """
+    slow = max(range(len(measured)), key=measured.__getitem__)
+    nodes = stages[slow]
+    near = [j for j in (slow - 1, slow + 1) if 0 <= j < len(stages)]
+    if len(nodes) < 2 or not near:
+        return None
+    fast = min(near, key=measured.__getitem__)
+    share = (measured[slow] - measured[fast]) / (2 * measured[slow])
+    count = min(max(1, round(len(nodes) * share)), len(nodes) - 1)
+    starts = [s[0] for s in stages]
+    if fast > slow:
+        starts[fast] = nodes[len(nodes) - count]
+    else:
+        starts[slow] = nodes[count]
+    return tuple(starts)
+
+
+def kept_reason(rounds: Sequence[BalanceRound], tolerance: float = TOLERANCE) -> str:
+    """Why the cut best_round keeps was kept, in words: balanced, or the least imbalanced of the
+    cuts measured and why no further cut was tried (the last round's note)."""
+    kept = best_round(rounds)
+    which = f"round {list(rounds).index(kept) + 1}"
+    if kept.spread <= tolerance:
+        return f"{which}: its stages measured within {tolerance:.0%} of each other"
+    why = rounds[-1].note or "no further cut was tried"
+    return (f"{which}: the least imbalanced of {len(rounds)} cut(s) measured (busiest rank "
+            f"{kept.relative_bottleneck - 1:.1%} over the mean), still {kept.spread:.1%} apart: "
+            f"{why}")
