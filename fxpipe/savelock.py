@@ -11,12 +11,14 @@ import fcntl
 import json
 import os
 import socket
+import time
 
 from fxpipe.errors import CheckpointError
 
 __all__ = ["LOCK", "hold_save_lock"]
 
 LOCK = "checkpoint.lock"
+_RECORD = 512  # bytes: the holder's record, padded
 
 
 def hold_save_lock(directory: str) -> int:
@@ -36,16 +38,23 @@ def hold_save_lock(directory: str) -> int:
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
-              .encode(), 0)
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+    try:  # who holds it, for the error of the next saver (best effort: a full disk is no reason
+        # not to save, and the save itself then says the disk is full). One write of a fixed
+        # size, so a reader sees the previous record or this one, never a mix or nothing.
+        os.pwrite(fd, record.ljust(_RECORD - 1).encode()[:_RECORD - 1] + b"\n", 0)
+    except OSError:
+        pass
     return fd
 
 
 def _holder(fd: int) -> str:
-    """Who holds the lock, as its file records (written just after it was taken)."""
-    try:
-        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"process {int(data['pid'])} on {data['host']}"
-    except (OSError, ValueError, TypeError, KeyError):
-        return "another process (it has not recorded its pid yet)"
+    """Who holds the lock, as its file records (written just after it was taken: a holder
+    that has not written it yet is waited for, briefly)."""
+    for _ in range(20):
+        try:
+            data = json.loads(os.pread(fd, _RECORD, 0))
+            return f"process {int(data['pid'])} on {data['host']}"
+        except (OSError, ValueError, TypeError, KeyError):
+            time.sleep(0.01)
+    return "another process (it has not recorded its pid)"

@@ -107,7 +107,11 @@ def write_program(built: Built, directory: str, files: ProgramFiles) -> list[str
         names.extend(_write_files(built, folder, files, directory))
         _check_no_clash(directory, names)
 
-    replace_folder(directory, fill, _check_replaceable, carry_user_files)
+    try:
+        replace_folder(directory, fill, _check_replaceable, carry_user_files)
+    except StorageError as e:  # it names the file in the folder being built beside `directory`
+        raise StorageError(f"writing the program to {directory} failed, {directory} is "
+                           f"unchanged: {e.message}", hint=e.hint) from e
     return [os.path.join(directory, name) for name in names]
 
 

@@ -111,3 +111,69 @@ def test_nan_check_names_the_stage_and_the_node_in_process():
     assert f"first appear in stage {stage}, micro-batch 0 at node blocks_4_fc1" in text
     assert "fxpipe/models/mlp.py" in text  # the user's source line
     assert "hint:" in text
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    """The pid of `rank` among the processes below `root` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    todo = [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ and b"program.py" in command \
+                    and b"torch.distributed.run" not in command:
+                return pid
+    return None
+
+
+def _signal_rank_of_fxpipe_run(folder: Path, tmp_path: Path, sig: signal.Signals,
+                               timeout: int) -> tuple[int, str, float]:
+    """Starts `fxpipe run`, sends `sig` to rank 1 once training runs; returns the exit status,
+    stderr and the seconds from the signal to the exit."""
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "fxpipe", "run", str(folder), "--nproc",
+                                 "2", "--steps", "100000", "--timeout", str(timeout)],
+                                stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 180
+        while "step 1 loss" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = _rank_pid(proc.pid, 1)
+        assert pid is not None, "training did not start"
+        sent = time.monotonic()
+        os.kill(pid, sig)
+        _, err = proc.communicate(timeout=timeout + 60)
+        return proc.returncode, err, time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            for pid in [p for p in (_rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)) if p]:
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_fxpipe_run_names_a_rank_killed_by_a_signal(written, tmp_path):
+    code, err, _ = _signal_rank_of_fxpipe_run(written, tmp_path, signal.SIGKILL, BOUND_S)
+    assert code == 1
+    assert err.startswith("fxpipe: error: rank 1 (stage 1) was killed by SIGKILL (full log: "), err
+
+
+@pytest.mark.slow
+def test_fxpipe_run_ends_within_the_timeout_when_a_rank_is_stopped(written, tmp_path):
+    code, err, elapsed = _signal_rank_of_fxpipe_run(written, tmp_path, signal.SIGSTOP, 10)
+    assert code == 1
+    assert "rank 1 (stage 1)" in err and ("stopped" in err or "hung" in err), err
+    assert elapsed < 10 + 6, f"{elapsed:.1f} s after rank 1 was stopped, at --timeout 10"

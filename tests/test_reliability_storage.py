@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
 import struct
+import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,15 @@ from fxpipe.weights import open_weights
 # -- helpers -----------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Forked children compute too: one thread, so no thread pool is forked mid-use."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _program(stages: int = 2, depth: int = 2):
     model, inputs = mlp.build(depth=depth)
     return fxpipe.compile(model, inputs, stages=stages, chunks=2, profile="a100"), inputs
@@ -37,10 +49,11 @@ def _program(stages: int = 2, depth: int = 2):
 
 def _killed_at(step: int, action: Callable[[], None], *, removals: bool = False) -> bool:
     """Runs `action` in a forked child that SIGKILLs itself just before its step-th call of
-    os.rename (and of shutil.rmtree, with `removals`): the steps of a swap or a save; True when
-    it was killed, False when it finished first."""
+    os.rename (and of os.replace and shutil.rmtree, with `removals`): the steps of a swap or a
+    save; True when it was killed, False when it finished first."""
     pid = os.fork()
     if pid == 0:  # the child: never returns to pytest
+        torch.set_num_threads(1)  # no thread pool survives a fork
         calls = [0]
 
         def hooked(real: Callable[..., object]) -> Callable[..., object]:
@@ -53,6 +66,7 @@ def _killed_at(step: int, action: Callable[[], None], *, removals: bool = False)
 
         os.rename = hooked(os.rename)  # type: ignore[assignment]
         if removals:
+            os.replace = hooked(os.replace)  # type: ignore[assignment]
             shutil.rmtree = hooked(shutil.rmtree)  # type: ignore[assignment]
         code = 0
         try:
@@ -356,3 +370,239 @@ def test_a_malformed_or_escaping_index_is_a_checkpoint_error_naming_it(tmp_path,
     (tmp_path / "ckpt" / _INDEX).write_text(text.replace("OUTSIDE", str(outside)))
     with pytest.raises(CheckpointError, match=says):
         _read_all(tmp_path / "ckpt")
+
+
+# -- the trials, replayed (slow tier) ----------------------------------------------------------
+
+
+def _outcome(action: Callable[[], object], path: str) -> str:
+    """"ok", "named" (an FxPipeError naming `path`), or what else happened."""
+    try:
+        action()
+    except FxPipeError as e:
+        return "named" if path in str(e) else f"unnamed {type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - counted, and the test fails on it
+        return f"raw {type(e).__name__}: {e}"
+    return "ok"
+
+
+def _in_child(action: Callable[[], str]) -> str:
+    """`action()`'s string, computed in a forked child (for limits and races of its own)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)  # no thread pool survives a fork
+        os.close(read)
+        text = "child died"
+        try:
+            text = action()
+        finally:
+            os.write(write, text.encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    return text
+
+
+@pytest.mark.slow
+def test_writes_killed_at_every_step_lose_nothing_and_leave_nothing(tmp_path):
+    folder = tmp_path / "prog"
+    three, _ = _program(3, depth=3)
+    two, _ = _program(2, depth=3)
+    three.write(str(folder), reference_steps=0)
+    _user_files(folder)
+    figures = {"kills": 0, "lost": 0, "no_program": 0, "leftovers": 0}
+    step = 0
+    while True:
+        writer = [two, three][step % 2]
+        if not _killed_at(step, partial(writer.write, str(folder), reference_steps=0),
+                          removals=True):
+            break  # the write finished before its step-th step: every step was hit
+        figures["kills"] += 1
+        try:
+            check_program(folder)  # a load: rolls back or finishes the killed swap
+        except ProgramFolderError:
+            figures["no_program"] += 1
+        figures["lost"] += not _has_user_files(folder)
+        [three, two][step % 2].write(str(folder), reference_steps=0)
+        figures["leftovers"] += bool(_hidden(tmp_path))
+        figures["lost"] += not _has_user_files(folder)
+        step += 1
+    print("write kill trials:", figures)
+    assert figures["kills"] > 20, figures
+    assert figures["lost"] == figures["no_program"] == figures["leftovers"] == 0, figures
+
+
+@pytest.mark.slow
+def test_saves_killed_at_every_step_leave_the_previous_or_the_new_checkpoint(tmp_path):
+    program, optimizer = _tiny_program()
+    target = str(tmp_path / "ckpt")
+    program.save(target, optimizer=optimizer, step=0)
+    figures = {"kills": 0, "torn": 0, "refused": 0, "leftovers": 0}
+    last, step = 0, 0
+    while _killed_at(step, partial(program.save, target, optimizer=optimizer, step=last + 1),
+                     removals=True):
+        figures["kills"] += 1
+        try:
+            loaded = fxpipe.load_checkpoint(target)["step"]
+            figures["torn"] += loaded not in (last, last + 1)
+        except FxPipeError:
+            figures["refused"] += 1
+        last += 1
+        program.save(target, optimizer=optimizer, step=last)
+        meta = json.loads((tmp_path / "ckpt" / "checkpoint.json").read_text())
+        figures["leftovers"] += sorted(os.listdir(target)) != sorted(
+            ["checkpoint.json", "checkpoint.lock", meta["folder"]])
+        step += 1
+    print("save kill trials:", figures)
+    assert figures["kills"] >= 4, figures  # the steps after its shards are written
+    assert figures["torn"] == figures["refused"] == figures["leftovers"] == 0, figures
+
+
+def _save_rounds(program, optimizer, target: str, first_step: int, rounds: int) -> str:
+    outcomes = []
+    for i in range(rounds):
+        step = first_step + 2 * i
+        try:
+            program.save(target, optimizer=optimizer, step=step)
+            outcome = "ok"
+        except CheckpointError as e:
+            told = "is being saved into by " in str(e) and target in str(e)
+            outcome = "refused" if told else f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - counted, and the test fails on it
+            outcome = f"raw {type(e).__name__}: {e}"
+        outcomes.append([step, outcome, time.monotonic()])
+    return json.dumps(outcomes)
+
+
+@pytest.mark.slow
+def test_concurrent_savers_lose_no_save_and_the_loser_is_told_who_holds_the_folder(tmp_path):
+    target = str(tmp_path / "ckpt")
+    program, optimizer = _tiny_program()
+    figures = {"saves": 0, "refused": 0, "raw": 0, "lost": 0}
+    examples: list[str] = []
+    for round_ in range(6):
+        start = time.time() + 3
+        results: list[list[list]] = []
+        pids = []
+        for first in (1, 2):  # one saver saves odd steps, the other even ones
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                torch.set_num_threads(1)  # no thread pool survives a fork
+                os.close(read)
+                text = "[]"
+                try:
+                    while time.time() < start:
+                        time.sleep(0.005)
+                    text = _save_rounds(program, optimizer, target, 100 * round_ + first, 10)
+                finally:
+                    os.write(write, text.encode())
+                    os._exit(0)
+            os.close(write)
+            pids.append((pid, read))
+        for pid, read in pids:
+            with os.fdopen(read) as f:
+                results.append(json.loads(f.read()))
+            os.waitpid(pid, 0)
+        done = sorted((t, step) for saver in results for step, outcome, t in saver
+                      if outcome == "ok")
+        others = [o for saver in results for _, o, _ in saver if o != "ok"]
+        figures["saves"] += len(done)
+        figures["refused"] += others.count("refused")
+        raw = [o for o in others if o != "refused"]
+        figures["raw"] += len(raw)
+        examples.extend(raw[:1])
+        figures["lost"] += fxpipe.load_checkpoint(target)["step"] != done[-1][1]
+    print("concurrent saver trials:", figures)
+    assert figures["raw"] == figures["lost"] == 0, (figures, "\n".join(examples))
+    assert figures["saves"] > 0 and figures["refused"] > 0, figures
+
+
+@pytest.mark.slow
+def test_loads_during_saves_never_report_damage(tmp_path):
+    program, optimizer = _tiny_program()
+    target = str(tmp_path / "ckpt")
+    program.save(target, optimizer=optimizer, step=0)
+    pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)  # no thread pool survives a fork
+        try:
+            for step in range(1, 10**6):
+                program.save(target, optimizer=optimizer, step=step)
+        finally:
+            os._exit(0)
+    figures = {"loads": 0, "errors": 0, "steps": set()}
+    try:
+        for _ in range(150):
+            try:
+                figures["steps"].add(fxpipe.load_checkpoint(target)["step"])
+            except FxPipeError as e:
+                figures["errors"] += 1
+                print(e)
+            figures["loads"] += 1
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    print("loads during saves:", figures["loads"], "errors:", figures["errors"],
+          "steps seen:", len(figures["steps"]))
+    assert figures["errors"] == 0 and len(figures["steps"]) > 1, figures
+
+
+def _limited(limit: int, action: Callable[[], object], path: str) -> str:
+    """`action`'s outcome with files limited to `limit` bytes (RLIMIT_FSIZE), as on a full disk."""
+    def run() -> str:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        return _outcome(action, path)
+    return _in_child(run)
+
+
+@pytest.mark.slow
+def test_a_full_disk_in_save_and_write_is_named_and_keeps_what_was_there(tmp_path):
+    program, optimizer = _tiny_program()
+    target, folder = tmp_path / "ckpt", tmp_path / "prog"
+    program.save(str(target), optimizer=optimizer, step=1)
+    program.write(str(folder), reference_steps=0)
+    ckpt_before = sorted(os.listdir(target))
+    prog_before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    outcomes = []
+    for limit in (0, 64, 600, 4000):
+        outcomes.append(_limited(limit, lambda: program.save(str(target), optimizer=optimizer,
+                                                             step=2), str(target)))
+        outcomes.append(_limited(limit, lambda: program.write(str(folder), reference_steps=0),
+                                 str(folder)))
+    print("full disk outcomes:", outcomes)
+    assert outcomes == ["named"] * len(outcomes)
+    assert sorted(os.listdir(target)) == ckpt_before
+    assert fxpipe.load_checkpoint(str(target))["step"] == 1
+    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == prog_before
+    assert _hidden(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_every_damaged_weights_file_and_index_is_an_error_naming_it(tmp_path):
+    figures: dict[str, int] = {}
+    good = _safetensors_bytes({"w": {**_F32, "data_offsets": [0, 8]}}, bytes(8))
+    cases = {f"safetensors, {k}": (v, None) for k, v in _DAMAGED.items()}
+    cases.update({f"safetensors, cut at {n}": (good[:n], None) for n in range(0, len(good), 7)})
+    cases.update({f"index {t!r}": (good, t) for t in [
+        "{", "[]", "null", '"x"', '{"weight_map": 5}', '{"weight_map": {"w": 5}}',
+        '{"weight_map": {"w": null}}', '{"weight_map": {"w": "../x.safetensors"}}',
+        '{"weight_map": {"w": "/etc/passwd"}}', '{"weight_map": {"w": ""}}',
+        '{"weight_map": {"w": "sub/../../x.safetensors"}}', '{"weight_map": {"w": "absent"}}']})
+    for i, (name, (data, index)) in enumerate(sorted(cases.items())):
+        root = tmp_path / str(i)
+        root.mkdir()
+        (root / "model.safetensors").write_bytes(data)
+        path = root / "model.safetensors"
+        if index is not None:
+            (root / _INDEX).write_text(index)
+            path = root / _INDEX
+        outcome = _outcome(partial(_read_all, root if index is not None else path), str(path))
+        key = outcome if outcome in ("ok", "named") else f"{name}: {outcome}"
+        figures[key] = figures.get(key, 0) + 1
+    print("damaged weights trials:", figures)
+    assert set(figures) == {"named"}, figures
