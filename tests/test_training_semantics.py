@@ -345,3 +345,30 @@ def test_a_sum_loss_under_data_parallelism_sums_over_the_replicas():
     outcomes = _loss_outcomes(ranks)
     assert outcomes == {(name, False, schedule): "refused" if name == "std" else "same"
                         for name, _ in cases for schedule in ("gpipe", "1f1b")}
+
+
+def _kind_changes(rank: int, world: int) -> dict[str, str]:
+    """A per-token mean whose first batch has equal counts (a mean), whose second has not."""
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        model, x, y, _ = _loss_case("mean", False)
+        _, _, padded, _ = _loss_case("mean", True)
+        program = fxpipe.compile(model, (x,), stages=world, chunks=2, profile="a100",
+                                 split_points=["head"], schedule=schedule)
+        program.step(x, target=y, loss_fn=_token_mean)
+        try:
+            program.step(x, target=padded, loss_fn=_token_mean)
+            out[schedule] = "no error"
+        except fxpipe.FxPipeError as e:
+            out[schedule] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_loss_that_stops_being_a_mean_is_refused_on_the_step_it_does():
+    for said in spawn(2, __name__, "_kind_changes", timeout=120, bound=400):
+        assert said["gpipe"].startswith("LossError") and "added nothing" in said["gpipe"]
+        assert said["1f1b"].startswith("LossError")
+        assert "Earlier steps found it a mean" in said["1f1b"]
+        assert "optimizer.zero_grad()" in said["1f1b"] and "schedule='gpipe'" in said["1f1b"]
