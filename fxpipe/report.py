@@ -352,7 +352,13 @@ class Report:
     def markdown(self) -> str:
         return self.text(fmt="github")
 
-    def json(self) -> str:
+    def json(self) -> dict[str, Any]:
+        """The report as data: what report.json holds, parsed (json_text() is the text)."""
+        data: dict[str, Any] = json.loads(self.json_text())
+        return data
+
+    def json_text(self) -> str:
+        """report.json's text: the report as JSON, keys sorted, values JSON lacks as strings."""
         return json.dumps({"model": self.model, "summary": self.summary(), "stages": self.stages,
                            "profile": self.profile, "measured": self.measured,
                            "balance_rounds": [r.to_json() for r in self.rounds],

@@ -185,7 +185,7 @@ def test_balance_dynamic_measures_once_and_remembers_the_cut(monkeypatch):
                              balance="dynamic")
     assert program.built.rounds and program.measured["balance"].endswith("compiling")
     assert "balance by measurement" in program.report().text()
-    assert program.report().json().count("measured_s") == len(program.built.rounds)
+    assert program.report().json_text().count("measured_s") == len(program.built.rounds)
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured although the cut was remembered")
