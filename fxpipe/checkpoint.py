@@ -178,10 +178,15 @@ def _begin(directory: str, lock: list[int]) -> str:
     except OSError as e:
         raise CheckpointError(f"cannot make the checkpoint folder {directory} ({e})",
                               hint="save into a folder this process can create") from None
-    lock.append(hold_save_lock(directory))
-    _remove_leftovers(directory, keep=_current_folder(directory))
     name = f"{TEMP_PREFIX}save-{secrets.token_hex(6)}.tmp"
-    os.mkdir(os.path.join(directory, name))  # not mkdtemp: the umask, not 0700, sets who reads it
+    try:  # a full disk refuses even a new file or folder
+        lock.append(hold_save_lock(directory))
+        _remove_leftovers(directory, keep=_current_folder(directory))
+        os.mkdir(os.path.join(directory, name))  # not mkdtemp: the umask sets who reads it
+    except OSError as e:
+        if isinstance(e, FxPipeError):
+            raise
+        raise write_failed(e.filename or directory, e) from e
     return name
 
 

@@ -12,6 +12,9 @@ pickle's metadata); a tensor's bytes are read when a process asks for it, so a p
 holds one stage reads only that stage's tensors. A safetensors read copies chunks of at most
 CHUNK_BYTES, reopening the file for each, so the pages it mapped are released after the copy and
 the process's peak memory grows with what it keeps, not with the file or its largest tensor.
+
+Whatever is wrong with a file (a damaged or lying safetensors header, a malformed index, an
+index naming a file outside its folder, a link to a device) is a CheckpointError naming it.
 """
 from __future__ import annotations
 

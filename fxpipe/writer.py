@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from fxpipe.built import Built
-from fxpipe.errors import CodegenError, ProgramFolderError, StorageError
-from fxpipe.files import atomic_save, atomic_write, replace_folder
+from fxpipe.errors import CodegenError, FxPipeError, ProgramFolderError, StorageError
+from fxpipe.files import atomic_save, atomic_write, replace_folder, write_failed
 from fxpipe.report import Report
 from fxpipe.runtime.folder import file_digest, is_program
 from fxpipe.runtime.imports import ProgramCode, source_folders
@@ -109,9 +109,12 @@ def write_program(built: Built, directory: str, files: ProgramFiles) -> list[str
 
     try:
         replace_folder(directory, fill, _check_replaceable, carry_user_files)
-    except StorageError as e:  # it names the file in the folder being built beside `directory`
-        raise StorageError(f"writing the program to {directory} failed, {directory} is "
-                           f"unchanged: {e.message}", hint=e.hint) from e
+    except OSError as e:  # a full disk refuses a new file, and a new folder too
+        if isinstance(e, FxPipeError) and not isinstance(e, StorageError):
+            raise
+        failed = e if isinstance(e, StorageError) else write_failed(e.filename or directory, e)
+        raise StorageError(f"writing the program to {directory} failed: {failed.message}",
+                           hint=failed.hint) from e  # it named the folder built beside it
     return [os.path.join(directory, name) for name in names]
 
 
@@ -150,7 +153,7 @@ def _write_files(built: Built, folder: str, files: ProgramFiles, target: str) ->
         "program.py": LAUNCHER.format(version=__version__, model=safe_docstring(files.model_name),
                                       stages=len(built.stages), code=code.literal()),
         "report.txt": files.report.text() + "\n",
-        "report.json": files.report.json_text() + "\n",
+        "report.json": files.report.json() + "\n",
     }
     for name, text in texts.items():
         atomic_write(os.path.join(folder, name), text)

@@ -5,6 +5,7 @@ Every failure must be an FxPipeError naming the file; every kill must leave a wh
 and a whole program, with every file the user kept in them."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -606,3 +607,22 @@ def test_every_damaged_weights_file_and_index_is_an_error_naming_it(tmp_path):
         figures[key] = figures.get(key, 0) + 1
     print("damaged weights trials:", figures)
     assert set(figures) == {"named"}, figures
+
+
+def test_a_disk_too_full_for_a_new_folder_is_a_storage_error(tmp_path, monkeypatch):
+    program, _ = _tiny_program()
+    program.save(str(tmp_path / "ckpt"), step=1)
+    program.write(str(tmp_path / "prog"), reference_steps=0)
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(os, "mkdir", full)
+    with pytest.raises(StorageError, match=rf"writing {tmp_path / 'ckpt'}/.*No space left"):
+        program.save(str(tmp_path / "ckpt"), step=2)
+    with pytest.raises(StorageError, match=rf"writing the program to {tmp_path / 'prog'} "
+                                           "failed: .*No space left"):
+        program.write(str(tmp_path / "prog"), reference_steps=0)
+    monkeypatch.undo()
+    assert fxpipe.load_checkpoint(str(tmp_path / "ckpt"))["step"] == 1
+    assert check_program(tmp_path / "prog").stages == 2
