@@ -153,7 +153,7 @@ def _write_files(built: Built, folder: str, files: ProgramFiles, target: str) ->
         "program.py": LAUNCHER.format(version=__version__, model=safe_docstring(files.model_name),
                                       stages=len(built.stages), code=code.literal()),
         "report.txt": files.report.text() + "\n",
-        "report.json": files.report.json() + "\n",
+        "report.json": files.report.json_text() + "\n",
     }
     for name, text in texts.items():
         atomic_write(os.path.join(folder, name), text)
