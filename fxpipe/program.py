@@ -154,7 +154,9 @@ class Program(nn.Module):
                 return
         self._run_balance(self._example, None, default_loss, steps=2, rounds=4, verbose=False,
                           caller="balance='dynamic'")
-        self.measured["balance"] = "dynamic, measured while compiling"
+        fixed = fixed_cut(self.config)
+        self.measured["balance"] = "dynamic, measured while compiling" + \
+            (f"; the cut {fixed} fixes kept" if fixed else "")
 
     def rebalance(self, *args: Any, target: torch.Tensor | None = None,
                   loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,

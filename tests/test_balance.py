@@ -196,6 +196,17 @@ def test_balance_dynamic_measures_once_and_remembers_the_cut(monkeypatch):
     assert "cache" in again.measured["balance"]
 
 
+def test_balance_dynamic_with_split_points_measures_and_keeps_them_and_says_so():
+    # It failed blaming a balance=[...] the user never passed.
+    model, (x,) = mlp.build()
+    with pytest.warns(UserWarning, match=r"balance='dynamic' measured the stages at .* kept the "
+                                         r"cut: split_points=\['blocks'\] fixes it"):
+        program = fxpipe.compile(model, (x,), stages=2, chunks=2, profile=PROFILE,
+                                 balance="dynamic", split_points=["blocks"])
+    assert program.plan.stages[1].first_module.startswith("blocks")
+    assert program.measured["balance"].endswith("fixes kept")
+
+
 @pytest.mark.parametrize("damage", ['{"starts": ["nope", "x"], "corrections": {}, "rounds": []}',
                                     '{"starts": "ab", "corrections": [], "rounds": []}',
                                     '{"starts": ['])
