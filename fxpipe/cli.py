@@ -80,6 +80,20 @@ def _balance(value: str) -> list[int] | str:
             f"{value!r}") from None
 
 
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9,
+               "gib": 2**30, "tb": 10**12, "tib": 2**40}
+
+
+def _byte_size(value: str) -> float:
+    """Bytes, as a plain number or with a unit: 8GiB, 1.5GB, 512MiB (KB = 1000, KiB = 1024)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+    if match is None or match.group(2) not in ("", *_BYTE_UNITS):
+        raise argparse.ArgumentTypeError(
+            f"expected a size like 8GiB, 1.5GB or 500000000 (plain numbers are bytes; units B, "
+            f"KB, KiB, MB, MiB, GB, GiB, TB, TiB), got {value!r}")
+    return float(match.group(1)) * _BYTE_UNITS.get(match.group(2), 1)
+
+
 def _add_factory(p: argparse.ArgumentParser) -> None:
     p.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs), e.g. "
                                    "fxpipe.models.gpt:build (forms: see below)")
@@ -98,8 +112,10 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="what to recompute in backward")
     p.add_argument("--balance", type=_balance, default="cost",
                    help=f"{'|'.join(BALANCE_MODES)}, or node counts per stage like 20,21")
-    p.add_argument("--memory-limit", type=float, default=None,
-                   help="bytes per stage (default: no limit)")
+    p.add_argument("--memory-limit", type=_byte_size, default=None, metavar="SIZE",
+                   help="memory per rank the partition and --remat auto fit, like 8GiB or 1.5GB "
+                        "(plain numbers are bytes); a rank holding several stages gives each an "
+                        "equal share (default: no limit)")
     p.add_argument("--schedule", default="gpipe", choices=(*SCHEDULES, "auto"),
                    help="pipeline schedule; interleaved-1f1b and zb-v place several stages "
                         "on each rank; auto: the fastest predicted one that fits, on the same "

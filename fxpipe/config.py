@@ -106,7 +106,7 @@ def check_config(config: CompileConfig) -> None:
     if config.remat == "auto" and config.memory_limit is None:
         raise ConfigError("remat='auto' chooses what to recompute to fit memory_limit, "
                           "but no memory_limit was given",
-                          hint="pass memory_limit (bytes per stage), or remat='always'")
+                          hint="pass memory_limit (bytes per rank), or remat='always'")
     if not isinstance(config.dp_bucket_mb, (int, float)) or isinstance(config.dp_bucket_mb, bool) \
             or not config.dp_bucket_mb >= 0:
         raise ConfigError(f"dp_bucket_mb must be a number >= 0 (got {config.dp_bucket_mb!r})",

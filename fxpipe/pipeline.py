@@ -144,11 +144,13 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
             ir.verify(g.graph_module, after="split")
         shared = shared_parameters(graphs)
     stages = []
+    # memory_limit is per rank: each of a rank's stages fits an equal share, as partitioned
+    share = config.memory_limit / config.per_rank if config.memory_limit else None
     for g in graphs:
         with _timed(timings, "mark_remat"):
             regions = mark_remat(g.graph_module, config.remat,
                                  microbatch_size=plan.microbatch_size, inflight=plan.chunks,
-                                 memory_limit=config.memory_limit, fixed_bytes=_fixed_bytes(g))
+                                 memory_limit=share, fixed_bytes=_fixed_bytes(g))
             ir.verify(g.graph_module, after="remat")
         _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module)
         ran = (*(name for name in timings if name != "codegen"), "codegen")

@@ -16,7 +16,7 @@ import pytest
 
 from fxpipe import cli
 from fxpipe.cli import main
-from fxpipe.errors import PipelineRuntimeError, ProgramFolderError
+from fxpipe.errors import ConfigError, PipelineRuntimeError, ProgramFolderError
 from fxpipe.runtime import launch
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.timeline import Event, chrome_trace
@@ -320,13 +320,33 @@ def test_a_misspelt_option_gets_a_suggestion_and_exit_status_2(capsys):
 
 
 @pytest.mark.parametrize("option", [["--remat", "sometimes"], ["--schedule", "zb"],
-                                    ["--balance", "evenly"], ["--chunks", "many"]])
+                                    ["--balance", "evenly"], ["--chunks", "many"],
+                                    ["--memory-limit", "1GBytes"]])
 def test_choices_are_checked_before_compiling(option, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["compile", "fxpipe.models.nothing:build", *option])  # no import: refused before
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {option[0]}: " in err and "cannot import" not in err
+
+
+@pytest.mark.parametrize(("size", "nbytes"), [
+    ("1GB", 10**9), ("1.5 GiB", 1.5 * 2**30), ("512MiB", 512 * 2**20), ("64kb", 64_000),
+    ("2KiB", 2048), ("1TB", 10**12), ("100B", 100), ("2048", 2048), ("1e9", 10**9)])
+def test_memory_limit_takes_a_unit_and_plain_numbers_stay_bytes(size, nbytes, monkeypatch,
+                                                                 capsys):
+    seen = {}
+
+    def compile_program(model, inputs, **options):
+        seen.update(options)
+        raise ConfigError("stopped before compiling", hint="none")
+
+    monkeypatch.setattr(cli, "compile_program", compile_program)
+    assert main(["compile", "fxpipe.models.mlp:build", "--memory-limit", size]) == 2
+    assert seen["memory_limit"] == nbytes
+    entry = " ".join(_help(capsys, "compile").split("--memory-limit SIZE ")[-1]
+                     .split("\n  -")[0].split())
+    assert entry.startswith("memory per rank") and "like 8GiB" in entry
 
 
 def test_version_prints_fxpipe_and_torch(capsys):

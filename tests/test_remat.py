@@ -135,3 +135,22 @@ def test_stages_on_two_cuda_devices_are_transparent():
     plain = copy.deepcopy(model).cuda()
     program = fxpipe.compile(model, (x,), stages=2, chunks=4, devices=["cuda:0", "cuda:1"])
     torch.testing.assert_close(program(x).cuda(0), plain(x.cuda()))
+
+
+def test_auto_fits_each_stage_of_a_rank_to_its_share_of_the_rank_memory_limit(monkeypatch):
+    """memory_limit is per rank: under a looped schedule (two stages per rank) remat fits each
+    stage to half of it, as the partition does."""
+    import fxpipe.pipeline
+
+    limits = []
+    real = fxpipe.pipeline.mark_remat
+
+    def recording(*args, **kwargs):
+        limits.append(kwargs["memory_limit"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fxpipe.pipeline, "mark_remat", recording)
+    model, (x,) = gpt.build(dropout=0.0, n_layer=4)
+    fxpipe.compile(model, (x,), stages=4, chunks=4, profile="a100", remat="auto",
+                   schedule="interleaved-1f1b", memory_limit=2**30)
+    assert limits == [2**29] * 4
