@@ -213,7 +213,8 @@ def replace_folder(target: str, fill: Callable[[str], None],
     it must not be replaced) is renamed away just before and removed after. Of two writers, the
     last to rename wins. `carry(old, new)` moves what must outlive the old folder into the new
     one before the old one is removed. A writer killed at any point leaves siblings that the
-    next replace_folder or recover_folder of `target` finishes or rolls back.
+    next replace_folder or recover_folder of `target` finishes or rolls back (each
+    replace_folder recovers before it starts and after it is done).
     """
     target = os.path.abspath(target)
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -255,3 +256,4 @@ def replace_folder(target: str, fill: Callable[[str], None],
                 _rename_back(old, target)
         for fd in held:
             os.close(fd)
+    recover_folder(target, carry)  # what a writer killed meanwhile left (an old folder it moved)
