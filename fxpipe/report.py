@@ -15,14 +15,14 @@ from fxpipe.built import Built
 from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
+from fxpipe.figures import against, remat_saving, stage_load
 from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, kept_reason
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
-from fxpipe.runtime.grid import bubble_fraction, render_grid
+from fxpipe.runtime.grid import render_grid
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.schedule import (
-    LOOPED,
     SCHEDULES,
     check_layout,
     default_stages_per_rank,
@@ -129,11 +129,13 @@ def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: Partit
     b, k = plan.microbatch_size, len(plan.stages)
     figures = _stage_figures(graph, regions, b)
     stage_plan = plan.stages[graph.index]
-    total = sum(s.time for s in plan.stages)
-    share = stage_plan.time / total if total else 1.0 / k
+    loads = [stage_load(s.compute_time, s.comm_time) for s in plan.stages]
+    total = sum(loads)
+    share = loads[graph.index] / total if total else 1.0 / k
     how = "predicted, corrected by measured stage times" if corrected else "predicted"
-    lines = [("time", f"{human_time(stage_plan.time)} per micro-batch, forward + backward "
-                      f"({how}): {share:.1%} of all stages' time, {1 / k:.1%} if even"),
+    lines = [("time", f"{human_time(loads[graph.index])} per micro-batch, forward + backward "
+                      f"and half its boundaries' traffic ({how}): {share:.1%} of all stages' "
+                      f"time, {1 / k:.1%} if even"),
              ("profile", f"{profile.name} [{profile.key}]" if profile.key else profile.name)]
     rank_of = config.placement
     if config.per_rank > 1:
@@ -167,8 +169,7 @@ def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: Partit
                                   "backward, so every copy takes the same step"))
     for r in regions:
         lines.append(("remat", f"{r.name} = {len(r.nodes)} ops ({r.nodes[0]} .. {r.nodes[-1]}), "
-                               f"keeps {human_bytes(r.kept_bytes)} instead of "
-                               f"{human_bytes(r.saved_bytes)}"))
+                               + remat_saving(r.kept_bytes, r.saved_bytes, human_bytes)))
     lines.append(("b", f"the micro-batch size, {b} at compile time (batch {b * plan.chunks} "
                        f"in {plan.chunks} chunks)"))
     span = f"{stage_plan.first_module} -> {stage_plan.last_module} ({len(stage_plan.nodes)} ops)"
@@ -227,14 +228,13 @@ class Report:
         plan = self.plan
         k, m = len(plan.stages), plan.chunks
         step, simulated_bubble = predicted_step(plan, self.schedule, self.ranks)
-        flat = self.schedule not in LOOPED
         return {
             "stages": k, "ranks": self.ranks, "stages_per_rank": self.stages_per_rank,
             "chunks": m, "microbatch_size": plan.microbatch_size,
             "balance": plan.balance, "schedule": self.schedule,
             "imbalance": plan.imbalance,
-            "bubble": bubble_fraction(m, k) if flat else simulated_bubble,
-            "predicted_step_time_s": plan.predicted_step_time,
+            "bubble": simulated_bubble,
+            "predicted_step_time_s": step,  # the one predicted step (simulated)
             "simulated_step_time_s": step,
             "chunk_candidates": [{"chunks": c, "predicted_step_time_s": t}
                                  for c, t in plan.candidates],
@@ -274,7 +274,7 @@ class Report:
         return out
 
     def headers(self) -> list[str]:
-        h = ["stage", "first", "last", "ops", "params", "fwd FLOPs/mb", "est fwd+bwd/mb",
+        h = ["stage", "first", "last", "ops", "params", "fwd FLOPs/mb", "est busy/mb",
              "param mem", "act/mb", "kept/mb (remat)", "recv/mb", "send/mb"]
         if any("kept_measured_bytes" in s for s in self.stages):
             h += ["kept/step predicted", "kept/step measured"]
@@ -289,12 +289,11 @@ class Report:
                  f"schedule={s['schedule']})",
                  f"device profile: {self.profile}", "",
                  tabulate(self.rows(), headers=self.headers(), tablefmt=fmt), "",
-                 f"imbalance (slowest / mean stage): {s['imbalance']:.3f}",
-                 f"bubble (S-1)/(M+S-1): {s['bubble']:.1%}" if s["schedule"] not in LOOPED else
-                 f"bubble (simulated, idle share of the ranks): {s['bubble']:.1%}",
+                 f"imbalance (slowest / mean stage, compute + half its traffic): "
+                 f"{s['imbalance']:.3f}",
+                 f"bubble (idle share of the ranks): {s['bubble']:.1%}",
                  f"predicted step time: {human_time(s['simulated_step_time_s'])} "
-                 f"({s['schedule']} played with the stage costs; (M+S-1) x slowest stage: "
-                 f"{human_time(s['predicted_step_time_s'])})"]
+                 f"({s['schedule']} played with the stage costs)"]
         if self.shared:
             lines.append("tied parameters (gradients summed across stages): "
                          + ", ".join(f"{k} in stages {v}" for k, v in self.shared.items()))
@@ -313,6 +312,7 @@ class Report:
             lines.append("communication per step (each replica): " + ", ".join(
                 f"{kind} {human_bytes(v)}" for kind, v in self.comm.items()))
         lines += self.balance_lines()
+        lines += self.kept_lines()
         for key, value in self.measured.items():
             lines.append(f"measured {key}: {value}")
         k, m = s["stages"], s["chunks"]
@@ -327,7 +327,8 @@ class Report:
                      + ", ".join(f"{c['schedule']} {human_time(c['step_time_s'])} "
                                  f"(bubble {c['bubble']:.1%})" for c in s["schedules"]))
         lines += ["", render_grid(make_schedule(self.schedule, m, k, self.ranks),
-                                  title=SCHEDULE_TITLES.get(self.schedule, self.schedule))]
+                                  title=SCHEDULE_TITLES.get(self.schedule, self.schedule),
+                                  bubble=s["bubble"])]
         return "\n".join(lines)
 
     def balance_lines(self) -> list[str]:
@@ -348,6 +349,17 @@ class Report:
         now = ", ".join(human_time(s.compute_time) for s in self.plan.stages)
         lines.append(f"  now predicted (corrected by what was measured): {now}")
         return lines
+
+    def kept_lines(self) -> list[str]:
+        """The activations program.measure_activations() measured, against the prediction."""
+        measured = [s for s in self.stages if "kept_measured_bytes" in s]
+        if not measured:
+            return []
+        return ["activations kept at the peak of a GPipe step (measured, all forwards done): "
+                + "; ".join(f"stage {s['stage']} {human_bytes(s['kept_measured_bytes'])}, "
+                            f"predicted {human_bytes(s['kept_predicted_bytes'])}: "
+                            + against(s["kept_measured_bytes"], s["kept_predicted_bytes"])
+                            for s in measured)]
 
     def markdown(self) -> str:
         return self.text(fmt="github")
@@ -435,7 +447,8 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
         stages.append({
             "stage": st.index, "first_module": sp.first_module, "last_module": sp.last_module,
             "nodes": len(sp.nodes), "param_count": figures["param_count"],
-            "fwd_flops": figures["fwd_flops"], "time_s": sp.time, "compute_s": sp.compute_time,
+            "fwd_flops": figures["fwd_flops"],
+            "time_s": stage_load(sp.compute_time, sp.comm_time), "compute_s": sp.compute_time,
             "comm_s": sp.comm_time, "params_bytes": figures["params"],
             "activations_bytes": figures["saved"],
             "kept_with_remat_bytes": figures["kept_with_remat"],

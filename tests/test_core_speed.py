@@ -26,13 +26,13 @@ def test_a_slower_core_explains_the_extra_compute():
     # rank 1's core ran 20% slower in every step, and it computed 20% longer: balanced work
     busy = [[1.0, 1.2], [1.1, 1.32], [0.9, 1.08]]
     probes = [[0.010, 0.012], [0.011, 0.0132], [0.009, 0.0108]]
-    assert imbalance_at_equal_speed(busy, probes) == pytest.approx(0.0, abs=1e-12)
+    assert imbalance_at_equal_speed(busy, probes) == pytest.approx(1.0, abs=1e-12)
 
 
 def test_at_equal_core_speed_the_imbalance_is_the_raw_one():
     busy = [[1.0, 1.2], [1.0, 1.2], [1.0, 1.2]]
     probes = [[0.01, 0.01]] * 3
-    assert imbalance_at_equal_speed(busy, probes) == pytest.approx(0.2)
+    assert imbalance_at_equal_speed(busy, probes) == pytest.approx(1.2 / 1.1)  # slowest / mean
 
 
 def test_the_correction_is_per_step():
@@ -40,9 +40,9 @@ def test_the_correction_is_per_step():
     # 0's, measured long when its core was slow
     busy = [[1.5, 1.0], [1.0, 1.5], [1.0, 1.0]]
     probes = [[0.015, 0.010], [0.010, 0.015], [0.010, 0.010]]
-    assert imbalance_at_equal_speed(busy, probes) == pytest.approx(0.0, abs=1e-12)
-    # the same compute at equal core speed is 50% apart
-    assert imbalance_at_equal_speed([[1.5, 1.0]], [[0.010, 0.010]]) == pytest.approx(0.5)
+    assert imbalance_at_equal_speed(busy, probes) == pytest.approx(1.0, abs=1e-12)
+    # the same compute at equal core speed is 20% above the mean
+    assert imbalance_at_equal_speed([[1.5, 1.0]], [[0.010, 0.010]]) == pytest.approx(1.5 / 1.25)
 
 
 def test_the_probe_does_the_same_work_every_time():

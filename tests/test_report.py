@@ -17,6 +17,7 @@ import pytest
 import fxpipe
 from fxpipe import ir
 from fxpipe.costs import cost_table
+from fxpipe.figures import remat_saving, stage_load
 from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
 from fxpipe.report import SCHEDULE_TITLES, human_bytes, human_flops, human_time
@@ -63,7 +64,8 @@ def test_report_text_lists_every_stage_with_modules_nodes_params_flops_time_and_
                     for n in nodes if ir.stage(n) == st.index)
         params = stage_params(st)
         cells = [str(st.index), sp.first_module, sp.last_module, str(len(sp.nodes)),
-                 f"{params:,}", human_flops(flops), human_time(sp.time), human_bytes(4 * params)]
+                 f"{params:,}", human_flops(flops),
+                 human_time(stage_load(sp.compute_time, sp.comm_time)), human_bytes(4 * params)]
         for cell in cells:
             assert cell in row, f"stage {st.index}: {cell!r} not in {row!r}"
         assert row.split()[0] == str(st.index)
@@ -74,22 +76,71 @@ def test_report_text_states_imbalance_bubble_step_time_and_the_schedule_grid():
     _, program = compiled()
     plan = program.plan
     text = program.report().text()
-    times = [s.time for s in plan.stages]
-    bubble = (STAGES - 1) / (CHUNKS + STAGES - 1)
+    loads = [s.compute_time + s.comm_time / 2 for s in plan.stages]
+    simulated, bubble = predicted_step(plan, "gpipe", STAGES)
 
-    assert plan.imbalance == pytest.approx(max(times) / (sum(times) / len(times)))
-    assert f"imbalance (slowest / mean stage): {plan.imbalance:.3f}" in text
-    assert f"bubble (S-1)/(M+S-1): {bubble:.1%}" in text and "33.3%" in text
-    assert plan.predicted_step_time == pytest.approx((CHUNKS + STAGES - 1) * plan.bottleneck)
-    simulated = predicted_step(plan, "gpipe", STAGES)[0]
-    assert (f"predicted step time: {human_time(simulated)} (gpipe played with the stage costs; "
-            f"(M+S-1) x slowest stage: {human_time(plan.predicted_step_time)})") in text
+    assert plan.imbalance == pytest.approx(max(loads) / (sum(loads) / len(loads)))
+    assert (f"imbalance (slowest / mean stage, compute + half its traffic): "
+            f"{plan.imbalance:.3f}") in text
+    assert f"bubble (idle share of the ranks): {bubble:.1%}" in text
+    assert plan.predicted_step_time == pytest.approx(simulated)
+    assert f"predicted step time: {human_time(simulated)} (gpipe played with the stage costs)" \
+        in text
 
     grid = text[text.index("\nclock"):]
     assert all(f"stage {s}" in grid.splitlines()[1] for s in range(STAGES))
     for action in ("F", "B"):
         tokens = re.findall(rf"\b{action}(\d+)\b", grid)
         assert sorted(map(int, tokens)) == sorted(list(range(CHUNKS)) * STAGES)
+
+
+@pytest.mark.parametrize("options", ({}, {"split_points": ["blocks.1"], "chunks": 8},
+                                     {"schedule": "zb-h1"}))
+def test_one_bubble_one_imbalance_and_one_step_in_the_report_the_grid_and_the_headers(options):
+    model, inputs = gpt.build(dropout=0.0)
+    program = fxpipe.compile(model, inputs, **{"stages": 2, "chunks": 4, "profile": "a100",
+                                               **options})
+    plan, report = program.plan, program.report()
+    summary, text = report.summary(), report.text()
+    schedule = program.built.config.schedule
+    step, bubble = predicted_step(plan, schedule, 2)
+    # one bubble: the ranks' idle share of the simulated step, wherever it is printed
+    assert summary["bubble"] == pytest.approx(bubble)
+    assert re.findall(r"bubble[^%]*?(\d+\.\d)%", text.split("simulated step time by")[0]) \
+        == [f"{bubble:.1%}"[:-1]]
+    assert f"bubble = {bubble:.1%} (idle share" in text  # the grid's note
+    assert "(S-1)/(M+S-1)" not in text and "idle/total" not in text
+    by_schedule = {c["schedule"]: c["bubble"] for c in summary["schedules"]}
+    assert by_schedule[schedule] == pytest.approx(bubble)
+    # one step: the simulated one, also what chunks="auto" compares
+    assert plan.predicted_step_time == pytest.approx(step)
+    assert summary["predicted_step_time_s"] == summary["simulated_step_time_s"]
+    assert "slowest stage:" not in text
+    # one imbalance: the stages' loads, as the headers share them out
+    loads = [stage_load(s.compute_time, s.comm_time) for s in plan.stages]
+    assert plan.imbalance == pytest.approx(max(loads) / (sum(loads) / len(loads)))
+    for st, load in zip(program.stages, loads):
+        assert f"{load / sum(loads):.1%} of all stages' time" in st.source
+
+
+def test_remat_that_saves_nothing_is_reported_as_such():
+    assert remat_saving(3174.4, 3174.4, human_bytes) == \
+        "saves nothing: keeps 3.1 KiB (its inputs) where running it whole keeps 3.1 KiB"
+    assert remat_saving(153600, 0, human_bytes).startswith("saves nothing: keeps 150.0 KiB")
+    assert remat_saving(512, 4096, human_bytes) == "keeps 512 B instead of 4.0 KiB"
+    # BatchNorm in train mode: the convolutions between the norms keep their inputs either way
+    from fxpipe.models import resnet
+
+    model, inputs = resnet.build()
+    program = fxpipe.compile(model.train(), inputs, stages=2, chunks=4, remat="always",
+                             profile="a100")
+    lines = [line for st in program.stages for line in st.source.splitlines()
+             if line.startswith("#   remat ")]
+    regions = [r for st in program.built.stages for r in st.regions]
+    assert len(lines) == len(regions) > 0
+    for line, region in zip(lines, regions):
+        assert ("saves nothing" in line) == (region.kept_bytes >= region.saved_bytes), line
+        assert not re.search(r"keeps (\S+ \S+) instead of \1", line), line
 
 
 def test_report_markdown_is_a_github_table():
@@ -115,13 +166,13 @@ def test_report_json_is_data_with_the_summary_and_per_stage_numbers():
     summary = data["summary"]
 
     assert summary["stages"] == STAGES and summary["chunks"] == CHUNKS
-    assert summary["bubble"] == pytest.approx((STAGES - 1) / (CHUNKS + STAGES - 1))
+    assert summary["bubble"] == pytest.approx(predicted_step(plan, "gpipe", STAGES)[1])
     assert summary["predicted_step_time_s"] == pytest.approx(plan.predicted_step_time)
     assert summary["imbalance"] == pytest.approx(plan.imbalance)
     assert [s["stage"] for s in data["stages"]] == list(range(STAGES))
     for entry, sp, st in zip(data["stages"], plan.stages, program.stages):
         assert entry["nodes"] == len(sp.nodes)
-        assert entry["time_s"] == pytest.approx(sp.time)
+        assert entry["time_s"] == pytest.approx(stage_load(sp.compute_time, sp.comm_time))
         assert entry["first_module"] == sp.first_module and entry["last_module"] == sp.last_module
         assert entry["param_count"] == stage_params(st)
         assert entry["params_bytes"] == 4 * stage_params(st)
@@ -195,6 +246,13 @@ def kept_activations(remat: str) -> list[dict[str, float]]:
     result = program.measure_activations(idx)
     text = program.report().text()
     assert "kept/step predicted" in text and "kept/step measured" in text
+    # the measurement says how it compares with the prediction
+    line = next(x for x in text.splitlines() if x.startswith("activations kept at the peak"))
+    for r in result:
+        assert (f"stage {r['stage']} {human_bytes(r['measured_bytes'])}, predicted "
+                f"{human_bytes(r['predicted_bytes'])}: "
+                f"{r['measured_bytes'] / r['predicted_bytes'] - 1:+.0%} against the prediction"
+                ) in line
     return result
 
 

@@ -97,14 +97,15 @@ def _is_flat(schedule: Schedule) -> bool:
     return stage_ranks(schedule) == list(range(len(schedule)))
 
 
-def render_grid(schedule: Schedule, *, title: str = "") -> str:
+def render_grid(schedule: Schedule, *, title: str = "", bubble: float | None = None) -> str:
     """Draw `clock_cycles(schedule)` as text, one row per tick, with notes on the right.
 
     The notes are "<title>, S stages x M microbatches" (with ", R ranks" when a rank holds
     several stages) and the bubble, e.g. "bubble = (S-1)/(M+S-1) = 2/6 = 33%"; if the schedule
     idles more than that formula says, or holds several stages per rank, the idle fraction of
-    the grid is shown instead. Flat schedules have a column per stage ("F3" = forward of
-    micro-batch 3); looped ones a column per rank whose cells name the stage ("2F3").
+    the grid is shown instead; `bubble` given (the idle share simulated with the stages' real
+    costs, fxpipe.figures.idle_share), that one. Flat schedules have a column per stage ("F3" =
+    forward of micro-batch 3); looped ones a column per rank whose cells name the stage ("2F3").
     """
     num_microbatches, num_stages = validate(schedule)
     grid = clock_cycles(schedule)
@@ -117,13 +118,15 @@ def render_grid(schedule: Schedule, *, title: str = "") -> str:
     work = sum(len(acts) for acts in schedule)
     idle = ticks * ranks - work
     ideal_num, ideal_den = num_stages - 1, num_microbatches + num_stages - 1
-    if flat and not is_split(schedule) and idle * ideal_den == ideal_num * ticks * ranks:
+    if bubble is not None:
+        note = f"bubble = {bubble:.1%} (idle share, simulated with the stage costs)"
+    elif flat and not is_split(schedule) and idle * ideal_den == ideal_num * ticks * ranks:
         percent = 100 * ideal_num / ideal_den
-        bubble = f"bubble = (S-1)/(M+S-1) = {ideal_num}/{ideal_den} = {percent:.0f}%"
+        note = f"bubble = (S-1)/(M+S-1) = {ideal_num}/{ideal_den} = {percent:.0f}%"
     else:
         total = ticks * ranks
-        bubble = f"bubble = idle/total = {idle}/{total} = {100 * idle / total:.0f}%"
-    notes = [f"{title}, {size}" if title else size, bubble]
+        note = f"bubble = idle/total = {idle}/{total} = {100 * idle / total:.0f}%"
+    notes = [f"{title}, {size}" if title else size, note]
     if not flat:
         notes.append("cells: stage, action, micro-batch (2F3: stage 2 forwards micro-batch 3)")
 

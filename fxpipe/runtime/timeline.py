@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, TypedDict
 
+from fxpipe.figures import idle_share
 from fxpipe.runtime.schedule import default_stages_per_rank, is_split, make_schedule
 from fxpipe.runtime.simulate import TimedEvent, simulate
 
@@ -219,12 +220,11 @@ def predicted_step(plan: PlanTimes, schedule: str, ranks: int | None = None
                    ) -> tuple[float, float]:
     """(step time, bubble) of `schedule` on `ranks` ranks (default: the schedule's stages per
     rank) simulated with the plan's stage times; the bubble is the ranks' idle share of the
-    step."""
+    step (fxpipe.figures.idle_share), the one bubble every report prints."""
     ranks = ranks or max(len(plan.stages) // default_stages_per_rank(schedule), 1)
     events, makespan = _simulated(plan, schedule, ranks)
     work = sum(e.end - e.start for e in events if e.kind != "send")
-    total = makespan * ranks
-    return makespan, (1 - work / total) if total > 0 else 0.0
+    return makespan, idle_share(work, ranks, makespan)
 
 
 def predicted_events(plan: PlanTimes, schedule: str = "gpipe",

@@ -9,6 +9,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from fxpipe import figures
 from fxpipe.report import human_bytes
 from fxpipe.runtime.timeline import Event, write_chrome_trace
 from fxpipe.tools.bench_worker import REMAT_COMPARED
@@ -49,7 +50,7 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
 
     def imbalance(name: str) -> float | None:
         busy = per_rank(name, 0)
-        return max(busy) / min(busy) - 1 if min(busy) > 0 else None
+        return figures.imbalance(busy) if min(busy) > 0 else None
 
     def by_step(name: str, key: str) -> list[list[float]]:
         """[step][rank]: each rank's compute, or its reference-work seconds, per step."""
@@ -132,7 +133,7 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         kept = {m: memory[m][r]["measured_bytes"] for m in REMAT_COMPARED}
         summary["stages_detail"].append({
             "stage": r, **first["stages"][r], "busy_s": busy, "recv_wait_s": wait,
-            "idle_s": max(0.0, pipeline - busy), "bubble": max(0.0, 1 - busy / pipeline),
+            "idle_s": max(0.0, pipeline - busy), "bubble": figures.idle_share(busy, 1, pipeline),
             **{f"kept_bytes_remat_{m}": kept[m] for m in REMAT_COMPARED},
             "kept_reduction": _ratio(kept["never"], kept["except_last"]),
             "kept_reductions": {m: _ratio(kept["never"], kept[m]) for m in REMAT_COMPARED[1:]}})
@@ -176,13 +177,13 @@ def _lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"- fastest torch.distributed.pipelining variant: "
                      f"{summary['torch_pipelining_best']}; fxpipe best / it: "
                      f"**{summary['step_time_ratio_vs_torch_pipelining_best']:.3f}**")
-    lines += ["- measured imbalance of the ranks' compute (slowest / fastest - 1): "
-              + ", ".join(f"{name} " + (f"**{v:.1%}**" if v is not None else "-")
+    lines += ["- measured imbalance of the ranks' compute (slowest / mean): "
+              + ", ".join(f"{name} " + (f"**{v:.3f}**" if v is not None else "-")
                           for name, v in summary["stage_imbalance_by_variant"].items()),
               f"- the ranks' cores ran identical work {_percent(summary['core_speed_spread'])} "
               "apart (median over fxpipe's steps: the machine's own drift); the imbalance "
               "left at equal core speed: " + ", ".join(
-                  f"{name} {_percent(v)}"
+                  f"{name} " + (f"{v:.3f}" if v is not None else "-")
                   for name, v in summary["stage_imbalance_at_equal_speed_by_variant"].items()),
               f"- predicted step time {summary['predicted_step_time_s']:.3f} s vs measured "
               f"program.step {summary['pipeline_step_time_s']:.3f} s "

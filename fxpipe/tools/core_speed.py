@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from fxpipe.figures import imbalance
+
 __all__ = ["CoreProbe", "relative_slowness", "speed_spread", "imbalance_at_equal_speed"]
 
 
@@ -68,14 +70,14 @@ def speed_spread(probes: Sequence[Sequence[float]]) -> float:
 
 def imbalance_at_equal_speed(busy: Sequence[Sequence[float]],
                              probes: Sequence[Sequence[float]]) -> float:
-    """The ranks' compute imbalance (slowest / fastest - 1) once each step's compute is divided
-    by its core's relative slowness; busy[step][rank] and probes[step][rank] in seconds. Per
-    rank the median over steps, as for the raw imbalance."""
+    """The ranks' compute imbalance (slowest / mean, fxpipe.figures.imbalance) once each step's
+    compute is divided by its core's relative slowness; busy[step][rank] and probes[step][rank]
+    in seconds. Per rank the median over steps, as for the raw imbalance."""
     ranks = len(busy[0])
     normalised: list[list[float]] = [[] for _ in range(ranks)]
     for step_busy, step_probe in zip(busy, probes, strict=True):
         for r, (b, s) in enumerate(zip(step_busy, relative_slowness(step_probe), strict=True)):
             normalised[r].append(b / s)
     medians = [statistics.median(v) for v in normalised]
-    return max(medians) / min(medians) - 1
+    return imbalance(medians)
 

@@ -3,15 +3,16 @@
 #     profile='a100')
 #
 # Stage 1 of 3 of Branchy: branch3.0 -> branch3.5 (7 ops)
-#   time    185.0 us per micro-batch, forward + backward (predicted): 33.3% of all stages' time,
-#             33.3% if even
+#   time    155.0 us per micro-batch, forward + backward and half its boundaries' traffic
+#             (predicted): 31.3% of all stages' time, 33.3% if even
 #   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   11.65 KFLOP forward per micro-batch
 #   params  11.4 KiB; saved activations 512 B per micro-batch (512 B kept with remat)
 #   recv    branch1_1  f32[b, 32]  <- stage 0
 #   recv    branch2_3  f32[b, 32]  <- stage 0
 #   send    cat  f32[b, 96]  -> stage 2
-#   remat   remat_0 = 7 ops (branch3_0 .. cat), keeps 704 B instead of 512 B
+#   remat   remat_0 = 7 ops (branch3_0 .. cat), saves nothing: keeps 704 B (its inputs) where
+#             running it whole keeps 512 B
 #   b       the micro-batch size, 2 at compile time (batch 8 in 4 chunks)
 #   passes  capture > annotate_costs > partition > split_stages > mark_remat > codegen
 from __future__ import annotations

@@ -3,8 +3,8 @@
 #     profile='a100')
 #
 # Stage 1 of 3 of MLP: blocks.3.ln -> blocks.5 (15 ops)
-#   time    291.3 us per micro-batch, forward + backward (predicted): 34.8% of all stages' time,
-#             33.3% if even
+#   time    271.3 us per micro-batch, forward + backward and half its boundaries' traffic
+#             (predicted): 34.1% of all stages' time, 33.3% if even
 #   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   408.96 KFLOP forward per micro-batch
 #   params  389.2 KiB; saved activations 15.0 KiB per micro-batch (512 B kept with remat)

@@ -1,0 +1,53 @@
+"""The figures a pipeline is judged by, each defined once: the report, the stage headers and the
+bench print these, predicted or measured, so no two of them can disagree on what a bubble, an
+imbalance or the bytes remat keeps are.
+
+    imbalance     slowest / mean of the stages' (or ranks') busy times: 1.000 is even
+    idle_share    the bubble: the ranks' idle share of a step, 1 - busy / (ranks x step)
+    stage_load    what one stage is busy with per micro-batch: its compute and its half of the
+                  traffic on its boundaries (each boundary is shared by two stages)
+    remat_saving  what a remat region keeps instead of what it would save, or that it saves
+                  nothing
+    against       how far a measured figure is from its prediction
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+__all__ = ["imbalance", "idle_share", "stage_load", "remat_saving", "against"]
+
+
+def imbalance(times: Sequence[float]) -> float:
+    """Slowest / mean of busy times (1 when even, and for no time at all)."""
+    mean = sum(times) / len(times) if times else 0.0
+    return max(times) / mean if mean > 0 else 1.0
+
+
+def idle_share(busy: float, ranks: int, step: float) -> float:
+    """The bubble: the share of `ranks` ranks' time over a step of `step` seconds that they
+    spend not computing (busy: their compute in the step, all ranks together)."""
+    total = step * ranks
+    return min(max(1 - busy / total, 0.0), 1.0) if total > 0 else 0.0
+
+
+def stage_load(compute: float, comm: float) -> float:
+    """Seconds a stage is busy per micro-batch: compute plus half of the traffic on its
+    boundaries (`comm` counts each boundary whole; the stage on its other side pays the other
+    half), as the schedule simulation charges it."""
+    return compute + comm / 2
+
+
+def remat_saving(kept: float, saved: float, size: Callable[[float], str]) -> str:
+    """What a remat region keeps per micro-batch instead of what it keeps without remat, sizes
+    written by `size`; a region that keeps as much or more says it saves nothing."""
+    if kept >= saved:
+        return (f"saves nothing: keeps {size(kept)} (its inputs) where running it whole keeps "
+                f"{size(saved)}")
+    return f"keeps {size(kept)} instead of {size(saved)}"
+
+
+def against(measured: float, predicted: float) -> str:
+    """How far a measurement is from its prediction, in words: "+25% against the prediction"."""
+    if predicted <= 0:
+        return "nothing predicted" if measured > 0 else "as predicted"
+    return f"{measured / predicted - 1:+.0%} against the prediction"
