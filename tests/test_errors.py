@@ -46,8 +46,36 @@ def test_stages_below_one(example, stages):
 def test_more_stages_than_compute_nodes(example):
     with pytest.raises(PartitionError) as err:
         _compile(example, stages=500)
-    _check(err.value, "more stages than atoms (500 >", "use at most", "fewer leaf_modules")
+    _check(err.value, "operations that can start a stage (500 >", "use at most",
+           "a stage needs at least one operation that computes a floating-point value")
+    assert "atom" not in str(err.value)  # the partition's word, not the user's
+    assert "leaf_modules" not in str(err.value)  # none were passed: fewer cannot help
     assert "inline_modules" not in str(err.value)  # an option of capture, not of compile
+
+
+class _BranchesOnValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if h.sum() > 0:
+            return h * 2
+        return h
+
+
+def test_data_dependent_control_flow_names_the_line_and_what_to_write_instead():
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(_BranchesOnValues(), (torch.randn(4, 4),), profile="a100")
+    headline, at, detail = err.value.message.splitlines()
+    assert headline.startswith("_BranchesOnValues decides what to compute from the values in a "
+                               "tensor, which neither torch.fx nor torch.export can capture")
+    assert at.strip().startswith("at ") and "test_errors.py:" in at and "if h.sum() > 0:" in at
+    assert detail.strip().startswith("detail: torch.export could not decide ")  # its expression
+    for internal in ("unhinted", "GuardOnDataDependentSymNode", "Size-like"):
+        assert internal not in str(err.value)
+    _check(err.value, "torch.where", "torch.cond")
 
 
 @pytest.mark.parametrize("chunks", [0, -2])

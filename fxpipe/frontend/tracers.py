@@ -208,11 +208,13 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
             break
         except Exception as e:  # noqa: BLE001 - export raises many kinds
             errors.append(e)
-            if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
+            if _is_data_dependent(e):
                 break  # another batch range will not help
     if ep is None:
         error = errors[0]
         where = source.from_exception(error)
+        if _is_data_dependent(error):
+            raise _data_dependent_error(type(model).__name__, error, where) from error
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CaptureError(
             f"neither torch.fx nor torch.export can capture {type(model).__name__}: "
@@ -228,6 +230,27 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
     _bind_model_state(gm, model)
     gm.graph.eliminate_dead_code()
     return gm
+
+
+def _is_data_dependent(error: Exception) -> bool:
+    return "data-dependent" in str(error) or "DataDependent" in type(error).__name__
+
+
+def _data_dependent_error(model: str, error: Exception,
+                          where: source.SourceLine | None) -> CaptureError:
+    """Says which line of the model decides on a tensor's values, and what to write instead;
+    torch's symbolic expression (Eq(u0, 1): a value it cannot know while tracing) is a detail."""
+    found = re.search(r"expression (.+?)(?: \(unhinted|\.?$)", str(error).splitlines()[0]
+                      if str(error) else "")
+    at = f"at {where}" if where else "in its forward (torch named no line of it)"
+    detail = f"\n  detail: torch.export could not decide {found.group(1)}" if found else ""
+    return CaptureError(
+        f"{model} decides what to compute from the values in a tensor, which neither torch.fx "
+        f"nor torch.export can capture (a pipeline runs the same operations for every batch)"
+        f"\n  {at}{detail}",
+        hint="rewrite that line without Python control flow on tensor values: torch.where to "
+             "choose between values, torch.cond for two branches, or decide outside forward "
+             "(if, bool(), .item() and nonzero on a tensor all read its values)")
 
 
 @contextlib.contextmanager
