@@ -23,6 +23,24 @@ def test_busy_time_excludes_receive_waits_inside_compute_spans():
     assert busy_time(events, stage=0) == pytest.approx(1.0)
 
 
+def test_bench_plot_without_matplotlib_is_refused_before_the_bench_runs(tmp_path, capsys,
+                                                                         monkeypatch):
+    import sys
+
+    from fxpipe.tools import bench
+
+    def no_bench(*args, **kwargs):
+        raise AssertionError("the bench ran although its plot cannot be drawn")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setattr(bench, "_memory", no_bench)
+    monkeypatch.setattr(bench, "_run_ranks", no_bench)
+    assert main(["bench", "mlp", "--plot", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--plot draws the timeline with matplotlib, which is not installed" in err
+    assert "pip install matplotlib" in err
+
+
 @pytest.mark.slow
 def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     rc = main(["bench", "mlp", "--set", "batch=8", "--stages", "2", "--chunks", "4",

@@ -16,6 +16,7 @@ bench.json, bench.md and a Chrome trace (fxpipe.tools.bench_report).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 from tabulate import tabulate
 
 import fxpipe
+from fxpipe.errors import ConfigError
 from fxpipe.models import gpt, load_factory
 from fxpipe.tools.bench_report import summarise, write
 from fxpipe.tools.bench_torch import SCHEDULES as TORCH_SCHEDULES
@@ -118,6 +120,9 @@ def _run_ranks(ns: BenchOptions, args: dict[str, Any]) -> dict[int, dict[str, An
 
 def run_bench(ns: BenchOptions) -> int:
     """Runs the benchmark (see the module docstring); 0 when every rank finished."""
+    if ns.plot and importlib.util.find_spec("matplotlib") is None:  # before minutes of work
+        raise ConfigError("--plot draws the timeline with matplotlib, which is not installed",
+                          hint="pip install matplotlib (or fxpipe[plot]), or leave out --plot")
     factory, settings = _factory(ns.model, list(ns.settings))
     args: dict[str, Any] = {
         "factory": factory, "settings": settings, "stages": ns.stages, "chunks": ns.chunks,
