@@ -434,3 +434,25 @@ def test_the_readme_lists_every_command_once_and_the_factory_forms():
                     "profile", "bench-partition", "bench-compile", "--version"):
         assert len(re.findall(rf"\| `fxpipe {re.escape(command)}[ `]", table)) == 1, command
     assert "`(model, example_inputs, example_kwargs)`" in table and "target(inputs" in table
+
+
+def test_the_readme_test_command_shows_each_file_and_is_the_one_ci_runs():
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    command = readme.split("Install and run the tests:")[1].split("```bash\n")[1].split("\n")[0]
+    pytest_command = command.split(" && ")[-1]
+    assert pytest_command == 'python -m pytest -m "not slow"'  # -q would print only dots
+    ci = (root / ".ci" / "run").read_text()
+    assert f"&& {pytest_command}\n" in ci
+
+
+def test_the_readme_points_above_or_below_to_where_a_section_is():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    headings = {m.group(1).lower(): m.start() for m in re.finditer(r"^#+ (.+)$", readme, re.M)}
+    pointers = list(re.finditer(r'see "([^"]+)" (above|below)', readme))
+    assert pointers
+    for pointer in pointers:
+        title, direction = pointer.group(1).lower(), pointer.group(2)
+        where = [at for heading, at in headings.items() if title in heading]
+        assert where, f"no section is titled {title!r}"
+        assert (where[0] < pointer.start()) == (direction == "above"), pointer.group(0)
