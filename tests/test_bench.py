@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fxpipe.cli import main
 from fxpipe.runtime.timeline import Event, busy_time
@@ -39,6 +40,21 @@ def test_bench_plot_without_matplotlib_is_refused_before_the_bench_runs(tmp_path
     err = capsys.readouterr().err
     assert "--plot draws the timeline with matplotlib, which is not installed" in err
     assert "pip install matplotlib" in err
+
+
+def test_splitting_with_torch_pipelining_prints_none_of_torchs_future_warnings():
+    import warnings
+
+    from fxpipe.models import gpt
+    from fxpipe.tools.bench_torch import TorchVariant, _traced
+
+    model, (x,) = gpt.build(n_layer=2, dropout=0.0)
+    variant = TorchVariant("traced", "natural", "gpipe", ("blocks.1",), ())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stages, _, _ = _traced(model, (x[:2],), variant, [], torch.device("cpu"), None)
+    assert stages == []  # split only: building a stage needs a process group
+    assert [str(w.message) for w in caught if w.category is FutureWarning] == []
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ and SGD as fxpipe's, so the first losses agree.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -229,7 +230,11 @@ def _traced(model: nn.Module, microbatch: tuple[Any, ...], variant: TorchVariant
             group: Any) -> tuple[list[Any], list[nn.Module], list[dict[int, str]]]:
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    with _generated_code():
+    with _generated_code(), warnings.catch_warnings():
+        # pipeline() copies torch.export's tree specs, which torch's own deprecation of
+        # LeafSpec reports on every copy: nothing the bench or its user can change
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                FutureWarning)
         pipe = pipeline(model, microbatch,
                         split_spec={p: SplitPoint.BEGINNING for p in variant.points})
         if pipe.num_stages != variant.stages:
