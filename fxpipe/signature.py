@@ -188,6 +188,17 @@ class Signature:
         joined: list[Any] = []
         for i, (is_t, dim) in enumerate(zip(self.out_is_tensor, self.out_batch_dims)):
             values = [mb[i] for mb in per_microbatch]
+            first = values[0]
+            if is_t != isinstance(first, torch.Tensor) or (
+                    dim is not None and not 0 <= dim < first.dim()):
+                # only a hand-edited program.json describes its outputs otherwise
+                what = f"a tensor of shape {tuple(first.shape)}" \
+                    if isinstance(first, torch.Tensor) else f"a {type(first).__name__}"
+                raise RuntimeInputError(
+                    f"output {i} is {what}, but the program's signature says "
+                    + (f"its batch dimension is {dim}" if is_t else "it is no tensor"),
+                    hint="program.json's signature does not describe this program: write the "
+                         "program again (program.write(DIR) or fxpipe compile ... --out DIR)")
             if not is_t:
                 joined.append(values[0])
             elif dim is None:

@@ -1,7 +1,10 @@
 """The command line, end to end on small models."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -224,6 +227,7 @@ def _swap_aliases(data):
     (lambda d: d["signature"]["leaves"][0].update(dtype="float99"), "signature.leaves[0] is"),
     (lambda d: d["stages"][0].update(random="no"), "stages[0].random is 'no'"),
     (lambda d: d.update(aliases=[]), "aliases is [] (allowed: tensor name -> its state_dict keys)"),
+    (lambda d: d.update(schedule=["gpipe"]), "schedule is ['gpipe'] (allowed: gpipe,"),
 ])
 def test_report_refuses_every_program_json_field_fxpipe_would_not_write(written, tmp_path, capsys,
                                                                        edit, expected):
@@ -248,6 +252,90 @@ def test_swapped_aliases_are_refused_before_a_save_could_swap_the_weights(writte
     assert not (tmp_path / "ckpt").exists()
     assert main(["run", str(folder), "--nproc", "2"]) == 2
     assert "the field aliases does not agree" in capsys.readouterr().err.splitlines()[0]
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda d: d.update(shared={}), "the field shared is {}, but the stage files bind the "
+                                    "parameters 'wte.weight' (stages [0, 1]) in several stages"),
+    (lambda d: d["stages"][0].update(class_name="Stage9"),
+     "program.json's stages[0].class_name is 'Stage9', which stage_0.py does not define"),
+    (lambda d: d["signature"].update(out_batch_dims=[5]),
+     "output 0 is a tensor of shape (2, 32, 512), but the program's signature says its batch "
+     "dimension is 5"),
+    (lambda d: d["aliases"].pop("ln_f.weight"), "aliases lacks 'ln_f.weight'"),
+])
+def test_a_program_json_the_stage_files_contradict_is_refused_before_it_trains(
+        written, tmp_path, capsys, edit, expected):
+    folder = _edited(written, tmp_path, edit)
+    assert launch.main(folder, ["--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "write the program again" in err, err
+
+
+def _tamperings(data: dict) -> list[tuple[str, object]]:
+    """Every field of program.json, of its first stage and of its signature set to values of
+    the wrong type or range, and edits that keep the types: swapped or missing names."""
+    def setter(path: tuple, value: object):
+        def edit(d: dict) -> None:
+            for key in path[:-1]:
+                d = d[key]
+            d[path[-1]] = value
+        return edit
+
+    bad = (None, "x", -1, 1.5, [], [5], {}, {"x": [9]})
+    fields = [(k,) for k in sorted(data) if k != "files"]
+    fields += [("stages", 0, k) for k in sorted(data["stages"][0])]
+    fields += [("signature", k) for k in sorted(data["signature"])]
+    edits = [(f"{'.'.join(map(str, f))}={b!r}", setter(f, b)) for f in fields for b in bad]
+    edits += [("aliases swapped", _swap_aliases),
+              ("an alias dropped", lambda d: d["aliases"].pop("ln_f.weight")),
+              ("stages[1].file=stage_0.py", setter(("stages", 1, "file"), "stage_0.py")),
+              ("stages swapped", lambda d: d["stages"].reverse())]
+    return edits
+
+
+# Values a program may hold (an older program's, a stage that receives nothing) or that only
+# name things: the program runs, and --verify checks the losses.
+_VALID = {"autocast=None", "structure=None", "predicted_events=[]", "stages.0.recvs=[]",
+          "signature.out_spec=None", "signature.pytree_modules=[]", "fxpipe='x'", "model='x'"}
+
+
+def _outcome(call) -> str:
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = call()
+    except Exception as e:  # noqa: BLE001 - what is counted here
+        return f"raw {type(e).__name__}: {e}"
+    if code == 0 and "verify: OK" not in out.getvalue():
+        return "silent"
+    return {0: "verified", 1: "noticed", 2: "refused"}.get(code, f"exit {code}")
+
+
+@pytest.mark.slow
+def test_tampered_program_json_and_bad_arguments_never_run_silently_or_raise_raw(written,
+                                                                                 tmp_path):
+    data = json.loads((written / "program.json").read_text())
+    outcomes: dict[str, str] = {}
+    for name, edit in _tamperings(data):
+        folder = _edited(written, tmp_path / str(len(outcomes)), edit)
+        report = _outcome(lambda f=folder: main(["report", str(f)]))
+        run = _outcome(lambda f=folder: launch.main(f, ["--steps", "2", "--verify"]))
+        outcomes[name] = report if report.startswith("raw") else run  # report computes nothing
+        if name in _VALID:
+            assert run == "verified", (name, run)
+    for argv in (["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--steps", "-1"],
+                 ["--steps", "0"], ["--steps", "x"], ["--timeout", "0"], ["--timeout", "nan"],
+                 ["--dp-bucket-mb", "-1"], ["--timeline", str(tmp_path / "no" / "t.json")],
+                 ["--timeline", str(tmp_path)], ["--weights", str(tmp_path / "none.pt")]):
+        outcomes[" ".join(argv)] = _outcome(lambda a=argv: launch.main(written, [*a, "--verify"]))
+        run = _outcome(lambda a=argv: main(["run", str(written), "--nproc", "2", *a, "--verify"]))
+        assert run in ("refused", "noticed"), (argv, run)
+    counts = collections.Counter(o.split(":")[0] for o in outcomes.values())
+    raw = {k: v for k, v in outcomes.items() if v.startswith("raw")}
+    silent = [k for k, v in outcomes.items() if v == "silent"]
+    print(f"{len(outcomes)} trials: {dict(counts)}")
+    assert not raw and not silent, (raw, silent)
 
 
 def test_run_tells_a_failing_rank_in_one_line_with_its_log(written):

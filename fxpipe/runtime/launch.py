@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.checkpoint import load_checkpoint, save_shard
-from fxpipe.errors import CheckpointError, FxPipeError, PeerLostError
+from fxpipe.errors import CheckpointError, FxPipeError, PeerLostError, ProgramFolderError
 from fxpipe.losses import LossFn
 from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
@@ -34,10 +34,10 @@ from fxpipe.runtime.rank import (
     setup_rank,
 )
 from fxpipe.runtime.schedule import stages_on
-from fxpipe.runtime.spec import ProgramSpec
+from fxpipe.runtime.spec import REWRITE_HINT, ProgramSpec
 from fxpipe.runtime.stage import StageModule, share_tied
 from fxpipe.runtime.timeline import Event, write_chrome_trace
-from fxpipe.runtime.written import stage_tensors
+from fxpipe.runtime.written import check_written, stage_tensors
 from fxpipe.state import StateNames
 from fxpipe.structure import Structure
 
@@ -56,7 +56,9 @@ def load_spec(folder: Path) -> ProgramSpec:
     for entry in import_folders(checked.code, Path(folder)):
         if entry not in sys.path:
             sys.path.append(entry)
-    return ProgramSpec.from_json(checked.data)
+    spec = ProgramSpec.from_json(checked.data)
+    check_written(Path(folder), spec)
+    return spec
 
 
 def _stage_class(folder: Path, spec: ProgramSpec, index: int) -> type[StageModule]:
@@ -68,7 +70,11 @@ def _stage_class(folder: Path, spec: ProgramSpec, index: int) -> type[StageModul
                               hint="write the program again")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)  # the generated stage file written beside this one
-    cls: type[StageModule] = getattr(module, stage.class_name)
+    cls = getattr(module, stage.class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, StageModule)):
+        raise ProgramFolderError(f"program.json's stages[{index}].class_name is "
+                                 f"{stage.class_name!r}, which {stage.file} does not define",
+                                 hint=REWRITE_HINT)
     return cls
 
 

@@ -156,9 +156,11 @@ def spec_problems(data: object) -> list[str]:
             problems.append(f"{name} is {data.get(name)!r} (allowed: {allowed})")
 
     check(_is_int(data["chunks"]) and data["chunks"] >= 1, "chunks", "an integer >= 1")
-    check(data["remat"] in REMAT_MODES, "remat", ", ".join(REMAT_MODES))
-    check(data["schedule"] in SCHEDULES, "schedule", ", ".join(SCHEDULES))
-    check(data.get("autocast") is None or data.get("autocast") in AUTOCAST_DTYPES, "autocast",
+    named = {k: data.get(k) if isinstance(data.get(k), str) else "" for k in
+             ("remat", "schedule", "autocast")}  # a list or an object is no key of the choices
+    check(named["remat"] in REMAT_MODES, "remat", ", ".join(REMAT_MODES))
+    check(named["schedule"] in SCHEDULES, "schedule", ", ".join(SCHEDULES))
+    check(data.get("autocast") is None or named["autocast"] in AUTOCAST_DTYPES, "autocast",
           "null, " + ", ".join(AUTOCAST_DTYPES))
     check(_is_number(data["lr"]) and data["lr"] > 0, "lr", "a finite number > 0")
     check(isinstance(data["loss"], str), "loss", "a loss name or MODULE:FUNCTION")
@@ -192,7 +194,7 @@ def spec_problems(data: object) -> list[str]:
     if not isinstance(stages, list) or not stages:
         return [*problems, f"stages is {stages!r} (allowed: a non-empty list)"]
     per_rank = data.get("stages_per_rank", 1)
-    if data["schedule"] in SCHEDULES:
+    if named["schedule"] in SCHEDULES:
         try:
             check_layout(data["schedule"], len(stages), per_rank)
         except ConfigError as e:

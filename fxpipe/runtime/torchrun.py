@@ -28,8 +28,6 @@ from fxpipe.runtime.arguments import parse_program_args
 from fxpipe.runtime.folder import check_program
 from fxpipe.runtime.imports import program_loss
 from fxpipe.runtime.launch import load_spec, rank_stages
-from fxpipe.runtime.written import check_names
-from fxpipe.state import StateNames
 
 __all__ = ["RunPlan", "plan_run", "run_program", "free_port", "rank_failure"]
 
@@ -82,7 +80,6 @@ def plan_run(folder: str | os.PathLike[str], nproc: int, port: int | None,
         raise ConfigError(f"--nproc {nproc} is not a multiple of the program's {what}",
                           hint=f"run {ranks} processes per replica: --nproc {ranks} (or "
                                f"{2 * ranks}, {3 * ranks}, ... for data-parallel replicas)")
-    check_names(Path(folder), StateNames.from_json(spec.aliases), spec.structure)
     args = parse_program_args(program_args, spec)
     program_loss(spec.loss, checked.code, Path(folder))
     if port is None:

@@ -11,6 +11,7 @@ and lists every tensor's shape and dtype and the model's state_dict keys.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 from collections.abc import Sequence
@@ -23,13 +24,13 @@ from torch import nn
 from fxpipe.errors import CheckpointError, ProgramFolderError
 from fxpipe.runtime.loading import load_named
 from fxpipe.runtime.materialize import initialize
-from fxpipe.runtime.spec import REWRITE_HINT
+from fxpipe.runtime.spec import REWRITE_HINT, ProgramSpec
 from fxpipe.runtime.stage import StageModule
 from fxpipe.state import StateNames
 from fxpipe.structure import Structure
 from fxpipe.weights import open_weights
 
-__all__ = ["stage_tensors", "check_names"]
+__all__ = ["stage_tensors", "check_names", "check_written"]
 
 
 def _info(folder: Path) -> dict[str, Any]:
@@ -64,7 +65,6 @@ def stage_tensors(folder: Path, classes: Sequence[type[StageModule]], names: Sta
     """The tensors the stage classes bind, by qualified name, on `device` (read for these
     stages only when they come from a checkpoint or the initializers)."""
     info = _info(folder)
-    check_names(folder, names, info=info)
     wanted = sorted({q for cls in classes for q in cls.qualified_names().values()})
     own = info.get("weights")
     if weights is None and not init:
@@ -89,6 +89,44 @@ def stage_tensors(folder: Path, classes: Sequence[type[StageModule]], names: Sta
         out.update(initialize(model, {q: _resolve(model, q) for q in in_file}, device,
                               seed=seed))
     return out
+
+
+def check_written(folder: Path, spec: ProgramSpec) -> None:
+    """Checks what program.json says about the stages' tensors against the stage files and
+    weights.json (both recorded by digest): the tensor names (check_names) and the tied
+    parameters, whose gradients the ranks that hold them must add up."""
+    check_names(folder, StateNames.from_json(spec.aliases), spec.structure)
+    holders: dict[str, list[int]] = {}
+    for stage in spec.stages:
+        for qualname in sorted(set(_parameters(folder / stage.file, stage.class_name))):
+            holders.setdefault(qualname, []).append(stage.index)
+    tied = {q: stages for q, stages in holders.items() if len(stages) > 1}
+    listed = [sorted(stages) for stages in spec.shared.values()]
+    missing = [f"{q!r} (stages {stages})" for q, stages in sorted(tied.items())
+               if stages not in listed]
+    if missing:
+        raise ProgramFolderError(
+            f"{folder}/program.json: the field shared is {spec.shared!r}, but the stage files "
+            f"bind the parameters {', '.join(missing)} in several stages (was it edited by "
+            "hand?): their gradients would not be added up", hint=REWRITE_HINT)
+
+
+def _parameters(path: Path, class_name: str) -> list[str]:
+    """The model names of the parameters a stage file's class binds (its PARAMETERS literal),
+    read without running the file."""
+    try:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.name == class_name:
+                for item in node.body:
+                    if isinstance(item, ast.Assign) and any(
+                            isinstance(t, ast.Name) and t.id == "PARAMETERS" for t in item.targets):
+                        value = ast.literal_eval(item.value)
+                        if isinstance(value, dict):
+                            return [str(v) for v in value.values()]
+    except (SyntaxError, ValueError, UnicodeDecodeError) as e:
+        raise ProgramFolderError(f"{path} is no stage file fxpipe wrote ({type(e).__name__}: "
+                                 f"{e})", hint=REWRITE_HINT) from None
+    return []
 
 
 def check_names(folder: Path, names: StateNames, structure: Structure | None = None, *,
