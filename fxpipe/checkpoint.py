@@ -101,12 +101,16 @@ def save_shard(directory: str, state: dict[str, torch.Tensor],
         shard: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in state.items()}}
         if optimizer is not None:
             shard["optimizer"] = _optimizer_by_name(optimizer, names)
-        entries = _on_every_rank(rank, world, lambda: _write_shard(directory, tmp, rank, shard),
+        kind = None if optimizer is None else type(optimizer).__name__
+        entries = _on_every_rank(rank, world,
+                                 lambda: {**_write_shard(directory, tmp, rank, shard),
+                                          "optimizer": kind},
                                  cleanup=lambda: shutil.rmtree(os.path.join(directory, tmp), True))
+        # a rank whose stages hold no parameters has no optimizer, rank 0's included
+        kinds = sorted({entry.pop("optimizer") for entry in entries} - {None})
         meta = {"format": FORMAT, "fxpipe": __version__, "step": step, "model": structure.model,
                 "fingerprint": structure.fingerprint(),
-                "optimizer": None if optimizer is None else type(optimizer).__name__,
-                "shards": entries}
+                "optimizer": kinds[0] if kinds else None, "shards": entries}
         _on_rank0(rank, world, lambda: _publish(directory, tmp, meta))
     finally:
         for fd in lock:

@@ -295,6 +295,47 @@ def _run_two_ranks(tmp_path, die_at_step: int | None) -> list[int]:
     return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
 
 
+def _save_where_rank_0_has_no_parameters(directory: str, store: str, rank: int) -> None:
+    """Rank 0's stage holds no parameters, so it has no optimizer; rank 1 has an SGD."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    structure = Structure.of_state("Toy", {"w0": torch.zeros(3), "w1": torch.zeros(3)})
+    if rank == 0:
+        save_shard(directory, {"w0": torch.zeros(3)}, None, {}, step=1, structure=structure)
+        return
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    weight.grad = torch.ones(3)
+    optimizer.step()  # a momentum buffer to save
+    save_shard(directory, {"w1": weight.detach()}, optimizer, {id(weight): "w1"}, step=1,
+               structure=structure)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_keeps_the_optimizer_when_rank_0_has_none(tmp_path):
+    from fxpipe.resume import restore_optimizer
+
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _save_where_rank_0_has_no_parameters(str(tmp_path / "ckpt"),
+                                                     str(tmp_path / "store"), rank)
+            except BaseException:  # noqa: BLE001 - the exit status says it
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids] == [0, 0]
+    checkpoint = fxpipe.load_checkpoint(str(tmp_path / "ckpt"))
+    assert checkpoint["optimizer_class"] == "SGD"
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    restore_optimizer(optimizer, checkpoint, {id(weight): "w1"})  # strict: all of it is there
+    assert optimizer.state[weight]["momentum_buffer"].tolist() == [1.0] * 3
+
+
 @pytest.mark.distributed
 def test_two_ranks_publish_a_step_only_when_both_shards_are_written(tmp_path):
     assert _run_two_ranks(tmp_path, die_at_step=None) == [0, 0]
