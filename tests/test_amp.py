@@ -218,3 +218,22 @@ def test_a_written_program_compiled_with_autocast_trains_in_bf16_and_verifies(tm
         assert "verify: OK" in run.stdout
     bf16_loss, fp32_loss = (float(r.stdout.split("step 0 loss ")[1].split()[0]) for r in runs)
     assert bf16_loss != fp32_loss  # the written program did run under autocast
+
+
+def test_a_rank_without_an_optimizer_moves_its_loss_scale_as_the_ranks_that_step():
+    from fxpipe.runtime.amp import ScaleFollower
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    stepping = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    following = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    follower = ScaleFollower()
+    for overflow in (False, False, False, True, False, False, True, True, False):
+        for scaler in (stepping, following):
+            scaler.scale(torch.ones(()))  # every rank calls loss_scale
+        weight.grad = torch.full((2,), float("inf") if overflow else 1.0)
+        stepping.step(optimizer)
+        stepping.update()
+        follower.update(following, overflow)
+        assert following.get_scale() == stepping.get_scale()
+

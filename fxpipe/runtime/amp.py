@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AutocastState", "AUTOCAST_DTYPES", "compiled_autocast", "loss_scale",
-           "agree_on_overflow"]
+           "agree_on_overflow", "ScaleFollower"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # compile(autocast=...)
@@ -96,3 +96,25 @@ def agree_on_overflow(params: Iterable[torch.Tensor], device: torch.device,
             for g in grads:
                 g[(0,) * g.dim()] = float("inf")
     return overflow
+
+
+class ScaleFollower:
+    """scaler.update() for a rank without an optimizer (its stages hold no parameters), which
+    scaler.step and scaler.update need: the scale moves as the other ranks' scalers move it
+    after the overflow they agreed on (NOTE [Loss scaling across ranks]), so a loss this rank
+    scales is scaled as their gradients are unscaled."""
+
+    def __init__(self) -> None:
+        self.steps_taken = 0  # since the scale last changed, as GradScaler's growth tracker
+
+    def update(self, scaler: torch.amp.GradScaler, overflow: bool) -> None:
+        if not scaler.is_enabled():
+            return
+        scale = scaler.get_scale()
+        if overflow:
+            scale, self.steps_taken = scale * scaler.get_backoff_factor(), 0
+        else:
+            self.steps_taken += 1
+            if self.steps_taken == scaler.get_growth_interval():
+                scale, self.steps_taken = scale * scaler.get_growth_factor(), 0
+        scaler.update(scale)
