@@ -5,6 +5,7 @@ torch places it, the reference's random streams and its device, the profile's ke
 Where CUDA matters it is emulated (a fake device count, tensors on the meta device)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -349,3 +350,90 @@ def test_state_of_a_parameter_a_new_cut_moved_in_this_process_follows_it():
     state = optimizer.state[param]
     assert {k: v.device.type for k, v in state.items()} == dict.fromkeys(state, "meta")
     assert state["step"].dtype == torch.float32
+
+
+# --- what data-parallel replicas compute --------------------------------------------------------
+
+
+class _NormNet(nn.Module):
+    """Batch statistics and dropout: a step that depends on how the batch is split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.relu(self.bn(self.fc(x)))))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_loss_of_replicas_is_each_shard_in_its_micro_batches_combined_as_the_loss_is(
+        reduction):
+    from fxpipe.reference import replicated_loss
+    from fxpipe.runtime.local import draw_base, seeded_forward
+    torch.manual_seed(0)
+    model, x, y = _NormNet(), torch.randn(8, 4), torch.randn(8, 3)
+    program = fxpipe.compile(copy.deepcopy(model), (x,), stages=2, chunks=2)
+
+    def loss(out, target):
+        return nn.functional.mse_loss(out, target, reduction=reduction)
+
+    torch.manual_seed(5)
+    got = replicated_loss(model, program.built.signature, [x], y, loss, 2, True, replicas=2)
+    torch.manual_seed(5)
+    base = draw_base()
+    per_replica = []
+    for shard, target in zip(x.chunk(2), y.chunk(2)):  # replica r: its half, in 2 micro-batches
+        outs = []
+        for m, micro in enumerate(shard.chunk(2)):
+            with seeded_forward(base, m):
+                outs.append(model(micro))
+        per_replica.append(loss(torch.cat(outs), target))
+    combined = sum(per_replica) / (2 if reduction == "mean" else 1)
+    assert got is not None
+    torch.testing.assert_close(got, combined)
+    std = replicated_loss(model, program.built.signature, [x], y,
+                          lambda out, target: out.std(), 2, True, replicas=2)
+    assert std is None  # replicas refuse it
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_whose_peer_stops_gives_up_within_the_timeout(written_mlp, tmp_path):
+    """After the setup wait, a wait for a stopped peer ends at --timeout (a gloo group made
+    with the long setup timeout would wait that long)."""
+    import signal
+    import time
+
+    from tests.test_failures import _rank_pid
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+                                 "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                                 str(written_mlp / "program.py"), "--steps", "100000",
+                                 "--timeout", "5"], stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    stopped = None
+    try:
+        deadline = time.monotonic() + 120
+        while "step 1 loss" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stopped = _rank_pid(proc.pid, 1)
+        assert stopped is not None, "training did not start: " + out.read_text()
+        os.kill(stopped, signal.SIGSTOP)
+        sent = time.monotonic()
+        while "rank 0 (stage 0)" not in out.read_text() and time.monotonic() < sent + 60:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - sent
+        assert "rank 0 (stage 0)" in out.read_text(), out.read_text()[-2000:]
+        assert elapsed < 5 + 10, f"rank 0 gave up {elapsed:.1f} s after its peer stopped"
+    finally:
+        for pid in [stopped, _rank_pid(proc.pid, 0)]:
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()

@@ -214,9 +214,13 @@ def _distributed(folder: Path, spec: ProgramSpec,
     backend = choose_backend(world, rank, torch.cuda.device_count())
     device = rank_device(backend, say=False)  # before the process group: NCCL binds to it
     # Starting and loading may take long (a stage of several GB): the ranks wait for each other
-    # up to --setup-timeout, then every group gets the step's --timeout (NCCL's watchdog too).
+    # up to --setup-timeout, then every wait gets the step's --timeout. NCCL's watchdog reads
+    # a group's timeout per operation, so its groups start long and are shortened after the
+    # load; gloo's point-to-point waits keep the timeout the group was made with, so its group
+    # starts short and the wait for the load says its own (limit_waits).
     # device_id binds the NCCL communicator to this rank's GPU at once (no guessing later)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.setup_timeout),
+    start = args.timeout if backend == "gloo" else args.setup_timeout
+    dist.init_process_group(backend, timeout=timedelta(seconds=start),
                             device_id=device if device.type == "cuda" else None)
     mesh = mesh_of_world(spec.placement)
     groups = make_groups(mesh, spec.shared, device.type)
@@ -234,7 +238,8 @@ def _distributed(folder: Path, spec: ProgramSpec,
         mesh=mesh, groups=groups, device=device, signature=spec.signature, edges=spec.edges,
         shared=spec.shared, chunks=spec.chunks, remat=spec.remat, schedule=spec.schedule,
         check_finite=args.check_finite, dp_bucket_mb=args.dp_bucket_mb)
-    limit_waits(groups, args.timeout)  # after every rank has loaded (a barrier)
+    limit_waits(groups, args.timeout, args.setup_timeout)  # once every rank has loaded
+    rank_stage.executor.transport.set_timeout(args.timeout)
 
     def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
              scaler: torch.amp.GradScaler) -> float:

@@ -139,12 +139,17 @@ def make_groups(mesh: Mesh, shared: dict[str, list[int]], device_type: str = "cp
     return groups
 
 
-def limit_waits(groups: Groups, seconds: float) -> None:
-    """Once every rank got here (a barrier under the timeout the groups were made with, long
-    enough to start and load), each collective of `groups` and of the default group waits at
-    most `seconds`; under NCCL its watchdog too. A torch without the setter keeps the longer
-    timeout."""
-    dist.barrier()
+def limit_waits(groups: Groups, seconds: float, setup_seconds: float) -> None:
+    """Waits for every rank (up to `setup_seconds`: starting and loading a stage's weights
+    take long), then lets each collective of `groups` and of the default group wait at most
+    `seconds`; under NCCL its watchdog too. (gloo's point-to-point waits take theirs from the
+    transport, fxpipe.runtime.transport.) A torch without the setter keeps the groups'
+    timeouts."""
+    if dist.get_backend() == "gloo":
+        # gloo's own waits last as long as its groups' timeout; this barrier says its own
+        dist.monitored_barrier(timeout=timedelta(seconds=setup_seconds), wait_all_ranks=True)
+    else:
+        dist.barrier()
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is None:
         return

@@ -113,6 +113,10 @@ class StrictTransport:
         self.queue: queue.Queue[_Batch] = queue.Queue()
         self.running = False  # the stream's thread runs while there are batches, then exits
 
+    def set_timeout(self, seconds: float) -> None:
+        """A wait for a peer is reported as a hang after `seconds`."""
+        self.timeout_s = seconds
+
     def post(self, ops: Sequence[Op]) -> list[Handle | None]:
         if not ops:
             return []

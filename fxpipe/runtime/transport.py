@@ -23,6 +23,7 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -61,6 +62,10 @@ class Transport(Protocol):
         """Waits until every send has completed."""
         ...
 
+    def set_timeout(self, seconds: float) -> None:
+        """How long a wait for a peer may last before it is reported lost."""
+        ...
+
     @property
     def by_tag(self) -> bool:
         """Whether a send meets its receive by tag (gloo), whatever the order they were posted
@@ -80,17 +85,27 @@ def _lost(peer: int, e: BaseException) -> PeerLostError:
                          hint="another rank failed, exited or timed out; its error says why")
 
 
+def _wait(work: Any, timeout: timedelta | None) -> None:
+    """A gloo wait with the timeout given (else its group's, fixed when the group was made); a
+    NCCL wait without one, which only orders streams where one would block the host."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
 class _Works:
     """The torch works behind one receive (NCCL returns one work for a whole batch)."""
 
-    def __init__(self, works: list[Any], peer: int) -> None:
+    def __init__(self, works: list[Any], peer: int, timeout: timedelta | None = None) -> None:
         self.works = works
         self.peer = peer
+        self.timeout = timeout
 
     def wait(self) -> None:
         try:
             for work in self.works:
-                work.wait()
+                _wait(work, self.timeout)
         except RuntimeError as e:
             raise _lost(self.peer, e) from e
 
@@ -112,6 +127,7 @@ class SendReaper:
         self.lock = threading.Condition()
         self.queue: queue.Queue[tuple[list[Any], list[torch.Tensor], int]] = queue.Queue()
         self.running = False  # the waiting thread runs while there are sends, then exits
+        self.timeout: timedelta | None = None  # a gloo send's wait (None: its group's)
 
     def add(self, works: list[Any], tensors: list[torch.Tensor], peer: int) -> None:
         with self.lock:
@@ -150,7 +166,7 @@ class SendReaper:
                 continue
             try:
                 for work in entry[0]:
-                    work.wait()
+                    _wait(work, self.timeout)
             except RuntimeError as e:
                 self.error = self.error or _lost(entry[2], e)
             self._release(entry)
@@ -196,7 +212,7 @@ class TorchTransport:
             for work, op in zip(works, ops):
                 if op.kind == "send":
                     self.sends.add([work], [op.tensor], op.peer)
-            return [_Works([w], op.peer) if op.kind == "recv" else None
+            return [_Works([w], op.peer, self.sends.timeout) if op.kind == "recv" else None
                     for w, op in zip(works, ops)]
         if sends:  # one group (NCCL): its sends are done when all of it is
             self.sends.add(list(works), [op.tensor for op in sends], sends[0].peer)
@@ -204,6 +220,10 @@ class TorchTransport:
 
     def flush(self) -> None:
         self.sends.flush()
+
+    def set_timeout(self, seconds: float) -> None:
+        """gloo's waits for a peer last `seconds` (NCCL's watchdog reads its group's)."""
+        self.sends.timeout = timedelta(seconds=seconds) if self.tags else None
 
     @property
     def by_tag(self) -> bool:
