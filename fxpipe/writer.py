@@ -53,12 +53,20 @@ model.pt and so imports the model's code).
 """
 from __future__ import annotations
 
+import os
 import sys
-from pathlib import Path
 
-from fxpipe.runtime.launch import build_stage, main
+# fxpipe and torch come from the environment, never from this folder: a module planted here
+# (torch.py, fxpipe.py) must not shadow them, so the folder leaves the import path before
+# anything else is imported (os and sys are loaded before any script runs).
+_FOLDER = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _FOLDER]
 
-HERE = Path(__file__).resolve().parent
+from pathlib import Path  # noqa: E402
+
+from fxpipe.runtime.launch import build_stage, main  # noqa: E402
+
+HERE = Path(_FOLDER)
 # The code this program imports besides fxpipe and torch; program.json may name nothing else.
 {code}
 

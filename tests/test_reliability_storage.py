@@ -14,6 +14,8 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -180,6 +182,19 @@ def test_a_module_planted_in_a_program_folder_is_refused(tmp_path, planted):
     with pytest.raises(ProgramFolderError, match=rf"{name} is a Python module"):
         check_program(folder)
     assert main(["report", str(folder)]) == 2
+
+
+@pytest.mark.parametrize("planted", ["torch.py", "fxpipe.py", "pathlib.py"])
+def test_program_py_run_directly_never_imports_a_module_planted_beside_it(tmp_path, planted):
+    folder = tmp_path / "prog"
+    program, _ = _program()
+    program.write(str(folder), reference_steps=0)
+    (folder / planted).write_text("raise SystemExit('planted code ran')\n")
+    result = subprocess.run([sys.executable, str(folder / "program.py"), "--steps", "1"],
+                            capture_output=True, text=True, timeout=300, cwd=folder)
+    out = result.stdout + result.stderr
+    assert "planted code ran" not in out
+    assert result.returncode != 0 and f"{planted} is a Python module" in out
 
 
 def test_user_files_that_import_nothing_pass_the_folder_check(tmp_path):
