@@ -199,6 +199,10 @@ class StageRow(TypedDict, total=False):
     kept_measured_bytes: float  # only after program.measure_activations()
 
 
+BREAKDOWN = {"kernels": "kernels", "overhead": "per-operation and per-micro-batch overhead",
+             "messages": "messages", "step": "per-step"}
+"""PartitionPlan.breakdown's parts as the report names them."""
+
 SCHEDULE_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1",
                    "interleaved-1f1b": "Interleaved 1F1B", "zb-v": "ZB-V"}
 
@@ -236,6 +240,7 @@ class Report:
             "bubble": simulated_bubble,
             "predicted_step_time_s": step,  # the one predicted step (simulated)
             "simulated_step_time_s": step,
+            "breakdown_s": plan.breakdown(),
             "chunk_candidates": [{"chunks": c, "predicted_step_time_s": t}
                                  for c, t in plan.candidates],
             "auto_schedules": [{"schedule": name, "step_time_s": t}
@@ -293,7 +298,10 @@ class Report:
                  f"{s['imbalance']:.3f}",
                  f"bubble (idle share of the ranks): {s['bubble']:.1%}",
                  f"predicted step time: {human_time(s['simulated_step_time_s'])} "
-                 f"({s['schedule']} played with the stage costs)"]
+                 f"({s['schedule']} played with the stage costs)",
+                 "predicted work per step, all stages together: " + ", ".join(
+                     f"{name} {human_time(s['breakdown_s'][key])}"
+                     for key, name in BREAKDOWN.items())]
         if self.shared:
             lines.append("tied parameters (gradients summed across stages): "
                          + ", ".join(f"{k} in stages {v}" for k, v in self.shared.items()))

@@ -453,3 +453,70 @@ def test_estimated_gpt_step_is_within_a_factor_of_two_of_the_measured_step():
 
     os.sync()  # the checkpoints earlier tests wrote are on disk, not being written meanwhile
     assert 0.5 <= _within(0.5, 2.0, ratio, attempts=10, pause=6.0) <= 2.0
+
+
+# --- what a real step pays beyond kernels ------------------------------------------------------
+
+
+def _step_costs(**overheads: float) -> Any:
+    import dataclasses
+
+    from fxpipe.models import mlp
+    from fxpipe.profile import get_profile
+
+    model, inputs = mlp.build(depth=4)
+    profile = dataclasses.replace(get_profile("a100"), **overheads)
+    return fxpipe.compile(model, inputs, stages=2, chunks=4, remat="never", profile=profile,
+                          split_points=["blocks.2"])
+
+
+def test_the_predicted_step_pays_per_operation_micro_batch_and_step_beyond_kernels():
+    import dataclasses
+
+    from fxpipe.report import human_time
+    from fxpipe.runtime.timeline import predicted_local_step, predicted_step
+
+    bare = _step_costs()
+    paid = _step_costs(op_overhead=1e-3, microbatch_overhead=2e-3, step_overhead=5e-3)
+    for with_, without in zip(paid.plan.stages, bare.plan.stages):
+        nodes = {n.name: n for n in paid.graph_module.graph.nodes}
+        ops = sum(1 for name in with_.nodes if ir.cost(nodes[name]).fwd_kernels)
+        assert with_.overhead_time == pytest.approx(ops * 1e-3 + 2e-3)
+        assert with_.compute_time == pytest.approx(without.compute_time + ops * 1e-3 + 2e-3)
+        assert with_.forward_time == pytest.approx(without.forward_time + ops * 5e-4 + 1e-3)
+    plan = paid.plan
+    assert predicted_local_step(plan) == pytest.approx(
+        4 * sum(s.compute_time for s in plan.stages) + 5e-3)
+    once = dataclasses.replace(plan, step_overhead=0.0)
+    assert predicted_step(plan, "gpipe")[0] == pytest.approx(predicted_step(once, "gpipe")[0]
+                                                             + 5e-3)
+    assert plan.predicted_step_time == pytest.approx(predicted_step(plan, "gpipe")[0])
+    parts = plan.breakdown()
+    assert parts["step"] == 5e-3
+    assert parts["overhead"] == pytest.approx(4 * sum(s.overhead_time for s in plan.stages))
+    assert parts["kernels"] + parts["overhead"] == pytest.approx(
+        4 * sum(s.compute_time for s in plan.stages))
+    assert parts["kernels"] == pytest.approx(4 * sum(s.compute_time for s in bare.plan.stages))
+    text = paid.report().text()
+    assert ("predicted work per step, all stages together: kernels "
+            f"{human_time(parts['kernels'])}, per-operation and per-micro-batch overhead "
+            f"{human_time(parts['overhead'])}, messages {human_time(parts['messages'])}, "
+            f"per-step {human_time(5e-3)}") in text
+
+
+def test_a_recomputed_operation_pays_the_checkpoint_again():
+    import dataclasses
+
+    from fxpipe.models import mlp
+    from fxpipe.profile import get_profile
+
+    model, inputs = mlp.build(depth=4)
+    plans = {}
+    for region in (0.0, 1e-3):
+        profile = dataclasses.replace(get_profile("a100"), region_overhead=region)
+        plans[region] = fxpipe.compile(model, inputs, stages=2, chunks=4, remat="always",
+                                       profile=profile, split_points=["blocks.2"]).plan
+    for with_, without in zip(plans[1e-3].stages, plans[0.0].stages):
+        assert with_.recompute_time > without.recompute_time
+        assert with_.compute_time - without.compute_time == pytest.approx(
+            with_.recompute_time - without.recompute_time)

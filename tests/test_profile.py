@@ -183,7 +183,7 @@ def test_a_profile_measured_under_load_contradicts_itself_and_says_with_which_va
     problems = implausible(measured_like(BUSY_LINK))
     assert any("a 4 KiB loopback message takes 2592 us" in p and "5.80 us" in p
                for p in problems), problems
-    dipped = Curve(((4096.0, 0.1e9), (65536.0, 1.3e9), (262144.0, 0.2e9), (16777216.0, 1.7e9)))
+    dipped = Curve(((4096.0, 0.1e9), (65536.0, 1.3e9), (262144.0, 0.1e9), (16777216.0, 1.7e9)))
     assert disagreeing(dipped.points) == [262144.0]
     assert any("fewer bytes/s at 256 KiB" in p for p in implausible(measured_like(dipped)))
     assert implausible(dataclasses.replace(measured_like(BUSY_LINK), source="datasheet")) == []
@@ -212,6 +212,23 @@ def test_a_run_measuring_far_from_the_profile_drops_the_cached_one(cache_folder,
     assert not cache.profile_path(profile.key).exists()
     cache.cached_profile("cpu")
     assert len(counted_measure) == 2  # measured again by the next use
+
+
+def test_what_a_step_pays_beyond_kernels_is_part_of_the_cached_profile(cache_folder,
+                                                                       counted_measure):
+    paid = dataclasses.replace(preset("a100"), op_overhead=1e-5, region_overhead=2e-5,
+                               microbatch_overhead=3e-4, step_overhead=4e-4)
+    assert DeviceProfile.from_json(json.loads(json.dumps(paid.to_json()))) == paid
+    assert paid.scaled(2.0).microbatch_overhead == pytest.approx(6e-4)
+    # a profile cached before the overheads were measured is measured again
+    key = cache.profile_key("cpu", torch.float32)
+    path = cache.profile_path(key)
+    path.parent.mkdir(parents=True)
+    old = dataclasses.replace(measured_like(FRESH_LINK), key=key).to_json()
+    del old["overheads"]
+    path.write_text(json.dumps(old))
+    cache.cached_profile("cpu")
+    assert len(counted_measure) == 1 and "overheads" in json.loads(path.read_text())
 
 
 def test_the_second_compile_uses_the_cached_profile_and_cuts_alike(cache_folder,

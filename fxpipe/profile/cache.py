@@ -94,7 +94,10 @@ def locked(name: str) -> Iterator[None]:
 
 def _read(path: Path) -> DeviceProfile | None:
     try:
-        return DeviceProfile.from_json(json.loads(path.read_text(encoding="utf-8")))
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if "overheads" not in data:  # measured before steps' overheads were: measure again
+            return None
+        return DeviceProfile.from_json(data)
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None  # missing or from another version: measure again
 

@@ -10,7 +10,8 @@ element-wise kernel whose tensors fit in a cache runs faster than one that strea
 A rate is a `Curve` of (size, rate) points, interpolated log-log and flat beyond its ends; a
 measured rate includes launching the kernel, a datasheet preset has one point per curve. A
 kernel too small for either rate to matter costs its launch (the overhead). Messages between
-stages take size / link(size) plus a latency per message.
+stages take size / link(size) plus a latency per message. A real step also pays per operation,
+per remat region, per micro-batch and per step (fxpipe.profile.overheads), beyond its kernels.
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ from typing import Any
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["Curve", "ClassRate", "DeviceProfile", "OP_CLASSES"]
+__all__ = ["Curve", "ClassRate", "DeviceProfile", "OP_CLASSES", "OVERHEADS"]
+
+OVERHEADS = ("op_overhead", "region_overhead", "microbatch_overhead", "step_overhead")
+"""The DeviceProfile fields of what a real step pays beyond its kernels."""
 
 OP_CLASSES = ("matmul", "attention", "convolution", "embedding", "reduction", "elementwise")
 """Classes of aten kernels that run at different rates (fxpipe.profile.kernels.op_class)."""
@@ -97,6 +101,13 @@ class DeviceProfile:
     source: str  # how the numbers were obtained: "measured ..." or "datasheet ..."
     precision: str = "fp32"  # the arithmetic the rates are for: fp32, tf32, bf16, fp16, fp64
     key: str = ""  # the preset name or the measured profile's cache key
+    # what a real step pays beyond kernels (fxpipe.profile.overheads), in seconds: per graph
+    # operation per micro-batch (forward and backward), per remat region recomputed, per stage
+    # and micro-batch, per step; measured on CPUs, 0 in datasheet presets
+    op_overhead: float = 0.0
+    region_overhead: float = 0.0
+    microbatch_overhead: float = 0.0
+    step_overhead: float = 0.0
 
     def rate(self, op_class: str) -> ClassRate:
         for name, rate in self.rates:
@@ -146,12 +157,17 @@ class DeviceProfile:
                                        r.flops.scaled(factor) if r.flops else None))
                       for name, r in self.rates)
         return replace(self, rates=rates, kernel_overhead=self.kernel_overhead * factor,
+                       op_overhead=self.op_overhead * factor,
+                       region_overhead=self.region_overhead * factor,
+                       microbatch_overhead=self.microbatch_overhead * factor,
+                       step_overhead=self.step_overhead * factor,
                        source=f"{self.source}, scaled x{factor:.3g}")
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kernel_overhead": self.kernel_overhead,
                 "link": [list(p) for p in self.link.points], "link_latency": self.link_latency,
                 "source": self.source, "precision": self.precision, "key": self.key,
+                "overheads": {name: getattr(self, name) for name in OVERHEADS},
                 "rates": {name: {"bandwidth": [list(p) for p in r.bandwidth.points],
                                  "flops": [list(p) for p in r.flops.points] if r.flops else None}
                           for name, r in self.rates}}
@@ -168,11 +184,13 @@ class DeviceProfile:
         if missing:
             raise ConfigError(f"device profile {data['name']!r} lacks op classes {missing}",
                               hint="measure it again: fxpipe profile --refresh")
+        overheads = data.get("overheads", {})
         return DeviceProfile(str(data["name"]), rates, float(data["kernel_overhead"]),
                              curve(data["link"]), float(data["link_latency"]),
                              str(data["source"]),
                              _DTYPE_NAMES.get(str(data["precision"]), str(data["precision"])),
-                             str(data["key"]))
+                             str(data["key"]),
+                             **{name: float(overheads.get(name, 0.0)) for name in OVERHEADS})
 
     def describe(self) -> list[list[str]]:
         """Rows (class, FLOP/s at small and large kernels, bytes/s likewise) for a table."""

@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -29,11 +29,13 @@ import torch.nn.functional as F
 from fxpipe.profile.checks import dips, disagreeing, implausible
 from fxpipe.profile.device import OP_CLASSES, ClassRate, Curve, DeviceProfile
 from fxpipe.profile.kernels import WorkCounter
+from fxpipe.profile.overheads import measure_overheads
 from fxpipe.profile.presets import SPECS, compute_precision, spec_of_device
 
 __all__ = ["measure", "min_time", "median_time", "MESSAGE_SIZES"]
 
 MESSAGE_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
+_TINY = 8  # bytes: a message whose time is its latency
 _PCIE4 = 25e9
 
 
@@ -226,11 +228,13 @@ def _link_curve(points: Sequence[tuple[float, float]]) -> Curve:
     return Curve(tuple(sorted((float(size), rate) for size, rate in points if rate > 0)))
 
 
-def _gloo_link(passes: int = 3, again: int = 4) -> Curve:
+def _gloo_link(passes: int = 3, again: int = 4) -> tuple[Curve, float]:
     """Gloo send/recv over loopback between two process groups of this process, ping-pong:
     every size in each of `passes` passes spread over the measurement (a burst of load cannot
     spoil all samples of one size), the fastest kept; sizes that disagree with a smaller one
-    (fxpipe.profile.checks.disagreeing) are measured up to `again` more times."""
+    (fxpipe.profile.checks.disagreeing) are measured up to `again` more times. Returns the
+    curve and the latency of a message (the one-way time of a few bytes): the curve's rates are
+    of the time beyond it, so latency + size / rate is the time measured."""
     import torch.distributed as dist
 
     store = dist.HashStore()  # type: ignore[attr-defined]  # not re-exported in the stubs
@@ -242,13 +246,13 @@ def _gloo_link(passes: int = 3, again: int = 4) -> Curve:
         groups[rank] = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
 
     _both(make)
-    best = {size: float("inf") for size in MESSAGE_SIZES}
+    best = {size: float("inf") for size in (_TINY, *MESSAGE_SIZES)}
 
     def ping(sizes: Sequence[int], rank: int) -> None:
         group = groups[rank]
         assert group is not None
         for size in sizes:
-            buffer = torch.ones(size // 4)
+            buffer = torch.ones(max(size // 4, 1))
             fastest = float("inf")
             for _ in range(4 if size <= 2**20 else 2):
                 start = time.perf_counter()
@@ -263,13 +267,16 @@ def _gloo_link(passes: int = 3, again: int = 4) -> Curve:
                 best[size] = min(best[size], fastest)
 
     for _ in range(passes):
-        _both(partial(ping, MESSAGE_SIZES))
+        _both(partial(ping, (_TINY, *MESSAGE_SIZES)))
     for _ in range(again):
-        slow = [int(s) for s in disagreeing([(size, size / t) for size, t in best.items()])]
+        slow = [int(s) for s in disagreeing([(size, size / t) for size, t in best.items()
+                                             if size in MESSAGE_SIZES])]
         if not slow:
             break
         _both(partial(ping, slow))
-    return _link_curve([(size, size / seconds) for size, seconds in best.items()])
+    latency = best.pop(_TINY)
+    return (_link_curve([(size, size / max(seconds - latency, 0.05 * seconds))
+                         for size, seconds in best.items()]), latency)
 
 
 def _both(fn: Callable[[int], None]) -> None:
@@ -305,7 +312,7 @@ def _synchronize_both(a: torch.device, b: torch.device) -> None:
 
 def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.float32,
             threads: int | None = 1, link: bool = True, name: str = "", key: str = "",
-            budget: float = 2.0) -> DeviceProfile:
+            budget: float = 2.0, overheads: bool = True) -> DeviceProfile:
     """Measures every op class, the kernel overhead and the link on `device` (a few seconds).
 
     Args:
@@ -315,6 +322,7 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
             a pipeline runs one stage per process, one thread each.
         link: measure the link between stages too (else a constant for loopback gloo).
         budget: seconds of round-robin sampling of the op classes (at least 6 rounds).
+        overheads: measure what a step pays beyond kernels (fxpipe.profile.overheads; CPU).
     """
     device = torch.device(device)
     previous = torch.get_num_threads()
@@ -327,16 +335,18 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
         suite.again(budget)
         rates = _class_rates(suite)
         overhead = next(p.best / p.kernels for p in suite.points if p.curve == "overhead")
+        latency = 0.0
         if device.type == "cuda":
             curve, how = _cuda_link(device)
         elif link:
-            curve, how = _gloo_link(), "gloo loopback ping-pong, 4 KiB .. 16 MiB"
+            (curve, latency), how = _gloo_link(), "gloo loopback ping-pong, 4 KiB .. 16 MiB"
             for _ in range(2):  # the link contradicts the rates: measured under load, again
-                draft = DeviceProfile("", tuple(rates.items()), overhead, curve, 0.0,
+                draft = DeviceProfile("", tuple(rates.items()), overhead, curve, latency,
                                       f"measured: {how}")
                 if not implausible(draft):
                     break
-                curve = _faster(curve, _gloo_link())
+                again, later = _gloo_link()
+                curve, latency = _faster(curve, again), min(latency, later)
         else:
             curve, how = Curve.flat(0.8e9), "gloo loopback assumed at 0.8 GB/s"
     finally:
@@ -350,7 +360,16 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
                                    bool(torch.backends.cuda.matmul.allow_tf32))
     profile = DeviceProfile(name or f"measured {where} ({precision})",
                             tuple((c, rates[c]) for c in OP_CLASSES), overhead, curve,
-                            0.0, source, arithmetic, key)
+                            latency, source, arithmetic, key)
+    if device.type == "cpu" and overheads:  # what a step pays beyond kernels, one thread
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads or previous)
+        try:
+            paid = measure_overheads(profile)
+        finally:
+            torch.set_num_threads(previous)
+        profile = replace(profile, op_overhead=paid.op, region_overhead=paid.region,
+                          microbatch_overhead=paid.microbatch, step_overhead=paid.step)
     problems = implausible(profile)
     if problems:
         warnings.warn(f"the device profile of {device} contradicts itself after measuring "

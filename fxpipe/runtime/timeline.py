@@ -14,7 +14,7 @@ from fxpipe.runtime.simulate import TimedEvent, simulate
 
 __all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
            "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step",
-           "SPLIT_BACKWARD"]
+           "predicted_local_step", "SPLIT_BACKWARD"]
 
 
 class EventJSON(TypedDict):
@@ -187,6 +187,9 @@ class PlanTimes(Protocol):
     @property
     def chunks(self) -> int: ...
 
+    @property
+    def step_overhead(self) -> float: ...
+
 
 def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
                ) -> tuple[list[TimedEvent], float]:
@@ -219,12 +222,20 @@ def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
 def predicted_step(plan: PlanTimes, schedule: str, ranks: int | None = None
                    ) -> tuple[float, float]:
     """(step time, bubble) of `schedule` on `ranks` ranks (default: the schedule's stages per
-    rank) simulated with the plan's stage times; the bubble is the ranks' idle share of the
-    step (fxpipe.figures.idle_share), the one bubble every report prints."""
+    rank) simulated with the plan's stage times, plus what a step pays once; the bubble is the
+    ranks' idle share of the step (fxpipe.figures.idle_share), the one bubble every report
+    prints."""
     ranks = ranks or max(len(plan.stages) // default_stages_per_rank(schedule), 1)
     events, makespan = _simulated(plan, schedule, ranks)
     work = sum(e.end - e.start for e in events if e.kind != "send")
-    return makespan, idle_share(work, ranks, makespan)
+    step = makespan + plan.step_overhead
+    return step, idle_share(work, ranks, step)
+
+
+def predicted_local_step(plan: PlanTimes) -> float:
+    """One step of the plan in one process (program.step without torchrun): every stage's
+    compute of every micro-batch one after another, no messages, and the per-step cost."""
+    return plan.chunks * sum(s.compute_time for s in plan.stages) + plan.step_overhead
 
 
 def predicted_events(plan: PlanTimes, schedule: str = "gpipe",

@@ -55,6 +55,8 @@ class StagePlan:
     # the part of the backward a split backward's W runs (besides recomputing): the weight
     # gradients; the whole backward in the first stage, which has no input gradient to send
     weight_time: float = 0.0
+    # the part of compute_time paid beyond kernels: per operation, per micro-batch, per region
+    overhead_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,18 @@ class PartitionPlan:
     # schedule="auto": (schedule, simulated step time, or None where no partition fits memory)
     schedules: tuple[tuple[str, float | None], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    step_overhead: float = 0.0  # seconds each step pays once, beyond its micro-batches
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds of one step's work, all stages together (not its critical path): kernels,
+        per-operation overhead, per-micro-batch overhead (both in compute_time), messages
+        (each boundary once, forward and backward), and the per-step overhead."""
+        m = self.chunks
+        overhead = sum(s.overhead_time for s in self.stages) * m
+        kernels = sum(s.compute_time for s in self.stages) * m - overhead
+        return {"kernels": kernels, "overhead": overhead,
+                "messages": sum(s.comm_time for s in self.stages) / 2 * m,
+                "step": self.step_overhead}
 
     @property
     def imbalance(self) -> float:
@@ -91,6 +105,8 @@ class Atoms:
     forward: list[float]  # seconds of the forward alone, per atom
     recompute: list[float]  # seconds of recomputation in the backward, per atom
     weight: list[float]  # seconds of the backward's weight gradients, per atom
+    # seconds per atom of per-operation overhead beyond kernels (in compute; recompute included)
+    overhead: list[float] = field(default_factory=list)
 
 
 def _is_glue(node: Node) -> bool:
@@ -224,15 +240,24 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     forward: list[float] = []
     recomputed: list[float] = []
     weight: list[float] = []
+    overhead: list[float] = []
     readers = _weight_readers(gm)
     corrections = corrections or {}
+    # what each operation pays beyond its kernels, half in its forward and half in its backward
+    # (measured per-node times and parameter bytes include or need none); a recomputed
+    # operation pays its forward's share again and the checkpoint's bookkeeping
+    costed = balance == "cost"
     for group in groups:
         times = [_node_time(x, balance, profile, b, corrections) for x in group]
-        fwd = sum(t[0] for t in times)
-        bwd = sum(t[1] for t in times)
-        compute.append(fwd + bwd + recompute * fwd)
+        ops = sum(1 for x in group if not _is_glue(x)) if costed else 0
+        paid = ops * profile.op_overhead / 2
+        fwd = sum(t[0] for t in times) + paid
+        bwd = sum(t[1] for t in times) + paid
+        again = recompute * (fwd + ops * profile.region_overhead)
+        overhead.append(2 * paid + recompute * (paid + ops * profile.region_overhead))
+        compute.append(fwd + bwd + again)
         forward.append(fwd)
-        recomputed.append(recompute * fwd)
+        recomputed.append(again)
         weight.append(sum(WEIGHT_GRAD_SHARE * t[1] for x, t in zip(group, times)
                           if x in readers))
         costs = [ir.cost(x) for x in group]
@@ -271,7 +296,7 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
                 for f, bw, m in zip(cut_f, cut_b, cut_m)]
     comm[0] = comm[n] = 0.0
     return Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved, forward, recomputed,
-                 weight)
+                 weight, overhead)
 
 
 def partition(
@@ -358,14 +383,18 @@ def partition(
                          mem_act=atoms.mem_act,
                          cut_mem=atoms.cut_bytes if remat != "never" else None,
                          inflight=inflight)
-    plan = _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages)
+    fixed = 0.0 if mode == "params" else profile.microbatch_overhead
+    plan = _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages, fixed)
+    plan = replace(plan, step_overhead=0.0 if mode == "params" else profile.step_overhead)
     # the step as the schedule plays it: the one figure reports and chunks="auto" judge by
     return replace(plan, predicted_step_time=predicted_step(plan, schedule, ranks)[0])
 
 
 def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
                   evaluated: Partition, b: int, chunks: int, mode: str,
-                  k: int) -> PartitionPlan:
+                  k: int, fixed: float = 0.0) -> PartitionPlan:
+    """The plan of these cuts; `fixed`: seconds every stage pays per micro-batch beyond its
+    operations (the executor's hand-offs), half of it in the forward."""
     stages: list[StagePlan] = []
     for s in range(k):
         members = [n for g in groups[cuts[s]:cuts[s + 1]] for n in g]
@@ -373,17 +402,18 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
             node.meta[ir.STAGE] = s
         comm = atoms.cut_comm[cuts[s]] + atoms.cut_comm[cuts[s + 1]]
         modules = [ir.module_path(n) for n in members if ir.module_path(n)] or ["(top level)"]
-        compute = evaluated.stage_times[s] - comm
-        forward = sum(atoms.forward[cuts[s]:cuts[s + 1]])
+        compute = evaluated.stage_times[s] - comm + fixed
+        forward = sum(atoms.forward[cuts[s]:cuts[s + 1]]) + fixed / 2
         recompute = sum(atoms.recompute[cuts[s]:cuts[s + 1]])
         # the first stage receives no gradient-carrying value: its split backward's W is the
         # whole backward (NOTE [Split backward] in fxpipe/runtime/dist_comm.py)
         weight = compute - forward - recompute if s == 0 else \
             sum(atoms.weight[cuts[s]:cuts[s + 1]])
         stages.append(StagePlan(
-            s, tuple(n.name for n in members), evaluated.stage_times[s], compute, comm,
+            s, tuple(n.name for n in members), evaluated.stage_times[s] + fixed, compute, comm,
             evaluated.stage_memory[s] if evaluated.stage_memory else None,
-            modules[0], modules[-1], forward, recompute, weight))
+            modules[0], modules[-1], forward, recompute, weight,
+            sum(atoms.overhead[cuts[s]:cuts[s + 1]]) + fixed if atoms.overhead else fixed))
     bottleneck = max(st.time for st in stages)
     return PartitionPlan(tuple(stages), b, chunks, mode, bottleneck, (chunks + k - 1) * bottleneck)
 
