@@ -49,7 +49,12 @@ from fxpipe.rebalance import (
     save_balance,
     untouched,
 )
-from fxpipe.reference import reference_device, reference_losses
+from fxpipe.reference import (
+    depends_on_split,
+    reference_device,
+    reference_losses,
+    replica_counts,
+)
 from fxpipe.report import Report, build_report, predicted_kept
 from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
@@ -482,13 +487,25 @@ class Program(nn.Module):
                                                    "on the meta device reads only their shapes)")
         name = loss_name(loss_fn)
         meta_model = is_meta_model(self.model)
-        reference = reference_losses(self.model, built.signature, self._example, target,
-                                     resolve_loss(name), reference_steps, lr,
-                                     chunks=built.plan.chunks,
-                                     draws_random=any(st.random for st in built.stages),
-                                     device=reference_device(self.model, self.devices[0]),
-                                     autocast=self.config.autocast) \
-            if reference_steps and not meta_model else []
+        draws_random = any(st.random for st in built.stages)
+
+        def recorded(replicas: int) -> list[float]:
+            return reference_losses(self.model, built.signature, self._example, target,
+                                    resolve_loss(name), reference_steps, lr,
+                                    chunks=built.plan.chunks, draws_random=draws_random,
+                                    device=reference_device(self.model, self.devices[0]),
+                                    autocast=self.config.autocast, replicas=replicas)
+
+        reference = recorded(1) if reference_steps and not meta_model else []
+        # replicas see other micro-batches than one process where the split matters
+        split_dependent = depends_on_split(self.model, draws_random)
+        by_replicas: dict[int, list[float]] = {}
+        for replicas in replica_counts(built.signature.batch_size(self._example),
+                                       built.plan.chunks) if reference and split_dependent else []:
+            try:
+                by_replicas[replicas] = recorded(replicas)
+            except (RuntimeError, ValueError):  # e.g. BatchNorm of one example a micro-batch:
+                continue  # that many replicas cannot train it; --verify says none was recorded
         tensors, devices = self._held_tensors()
         keys = self._state_names().keys
         state = {q: t for q, t in tensors.items() if not keys.get(q)}
@@ -499,7 +516,9 @@ class Program(nn.Module):
                              if self._meta else {},
                              model=self.model if self._meta else None,
                              state_keys=tuple(self.model.state_dict(keep_vars=True)),
-                             structure=self._structure())
+                             structure=self._structure(),
+                             replica_reference_losses={r: v for r, v in by_replicas.items() if v},
+                             split_dependent=split_dependent)
         return write_program(built, directory, files)
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -27,9 +27,13 @@ from fxpipe.losses import LossFn
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.devices import stage_devices
 from fxpipe.runtime.local import draw_base, seeded_forward
+from fxpipe.runtime.loss_split import MEAN, SUM, split_kind
+from fxpipe.runtime.mesh import Mesh
+from fxpipe.runtime.rank import shard_batch
 from fxpipe.signature import Signature
 
-__all__ = ["reference_losses", "microbatched_forward", "reference_device", "copy_to"]
+__all__ = ["reference_losses", "microbatched_forward", "replicated_loss", "reference_device",
+           "copy_to", "depends_on_split", "replica_counts"]
 
 
 def microbatched_forward(model: nn.Module, signature: Signature, flat: Sequence[torch.Tensor],
@@ -40,6 +44,13 @@ def microbatched_forward(model: nn.Module, signature: Signature, flat: Sequence[
     taken from the caller's generator, as a pipelined step takes it.
     """
     base = draw_base() if draws_random else None
+    return signature.unflatten_outputs(
+        signature.join_outputs(_microbatch_leaves(model, signature, flat, chunks, base)))
+
+
+def _microbatch_leaves(model: nn.Module, signature: Signature, flat: Sequence[torch.Tensor],
+                       chunks: int, base: int | None) -> list[list[Any]]:
+    """Each micro-batch's output leaves, micro-batch m's random stream started at its seed."""
     # every CUDA generator the model draws from starts each micro-batch at its seed, as the
     # pipeline's stages seed theirs (not only the CPU's)
     devices = stage_devices(torch.device("cpu"), [*model.parameters(), *model.buffers(), *flat])
@@ -48,7 +59,49 @@ def microbatched_forward(model: nn.Module, signature: Signature, flat: Sequence[
         args, kwargs = signature.unflatten_inputs(tensors)
         with seeded_forward(base, m, devices):
             per_microbatch.append(pytree.tree_leaves(model(*args, **kwargs)))
-    return signature.unflatten_outputs(signature.join_outputs(per_microbatch))
+    return per_microbatch
+
+
+def replicated_loss(model: nn.Module, signature: Signature, flat: Sequence[torch.Tensor],
+                    target: torch.Tensor | None, loss: LossFn, chunks: int, draws_random: bool,
+                    replicas: int) -> torch.Tensor | None:
+    """The loss `replicas` data-parallel replicas of the pipeline train on (NOTE [What equals
+    what], once per replica): each computes the plain model over its shard of the batch (the
+    batch's equal parts, in order) in `chunks` micro-batches, every replica from the same
+    random base; their losses are averaged for a mean over examples and summed for a sum, as
+    the replicas' gradients are (fxpipe.runtime.loss_split). None for a loss that is neither,
+    which replicas refuse."""
+    base = draw_base() if draws_random else None
+    leaves, losses = [], []
+    for replica in range(replicas):
+        shard, shard_target = shard_batch(signature, list(flat), target,
+                                          Mesh((0,), replicas, replica))
+        mine = _microbatch_leaves(model, signature, shard, chunks, base)
+        leaves += mine
+        output = signature.unflatten_outputs(signature.join_outputs(mine))
+        losses.append(loss(output, shard_target) if shard_target is not None else loss(output))
+    with torch.no_grad():
+        output = signature.unflatten_outputs(signature.join_outputs(leaves))
+        whole = loss(output, target) if target is not None else loss(output)
+    kind = split_kind(float(whole), [float(v) for v in losses], whole.dtype)
+    if kind == MEAN:
+        return torch.stack(losses).mean()
+    if kind == SUM:
+        return torch.stack(losses).sum()
+    return None
+
+
+def depends_on_split(model: nn.Module, draws_random: bool) -> bool:
+    """Whether a step's result depends on how the batch is split among replicas: random numbers
+    drawn per micro-batch, or BatchNorm normalising each micro-batch with its statistics."""
+    return draws_random or any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+                               for m in model.modules())
+
+
+def replica_counts(batch: int, chunks: int, most: int = 8) -> list[int]:
+    """The numbers of data-parallel replicas (2 to `most`) a batch splits among evenly, each
+    replica's share into `chunks` micro-batches."""
+    return [r for r in range(2, most + 1) if batch % r == 0 and (batch // r) % chunks == 0]
 
 
 def reference_device(model: nn.Module, first_stage: torch.device) -> torch.device:
@@ -76,11 +129,12 @@ def reference_losses(model: nn.Module, signature: Signature, flat: list[torch.Te
                      target: torch.Tensor | None, loss: LossFn, steps: int, lr: float, *,
                      chunks: int = 1, draws_random: bool = False,
                      device: torch.device | None = None,
-                     autocast: str | None = None) -> list[float]:
+                     autocast: str | None = None, replicas: int = 1) -> list[float]:
     """The losses of `steps` SGD steps of a copy of `model` on one batch, each computed as the
-    pipeline computes it (`microbatched_forward`), step i seeded with torch.manual_seed(i), on
+    pipeline computes it (`microbatched_forward`; with `replicas` > 1, as that many
+    data-parallel replicas do: `replicated_loss`), step i seeded with torch.manual_seed(i), on
     `device` (the model's tensors may be spread over a pipeline's devices; the copy gathers them
-    there) and under the program's autocast dtype."""
+    there) and under the program's autocast dtype. Empty for replicas of a loss they refuse."""
     model = copy_to(model, device)
     if device is not None:
         flat = [t.to(device) for t in flat]
@@ -93,8 +147,15 @@ def reference_losses(model: nn.Module, signature: Signature, flat: list[torch.Te
         with torch.random.fork_rng(), compiled_autocast(autocast,
                                                         [device or torch.device("cpu")]):
             torch.manual_seed(step)
-            output = microbatched_forward(model, signature, flat, chunks, draws_random)
-            value = loss(output, target) if target is not None else loss(output)
+            if replicas > 1:
+                found = replicated_loss(model, signature, flat, target, loss, chunks,
+                                        draws_random, replicas)
+                if found is None:
+                    return []
+                value = found
+            else:
+                output = microbatched_forward(model, signature, flat, chunks, draws_random)
+                value = loss(output, target) if target is not None else loss(output)
         torch.autograd.backward(scaler.scale(value))
         scaler.step(optimizer)
         scaler.update()

@@ -100,6 +100,10 @@ class ProgramFiles:
     model: nn.Module | None = None  # the model without data: its initializers serve --init
     state_keys: tuple[str, ...] = ()  # every state_dict key of the model
     structure: Structure | None = None  # the model's, which the program's checkpoints record
+    # replicas -> the plain model's losses as they compute them (a step that depends on how the
+    # batch is split), for --verify with data-parallel replicas
+    replica_reference_losses: dict[int, list[float]] = field(default_factory=dict)
+    split_dependent: bool = False  # dropout or BatchNorm in training
 
 
 def write_program(built: Built, directory: str, files: ProgramFiles) -> list[str]:
@@ -246,4 +250,8 @@ def _spec(built: Built, files: ProgramFiles) -> dict[str, object]:
         "autocast": built.config.autocast,
         "predicted_events": [e.__dict__ for e in predicted_events(
             built.plan, built.config.schedule, built.config.ranks)],
+        **({"split_dependent": True,
+            "replica_reference_losses": {str(r): losses for r, losses in
+                                         sorted(files.replica_reference_losses.items())}}
+           if files.split_dependent else {}),
     }

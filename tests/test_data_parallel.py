@@ -234,3 +234,50 @@ def test_buckets_group_consecutive_parameters_up_to_the_size_and_never_mix_dtype
     assert buckets([(16, f32), (4, f32)], 8) == [[0], [1]]  # a large one alone
     assert buckets([(4, f32), (2, f16), (2, f16)], 100) == [[0], [1, 2]]
     assert buckets([], 8) == []
+
+
+class _SplitDependent(torch.nn.Module):
+    """BatchNorm in training and dropout: each replica's step depends on its share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.drop = torch.nn.Dropout(0.2)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.relu(self.bn(self.fc(x)))))
+
+
+@pytest.fixture(scope="module")
+def written_split_dependent(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bn_dropout")
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    program = fxpipe.compile(_SplitDependent(), (x,), stages=2, chunks=2)
+    program.write(str(folder), target=y, loss_fn="mse", reference_steps=3)
+    return folder
+
+
+def test_a_split_dependent_program_records_what_replicas_compute(written_split_dependent):
+    import json
+
+    from fxpipe.runtime.launch import _reference
+    from fxpipe.runtime.spec import ProgramSpec
+    data = json.loads((written_split_dependent / "program.json").read_text())
+    assert data["split_dependent"] is True
+    # 8 examples in 2 micro-batches: 4 replicas would normalise single examples
+    assert sorted(data["replica_reference_losses"]) == ["2"]
+    spec = ProgramSpec.from_json(data)
+    assert spec.replica_reference_losses[2] != spec.reference_losses  # other micro-batches
+    assert _reference(spec, 2)[1].endswith("the 2 replicas' shares of the batch")
+    assert _reference(spec, 3) is None  # not recorded: refused, never compared with another
+
+
+@pytest.mark.slow
+def test_verify_with_replicas_compares_with_what_the_replicas_compute(written_split_dependent):
+    result = _run([sys.executable, "-m", "fxpipe", "run", str(written_split_dependent),
+                   "--nproc", "4", "--port", str(_free_port()), "--steps", "3", "--verify"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verify: OK" in result.stdout and "2 replicas' shares" in result.stdout

@@ -153,7 +153,8 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
-    return _verify(spec, losses, args.lr, first) if args.verify and rank == 0 else 0
+    replicas = int(os.environ["WORLD_SIZE"]) // spec.ranks if distributed else 1
+    return _verify(spec, losses, args.lr, first, replicas) if args.verify and rank == 0 else 0
 
 
 def _save(directory: str, modules: list[StageModule], optimizer: torch.optim.Optimizer,
@@ -266,8 +267,32 @@ def _write_timeline(path: str, events: list[Event], rank: int, spec: ProgramSpec
 _VERIFY_TOLERANCE: dict[str | None, float] = {None: 1e-4, "fp16": 5e-3, "bf16": 2e-2}
 
 
-def _verify(spec: ProgramSpec, losses: list[float], lr: float, first: int = 0) -> int:
-    reference = spec.reference_losses[first:]
+def _reference(spec: ProgramSpec, replicas: int) -> tuple[tuple[float, ...], str] | None:
+    """The losses a run of `replicas` data-parallel replicas is compared with, and what they
+    are; None when none was recorded for that many."""
+    if replicas == 1:
+        return spec.reference_losses, "the plain model"
+    if replicas in spec.replica_reference_losses:
+        return (spec.replica_reference_losses[replicas],
+                f"the plain model over each of the {replicas} replicas' shares of the batch")
+    if spec.split_dependent or not spec.deterministic:
+        return None  # the step depends on how the batch is split
+    return spec.reference_losses, (f"the plain model (the step does not depend on how the batch "
+                                   f"is split among the {replicas} replicas)")
+
+
+def _verify(spec: ProgramSpec, losses: list[float], lr: float, first: int = 0,
+            replicas: int = 1) -> int:
+    chosen = _reference(spec, replicas)
+    if chosen is None:
+        recorded = sorted(spec.replica_reference_losses)
+        print(f"verify: the model's step depends on how the batch is split (dropout or "
+              f"BatchNorm in training), and no reference was recorded for {replicas} "
+              f"data-parallel replicas (recorded: 1{''.join(f', {r}' for r in recorded)}); "
+              "run with a replica count recorded, or write with a batch that splits evenly "
+              f"among {replicas} replicas")
+        return 1
+    reference, against = chosen[0][first:], chosen[1]
     if not reference:
         print(f"verify: no reference losses were recorded for steps {first} and later "
               f"({len(spec.reference_losses)} recorded; write with a larger reference_steps)")
@@ -294,7 +319,7 @@ def _verify(spec: ProgramSpec, losses: list[float], lr: float, first: int = 0) -
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
     tolerance = _VERIFY_TOLERANCE[spec.autocast]
     ok = worst <= tolerance
-    print(f"verify: {'OK' if ok else 'MISMATCH'}: steps {first}..{first + n - 1} against the "
-          f"plain model, largest "
-          f"relative loss difference {worst:.2e} (tolerance {tolerance:.0e})")
+    print(f"verify: {'OK' if ok else 'MISMATCH'}: steps {first}..{first + n - 1} against "
+          f"{against}, largest relative loss difference {worst:.2e} (tolerance "
+          f"{tolerance:.0e})")
     return 0 if ok else 1

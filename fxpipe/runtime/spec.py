@@ -12,7 +12,7 @@ import importlib
 import json
 import math
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias, TypedDict
 
 import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
@@ -119,6 +119,10 @@ class ProgramJSON(_ProgramJSON, total=False):
     structure: dict[str, object] | None
     files: dict[str, str]  # every other file of the program -> its sha256, hex
     stages_per_rank: int  # under a looped schedule; absent: 1
+    # a step that depends on how the batch is split (dropout, BatchNorm in training): the
+    # plain model's losses as R data-parallel replicas compute them, by R
+    replica_reference_losses: dict[str, list[float]]
+    split_dependent: bool  # absent: false
 
 
 REWRITE_HINT = "write the program again (program.write(DIR) or fxpipe compile ... --out DIR)"
@@ -168,6 +172,12 @@ def spec_problems(data: object) -> list[str]:
     check(isinstance(data["reference_losses"], list)
           and all(_is_number(x) for x in data["reference_losses"]), "reference_losses",
           "a list of finite numbers")
+    replicas = data.get("replica_reference_losses", {})
+    check(isinstance(replicas, dict) and all(
+        isinstance(k, str) and k.isdigit() and int(k) >= 2 and isinstance(v, list)
+        and all(_is_number(x) for x in v) for k, v in replicas.items()),
+        "replica_reference_losses", "replica counts >= 2 -> lists of finite numbers")
+    check(isinstance(data.get("split_dependent", False), bool), "split_dependent", "true, false")
     files = data.get("files", {})
     check(isinstance(files, dict)
           and all(is_inside_path(k) and isinstance(v, str) for k, v in files.items()),
@@ -510,6 +520,10 @@ class ProgramSpec:
     autocast: str | None = None  # "bf16" / "fp16": every stage under torch.autocast
     structure: Structure | None = None  # the model's state, which checkpoints record
     stages_per_rank: int = 1  # more than 1 under a looped schedule
+    # replicas -> the plain model's losses as they compute them, for a step that depends on how
+    # the batch is split (empty: it does not, or the program predates the record)
+    replica_reference_losses: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    split_dependent: bool = False  # dropout or BatchNorm in training
 
     @property
     def ranks(self) -> int:
@@ -545,7 +559,10 @@ class ProgramSpec:
                            tuple(data["reference_losses"]), data["deterministic"],
                            {k: list(v) for k, v in data.get("aliases", {}).items()},
                            tuple(data.get("predicted_events", ())), data.get("autocast"),
-                           _structure(data.get("structure")), data.get("stages_per_rank", 1))
+                           _structure(data.get("structure")), data.get("stages_per_rank", 1),
+                           {int(k): tuple(v) for k, v in
+                            data.get("replica_reference_losses", {}).items()},
+                           data.get("split_dependent", False))
 
 
 def _structure(data: object) -> Structure | None:
