@@ -9,10 +9,10 @@ ticks of a clock all ranks share (fxpipe.runtime.plan), and each tick's sends an
 posted together, in one agreed order, so no schedule can deadlock under NCCL. Each micro-batch's
 loss starts its backward weighted as a mean or a sum over examples, whichever the loss of the
 joined outputs shows it is (fxpipe.runtime.loss_split), so the accumulated gradients equal those
-of the loss on the whole batch; a loss that is neither is refused. Parameters that several
-stages hold (tied weights) have their gradients summed across the ranks that hold them (stages
-of one rank share the Parameter itself); with data parallelism, gradients are then averaged
-across replicas.
+of the loss on the whole batch; a loss that is neither, or that data-parallel replicas find of
+different kinds, is refused. Parameters that several stages hold (tied weights) have their
+gradients summed across the ranks that hold them (stages of one rank share the Parameter
+itself); with data parallelism, gradients are then averaged across replicas.
 
 Mixed precision: the caller's `torch.autocast` applies to the stage (it runs in the caller's
 thread), values cross stages in the dtype they have, and a GradScaler passed to `step` scales
@@ -40,13 +40,19 @@ from fxpipe.runtime.local import remat_enabled, seeded_forward
 from fxpipe.runtime.loss_split import (
     KINDS,
     MEAN,
+    MIXED,
     NEITHER,
     SUM,
+    UNDECIDED,
+    agreed,
     changed,
+    disagreement,
+    known_kind,
     loss_key,
     refusal,
     split_kind,
     unchanged,
+    undecidable,
     weight_of,
 )
 from fxpipe.runtime.memory import KeptMemory
@@ -171,7 +177,7 @@ class DistributedExecutor:
         The loss is computed per micro-batch and once on the joined outputs: the step returns the
         latter, and weights each micro-batch's backward as the comparison shows (NOTE in
         fxpipe.runtime.loss_split). Raises LossError on every rank for a loss that is neither a
-        mean nor a sum over examples.
+        mean nor a sum over examples, or whose kind the replicas cannot find or agree on.
         """
         key = loss_key(loss_fn, target is not None)
         run = dict(chunks=chunks, remat=remat, schedule=schedule, scaler=scaler)
@@ -233,14 +239,20 @@ class DistributedExecutor:
         replicas = self.mesh.replicas
         weight = 0.0 if probe else None if assumed is None else \
             weight_of(assumed, chunks, replicas)
-        judged: tuple[float, list[float], str | None] | None = None
+        # one micro-batch per replica: its halves show the kind (one replica takes any loss)
+        halves = chunks == 1 and replicas > 1
+        known = known_kind(loss_fn) or self.loss_kinds.get(key)
+        judged: tuple[float, list[float], str | None, list[int]] | None = None
+
+        def judge() -> tuple[float, list[float], str | None, list[int]]:
+            return self._judge(outputs, values, target, loss_fn, halves, known)
 
         def decided() -> float:
             """The weight of the last stage's losses, judged on this step before its first
             backward unless given."""
             nonlocal judged, weight
             if weight is None:  # every forward of the last stage is done (_loss_first)
-                judged = self._judge(outputs, values, target, loss_fn)
+                judged = judge()
                 weight = weight_of(judged[2] or self.loss_kinds.get(key, MEAN), chunks, replicas)
             return weight
         # the last action that accumulates gradients (B, or W of a split backward)
@@ -301,14 +313,19 @@ class DistributedExecutor:
         comm.finish()
         self._learned(comm)
         commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
-        # what the last stage found of the loss: [loss, kind, micro-batch losses...]
-        verdict = torch.zeros(2 + chunks, dtype=torch.float64, device=self.device)
+        # what the last stage found of the loss: [loss, kind, replicas finding each kind...,
+        # its parts' losses...]
+        width = len(KINDS) + 1
+        verdict = torch.zeros(2 + width + (2 if halves else chunks), dtype=torch.float64,
+                              device=self.device)
         if last_stage in self.units:
             if judged is None:
-                judged = self._judge(outputs, values, target, loss_fn)
+                judged = judge()
             verdict[0] = judged[0]
             verdict[1] = KINDS.index(judged[2]) if judged[2] is not None else -1
-            verdict[2:] = torch.tensor(judged[1], dtype=torch.float64)
+            verdict[2:2 + width] = torch.tensor(judged[3], dtype=torch.float64)
+            verdict[2 + width:2 + width + len(judged[1])] = torch.tensor(judged[1],
+                                                                         dtype=torch.float64)
         overflow = False
         first = min(self.units)
         try:
@@ -321,7 +338,7 @@ class DistributedExecutor:
             raise PeerLostError(f"stage {first} (rank {self.mesh.rank}): a collective with the "
                                 f"other ranks failed: {str(e).splitlines()[0]}",
                                 hint="another rank failed or exited; its error says why") from e
-        used = self._settle(verdict.tolist(), loss_fn, key, assumed, probe)
+        used = self._settle(verdict.tolist(), loss_fn, key, assumed, probe, halves)
         sends_held = self.transport.peak
         self.transport.reset_peak()
         # the replicas' losses are averaged (fxpipe.runtime.mesh): a sum's is their sum
@@ -386,16 +403,55 @@ class DistributedExecutor:
             self.averager = None
 
     def _judge(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
-               target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor]
-               ) -> tuple[float, list[float], str | None]:
-        """The loss of the whole batch (its outputs joined, as in one process), the
-        micro-batches' losses, and how they relate (fxpipe.runtime.loss_split.split_kind)."""
-        joined = self.signature.join_outputs([outputs[m] for m in sorted(outputs)])
+               target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor],
+               halves: bool, known: str | None
+               ) -> tuple[float, list[float], str | None, list[int]]:
+        """The loss of the whole batch (its outputs joined, as in one process), its parts'
+        losses, the kind the replicas agree on (fxpipe.runtime.loss_split), and how many found
+        each kind. The parts are the micro-batches, or with `halves` the two halves of the one
+        micro-batch; a micro-batch of one example has none and takes the `known` kind."""
+        if halves:
+            full = float(values[0])
+            parts, sizes = self._halves(outputs[0], target, loss_fn)
+            kind = split_kind(full, parts, values[0].dtype, sizes) if parts else \
+                known or UNDECIDED
+        else:
+            joined = self.signature.join_outputs([outputs[m] for m in sorted(outputs)])
+            with torch.no_grad():
+                loss = self._loss(joined, to_device(target, self.device) if target is not None
+                                  else None, loss_fn)
+            full, parts = float(loss), [float(values[m]) for m in sorted(values)]
+            kind = split_kind(full, parts, loss.dtype)
+        counts = torch.zeros(len(KINDS) + 1, dtype=torch.float64, device=self.device)
+        counts[KINDS.index(kind) if kind is not None else len(KINDS)] = 1
+        if self.dp_group is not None and self.mesh.replicas > 1:
+            try:  # the last stage of every replica
+                dist.all_reduce(counts, group=self.dp_group)
+            except RuntimeError as e:
+                raise PeerLostError(f"rank {self.mesh.rank}: agreeing on the loss's kind with "
+                                    f"the other replicas failed: {str(e).splitlines()[0]}",
+                                    hint="another rank failed or exited; its error says why"
+                                    ) from e
+        found = [int(n) for n in counts.tolist()]
+        return full, parts, agreed(found), found
+
+    def _halves(self, out: list[Any], target: torch.Tensor | None,
+                loss_fn: Callable[..., torch.Tensor]) -> tuple[list[float], list[int]]:
+        """The losses of the two halves of one micro-batch's outputs (and target, split as the
+        step splits it) along the batch, and their sizes; none for one example."""
+        dims = self.signature.out_batch_dims
+        size = next((o.shape[d] for o, d in zip(out, dims)
+                     if d is not None and isinstance(o, torch.Tensor)), 1)
+        if size < 2:
+            return [], []
+        halves = [[o.tensor_split(2, d)[h] if d is not None and isinstance(o, torch.Tensor)
+                   else o for o, d in zip(out, dims)] for h in (0, 1)]
+        out_dim = next((d for d in dims if d is not None), 0)
+        targets = split_target(target, 2, out_dim, size)
         with torch.no_grad():
-            full = self._loss(joined, to_device(target, self.device) if target is not None
-                              else None, loss_fn)
-        parts = [float(values[m]) for m in sorted(values)]
-        return float(full), parts, split_kind(float(full), parts, full.dtype)
+            parts = [float(self._loss(h, to_device(t, self.device) if t is not None else None,
+                                      loss_fn)) for h, t in zip(halves, targets)]
+        return parts, [size - size // 2, size // 2]
 
     def _weighted(self, losses: dict[int, torch.Tensor], mb: int, weight: float,
                   scale: Any) -> torch.Tensor:
@@ -403,18 +459,27 @@ class DistributedExecutor:
         return loss if scale is None else loss * scale
 
     def _settle(self, verdict: list[float], loss_fn: Callable[..., torch.Tensor], key: Any,
-                assumed: str | None, probe: bool) -> str:
+                assumed: str | None, probe: bool, halves: bool) -> str:
         """Every rank alike: remembers what a judging step found, refuses a loss that does not
-        split over micro-batches or that changed kind after its backward was scaled; returns
-        the kind the backward was weighted as."""
-        full, code, parts = verdict[0], int(verdict[1]), verdict[2:]
+        split over micro-batches, whose kind the replicas could not find or disagree on, or
+        that changed kind after its backward was scaled; returns the kind the backward was
+        weighted as."""
+        width = len(KINDS) + 1
+        full, code, parts = verdict[0], int(verdict[1]), verdict[2 + width:]
         kind = KINDS[code] if code >= 0 else None
+        if kind == UNDECIDED:
+            raise undecidable(loss_fn, self.mesh.replicas)
+        if kind == MIXED:
+            counts = [int(n) for n in verdict[2:2 + width]]
+            raise disagreement(loss_fn, counts, None if probe else assumed)
         if probe:
             self.loss_kinds[key] = kind if kind is not None else MEAN
+        elif assumed is None and kind in (MEAN, SUM):  # for a later step that cannot judge
+            self.loss_kinds[key] = kind
         if kind == NEITHER and (probe or assumed is None):
-            raise refusal(loss_fn, full, parts, None)
+            raise refusal(loss_fn, full, parts, None, halves)
         if assumed is not None and not probe and changed(kind, assumed):
-            raise refusal(loss_fn, full, parts, assumed)
+            raise refusal(loss_fn, full, parts, assumed, halves)
         return assumed or kind or self.loss_kinds.get(key, MEAN)
 
     def _reduce_gradients(self) -> None:

@@ -8,6 +8,12 @@ batch's loss is the mean of its M micro-batches' (a mean over examples), 1 when 
 of the step itself and comparing; a loss that is neither (a standard deviation or a maximum over
 the batch, a mean over padded tokens whose count differs between micro-batches) cannot be
 computed per micro-batch and is refused, never approximated.
+
+A replica that runs one micro-batch per step has nothing to compare it with: its loss is then
+compared with the losses of the two halves of that micro-batch, since a weight of 1 is right for
+any loss only without replicas. A micro-batch of one example has no halves: only a loss known to
+be a mean (fxpipe.losses.NAMED) or judged on an earlier step is accepted there. Data-parallel
+replicas agree on the kind (counts of each, summed over the replicas) before they weight.
 """
 from __future__ import annotations
 
@@ -20,12 +26,16 @@ import torch
 from torch import nn
 
 from fxpipe.errors import LossError
+from fxpipe.losses import NAMED
 
-__all__ = ["MEAN", "SUM", "NEITHER", "KINDS", "split_kind", "weight_of", "loss_key",
-           "refusal", "changed", "unchanged"]
+__all__ = ["MEAN", "SUM", "NEITHER", "UNDECIDED", "MIXED", "KINDS", "split_kind", "weight_of",
+           "loss_key", "known_kind", "agreed", "refusal", "undecidable", "disagreement",
+           "changed", "unchanged"]
 
 MEAN, SUM, NEITHER = "mean", "sum", "neither"
-KINDS = (MEAN, SUM, NEITHER)
+UNDECIDED = "undecided"  # one micro-batch of one example: nothing to compare
+MIXED = "mixed"  # the replicas found different kinds
+KINDS = (MEAN, SUM, NEITHER, UNDECIDED, MIXED)
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -33,14 +43,18 @@ def _tolerance(dtype: torch.dtype) -> float:
     return max(1e-5, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-5
 
 
-def split_kind(full: float, parts: Sequence[float], dtype: torch.dtype) -> str | None:
-    """MEAN, SUM or NEITHER: how the batch's loss `full` relates to its micro-batches' `parts`;
-    None when a value is not finite (nothing to compare)."""
+def split_kind(full: float, parts: Sequence[float], dtype: torch.dtype,
+               sizes: Sequence[int] | None = None) -> str | None:
+    """MEAN, SUM or NEITHER: how the batch's loss `full` relates to its parts' losses `parts`
+    (of `sizes` examples each; default equal); None when a value is not finite (nothing to
+    compare)."""
     if not all(math.isfinite(v) for v in (full, *parts)):
         return None
     rel = _tolerance(dtype)
     size = sum(abs(p) for p in parts)
-    if abs(full - sum(parts) / len(parts)) <= rel * size / len(parts) + 1e-30:
+    shares = [s / sum(sizes) for s in sizes] if sizes else [1 / len(parts)] * len(parts)
+    mean = sum(w * p for w, p in zip(shares, parts))
+    if abs(full - mean) <= rel * sum(w * abs(p) for w, p in zip(shares, parts)) + 1e-30:
         return MEAN
     if abs(full - sum(parts)) <= rel * size + 1e-30:
         return SUM
@@ -51,6 +65,19 @@ def weight_of(kind: str, chunks: int, replicas: int = 1) -> float:
     """What each micro-batch's loss is multiplied by before its backward. Data-parallel
     replicas average their gradients, which a sum's weight undoes."""
     return {MEAN: 1.0 / chunks, SUM: float(replicas)}.get(kind, 0.0)
+
+
+def known_kind(loss_fn: Callable[..., Any]) -> str | None:
+    """MEAN for the losses fxpipe defines (each a mean over examples), else None: they need no
+    judging where nothing can be compared."""
+    return MEAN if any(loss_fn is fn for fn in NAMED.values()) else None
+
+
+def agreed(counts: Sequence[int]) -> str | None:
+    """The kind every replica found, from how many found each of KINDS (None: none could
+    compare), or MIXED."""
+    found = {k for k, n in zip(KINDS, counts) if n}
+    return found.pop() if len(found) == 1 else MIXED if found else None
 
 
 def loss_key(loss_fn: Callable[..., Any], with_target: bool) -> Hashable:
@@ -73,15 +100,17 @@ _HINT = ("write the loss as a mean or a sum over examples: for a mean over the r
 
 
 def refusal(loss_fn: Callable[..., Any], full: float, parts: Sequence[float],
-            assumed: str | None) -> LossError:
+            assumed: str | None, halves: bool = False) -> LossError:
     """The error every rank raises for a loss that does not split over micro-batches.
 
     assumed: the kind the step's backward used (None: the step added nothing to the
-    gradients)."""
+    gradients); halves: `parts` are the two halves of the replica's one micro-batch."""
     values = ", ".join(f"{p:.6g}" for p in parts)
     mean = sum(parts) / len(parts)
-    what = (f"the loss {_name(loss_fn)} of the whole batch is {full:.6g}, but the losses of its "
-            f"{len(parts)} micro-batches are [{values}]: mean {mean:.6g}, sum {sum(parts):.6g}")
+    whose = "the two halves of its one micro-batch" if halves else \
+        f"its {len(parts)} micro-batches"
+    what = (f"the loss {_name(loss_fn)} of the whole batch is {full:.6g}, but the losses of "
+            f"{whose} are [{values}]: mean {mean:.6g}, sum {sum(parts):.6g}")
     if assumed is None:
         return LossError(f"{what}. The loss is neither a mean nor a sum over examples, so the "
                          "ranks, which compute it per micro-batch, cannot give the plain "
@@ -94,6 +123,33 @@ def refusal(loss_fn: Callable[..., Any], full: float, parts: Sequence[float],
                      "model's; zero them (optimizer.zero_grad()) before the next step",
                      hint=f"{_HINT}; or use schedule='gpipe', whose last stage finds the kind "
                           "from every step's outputs before its backward")
+
+
+def undecidable(loss_fn: Callable[..., Any], replicas: int) -> LossError:
+    """The error every rank raises when each replica's batch is one example in one micro-batch
+    and the loss is not known to be a mean."""
+    return LossError(
+        f"the loss {_name(loss_fn)} cannot be judged a mean or a sum over examples: each of the "
+        f"{replicas} data-parallel replicas runs one micro-batch of one example, whose loss is "
+        "the same number either way, and the replicas' gradients are combined differently for "
+        "each; this step added nothing to the gradients",
+        hint=f"give each replica at least 2 examples (a global batch of at least {2 * replicas}"
+             "), or use a loss known to be a mean: the default (loss_fn=None), 'mse' or "
+             "'cross_entropy'")
+
+
+def disagreement(loss_fn: Callable[..., Any], counts: Sequence[int],
+                 assumed: str | None) -> LossError:
+    """The error every rank raises when the replicas found different kinds (`counts` of each
+    of KINDS, then of replicas that could not compare)."""
+    labels = ["a mean", "a sum", "neither a mean nor a sum", "undecided", MIXED, "not finite"]
+    found = ", ".join(f"{n} found {label}" for label, n in zip(labels, counts) if n)
+    scaled = "this step added nothing to the gradients" if assumed is None else \
+        f"this step's gradients were scaled as a {assumed} and are not the plain model's; " \
+        "zero them (optimizer.zero_grad()) before the next step"
+    return LossError(f"the data-parallel replicas judge the loss {_name(loss_fn)} differently, "
+                     f"each on its share of the batch: {found}. Their gradients cannot be "
+                     f"combined as the plain model's; {scaled}", hint=_HINT)
 
 
 def changed(kind: str | None, assumed: str) -> bool:
