@@ -22,6 +22,7 @@ from ranks import spawn
 from torch import nn
 
 import fxpipe
+from fxpipe.losses import default_loss
 from fxpipe.testing.reference_step import reference_forward, reference_step
 
 
@@ -249,15 +250,18 @@ def _counted(out: torch.Tensor, t: torch.Tensor, count: int = 1) -> torch.Tensor
     return _token_sum(out, t) / count
 
 
-def _loss_case(name: str, padded: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
+def _loss_case(name: str, padded: bool | tuple[int, ...], batch: int = 4
+               ) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
     torch.manual_seed(0)
     model, x = _Tokens(), torch.randint(0, 16, (4, 5))
     y = torch.randint(0, 16, (4, 5))
-    if padded:  # real tokens per example: 5, 4, 2, 1: micro-batches of 9 and 3
-        for row, real in enumerate((5, 4, 2, 1)):
+    if padded:  # real tokens per example (default 5, 4, 2, 1: micro-batches of 9 and 3)
+        for row, real in enumerate(padded if isinstance(padded, tuple) else (5, 4, 2, 1)):
             y[row, real:] = PAD
+    x, y = x[:batch], y[:batch]
     fns = {"mean": _token_mean, "sum": _token_sum, "mse_sum": _mse_sum, "std": _std,
-           "max": _max, "counted": functools.partial(_counted, count=int((y != PAD).sum()))}
+           "max": _max, "counted": functools.partial(_counted, count=int((y != PAD).sum())),
+           "default": default_loss}
     return model, x, y, fns[name]
 
 
@@ -267,13 +271,14 @@ REFUSED = {("mean", True), ("std", False), ("max", False)}
 
 
 def _loss_steps(rank: int, world: int, cases: list, schedules: list[str],
-                stages: int = 2) -> list[dict]:
+                stages: int = 2, chunks: int = 2, batch: int = 4) -> list[dict]:
     out = []
     for schedule in schedules:
         for name, padded in cases:
-            model, x, y, fn = _loss_case(name, padded)
-            program = fxpipe.compile(model, (x,), stages=stages, chunks=2, profile="a100",
-                                     split_points=["head"], schedule=schedule)
+            model, x, y, fn = _loss_case(name, padded, batch)
+            program = fxpipe.compile(model, (x,), stages=stages, chunks=chunks, profile="a100",
+                                     split_points=["head"] if stages > 1 else None,
+                                     schedule=schedule)
             try:
                 loss: Any = program.step(x, target=y, loss_fn=fn)
             except fxpipe.FxPipeError as e:
@@ -285,20 +290,21 @@ def _loss_steps(rank: int, world: int, cases: list, schedules: list[str],
     return out
 
 
-def _loss_outcomes(ranks: list[list[dict]]) -> dict[tuple, str]:
+def _loss_outcomes(ranks: list[list[dict]], batch: int = 4,
+                   saying: str = "neither a mean nor a sum") -> dict[tuple, str]:
     """Each case's outcome on every rank against the plain model: "same", "refused" (a
-    LossError on every rank, gradients untouched) or "wrong"."""
+    LossError `saying` so on every rank, gradients untouched) or "wrong"."""
     outcomes = {}
     for results in zip(*ranks):
         name, padded, schedule = results[0]["case"]
-        plain, x, y, fn = _loss_case(name, padded)
+        plain, x, y, fn = _loss_case(name, padded, batch)
         expected = fn(plain(x), y)
         expected.backward()
         grads = _grads(plain)
         if all(isinstance(r["loss"], str) for r in results):
             untouched = all(not g.any() for r in results for g in r["grads"].values())
-            said = all(r["loss"].startswith("LossError") and "neither a mean nor a sum" in
-                       r["loss"] and "hint:" in r["loss"] for r in results)
+            said = all(r["loss"].startswith("LossError") and saying in r["loss"]
+                       and "hint:" in r["loss"] for r in results)
             outcome = "refused" if untouched and said else "wrong"
         else:
             same = all(not isinstance(r["loss"], str)
@@ -345,6 +351,86 @@ def test_a_sum_loss_under_data_parallelism_sums_over_the_replicas():
     outcomes = _loss_outcomes(ranks)
     assert outcomes == {(name, False, schedule): "refused" if name == "std" else "same"
                         for name, _ in cases for schedule in ("gpipe", "1f1b")}
+
+
+ONE_MICROBATCH = [("mean", False), ("mse_sum", False), ("std", False)]
+
+
+@pytest.mark.distributed
+def test_one_microbatch_per_replica_tells_a_sum_from_the_halves_of_its_microbatch():
+    """2 replicas x 1 stage, chunks=1: each replica's micro-batch loss is its whole loss, so a
+    sum is told from a mean by the halves of the micro-batch, and summed over the replicas."""
+    ranks = spawn(2, __name__, "_loss_steps", [("mse_sum", False)], ["gpipe"], 1, 1,
+                  timeout=120, bound=400)
+    assert _loss_outcomes(ranks) == {("mse_sum", False, "gpipe"): "same"}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_microbatch_per_replica_trains_a_mean_as_the_plain_model_and_refuses_a_std():
+    """2 replicas x 1 stage, chunks=1: a std's halves show it is neither a mean nor a sum."""
+    ranks = spawn(2, __name__, "_loss_steps", [ONE_MICROBATCH[0], ONE_MICROBATCH[2]],
+                  ["gpipe"], 1, 1, timeout=120, bound=400)
+    assert _loss_outcomes(ranks) == {("mean", False, "gpipe"): "same",
+                                     ("std", False, "gpipe"): "refused"}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_microbatch_per_replica_of_a_two_stage_pipeline_trains_as_the_plain_model():
+    """2 replicas x 2 stages, chunks=1: mean and sum as the plain model, a std refused."""
+    ranks = spawn(4, __name__, "_loss_steps", ONE_MICROBATCH, ["gpipe", "1f1b"], 2, 1,
+                  timeout=120, bound=600)
+    assert _loss_outcomes(ranks) == {(name, False, schedule): "refused" if name == "std"
+                                     else "same" for name, _ in ONE_MICROBATCH
+                                     for schedule in ("gpipe", "1f1b")}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_example_per_replica_refuses_a_loss_whose_kind_it_cannot_tell():
+    """2 replicas x 1 stage, a global batch of 2: a mean and a sum give the same number on one
+    example; the default loss is known to be a mean and trains as the plain model."""
+    cases = [("mse_sum", False), ("default", False)]
+    ranks = spawn(2, __name__, "_one_example_steps", cases, timeout=120, bound=400)
+    outcomes = _loss_outcomes([r[:2] for r in ranks], batch=2,
+                              saying="cannot be judged a mean or a sum")
+    assert outcomes == {("mse_sum", False, "gpipe"): "refused",
+                        ("default", False, "gpipe"): "same"}
+    assert "global batch of at least 4" in ranks[0][0]["loss"]
+    # judged a sum on an earlier step of 2 examples per replica, one example trains as a sum
+    assert _loss_outcomes([r[2:] for r in ranks], batch=2) == {("mse_sum", False, "gpipe"):
+                                                               "same"}
+
+
+def _one_example_steps(rank: int, world: int, cases: list) -> list[dict]:
+    """`cases` on a global batch of 2 with chunks=1, then mse_sum on 4 examples and on 2."""
+    out = _loss_steps(rank, world, cases, ["gpipe"], 1, 1, 2)
+    model, x, y, fn = _loss_case("mse_sum", False)
+    program = fxpipe.compile(model, (x,), stages=1, chunks=1, profile="a100")
+    program.step(x, target=y, loss_fn=fn)
+    model.zero_grad()
+    loss = program.step(x[:2], target=y[:2], loss_fn=fn)
+    return [*out, {"case": ("mse_sum", False, "gpipe"), "loss": loss,
+                   "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                             if p.grad is not None}}]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_replicas_that_find_different_kinds_refuse_the_loss_on_every_rank():
+    """A per-token mean whose token counts are equal within replica 0's micro-batches (a mean
+    there) and differ within replica 1's (neither): both replicas refuse, naming both kinds."""
+    counts = (5, 5, 2, 1)
+    for chunks, schedules in ((1, ["gpipe"]), (2, ["gpipe", "1f1b"])):
+        ranks = spawn(2, __name__, "_loss_steps", [("mean", counts)], schedules, 1, chunks,
+                      timeout=120, bound=400)
+        outcomes = _loss_outcomes(ranks, saying="replicas judge the loss _token_mean "
+                                                "differently")
+        assert set(outcomes.values()) == {"refused"}, (chunks, outcomes)
+        for rank in ranks:
+            for result in rank:
+                assert "1 found a mean, 1 found neither a mean nor a sum" in result["loss"]
 
 
 def _kind_changes(rank: int, world: int) -> dict[str, str]:
