@@ -242,6 +242,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                                 "GB/s (small .. large kernels)"]))
     print(f"\nkernel launch: {profile.kernel_overhead * 1e6:.2f} us; link latency "
           f"{profile.link_latency * 1e6:.1f} us per message")
+    print(f"beyond kernels: {profile.op_overhead * 1e6:.1f} us per operation, "
+          f"{profile.region_overhead * 1e6:.1f} us per recomputed operation, "
+          f"{profile.microbatch_overhead * 1e6:.1f} us per stage and micro-batch, "
+          f"{profile.step_overhead * 1e6:.1f} us per step")
     return 0
 
 

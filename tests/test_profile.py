@@ -204,7 +204,7 @@ def test_a_cached_profile_that_contradicts_itself_is_measured_again(cache_folder
 def test_a_run_measuring_far_from_the_profile_drops_the_cached_one(cache_folder,
                                                                   counted_measure):
     profile = cache.cached_profile("cpu")
-    assert not cache.check_against_run(profile, [1e-3, 1e-3], [2e-3, 2.5e-3])  # within 3x
+    assert not cache.check_against_run(profile, [1e-3, 1e-3], [4e-3, 5e-3])  # within 5x
     assert not cache.check_against_run(preset("a100"), [1e-3], [1.0])  # a preset stays
     with pytest.warns(UserWarning, match=r"predicts 2 ms of stage compute where a run "
                                          r"measured 20 ms \(10.00x\)"):
@@ -254,6 +254,7 @@ def test_fxpipe_profile_shows_a_preset_and_measures_once(cache_folder, counted_m
     assert main(["profile"]) == 0
     out = capsys.readouterr().out
     assert "matmul" in out and "elementwise" in out and str(cache_folder) in out
+    assert "us per operation" in out and "us per stage and micro-batch" in out
     assert main(["profile"]) == 0  # cached now
     assert len(counted_measure) == 1
     assert main(["profile", "--refresh"]) == 0
