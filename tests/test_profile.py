@@ -44,13 +44,14 @@ def cache_folder(tmp_path, monkeypatch):
 
 @pytest.fixture
 def counted_measure(monkeypatch):
-    """Counts measurements; each one is a short real measurement without the link."""
+    """Counts measurements; each one is a short real measurement without the link and the
+    overheads of a step."""
     calls = []
     real = cache.measure
 
     def measure(device, **kwargs):
         calls.append(str(device))
-        return real(device, **{**kwargs, "budget": 0.1, "link": False})
+        return real(device, **{**kwargs, "budget": 0.1, "link": False, "overheads": False})
 
     monkeypatch.setattr(cache, "measure", measure)
     return calls
