@@ -23,6 +23,7 @@ from fxpipe.errors import ConfigError, PipelineRuntimeError, ProgramFolderError
 from fxpipe.runtime import launch
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.timeline import Event, chrome_trace
+from fxpipe.runtime.torchrun import rank_failure
 
 
 def _free_port() -> int:
@@ -178,14 +179,29 @@ def test_verify_fails_on_a_loss_that_is_not_finite_and_when_nothing_was_checked(
     reference = list(spec.reference_losses)
     assert launch._verify(spec, reference, spec.lr) == 0
     assert launch._verify(spec, [reference[0], math.nan, math.nan], spec.lr) == 1
-    assert "step 1 loss nan against the plain model's" in capsys.readouterr().out
+    assert "rank 0 (stage 0): error: verify: MISMATCH: step 1 loss nan against the plain " \
+        "model's" in capsys.readouterr().err
     assert launch._verify(spec, [math.inf], spec.lr) == 1
     assert launch._verify(spec, reference, math.nan) == 1
     assert launch._verify(spec, [], spec.lr) == 1
-    assert "no step ran, so no loss was checked" in capsys.readouterr().out
+    assert "no step ran, so no loss was checked" in capsys.readouterr().err
     broken = dataclasses.replace(spec, reference_losses=(math.nan, *reference[1:]))
     assert launch._verify(broken, reference, spec.lr) == 1
     assert "verify: OK" not in capsys.readouterr().out
+
+
+def test_a_verify_that_fails_is_the_headline_of_fxpipe_run_and_says_why(written, capsys):
+    spec = launch.load_spec(written)
+    assert launch._verify(spec, [x * 1.5 for x in spec.reference_losses], spec.lr) == 1
+    assert launch._verify(dataclasses.replace(spec, reference_losses=()), [1.0], spec.lr) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("rank 0 (stage 0): error: verify: MISMATCH: steps 0..")
+    assert "from a model on the meta device, which has no weights" in err[1]  # no larger steps
+    logs = written.parent / "logs-of-a-failed-verify"
+    (logs / "0").mkdir(parents=True, exist_ok=True)
+    (logs / "0" / "stderr.log").write_text(err[0] + "\n")
+    assert rank_failure(logs, spec.placement).startswith(
+        "rank 0 (stage 0) failed: verify: MISMATCH: steps 0..")
 
 
 def test_run_refuses_an_altered_program_and_a_busy_port_before_starting(written, tmp_path, capsys):

@@ -68,3 +68,14 @@ def test_tolerances_follow_the_arithmetic_in_use_tf32_convolutions_included():
     assert selfcheck.tolerance("fp32") == 1e-4
     assert selfcheck.tolerance("tf32") == pytest.approx(8 * 2**-11)  # above the 2e-3 it was
     assert selfcheck.tolerance("bf16") == pytest.approx(8 * 2**-8)
+
+
+def test_a_run_that_fails_after_a_good_verdict_shows_its_cause_not_the_verdict(monkeypatch):
+    result = subprocess.CompletedProcess(
+        [], 1, stdout="step 0 loss 6.2\nverify: OK: steps 0..1 against the plain model\n",
+        stderr="Traceback (most recent call last):\nRuntimeError: Connection reset by peer\n"
+               "==========\n")
+    monkeypatch.setattr(selfcheck.subprocess, "run", lambda *a, **k: result)
+    with pytest.raises(AssertionError) as info:
+        selfcheck._run(["program.py"])
+    assert str(info.value) == "exit 1: RuntimeError: Connection reset by peer"

@@ -283,43 +283,55 @@ def _reference(spec: ProgramSpec, replicas: int) -> tuple[tuple[float, ...], str
 
 def _verify(spec: ProgramSpec, losses: list[float], lr: float, first: int = 0,
             replicas: int = 1) -> int:
+    """Prints the verdict: OK on stdout; a failure as rank 0's error on stderr, the line
+    `fxpipe run` tells."""
+    ok, verdict = _verdict(spec, losses, lr, first, replicas)
+    if ok:
+        print(verdict, flush=True)
+        return 0
+    print(f"rank 0 ({rank_stages(spec.placement, 0)}): error: {verdict}", file=sys.stderr,
+          flush=True)
+    return 1
+
+
+def _verdict(spec: ProgramSpec, losses: list[float], lr: float, first: int,
+             replicas: int) -> tuple[bool, str]:
     chosen = _reference(spec, replicas)
     if chosen is None:
         recorded = sorted(spec.replica_reference_losses)
-        print(f"verify: the model's step depends on how the batch is split (dropout or "
-              f"BatchNorm in training), and no reference was recorded for {replicas} "
-              f"data-parallel replicas (recorded: 1{''.join(f', {r}' for r in recorded)}); "
-              "run with a replica count recorded, or write with a batch that splits evenly "
-              f"among {replicas} replicas")
-        return 1
+        return False, (f"verify: the model's step depends on how the batch is split (dropout "
+                       f"or BatchNorm in training), and no reference was recorded for "
+                       f"{replicas} data-parallel replicas (recorded: "
+                       f"1{''.join(f', {r}' for r in recorded)}); run with a replica count "
+                       f"recorded, or write with a batch that splits evenly among {replicas} "
+                       "replicas")
     reference, against = chosen[0][first:], chosen[1]
+    if not chosen[0]:
+        return False, ("verify: the program holds no reference losses: it was written with "
+                       "reference_steps=0, or from a model on the meta device, which has no "
+                       "weights to record them with; write it from the model with weights (a "
+                       "smaller instance of it, to check the pipeline), or run without --verify")
     if not reference:
-        print(f"verify: no reference losses were recorded for steps {first} and later "
-              f"({len(spec.reference_losses)} recorded; write with a larger reference_steps)")
-        return 1
+        return False, (f"verify: no reference losses were recorded for steps {first} and later "
+                       f"({len(chosen[0])} recorded; write with a larger reference_steps)")
     if not spec.deterministic and torch.cuda.is_available():
-        print("verify: the model draws random numbers (dropout) and the reference was recorded "
-              "on the CPU, whose generator draws other numbers than a GPU's; verify on CPU "
-              "processes, or compile without dropout")
-        return 1
+        return False, ("verify: the model draws random numbers (dropout) and the reference was "
+                       "recorded on the CPU, whose generator draws other numbers than a GPU's; "
+                       "verify on CPU processes, or compile without dropout")
     if lr != spec.lr:  # true for a NaN too, unlike abs(lr - spec.lr) > 0
-        print(f"verify: the reference was recorded with lr={spec.lr}; run with that lr")
-        return 1
+        return False, f"verify: the reference was recorded with lr={spec.lr}; run with that lr"
     n = min(len(reference), len(losses))
     if n == 0:
-        print(f"verify: FAILED: no step ran, so no loss was checked (steps {first} and later "
-              "have reference losses); run at least one step")
-        return 1
+        return False, (f"verify: FAILED: no step ran, so no loss was checked (steps {first} and "
+                       "later have reference losses); run at least one step")
     pairs = list(zip(losses[:n], reference[:n]))
     for i, (loss, ref) in enumerate(pairs):
         if not (math.isfinite(loss) and math.isfinite(ref)):
-            print(f"verify: MISMATCH: step {first + i} loss {loss} against the plain model's "
-                  f"{ref}: a loss that is not finite never verifies")
-            return 1
+            return False, (f"verify: MISMATCH: step {first + i} loss {loss} against the plain "
+                           f"model's {ref}: a loss that is not finite never verifies")
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
     tolerance = _VERIFY_TOLERANCE[spec.autocast]
     ok = worst <= tolerance
-    print(f"verify: {'OK' if ok else 'MISMATCH'}: steps {first}..{first + n - 1} against "
-          f"{against}, largest relative loss difference {worst:.2e} (tolerance "
-          f"{tolerance:.0e})")
-    return 0 if ok else 1
+    return ok, (f"verify: {'OK' if ok else 'MISMATCH'}: steps {first}..{first + n - 1} against "
+                f"{against}, largest relative loss difference {worst:.2e} (tolerance "
+                f"{tolerance:.0e})")
