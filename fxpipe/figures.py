@@ -6,6 +6,7 @@ imbalance or the bytes remat keeps are.
     idle_share    the bubble: the ranks' idle share of a step, 1 - busy / (ranks x step)
     stage_load    what one stage is busy with per micro-batch: its compute and its half of the
                   traffic on its boundaries (each boundary is shared by two stages)
+    kept_at_peak  the activation bytes a stage keeps at the peak of a step of a schedule
     remat_saving  what a remat region keeps instead of what it would save, or that it saves
                   nothing
     against       how far a measured figure is from its prediction
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["imbalance", "idle_share", "stage_load", "remat_saving", "against"]
+__all__ = ["imbalance", "idle_share", "stage_load", "kept_at_peak", "remat_saving", "against"]
 
 
 def imbalance(times: Sequence[float]) -> float:
@@ -35,6 +36,17 @@ def stage_load(compute: float, comm: float) -> float:
     boundaries (`comm` counts each boundary whole; the stage on its other side pays the other
     half), as the schedule simulation charges it."""
     return compute + comm / 2
+
+
+def kept_at_peak(saved: float, kept: float, remat: str, inflight: int, chunks: int) -> float:
+    """Bytes a stage keeps for its backwards at the peak of a step: `inflight` micro-batches
+    whose forward is done and backward is not (fxpipe.runtime.grid.peak_inflight of the
+    schedule), each keeping `saved` bytes, or `kept` under remat; remat="except_last" keeps the
+    last micro-batch whole, which is in flight at the peak only when all are (GPipe)."""
+    if remat == "never":
+        return inflight * saved
+    whole = 1 if remat == "except_last" and inflight >= chunks else 0
+    return (inflight - whole) * kept + whole * saved
 
 
 def remat_saving(kept: float, saved: float, size: Callable[[float], str]) -> str:

@@ -15,12 +15,12 @@ from fxpipe.built import Built
 from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
-from fxpipe.figures import against, remat_saving, stage_load
+from fxpipe.figures import against, kept_at_peak, remat_saving, stage_load
 from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, kept_reason
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
-from fxpipe.runtime.grid import render_grid
+from fxpipe.runtime.grid import peak_inflight, render_grid
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.schedule import (
     SCHEDULES,
@@ -223,6 +223,7 @@ class Report:
     comm: dict[str, float] = field(default_factory=dict)  # bytes per step by kind
     rounds: list[BalanceRound] = field(default_factory=list)  # balancing by measurement
     stages_per_rank: int = 1
+    remat: str = "never"
 
     @property
     def ranks(self) -> int:
@@ -245,10 +246,18 @@ class Report:
                                  for c, t in plan.candidates],
             "auto_schedules": [{"schedule": name, "step_time_s": t}
                                for name, t in plan.schedules],
-            "schedules": [{"schedule": name, "ranks": r, "step_time_s": t, "bubble": b}
+            "schedules": [{"schedule": name, "ranks": r, "step_time_s": t, "bubble": b,
+                           "kept_bytes": self.kept(name, r)}
                           for name, r in self._layouts()
                           for t, b in [predicted_step(plan, name, r)]],
         }
+
+    def kept(self, schedule: str, ranks: int) -> float:
+        """The most activation bytes a stage keeps at the peak of a step of `schedule`."""
+        m = self.plan.chunks
+        inflight = peak_inflight(make_schedule(schedule, m, len(self.plan.stages), ranks))
+        return max(kept_at_peak(s["activations_bytes"], s["kept_with_remat_bytes"], self.remat,
+                                n, m) for s, n in zip(self.stages, inflight))
 
     def _layouts(self) -> list[tuple[str, int]]:
         """Each schedule that runs these stages on this program's ranks, with that number: the
@@ -331,9 +340,11 @@ class Report:
                                                     if c['step_time_s'] is not None
                                                     else "does not fit")
                              for c in s["auto_schedules"]) + ")")
-        lines.append("simulated step time by schedule (stage costs, bubble = idle share): "
+        lines.append("simulated step time by schedule (stage costs, bubble = idle share, "
+                     "most activations a stage keeps at the peak): "
                      + ", ".join(f"{c['schedule']} {human_time(c['step_time_s'])} "
-                                 f"(bubble {c['bubble']:.1%})" for c in s["schedules"]))
+                                 f"(bubble {c['bubble']:.1%}, keeps "
+                                 f"{human_bytes(c['kept_bytes'])})" for c in s["schedules"]))
         lines += ["", render_grid(make_schedule(self.schedule, m, k, self.ranks),
                                   title=SCHEDULE_TITLES.get(self.schedule, self.schedule),
                                   bubble=s["bubble"])]
@@ -391,20 +402,15 @@ class Report:
 
 
 def predicted_kept(built: Built) -> list[float]:
-    """Activation bytes each stage holds after all forwards of a GPipe step (its peak)."""
+    """Activation bytes each stage holds after all forwards of a GPipe step (its peak; what
+    program.measure_activations measures), as fxpipe.figures.kept_at_peak counts them."""
     plan = built.plan
     m, b = plan.chunks, plan.microbatch_size
     out = []
     for st in built.stages:
         figures = _stage_figures(st.graph, st.regions, b)
-        saved, kept = figures["saved"], figures["kept_with_remat"]
-        remat = built.config.remat
-        if remat == "never" or not st.regions:
-            out.append(m * saved)
-        elif remat == "except_last":
-            out.append((m - 1) * kept + saved)
-        else:
-            out.append(m * kept)
+        out.append(kept_at_peak(figures["saved"], figures["kept_with_remat"],
+                                built.config.remat, m, m))
     return out
 
 
@@ -475,4 +481,4 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
                   built.config.schedule, shared=dict(built.shared),
                   mesh=mesh.describe() if mesh is not None else [],
                   comm=communication(built, replicas), rounds=list(built.rounds),
-                  stages_per_rank=built.config.per_rank)
+                  stages_per_rank=built.config.per_rank, remat=built.config.remat)

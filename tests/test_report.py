@@ -112,6 +112,11 @@ def test_one_bubble_one_imbalance_and_one_step_in_the_report_the_grid_and_the_he
     assert "(S-1)/(M+S-1)" not in text and "idle/total" not in text
     by_schedule = {c["schedule"]: c["bubble"] for c in summary["schedules"]}
     assert by_schedule[schedule] == pytest.approx(bubble)
+    # one kept-bytes figure per schedule: GPipe's is the peak measure_activations compares with
+    kept = {c["schedule"]: c["kept_bytes"] for c in summary["schedules"]}
+    assert kept["gpipe"] == pytest.approx(max(s["kept_predicted_bytes"] for s in report.stages))
+    assert kept["1f1b"] <= kept["gpipe"]
+    assert f"(bubble {bubble:.1%}, keeps {human_bytes(kept[schedule])})" in text
     # one step: the simulated one, also what chunks="auto" compares
     assert plan.predicted_step_time == pytest.approx(step)
     assert summary["predicted_step_time_s"] == summary["simulated_step_time_s"]
@@ -311,8 +316,9 @@ def test_auto_cuts_a_looped_candidate_into_twice_the_stages_on_the_same_ranks():
     assert predicted_step(looped.plan, "zb-v", 2)[0] == pytest.approx(times["zb-v"])
     text = looped.report().text()
     assert "fxpipe partition of GPT: 4 stages on 2 ranks (2 per rank) x 8 micro-batches" in text
-    assert "simulated step time by schedule (stage costs, bubble = idle share): " \
-           "interleaved-1f1b " in text and " zb-h1 " not in text
+    assert "simulated step time by schedule (stage costs, bubble = idle share, most " \
+           "activations a stage keeps at the peak): interleaved-1f1b " in text \
+           and " zb-h1 " not in text
     assert "ZB-V, 4 stages x 8 microbatches on 2 ranks" in text
 
 
