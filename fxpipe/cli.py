@@ -27,6 +27,7 @@ from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
 from fxpipe.profile.cache import clear_cache, profile_path
 from fxpipe.program import Program
+from fxpipe.runtime.arguments import program_options_help
 from fxpipe.runtime.folder import program_report
 from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.runtime.torchrun import plan_run, run_program
@@ -311,7 +312,9 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=None,
                    help="the rendezvous port (default: a free one)")
     u.set_defaults(func=cmd_run, program_args=[])
-    u.epilog = "Other arguments go to program.py, e.g. --steps 5 --verify --timeline t.json"
+    u.epilog = ("Other arguments go to program.py, e.g. --steps 5 --verify --timeline t.json;\n"
+                + program_options_help())
+    u.formatter_class = argparse.RawDescriptionHelpFormatter
     d = command("demo", "compile the bundled GPT, write it, train it on 2 processes",
                 "fxpipe demo", "fxpipe demo --out /tmp/demo --steps 5")
     d.add_argument("--out", default="fxpipe-demo", help="folder to write the program to")

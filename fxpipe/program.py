@@ -600,7 +600,8 @@ class Program(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The stages' parameters; before a lazy program's first call, the model's own.
+        """The stages' parameters under the model's names (as state_dict() names them); before
+        a lazy program's first call, the model's own.
 
         The stages hold the model's parameter objects, so an optimizer made before the first
         call (`torch.optim.Adam(program.parameters())`) trains the built program, as it would
@@ -608,7 +609,10 @@ class Program(nn.Module):
         """
         if self._built is None:
             return self.model.named_parameters(prefix, recurse, remove_duplicate)
-        return super().named_parameters(prefix, recurse, remove_duplicate)
+        canonical = self._state_names().canonical(self._stage_modules())
+        dot = f"{prefix}." if prefix else ""
+        return ((dot + canonical.get(id(p), name), p)
+                for name, p in super().named_parameters("", recurse, remove_duplicate))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """This process's parameters and buffers under the model's state_dict keys."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import io
 import json
@@ -16,7 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import fxpipe
 from fxpipe import cli
 from fxpipe.cli import main
 from fxpipe.errors import ConfigError, PipelineRuntimeError, ProgramFolderError
@@ -560,3 +563,62 @@ def test_the_readme_points_above_or_below_to_where_a_section_is():
         where = [at for heading, at in headings.items() if title in heading]
         assert where, f"no section is titled {title!r}"
         assert (where[0] < pointer.start()) == (direction == "above"), pointer.group(0)
+
+
+def test_a_written_program_trains_on_the_users_data_as_the_plain_model_does(tmp_path):
+    from fxpipe.models import mlp
+    model, (x,) = mlp.build()
+    plain = copy.deepcopy(model)
+    target = torch.randn(model(x).shape)
+    folder = tmp_path / "program"
+    fxpipe.compile(model, (x,), stages=2, chunks=2).write(str(folder), target=target,
+                                                           loss_fn="mse", reference_steps=0)
+    (tmp_path / "mydata.py").write_text(
+        "import torch\n\n\ndef batches():\n    g = torch.Generator().manual_seed(7)\n"
+        f"    for _ in range(3):\n        yield torch.randn({tuple(x.shape)}, generator=g), "
+        f"torch.randn({tuple(target.shape)}, generator=g)\n")
+    result = subprocess.run([sys.executable, str(folder / "program.py"), "--data",
+                             "mydata:batches", "--steps", "5", "--save", str(tmp_path / "ckpt")],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    losses = [float(m) for m in re.findall(r"step \d+ loss ([\d.]+)", result.stdout)]
+    assert "--data mydata:batches ended after 3 steps" in result.stdout
+    assert f"saved the model and optimizer after step 2 to {tmp_path / 'ckpt'}" in result.stdout
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import mydata
+        expected = []
+        optimizer = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+        for xb, yb in mydata.batches():
+            loss = torch.nn.functional.mse_loss(plain(xb), yb)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            expected.append(float(loss.detach()))
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("mydata", None)
+    assert losses == pytest.approx(expected, rel=1e-4)
+
+
+def test_data_with_verify_is_refused_before_anything_runs(written, capsys):
+    assert launch.main(written, ["--data", "x:y", "--verify"]) == 2
+    assert "--verify compares with losses recorded on the example batch" in capsys.readouterr().err
+
+
+def test_program_parameters_are_named_as_the_model_names_them():
+    from fxpipe.models import gpt
+    model, inputs = gpt.build(dropout=0.0)
+    program = fxpipe.compile(model, inputs, stages=2, chunks=2)
+    names = [name for name, _ in program.named_parameters()]
+    assert names and set(names) <= set(program.state_dict())
+    assert set(names) == {n for n, _ in model.named_parameters()}
+
+
+def test_run_help_lists_the_options_of_program_py(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--data MODULE:FN", "--save DIR", "--resume DIR", "--weights PATH", "--init",
+                   "--setup-timeout"):
+        assert option in out, option

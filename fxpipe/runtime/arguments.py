@@ -11,19 +11,26 @@ from fxpipe.errors import ConfigError
 from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.runtime.spec import ProgramSpec
 
-__all__ = ["program_parser", "parse_program_args"]
+__all__ = ["program_parser", "parse_program_args", "program_options_help"]
 
 
-def program_parser(spec: ProgramSpec) -> argparse.ArgumentParser:
-    """program.py's options (their defaults depend on the program)."""
+def program_parser(spec: ProgramSpec | None) -> argparse.ArgumentParser:
+    """program.py's options (their defaults depend on the program; without one, as any
+    program takes them, for `fxpipe run --help`)."""
     parser = argparse.ArgumentParser(
-        prog="program.py", description=f"Train the fxpipe pipeline of {spec.model}.",
-        exit_on_error=False)
+        prog="program.py", exit_on_error=False,
+        description=f"Train the fxpipe pipeline of {spec.model if spec else 'a model'}.")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    parser.add_argument("--lr", type=float, default=spec.lr,
-                        help=f"learning rate of SGD with momentum 0.9 (default {spec.lr})")
+    parser.add_argument("--lr", type=float, default=spec.lr if spec else None,
+                        help="learning rate of SGD with momentum 0.9 (default "
+                             f"{spec.lr if spec else 'the one the program was written with'})")
     parser.add_argument("--verify", action="store_true",
                         help="check the losses against the plain model's (recorded at write time)")
+    parser.add_argument("--data", metavar="MODULE:FN",
+                        help="train on your batches: FN() returns an iterable of (inputs, "
+                             "target), inputs as the model takes them (a tensor, a tuple, a "
+                             "dict of keyword inputs), one global batch each (default: the "
+                             "example batch, every step)")
     parser.add_argument("--timeline", metavar="PATH",
                         help="write a Chrome trace of the last step (open in Perfetto)")
     parser.add_argument("--save", metavar="DIR", help="write a checkpoint after training")
@@ -49,6 +56,12 @@ def program_parser(spec: ProgramSpec) -> argparse.ArgumentParser:
                         help="with data-parallel replicas: average gradients in buckets of this "
                              "size during the last backward (default 25); 0 averages after it")
     return parser
+
+
+def program_options_help() -> str:
+    """program.py's options as its --help lists them, for `fxpipe run --help`."""
+    text = program_parser(None).format_help()
+    return "program.py's " + text[text.index("options:"):].rstrip()
 
 
 def parse_program_args(argv: list[str], spec: ProgramSpec) -> argparse.Namespace:
@@ -82,6 +95,10 @@ def _check_values(args: argparse.Namespace) -> None:
     if args.verify and args.steps < 1:
         raise ConfigError(f"program.py --verify with --steps {args.steps} would check no loss",
                           hint="pass --steps 1 or more with --verify")
+    if args.verify and args.data:
+        raise ConfigError(f"program.py --verify compares with losses recorded on the example "
+                          f"batch, and --data {args.data} trains on other batches",
+                          hint="verify without --data first, then train on your data")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ConfigError(f"program.py --timeout {args.timeout} is not a number of seconds "
                           "(allowed: a finite number > 0)", hint="omit --timeout to wait 60 s")

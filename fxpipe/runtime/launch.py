@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -15,13 +16,14 @@ from typing import TypeAlias
 import torch
 import torch.distributed as dist
 
-from fxpipe.checkpoint import load_checkpoint, save_shard
+from fxpipe.checkpoint import META, load_checkpoint, save_shard
 from fxpipe.errors import CheckpointError, FxPipeError, PeerLostError, ProgramFolderError
 from fxpipe.losses import LossFn
 from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.arguments import parse_program_args
 from fxpipe.runtime.backend import choose_backend
+from fxpipe.runtime.data import user_batches
 from fxpipe.runtime.folder import check_program
 from fxpipe.runtime.imports import code_of_launcher, import_folders, program_loss
 from fxpipe.runtime.local import LocalExecutor, LocalStage
@@ -123,6 +125,8 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     inputs: list[torch.Tensor] = batch["inputs"]
     target: torch.Tensor | None = batch["target"]
     loss_fn = program_loss(spec.loss, code_of_launcher(folder), folder)
+    batches = user_batches(args.data, spec.signature, code_of_launcher(folder), folder) \
+        if args.data else None
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
         step, rank, modules = _distributed(folder, spec, args)
@@ -138,6 +142,13 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         first = _resume(args.resume, modules, optimizer, spec)
     losses: list[float] = []
     for i in range(first, first + args.steps):
+        if batches is not None:
+            batch_i = next(batches, None)
+            if batch_i is None:
+                if rank == 0:
+                    print(f"--data {args.data} ended after {i - first} steps", flush=True)
+                break
+            inputs, target = batch_i
         start = time.perf_counter()
         torch.manual_seed(i)  # as the reference losses: step i draws the same random numbers
         with compiled_autocast(spec.autocast, devices):
@@ -149,7 +160,12 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"step {i} loss {loss:.6f} ({time.perf_counter() - start:.3f} s)", flush=True)
     if args.save:
-        _save(args.save, modules, optimizer, spec, first + args.steps)
+        done = first + len(losses)
+        folder_name = _save(args.save, modules, optimizer, spec, done)
+        if rank == 0:
+            print(f"saved the model and optimizer after step {done - 1} to "
+                  f"{os.path.join(args.save, folder_name)} (resume with --resume {args.save})",
+                  flush=True)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -158,10 +174,13 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
 
 
 def _save(directory: str, modules: list[StageModule], optimizer: torch.optim.Optimizer,
-          spec: ProgramSpec, step: int) -> None:
+          spec: ProgramSpec, step: int) -> str:
+    """Saves the checkpoint of `step` steps; returns the folder it was published as."""
     names = StateNames.from_json(spec.aliases)
     save_shard(directory, names.state_dict(modules), optimizer, names.canonical(modules),
                step=step, structure=_structure(spec))
+    with open(os.path.join(directory, META), encoding="utf-8") as f:
+        return str(json.load(f)["folder"])  # published on every rank by now
 
 
 def _resume(directory: str, modules: list[StageModule], optimizer: torch.optim.Optimizer,
