@@ -42,10 +42,11 @@ def kept_at_peak(saved: float, kept: float, remat: str, inflight: int, chunks: i
     """Bytes a stage keeps for its backwards at the peak of a step: `inflight` micro-batches
     whose forward is done and backward is not (fxpipe.runtime.grid.peak_inflight of the
     schedule), each keeping `saved` bytes, or `kept` under remat; remat="except_last" keeps the
-    last micro-batch whole, which is in flight at the peak only when all are (GPipe)."""
-    if remat == "never":
+    last micro-batch whole, and its forward finishes with the others a stage has in flight
+    (all of them under GPipe, the stage's share of the pipeline under 1F1B)."""
+    if remat == "never" or chunks <= 1:
         return inflight * saved
-    whole = 1 if remat == "except_last" and inflight >= chunks else 0
+    whole = 1 if remat == "except_last" else 0
     return (inflight - whole) * kept + whole * saved
 
 
