@@ -17,7 +17,7 @@ import pytest
 import fxpipe
 from fxpipe import ir
 from fxpipe.costs import cost_table
-from fxpipe.figures import remat_saving, stage_load
+from fxpipe.figures import kept_at_peak, remat_saving, stage_load
 from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
 from fxpipe.report import SCHEDULE_TITLES, human_bytes, human_flops, human_time
@@ -126,6 +126,14 @@ def test_one_bubble_one_imbalance_and_one_step_in_the_report_the_grid_and_the_he
     assert plan.imbalance == pytest.approx(max(loads) / (sum(loads) / len(loads)))
     for st, load in zip(program.stages, loads):
         assert f"{load / sum(loads):.1%} of all stages' time" in st.source
+
+
+def test_kept_bytes_at_the_peak_count_the_micro_batches_in_flight():
+    assert kept_at_peak(100, 10, "never", 3, 4) == 300
+    assert kept_at_peak(100, 10, "always", 3, 4) == 30
+    # except_last: the last micro-batch whole, beside the others the stage has in flight
+    assert kept_at_peak(100, 10, "except_last", 4, 4) == 130  # GPipe: all four
+    assert kept_at_peak(100, 10, "except_last", 1, 4) == 100  # 1F1B's last stage: one
 
 
 def test_remat_that_saves_nothing_is_reported_as_such():
