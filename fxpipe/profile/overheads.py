@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from fxpipe import ir
@@ -89,9 +90,8 @@ def _op_overhead(kernels: DeviceProfile) -> float:
 
 def _region_overhead(ops: int = 20) -> float:
     """Per operation of a remat region: a chain of `ops` tiny operations under the stages'
-    checkpoint, forward and backward, less the same without it and its recomputation."""
-    from fxpipe.runtime.stage import checkpoint
-
+    checkpoint (torch's non-reentrant one, keeping the RNG state, as stage code runs it),
+    forward and backward, less the same without it and its recomputation."""
     x = torch.randn(8, 8, requires_grad=True)
 
     def region(v: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,8 @@ def _region_overhead(ops: int = 20) -> float:
         return v
 
     def run(enabled: bool) -> None:
-        out: torch.Tensor = checkpoint(region, x, enabled=enabled)
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(
+            region, x, use_reentrant=False, preserve_rng_state=True) if enabled else region(x)
         torch.autograd.backward(out.sum())
 
     with_remat, without = _fastest(lambda: run(True)), _fastest(lambda: run(False))
