@@ -27,4 +27,8 @@ def test_a_one_billion_parameter_llama_compiles_in_a_fraction_of_its_size():
     # (python, torch and transformers alone take 0.5-1 GiB, by machine) stays below the model
     assert figures["compile_peak_growth_bytes"] < model / 10
     assert figures["process_peak_bytes"] < model
-    assert 0 < figures["bubble"] < 0.2 and figures["predicted_step_time_s"] > 0
+    # the bubble is the ranks' idle share of the simulated step: GPipe's (S-1)/(M+S-1) at equal
+    # stage times, plus what the imbalance and the messages leave idle
+    stages, chunks = figures["stages"], figures["chunks"]
+    assert (stages - 1) / (chunks + stages - 1) <= figures["bubble"] < 0.3
+    assert figures["predicted_step_time_s"] > 0
