@@ -20,7 +20,7 @@ from fxpipe.checkpoint import META, load_checkpoint, save_shard
 from fxpipe.errors import CheckpointError, FxPipeError, PeerLostError, ProgramFolderError
 from fxpipe.losses import LossFn
 from fxpipe.resume import fit_state, restore_optimizer
-from fxpipe.runtime.amp import compiled_autocast
+from fxpipe.runtime.amp import ScaleFollower, compiled_autocast
 from fxpipe.runtime.arguments import parse_program_args
 from fxpipe.runtime.backend import choose_backend
 from fxpipe.runtime.data import user_batches
@@ -46,9 +46,9 @@ from fxpipe.structure import Structure
 __all__ = ["main", "build_stage", "load_spec", "rank_stages"]
 
 StepFn: TypeAlias = Callable[[list[torch.Tensor], "torch.Tensor | None", LossFn,
-                             torch.amp.GradScaler], float]
+                             torch.amp.GradScaler], tuple[float, bool]]
 """One training step on the batch (inputs, target): forward, loss, scaled backward; returns the
-loss."""
+loss and whether some rank's gradients were not finite (with a scaler: every rank skips)."""
 
 
 def load_spec(folder: Path) -> ProgramSpec:
@@ -129,14 +129,16 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         if args.data else None
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
-        step, rank, modules = _distributed(folder, spec, args)
+        step, rank, modules, devices = _distributed(folder, spec, args)
     else:
-        step, rank, modules = _local(folder, spec, args)
+        step, rank, modules, devices = _local(folder, spec, args)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
-    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
-    devices = sorted({p.device for p in params}, key=str) or [torch.device("cpu")]
+    # A rank whose stages hold no parameters (an activation, a skip's addition) has nothing to
+    # update: no optimizer, and its loss scale follows the ranks that step.
+    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9) if params else None
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range
     scaler = torch.amp.GradScaler(devices[0].type, enabled=spec.autocast == "fp16")
+    follower = ScaleFollower()
     first = 0
     if args.resume:
         first = _resume(args.resume, modules, optimizer, spec)
@@ -152,10 +154,13 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         start = time.perf_counter()
         torch.manual_seed(i)  # as the reference losses: step i draws the same random numbers
         with compiled_autocast(spec.autocast, devices):
-            loss = step(inputs, target, loss_fn, scaler)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+            loss, overflow = step(inputs, target, loss_fn, scaler)
+        if optimizer is not None:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            follower.update(scaler, overflow)
         losses.append(loss)
         if rank == 0:
             print(f"step {i} loss {loss:.6f} ({time.perf_counter() - start:.3f} s)", flush=True)
@@ -173,8 +178,8 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     return _verify(spec, losses, args.lr, first, replicas) if args.verify and rank == 0 else 0
 
 
-def _save(directory: str, modules: list[StageModule], optimizer: torch.optim.Optimizer,
-          spec: ProgramSpec, step: int) -> str:
+def _save(directory: str, modules: list[StageModule],
+          optimizer: torch.optim.Optimizer | None, spec: ProgramSpec, step: int) -> str:
     """Saves the checkpoint of `step` steps; returns the folder it was published as."""
     names = StateNames.from_json(spec.aliases)
     save_shard(directory, names.state_dict(modules), optimizer, names.canonical(modules),
@@ -183,13 +188,14 @@ def _save(directory: str, modules: list[StageModule], optimizer: torch.optim.Opt
         return str(json.load(f)["folder"])  # published on every rank by now
 
 
-def _resume(directory: str, modules: list[StageModule], optimizer: torch.optim.Optimizer,
-            spec: ProgramSpec) -> int:
+def _resume(directory: str, modules: list[StageModule],
+            optimizer: torch.optim.Optimizer | None, spec: ProgramSpec) -> int:
     structure = _structure(spec)
     checkpoint = load_checkpoint(directory)
     names = StateNames.from_json(spec.aliases)
     names.load(modules, fit_state(checkpoint, structure, names.state_dict(modules)))
-    restore_optimizer(optimizer, checkpoint, names.canonical(modules))
+    if optimizer is not None:  # None: this rank's stages hold no parameters
+        restore_optimizer(optimizer, checkpoint, names.canonical(modules))
     return int(checkpoint["step"] or 0)
 
 
@@ -202,8 +208,8 @@ def _structure(spec: ProgramSpec) -> Structure:
     return spec.structure
 
 
-def _local(folder: Path, spec: ProgramSpec,
-           args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
+def _local(folder: Path, spec: ProgramSpec, args: argparse.Namespace
+           ) -> tuple[StepFn, int, list[StageModule], list[torch.device]]:
     classes = [_stage_class(folder, spec, s.index) for s in spec.stages]
     weights = _tensors(folder, spec, classes, torch.device("cpu"), args)
     stages = []
@@ -217,19 +223,19 @@ def _local(folder: Path, spec: ProgramSpec,
                              check_finite=args.check_finite)
 
     def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
-             scaler: torch.amp.GradScaler) -> float:
+             scaler: torch.amp.GradScaler) -> tuple[float, bool]:
         outputs = spec.signature.unflatten_outputs(executor.run(inputs))
         if target is not None:
             target = target.to(stages[-1].device)
         loss = loss_fn(outputs, target) if target is not None else loss_fn(outputs)
         torch.autograd.backward(scaler.scale(loss))
-        return float(loss.detach())
+        return float(loss.detach()), False  # one process: its scaler sees every gradient
 
-    return step, 0, [st.module for st in stages]
+    return step, 0, [st.module for st in stages], sorted({st.device for st in stages}, key=str)
 
 
-def _distributed(folder: Path, spec: ProgramSpec,
-                 args: argparse.Namespace) -> tuple[StepFn, int, list[StageModule]]:
+def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
+                 ) -> tuple[StepFn, int, list[StageModule], list[torch.device]]:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     backend = choose_backend(world, rank, torch.cuda.device_count())
     device = rank_device(backend, say=False)  # before the process group: NCCL binds to it
@@ -262,13 +268,13 @@ def _distributed(folder: Path, spec: ProgramSpec,
     rank_stage.executor.transport.set_timeout(args.timeout)
 
     def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
-             scaler: torch.amp.GradScaler) -> float:
+             scaler: torch.amp.GradScaler) -> tuple[float, bool]:
         loss, result = rank_stage.step(inputs, target, loss_fn, scaler)
         if args.timeline:
             _write_timeline(args.timeline, result.events, mesh.rank, spec)
-        return loss
+        return loss, result.overflow
 
-    return step, mesh.rank, modules
+    return step, mesh.rank, modules, [device]
 
 
 def _write_timeline(path: str, events: list[Event], rank: int, spec: ProgramSpec) -> None:
