@@ -83,7 +83,7 @@ def replicated_loss(model: nn.Module, signature: Signature, flat: Sequence[torch
     with torch.no_grad():
         output = signature.unflatten_outputs(signature.join_outputs(leaves))
         whole = loss(output, target) if target is not None else loss(output)
-    kind = split_kind(float(whole), [float(v) for v in losses], whole.dtype)
+    kind = split_kind(float(whole), [float(v.detach()) for v in losses], whole.dtype)
     if kind == MEAN:
         return torch.stack(losses).mean()
     if kind == SUM:

@@ -690,3 +690,15 @@ def test_a_looped_grid_has_a_column_per_rank_and_names_the_stage_in_each_cell():
     assert lines[1].endswith("bubble = idle/total = 2/50 = 4%")
     assert "2F3: stage 2 forwards micro-batch 3" in lines[2]
     assert lines[4].split() == ["3", "3F0", "1F1"]
+
+
+def test_a_stage_whose_compute_rounds_a_hair_below_its_forward_simulates():
+    from types import SimpleNamespace
+
+    from fxpipe.runtime.timeline import predicted_step
+    stage = SimpleNamespace(forward_time=1e-3, compute_time=1e-3 - 3.4e-21, comm_time=0.0,
+                            recompute_time=0.0, weight_time=0.0)
+    plan = SimpleNamespace(stages=[stage, stage], chunks=2, microbatch_overhead=0.0,
+                           step_overhead=0.0)
+    step, bubble = predicted_step(plan, "gpipe")
+    assert step > 0 and 0 <= bubble < 1

@@ -201,7 +201,8 @@ def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
     stage: I has nothing to compute)."""
     k, m = len(plan.stages), plan.chunks
     fwd = [s.forward_time for s in plan.stages]
-    bwd = [s.compute_time - s.forward_time for s in plan.stages]  # recompute included
+    # recompute included; a difference of sums can round a hair below zero
+    bwd = [max(s.compute_time - s.forward_time, 0.0) for s in plan.stages]
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
     actions = make_schedule(schedule, m, k, ranks)
     if not is_split(actions):
@@ -213,7 +214,7 @@ def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
             inputs.append(0.0)
             weights.append(backward)
         else:
-            inputs.append(s.recompute_time + pure - s.weight_time)
+            inputs.append(max(s.recompute_time + pure - s.weight_time, 0.0))
             weights.append(s.recompute_time + s.weight_time)
     return simulate(actions, forward_time=fwd, weight_time=weights,
                     backward_time=[i + w for i, w in zip(inputs, weights)], comm_time=comm)
