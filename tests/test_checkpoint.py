@@ -280,14 +280,19 @@ def _two_rank_saves(directory: str, store: str, rank: int, die_at_step: int | No
 
 
 def _run_two_ranks(tmp_path, die_at_step: int | None) -> list[int]:
+    return _on_two_ranks(lambda directory, store, rank: _two_rank_saves(directory, store, rank,
+                                                                        die_at_step), tmp_path)
+
+
+def _on_two_ranks(fn, tmp_path) -> list[int]:
+    """fn(checkpoint folder, store file, rank) in two forked ranks; their exit statuses."""
     pids = []
     for rank in range(2):
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
-                _two_rank_saves(str(tmp_path / "ckpt"), str(tmp_path / "store"), rank,
-                                die_at_step)
+                fn(str(tmp_path / "ckpt"), str(tmp_path / "store"), rank)
             except BaseException:  # noqa: BLE001 - the exit status says it
                 code = 1
             os._exit(code)
@@ -315,19 +320,7 @@ def _save_where_rank_0_has_no_parameters(directory: str, store: str, rank: int) 
 def test_a_checkpoint_keeps_the_optimizer_when_rank_0_has_none(tmp_path):
     from fxpipe.resume import restore_optimizer
 
-    pids = []
-    for rank in range(2):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                _save_where_rank_0_has_no_parameters(str(tmp_path / "ckpt"),
-                                                     str(tmp_path / "store"), rank)
-            except BaseException:  # noqa: BLE001 - the exit status says it
-                code = 1
-            os._exit(code)
-        pids.append(pid)
-    assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids] == [0, 0]
+    assert _on_two_ranks(_save_where_rank_0_has_no_parameters, tmp_path) == [0, 0]
     checkpoint = fxpipe.load_checkpoint(str(tmp_path / "ckpt"))
     assert checkpoint["optimizer_class"] == "SGD"
     weight = torch.nn.Parameter(torch.ones(3))
