@@ -124,8 +124,9 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     batch = torch.load(folder / "batch.pt", map_location="cpu", weights_only=True)
     inputs: list[torch.Tensor] = batch["inputs"]
     target: torch.Tensor | None = batch["target"]
-    loss_fn = program_loss(spec.loss, code_of_launcher(folder), folder)
-    batches = user_batches(args.data, spec.signature, code_of_launcher(folder), folder) \
+    code = code_of_launcher(folder)
+    loss_fn = program_loss(spec.loss, code, folder)
+    batches = user_batches(args.data, spec.signature, code, folder) \
         if args.data else None
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
