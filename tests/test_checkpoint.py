@@ -201,6 +201,16 @@ def _save_forever(program, optimizer, directory: str, step: int, report: int) ->
         step += 1
 
 
+def _read_line(fd: int) -> str:
+    """One line from a pipe, read byte by byte so that nothing after it is consumed."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        assert byte, "the saving child exited before its first save"
+        line += byte
+    return line.decode().strip()
+
+
 def _leftovers(directory) -> list[str]:
     meta = json.loads((directory / "checkpoint.json").read_text())
     found = [str(p.relative_to(directory)) for p in directory.rglob("*")]
@@ -234,11 +244,12 @@ def _kill_trials(directory, trials: int, seed: int) -> dict[str, int]:
             finally:
                 os._exit(1)
         os.close(write)
-        time.sleep(rng.uniform(0.0, window))
+        first = _read_line(read)  # a fork (and its first save) on a loaded machine is slow:
+        time.sleep(rng.uniform(0.0, window))  # the random moment counts from a finished save
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         with os.fdopen(read) as f:
-            done = [int(line) for line in f.read().split()]
+            done = [int(line) for line in [first, *f.read().split()]]
         figures["saves"] += len(done)
         previous = done[-1] if done else last
         figures["partial_left"] += bool(_leftovers(directory))
@@ -256,7 +267,7 @@ def _kill_trials(directory, trials: int, seed: int) -> dict[str, int]:
 def test_a_killed_save_leaves_the_previous_or_the_new_checkpoint(tmp_path):
     figures = _kill_trials(tmp_path / "ckpt", trials=10, seed=0)
     assert figures["torn"] == 0 and figures["leftovers"] == 0, figures
-    assert figures["saves"] > 0, figures  # the children saved, so the kills hit saves
+    assert figures["partial_left"] > 0, figures  # some kills landed in the middle of a save
 
 
 @pytest.mark.slow
@@ -264,7 +275,7 @@ def test_fifty_killed_saves_leave_no_torn_checkpoint_and_no_leftovers(tmp_path):
     figures = _kill_trials(tmp_path / "ckpt", trials=50, seed=1)
     print("kill trials:", figures)
     assert figures["torn"] == 0 and figures["leftovers"] == 0, figures
-    assert figures["saves"] > 0 and figures["partial_left"] > 0, figures
+    assert figures["partial_left"] > 0, figures
 
 
 def _two_rank_saves(directory: str, store: str, rank: int, die_at_step: int | None) -> None:
