@@ -3,7 +3,9 @@
 Each entry returns (model, example_inputs, example_kwargs) for a batch of 4 (two micro-batches of
 two), small enough to compile in seconds on a CPU. Nothing is downloaded: every model comes from
 a constructor or a config, with dropout and drop-path set to zero so that a pipeline of it can be
-compared exactly with the plain model. A library that is not installed leaves its entries out
+compared exactly with the plain model. Parameters that the library initialises to zero are then
+filled with small seeded values (`fill_zero_parameters`), so that no check compares zeros with
+zeros. A library that is not installed leaves its entries out
 (`available()`); importing this file needs only torch.
 
     for entry in available():
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BATCH", "ZOO", "ZooEntry", "available", "get"]
+__all__ = ["BATCH", "ZOO", "ZooEntry", "available", "fill_zero_parameters", "get"]
 
 BATCH = 4
 
@@ -41,11 +43,52 @@ class ZooEntry:
 ZOO: list[ZooEntry] = []
 
 
+def fill_zero_parameters(model: nn.Module, std: float = 0.02, seed: int = 0) -> list[str]:
+    """Give every floating-point weight that is entirely zero small seeded random values;
+    returns the names of those filled.
+
+    Libraries zero some weights on purpose so that a fresh block starts as the identity or a
+    fresh head outputs nothing: final projections and classifier heads (torchvision's ViT head,
+    timm's MLP-Mixer head, DiT's proj_out, ControlNet's zero convs), adaLN-zero modulation,
+    layer-scale gammas and the last BatchNorm gamma of a residual branch, relative-position bias
+    tables, biases, class tokens. A model built that way has outputs or gradients that are
+    exactly zero, and a comparison of zeros with zeros passes whatever the pipeline computes.
+
+    The rule: a weight is a parameter, or a persistent buffer named `weight`, `bias` or
+    `*_bias` (FrozenBatchNorm2d's affine, BART's final_logits_bias: weights that a checkpoint
+    loads but training does not update). Other buffers are never filled: they are state that is
+    zero or one by construction (BatchNorm running statistics and num_batches_tracked, masks,
+    position ids, non-persistent constants such as a fixed zero key bias, indices filled on the
+    first call), and changing them would change what the model is. A weight with some nonzero
+    values (an embedding with a zero padding row) is left as it is. The values come from a
+    generator of their own, in module order, so every build gives the same model.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    filled = []
+    seen: set[int] = set()
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            weights = [(n, p) for n, p in module._parameters.items() if p is not None]
+            weights += [(n, b) for n, b in module._buffers.items()
+                        if b is not None and n not in module._non_persistent_buffers_set
+                        and (n in ("weight", "bias") or n.endswith("_bias"))]
+            for name, w in weights:
+                if id(w) in seen:
+                    continue
+                seen.add(id(w))
+                if w.is_floating_point() and w.numel() and not w.any():
+                    w.copy_(torch.randn(w.shape, generator=generator, dtype=w.dtype) * std)
+                    filled.append(f"{prefix}.{name}" if prefix else name)
+    return filled
+
+
 def _entry(name: str, library: str, category: str) -> Callable[[Callable[[], Built]], Callable]:
     def register(fn: Callable[[], Built]) -> Callable[[], Built]:
         def build() -> Built:
             torch.manual_seed(0)
-            return fn()
+            model, args, kwargs = fn()
+            fill_zero_parameters(model)
+            return model, args, kwargs
 
         ZOO.append(ZooEntry(name, library, category, build))
         return fn
@@ -72,7 +115,7 @@ def _ids(length: int = 16, vocab: int = 100) -> torch.Tensor:
 # --- plain torch ----------------------------------------------------------------------------------
 
 class _LSTMClassifier(nn.Module):
-    """Embedding, stacked bidirectional LSTM, linear head."""
+    """Embedding, stacked bidirectional LSTM, linear head on the final states."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,8 +124,11 @@ class _LSTMClassifier(nn.Module):
         self.head = nn.Linear(64, 10)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out, _ = self.lstm(self.embed(ids))
-        return self.head(out[:, -1])
+        # The last layer's final state in each direction (the reverse one ends at the first
+        # token); out[:, -1] would see only one step of the reverse direction, whose recurrent
+        # weight would then get no gradient.
+        _, (h, _) = self.lstm(self.embed(ids))
+        return self.head(torch.cat([h[-2], h[-1]], dim=-1))
 
 
 class _ResidualLSTMStack(nn.Module):
@@ -254,6 +300,35 @@ def _tv_retinanet() -> Built:
     return _RetinaNetHeads(), (_images(64),), {}
 
 
+def _video(frames: int = 4, size: int = 32) -> torch.Tensor:
+    return torch.randn(BATCH, 3, frames, size, size)
+
+
+@_entry("tv_swin3d_small_cfg", "torchvision", "video / windowed attention")
+def _tv_swin3d() -> Built:
+    # swin3d_t's blocks (3-D shifted windows, 3-D patch merging) at a small size: its builder
+    # fixes the depths and widths, so the class is built directly.
+    from torchvision.models.video.swin_transformer import SwinTransformer3d
+
+    model = SwinTransformer3d(patch_size=[2, 4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                              window_size=[2, 4, 4], stochastic_depth_prob=0.0, num_classes=10)
+    return model, (_video(),), {}
+
+
+@_entry("tv_mvit_v2_small_cfg", "torchvision", "video transformer")
+def _tv_mvit_v2() -> Built:
+    # mvit_v2_s's options (relative position bias, added in place to a view of the attention
+    # scores; residual pooling; projection after attention) with two small blocks.
+    from torchvision.models.video.mvit import MSBlockConfig, MViT
+
+    blocks = [MSBlockConfig(1, 16, 16, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 4, 4]),
+              MSBlockConfig(2, 16, 32, [3, 3, 3], [3, 3, 3], [1, 2, 2], [1, 2, 2])]
+    model = MViT(spatial_size=(32, 32), temporal_size=4, block_setting=blocks, residual_pool=True,
+                 residual_with_cls_embed=False, rel_pos_embed=True, proj_after_attn=True,
+                 dropout=0.0, stochastic_depth_prob=0.0, num_classes=10)
+    return model, (_video(),), {}
+
+
 # --- timm -----------------------------------------------------------------------------------------
 
 def _timm(name: str, size: int = 32, **kwargs: Any) -> Built:
@@ -348,6 +423,24 @@ def _timm_levit() -> Built:
     return model, (_images(64),), {}
 
 
+@_entry("timm_volo_small_cfg", "timm", "vision transformer")
+def _timm_volo() -> Built:
+    # volo_d1_224's layout (outlooker stage, then transformer stages, class-attention post
+    # layers, token-labelling aux head) at a small size; volo_d1_224 fixes its layers and widths.
+    from timm.models.volo import VOLO
+
+    model = VOLO(layers=(1, 1, 1, 1), img_size=32, num_classes=10, stem_hidden_dim=16,
+                 embed_dims=(32, 64, 64, 64), num_heads=(2, 4, 4, 4), drop_path_rate=0.0)
+    return model, (_images(32),), {}
+
+
+@_entry("timm_convit_small_cfg", "timm", "vision transformer")
+def _timm_convit() -> Built:
+    # Its gated positional self-attention fills its rel_indices buffer on the first call.
+    return _timm("convit_tiny", img_size=32, patch_size=8, depth=2, local_up_to_layer=1,
+                 embed_dim=8, num_heads=4, drop_path_rate=0.0)
+
+
 # --- segmentation-models-pytorch ------------------------------------------------------------------
 
 @_entry("smp_unet_resnet18", "segmentation_models_pytorch", "detection / segmentation head")
@@ -394,6 +487,18 @@ def _monai_unetr() -> Built:
 
     model = UNETR(in_channels=1, out_channels=2, img_size=(32, 32), spatial_dims=2,
                   feature_size=8, hidden_size=32, mlp_dim=64, num_heads=2, dropout_rate=0.0)
+    return model, (_images(32, 1),), {}
+
+
+@_entry("monai_dynunet_deep_supervision", "monai", "detection / segmentation head")
+def _monai_dynunet() -> Built:
+    # In training mode its decoder stores the deep-supervision heads in a Python list as it
+    # runs, and forward stacks them with the output; in eval mode it returns the output alone.
+    from monai.networks.nets import DynUNet
+
+    model = DynUNet(spatial_dims=2, in_channels=1, out_channels=2, kernel_size=[3, 3, 3],
+                    strides=[1, 2, 2], upsample_kernel_size=[2, 2], filters=[8, 16, 32],
+                    deep_supervision=True, deep_supr_num=1)
     return model, (_images(32, 1),), {}
 
 
@@ -463,6 +568,19 @@ def _diffusers_dit() -> Built:
     labels = torch.tensor([1, 2, 3, 4])
     return model, (torch.randn(BATCH, 4, 8, 8),), {"timestep": torch.tensor([5, 6, 7, 8]),
                                                    "class_labels": labels}
+
+
+@_entry("diffusers_cogvideox", "diffusers", "video diffusion transformer")
+def _diffusers_cogvideox() -> Built:
+    from diffusers import CogVideoXTransformer3DModel
+
+    # 5 frames are 2 latent frames at its temporal compression of 4: 2 x 4 x 4 patches.
+    model = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                        out_channels=4, time_embed_dim=16, text_embed_dim=16,
+                                        num_layers=2, sample_width=8, sample_height=8,
+                                        sample_frames=5, patch_size=2, max_text_seq_length=8)
+    latents, text = torch.randn(BATCH, 2, 4, 8, 8), torch.randn(BATCH, 8, 16)
+    return model, (latents, text, torch.tensor([5, 6, 7, 8])), {}
 
 
 # --- transformers ---------------------------------------------------------------------------------
@@ -625,3 +743,56 @@ def _hf_segformer() -> Built:
                              decoder_hidden_size=32, num_labels=4, drop_path_rate=0.0,
                              **_NO_DROPOUT, classifier_dropout_prob=0.0)
     return tr.SegformerForSemanticSegmentation(cfg), (_images(32),), {}
+
+
+@_entry("hf_speech2text", "transformers", "speech")
+def _hf_speech2text() -> Built:
+    # Its sinusoidal position embedding runs under torch.no_grad() inside forward.
+    import transformers as tr
+
+    cfg = tr.Speech2TextConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
+                               encoder_attention_heads=2, decoder_attention_heads=2,
+                               encoder_ffn_dim=64, decoder_ffn_dim=64, conv_channels=32,
+                               input_feat_per_channel=16, max_source_positions=64,
+                               max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+                               activation_dropout=0.0)
+    features = torch.randn(BATCH, 32, 16)  # (batch, frames, features per frame)
+    return tr.Speech2TextForConditionalGeneration(cfg), (features,), {
+        "decoder_input_ids": _ids(8), "use_cache": False}
+
+
+@_entry("hf_llava", "transformers", "vision-language")
+def _hf_llava() -> Built:
+    import transformers as tr
+
+    vision = tr.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = tr.LlavaConfig(vision_config=vision, text_config=tr.LlamaConfig(**_decoder_kwargs()),
+                         image_token_index=99, image_seq_length=16)
+    # Each prompt holds one image: 16 image tokens (4 x 4 patches, the class token dropped).
+    ids = torch.randint(0, 90, (BATCH, 24))
+    ids[:, 2:18] = 99
+    return tr.LlavaForConditionalGeneration(cfg), (ids,), {"pixel_values": _images(32),
+                                                           "use_cache": False}
+
+
+@_entry("hf_rwkv", "transformers", "recurrent LM")
+def _hf_rwkv() -> Built:
+    import transformers as tr
+
+    cfg = tr.RwkvConfig(vocab_size=100, context_length=16, hidden_size=32, num_hidden_layers=2,
+                        attention_hidden_size=32, intermediate_size=64)
+    return tr.RwkvForCausalLM(cfg), (_ids(),), {"use_cache": False}
+
+
+@_entry("hf_detr", "transformers", "detection / segmentation head")
+def _hf_detr() -> Built:
+    # A small ResNet backbone from its config (random weights, no timm, nothing downloaded).
+    import transformers as tr
+
+    backbone = tr.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                               layer_type="basic", out_features=["stage2"])
+    cfg = tr.DetrConfig(backbone_config=backbone, d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                        decoder_ffn_dim=64, num_queries=8, num_labels=5, dropout=0.0)
+    return tr.DetrForObjectDetection(cfg), (_images(64),), {}
