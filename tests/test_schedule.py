@@ -513,30 +513,50 @@ def test_simulate_rejects_bad_times_and_edges(kwargs, message):
 # --------------------------------------------------------------------------- ZB-H1
 
 
-def test_zb_h1_3x4_defers_weight_gradients_behind_the_input_gradients():
+def test_zb_h1_3x4_defers_each_stages_weight_gradients_by_its_index():
     assert rows(zb_h1(4, 3)) == [
         "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
-        "F0 F1 I0 W0 F2 I1 W1 F3 I2 W2 I3 W3",
-        "F0 I0 W0 F1 I1 W1 F2 I2 W2 F3 I3 W3",
+        "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+        "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
     ]
 
 
 @pytest.mark.parametrize(("num_microbatches", "num_stages"), ALL_SIZES)
-def test_zb_h1_holds_no_more_microbatches_than_1f1b(num_microbatches, num_stages):
-    assert peak_inflight(zb_h1(num_microbatches, num_stages)) == peak_inflight(
-        one_f_one_b(num_microbatches, num_stages)
-    )
+def test_zb_h1_keeps_1f1bs_forwards_and_input_gradients(num_microbatches, num_stages):
+    """Without the W's it is 1F1B (I in B's place): the same micro-batches wait for their I."""
+    zb = [[a for a in actions if a.kind != "W"] for actions in
+          zb_h1(num_microbatches, num_stages)]
+    ofob = one_f_one_b(num_microbatches, num_stages)
+    assert [[(a.kind, a.microbatch) for a in actions] for actions in zb] == \
+        [[("I" if a.kind == "B" else a.kind, a.microbatch) for a in actions] for actions in ofob]
 
 
 @pytest.mark.parametrize(("num_microbatches", "num_stages"), ALL_SIZES)
-def test_zb_h1_bubble_is_stages_minus_one_times_f_plus_b_minus_w(num_microbatches, num_stages):
+def test_zb_h1_holds_at_each_stage_what_1f1b_holds_at_its_first(num_microbatches, num_stages):
+    """A micro-batch is held until its W (the split backward keeps its saved tensors)."""
+    peaks = peak_inflight(zb_h1(num_microbatches, num_stages))
+    first = peak_inflight(one_f_one_b(num_microbatches, num_stages))[0]
+    assert peaks == [first] * num_stages
+
+
+@pytest.mark.parametrize(("num_microbatches", "num_stages"), ALL_SIZES)
+def test_zb_h1_bubble_is_the_papers_stages_minus_one_times_f_plus_i_minus_w(
+        num_microbatches, num_stages):
     k, m = num_stages, num_microbatches
     times = {"forward_time": [1.0] * k, "backward_time": [2.0] * k}  # I = W = 1
     _, zb = simulate(zb_h1(m, k), **times)
     _, ofob = simulate(one_f_one_b(m, k), **times)
-    assert zb == m * 3 + (k - 1) * (1 + 2 - 1)
     assert ofob == (m + k - 1) * 3
+    if m >= k:
+        assert zb == m * 3 + (k - 1) * (1 + 1 - 1)  # a third of 1F1B's bubble
     assert zb < ofob or k == 1
+
+
+@pytest.mark.parametrize(("k", "m", "paper", "bubble_units"), [(2, 8, 25, 2), (8, 32, 103, 56)])
+def test_zb_h1_steps_as_long_as_the_papers_at_unit_times(k, m, paper, bubble_units):
+    _, zb = simulate(zb_h1(m, k), forward_time=[1.0] * k, backward_time=[2.0] * k)
+    assert zb == paper
+    assert k * zb - 3 * m * k == bubble_units  # idle stage-units over the step
 
 
 def test_simulate_splits_the_backward_by_weight_time():
@@ -560,7 +580,7 @@ def test_validate_refuses_a_weight_gradient_before_its_input_gradient():
 def test_zb_h1_grid_notes_the_measured_idle_share():
     text = render_grid(zb_h1(4, 3), title="ZB-H1")
     assert text.splitlines()[0].endswith("ZB-H1, 3 stages x 4 microbatches")
-    assert "bubble = idle/total = 12/48 = 25%" in text.splitlines()[1]
+    assert "bubble = idle/total = 6/42 = 14%" in text.splitlines()[1]
 
 
 # --------------------------------------------------------------------------- looped schedules

@@ -136,39 +136,31 @@ def _warm_up_then_alternate(forwards: list[Action], backwards: list[Action],
 
 
 def zb_h1(num_microbatches: int, num_stages: int) -> Schedule:
-    """ZB-H1: each stage takes, tick by tick, the first ready action among I > F > W.
+    """ZB-H1 in the order of the zero-bubble paper: 1F1B's forwards and input gradients (I),
+    each weight gradient (W) deferred by the stage's index.
 
-    Built by playing a unit-time clock (F, I and W one tick each): I as soon as the next stage's
-    I(m) is done (it unblocks the stages before), F while the stage holds fewer than
-    min(K - s, M) micro-batches whose W is not done (1F1B's memory), else the oldest pending W.
-    The W's so fill the ticks where 1F1B's stages wait: at equal times the bubble is about a
-    third of 1F1B's.
+    Stage s runs 1F1B's order of F and I (K-s-1 forwards to warm up, then F and I in turn), and
+    W(m) right after I(m+s); the last s W's close the step. The W's so fill the ticks where
+    1F1B's stages wait for the backwards to come back: at F = I = W the step is 3M + K - 1
+    units against 1F1B's 3(M + K - 1), a third of its bubble. Micro-batches whose I is not
+    done stay at 1F1B's K-s; counting those whose W is not done (the split backward keeps a
+    micro-batch's saved tensors until its W), every stage holds min(K, M) at its peak, the
+    first stage's peak under 1F1B.
     """
     check_sizes(num_microbatches, num_stages)
-    k, m_all = num_stages, num_microbatches
-    done: dict[Action, int] = {}  # action -> tick it ran
-    schedule: Schedule = [[] for _ in range(k)]
-    next_f, next_i, next_w = [0] * k, [0] * k, [0] * k
-    tick = 0
-    while any(w < m_all for w in next_w):
-        for s in range(k):
-            f, i, w = next_f[s], next_i[s], next_w[s]
-            a: Action | None = None
-            if i < f and (s == k - 1 or done.get(Action(INPUT_GRAD, s + 1, i), tick) < tick) \
-                    and done[Action(FORWARD, s, i)] < tick:
-                a = Action(INPUT_GRAD, s, i)
-                next_i[s] += 1
-            elif f < m_all and f - w < min(k - s, m_all) and \
-                    (s == 0 or done.get(Action(FORWARD, s - 1, f), tick) < tick):
-                a = Action(FORWARD, s, f)
-                next_f[s] += 1
-            elif w < i:
-                a = Action(WEIGHT_GRAD, s, w)
-                next_w[s] += 1
-            if a is not None:
-                done[a] = tick
-                schedule[s].append(a)
-        tick += 1
+    schedule: Schedule = []
+    for s in range(num_stages):
+        forwards = [Action(FORWARD, s, m) for m in range(num_microbatches)]
+        input_grads = [Action(INPUT_GRAD, s, m) for m in range(num_microbatches)]
+        actions: list[Action] = []
+        for a in _warm_up_then_alternate(forwards, input_grads,
+                                         min(num_stages - s - 1, num_microbatches)):
+            actions.append(a)
+            if a.kind == INPUT_GRAD and a.microbatch >= s:
+                actions.append(Action(WEIGHT_GRAD, s, a.microbatch - s))
+        first_left = max(num_microbatches - s, 0)
+        actions += [Action(WEIGHT_GRAD, s, m) for m in range(first_left, num_microbatches)]
+        schedule.append(actions)
     return schedule
 
 
