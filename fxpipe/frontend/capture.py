@@ -27,7 +27,15 @@ from fxpipe import ir
 from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
-from fxpipe.frontend.meta import Check, check_name, eager_runs, run_on_meta, to_meta, validate_check
+from fxpipe.frontend.meta import (
+    Check,
+    check_name,
+    eager_runs,
+    is_meta_model,
+    meta_run_error,
+    to_meta,
+    validate_check,
+)
 from fxpipe.frontend.mutation import StateSnapshot, restore_values, snapshot_state
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
@@ -53,6 +61,31 @@ class CaptureInfo:
     # seconds per phase: batch layout, front end (trace or export, and the check), shapes
     timings: tuple[tuple[str, float], ...] = ()
     checked: str = "values against the eager model"  # what the graph was checked against
+    fake_runs: int = 0  # runs of the model or its graph on fake tensors (_Runs)
+    cpu_timings: tuple[tuple[str, float], ...] = ()  # CPU seconds, by the phases of timings
+
+
+@dataclass
+class _Runs:
+    """Counts the runs of the model or its graph on fake tensors while capturing (a meta model's
+    eager runs and graph checks, export's trace, shape propagation): they dominate its cost."""
+
+    fake: int = 0
+
+    @contextlib.contextmanager
+    def calls(self, module: nn.Module, on: bool) -> Iterator[None]:
+        """Counts every call of `module` inside the block, when `on`."""
+        if not on:
+            yield
+            return
+        handle = module.register_forward_pre_hook(self._count)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _count(self, *_: Any) -> None:
+        self.fake += 1
 
 
 def capture(
@@ -102,37 +135,60 @@ def capture(
         method, batch_dims = _check_twin(check, model, args, kwargs, method, leaf_modules,
                                          inline_modules, batch_dims)
         args, kwargs = to_meta((args, kwargs))
-        run_on_meta(model, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensors = [x for x in leaves if is_tensor(x)]
     if not tensors:
         raise CaptureError("the example inputs contain no tensor",
                            hint="pass at least one tensor input (a batch of examples)")
     names = _leaf_names(model, args, kwargs)
-    clock = [time.perf_counter()]
+    clock = [(time.perf_counter(), time.process_time())]
 
-    def lap() -> float:
-        clock.append(time.perf_counter())
-        return clock[-1] - clock[-2]
+    def lap() -> tuple[float, float]:
+        """Wall and CPU seconds since the last lap."""
+        clock.append((time.perf_counter(), time.process_time()))
+        return clock[-1][0] - clock[-2][0], clock[-1][1] - clock[-2][1]
 
     named_inputs = [(n, x) for n, x in zip(names, leaves) if is_tensor(x)]
     before = snapshot_state(model, named_inputs)
-    with preserved_state(model, before):
+    runs = _Runs()
+    meta = check is not None  # every run of the model is on fake tensors
+    with preserved_state(model, before), runs.calls(model, meta):
         with eager_runs(model):
-            layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims, before)
+            try:
+                layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims, before)
+            except CaptureError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the first run: on meta, what needs data
+                if not meta:
+                    raise
+                raise meta_run_error(model, error) from error
         signature = _signature(leaves, in_spec, names, layout)
         layout_s = lap()
         gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
-                                         leaf_modules, inline_modules, args, kwargs)
+                                         leaf_modules, inline_modules, args, kwargs, runs)
         front_s = lap()
-        shapes.propagate_shapes(gm, tensors, signature.input_batch_dims)
+        _annotate_shapes(gm, used, tensors, signature, runs)
     name_nodes_after_modules(gm)
     gm.meta.setdefault(ir.QUALNAMES, {})
-    timings = (("batch_layout", layout_s), (f"{used}+check", front_s), ("shapes", lap()))
+    phases = (("batch_layout", layout_s), (f"{used}+check", front_s), ("shapes", lap()))
     gm.meta[ir.CAPTURE] = CaptureInfo(used, method, reason, model.training, signature,
-                                      layout.batch_size, inline_modules, timings,
-                                      check_name(check))
+                                      layout.batch_size, inline_modules,
+                                      tuple((k, wall) for k, (wall, _) in phases),
+                                      check_name(check), runs.fake,
+                                      tuple((k, cpu) for k, (_, cpu) in phases))
     return gm
+
+
+def _annotate_shapes(gm: fx.GraphModule, used: str, tensors: Sequence[torch.Tensor],
+                     signature: Signature, runs: _Runs) -> None:
+    """ir.TENSOR on every node: from export's own symbolic values when they determine it (a
+    run less), else by propagating shapes (each restart after a specialising kernel a run)."""
+    infos = shapes.export_infos(gm, signature.input_batch_dims) if used == "export" else None
+    if infos is not None:
+        shapes.write_infos(gm, infos, shapes.known_sampled(gm))
+        return
+    shapes.propagate_shapes(gm, tensors, signature.input_batch_dims)
+    runs.fake += 1 + len(gm.meta[ir.SAMPLED]) - len(shapes.known_sampled(gm))
 
 
 def _check_twin(check: Check, model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
@@ -152,13 +208,15 @@ def _check_twin(check: Check, model: nn.Module, args: ModelArgs, kwargs: ModelKw
 def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: Sequence[Any],
                   tensors: Sequence[torch.Tensor], layout: BatchLayout,
                   leaf_modules: Sequence[LeafModule], inline: bool, args: ModelArgs,
-                  kwargs: ModelKwargs) -> tuple[fx.GraphModule, str, str | None]:
+                  kwargs: ModelKwargs, runs: _Runs) -> tuple[fx.GraphModule, str, str | None]:
     reason = None
+    meta = is_meta_model(model)
     if method in ("auto", "fx"):
         try:
             gm = tracers.trace_fx(model, signature, leaves, leaf_modules, inline)
             _set_signature_codegen(gm, signature)
-            problem = _compare_with_eager(gm, model, args, kwargs, layout)
+            with runs.calls(gm, meta):
+                problem = _compare_with_eager(gm, model, args, kwargs, layout)
             if problem is None:
                 return gm, "fx", None
             if method == "fx":
@@ -171,8 +229,15 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
                 raise
             reason = e.message
     gm = tracers.export(model, signature, leaves, tensors, layout)
+    runs.fake += 1
     _set_signature_codegen(gm, signature)
-    problem = _compare_with_eager(gm, model, args, kwargs, layout)
+    infos = shapes.export_infos(gm, signature.input_batch_dims) \
+        if meta and len(_known_outputs(model, layout)) == 2 else None
+    if infos is not None:
+        problem = _compare_shapes(gm, infos, layout)
+    else:
+        with runs.calls(gm, meta):
+            problem = _compare_with_eager(gm, model, args, kwargs, layout)
     if problem is not None:
         raise CaptureError(f"the exported graph computes something else than the model: {problem}",
                            hint="please report this model; as a workaround capture a submodule")
@@ -292,7 +357,7 @@ def run_flat(gm: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> tuple[Any, 
 def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, args: ModelArgs,
                         kwargs: ModelKwargs, layout: BatchLayout) -> str | None:
     """None if the graph matches the model on the example batch and on a smaller batch."""
-    known = () if any(m.training for m in model.modules()) else layout.eager_outputs
+    known = _known_outputs(model, layout)
     for trial, (batch_args, batch_kwargs) in enumerate(layout.trial_batches(args, kwargs)):
         try:
             if trial < len(known):  # computed by the layout inference (eval mode)
@@ -320,6 +385,36 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, args: ModelArgs,
                 if not _close(e, g):
                     diff = (e.double() - g.double()).abs().max().item()
                     return f"output {i} differs by up to {diff:.3g}"
+    return None
+
+
+def _known_outputs(model: nn.Module, layout: BatchLayout) -> tuple[list[Any], ...]:
+    """The eager outputs on the trial batches that the batch layout computed (eval mode)."""
+    return () if any(m.training for m in model.modules()) else layout.eager_outputs
+
+
+def _compare_shapes(gm: fx.GraphModule, infos: dict[fx.Node, ir.ValueInfo],
+                    layout: BatchLayout) -> str | None:
+    """A meta model's check without running the graph again: its outputs' shapes, symbolic in
+    the batch as export recorded them, and dtypes against the eager outputs on the trial batches
+    (what _compare_with_eager compares on meta tensors)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    got = pytree.tree_leaves(output.args[0])
+    sizes = (layout.batch_size, max(1, layout.batch_size // 2))  # as trial_batches()
+    for b, expected in zip(sizes, layout.eager_outputs):
+        if len(expected) != len(got):
+            return f"{len(got)} outputs instead of {len(expected)}"
+        for i, (e, g) in enumerate(zip(expected, got)):
+            info = infos.get(g) if isinstance(g, fx.Node) else None
+            if is_tensor(e) != isinstance(info, ir.TensorInfo):
+                return f"output {i} is {'not ' if is_tensor(e) else ''}a tensor, expected " \
+                       f"{type(e).__name__}"
+            if isinstance(info, ir.TensorInfo):
+                shape = info.concrete_shape(b)
+                if tuple(e.shape) != shape:
+                    return f"output {i} has shape {shape}, expected {tuple(e.shape)}"
+                if e.dtype != info.dtype:
+                    return f"output {i} has dtype {info.dtype}, expected {e.dtype}"
     return None
 
 

@@ -31,7 +31,7 @@ from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend.batching import seeded
 
 __all__ = ["Check", "CHECKS", "is_meta_model", "to_meta", "run_on_meta", "eager_runs",
-           "check_name", "validate_check", "has_meta_tensor"]
+           "meta_run_error", "check_name", "validate_check", "has_meta_tensor"]
 
 Check: TypeAlias = str | nn.Module | None
 """How a meta model's capture is checked: None (against eager, real models only), "shapes", or
@@ -125,16 +125,21 @@ def run_on_meta(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
         with torch.no_grad(), seeded(0), eager_runs(model):
             return model(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - any failure here needs values or a device
-        text = str(error).strip()
-        first = text.splitlines()[0] if text else type(error).__name__
-        op = _OP_IN_MESSAGE.search(text)
-        where = source.from_exception(error)
-        raise CaptureError(
-            f"{type(model).__name__} cannot run on the meta device"
-            + (f": {op.group(1)} needs the values of its input" if op else "")
-            + f" ({type(error).__name__}: {first[:200]})"
-            + (f"\n  at {where}" if where else ""),
-            hint="meta tensors have shapes but no data: replace data-dependent operations "
-                 "(nonzero, boolean masks, .item(), if on tensor values) with shape-static ones "
-                 "(torch.where, masked arithmetic), or compile a model with real weights",
-        ) from error
+        raise meta_run_error(model, error) from error
+
+
+def meta_run_error(model: nn.Module, error: Exception) -> CaptureError:
+    """Why `model` cannot run on meta inputs: the operation and line that need data."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    op = _OP_IN_MESSAGE.search(text)
+    where = source.from_exception(error)
+    return CaptureError(
+        f"{type(model).__name__} cannot run on the meta device"
+        + (f": {op.group(1)} needs the values of its input" if op else "")
+        + f" ({type(error).__name__}: {first[:200]})"
+        + (f"\n  at {where}" if where else ""),
+        hint="meta tensors have shapes but no data: replace data-dependent operations "
+             "(nonzero, boolean masks, .item(), if on tensor values) with shape-static ones "
+             "(torch.where, masked arithmetic), or compile a model with real weights",
+    )

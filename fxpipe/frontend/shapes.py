@@ -13,6 +13,7 @@ few batch sizes and its output sizes interpolated (a ShapeEnv cannot be rolled b
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
@@ -27,7 +28,8 @@ from fxpipe import ir, source
 from fxpipe.errors import CaptureError
 
 __all__ = ["propagate_shapes", "symbolic_inputs", "op_key", "specialised", "OpKey",
-           "Specialised", "known_specialising", "SAMPLE_SIZES"]
+           "Specialised", "known_specialising", "SAMPLE_SIZES", "export_infos", "write_infos",
+           "known_sampled"]
 
 OpKey: TypeAlias = object
 """What identifies an operation across nodes: a function or aten overload, ("method", name), or
@@ -235,12 +237,17 @@ def symbolic_inputs(
     return fakes
 
 
+def known_sampled(gm: GraphModule) -> set[OpKey]:
+    """The graph's operations known to specialise the batch symbol (run on static samples)."""
+    return {k for n in gm.graph.nodes if n.op.startswith("call_")
+            for k in [op_key(gm, n)] if known_specialising(k)}
+
+
 def propagate_shapes(gm: GraphModule, tensors: Sequence[torch.Tensor],
                      batch_dims: Sequence[int | None]) -> dict[Node, Any]:
     """Writes ir.TENSOR on every node and gm.meta[ir.SAMPLED]; returns the fake value of each
     node. See NOTE [Specialising kernels]."""
-    sampled = {k for n in gm.graph.nodes if n.op.startswith("call_")
-               for k in [op_key(gm, n)] if known_specialising(k)}
+    sampled = known_sampled(gm)
     while True:
         try:
             values = _propagate(gm, tensors, batch_dims, sampled)
@@ -274,19 +281,96 @@ def _propagate(gm: GraphModule, tensors: Sequence[torch.Tensor],
     return interp.values
 
 
+def export_infos(gm: GraphModule,
+                 batch_dims: Sequence[int | None]) -> dict[Node, ir.ValueInfo] | None:
+    """Every node's ir.TENSOR from the fake values torch.export recorded (node.meta["val"]), so
+    that an exported graph need not run again; None where they do not determine it: a value
+    missing, a batch that is not one symbol shared by the inputs, or another symbol.
+
+    "val" is detached (requires_grad False); the flag comes from "tensor_meta", recorded before
+    detaching, and for the items of a tuple from the getitem nodes that read them."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != len(batch_dims):
+        return None
+    symbols = {_batch_symbol(n.meta.get("val"), d) for n, d in zip(inputs, batch_dims)
+               if d is not None}
+    sym = symbols.pop() if len(symbols) == 1 else None
+    if sym is None:
+        return None
+    substitution = {sym: ir.BATCH}
+    infos: dict[Node, ir.ValueInfo] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if "val" not in node.meta:
+            return None
+        grads = _recorded_grads(node)
+        if grads is None:
+            return None
+        info = _info(node.meta["val"], substitution, grads)
+        if not _symbols(info) <= {ir.BATCH}:
+            return None
+        infos[node] = info
+    return infos
+
+
+def write_infos(gm: GraphModule, infos: dict[Node, ir.ValueInfo], sampled: set[OpKey]) -> None:
+    """Writes ir.TENSOR and gm.meta[ir.SAMPLED] as propagate_shapes does."""
+    for node, info in infos.items():
+        node.meta[ir.TENSOR] = info
+    gm.meta[ir.SAMPLED] = frozenset(sampled)
+
+
+def _batch_symbol(value: Any, dim: int) -> sympy.Symbol | None:
+    if not isinstance(value, torch.Tensor) or dim >= value.dim():
+        return None
+    size = value.shape[dim]
+    if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+        return None
+    return size.node.expr
+
+
+def _recorded_grads(node: Node) -> list[bool] | None:
+    """requires_grad of each tensor in the node's value, in order; None if one is unknown."""
+    value = node.meta["val"]
+    if isinstance(value, torch.Tensor):
+        if node.op in ("placeholder", "get_attr"):  # their values keep the flag
+            return [bool(value.requires_grad)]
+        flag = getattr(node.meta.get("tensor_meta"), "requires_grad", None)
+        return None if flag is None else [bool(flag)]
+    if not isinstance(value, (tuple, list)):
+        return []
+    if any(isinstance(v, (tuple, list)) for v in value):
+        return None
+    read = {user.args[1]: getattr(user.meta.get("tensor_meta"), "requires_grad", None)
+            for user in node.users if user.target is operator.getitem}
+    flags = [read.get(i) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    return None if None in flags else [bool(f) for f in flags]
+
+
+def _symbols(info: ir.ValueInfo) -> set[sympy.Symbol]:
+    if isinstance(info, tuple):
+        return set().union(*(_symbols(i) for i in info)) if info else set()
+    values = info.shape if isinstance(info, ir.TensorInfo) else (info.value,)
+    return {s for v in values if isinstance(v, sympy.Basic) for s in v.free_symbols}
+
+
 def _expr(value: Any, substitution: dict[sympy.Symbol, sympy.Symbol]) -> Any:
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
         return sympy.sympify(value.node.expr).xreplace(substitution)
     return value
 
 
-def _info(value: Any, substitution: dict[sympy.Symbol, sympy.Symbol]) -> ir.ValueInfo:
+def _info(value: Any, substitution: dict[sympy.Symbol, sympy.Symbol],
+          grads: list[bool] | None = None) -> ir.ValueInfo:
+    """`grads`, when given, are the requires_grad flags of the tensors in `value`, in order."""
     if isinstance(value, torch.Tensor):
         shape = tuple(sympy.sympify(_expr(d, substitution)) for d in value.shape)
         batch_dim = next((i for i, d in enumerate(shape) if ir.BATCH in d.free_symbols), None)
-        return ir.TensorInfo(shape, value.dtype, batch_dim, bool(value.requires_grad))
+        flag = grads.pop(0) if grads else bool(value.requires_grad)
+        return ir.TensorInfo(shape, value.dtype, batch_dim, flag)
     if isinstance(value, torch.Size):
         return tuple(ir.ScalarInfo(_expr(d, substitution)) for d in value)
     if isinstance(value, (tuple, list)):
-        return tuple(_info(v, substitution) for v in value)
+        return tuple(_info(v, substitution, grads) for v in value)
     return ir.ScalarInfo(_expr(value, substitution))
