@@ -81,3 +81,53 @@ def test_remat_leaves_out_every_read_of_a_tensor_written_later() -> None:
     for st in program.stages:
         for node in rewritten_later(st.graph_module):
             assert ir.REMAT not in node.meta, node.name
+
+
+class _Level(nn.Module):
+    """A decoder level that also writes a deep-supervision head into a list it shares with
+    the top module (as MONAI's DynUNet skip layers do)."""
+
+    def __init__(self, heads: list[torch.Tensor], index: int, width: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.index = index
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.head = nn.Conv2d(width, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(x))
+        self.heads[self.index] = self.head(x)
+        return x
+
+
+class DeepSupervision(nn.Module):
+    """Train mode returns the output stacked with the heads the levels left in the list."""
+
+    def __init__(self, width: int = 4, levels: int = 2) -> None:
+        super().__init__()
+        self.heads: list[torch.Tensor] = [torch.zeros(1)] * levels
+        self.stem = nn.Conv2d(1, width, 3, padding=1)
+        self.levels = nn.ModuleList(_Level(self.heads, i, width) for i in range(levels))
+        self.out = nn.Conv2d(width, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for level in self.levels:
+            x = nn.functional.avg_pool2d(level(x), 2)
+        out = self.out(x)
+        if not self.training:
+            return out
+        size = out.shape[2:]
+        return torch.stack([out, *(nn.functional.interpolate(h, size) for h in self.heads)], 1)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_heads_shared_through_a_list_train_as_the_plain_model(capture: str) -> None:
+    torch.manual_seed(0)
+    model = DeepSupervision().train()
+    shared = model.heads
+    _assert_trains_as_plain(model, (torch.randn(4, 1, 8, 8),), capture=capture)
+    # tracing left the model's list in place, shared, holding real tensors
+    assert all(level.heads is shared for level in model.levels)
+    assert all(type(h) is torch.Tensor for h in shared)
+    assert type(model(torch.randn(2, 1, 8, 8))) is torch.Tensor

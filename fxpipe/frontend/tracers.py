@@ -136,7 +136,7 @@ def trace_fx(model: nn.Module, signature: Signature, leaves: Sequence[Any],
     root = _flat_root(model, signature, leaves)
     tracer = _Tracer(leaf_modules, inline)
     try:
-        with traceable_batch_norm():
+        with traceable_batch_norm(), _python_state_kept(model):
             graph = tracer.trace(root)
     except Exception as e:  # noqa: BLE001 - fx raises TraceError, TypeError, AttributeError ...
         where = source.from_exception(e)
@@ -202,7 +202,7 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
         dynamic = tuple({bd: dim} if bd is not None else None for bd in layout.input_dims)
         try:
             with _quiet_export(), traceable_batch_norm(), _undecided_causal_masks(), \
-                    _conversions_that_change_nothing():
+                    _conversions_that_change_nothing(), _python_state_kept(model):
                 ep = torch.export.export(root, tuple(tensors), dynamic_shapes=dynamic,
                                          strict=False)
             break
@@ -251,6 +251,33 @@ def _data_dependent_error(model: str, error: Exception,
         hint="rewrite that line without Python control flow on tensor values: torch.where to "
              "choose between values, torch.cond for two branches, or decide outside forward "
              "(if, bool(), .item() and nonzero on a tensor all read its values)")
+
+
+@contextlib.contextmanager
+def _python_state_kept(model: nn.Module) -> Iterator[None]:
+    """Puts back the lists and dicts that modules keep as plain attributes, with their contents,
+    after tracing. A model may pass values between its modules through such a shared list
+    (MONAI's DynUNet: the skip layers write their deep-supervision heads into a list the top
+    module reads); tracing writes traced values into it, and torch.export puts back a copy of
+    the list in one module only, so the eager model afterwards read traced tensors instead of
+    its own outputs."""
+    kept: list[tuple[nn.Module, str, Any, Any]] = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if isinstance(value, list):
+                kept.append((module, name, value, list(value)))
+            elif isinstance(value, dict) and not name.startswith("_"):
+                kept.append((module, name, value, dict(value)))
+    try:
+        yield
+    finally:
+        for module, name, container, contents in kept:
+            container.clear()
+            if isinstance(container, list):
+                container.extend(contents)
+            else:
+                container.update(contents)
+            module.__dict__[name] = container
 
 
 @contextlib.contextmanager
