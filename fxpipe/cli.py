@@ -367,7 +367,8 @@ def _add_bench_options(b: argparse.ArgumentParser) -> None:
     b.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
     b.add_argument("--remat", default="never", choices=REMAT_MODES,
                    help="what fxpipe recomputes in backward")
-    b.add_argument("--steps", type=int, default=5, help="measured steps per variant")
+    b.add_argument("--steps", type=int, default=15,
+                   help="measured steps per variant (paired ratios need about 15 to resolve 3%%)")
     b.add_argument("--warmup", type=int, default=2, help="warm-up steps per variant")
     b.add_argument("--out", default=".", help="folder for the results")
     b.add_argument("--plot", action="store_true", help="write a PNG Gantt chart (matplotlib)")

@@ -85,6 +85,21 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
                                  else "fxpipe_" + result["best_schedule"]]
     assert result["step_time_ratio_vs_torch_pipelining_best"] == pytest.approx(
         best / result["step_time_s"][result["torch_pipelining_best"]])
+    # paired step by step (one measured step here: the interval is that step's ratio)
+    low, high = result["step_time_ratio_vs_torch_pipelining_best_ci"]
+    assert low <= result["step_time_ratio_vs_torch_pipelining_best_paired"] <= high
+    assert result["versus_torch_pipelining_best"] in ("faster", "slower")
+    assert set(result["same_schedule_vs_torch"]) == {"gpipe"}
+    assert result["same_schedule_vs_torch"]["gpipe"]["torch"] in torch_variants
+    # the plain model at full batch beside the accumulating one; CPU seconds of every variant
+    assert {"single_process", "single_process_full_batch"} <= set(result["step_time_s"])
+    assert result["speedup_vs_single_process"] == pytest.approx(
+        result["step_time_s"]["single_process_full_batch"] / result["step_time_s"]["fxpipe"])
+    assert set(result["cpu_time_s"]) == set(result["step_time_s"])
+    assert all(t > 0 for t in result["cpu_time_s"].values())
+    # each schedule's own bound
+    assert result["ideal_speedup"]["fxpipe"] == pytest.approx(2 * 4 / 5)
+    assert result["ideal_speedup"]["fxpipe_zb-v"] > result["ideal_speedup"]["fxpipe_1f1b"]
     assert result["stage_imbalance"] >= 0 and result["balance_rounds"]
     fxpipe_variants = {v for v in variants if v.startswith("fxpipe")}
     assert set(result["predicted_over_measured_by_variant"]) == fxpipe_variants

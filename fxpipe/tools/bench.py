@@ -1,18 +1,20 @@
 """`fxpipe bench`: fxpipe against one process and torch.distributed.pipelining at its best.
 
 One invocation runs, on the same model, data, seed and micro-batches, one gloo process per stage
-(one thread each), every variant of fxpipe.tools.bench_worker step by step, alternating, so that
-drifts of the machine hit them alike: the plain model in one process, fxpipe with each of its
+(one thread each), every variant of fxpipe.tools.bench_worker step by step, in an order rotated
+from step to step, so that drifts of the machine hit them alike: the plain model in one process
+(accumulating the micro-batches, and at full batch), fxpipe with each of its
 schedules (fxpipe.runtime.schedule.SCHEDULES) and remat modes, and torch.distributed.pipelining
 with both its frontends, at its natural cut and at fxpipe's, with each of its schedules
 (fxpipe.tools.bench_torch). fxpipe balances by measurement (balance="dynamic") unless told
 otherwise; its cut for the torch variants with two stages per rank is fxpipe's own balanced cut
 into that many stages, made in this process first.
 
-It reports median step times, speedups, fxpipe's best schedule against the fastest torch
-variant, the measured compute and waits of each stage and their imbalance, predicted against
-measured step time, and the activation bytes each stage keeps in each remat mode; writes
-bench.json, bench.md and a Chrome trace (fxpipe.tools.bench_report).
+It reports median step times and CPU seconds, speedups against each schedule's bound, fxpipe's
+best schedule against the fastest torch variant as a paired ratio with its 95% interval
+(fxpipe.tools.bench_stats), the measured compute and waits of each stage and their imbalance,
+predicted against measured step time, and the activation bytes each stage keeps in each remat
+mode; writes bench.json, bench.md and a Chrome trace (fxpipe.tools.bench_report).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch.multiprocessing as mp
 from tabulate import tabulate
 
 import fxpipe
-from fxpipe.errors import ConfigError
+from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.models import gpt, load_factory
 from fxpipe.tools.bench_report import summarise, write
 from fxpipe.tools.bench_torch import SCHEDULES as TORCH_SCHEDULES
@@ -46,7 +48,7 @@ class BenchOptions:
     stages: int = 2
     chunks: int = 8
     remat: str = "never"
-    steps: int = 5
+    steps: int = 15
     warmup: int = 2
     out: str = "."
     plot: bool = False
@@ -136,12 +138,16 @@ def run_bench(ns: BenchOptions) -> int:
     print(f"measuring kept activations (remat {' / '.join(REMAT_COMPARED)}) ...", flush=True)
     memory = _memory(args)
     args["fxpipe_points"] = {}
-    if any(TORCH_SCHEDULES[s][1] > 1 for s in args["torch_schedules"]):
-        stages = 2 * ns.stages
-        print(f"balancing fxpipe's cut into {stages} stages for the torch variants with two "
-              "stages per rank ...", flush=True)
+    for per_rank in sorted({TORCH_SCHEDULES[s][1] for s in args["torch_schedules"]} - {1}):
+        stages = per_rank * ns.stages
+        print(f"balancing fxpipe's cut into {stages} stages for the torch variants with "
+              f"{per_rank} stages per rank ...", flush=True)
         start = time.perf_counter()
-        args["fxpipe_points"][str(stages)] = _local_cuts(args, stages)
+        try:
+            args["fxpipe_points"][str(stages)] = _local_cuts(args, stages)
+        except FxPipeError as e:  # e.g. more stages than the model can be cut into
+            print(f"  no cut: {str(e).splitlines()[0]}", flush=True)
+            continue
         print(f"  stages begin at {args['fxpipe_points'][str(stages)]} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
     print(f"starting {ns.stages} processes: each compiles and times every variant "

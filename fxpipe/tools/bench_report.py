@@ -11,7 +11,9 @@ from tabulate import tabulate
 
 from fxpipe import figures
 from fxpipe.report import human_bytes
+from fxpipe.runtime.schedule import default_stages_per_rank
 from fxpipe.runtime.timeline import Event, write_chrome_trace
+from fxpipe.tools.bench_stats import paired_ratio, schedule_bound
 from fxpipe.tools.bench_worker import REMAT_COMPARED
 from fxpipe.tools.core_speed import imbalance_at_equal_speed, speed_spread
 
@@ -31,12 +33,15 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
               options: dict[str, Any]) -> dict[str, Any]:
     ranks = sorted(results)
     first = results[ranks[0]]
-    step, spread = {}, {}
+    step, spread, steps, cpu = {}, {}, {}, {}
     for name, samples in first["times"].items():
         per_step = [max(results[r]["times"][name][i] for r in ranks if results[r]["times"][name])
                     for i in range(len(samples))]
+        steps[name] = per_step  # the step's time: its slowest rank's
         step[name] = _median(per_step)
         spread[name] = [min(per_step), max(per_step)] if per_step else [0.0, 0.0]
+        cpu[name] = _median([sum(results[r]["cpu_times"][name][i] for r in ranks
+                                 if results[r]["cpu_times"][name]) for i in range(len(samples))])
     measured = step["fxpipe"]
     pipelines = {name: _median([max(results[r]["pipeline"][name][i] for r in ranks)
                                 for i in range(len(first["pipeline"][name]))])
@@ -44,6 +49,11 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
     pipeline = pipelines["fxpipe"]
     best_schedule = _fastest(step, "fxpipe", exclude=("fxpipe_remat_",)) or "fxpipe"
     torch_best = _fastest(step, "torch_")
+    versus_torch = paired_ratio(steps[best_schedule], steps[torch_best]) if torch_best else None
+    ranks_count, chunks = options["stages"], options["chunks"]
+    bounds = {name: schedule_bound(_schedule(name), chunks, ranks_count,
+                                   default_stages_per_rank(_schedule(name)))
+              for name in first["predicted"] if not name.startswith("fxpipe_remat_")}
 
     def per_rank(name: str, part: int) -> list[float]:
         return [_median([t[part] for t in results[r]["stage_times"][name]]) for r in ranks]
@@ -71,12 +81,21 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         **{k: options[k] for k in ("model", "stages", "chunks", "remat", "batch", "balance")},
         "load_average": options["load_average"],
         "process_groups_while_timing": max(results[r]["process_groups"] for r in ranks),
-        "step_time_s": step, "step_time_min_max_s": spread,
+        "steps_measured": len(steps["fxpipe"]),
+        "load_average_while_timing": _median([x for r in ranks for x in results[r]["load"]]),
+        "step_time_s": step, "step_time_min_max_s": spread, "cpu_time_s": cpu,
         "samples_per_s": {k: options["batch"] / v for k, v in step.items()},
-        "speedup_vs_single_process": step["single_process"] / measured,
-        "speedups_vs_single_process": {k: step["single_process"] / v for k, v in step.items()},
-        "ideal_speedup": options["stages"] * options["chunks"]
-        / (options["chunks"] + options["stages"] - 1),
+        # against the plain model at full batch, its fastest step; the accumulating one beside
+        "speedup_vs_single_process": step["single_process_full_batch"] / measured,
+        "speedups_vs_single_process": {k: step["single_process_full_batch"] / v
+                                       for k, v in step.items()},
+        "speedups_vs_accumulating_process": {k: step["single_process"] / v
+                                             for k, v in step.items()},
+        # each schedule's bound at equal stage costs and free messages (bench_stats)
+        "ideal_speedup": bounds,
+        "measured_over_simulated_at_measured_compute": {
+            name: t / first["predicted_at_measured_compute"][name]
+            for name, t in pipelines.items()},
         "best_schedule": _schedule(best_schedule),
         # what schedule="auto" would pick: the fastest predicted of the variants raced
         "predicted_best_schedule": _schedule(min(
@@ -85,6 +104,18 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         "torch_pipelining_best": torch_best,
         "step_time_ratio_vs_torch_pipelining_best":
             step[best_schedule] / step[torch_best] if torch_best else None,
+        # the same, paired step by step: the median ratio and its bootstrap 95% interval
+        "step_time_ratio_vs_torch_pipelining_best_paired":
+            versus_torch.median if versus_torch else None,
+        "step_time_ratio_vs_torch_pipelining_best_ci":
+            [versus_torch.low, versus_torch.high] if versus_torch else None,
+        "versus_torch_pipelining_best": versus_torch.verdict if versus_torch else None,
+        # fxpipe's schedule against torch's same schedule at fxpipe's cut (its faster frontend)
+        "same_schedule_vs_torch": _same_schedule(steps, step),
+        # how many variants each "best" is the fastest of (a minimum over more noisy variants
+        # is biased low: the paired interval above is the figure to read)
+        "variants_compared": {"fxpipe": len(bounds),
+                              "torch": sum(1 for n in step if n.startswith("torch_"))},
         # the old comparison: torch's traced GPipe at fxpipe's cut
         "step_time_ratio_vs_torch_pipelining":
             measured / step["torch_traced_fxpipe_gpipe"]
@@ -142,6 +173,21 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
     return summary
 
 
+def _same_schedule(steps: dict[str, list[float]],
+                   step: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """fxpipe's GPipe and 1F1B against torch's same schedule at fxpipe's cut, paired."""
+    out = {}
+    for schedule, ours in (("gpipe", "fxpipe"), ("1f1b", "fxpipe_1f1b")):
+        theirs = [n for n in (f"torch_traced_fxpipe_{schedule}", f"torch_manual_fxpipe_{schedule}")
+                  if n in step]
+        if ours in steps and theirs:
+            torch_name = min(theirs, key=lambda n: step[n])
+            ratio = paired_ratio(steps[ours], steps[torch_name])
+            out[schedule] = {"torch": torch_name, "ratio": ratio.median,
+                             "ci": [ratio.low, ratio.high], "verdict": ratio.verdict}
+    return out
+
+
 def _schedule(variant: str) -> str:
     """The schedule of an fxpipe variant's name ("fxpipe" runs GPipe)."""
     return "gpipe" if variant == "fxpipe" else variant.removeprefix("fxpipe_")
@@ -157,26 +203,47 @@ def _ratio(a: float, b: float) -> float | None:
 
 def _lines(summary: dict[str, Any]) -> list[str]:
     spread, step = summary["step_time_min_max_s"], summary["step_time_s"]
+    bounds = summary["ideal_speedup"]
     rows = [[name, f"{t:.3f}", f"{spread[name][0]:.3f}-{spread[name][1]:.3f}",
-             f"{summary['samples_per_s'][name]:.1f}", f"{step['single_process'] / t:.2f}x"]
+             f"{summary['cpu_time_s'][name]:.3f}", f"{summary['samples_per_s'][name]:.1f}",
+             f"{summary['speedups_vs_single_process'][name]:.2f}x",
+             f"{bounds[name]:.2f}x" if name in bounds else "",
+             f"{summary['measured_over_simulated_at_measured_compute'][name]:.3f}"
+             if name in summary["measured_over_simulated_at_measured_compute"] else ""]
             for name, t in sorted(step.items(), key=lambda kv: kv[1])]
     lines = [f"# fxpipe bench: {summary['model']}, {summary['stages']} stages x "
              f"{summary['chunks']} micro-batches, remat={summary['remat']}, "
              f"balance={summary['balance']}", "",
              f"machine load average (1 min) before / after: "
              f"{summary['load_average'][0]:.2f} / {summary['load_average'][1]:.2f}; process "
-             f"groups per rank while timing: {summary['process_groups_while_timing']}", "",
-             tabulate(rows, headers=["variant", "median step (s)", "min-max (s)", "samples/s",
-                                     "speedup vs 1 process"], tablefmt="github"), "",
-             f"- speedup over one process (fxpipe GPipe): "
+             f"groups per rank while timing: {summary['process_groups_while_timing']}; "
+             f"{summary['steps_measured']} measured steps, each running every variant once in "
+             f"an order rotated step by step (load average while timing, median: "
+             f"{summary['load_average_while_timing']:.2f})", "",
+             tabulate(rows, headers=["variant", "median step (s)", "min-max (s)",
+                                     "CPU s (all ranks)", "samples/s",
+                                     "speedup vs 1 process (full batch)", "schedule's bound",
+                                     "measured / simulated at measured compute"],
+                      tablefmt="github"), "",
+             f"- speedup over one process at full batch (fxpipe GPipe): "
              f"**{summary['speedup_vs_single_process']:.2f}x** "
-             f"(ideal {summary['ideal_speedup']:.2f}x)",
+             f"(its bound {bounds['fxpipe']:.2f}x); over one process accumulating the same "
+             f"micro-batches: {summary['speedups_vs_accumulating_process']['fxpipe']:.2f}x",
              f"- fxpipe's best schedule: {summary['best_schedule']} (the fastest predicted, "
              f"which schedule='auto' picks: {summary['predicted_best_schedule']})"]
     if summary["torch_pipelining_best"]:
-        lines.append(f"- fastest torch.distributed.pipelining variant: "
-                     f"{summary['torch_pipelining_best']}; fxpipe best / it: "
-                     f"**{summary['step_time_ratio_vs_torch_pipelining_best']:.3f}**")
+        lines.append(f"- fastest torch.distributed.pipelining variant (of "
+                     f"{summary['variants_compared']['torch']}): "
+                     f"{summary['torch_pipelining_best']}; fxpipe best (of "
+                     f"{summary['variants_compared']['fxpipe']}) / it, paired step by step: **"
+                     f"{summary['step_time_ratio_vs_torch_pipelining_best_paired']:.3f}** (95% "
+                     "interval {:.3f}-{:.3f}: {})".format(
+                         *summary["step_time_ratio_vs_torch_pipelining_best_ci"],
+                         summary["versus_torch_pipelining_best"]))
+    for schedule, same in summary["same_schedule_vs_torch"].items():
+        lines.append(f"- fxpipe {schedule} / {same['torch']} (the same schedule at the same "
+                     f"cut), paired: {same['ratio']:.3f} (95% interval {same['ci'][0]:.3f}-"
+                     f"{same['ci'][1]:.3f}: {same['verdict']})")
     lines += ["- measured imbalance of the ranks' compute (slowest / mean): "
               + ", ".join(f"{name} " + (f"**{v:.3f}**" if v is not None else "-")
                           for name, v in summary["stage_imbalance_by_variant"].items()),

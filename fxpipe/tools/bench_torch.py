@@ -42,6 +42,8 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
     "interleaved_zb": ("ScheduleInterleavedZeroBubble", 2, "loop"),
     "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
+    "interleaved_1f1b_v4": ("ScheduleInterleaved1F1B", 4, "loop"),
 }
 
 Step = Callable[[], float]
@@ -141,7 +143,7 @@ def rank_stages(schedule: str, rank: int, ranks: int) -> list[int]:
         return [rank]
     if placement == "v":
         return [rank, 2 * ranks - 1 - rank]
-    return [rank, rank + ranks]
+    return [rank + k * ranks for k in range(per_rank)]
 
 
 # --- the manual frontend -----------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """One rank of `fxpipe bench`: builds every variant on the same model, data and micro-batches, then
-times them step by step, alternating, so that drifts of the machine hit them alike.
+times them step by step, each step running every variant once in an order rotated from step to
+step, so that drifts of the machine hit them alike (fxpipe.tools.bench_stats).
 
 Variants: the plain model in one process (rank 0; gradient accumulation over the same
-micro-batches), fxpipe with every schedule of fxpipe.runtime.schedule.SCHEDULES (remat as asked)
-and with the other remat modes (GPipe), and the torch.distributed.pipelining variants of
-fxpipe.tools.bench_torch. fxpipe's steps also record, per stage, the compute (forward, backward,
-recompute; waits excluded) and the time spent waiting for receives, and around each of their
-steps every rank times the same reference work at once (fxpipe.tools.core_speed), so that the
-report can tell the partition's imbalance from the cores' own drift.
+micro-batches, and one step at full batch), fxpipe with every schedule of
+fxpipe.runtime.schedule.SCHEDULES (remat as asked) and with the other remat modes (GPipe), and
+the torch.distributed.pipelining variants of fxpipe.tools.bench_torch. fxpipe's steps also
+record, per stage, the compute (forward, backward, recompute; waits excluded) and the time spent
+waiting for receives, and around each of their steps every rank times the same reference work
+at once (fxpipe.tools.core_speed), so that the report can tell the partition's imbalance from
+the cores' own drift.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from fxpipe.passes.partition import PartitionPlan, best_round
 from fxpipe.program import Program
 from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
 from fxpipe.runtime.timeline import Event, busy_time, predicted_events, predicted_step
+from fxpipe.tools.bench_stats import rotated
 from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
 from fxpipe.tools.core_speed import CoreProbe
 
@@ -231,28 +234,33 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
                           tie_groups)
         if step is not None:
             steps[variant.name] = step
-    single = _single(copy.deepcopy(model), inputs, target, chunks) if rank == 0 else None
-    times: dict[str, list[float]] = {name: [] for name in ["single_process", *steps]}
+    if rank == 0:  # the plain model: accumulating the same micro-batches, and at full batch
+        steps = {"single_process": _single(copy.deepcopy(model), inputs, target, chunks),
+                 "single_process_full_batch": _single(copy.deepcopy(model), inputs, target, 1),
+                 **steps}
+    singles = ("single_process", "single_process_full_batch")
+    names = [*singles, *(n for n in steps if n not in singles)]  # the same list on every rank
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    load: list[float] = []
     groups = _process_groups()
     probe = CoreProbe()
     total = args["warmup"] + args["steps"]
     for i in range(total):
         label = f"step {i + 1}/{total}" + (" (warm-up)" if i < args["warmup"] else "")
-        dist.barrier()
-        if single is not None:
-            start = time.perf_counter()
-            losses.setdefault("single_process", single())
-            times["single_process"].append(time.perf_counter() - start)
-            _say(rank, f"  {label} single_process: {times['single_process'][-1]:.2f} s")
-        for name, step in steps.items():
-            timed = fx.get(name)
+        load.append(os.getloadavg()[0])
+        for name in rotated(names, i):  # every variant first in turn: drifts hit them alike
             dist.barrier()
+            if name not in steps:  # the plain model runs on rank 0 alone
+                continue
+            timed = fx.get(name)
             if timed is not None:  # every rank times the reference work at once
                 before = probe.seconds()
                 dist.barrier()
-            start = time.perf_counter()
-            losses.setdefault(name, step())
+            start, used = time.perf_counter(), time.process_time()
+            losses.setdefault(name, steps[name]())
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - used)
             if timed is not None:
                 dist.barrier()
                 timed.probes.append((before + probe.seconds()) / 2)
@@ -263,6 +271,7 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
     dist.all_gather_object(every_busy, busy)
     result = {
         "times": {k: v[warm:] for k, v in times.items()}, "losses": losses,
+        "cpu_times": {k: v[warm:] for k, v in cpu.items()}, "load": load[warm:],
         "skipped": skipped, "process_groups": groups,
         "pipeline": {k: v.pipeline[warm:] for k, v in fx.items()},
         "stage_times": {k: v.stage[warm:] for k, v in fx.items()},
