@@ -61,6 +61,7 @@ class Built:
     corrections: dict[str, float] = field(default_factory=dict)
     # what balancing by measurement tried: each cut with its predicted and measured stages
     rounds: list[BalanceRound] = field(default_factory=list)
+    cpu_timings: dict[str, float] = field(default_factory=dict)  # CPU seconds per pass
 
     @property
     def capture_info(self) -> CaptureInfo:

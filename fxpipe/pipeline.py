@@ -76,38 +76,41 @@ def _build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                           hint="use balance='cost' (the cost model, with profile=...)")
     history: list[Snapshot] = []
     timings: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # CPU seconds per pass: wall time is noisy on a shared machine
     # The graph everything else works on; functional so that stage code is self-contained.
-    with _timed(timings, "capture"):
+    with _timed(timings, cpu, "capture"):
         gm = capture(model, args, kwargs, method=config.capture,
                      leaf_modules=config.leaf_modules, inline_modules=True, check=config.check,
                      batch_dims=config.batch_dims)
         ir.verify(gm, after="capture")
     _snapshot(history, "capture", gm)
     # Before costs and cuts: a stacked RNN is one node, which no cut could enter.
-    with _timed(timings, "unroll_rnns"):
+    with _timed(timings, cpu, "unroll_rnns"):
         unrolled = unroll_rnns(gm)
     if unrolled:
         _snapshot(history, "unroll_rnns", gm)
     else:  # the stage headers list the passes that changed something
         timings.pop("unroll_rnns")
+        cpu.pop("unroll_rnns")
     if config.deferred_batch_norm:
         # Before costs and cuts: the rewritten op is what the stages will run.
-        with _timed(timings, "defer_batch_norm"):
+        with _timed(timings, cpu, "defer_batch_norm"):
             defer_batch_norm(gm)
         _snapshot(history, "defer_batch_norm", gm)
     # Costs are symbolic in the micro-batch size, so chunks can be chosen without re-tracing.
-    with _timed(timings, "annotate_costs"):
+    with _timed(timings, cpu, "annotate_costs"):
         annotate_costs(gm)
         ir.verify(gm, after="cost")
     info: CaptureInfo = gm.meta[ir.CAPTURE]
     profile = select_profile(config.profile, model, _profile_device(config))
     if config.balance == "time":
         # Measured on real tensors at the micro-batch size the partition will use.
-        with _timed(timings, "measure_times"):
+        with _timed(timings, cpu, "measure_times"):
             _measure_where_stages_run(gm, info.signature.flatten_inputs(args, kwargs),
                                       _profile_device(config),
                                       max(1, info.batch_size // (config.fixed_chunks or 1)))
-    return _stages(gm, config, profile, type(model).__name__, history, timings, agree, {})
+    return _stages(gm, config, profile, type(model).__name__, history, timings, agree, {},
+                   cpu=cpu)
 
 
 def rebuild(built: Built, corrections: Mapping[str, float], *,
@@ -120,25 +123,27 @@ def rebuild(built: Built, corrections: Mapping[str, float], *,
     for node in ir.compute_nodes(gm.graph):
         node.meta.pop(ir.STAGE, None)
     history = [s for s in built.history if not s.after.startswith("split_stages")]
-    timings = {k: v for k, v in built.timings.items()
-               if k not in ("partition", "split_stages", "mark_remat", "codegen")}
+    again = ("partition", "split_stages", "mark_remat", "codegen")
+    timings = {k: v for k, v in built.timings.items() if k not in again}
+    cpu = {k: v for k, v in built.cpu_timings.items() if k not in again}
     return _stages(gm, built.config, built.profile, built.model_name, history, timings, agree,
-                   dict(corrections), starts)
+                   dict(corrections), starts, cpu=cpu)
 
 
 def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, model_name: str,
             history: list[Snapshot], timings: dict[str, float], agree: PlanAgreement | None,
-            corrections: dict[str, float], starts: Sequence[str] | None = None) -> Built:
+            corrections: dict[str, float], starts: Sequence[str] | None = None, *,
+            cpu: dict[str, float]) -> Built:
     """partition, split_stages, mark_remat and codegen on an annotated graph."""
     info: CaptureInfo = gm.meta[ir.CAPTURE]
-    with _timed(timings, "partition"):
+    with _timed(timings, cpu, "partition"):
         plan, config = _partition(gm, config, info.batch_size, profile, corrections, starts)
         if agree is not None:
             plan = agree(gm, plan)
         ir.verify(gm, after="partition")
     config = replace(config, chunks=plan.chunks)
     # Stage graphs are new modules: the captured graph stays whole for reports and checks.
-    with _timed(timings, "split_stages"):
+    with _timed(timings, cpu, "split_stages"):
         graphs = split_stages(gm, config.stages)
         for g in graphs:
             ir.verify(g.graph_module, after="split")
@@ -147,18 +152,18 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
     # memory_limit is per rank: each of a rank's stages fits an equal share, as partitioned
     share = config.memory_limit / config.per_rank if config.memory_limit else None
     for g in graphs:
-        with _timed(timings, "mark_remat"):
+        with _timed(timings, cpu, "mark_remat"):
             regions = mark_remat(g.graph_module, config.remat,
                                  microbatch_size=plan.microbatch_size, inflight=plan.chunks,
                                  memory_limit=share, fixed_bytes=_fixed_bytes(g))
             ir.verify(g.graph_module, after="remat")
         _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module)
         ran = (*(name for name in timings if name != "codegen"), "codegen")
-        with _timed(timings, "codegen"):
+        with _timed(timings, cpu, "codegen"):
             stages.append(_generate(g, regions, plan, config, info, model_name, gm, shared, ran,
                                     profile, corrections))
     built = Built(gm, plan, stages, shared, profile, config, history, timings,
-                  model_name=model_name, corrections=corrections)
+                  model_name=model_name, corrections=corrections, cpu_timings=cpu)
     if _debug_level():
         print("[fxpipe] " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
         print("[fxpipe] capture: " + ", ".join(f"{k} {v:.2f}s" for k, v in info.timings))
@@ -196,12 +201,14 @@ def _snapshot(history: list[Snapshot], after: str, gm: GraphModule) -> None:
 
 
 @contextlib.contextmanager
-def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
+def _timed(timings: dict[str, float], cpu: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's wall seconds to timings[name] and its CPU seconds to cpu[name]."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     try:
         yield
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+        cpu[name] = cpu.get(name, 0.0) + time.process_time() - start_cpu
 
 
 def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: DeviceProfile,

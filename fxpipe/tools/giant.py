@@ -2,7 +2,9 @@
 little memory for the weights would: the compile time, the peak host memory of the compiling
 process, each stage's parameter memory, the predicted step time and the bubble.
 
-Run as `python -m fxpipe.tools.giant --preset 8b --stages 8` (needs transformers).
+Run as `python -m fxpipe.tools.giant --preset 8b --stages 8` (needs transformers). Each phase
+of the compile is shown in wall and CPU seconds, and per decoder layer: the phase divided by the
+layers, or with `--layers 8 16` the marginal cost of a layer between two compiles.
 """
 from __future__ import annotations
 
@@ -88,13 +90,61 @@ def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: in
         "profile": report.profile, "compile_s": seconds, "compile_cpu_s": cpu,
         "process_peak_bytes": max(peak, process_peak), "rss_before_compile_bytes": before,
         "compile_peak_growth_bytes": peak - before,
+        "layers": sum(1 for _ in _decoder_layers(model)),
         "timings_s": dict(program.built.timings),
+        "cpu_timings_s": dict(program.built.cpu_timings),
+        "capture_timings_s": dict(program.built.capture_info.timings),
+        "capture_cpu_timings_s": dict(program.built.capture_info.cpu_timings),
+        "fake_runs": program.built.capture_info.fake_runs,
         "stage_params_bytes": [s["params_bytes"] for s in report.stages],
         "stage_memory_model_bytes": [s["memory_model_bytes"] for s in report.stages],
         "stage_first_last": [(s["first_module"], s["last_module"]) for s in report.stages],
         "predicted_step_time_s": summary["predicted_step_time_s"],
         "bubble": summary["bubble"], "imbalance": summary["imbalance"],
     }
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    layers: list[torch.nn.Module] = list(getattr(getattr(model, "model", model), "layers", []))
+    return layers
+
+
+def phases(figures: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """(wall, CPU) seconds of each pass and, within capture, of its phases."""
+    rows = {name: (wall, figures["cpu_timings_s"].get(name, 0.0))
+            for name, wall in figures["timings_s"].items()}
+    rows.update({f"capture: {name}": (wall, figures["capture_cpu_timings_s"].get(name, 0.0))
+                 for name, wall in figures["capture_timings_s"].items()})
+    rows["total"] = (figures["compile_s"], figures["compile_cpu_s"])
+    return rows
+
+
+def per_layer(runs: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Seconds (wall, CPU) a decoder layer adds to each phase: between the first and the last
+    compile when their layer counts differ, else the phase divided by the layers."""
+    first, last = runs[0], runs[-1]
+    a, b = phases(first), phases(last)
+    if last["layers"] != first["layers"]:
+        span = last["layers"] - first["layers"]
+        return {k: ((w - a.get(k, (0.0, 0.0))[0]) / span, (c - a.get(k, (0.0, 0.0))[1]) / span)
+                for k, (w, c) in b.items()}
+    return {k: (w / last["layers"], c / last["layers"]) for k, (w, c) in b.items()}
+
+
+def _print_phases(runs: list[dict[str, Any]]) -> None:
+    layers = [r["layers"] for r in runs]
+    marginal = layers[0] != layers[-1]
+    each = per_layer(runs)
+    head = "".join(f"  {n:>3d} layers wall/CPU" for n in layers)
+    what = f"per layer {layers[0]}->{layers[-1]}" if marginal else "per layer (phase / layers)"
+    print(f"{'phase':28s}{head}  {what} wall/CPU")
+    for name in phases(runs[-1]):
+        cells = "".join(f"  {phases(r).get(name, (0.0, 0.0))[0]:8.2f} "
+                        f"{phases(r).get(name, (0.0, 0.0))[1]:8.2f} s" for r in runs)
+        wall, cpu = each[name]
+        print(f"{name:28s}{cells}  {wall:9.3f} {cpu:9.3f} s")
+    print("runs on fake tensors while capturing: "
+          + ", ".join(f"{r['fake_runs']} ({r['layers']} layers)" for r in runs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,19 +154,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, help="micro-batches (default 4 x stages)")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--profile", default="h100")
+    parser.add_argument("--layers", type=int, nargs="+", metavar="N",
+                        help="decoder layers instead of the preset's; two counts (8 16) show "
+                             "what one more layer costs in each phase")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
-    model = llama_on_meta(args.preset)
-    figures = compile_on_meta(model, stages=args.stages, chunks=args.chunks or 4 * args.stages,
-                              seq=args.seq, profile=args.profile)
+    runs = []
+    counts: list[int | None] = list(args.layers or [None])
+    if len(counts) > 1:  # a first compile pays once for imports and caches: not a layer's cost
+        compile_on_meta(llama_on_meta(args.preset, layers=1), stages=1, chunks=2, seq=args.seq,
+                        profile=args.profile)
+    for layers in counts:
+        model = llama_on_meta(args.preset, layers=layers)
+        runs.append(compile_on_meta(model, stages=args.stages,
+                                    chunks=args.chunks or 4 * args.stages, seq=args.seq,
+                                    profile=args.profile))
+        del model
+    figures = runs[-1]
     if args.json:
+        figures["per_layer_s"] = per_layer(runs)
         print(json.dumps(figures, indent=1))
         return 0
     gib = 2**30
-    print(f"Llama {args.preset}: {figures['parameters'] / 1e9:.2f}e9 parameters, "
+    print(f"Llama {args.preset} ({figures['layers']} layers): "
+          f"{figures['parameters'] / 1e9:.2f}e9 parameters, "
           f"{figures['model_bytes'] / gib:.1f} GiB in bf16, on the meta device")
-    print(f"compile: {figures['compile_s']:.1f} s wall, {figures['compile_cpu_s']:.1f} s CPU ("
-          + ", ".join(f"{k} {v:.1f}" for k, v in figures["timings_s"].items()) + ")")
+    print(f"compile: {figures['compile_s']:.1f} s wall, {figures['compile_cpu_s']:.1f} s CPU")
+    _print_phases(runs)
     print(f"peak host memory of this process: {figures['process_peak_bytes'] / gib:.2f} GiB; "
           f"{figures['rss_before_compile_bytes'] / gib:.2f} GiB before compiling, at most "
           f"{figures['compile_peak_growth_bytes'] / gib:.3f} GiB more while compiling")
