@@ -348,7 +348,8 @@ class _CostRunner(Interpreter):
             hit = self.cache[key]
             if not hit.aliases_input:
                 return pytree.tree_map(_fresh_like, hit.out), hit.cost
-            call = _writable(n, [_fresh_leaf(x) for x in leaves])
+            call = [_fresh_leaf(x) for x in leaves]
+            call = _writable(call) if ir.is_inplace(n) else call
             return shapes.call_node(self.module, n, *pytree.tree_unflatten(call, spec)), hit.cost
         op = shapes.op_key(self.module, n)
         if _needs_real_samples(n) and not self._meta_params:  # no data on meta: fakes
@@ -372,8 +373,20 @@ class _CostRunner(Interpreter):
     def _run_counted(self, n: Node, leaves: list[Any], spec: pytree.TreeSpec,
                      params: set[int]) -> tuple[Any, _NodeCost]:
         """Runs the node once, counting its forward and backward kernels and saved tensors."""
+        try:
+            return self._run_counted_on(n, leaves, spec, params, copy_inputs=ir.is_inplace(n))
+        except RuntimeError as e:
+            if _LEAF_WRITTEN not in str(e):
+                raise
+            # A function or module that writes into an input it was given (torchvision's MViT
+            # adds its relative position bias with `attn[:, :, 1:, 1:] += ...`): it writes
+            # into copies, like an in-place operation.
+            return self._run_counted_on(n, leaves, spec, params, copy_inputs=True)
+
+    def _run_counted_on(self, n: Node, leaves: list[Any], spec: pytree.TreeSpec,
+                        params: set[int], copy_inputs: bool) -> tuple[Any, _NodeCost]:
         fresh = [_fresh_leaf(x) for x in leaves]
-        call = _writable(n, fresh)  # in-place ops write into copies of their leaves
+        call = _writable(fresh) if copy_inputs else fresh  # written into: copies of the leaves
         a, k = pytree.tree_unflatten(call, spec)
         copies = {_storage(c): i for i, (c, f) in enumerate(zip(call, fresh))
                   if isinstance(c, torch.Tensor) and c is not f}
@@ -621,12 +634,15 @@ def _state_device(gm: GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
-def _writable(n: Node, fresh: list[Any]) -> list[Any]:
-    """The arguments to call an in-place node with: its fresh leaves that need gradients are
-    leaves, which autograd does not let an operation overwrite, so it writes into copies (made
-    outside the kernel counter, so they cost nothing)."""
-    if not ir.is_inplace(n):
-        return fresh
+_LEAF_WRITTEN = "leaf Variable that requires grad is being used in an in-place operation"
+"""What autograd says when an operation writes into a leaf that needs gradients, or a view of
+one."""
+
+
+def _writable(fresh: list[Any]) -> list[Any]:
+    """The arguments to call a node that writes into its inputs with: its fresh leaves that
+    need gradients are leaves, which autograd does not let an operation overwrite, so it writes
+    into copies (made outside the kernel counter, so they cost nothing)."""
     return [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in fresh]
 
 
