@@ -440,7 +440,8 @@ def _signature(placeholders: list[Node], ctx: _Context) -> list[str]:
     return ["    " + line for line in lines]
 
 
-Statement = tuple[list[str], set[Node], list[Node]]  # (lines, values it uses, values it defines)
+# (lines, values it uses, values it defines, the grad-mode and autocast regions it runs in)
+Statement = tuple[list[str], set[Node], list[Node], ir.Mode]
 
 
 def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
@@ -456,7 +457,7 @@ def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
         if node.op == "output":
             value = node.args[0]
             returned = "return None" if value is None else f"return {_render(value, ctx, node)}"
-            statements.append(([returned], set(node.all_input_nodes), []))
+            statements.append(([returned], set(node.all_input_nodes), [], ()))
             continue
         region = node.meta.get(ir.REMAT)
         if region is not None:
@@ -466,7 +467,7 @@ def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
             methods += method
             note = (f"# remat region {region}: {len(members)} operations, recomputed in "
                     "backward instead of saved")
-            statements.append((["", note, *call], uses, outs))
+            statements.append((["", note, *call], uses, outs, ()))
             last_where = None
             continue
         where = _where(node)
@@ -475,11 +476,13 @@ def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
             text += ["", where]
             last_where = where
         expr = _expression(node, ctx)
+        mode = ir.mode(node)
+        indent = _BODY + 4 * len(mode)
         if node.target is ops.send or not node.users:
-            text += _format("", expr)
+            text += _format("", expr, indent)
         else:
-            text += _format(f"{ctx.names[node]}{_annotation(node)} = ", expr)
-        statements.append((text, set(node.all_input_nodes), [node]))
+            text += _format(f"{ctx.names[node]}{_annotation(node)} = ", expr, indent)
+        statements.append((text, set(node.all_input_nodes), [node], mode))
     body = _with_deletes(statements, ctx)
     return _signature(placeholders, ctx) + [" " * _BODY + line if line else "" for line in body] \
         + methods
@@ -488,19 +491,55 @@ def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
 def _with_deletes(statements: list[Statement], ctx: _Context) -> list[str]:
     """Statement lines plus `del` on its own line after each value's last use."""
     last_use: dict[Node, int] = {}
-    for i, (_, uses, _) in enumerate(statements):
+    for i, (_, uses, _, _) in enumerate(statements):
         for u in uses:
             last_use[u] = i
-    out: list[str] = []
-    for i, (text, _, _) in enumerate(statements):
-        out += text
+    chunks: list[tuple[list[str], ir.Mode]] = []
+    for i, (text, _, _, mode) in enumerate(statements):
+        lines = list(text)
         dead = sorted({ctx.names[n] for n, j in last_use.items()
                        if j == i and n in ctx.names and n.op != "get_attr"
                        and ctx.names[n] != "comm"})
         if dead and not text[-1].startswith("return"):
             one = f"del {', '.join(dead)}"
-            out += [one] if _BODY + len(one) <= _WIDTH else _format("del ", _Call("", tuple(dead)))
+            indent = _BODY + 4 * len(mode)
+            lines += [one] if indent + len(one) <= _WIDTH \
+                else _format("del ", _Call("", tuple(dead)), indent)
+        chunks.append((lines, mode))
+    return _in_modes(chunks)
+
+
+def _in_modes(chunks: list[tuple[list[str], ir.Mode]]) -> list[str]:
+    """Statement lines, each run of statements in the same grad-mode and autocast regions
+    inside the `with` statements the model's forward wrote (fxpipe.frontend.regions); a
+    statement's leading comment stays above its `with`."""
+    out: list[str] = []
+    current: ir.Mode = ()
+    for lines, mode in chunks:
+        depth = len(mode)
+        if mode != current:
+            lead = 0
+            while lead < len(lines) and (not lines[lead] or lines[lead].startswith("#")):
+                lead += 1
+            out += lines[:lead]
+            out += ["    " * i + f"with {_context(m)}:" for i, m in enumerate(mode)]
+            lines = lines[lead:]
+            current = mode
+        out += ["    " * depth + line if line else "" for line in lines]
     return out
+
+
+def _context(m: ir.GradMode | ir.AutocastMode) -> str:
+    """The context manager that enters one region, as the model wrote it."""
+    if isinstance(m, ir.GradMode):
+        return "torch.enable_grad()" if m.enabled else "torch.no_grad()"
+    parts = [repr(m.device_type)]
+    if m.dtype is not None:
+        parts.append(f"dtype={m.dtype}")
+    parts.append(f"enabled={m.enabled}")
+    if m.cache_enabled is not None:
+        parts.append(f"cache_enabled={m.cache_enabled}")
+    return f"torch.autocast({', '.join(parts)})"
 
 
 def _region(region: str, members: list[Node],
@@ -530,13 +569,16 @@ def _region(region: str, members: list[Node],
               f'        """Remat region {region}: recomputed in the backward pass instead of '
               'saved."""']
     last_where = None
+    chunks: list[tuple[list[str], ir.Mode]] = []
     for node in members:
         where = _where(node)
-        if where and where != last_where:
-            method.append(" " * _BODY + where)
-            last_where = where
-        method += [" " * _BODY + line for line in
-                   _format(f"{ctx.names[node]}{_annotation(node)} = ", _expression(node, ctx))]
+        text = [where] if where and where != last_where else []
+        last_where = where or last_where
+        mode = ir.mode(node)
+        text += _format(f"{ctx.names[node]}{_annotation(node)} = ", _expression(node, ctx),
+                        _BODY + 4 * len(mode))
+        chunks.append((text, mode))
+    method += [" " * _BODY + line for line in _in_modes(chunks)]
     ret = out_names if len(outputs) != 1 else ctx.names[outputs[0]]
     method.append(f"        return {ret}" if outputs else "        return None")
     return lines, set(inputs), outputs, method

@@ -8,12 +8,14 @@ Every key fxpipe writes on an fx node is defined here once, with the pass that w
     STAGE  = "fxpipe.stage"   int, 0-based                        passes.partition.partition
     COMM   = "fxpipe.comm"    CommInfo                            passes.split.split_stages
     REMAT  = "fxpipe.remat"   str region id, e.g. "remat_0"       passes.remat.mark_remat
+    MODE   = "fxpipe.mode"    Mode: grad mode / autocast entered  fxpipe.frontend.regions
 
 torch.fx's own keys ("val", "tensor_meta", "stack_trace", "nn_module_stack", "recompute") are read,
 never written.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -26,9 +28,11 @@ from torch.fx import Graph, GraphModule, Node
 from fxpipe.errors import InvariantError, MissingMetaError
 
 __all__ = [
-    "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "CAPTURE", "QUALNAMES", "SAMPLED", "BATCH",
+    "TENSOR", "COST", "TIME", "STAGE", "COMM", "REMAT", "MODE", "CAPTURE", "QUALNAMES", "SAMPLED",
+    "BATCH",
     "qualname",
     "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "ClassWork", "MeasuredTime", "CommInfo",
+    "GradMode", "AutocastMode", "Mode", "mode", "entered",
     "value_info", "tensor_info", "cost", "measured_time", "stage", "comm",
     "is_comm", "is_inplace", "compute_nodes", "module_path", "format_shape", "dtype_abbr",
     "evaluate", "verify",
@@ -40,6 +44,7 @@ TIME = "fxpipe.time"
 STAGE = "fxpipe.stage"
 COMM = "fxpipe.comm"
 REMAT = "fxpipe.remat"
+MODE = "fxpipe.mode"
 CAPTURE = "fxpipe.capture"  # GraphModule.meta: CaptureInfo written by fxpipe.capture
 QUALNAMES = "fxpipe.qualnames"  # GraphModule.meta: {attribute alias: model qualified name}
 # GraphModule.meta: frozenset of operations whose fake kernels specialise the batch size, run on
@@ -176,6 +181,48 @@ class CommInfo:
     peer: int  # the other stage
     tag: str  # the value's name, the same on both ends
     value: ValueInfo  # shape/dtype for a tensor, so buffers can be allocated up front
+
+
+@dataclass(frozen=True)
+class GradMode:
+    """`with torch.set_grad_enabled(enabled):` (torch.no_grad(), torch.enable_grad())."""
+
+    enabled: bool
+
+
+@dataclass(frozen=True)
+class AutocastMode:
+    """`with torch.autocast(device_type, dtype=..., enabled=..., cache_enabled=...):`."""
+
+    device_type: str
+    dtype: torch.dtype | None
+    enabled: bool
+    cache_enabled: bool | None
+
+
+Mode: TypeAlias = tuple[GradMode | AutocastMode, ...]
+"""The context managers a node of the model's forward runs under, outermost first; () for none."""
+
+
+def mode(node: Node) -> Mode:
+    """The grad mode and autocast regions a node runs in (none for most nodes)."""
+    value: Mode = node.meta.get(MODE, ())
+    return value
+
+
+@contextlib.contextmanager
+def entered(node: Node) -> Iterator[None]:
+    """Runs the body in the node's regions, as the model's forward runs it (for passes that
+    execute nodes one by one: shapes, costs, times)."""
+    with contextlib.ExitStack() as stack:
+        for m in mode(node):
+            if isinstance(m, GradMode):
+                stack.enter_context(torch.set_grad_enabled(m.enabled))
+            else:
+                stack.enter_context(torch.autocast(m.device_type, dtype=m.dtype,
+                                                   enabled=m.enabled,
+                                                   cache_enabled=m.cache_enabled))
+        yield
 
 
 def _meta(node: Node, key: str, run_first: str) -> Any:

@@ -535,7 +535,7 @@ class _CostRunner(Interpreter):
     def _cache_key(self, n: Node, leaves: list[Any]) -> tuple[Hashable, ...] | None:
         if n.op == "call_module":
             return None
-        parts: list[Hashable] = [n.op, n.target]
+        parts: list[Hashable] = [n.op, n.target, ir.mode(n)]  # no_grad saves nothing
         storages: dict[int, int] = {}
         for x in leaves:
             if isinstance(x, torch.Tensor):

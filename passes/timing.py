@@ -28,13 +28,14 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 import torch.utils._pytree as pytree
 from torch._ops import OpOverload
-from torch.fx import GraphModule, Interpreter, Node
+from torch.fx import GraphModule, Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe import ir
 from fxpipe.errors import ConfigError, CostError
 from fxpipe.frontend import shapes
 from fxpipe.frontend.capture import CaptureInfo
+from fxpipe.frontend.regions import RegionInterpreter
 
 __all__ = ["measure_times"]
 
@@ -143,7 +144,7 @@ def _preserved_state(gm: GraphModule) -> Iterator[None]:
 
 def _record_values(gm: GraphModule, tensors: Sequence[torch.Tensor]) -> dict[Node, Any]:
     """Every node's real value, detached, floating tensors keeping their requires_grad flag."""
-    interp = Interpreter(gm, garbage_collect_values=False)
+    interp = RegionInterpreter(gm, garbage_collect_values=False)
     with torch.enable_grad():
         interp.run(*tensors, enable_io_processing=False)
     return {n: pytree.tree_map(_fresh_leaf, v) for n, v in interp.env.items()}

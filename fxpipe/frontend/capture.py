@@ -25,7 +25,7 @@ from torch import nn
 
 from fxpipe import ir
 from fxpipe.errors import CaptureError, ConfigError
-from fxpipe.frontend import shapes, tracers
+from fxpipe.frontend import regions, shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
 from fxpipe.frontend.meta import (
     Check,
@@ -166,6 +166,7 @@ def capture(
         layout_s = lap()
         gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
                                          leaf_modules, inline_modules, args, kwargs, runs)
+        regions.inline_regions(gm)  # no_grad / autocast regions: marked operations
         front_s = lap()
         _annotate_shapes(gm, used, tensors, signature, runs)
     name_nodes_after_modules(gm)
@@ -216,7 +217,7 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
             gm = tracers.trace_fx(model, signature, leaves, leaf_modules, inline)
             _set_signature_codegen(gm, signature)
             with runs.calls(gm, meta):
-                problem = _compare_with_eager(gm, model, args, kwargs, layout)
+                problem = _compare_with_eager(gm, model, signature, args, kwargs, layout)
             if problem is None:
                 return gm, "fx", None
             if method == "fx":
@@ -237,7 +238,7 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
         problem = _compare_shapes(gm, infos, layout)
     else:
         with runs.calls(gm, meta):
-            problem = _compare_with_eager(gm, model, args, kwargs, layout)
+            problem = _compare_with_eager(gm, model, signature, args, kwargs, layout)
     if problem is not None:
         raise CaptureError(f"the exported graph computes something else than the model: {problem}",
                            hint="please report this model; as a workaround capture a submodule")
@@ -354,8 +355,8 @@ def run_flat(gm: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> tuple[Any, 
 
 # --- the check against eager ----------------------------------------------------------------------
 
-def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, args: ModelArgs,
-                        kwargs: ModelKwargs, layout: BatchLayout) -> str | None:
+def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, signature: Signature,
+                        args: ModelArgs, kwargs: ModelKwargs, layout: BatchLayout) -> str | None:
     """None if the graph matches the model on the example batch and on a smaller batch."""
     known = _known_outputs(model, layout)
     for trial, (batch_args, batch_kwargs) in enumerate(layout.trial_batches(args, kwargs)):
@@ -366,7 +367,7 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, args: ModelArgs,
                 with seeded(0), eager_runs(model):
                     expected = pytree.tree_leaves(model(*batch_args, **batch_kwargs))
             with seeded(0), eager_runs(model):
-                got = pytree.tree_leaves(gm(*batch_args, **batch_kwargs))
+                got = pytree.tree_leaves(regions.call(gm, signature, batch_args, batch_kwargs))
         except Exception as error:  # noqa: BLE001 - a wrong trace may crash on other shapes
             first_line = str(error).splitlines()[0] if str(error) else ""
             return f"running it raised {type(error).__name__}: {first_line}"
