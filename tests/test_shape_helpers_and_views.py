@@ -3,6 +3,9 @@
 1. A wrapped helper that adds into a view of its input (torchvision's MViT, `_add_rel_pos`:
    `attn[:, :, 1:, 1:] += rel`): the cost pass gave it a leaf that needs gradients, which
    autograd does not let anything write into.
+2. A wrapped helper that adapts Python lists of sizes to the input and writes into the lists it
+   is given (torchvision's 3D Swin, `_get_window_and_shift_size`): shape propagation and the
+   cost pass ran it on torch.fx's immutable lists.
 
 Each model is checked against the plain model at 2 stages and 2 micro-batches, in eval and in
 train mode: outputs, loss and every parameter's gradient (check_transparent).
@@ -11,9 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fxpipe import ir
+from fxpipe.frontend import shapes
 from fxpipe.frontend.capture import capture
 from fxpipe.testing.transparency import check_transparent
 from passes.cost import annotate_costs
@@ -84,3 +89,87 @@ def test_cost_of_a_helper_writing_into_its_input_counts_its_kernels() -> None:
     helper = next(n for n in gm.graph.nodes if n.target is add_rel_pos)
     cost = ir.cost(helper)
     assert cost.fwd_flops.free_symbols == {ir.BATCH} and cost.bwd_kernels > 0
+
+
+# --- 2. lists of sizes through a helper -----------------------------------------------------------
+
+def window_and_shift(shift: list[int], size: list[int],
+                     window: list[int]) -> tuple[list[int], list[int]]:
+    """Shrinks the window to the input where the input is smaller, and does not shift there."""
+    for i in range(len(size)):
+        if size[i] <= window[i]:
+            window[i] = size[i]
+            shift[i] = 0
+    return window, shift
+
+
+torch.fx.wrap("window_and_shift")
+
+
+class _ShiftedWindows(nn.Module):
+    """Swin-style block: window and shift from a helper, pad to whole windows, roll, attend
+    within windows (reshape(B, ...)), roll back."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.window, self.shift = [4, 16], [2, 2]
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        window, shift = window_and_shift(self.shift.copy(), [H, W], self.window.copy())
+        pad_h = (window[0] - H % window[0]) % window[0]
+        pad_w = (window[1] - W % window[1]) % window[1]
+        h = F.pad(self.norm(x), (0, 0, 0, pad_w, 0, pad_h))
+        h = torch.roll(h, shifts=(-shift[0], -shift[1]), dims=(1, 2))
+        hp, wp = H + pad_h, W + pad_w
+        h = h.reshape(B, hp // window[0], window[0], wp // window[1], window[1], C)
+        h = h.permute(0, 1, 3, 2, 4, 5).reshape(-1, window[0] * window[1], C)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        h = (q @ k.transpose(-2, -1) * C ** -0.5).softmax(-1) @ v
+        h = h.reshape(B, hp // window[0], wp // window[1], window[0], window[1], C)
+        h = h.permute(0, 1, 3, 2, 4, 5).reshape(B, hp, wp, C)
+        h = torch.roll(h, shifts=(shift[0], shift[1]), dims=(1, 2))[:, :H, :W]
+        return x + self.proj(h)
+
+
+class _SwinLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 8)
+        self.blocks = nn.Sequential(_ShiftedWindows(), _ShiftedWindows())
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)).mean((1, 2)))
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_helper_writing_into_lists_of_sizes_compiles_and_matches(mode: str) -> None:
+    torch.manual_seed(0)
+    _check(_SwinLike(), torch.randn(4, 6, 8, 3), mode)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_lists_from_a_helper_used_on_both_sides_of_a_cut(mode: str) -> None:
+    torch.manual_seed(0)
+    _check(_SwinLike(), torch.randn(4, 6, 8, 3), mode, split_points=["blocks.0.proj"])
+
+
+def test_helper_gets_plain_lists_in_shape_propagation() -> None:
+    torch.manual_seed(0)
+    gm = capture(_ShiftedWindows().eval(), (torch.randn(4, 6, 8, 8),))
+    helper = next(n for n in gm.graph.nodes if n.target is window_and_shift)
+    window, shift = ir.value_info(helper)
+    assert [int(w.value) for w in window] == [4, 8] and [int(s.value) for s in shift] == [2, 0]
+
+
+def test_plain_containers_copies_fx_immutable_lists() -> None:
+    frozen = torch.fx.immutable_collections.immutable_list([1, [2, 3]])
+    plain = shapes.plain_containers((frozen, {"k": frozen}, torch.Size([4, 5])))
+    assert type(plain[0]) is list and type(plain[0][1]) is list and type(plain[1]["k"]) is list
+    assert type(plain[2]) is torch.Size
+    plain[0][0] = 7  # writable, and the graph's own list is left alone
+    assert frozen[0] == 1

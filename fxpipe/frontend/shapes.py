@@ -28,8 +28,8 @@ from fxpipe import ir, source
 from fxpipe.errors import CaptureError
 
 __all__ = ["propagate_shapes", "symbolic_inputs", "op_key", "specialised", "OpKey",
-           "Specialised", "known_specialising", "SAMPLE_SIZES", "export_infos", "write_infos",
-           "known_sampled"]
+           "Specialised", "known_specialising", "SAMPLE_SIZES", "plain_containers",
+           "export_infos", "write_infos", "known_sampled"]
 
 OpKey: TypeAlias = object
 """What identifies an operation across nodes: a function or aten overload, ("method", name), or
@@ -120,14 +120,17 @@ class _FakeInterpreter(Interpreter):
     def fetch_attr(self, target: str) -> Any:
         return self._fake(super().fetch_attr(target))
 
+    def fetch_args_kwargs_from_env(self, n: Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return plain_containers(args), plain_containers(kwargs)
+
     def run_node(self, n: Node) -> Any:
         key = op_key(self.module, n) if n.op.startswith("call_") else None
         try:
             if key is not None and key in self.sampled:
                 result = self._interpolated(n)
             else:
-                with ir.entered(n):
-                    result = super().run_node(n)
+                result = super().run_node(n)
                 if key is not None and specialised(self.shape_env, self.sym):
                     raise Specialised(n, key)
         except Specialised:
@@ -161,18 +164,31 @@ class _FakeInterpreter(Interpreter):
 
 def call_node(module: torch.nn.Module, n: Node, args: Sequence[Any],
               kwargs: dict[str, Any]) -> Any:
-    """Runs one node's operation on the given values, in its grad-mode and autocast regions."""
+    """Runs one node's operation on the given values; its lists and dicts are plain ones
+    (plain_containers)."""
+    args, kwargs = plain_containers(tuple(args)), plain_containers(kwargs)
     target = n.target
-    with ir.entered(n):
-        if n.op == "call_module":
-            return module.get_submodule(str(target))(*args, **kwargs)
-        if n.op == "call_method":
-            obj, *rest = args
-            return getattr(obj, str(target))(*rest, **kwargs)
-        if isinstance(target, str):  # only modules and methods are named by a string
-            raise TypeError(f"{n.op} node {n.name} has the target {target!r}, "
-                            "which is not callable")
-        return target(*args, **kwargs)
+    if n.op == "call_module":
+        return module.get_submodule(str(target))(*args, **kwargs)
+    if n.op == "call_method":
+        obj, *rest = args
+        return getattr(obj, str(target))(*rest, **kwargs)
+    if isinstance(target, str):  # only modules and methods are named by a string
+        raise TypeError(f"{n.op} node {n.name} has the target {target!r}, which is not callable")
+    return target(*args, **kwargs)
+
+
+def plain_containers(values: Any) -> Any:
+    """`values` with fx's immutable lists and dicts, which an Interpreter passes, made plain
+    ones, as the generated code passes them: a wrapped function may write into a list it is
+    given (torchvision's `_get_window_and_shift_size` adapts a window to the input's size)."""
+    if isinstance(values, list):  # fx's immutable_list is a list
+        return [plain_containers(v) for v in values]
+    if isinstance(values, dict):
+        return {k: plain_containers(v) for k, v in values.items()}
+    if type(values) is tuple:  # not torch.Size or a named tuple
+        return tuple(plain_containers(v) for v in values)
+    return values
 
 
 def at_size(values: Any, sym: sympy.Symbol, b: int, static: FakeTensorMode) -> Any:
