@@ -170,6 +170,8 @@ class DistComm:
         for msg in tick.post:
             if msg.src_rank == msg.dst_rank:  # two stages of this rank: hand it over
                 self.inbox[msg] = (None, self._take(msg).clone())
+                if msg.grad:  # its value's gradient is here: the value need not be held on
+                    self.sent_values.pop(_activation(msg), None)
             else:
                 remote.append(msg)
         if not remote:
