@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fxpipe
+from fxpipe.errors import CaptureError
 from fxpipe.testing.reference_step import reference_step
 
 
@@ -131,3 +132,54 @@ def test_heads_shared_through_a_list_train_as_the_plain_model(capture: str) -> N
     assert all(level.heads is shared for level in model.levels)
     assert all(type(h) is torch.Tensor for h in shared)
     assert type(model(torch.randn(2, 1, 8, 8))) is torch.Tensor
+
+
+class ScatterVLM(nn.Module):
+    """Image features written into the text embeddings at the image tokens' positions, found
+    from the token ids (LLaVA's masked_scatter). `listed` joins the features as LLaVA does,
+    through a Python list of the samples."""
+
+    def __init__(self, listed: bool, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        self.listed = listed
+        self.image_token = vocab - 1
+        self.embed = nn.Embedding(vocab, width)
+        self.vision = nn.Linear(12, width)
+        self.block = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        text = self.embed(ids)
+        features = self.vision(patches)
+        features = torch.cat(list(features), 0) if self.listed else features.flatten(0, 1)
+        mask = (ids == self.image_token).unsqueeze(-1)
+        x = text.masked_scatter(mask, features)
+        return self.head(torch.relu(self.block(x)))
+
+
+def _vlm_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 30, (4, 10))
+    ids[0, 1:5] = 31  # every sample has 4 image tokens, at positions of its own
+    ids[1, 5:9] = 31
+    ids[2, [0, 2, 4, 6]] = 31
+    ids[3, 6:10] = 31
+    return ids, torch.randn(4, 4, 12)
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_features_scattered_at_positions_from_the_ids_train_as_the_plain_model(
+        remat: str) -> None:
+    torch.manual_seed(0)
+    _assert_trains_as_plain(ScatterVLM(listed=False).train(), _vlm_batch(), remat=remat)
+
+
+def test_a_list_of_the_samples_is_refused_naming_its_line() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError) as caught:
+        fxpipe.compile(ScatterVLM(listed=True), _vlm_batch(), stages=2, chunks=2)
+    message = str(caught.value)
+    assert message.startswith(
+        "ScatterVLM fixes the number of samples while it computes, so its graph holds for "
+        "batches of 4 only and cannot run on micro-batches\n  at ")
+    assert "in forward: features = torch.cat(list(features), 0) if self.listed" in message
+    assert "x.flatten(0, 1) rather than torch.cat(list(x))" in message

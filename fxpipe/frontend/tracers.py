@@ -12,6 +12,7 @@ import io
 import keyword
 import logging
 import re
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias
@@ -20,11 +21,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, is_concrete_int
 
 from fxpipe import ir, source
 from fxpipe.errors import CaptureError
 from fxpipe.frontend.batching import BatchLayout
-from fxpipe.frontend.regions import ModeWatch
 from fxpipe.runtime.batchnorm import cumulative_batch_norm
 from fxpipe.signature import Signature
 
@@ -74,19 +75,6 @@ class _Tracer(fx.Tracer):
         self.leaf_types = tuple(x for x in leaf_modules if isinstance(x, type))
         self.leaf_names = {x for x in leaf_modules if isinstance(x, str)}
         self.leaf_ids = {id(x) for x in leaf_modules if isinstance(x, nn.Module)}
-        self.outside = ModeWatch.now()  # grad mode and autocast where tracing starts
-
-    def create_proxy(self, kind: str, target: Callable[..., Any] | str, args: tuple[Any, ...],
-                     kwargs: dict[str, Any], name: str | None = None, type_expr: Any | None = None,
-                     proxy_factory_fn: Callable[[fx.Node], fx.Proxy] | None = None) -> fx.Proxy:
-        """Records the grad-mode and autocast regions an operation runs in (fxpipe.frontend.
-        regions): fx runs `with torch.no_grad():` while tracing and would keep only the ops."""
-        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr,
-                                     proxy_factory_fn)
-        mode = self.outside.mode() if kind.startswith("call_") else ()
-        if mode:
-            proxy.node.meta[ir.MODE] = mode
-        return proxy
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if id(m) in self.leaf_ids or qualname in self.leaf_names or isinstance(m, self.leaf_types):
@@ -212,11 +200,13 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
                 torch.export.Dim.AUTO]
     errors: list[Exception] = []
     ep: torch.export.ExportedProgram | None = None
+    fixed: list[source.SourceLine] = []
     for dim in attempts:
         dynamic = tuple({bd: dim} if bd is not None else None for bd in layout.input_dims)
         try:
             with _quiet_export(), traceable_batch_norm(), _undecided_causal_masks(), \
-                    _conversions_that_change_nothing(), _python_state_kept(model):
+                    _conversions_that_change_nothing(), _python_state_kept(model), \
+                    _sizes_fixed(fixed):
                 ep = torch.export.export(root, tuple(tensors), dynamic_shapes=dynamic,
                                          strict=False)
             break
@@ -236,6 +226,7 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
             hint="data-dependent control flow (if on tensor values, .item(), nonzero) cannot be "
                  "captured: rewrite it with torch.where or torch.cond, or move it out of forward",
         ) from error
+    _refuse_fixed_batch(ep, type(model).__name__, layout, fixed)
     gm = ep.module()
     gm._forward_pre_hooks.clear()  # export's input-spec check; the signature checks instead
     for node in list(gm.graph.nodes):
@@ -265,6 +256,46 @@ def _data_dependent_error(model: str, error: Exception,
         hint="rewrite that line without Python control flow on tensor values: torch.where to "
              "choose between values, torch.cond for two branches, or decide outside forward "
              "(if, bool(), .item() and nonzero on a tensor all read its values)")
+
+
+@contextlib.contextmanager
+def _sizes_fixed(found: list[source.SourceLine]) -> Iterator[None]:
+    """Records the first model line where export turns a dynamic size (the batch: the only one
+    asked for) into a number, which torch reports without the line."""
+    original = ShapeEnv._set_replacement
+
+    def record(self: ShapeEnv, a: Any, tgt: Any, msg: str) -> None:
+        if not found and getattr(tgt, "is_Integer", False) and str(a).startswith("s"):
+            where = source.from_stack_trace("".join(traceback.format_stack()))
+            if where is not None:
+                found.append(where)
+        original(self, a, tgt, msg)
+
+    ShapeEnv._set_replacement = record  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShapeEnv._set_replacement = original  # type: ignore[method-assign]
+
+
+def _refuse_fixed_batch(ep: torch.export.ExportedProgram, model: str, layout: BatchLayout,
+                        fixed: Sequence[source.SourceLine]) -> None:
+    """A graph whose batch size export could keep only as a number runs on batches of that size
+    alone, never on micro-batches: refused, naming the line that fixed it."""
+    user = set(ep.graph_signature.user_inputs)
+    values = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder" and n.name in user]
+    static = [v for v, d in zip(values, layout.input_dims)
+              if d is not None and isinstance(v, torch.Tensor) and is_concrete_int(v.shape[d])]
+    if layout.batch_size < 2 or not static:
+        return
+    at = f"at {fixed[0]}" if fixed else "(torch named no line of it)"
+    raise CaptureError(
+        f"{model} fixes the number of samples while it computes, so its graph holds for "
+        f"batches of {layout.batch_size} only and cannot run on micro-batches\n  {at}",
+        hint="keep the batch a dimension of tensors on that line: x.flatten(0, 1) rather than "
+             "torch.cat(list(x)), one operation on the whole batch rather than a Python loop "
+             "over its samples (list(x), x.unbind(0), x.tolist() and len(x) make one value per "
+             "sample, which fixes their number); or pipeline the part of the model after it")
 
 
 @contextlib.contextmanager
