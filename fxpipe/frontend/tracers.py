@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, is_concrete_int
 from fxpipe import ir, source
 from fxpipe.errors import CaptureError
 from fxpipe.frontend.batching import BatchLayout
+from fxpipe.frontend.regions import ModeWatch
 from fxpipe.runtime.batchnorm import cumulative_batch_norm
 from fxpipe.signature import Signature
 
@@ -75,6 +76,19 @@ class _Tracer(fx.Tracer):
         self.leaf_types = tuple(x for x in leaf_modules if isinstance(x, type))
         self.leaf_names = {x for x in leaf_modules if isinstance(x, str)}
         self.leaf_ids = {id(x) for x in leaf_modules if isinstance(x, nn.Module)}
+        self.outside = ModeWatch.now()  # grad mode and autocast where tracing starts
+
+    def create_proxy(self, kind: str, target: Callable[..., Any] | str, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], name: str | None = None, type_expr: Any | None = None,
+                     proxy_factory_fn: Callable[[fx.Node], fx.Proxy] | None = None) -> fx.Proxy:
+        """Records the grad-mode and autocast regions an operation runs in (fxpipe.frontend.
+        regions): fx runs `with torch.no_grad():` while tracing and would keep only the ops."""
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr,
+                                     proxy_factory_fn)
+        mode = self.outside.mode() if kind.startswith("call_") else ()
+        if mode:
+            proxy.node.meta[ir.MODE] = mode
+        return proxy
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if id(m) in self.leaf_ids or qualname in self.leaf_names or isinstance(m, self.leaf_types):
