@@ -6,6 +6,8 @@
 2. A wrapped helper that adapts Python lists of sizes to the input and writes into the lists it
    is given (torchvision's 3D Swin, `_get_window_and_shift_size`): shape propagation and the
    cost pass ran it on torch.fx's immutable lists.
+3. A kernel that specialises the batch symbol and then fails (F.fold, as in timm's VOLO):
+   its shapes came from static samples, but every later size was frozen at the example batch.
 
 Each model is checked against the plain model at 2 stages and 2 micro-batches, in eval and in
 train mode: outputs, loss and every parameter's gradient (check_transparent).
@@ -173,3 +175,51 @@ def test_plain_containers_copies_fx_immutable_lists() -> None:
     assert type(plain[2]) is torch.Size
     plain[0][0] = 7  # writable, and the graph's own list is left alone
     assert frozen[0] == 1
+
+
+# --- 3. a kernel that specialises the batch size and fails --------------------------------------
+
+def fold_back(cols: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Sums overlapping 3x3 patches back into an image (F.fold, as outlook attention does)."""
+    return F.fold(cols, output_size=(height, width), kernel_size=3, padding=1)
+
+
+torch.fx.wrap("fold_back")
+
+
+class _Outlooker(nn.Module):
+    """VOLO's outlook attention in short: unfold, reshape(B, ...), fold back to (H, W); the
+    fold is called directly or through a helper (an operation not known to specialise)."""
+
+    def __init__(self, dim: int = 8, helper: bool = False) -> None:
+        super().__init__()
+        self.helper = helper
+        self.v = nn.Linear(dim, dim)
+        self.attn = nn.Linear(dim, 9)
+        self.unfold = nn.Unfold(kernel_size=3, padding=1)
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        v = self.unfold(self.v(x).permute(0, 3, 1, 2)).reshape(B, C, 9, H * W)
+        weights = self.attn(x).reshape(B, 1, 9, H * W).softmax(2)
+        cols = (v * weights).reshape(B, C * 9, H * W)
+        y = fold_back(cols, H, W) if self.helper else F.fold(cols, (H, W), 3, padding=1)
+        y = x + self.proj(y.permute(0, 2, 3, 1))
+        return self.head(y.reshape(B, H * W, C).mean(1))
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["fold", "helper"])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_folded_outlook_attention_follows_the_microbatch(mode: str, helper: bool) -> None:
+    torch.manual_seed(0)
+    _check(_Outlooker(helper=helper), torch.randn(4, 4, 4, 8), mode)
+
+
+def test_helper_that_specialises_and_fails_is_sampled() -> None:
+    torch.manual_seed(0)
+    gm = capture(_Outlooker(helper=True).eval(), (torch.randn(4, 4, 4, 8),))
+    assert fold_back in gm.meta[ir.SAMPLED]
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert ir.value_info(out).shape[0] == ir.BATCH

@@ -50,12 +50,12 @@ def op_key(module: torch.nn.Module, n: Node) -> OpKey:
 # occur.
 _SPECIALISING_FUNCTIONS = frozenset({
     torch.nn.functional.pad, torch.nn.functional.interpolate, torch.nn.functional.unfold,
-    torch.nn.functional.upsample, torch.nn.functional.upsample_nearest,
+    torch.nn.functional.fold, torch.nn.functional.upsample, torch.nn.functional.upsample_nearest,
     torch.nn.functional.upsample_bilinear})
-_SPECIALISING_ATEN = ("pad", "constant_pad_nd", "upsample_", "_upsample_", "im2col", "gru",
-                      "rnn_tanh", "rnn_relu")
+_SPECIALISING_ATEN = ("pad", "constant_pad_nd", "upsample_", "_upsample_", "im2col", "col2im",
+                      "gru", "rnn_tanh", "rnn_relu")
 _SPECIALISING_MODULES = (torch.nn.modules.padding._ConstantPadNd, torch.nn.Upsample,
-                         torch.nn.Unfold, torch.nn.GRU, torch.nn.RNN)
+                         torch.nn.Unfold, torch.nn.Fold, torch.nn.GRU, torch.nn.RNN)
 
 
 def known_specialising(key: OpKey) -> bool:
@@ -136,6 +136,10 @@ class _FakeInterpreter(Interpreter):
         except Specialised:
             raise
         except Exception as e:  # noqa: BLE001 - retried on static shapes, then re-raised
+            # A kernel may specialise the batch symbol and then fail (F.fold's col2im): the
+            # static samples give its shapes, but every later size would be frozen.
+            if key is not None and specialised(self.shape_env, self.sym):
+                raise Specialised(n, key) from e
             try:
                 result = self._interpolated(n)
             except Exception:  # noqa: BLE001 - report the symbolic failure, it names the op
