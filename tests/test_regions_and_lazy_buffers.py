@@ -150,3 +150,86 @@ def test_fx_records_the_region_it_runs_through():
     assert modes["gate"] == (ir.GradMode(False),)
     assert modes["mix"] == () and modes["head"] == ()
 
+
+# --- buffers filled on the first forward ----------------------------------------------------------
+
+class LazyPositions(nn.Module):
+    """Attention whose relative positions are built on the first forward, once the number of
+    tokens is known (as timm's ConViT builds `rel_indices`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("rel", torch.zeros(1, 1, 2), persistent=False)
+        self.register_buffer("table", None)
+        self.qk = nn.Linear(D, 2 * D)
+        self.pos = nn.Linear(2, 1)
+        self.norm = nn.LayerNorm(D)
+        self.out = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if self.rel.shape[1] != n:
+            i = torch.arange(n, dtype=x.dtype)
+            self.rel = torch.stack(torch.broadcast_tensors(i[:, None] - i, (i[:, None] - i) ** 2),
+                                   dim=-1)
+        if self.table is None:
+            self.table = torch.linspace(0, 1, D)
+        q, k = self.qk(x).chunk(2, dim=-1)
+        scores = q @ k.transpose(-1, -2) / D ** 0.5 + self.pos(self.rel).squeeze(-1)
+        h = scores.softmax(-1) @ (x + self.table)
+        return self.out(self.norm(h))
+
+
+class KeyCache(LazyPositions):
+    """LazyPositions that also keeps the last keys in a buffer on every call (a KV cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(4, 5, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.k_cache[: x.shape[0]] = self.qk(x).chunk(2, dim=-1)[1].detach()
+        return out
+
+
+def _lazy(model_type: type[nn.Module], train: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return model_type().train(train)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_a_buffer_filled_on_the_first_forward_is_filled_before_capture(train, remat):
+    check_transparent(_lazy(LazyPositions, train), (_batch(),), None, 2, 2, remat)
+
+
+def test_compiling_leaves_the_model_as_its_first_forward_would():
+    """The filled buffers as the model's own first call fills them; parameters, BatchNorm
+    statistics and the other buffers untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LazyPositions(), nn.BatchNorm1d(5)).train()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    statistics = {n: b.clone() for n, b in model[1].named_buffers()}
+    eager = LazyPositions()
+    with torch.no_grad():
+        eager(_batch())
+    fxpipe.compile(model, _batch(), stages=2, chunks=2)
+    assert torch.equal(model[0].rel, eager.rel) and model[0].rel.shape == (5, 5, 2)
+    assert torch.equal(model[0].table, eager.table)
+    assert "0.rel" not in model.state_dict()  # still the non-persistent buffer it was
+    for name, p in model.named_parameters():
+        assert torch.equal(p, params[name]), name
+    for name, b in model[1].named_buffers():
+        assert torch.equal(b, statistics[name]), name
+
+
+def test_a_buffer_written_on_every_forward_is_still_refused():
+    model = _lazy(KeyCache, True)
+    with pytest.raises(fxpipe.FxPipeError) as err:
+        fxpipe.compile(model, _batch(), stages=2, chunks=2)
+    message = str(err.value)
+    assert "KeyCache updates its buffer k_cache in forward" in message, message
+    assert "buffer rel" not in message, message  # filled once: not refused
+    assert not model.k_cache.any()  # put back as it was
+    assert model.rel.shape == (5, 5, 2)  # as after the model's own first call

@@ -25,7 +25,7 @@ from torch import nn
 
 from fxpipe import ir
 from fxpipe.errors import CaptureError, ConfigError
-from fxpipe.frontend import regions, shapes, tracers
+from fxpipe.frontend import lazy, regions, shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
 from fxpipe.frontend.meta import (
     Check,
@@ -149,6 +149,8 @@ def capture(
         return clock[-1][0] - clock[-2][0], clock[-1][1] - clock[-2][1]
 
     named_inputs = [(n, x) for n, x in zip(names, leaves) if is_tensor(x)]
+    if check is None:  # buffers a forward fills once are filled before capture
+        lazy.run_first_forward(model, args, kwargs, named_inputs)
     before = snapshot_state(model, named_inputs)
     runs = _Runs()
     meta = check is not None  # every run of the model is on fake tensors

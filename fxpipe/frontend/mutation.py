@@ -23,7 +23,7 @@ from torch import nn
 from fxpipe.errors import CaptureError
 
 __all__ = ["StateSnapshot", "snapshot_state", "check_unchanged", "restore_values",
-           "batch_norm_statistics"]
+           "batch_norm_statistics", "written"]
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -72,7 +72,9 @@ def restore_values(before: StateSnapshot) -> None:
                 tensor.copy_(saved)
 
 
-def _changed(model: nn.Module, before: StateSnapshot) -> list[str]:
+def written(model: nn.Module, before: StateSnapshot) -> list[str]:
+    """The keys of `before` ("parameter w", "buffer count", "input x") that a forward since
+    then wrote or reassigned."""
     now: dict[str, torch.Tensor] = {
         f"parameter {n}": p for n, p in model.named_parameters(remove_duplicate=True)}
     now.update({f"buffer {n}": b for n, b in model.named_buffers(remove_duplicate=True)})
@@ -96,7 +98,7 @@ def _same_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check_unchanged(model: nn.Module, before: StateSnapshot) -> None:
     """Raises a CaptureError naming every input and state tensor the forward since `before`
     wrote (BatchNorm's running statistics excepted)."""
-    changed = _changed(model, before)
+    changed = written(model, before)
     if not changed:
         return
     name = type(model).__name__
