@@ -348,8 +348,9 @@ class _CostRunner(Interpreter):
             hit = self.cache[key]
             if not hit.aliases_input:
                 return pytree.tree_map(_fresh_like, hit.out), hit.cost
-            call = [_fresh_leaf(x) for x in leaves]
-            call = _writable(call) if ir.is_inplace(n) else call
+            # A view is taken of the inputs themselves: its output needs their storage and
+            # grad flag, not a history of its own (detaching every input cost more than the view)
+            call = _writable([_fresh_leaf(x) for x in leaves]) if ir.is_inplace(n) else leaves
             return shapes.call_node(self.module, n, *pytree.tree_unflatten(call, spec)), hit.cost
         op = shapes.op_key(self.module, n)
         if _needs_real_samples(n) and not self._meta_params:  # no data on meta: fakes
