@@ -63,7 +63,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         devices: one device per rank for the local executor, i.e. per stage under a flat
             schedule (default: the GPUs this process sees, one per rank or in turn when fewer;
             the CPU without any).
-        capture: "auto", "fx" or "export" (see fxpipe.capture).
+        capture: "auto", "fx", "export" or "follow_branches" (see fxpipe.capture).
         schedule: "gpipe" (fill-drain), "1f1b" (same bubble, fewer activations in flight),
             "zb-h1" (zero-bubble H1: the backward split into input and weight gradients, the
             weight gradients fill the bubble, with 1F1B's memory), and the looped schedules,

@@ -183,3 +183,52 @@ def test_a_list_of_the_samples_is_refused_naming_its_line() -> None:
         "batches of 4 only and cannot run on micro-batches\n  at ")
     assert "in forward: features = torch.cat(list(features), 0) if self.listed" in message
     assert "x.flatten(0, 1) rather than torch.cat(list(x))" in message
+
+
+class GuardedEncoder(nn.Module):
+    """Training mode clamps activations only when some are not finite, as DETR's encoder does:
+    a branch on a tensor's value that torch.export cannot decide."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.second = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        if self.training:
+            if not torch.isfinite(h).all():
+                h = h.clamp(-1e4, 1e4)
+        return self.second(h)
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_a_branch_on_values_follows_the_example_and_trains_as_the_plain_model(
+        remat: str) -> None:
+    torch.manual_seed(0)
+    model = GuardedEncoder().train()
+    _assert_trains_as_plain(model, (torch.randn(4, 16),), remat=remat, capture="follow_branches")
+
+
+def test_a_branch_on_values_is_refused_naming_the_option_that_follows_it() -> None:
+    with pytest.raises(CaptureError) as caught:
+        fxpipe.compile(GuardedEncoder().train(), (torch.randn(4, 16),), stages=2, chunks=2)
+    headline, at, _ = caught.value.message.splitlines()
+    assert headline.startswith("GuardedEncoder decides what to compute from the values in a "
+                               "tensor")
+    assert "in forward: if not torch.isfinite(h).all():" in at
+    assert "pass capture='follow_branches'" in (caught.value.hint or "")
+    # eval mode has no such branch and captures as it is
+    fxpipe.compile(GuardedEncoder().eval(), (torch.randn(4, 16),), stages=2, chunks=2)
+
+
+def test_a_batch_taking_the_other_branch_stops_naming_the_line() -> None:
+    torch.manual_seed(0)
+    model = GuardedEncoder().train()
+    program = fxpipe.compile(model, (torch.randn(4, 16),), stages=2, chunks=2,
+                             capture="follow_branches")
+    bad = torch.randn(4, 16)
+    bad[3, 0] = float("inf")
+    with pytest.raises(Exception, match=r"the branch at \S*test_backward_inplace_and_train_paths"
+                                        r"\.py:\d+ went the other way than on the example batch"):
+        program(bad)

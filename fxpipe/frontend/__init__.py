@@ -5,4 +5,5 @@
     batching.py   which dimension of every input and output is the batch
     shapes.py     TensorInfo on every node, symbolic in the micro-batch size
     meta.py       models on the meta device: the check on a twin or by shapes, ops that need data
+    branches.py   capture="follow_branches": an `if` on a tensor's value takes the example's way
 """

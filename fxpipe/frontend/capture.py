@@ -43,7 +43,7 @@ from fxpipe.source import identifier
 
 __all__ = ["capture", "CaptureInfo", "METHODS"]
 
-METHODS = ("auto", "fx", "export")
+METHODS = ("auto", "fx", "export", "follow_branches")
 _RESERVED = frozenset({"self"})  # placeholder names of a forward(self, ...)
 
 
@@ -105,7 +105,9 @@ def capture(
         model: any nn.Module; its train/eval mode is captured and recorded.
         example_inputs: a tensor or a tuple of positional inputs (batch size >= 2).
         example_kwargs: keyword inputs.
-        method: "auto" (fx, checked, falling back to export), "fx" or "export".
+        method: "auto" (fx, checked, falling back to export), "fx", "export", or
+            "follow_branches": export, each `if` on a tensor's value going the way it goes on
+            the example batch, checked on every batch (fxpipe.frontend.branches).
         leaf_modules: module types, instances or qualified names to keep as opaque
             call_module nodes under fx.
         inline_modules: trace through torch.nn modules (functional graph with get_attr
@@ -231,7 +233,8 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
             if method == "fx":
                 raise
             reason = e.message
-    gm = tracers.export(model, signature, leaves, tensors, layout)
+    gm = tracers.export(model, signature, leaves, tensors, layout,
+                        follow_branches=method == "follow_branches")
     runs.fake += 1
     _set_signature_codegen(gm, signature)
     infos = shapes.export_infos(gm, signature.input_batch_dims) \

@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, is_concrete_int
 
 from fxpipe import ir, source
 from fxpipe.errors import CaptureError
+from fxpipe.frontend import branches
 from fxpipe.frontend.batching import BatchLayout
 from fxpipe.frontend.regions import ModeWatch
 from fxpipe.runtime.batchnorm import cumulative_batch_norm
@@ -208,26 +209,38 @@ def _resolve_attr(root: nn.Module, target: str) -> object:
 
 
 def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
-           tensors: Sequence[torch.Tensor], layout: BatchLayout) -> fx.GraphModule:
+           tensors: Sequence[torch.Tensor], layout: BatchLayout, *,
+           follow_branches: bool = False) -> fx.GraphModule:
     root = _flat_root(model, signature, leaves)
     attempts = [torch.export.Dim("batch", min=1), torch.export.Dim("batch", min=2),
                 torch.export.Dim.AUTO]
     errors: list[Exception] = []
     ep: torch.export.ExportedProgram | None = None
     fixed: list[source.SourceLine] = []
-    for dim in attempts:
+    decisions: branches.Decisions | None = None
+    tries = iter(attempts)
+    dim = next(tries)
+    while True:
         dynamic = tuple({bd: dim} if bd is not None else None for bd in layout.input_dims)
         try:
             with _quiet_export(), traceable_batch_norm(), _undecided_causal_masks(), \
                     _conversions_that_change_nothing(), _python_state_kept(model), \
-                    _sizes_fixed(fixed):
+                    _sizes_fixed(fixed), branches.following(decisions):
                 ep = torch.export.export(root, tuple(tensors), dynamic_shapes=dynamic,
                                          strict=False)
             break
         except Exception as e:  # noqa: BLE001 - export raises many kinds
             errors.append(e)
             if _is_data_dependent(e):
+                if follow_branches and decisions is None:  # again, the example's way
+                    with _python_state_kept(model):
+                        decisions = branches.record(root, model, tensors)
+                    continue
                 break  # another batch range will not help
+            following = next(tries, None)
+            if following is None:
+                break
+            dim = following
     if ep is None:
         error = errors[0]
         where = source.from_exception(error)
@@ -269,7 +282,10 @@ def _data_dependent_error(model: str, error: Exception,
         f"\n  {at}{detail}",
         hint="rewrite that line without Python control flow on tensor values: torch.where to "
              "choose between values, torch.cond for two branches, or decide outside forward "
-             "(if, bool(), .item() and nonzero on a tensor all read its values)")
+             "(if, bool(), .item() and nonzero on a tensor all read its values); where it is an "
+             "`if` on a tensor that goes the same way on every batch (a guard against rare "
+             "values, such as a clamp of non-finite ones), pass capture='follow_branches': the "
+             "graph takes the example batch's way and checks it on every micro-batch")
 
 
 @contextlib.contextmanager
