@@ -183,6 +183,20 @@ def cmd_costs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fxpipe.planner import plan
+
+    model, inputs, kwargs, _ = load_factory(args.factory, args.set)
+    print(f"planning {type(model).__name__} on {args.devices} devices (capture and costs once, "
+          "then every candidate's partition) ...", file=sys.stderr, flush=True)
+    result = plan(model, inputs, kwargs, devices=args.devices,
+                  memory_per_device=args.memory_per_device, profile=args.profile,
+                  devices_per_node=args.devices_per_node,
+                  inter_node_bandwidth=args.inter_node_bandwidth)
+    print(result.table(rows=args.rows), end="")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     print(program_report(args.dir, as_json=args.json), end="")
     return 0
@@ -284,6 +298,24 @@ def parser() -> argparse.ArgumentParser:
     _add_compile_options(c)
     c.add_argument("--out", help="folder to write the program to (default: print the report only)")
     c.set_defaults(func=cmd_compile)
+    pl = command("plan", "choose stages, replicas, micro-batches, schedule and remat for N devices",
+                 "fxpipe plan fxpipe.models.gpt:build --devices 8 --profile h100",
+                 "fxpipe plan mymodel:build --devices 64 --devices-per-node 8 "
+                 "--memory-per-device 80GB --inter-node-bandwidth 25e9 --profile h100",
+                 epilog=FACTORY_FORMS)
+    _add_factory(pl)
+    pl.add_argument("--devices", type=int, required=True, help="devices the run has")
+    pl.add_argument("--memory-per-device", type=_byte_size, default=None, metavar="SIZE",
+                    help="memory a device may hold, like 80GB (default: no limit)")
+    pl.add_argument("--devices-per-node", type=int, default=None,
+                    help="devices per machine (default: all on one)")
+    pl.add_argument("--inter-node-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+                    help="bandwidth between machines per device, e.g. 25e9")
+    pl.add_argument("--profile", default=None,
+                    help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
+                         "on this machine")
+    pl.add_argument("--rows", type=int, default=12, help="candidates to print")
+    pl.set_defaults(func=cmd_plan)
     k = command("costs", "per-node cost table of a model",
                 "fxpipe costs fxpipe.models.gpt:build --top 10",
                 "fxpipe costs fxpipe.models.mlp:build --by-module --sort params",

@@ -77,6 +77,24 @@ def _build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     history: list[Snapshot] = []
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}  # CPU seconds per pass: wall time is noisy on a shared machine
+    gm = capture_and_cost(model, args, kwargs, config, history, timings, cpu)
+    info: CaptureInfo = gm.meta[ir.CAPTURE]
+    profile = select_profile(config.profile, model, _profile_device(config))
+    if config.balance == "time":
+        # Measured on real tensors at the micro-batch size the partition will use.
+        with _timed(timings, cpu, "measure_times"):
+            _measure_where_stages_run(gm, info.signature.flatten_inputs(args, kwargs),
+                                      _profile_device(config),
+                                      max(1, info.batch_size // (config.fixed_chunks or 1)))
+    return _stages(gm, config, profile, type(model).__name__, history, timings, agree, {},
+                   cpu=cpu)
+
+
+def capture_and_cost(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     config: CompileConfig, history: list[Snapshot], timings: dict[str, float],
+                     cpu: dict[str, float]) -> GraphModule:
+    """The passes before any cut: capture, unroll_rnns, defer_batch_norm and annotate_costs.
+    Their graph serves every partition of the model (fxpipe.planner tries many)."""
     # The graph everything else works on; functional so that stage code is self-contained.
     with _timed(timings, cpu, "capture"):
         gm = capture(model, args, kwargs, method=config.capture,
@@ -101,16 +119,7 @@ def _build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     with _timed(timings, cpu, "annotate_costs"):
         annotate_costs(gm)
         ir.verify(gm, after="cost")
-    info: CaptureInfo = gm.meta[ir.CAPTURE]
-    profile = select_profile(config.profile, model, _profile_device(config))
-    if config.balance == "time":
-        # Measured on real tensors at the micro-batch size the partition will use.
-        with _timed(timings, cpu, "measure_times"):
-            _measure_where_stages_run(gm, info.signature.flatten_inputs(args, kwargs),
-                                      _profile_device(config),
-                                      max(1, info.batch_size // (config.fixed_chunks or 1)))
-    return _stages(gm, config, profile, type(model).__name__, history, timings, agree, {},
-                   cpu=cpu)
+    return gm
 
 
 def rebuild(built: Built, corrections: Mapping[str, float], *,

@@ -1,0 +1,270 @@
+"""fxpipe.plan: how many stages and replicas, micro-batches, which schedule and remat, for N
+devices.
+
+The model is captured and costed once (the costs are symbolic in the micro-batch size); then
+every candidate that uses all N devices is partitioned and its step predicted:
+
+    stages S x replicas R = N          (one stage per device; the looped schedules put
+                                        stages_per_rank stages on each of a replica's S ranks)
+    micro-batches M: divisors of the replica's share of the batch, B / R
+    schedule x remat
+
+A candidate's step is its pipeline's step as the schedule plays the stages' costs
+(passes.partition, fxpipe.runtime.simulate), plus the data-parallel all-reduce of the slowest
+stage's gradients (a ring over its R replicas, not overlapped with the backward: an upper
+bound), over the link between devices of a node or, where a stage's replicas span nodes, the
+link between nodes. Its memory is the partition's memory model per device. The fastest that
+fits wins; `Plan.options` are the arguments `fxpipe.compile` takes for it, and the replicas are
+the multiple of its ranks that torchrun starts.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tabulate import tabulate
+from torch import nn
+from torch.fx import GraphModule
+
+from fxpipe import ir
+from fxpipe.built import Snapshot
+from fxpipe.config import CompileConfig
+from fxpipe.errors import ConfigError, FxPipeError, PartitionError
+from fxpipe.frontend.capture import CaptureInfo
+from fxpipe.losses import loss_time
+from fxpipe.passes.partition import PartitionPlan, partition
+from fxpipe.pipeline import capture_and_cost
+from fxpipe.profile import DeviceProfile, select_profile
+from fxpipe.report import human_bytes
+from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank, placement
+
+__all__ = ["plan", "Plan", "Candidate", "PlanError"]
+
+REMATS = ("never", "except_last", "always")
+
+
+class PlanError(FxPipeError):
+    """No candidate fits the devices."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the model on the devices, and what it is predicted to cost."""
+
+    stages: int  # stage files; ranks = stages / stages_per_rank per replica
+    stages_per_rank: int
+    replicas: int
+    chunks: int
+    schedule: str
+    remat: str
+    pipeline_s: float = math.inf  # one replica's step as its schedule plays it
+    allreduce_s: float = 0.0  # the slowest stage's gradient all-reduce over its replicas
+    memory_bytes: float = 0.0  # the most a device holds (the partition's memory model)
+    problem: str = ""  # why it cannot run ("" when it can)
+
+    @property
+    def ranks(self) -> int:
+        return self.stages // self.stages_per_rank
+
+    @property
+    def step_s(self) -> float:
+        return self.pipeline_s + self.allreduce_s
+
+    @property
+    def fits(self) -> bool:
+        return not self.problem
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The candidates, fastest first, and the one chosen (the fastest that fits)."""
+
+    devices: int
+    batch: int
+    memory_per_device: float | None
+    candidates: tuple[Candidate, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def choice(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The arguments of fxpipe.compile for the choice (its replicas are the multiple of its
+        ranks that torchrun starts)."""
+        c = self.choice
+        out: dict[str, Any] = {"stages": c.stages, "chunks": c.chunks, "schedule": c.schedule,
+                               "remat": c.remat}
+        if c.stages_per_rank != default_stages_per_rank(c.schedule):
+            out["stages_per_rank"] = c.stages_per_rank
+        if self.memory_per_device is not None:
+            out["memory_limit"] = self.memory_per_device
+        return out
+
+    @property
+    def processes(self) -> int:
+        """Processes torchrun starts for the choice: its ranks times its replicas."""
+        return self.choice.ranks * self.choice.replicas
+
+    def table(self, rows: int = 12) -> str:
+        """The best candidates, and why each lost or does not fit."""
+        best = self.choice.step_s
+        lines = []
+        for c in self.candidates[:rows]:
+            if not c.fits:
+                why = c.problem
+            elif c is self.choice:
+                why = "chosen"
+            else:
+                why = f"{c.step_s / best - 1:+.1%} slower"
+            lines.append([c.ranks, c.replicas, c.stages_per_rank, c.chunks, c.schedule, c.remat,
+                          f"{c.pipeline_s * 1e3:.2f}" if c.fits else "-",
+                          f"{c.allreduce_s * 1e3:.2f}" if c.fits else "-",
+                          f"{c.step_s * 1e3:.2f}" if c.fits else "-",
+                          human_bytes(c.memory_bytes) if c.memory_bytes else "-", why])
+        limit = human_bytes(self.memory_per_device) if self.memory_per_device else "no limit"
+        fitting = sum(c.fits for c in self.candidates)
+        head = (f"fxpipe plan: {self.devices} devices ({limit} each), batch {self.batch}: "
+                f"{len(self.candidates)} candidates, {fitting} fit")
+        text = tabulate(lines, headers=["ranks", "replicas", "stages/rank", "micro-batches",
+                                        "schedule", "remat", "pipeline ms", "all-reduce ms",
+                                        "step ms", "memory/device", ""], tablefmt="github")
+        c = self.choice
+        tail = ("choice: fxpipe.compile(model, batch, "
+                + ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+                + f"), run on {self.processes} processes ({c.ranks} ranks x {c.replicas} "
+                "replicas)")
+        return "\n".join([head, "", text, "", tail, *self.notes]) + "\n"
+
+
+def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None,
+         *, devices: int, memory_per_device: float | None = None,
+         profile: DeviceProfile | str | None = None, devices_per_node: int | None = None,
+         inter_node_bandwidth: float | None = None,
+         schedules: Sequence[str] = tuple(SCHEDULES), remats: Sequence[str] = REMATS,
+         max_chunks: int = 64, capture: str = "auto", check: Any = None) -> Plan:
+    """Chooses stages, replicas, micro-batches, schedule and remat for `devices` devices.
+
+    Args:
+        model, example_inputs, example_kwargs: as fxpipe.compile; the example is the global
+            batch, which the replicas share.
+        devices: how many devices (GPUs, or CPU processes) the run has.
+        memory_per_device: bytes a device may hold (None: no limit).
+        profile: the device profile (a preset name such as "h100", a DeviceProfile, or None
+            to measure this machine), as fxpipe.compile takes it.
+        devices_per_node: devices per machine (None: all on one); a stage's replicas that
+            span machines all-reduce over `inter_node_bandwidth` (bytes/s).
+        schedules, remats: the schedules and remat modes to consider.
+        max_chunks: the most micro-batches per replica to consider.
+
+    Raises:
+        PlanError: no candidate fits (the message names the smallest memory that would).
+    """
+    if not isinstance(devices, int) or devices < 1:
+        raise ConfigError(f"devices must be a positive integer (got {devices!r})",
+                          hint="pass the number of devices the run has, e.g. devices=8")
+    if devices_per_node is not None and (devices_per_node < 1 or devices % devices_per_node):
+        raise ConfigError(f"devices_per_node={devices_per_node} does not divide devices="
+                          f"{devices}", hint="pass the devices of one machine, e.g. 8")
+    spans_nodes = devices_per_node is not None and devices_per_node < devices
+    if spans_nodes and inter_node_bandwidth is None:
+        raise ConfigError(f"{devices} devices on machines of {devices_per_node} need the "
+                          "bandwidth between machines", hint="pass inter_node_bandwidth in "
+                          "bytes/s per device, e.g. 25e9 for 200 Gb/s InfiniBand")
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown:
+        raise ConfigError(f"unknown schedule(s) {unknown}", hint=f"use {tuple(SCHEDULES)}")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
+        else (example_inputs,)
+    config = CompileConfig(capture=capture, check=check, profile=profile)
+    gm = capture_and_cost(model, args, dict(example_kwargs or {}), config, list[Snapshot](),
+                          {}, {})
+    info: CaptureInfo = gm.meta[ir.CAPTURE]
+    chosen_profile = select_profile(profile, model, "cpu")  # as compile on CPU processes
+    grads = _grad_bytes(gm)
+    found: list[Candidate] = []
+    for ranks, replicas in _splits(devices):
+        if info.batch_size % replicas:
+            continue  # the replicas take equal shares of the batch
+        share = info.batch_size // replicas
+        for chunks in (m for m in range(1, min(share, max_chunks) + 1) if share % m == 0):
+            for schedule in schedules:
+                per_rank = default_stages_per_rank(schedule)
+                for remat in remats:
+                    c = Candidate(ranks * per_rank, per_rank, replicas, chunks, schedule, remat)
+                    found.append(_predict(gm, c, share // chunks, chosen_profile,
+                                          memory_per_device, grads, devices_per_node,
+                                          inter_node_bandwidth))
+    for node in ir.compute_nodes(gm.graph):  # the last partition tried wrote its stages
+        node.meta.pop(ir.STAGE, None)
+    if not found:
+        raise PlanError(f"no way to share a batch of {info.batch_size} among replicas on "
+                        f"{devices} devices", hint="use a batch that a divisor of the device "
+                        "count divides")
+    found.sort(key=lambda c: (not c.fits, c.step_s, c.memory_bytes))
+    result = Plan(devices, info.batch_size, memory_per_device, tuple(found),
+                  (f"profile: {chosen_profile.name}",))
+    if not result.choice.fits:
+        needs = [c.memory_bytes for c in found if c.memory_bytes]
+        smallest = f" (the least a candidate's fastest cut holds: {human_bytes(min(needs))})" \
+            if needs else ""
+        raise PlanError(f"none of {len(found)} candidates fits "
+                        f"{human_bytes(memory_per_device or 0)} per device{smallest}: "
+                        f"{found[0].problem}",
+                        hint="use more devices, a smaller batch, or a model that fits")
+    return result
+
+
+def _splits(devices: int) -> list[tuple[int, int]]:
+    """(pipeline ranks, replicas) using every device."""
+    return [(r, devices // r) for r in range(1, devices + 1) if devices % r == 0]
+
+
+def _grad_bytes(gm: GraphModule) -> dict[str, float]:
+    """Bytes of the parameter gradients each compute node first uses."""
+    return {n.name: float(ir.evaluate(ir.cost(n).grad_param_bytes, 1))
+            for n in ir.compute_nodes(gm.graph) if ir.COST in n.meta}
+
+
+def _predict(gm: GraphModule, c: Candidate, b: int, profile: DeviceProfile,
+             memory: float | None, grads: dict[str, float], devices_per_node: int | None,
+             inter_node: float | None) -> Candidate:
+    """The candidate with its predicted step and memory, or the reason it cannot run."""
+    limit = memory / c.stages_per_rank if memory is not None else None
+
+    def partitioned(limit: float | None) -> PartitionPlan:
+        return partition(gm, c.stages, microbatch_size=b, chunks=c.chunks, profile=profile,
+                         remat=c.remat, memory_limit=limit, schedule=c.schedule, ranks=c.ranks,
+                         loss_time=loss_time(gm, b, profile, False))
+
+    def per_device(p: PartitionPlan) -> float:
+        held: dict[int, float] = {}
+        for rank, stage in zip(placement(c.schedule, c.stages, c.ranks), p.stages):
+            held[rank] = held.get(rank, 0.0) + (stage.memory or 0.0)
+        return max(held.values(), default=0.0)
+
+    try:
+        p = partitioned(limit)
+    except PartitionError as e:
+        if limit is None:
+            return replace(c, problem=str(e).splitlines()[0][:90])
+        try:  # what its fastest cut would hold, for the table
+            needs = per_device(partitioned(None))
+        except PartitionError as again:
+            return replace(c, problem=str(again).splitlines()[0][:90])
+        return replace(c, memory_bytes=needs, problem="no cut fits; the fastest holds "
+                       f"{human_bytes(needs)} per device")
+    reduce_s = 0.0
+    if c.replicas > 1:
+        slowest = max(sum(grads.get(n, 0.0) for n in stage.nodes) for stage in p.stages) \
+            * c.stages_per_rank
+        # a stage's replicas sit ranks apart: on one machine while they all fit on it
+        across = devices_per_node is not None and c.ranks * c.replicas > devices_per_node
+        bandwidth = inter_node if across and inter_node else profile.link_bandwidth
+        hops = 2 * (c.replicas - 1)
+        reduce_s = hops / c.replicas * slowest / bandwidth + hops * profile.link_latency
+    return replace(c, pipeline_s=p.predicted_step_time, allreduce_s=reduce_s,
+                   memory_bytes=per_device(p))

@@ -1,0 +1,103 @@
+"""fxpipe.plan: stages x replicas x micro-batches x schedule x remat for N devices."""
+from __future__ import annotations
+
+import pytest
+
+import fxpipe
+from fxpipe.cli import main
+from fxpipe.errors import ConfigError
+from fxpipe.models import gpt
+from fxpipe.planner import PlanError, plan
+
+
+@pytest.fixture(scope="module")
+def model_and_batch():
+    return gpt.build(n_layer=4, d_model=64, n_head=4, seq_len=32, vocab_size=256, batch=8,
+                     dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def four_devices(model_and_batch):
+    model, inputs = model_and_batch
+    return plan(model, inputs, devices=4, profile="a100",
+                schedules=("gpipe", "1f1b", "zb-h1", "zb-v"))
+
+
+def test_every_candidate_uses_every_device_and_shares_the_batch(four_devices):
+    splits = {(c.ranks, c.replicas) for c in four_devices.candidates}
+    assert splits == {(1, 4), (2, 2), (4, 1)}
+    for c in four_devices.candidates:
+        assert c.ranks * c.replicas == 4
+        assert (8 // c.replicas) % c.chunks == 0  # micro-batches of the replica's share
+        assert c.stages == c.ranks * c.stages_per_rank
+        assert (c.allreduce_s > 0) == (c.replicas > 1)
+    assert {c.schedule for c in four_devices.candidates} == {"gpipe", "1f1b", "zb-h1", "zb-v"}
+
+
+def test_the_choice_is_the_fastest_and_compile_takes_its_options(four_devices, model_and_batch):
+    model, inputs = model_and_batch
+    choice = four_devices.choice
+    assert choice.step_s == min(c.step_s for c in four_devices.candidates)
+    program = fxpipe.compile(model, inputs, profile="a100", **four_devices.options)
+    assert program.built.config.ranks == choice.ranks
+    assert four_devices.processes == choice.ranks * choice.replicas
+    assert "chosen" in four_devices.table() and "fxpipe.compile(model, batch, " in \
+        four_devices.table()
+
+
+def test_a_single_replica_candidate_predicts_what_compile_predicts(four_devices, model_and_batch):
+    model, inputs = model_and_batch
+    for c in [c for c in four_devices.candidates if c.replicas == 1][:3]:
+        program = fxpipe.compile(model, inputs, stages=c.stages, chunks=c.chunks,
+                                 schedule=c.schedule, remat=c.remat, profile="a100")
+        assert c.pipeline_s == pytest.approx(program.plan.predicted_step_time, rel=1e-9), c
+        assert c.memory_bytes == pytest.approx(max(s.memory for s in program.plan.stages))
+
+
+def test_a_memory_limit_leaves_out_what_does_not_fit_and_names_the_smallest(model_and_batch):
+    model, inputs = model_and_batch
+    free = plan(model, inputs, devices=2, profile="a100", schedules=("gpipe",))
+    memories = sorted(c.memory_bytes for c in free.candidates)
+    limit = (memories[0] + memories[-1]) / 2
+    tight = plan(model, inputs, devices=2, profile="a100", schedules=("gpipe",),
+                 memory_per_device=limit)
+    assert tight.choice.fits and tight.choice.memory_bytes <= limit
+    assert any(not c.fits for c in tight.candidates)
+    assert all(c.memory_bytes <= limit * (1 + 1e-9) for c in tight.candidates if c.fits)
+    assert tight.options["memory_limit"] == limit
+    with pytest.raises(PlanError, match="none of .* fits .*the least a candidate's fastest"):
+        plan(model, inputs, devices=2, profile="a100", schedules=("gpipe",),
+             memory_per_device=memories[0] / 100)
+
+
+def test_replicas_across_machines_all_reduce_over_the_slower_link(model_and_batch):
+    model, inputs = model_and_batch
+    one_node = plan(model, inputs, devices=4, profile="a100", schedules=("gpipe",),
+                    remats=("never",))
+    two_nodes = plan(model, inputs, devices=4, profile="a100", schedules=("gpipe",),
+                     remats=("never",), devices_per_node=2, inter_node_bandwidth=1e8)
+
+    def allreduce(p, ranks, chunks):
+        return next(c.allreduce_s for c in p.candidates if c.ranks == ranks and c.chunks == chunks)
+
+    assert allreduce(two_nodes, 1, 1) > 10 * allreduce(one_node, 1, 1)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"devices": 0}, "devices must be a positive integer"),
+    ({"devices": 4, "devices_per_node": 3}, "devices_per_node=3 does not divide devices=4"),
+    ({"devices": 4, "devices_per_node": 2}, "need the bandwidth between machines"),
+    ({"devices": 2, "schedules": ("zigzag",)}, "unknown schedule"),
+])
+def test_bad_plans_are_refused_with_what_to_pass(model_and_batch, kwargs, message):
+    model, inputs = model_and_batch
+    with pytest.raises(ConfigError, match=message):
+        plan(model, inputs, profile="a100", **kwargs)
+
+
+def test_fxpipe_plan_prints_the_table_and_the_choice(capsys):
+    assert main(["plan", "fxpipe.models.mlp:build", "--devices", "2", "--profile", "a100",
+                 "--rows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "fxpipe plan: 2 devices" in out and "chosen" in out
+    assert "run on 2 processes" in out
