@@ -260,8 +260,13 @@ def _try(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs, dims: tuple[int
     try:
         first = pytree.tree_leaves(model(*probe.slice_inputs(args, kwargs, 0, half)[0],
                                          **probe.slice_inputs(args, kwargs, 0, half)[1]))
-        a2, k2 = probe.slice_inputs(args, kwargs, half, size - half)
-        second = pytree.tree_leaves(model(*a2, **k2))
+        if size == 2 * half and all(t.is_meta for t in tensors):
+            # Meta tensors carry shapes only, and the second half has the first's: running it
+            # again would give the same shapes (a run on fake tensors saved).
+            second = first
+        else:
+            a2, k2 = probe.slice_inputs(args, kwargs, half, size - half)
+            second = pytree.tree_leaves(model(*a2, **k2))
     except Exception:  # noqa: BLE001 - a wrong dim often makes the model fail
         return None
     if len(first) != len(full) or len(second) != len(full):
