@@ -142,6 +142,17 @@ def test_a_region_nested_in_another(train):
     assert "    with torch.no_grad():" in program.stages[0].source  # inside the autocast
 
 
+def test_a_region_lost_by_export_is_refused_not_trained():
+    """torch.export drops a no_grad nested in an autocast region: the values agree, but the
+    graph would train `side`, which the model does not; capture says so instead."""
+    torch.manual_seed(0)
+    with pytest.raises(fxpipe.FxPipeError) as err:
+        capture(NoGradInAutocast(), (_batch(),), method="export")
+    message = str(err.value)
+    assert "gives gradients to other parameters than the model" in message, message
+    assert "only the graph to side.bias, side.weight" in message, message
+
+
 def test_fx_records_the_region_it_runs_through():
     """torch.fx runs `with torch.no_grad():` while tracing; its operations are marked with it,
     and the operations after it are not."""

@@ -391,7 +391,7 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, signature: Signatu
                 if not _close(e, g):
                     diff = (e.double() - g.double()).abs().max().item()
                     return f"output {i} differs by up to {diff:.3g}"
-    return None
+    return regions.gradient_difference(gm, model, signature, args, kwargs)
 
 
 def _known_outputs(model: nn.Module, layout: BatchLayout) -> tuple[list[Any], ...]:

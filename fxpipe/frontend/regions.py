@@ -20,12 +20,15 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
 
 from fxpipe import ir
 from fxpipe.errors import CaptureError
+from fxpipe.frontend.batching import seeded
 from fxpipe.signature import Signature
 
-__all__ = ["inline_regions", "ModeWatch", "RegionInterpreter", "call"]
+__all__ = ["inline_regions", "ModeWatch", "RegionInterpreter", "call", "gradient_difference"]
 
 _HIGHER_ORDER = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}  # args before submod
 _DEVICES = ("cpu", "cuda")  # autocast states the fx front end watches
@@ -174,3 +177,40 @@ def call(gm: fx.GraphModule, signature: Signature, args: Sequence[Any],
     flat = signature.flatten_inputs(args, kwargs)
     out = RegionInterpreter(gm).run(*flat, enable_io_processing=False)
     return signature.unflatten_outputs(out)
+
+
+def gradient_difference(gm: fx.GraphModule, model: nn.Module, signature: Signature,
+                        args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """None when the graph's regions give gradients to the parameters the model's give them to.
+
+    Values cannot tell a lost no_grad region: torch.export (2.13) drops one nested in an
+    autocast region, and the graph then trains a parameter the model does not. Checked only for
+    a graph with regions, on one backward of the example batch each."""
+    if not any(ir.MODE in n.meta or _region_op(n) for n in gm.graph.nodes):
+        return None
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
+    if not params:
+        return None
+
+    def reached(run: Any) -> set[str]:
+        with seeded(0), torch.enable_grad():
+            outs = [t for t in pytree.tree_leaves(run()) if isinstance(t, torch.Tensor)
+                    and t.requires_grad]
+            if not outs:
+                return set()
+            total = torch.stack([t.float().sum() for t in outs]).sum()
+            grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+        return {n for n, g in zip(params, grads) if g is not None}
+
+    try:
+        eager = reached(lambda: model(*args, **kwargs))
+        graph = reached(lambda: call(gm, signature, args, kwargs))
+    except Exception:  # noqa: BLE001 - a backward that fails is not this check's to report
+        return None
+    if eager == graph:
+        return None
+    extra, missing = sorted(graph - eager), sorted(eager - graph)
+    return "the graph gives gradients to other parameters than the model (a grad-mode region " \
+        "lost while tracing; torch.fx keeps them, method='fx')" + \
+        (f": only the graph to {', '.join(extra)}" if extra else "") + \
+        (f"; only the model to {', '.join(missing)}" if missing else "")

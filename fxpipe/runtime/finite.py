@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Interpreter, Node
 
-from fxpipe import source
+from fxpipe import ir, source
 from fxpipe.errors import PipelineRuntimeError
 
 __all__ = ["check_finite"]
@@ -37,7 +37,8 @@ class _Replay:
 
 class _FirstNonFinite(Interpreter):
     def run_node(self, n: Node) -> Any:
-        result = super().run_node(n)
+        with ir.entered(n):  # an autocast region computes in its dtype, as the stage code does
+            result = super().run_node(n)
         if n.op in ("call_function", "call_method", "call_module") and not _finite(result):
             raise _Found(n)
         return result
