@@ -45,7 +45,8 @@ from fxpipe.profile.kernels import (
     op_class,
 )
 
-__all__ = ["annotate_costs", "CostSummary", "estimate_time", "ELEMENTWISE_FACTOR"]
+__all__ = ["annotate_costs", "CostSummary", "estimate_time", "ELEMENTWISE_FACTOR",
+           "writes_into_leaf"]
 
 _Count: TypeAlias = Count
 _Op: TypeAlias = OpOverload[..., Any]
@@ -377,7 +378,7 @@ class _CostRunner(Interpreter):
         try:
             return self._run_counted_on(n, leaves, spec, params, copy_inputs=ir.is_inplace(n))
         except RuntimeError as e:
-            if _LEAF_WRITTEN not in str(e):
+            if not writes_into_leaf(e):
                 raise
             # A function or module that writes into an input it was given (torchvision's MViT
             # adds its relative position bias with `attn[:, :, 1:, 1:] += ...`): it writes
@@ -635,9 +636,11 @@ def _state_device(gm: GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
-_LEAF_WRITTEN = "leaf Variable that requires grad is being used in an in-place operation"
-"""What autograd says when an operation writes into a leaf that needs gradients, or a view of
-one."""
+def writes_into_leaf(error: BaseException) -> bool:
+    """Whether autograd refused an operation that writes into a leaf that needs gradients, or
+    into a view of one: run on copies, the operation is allowed."""
+    return isinstance(error, RuntimeError) and \
+        "leaf Variable that requires grad is being used in an in-place operation" in str(error)
 
 
 def _writable(fresh: list[Any]) -> list[Any]:

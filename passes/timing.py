@@ -36,6 +36,7 @@ from fxpipe.errors import ConfigError, CostError
 from fxpipe.frontend import shapes
 from fxpipe.frontend.capture import CaptureInfo
 from fxpipe.frontend.regions import RegionInterpreter
+from fxpipe.passes.cost import writes_into_leaf
 
 __all__ = ["measure_times"]
 
@@ -209,8 +210,18 @@ class _NodeTimer:
         if self.node.op == "call_function" and self.node.target in (operator.getitem, getattr):
             return 0.0, 0.0
         probe = _Kernels()
-        with probe:
-            outs, wrt = self._forward(self._inputs())
+        try:
+            with probe:
+                outs, wrt = self._forward(self._inputs())
+        except RuntimeError as e:
+            if self.inplace or not writes_into_leaf(e):
+                raise
+            # A function that writes into an input it was given (a helper's `attn[...] += x`)
+            # runs on copies, like an in-place node; autograd refused before writing.
+            self.inplace = True
+            probe = _Kernels()
+            with probe:
+                outs, wrt = self._forward(self._inputs())
         fwd = self._fastest(self._inputs, self._forward) if probe.count else 0.0
         if not outs or not wrt:
             return fwd, 0.0

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fxpipe
 from fxpipe import ir
 from fxpipe.frontend import shapes
 from fxpipe.frontend.capture import capture
@@ -82,6 +83,15 @@ def test_helper_adding_into_a_view_of_its_input_is_costed_and_matches(mode: str)
 def test_view_written_into_at_the_start_of_a_stage(mode: str) -> None:
     torch.manual_seed(0)
     _check(_MViTLike(), torch.randn(4, 5, 8), mode, split_points=["rel_pos"])
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_helper_adding_into_a_view_of_its_input_is_timed(mode: str) -> None:
+    torch.manual_seed(0)
+    model, x = _MViTLike().train(mode == "train"), torch.randn(4, 5, 8)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, balance="time")
+    with torch.no_grad():
+        torch.testing.assert_close(program(x), model(x))
 
 
 def test_cost_of_a_helper_writing_into_its_input_counts_its_kernels() -> None:
