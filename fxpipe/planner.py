@@ -35,6 +35,7 @@ from fxpipe.errors import ConfigError, FxPipeError, PartitionError
 from fxpipe.frontend.capture import CaptureInfo
 from fxpipe.losses import loss_time
 from fxpipe.passes.partition import PartitionPlan, partition
+from fxpipe.passes.partition.graph import Atoms
 from fxpipe.pipeline import capture_and_cost
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import human_bytes
@@ -185,6 +186,7 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
     info: CaptureInfo = gm.meta[ir.CAPTURE]
     chosen_profile = select_profile(profile, model, "cpu")  # as compile on CPU processes
     grads = _grad_bytes(gm)
+    reuse: dict[tuple[Any, ...], Atoms] = {}  # every candidate partitions the same graph
     found: list[Candidate] = []
     for ranks, replicas in _splits(devices):
         if info.batch_size % replicas:
@@ -197,7 +199,7 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
                     c = Candidate(ranks * per_rank, per_rank, replicas, chunks, schedule, remat)
                     found.append(_predict(gm, c, share // chunks, chosen_profile,
                                           memory_per_device, grads, devices_per_node,
-                                          inter_node_bandwidth))
+                                          inter_node_bandwidth, reuse))
     for node in ir.compute_nodes(gm.graph):  # the last partition tried wrote its stages
         node.meta.pop(ir.STAGE, None)
     if not found:
@@ -231,14 +233,14 @@ def _grad_bytes(gm: GraphModule) -> dict[str, float]:
 
 def _predict(gm: GraphModule, c: Candidate, b: int, profile: DeviceProfile,
              memory: float | None, grads: dict[str, float], devices_per_node: int | None,
-             inter_node: float | None) -> Candidate:
+             inter_node: float | None, reuse: dict[tuple[Any, ...], Atoms]) -> Candidate:
     """The candidate with its predicted step and memory, or the reason it cannot run."""
     limit = memory / c.stages_per_rank if memory is not None else None
 
     def partitioned(limit: float | None) -> PartitionPlan:
         return partition(gm, c.stages, microbatch_size=b, chunks=c.chunks, profile=profile,
                          remat=c.remat, memory_limit=limit, schedule=c.schedule, ranks=c.ranks,
-                         loss_time=loss_time(gm, b, profile, False))
+                         loss_time=loss_time(gm, b, profile, False), reuse=reuse)
 
     def per_device(p: PartitionPlan) -> float:
         held: dict[int, float] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -315,6 +316,7 @@ def partition(
     loss_time: float = 0.0,
     corrections: Mapping[str, float] | None = None,
     starts: Sequence[str] | None = None,
+    reuse: dict[tuple[Any, ...], Atoms] | None = None,
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
 
@@ -326,6 +328,8 @@ def partition(
     corrections: node name -> factor on its estimated time, learned by measuring stages
     (passes.partition.correct; "(loss)" scales loss_time).
     starts: the first node of each stage: keeps a cut measured before instead of solving.
+    reuse: atoms measured by earlier calls on this graph and profile, by micro-batch size,
+        remat and chunks (fxpipe.planner partitions one graph many ways); filled as it goes.
 
     Raises:
         PartitionError: more stages than operations that can start one, or no partition
@@ -340,17 +344,24 @@ def partition(
             raise ConfigError(
                 f"unknown balance mode {balance!r}",
                 hint=f"use one of {BALANCE_MODES}, or a list of node counts per stage")
-        groups = atoms_of(gm)
+        known = reuse.get(("groups",)) if reuse is not None else None
+        groups = known.groups if known is not None else atoms_of(gm)
         mode = balance
         cuts = None
     b = microbatch_size
     corrections = corrections or {}
     loss_time *= corrections.get(LOSS, 1.0)
     costed = "cost" if mode in ("explicit", "dynamic") else mode
-    atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=remat,
-                          chunks=chunks, corrections=corrections)
-    if mode != "params":
-        atoms.compute[-1] += loss_time  # the last atom is always in the last stage
+    key = (costed, b, remat, chunks, tuple(sorted(corrections.items())))
+    if reuse is not None and mode != "explicit" and key in reuse:
+        atoms = reuse[key]
+    else:
+        atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=remat,
+                              chunks=chunks, corrections=corrections)
+        if reuse is not None and mode != "explicit":
+            reuse[key] = reuse[("groups",)] = atoms
+    if mode != "params":  # the last atom is always in the last stage
+        atoms = replace(atoms, compute=[*atoms.compute[:-1], atoms.compute[-1] + loss_time])
     inflight = peak_inflight(make_schedule(schedule, chunks, num_stages, ranks))
     if starts is not None:
         cuts = _cuts_from_starts(groups, starts, num_stages)
