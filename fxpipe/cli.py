@@ -11,6 +11,7 @@ import shlex
 import sys
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from tabulate import tabulate
@@ -184,8 +185,25 @@ def cmd_costs(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fxpipe.planner import plan
+    from fxpipe.planner import largest_that_fits, plan
 
+    if args.largest:
+        if args.memory_per_device is None:
+            raise ConfigError("--largest searches for what fits in --memory-per-device",
+                              hint="pass --memory-per-device, e.g. 80GB")
+        key = args.largest
+
+        def build(size: int) -> tuple[Any, ...]:
+            return load_factory(args.factory, [*args.set, f"{key}={size}"])[:3]
+
+        size, found = largest_that_fits(
+            build, devices=args.devices, memory_per_device=args.memory_per_device,
+            profile=args.profile, devices_per_node=args.devices_per_node,
+            inter_node_bandwidth=args.inter_node_bandwidth,
+            say=lambda line: print(line, file=sys.stderr, flush=True))
+        print(f"the largest {key} that fits: {size}\n")
+        print(found.table(rows=args.rows), end="")
+        return 0
     model, inputs, kwargs, _ = load_factory(args.factory, args.set)
     print(f"planning {type(model).__name__} on {args.devices} devices (capture and costs once, "
           "then every candidate's partition) ...", file=sys.stderr, flush=True)
@@ -302,6 +320,8 @@ def parser() -> argparse.ArgumentParser:
                  "fxpipe plan fxpipe.models.gpt:build --devices 8 --profile h100",
                  "fxpipe plan mymodel:build --devices 64 --devices-per-node 8 "
                  "--memory-per-device 80GB --inter-node-bandwidth 25e9 --profile h100",
+                 "fxpipe plan fxpipe.models.gpt:build --devices 8 --memory-per-device 16GB "
+                 "--largest n_layer --profile h100",
                  epilog=FACTORY_FORMS)
     _add_factory(pl)
     pl.add_argument("--devices", type=int, required=True, help="devices the run has")
@@ -315,6 +335,9 @@ def parser() -> argparse.ArgumentParser:
                     help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
                          "on this machine")
     pl.add_argument("--rows", type=int, default=12, help="candidates to print")
+    pl.add_argument("--largest", metavar="KEY", default=None,
+                    help="search the factory's KEY (e.g. n_layer) for the largest model that "
+                         "fits, each size built on the meta device")
     pl.set_defaults(func=cmd_plan)
     k = command("costs", "per-node cost table of a model",
                 "fxpipe costs fxpipe.models.gpt:build --top 10",

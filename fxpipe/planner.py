@@ -19,11 +19,13 @@ the multiple of its ranks that torchrun starts.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from tabulate import tabulate
 from torch import nn
 from torch.fx import GraphModule
@@ -41,7 +43,7 @@ from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import human_bytes
 from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank, placement
 
-__all__ = ["plan", "Plan", "Candidate", "PlanError"]
+__all__ = ["plan", "largest_that_fits", "Plan", "Candidate", "PlanError"]
 
 REMATS = ("never", "except_last", "always")
 
@@ -218,6 +220,63 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
                         f"{found[0].problem}",
                         hint="use more devices, a smaller batch, or a model that fits")
     return result
+
+
+Build = Callable[[int], tuple[Any, ...]]
+"""size -> (model, example_inputs) or (model, example_inputs, example_kwargs)."""
+
+
+def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
+                      low: int = 1, high: int = 1 << 16, on_meta: bool = True,
+                      say: Callable[[str], None] | None = None,
+                      **plan_kwargs: Any) -> tuple[int, Plan]:
+    """The largest size (a factory parameter that grows the model, such as its number of
+    layers) whose model fits `devices` devices of `memory_per_device`, and its plan.
+
+    Sizes are tried doubling from `low`, then by bisection between the last that fit and the
+    first that did not (what fits is taken as monotone in the size). With `on_meta` each model
+    is built on the meta device and checked by shapes, so no size needs its weights in memory.
+
+    Raises:
+        PlanError: not even `low` fits.
+    """
+    tried: dict[int, Plan | None] = {}
+
+    def fits(size: int) -> bool:
+        if size not in tried:
+            with torch.device("meta") if on_meta else contextlib.nullcontext():
+                made = build(size)
+            model, inputs = made[0], made[1]
+            kwargs = made[2] if len(made) > 2 else None
+            try:
+                tried[size] = plan(model, inputs, kwargs, devices=devices,
+                                   memory_per_device=memory_per_device,
+                                   check="shapes" if on_meta else None, **plan_kwargs)
+            except PlanError:
+                tried[size] = None
+            if say is not None:
+                result = tried[size]
+                say(f"size {size}: " + (f"fits, step {result.choice.step_s * 1e3:.2f} ms"
+                                        if result is not None else "does not fit"))
+        return tried[size] is not None
+
+    if not fits(low):
+        raise PlanError(f"size {low} does not fit {devices} devices of "
+                        f"{human_bytes(memory_per_device)}", hint="use more devices, or a "
+                        "smaller starting size (low=...)")
+    good, bad = low, None
+    while bad is None and good < high:
+        nxt = min(2 * good, high)
+        if fits(nxt):
+            good = nxt
+        else:
+            bad = nxt
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    found = tried[good]
+    assert found is not None
+    return good, found
 
 
 def _splits(devices: int) -> list[tuple[int, int]]:

@@ -101,3 +101,36 @@ def test_fxpipe_plan_prints_the_table_and_the_choice(capsys):
     out = capsys.readouterr().out
     assert "fxpipe plan: 2 devices" in out and "chosen" in out
     assert "run on 2 processes" in out
+
+
+def _gpt_of(layers):
+    return gpt.build(n_layer=layers, d_model=128, n_head=4, seq_len=32, vocab_size=512, batch=4,
+                     dropout=0.0)
+
+
+def test_the_largest_that_fits_fits_and_one_more_layer_does_not():
+    from fxpipe.planner import largest_that_fits
+
+    options = {"devices": 2, "memory_per_device": 12e6, "profile": "a100",
+               "schedules": ("gpipe",), "remats": ("except_last",)}
+    layers, found = largest_that_fits(_gpt_of, **options)
+    assert layers >= 2 and found.choice.fits
+    assert found.choice.memory_bytes <= options["memory_per_device"]
+    import torch
+
+    with torch.device("meta"):
+        model, inputs = _gpt_of(layers + 1)
+    with pytest.raises(PlanError):
+        plan(model, inputs, check="shapes", **options)
+    with pytest.raises(PlanError, match="size 1 does not fit 2 devices"):
+        largest_that_fits(_gpt_of, **{**options, "memory_per_device": 1e5})
+
+
+def test_fxpipe_plan_largest_prints_the_size_and_its_plan(capsys):
+    assert main(["plan", "fxpipe.models.gpt:build", "--set", "d_model=64", "--set", "n_head=2",
+                 "--set", "vocab_size=256", "--set", "seq_len=16", "--set", "batch=4",
+                 "--devices", "2", "--memory-per-device", "3MB", "--largest", "n_layer",
+                 "--profile", "a100", "--rows", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "the largest n_layer that fits: " in captured.out
+    assert "size 1: fits" in captured.err
