@@ -65,8 +65,9 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             the CPU without any).
         capture: "auto", "fx", "export" or "follow_branches" (see fxpipe.capture).
         schedule: "gpipe" (fill-drain), "1f1b" (same bubble, fewer activations in flight),
-            "zb-h1" (zero-bubble H1: the backward split into input and weight gradients, the
-            weight gradients fill the bubble, with 1F1B's memory), and the looped schedules,
+            "zb-h1" (zero-bubble H1 in the paper's order: the backward split into input and
+            weight gradients, stage s deferring its weight gradients by s micro-batches into the
+            bubble; each stage holds what 1F1B's first stage holds), and the looped schedules,
             which place several stages on each rank: "interleaved-1f1b" (stage s on rank
             s mod ranks; the bubble shrinks by stages_per_rank) and "zb-v" (two stages per
             rank in a V, split backward: near zero bubble with 1F1B's memory); or "auto" (the
