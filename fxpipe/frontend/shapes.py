@@ -130,7 +130,8 @@ class _FakeInterpreter(Interpreter):
             if key is not None and key in self.sampled:
                 result = self._interpolated(n)
             else:
-                result = super().run_node(n)
+                with ir.entered(n):
+                    result = super().run_node(n)
                 if key is not None and specialised(self.shape_env, self.sym):
                     raise Specialised(n, key)
         except Specialised:
@@ -168,18 +169,20 @@ class _FakeInterpreter(Interpreter):
 
 def call_node(module: torch.nn.Module, n: Node, args: Sequence[Any],
               kwargs: dict[str, Any]) -> Any:
-    """Runs one node's operation on the given values; its lists and dicts are plain ones
-    (plain_containers)."""
+    """Runs one node's operation on the given values, in its grad-mode and autocast regions;
+    its lists and dicts are plain ones (plain_containers)."""
     args, kwargs = plain_containers(tuple(args)), plain_containers(kwargs)
     target = n.target
-    if n.op == "call_module":
-        return module.get_submodule(str(target))(*args, **kwargs)
-    if n.op == "call_method":
-        obj, *rest = args
-        return getattr(obj, str(target))(*rest, **kwargs)
-    if isinstance(target, str):  # only modules and methods are named by a string
-        raise TypeError(f"{n.op} node {n.name} has the target {target!r}, which is not callable")
-    return target(*args, **kwargs)
+    with ir.entered(n):
+        if n.op == "call_module":
+            return module.get_submodule(str(target))(*args, **kwargs)
+        if n.op == "call_method":
+            obj, *rest = args
+            return getattr(obj, str(target))(*rest, **kwargs)
+        if isinstance(target, str):  # only modules and methods are named by a string
+            raise TypeError(f"{n.op} node {n.name} has the target {target!r}, "
+                            "which is not callable")
+        return target(*args, **kwargs)
 
 
 def plain_containers(values: Any) -> Any:
