@@ -18,7 +18,6 @@ knapsack, `select_regions`). Whether a micro-batch actually recomputes is decide
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from torch.fx import GraphModule, Node
 
 from fxpipe import ir
 from fxpipe.errors import ConfigError
+from fxpipe.passes.aliasing import rewritten_later, written_by
 from fxpipe.runtime.local import REMAT_MODES
 
 __all__ = ["mark_remat", "RematRegion", "select_regions", "is_mutating", "kept_bytes",
@@ -50,84 +50,13 @@ def is_mutating(node: Node) -> bool:
     target = node.target
     if node.op == "call_module":
         return True  # an opaque module may update buffers (e.g. BatchNorm statistics)
-    if ir.is_inplace(node) or _written(node):  # rewriting a region input breaks recomputation
+    if ir.is_inplace(node) or written_by(node):  # rewriting a region input breaks recomputation
         return True
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     if name in _BATCH_NORMS or str(target).split(".")[-2:-1] == ["batch_norm"]:
         training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
         return bool(training)
     return False
-
-
-# torch-level operations whose output may share its input's storage (fx symbolic trace; aten
-# operations say so in their schema)
-_VIEWS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "narrow", "select",
-          "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "unflatten", "split",
-          "chunk", "unbind", "t", "movedim", "swapaxes", "diagonal", "as_strided", "detach",
-          "contiguous", "to", "type", "float", "real", "imag", "unfold", "getitem",
-          "__getitem__", "view_as_real", "view_as_complex", "alias", "tensor_split"}
-_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
-                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
-                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift, operator.imatmul}
-
-
-def _name(node: Node) -> str:
-    target = node.target
-    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
-
-
-def _written(node: Node) -> list[Node]:
-    """The values a node writes into."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is not None:
-        by_name = dict(zip((a.name for a in schema.arguments), node.args))
-        by_name.update(node.kwargs)
-        return [v for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
-                for v in [by_name.get(a.name)] if isinstance(v, Node)]
-    written = [v for v in [node.kwargs.get("out")] if isinstance(v, Node)]
-    if node.target in _INPLACE_OPERATORS or ir.is_inplace(node):
-        first = node.args[0] if node.args else node.kwargs.get("input")
-        written += [first] if isinstance(first, Node) else []
-    return written
-
-
-def _aliased(node: Node) -> list[Node]:
-    """The inputs whose storage the node's output may share."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is not None:
-        if not any(r.alias_info is not None for r in schema.returns):
-            return []
-        return [v for a, v in zip(schema.arguments, node.args)
-                if a.alias_info is not None and isinstance(v, Node)]
-    if node.target in _INPLACE_OPERATORS or ir.is_inplace(node):
-        return _written(node)
-    if node.op in ("call_method", "call_function") and _name(node) in _VIEWS and node.args:
-        first = node.args[0]
-        return [first] if isinstance(first, Node) else []
-    return []
-
-
-def rewritten_later(gm: GraphModule) -> set[Node]:
-    """Operations that read a tensor which an operation after them writes in place (the tensor
-    itself or a view sharing its storage): they must not be recomputed."""
-    root: dict[Node, Node] = {}
-
-    def find(n: Node) -> Node:
-        while root.get(n, n) is not n:
-            n = root[n]
-        return n
-
-    order = list(gm.graph.nodes)
-    for node in order:
-        for source in _aliased(node):
-            root[find(node)] = find(source)
-    last_write: dict[Node, int] = {}
-    for i, node in enumerate(order):
-        for value in _written(node):
-            last_write[find(value)] = i
-    return {node for i, node in enumerate(order)
-            if any(last_write.get(find(a), -1) > i for a in node.all_input_nodes)}
 
 
 def _runs(gm: GraphModule) -> list[list[Node]]:
