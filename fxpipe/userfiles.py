@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["carry_user_files", "written_by_fxpipe"]
+__all__ = ["carry_user_files", "user_files", "written_by_fxpipe"]
 
 # What the writer put in a folder before program.json listed its files: used only for a folder
 # whose program.json lists none (or is gone, as in a swap killed while removing the old folder,
@@ -18,24 +18,47 @@ _UNLISTED_NAMES = frozenset({"program.py", "report.txt", "report.json", "weights
                              "weights.json", "state.pt", "model.pt", "batch.pt"})
 
 
-def _listed(folder: str) -> set[str] | None:
-    """The files `folder`/program.json lists, None when it lists none or cannot be read."""
+def _listed(folder: str, dir_fd: int | None = None) -> set[str] | None:
+    """The files `folder`/program.json lists, None when it lists none or cannot be read; with
+    `dir_fd`, the program.json of that open folder."""
     try:
-        with open(os.path.join(folder, "program.json"), encoding="utf-8") as f:
+        if dir_fd is None:
+            fd = os.open(os.path.join(folder, "program.json"), os.O_RDONLY)
+        else:
+            fd = os.open("program.json", os.O_RDONLY, dir_fd=dir_fd)
+        with open(fd, encoding="utf-8") as f:
             files = json.load(f).get("files")
     except (OSError, ValueError, AttributeError):
         return None
     return set(files) if isinstance(files, dict) else None
 
 
-def written_by_fxpipe(folder: str, name: str) -> bool:
-    """Whether `name` in `folder` is a file of the program there (or its __pycache__)."""
+def _is_fxpipes(name: str, listed: set[str] | None) -> bool:
     if name in ("program.json", "__pycache__"):
         return True
-    listed = _listed(folder)
     if listed is not None:
         return name in listed
     return name in _UNLISTED_NAMES or (name.startswith("stage_") and name.endswith(".py"))
+
+
+def written_by_fxpipe(folder: str, name: str) -> bool:
+    """Whether `name` in `folder` is a file of the program there (or its __pycache__)."""
+    return _is_fxpipes(name, _listed(folder))
+
+
+def user_files(folder: str) -> set[str]:
+    """The user's files in `folder`, its listing and its program.json read from one open
+    folder: another writer swapping its program in meanwhile (this folder renamed away, a new
+    one renamed in) cannot pair one program's files with the other's program.json."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return set()
+    try:
+        present, listed = os.listdir(fd), _listed(folder, dir_fd=fd)
+    finally:
+        os.close(fd)
+    return {name for name in present if not _is_fxpipes(name, listed)}
 
 
 def carry_user_files(old: str, new: str) -> None:

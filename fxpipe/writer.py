@@ -27,7 +27,7 @@ from fxpipe.runtime.timeline import predicted_events
 from fxpipe.source import safe_docstring
 from fxpipe.state import StateNames
 from fxpipe.structure import Structure
-from fxpipe.userfiles import carry_user_files, written_by_fxpipe
+from fxpipe.userfiles import carry_user_files, user_files
 from fxpipe.version import __version__
 
 __all__ = ["ProgramFiles", "write_program", "write_weights", "LAUNCHER"]
@@ -133,8 +133,7 @@ def write_program(built: Built, directory: str, files: ProgramFiles) -> list[str
 def _check_no_clash(directory: str, names: list[str]) -> None:
     """Refuses to replace a file of the user's (one the old program.json does not list) with a
     file of the new program of the same name: rewriting a program never deletes the user's."""
-    present = os.listdir(directory) if os.path.isdir(directory) else []
-    clash = sorted(n for n in set(names) & set(present) if not written_by_fxpipe(directory, n))
+    clash = sorted(set(names) & user_files(directory))
     if clash:
         raise ProgramFolderError(f"{directory} holds {', '.join(clash)}, which the program there "
                                  "does not list as its own, and the new program writes files of "

@@ -127,3 +127,35 @@ def test_two_processes_writing_one_folder_at_once_leave_one_whole_program(tmp_pa
         assert set(checked.data["files"]) | {"program.json"} == set(os.listdir(folder))
         assert (checked.data["model"], checked.stages) in {("MLP", 3), ("GPT", 2)}
         assert not [n for n in os.listdir(tmp_path) if n.startswith(TEMP_PREFIX)]
+
+
+def test_a_program_swapped_in_meanwhile_does_not_make_the_old_ones_files_the_users(
+        tmp_path, monkeypatch):
+    """The clash check lists one folder and reads its program.json; a concurrent writer may
+    rename another program in between. Both reads come from the one folder opened first."""
+    import json
+
+    from fxpipe.userfiles import user_files
+
+    def program(folder, stages):
+        folder.mkdir()
+        names = [f"stage_{i}.py" for i in range(stages)]
+        for name in names:
+            (folder / name).write_text("")
+        (folder / "notes.txt").write_text("mine")
+        (folder / "program.json").write_text(json.dumps({"files": {n: "" for n in names}}))
+
+    target, other = tmp_path / "prog", tmp_path / "other"
+    program(target, 3)
+    program(other, 2)
+    listdir = os.listdir
+
+    def listdir_then_swap(path):
+        names = listdir(path)
+        os.rename(target, tmp_path / "old")  # another writer swaps its program in
+        os.rename(other, target)
+        monkeypatch.setattr(os, "listdir", listdir)
+        return names
+
+    monkeypatch.setattr(os, "listdir", listdir_then_swap)
+    assert user_files(str(target)) == {"notes.txt"}  # not stage_2.py, which the old one lists
