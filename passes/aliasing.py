@@ -1,12 +1,9 @@
 """Which values of a graph share storage, and which operations write into them.
 
 An in-place write (`x.add_(y)`, `out[:, t] = v`, `out=`) changes every value that shares the
-written tensor's storage: the tensor itself and its views. Two passes need to know: remat, which
-must not recompute from a value rewritten after it was read, and split, which must hand a stage
-a value it writes into as a tensor of its own (a received tensor is a leaf of the autograd
-graph, and autograd refuses in-place writes into a leaf that requires grad or a view of one).
-Aten operations say what they alias and write in their schema; torch-level ones (fx graphs) are
-known by name.
+written tensor's storage: the tensor itself and its views. Remat must know, so as not to
+recompute from a value rewritten after it was read. Aten operations say what they alias and
+write in their schema; torch-level ones (fx graphs) are known by name.
 """
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from fxpipe import ir
 
-__all__ = ["written_by", "aliased_by", "storage_roots", "rewritten_later", "written_in_place"]
+__all__ = ["written_by", "aliased_by", "storage_roots", "rewritten_later"]
 
 
 # torch-level operations whose output may share its input's storage (fx symbolic trace; aten
@@ -94,10 +91,3 @@ def storage_roots(graph: Graph) -> dict[Node, Node]:
         for source in aliased_by(node):
             root[find(node)] = find(source)
     return {node: find(node) for node in graph.nodes}
-
-
-def written_in_place(graph: Graph) -> set[Node]:
-    """Values whose storage some operation of the graph writes into (itself or via a view)."""
-    roots = storage_roots(graph)
-    written = {roots[v] for node in graph.nodes for v in written_by(node) if v in roots}
-    return {node for node, r in roots.items() if r in written}

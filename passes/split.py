@@ -32,7 +32,6 @@ from torch.fx import Graph, GraphModule, Node
 
 from fxpipe import ir
 from fxpipe.errors import SplitError
-from fxpipe.passes.aliasing import written_in_place
 from fxpipe.runtime.ops import RNG_STATE_BYTES, RNG_TAG, continue_rng, hand_over_rng, recv, send
 
 __all__ = ["split_stages", "StageGraph", "shared_parameters"]
@@ -270,7 +269,6 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
             builder.graph.output(torch.fx.node.map_arg(output.args[0], builder.value))
         else:
             builder.graph.output(None)
-        _copy_received_values_written_in_place(builder.graph)
         root = {t: _attr(gm, t) for t in builder.attrs}
         stage_gm = GraphModule(root, builder.graph, class_name=f"Stage{s}")
         names = gm.meta.get(ir.QUALNAMES, {})
@@ -280,26 +278,6 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
                                  s <= last_random and last_random > 0))
     _check_pairs(stages)
     return stages
-
-
-def _copy_received_values_written_in_place(graph: torch.fx.Graph) -> None:
-    """A received value that the stage writes into in place (itself or through a view) is
-    copied first. A rank receives into a leaf of the autograd graph, and autograd refuses an
-    in-place write into a leaf that requires grad or into a view of one (MViT's relative
-    position bias added into `attn[:, :, 1:, 1:]` at the start of a stage); the copy is the
-    stage's own, and its gradient flows back to the received value."""
-    written = written_in_place(graph)
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is recv and node in written:
-            with graph.inserting_after(node):
-                copy = graph.call_function(torch.clone, (node,))
-            node.replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
-            info = node.meta[ir.TENSOR]
-            size = info.nbytes if isinstance(info, ir.TensorInfo) else sympy.Integer(0)
-            zero = sympy.Integer(0)  # a copy: its bytes read and written, both ways
-            copy.meta = {ir.TENSOR: info, ir.COST: ir.Cost(
-                fwd_flops=zero, bwd_flops=zero, param_bytes=zero, output_bytes=size,
-                saved_bytes=zero, fwd_bytes=2 * size, bwd_bytes=size, fwd_kernels=1)}
 
 
 def _attr(gm: GraphModule, target: str) -> object:
