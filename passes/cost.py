@@ -25,103 +25,25 @@ import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
-from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import DimDynamic, GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.node import Argument, Target
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe import ir, source
 from fxpipe.errors import CostError
 from fxpipe.frontend import shapes
 from fxpipe.profile import DeviceProfile
-from fxpipe.profile.kernels import (
-    ELEMENTWISE_FACTOR,
-    Count,
-    is_free,
-    kernel_bytes,
-    kernel_flops,
-    op_class,
-)
+from fxpipe.profile.kernels import ELEMENTWISE_FACTOR, Count, KernelCounter
 
 __all__ = ["annotate_costs", "CostSummary", "estimate_time", "ELEMENTWISE_FACTOR",
            "writes_into_leaf"]
 
 _Count: TypeAlias = Count
-_Op: TypeAlias = OpOverload[..., Any]
 _Saved: TypeAlias = tuple[Literal["arg", "out", "new"], int, sympy.Expr | None]
 """("arg", flat index, None) | ("out", output index, None) | ("new", -1, nbytes)."""
 _Work: TypeAlias = dict[str, tuple[sympy.Expr, sympy.Expr, int]]
 """op class -> (FLOPs, bytes, kernels) of one pass (forward or backward) of a node."""
-
-
-# TorchDispatchMode's __init_subclass__ and __init__ are unannotated in torch.
-class _KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts FLOPs, bytes moved and kernels of every aten op it sees."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.flops: list[_Count] = []
-        self.bytes: list[_Count] = []
-        self.kernels = 0
-        self.random = False  # a kernel drew random numbers (dropout, rand, bernoulli ...)
-        # op class -> ([FLOPs], [bytes], kernels) of its kernels (fxpipe.profile.kernels)
-        self.by_class: dict[str, tuple[list[_Count], list[_Count], list[int]]] = {}
-
-    def __torch_dispatch__(self, func: _Op, types: Sequence[type], args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.random = self.random or _draws_random(func, args, kwargs)
-        if is_free(func):
-            return out
-        self.kernels += 1
-        flops, nbytes = _kernel_flops(func, args, kwargs, out), kernel_bytes(func, args, kwargs,
-                                                                              out)
-        self.flops.append(flops)
-        self.bytes.append(nbytes)
-        entry = self.by_class.setdefault(op_class(func), ([], [], [0]))
-        entry[0].append(flops)
-        entry[1].append(nbytes)
-        entry[2][0] += 1
-        return out
-
-
-def _draws_random(func: _Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a kernel draws random numbers: tagged so by torch, and not a dropout (or an
-    attention with dropout) that is inactive (p = 0, or not training), which draws nothing."""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return False
-    values = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
-              for i, a in enumerate(func._schema.arguments)}
-    for name in ("p", "dropout_p"):
-        if name in values and not values[name]:
-            return False
-    return values.get("train", values.get("training", True)) is not False
-
-
-def _kernel_flops(func: _Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> _Count:
-    name = func._overloadpacket.__name__
-    if name in ("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"):
-        return _lstm_layer_flops(args, backward=name.endswith("backward"))
-    return kernel_flops(func, args, kwargs, out)
-
-
-def _lstm_layer_flops(args: tuple[Any, ...], backward: bool) -> _Count:
-    """One LSTM layer over a sequence: the four gate matmuls per step (2*T*B*4H*(I+H)) plus
-    about ten element-wise operations per hidden unit and step; backward is twice the matmuls
-    (input and weight gradients) plus the element-wise part."""
-    x: torch.Tensor = args[0]
-    w_ih: torch.Tensor = args[1]
-    w_hh: torch.Tensor = args[2]
-    batch_first = bool(args[21] if backward else args[14])
-    steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
-    four_h, inp = w_ih.shape
-    hidden = w_hh.shape[1]
-    matmul = 2 * steps * batch * four_h * (inp + hidden)
-    pointwise = 10 * steps * batch * hidden
-    return (2 * matmul if backward else matmul) + pointwise
 
 
 @dataclass
@@ -405,13 +327,13 @@ class _CostRunner(Interpreter):
                 module_state[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device
                                                  ).requires_grad_(t.requires_grad)
             params = params | {_storage(t) for t in module_state.values()}
-        fwd = _KernelCounter()
+        fwd = KernelCounter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
             if module_state:
                 out = torch.func.functional_call(sub, module_state, a, k)
             else:
                 out = shapes.call_node(self.module, n, a, k)
-        bwd = _KernelCounter()
+        bwd = KernelCounter()
         outs = [t for t in pytree.tree_leaves(out)
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
         wrt = [t for t in [*fresh, *module_state.values()]
@@ -426,9 +348,9 @@ class _CostRunner(Interpreter):
                          self._work(fwd), self._work(bwd))
         return out, cost
 
-    def _work(self, counter: _KernelCounter) -> _Work:
-        return {c: (self._sum(flops), self._sum(nbytes), count[0])
-                for c, (flops, nbytes, count) in sorted(counter.by_class.items())}
+    def _work(self, counter: KernelCounter) -> _Work:
+        return {c: (self._sum(flops), self._sum(nbytes), len(flops))
+                for c, (flops, nbytes) in sorted(counter.by_class.items())}
 
     def _interpolated(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any],
                       real: bool = False) -> tuple[Any, _NodeCost]:

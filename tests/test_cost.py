@@ -23,9 +23,10 @@ from fxpipe.frontend.capture import preserved_state
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
 from fxpipe.passes import cost as cost_pass
-from fxpipe.passes.cost import _KernelCounter, annotate_costs
+from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.timing import measure_times
 from fxpipe.profile import min_time
+from fxpipe.profile.kernels import KernelCounter
 from fxpipe.tools.cost_bench import benchmark_estimate
 
 b = ir.BATCH
@@ -204,7 +205,7 @@ def _gradient_accumulation_flops(gm: torch.fx.GraphModule, size: int) -> int:
 
 
 def _forward_flops(fn: Callable[..., Any], args: tuple, kwargs: dict) -> int:
-    counter = _KernelCounter()
+    counter = KernelCounter()
     with counter:  # autograd on, as in training (the pass counts the forward that way too)
         fn(*args, **kwargs)
     return sum(counter.flops)
@@ -213,7 +214,7 @@ def _forward_flops(fn: Callable[..., Any], args: tuple, kwargs: dict) -> int:
 def _backward_flops(fn: Callable[..., Any], params: list, args: tuple, kwargs: dict) -> int:
     outputs = _float_outputs(fn(*args, **kwargs))
     seeds = [torch.ones_like(t) for t in outputs]
-    counter = _KernelCounter()
+    counter = KernelCounter()
     with counter:
         torch.autograd.grad(outputs, params, seeds, allow_unused=True)
     return sum(counter.flops)

@@ -29,7 +29,7 @@ from fxpipe.profile import (
     select_profile,
 )
 from fxpipe.profile.checks import disagreeing, implausible
-from fxpipe.profile.kernels import WorkCounter
+from fxpipe.profile.kernels import KernelCounter
 from fxpipe.tools.bench import BENCH_GPT
 
 
@@ -107,12 +107,12 @@ def test_the_profile_counts_work_as_the_cost_pass_does():
     gm = fxpipe.capture(model, (x,), inline_modules=True)
     annotate_costs(gm)
     (node,) = ir.compute_nodes(gm.graph)
-    counter = WorkCounter()
+    counter = KernelCounter()
     with counter:
         F.linear(x, model.weight)
     matmul = [w for w in ir.cost(node).work if w.op_class == "matmul" and not w.backward]
     assert [ir.evaluate(matmul[0].flops, 16), ir.evaluate(matmul[0].bytes, 16)] == \
-        counter.work["matmul"][:2]
+        list(counter.totals("matmul")[:2])
 
 
 def test_presets_use_the_peak_of_the_compute_precision():

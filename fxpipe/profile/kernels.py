@@ -19,10 +19,8 @@ from torch._ops import OpOverload
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxpipe.profile.device import OP_CLASSES
-
 __all__ = ["ELEMENTWISE_FACTOR", "Count", "op_class", "is_free", "kernel_flops", "kernel_bytes",
-           "WorkCounter"]
+           "draws_random", "KernelCounter"]
 
 Count: TypeAlias = int | torch.SymInt
 """A count of elements, bytes or FLOPs: symbolic in the batch size on fake tensors."""
@@ -90,6 +88,8 @@ def kernel_flops(func: _Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: 
     tensor's elements times a per-op factor (ELEMENTWISE_FACTOR, default 1)."""
     packet = func._overloadpacket
     flops: Count
+    if packet.__name__ in ("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"):
+        return _lstm_layer_flops(args, backward=packet.__name__.endswith("backward"))
     if packet in flop_counter.flop_registry:
         flops = flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
         return flops
@@ -132,21 +132,72 @@ def _hint(x: Count) -> int:
     return int(x)
 
 
+def _lstm_layer_flops(args: tuple[Any, ...], backward: bool) -> Count:
+    """One LSTM layer over a sequence: the four gate matmuls per step (2*T*B*4H*(I+H)) plus
+    about ten element-wise operations per hidden unit and step; backward is twice the matmuls
+    (input and weight gradients) plus the element-wise part."""
+    x: torch.Tensor = args[0]
+    w_ih: torch.Tensor = args[1]
+    w_hh: torch.Tensor = args[2]
+    batch_first = bool(args[21] if backward else args[14])
+    steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    four_h, inp = w_ih.shape
+    hidden = w_hh.shape[1]
+    matmul = 2 * steps * batch * four_h * (inp + hidden)
+    pointwise = 10 * steps * batch * hidden
+    return (2 * matmul if backward else matmul) + pointwise
+
+
+def draws_random(func: _Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a kernel draws random numbers: tagged so by torch, and not a dropout (or an
+    attention with dropout) that is inactive (p = 0, or not training), which draws nothing."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    values = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
+              for i, a in enumerate(func._schema.arguments)}
+    for name in ("p", "dropout_p"):
+        if name in values and not values[name]:
+            return False
+    return values.get("train", values.get("training", True)) is not False
+
+
 # TorchDispatchMode's __init_subclass__ and __init__ are unannotated in torch.
-class WorkCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Sums FLOPs, bytes and kernels per op class of the kernels that run (real tensors)."""
+class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the FLOPs, bytes and kernels of every aten kernel that runs, per op class, and
+    whether one drew random numbers. The cost pass counts on fake tensors (counts symbolic in
+    the batch size) and the measured profile on real ones, with this one counter, so a rate
+    measured in "FLOPs as counted here per second" applies to the counts of any model."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.work: dict[str, list[float]] = {c: [0.0, 0.0, 0.0] for c in OP_CLASSES}
+        # op class -> ([FLOPs], [bytes]) of its kernels, in the order they ran
+        self.by_class: dict[str, tuple[list[Count], list[Count]]] = {}
+        self.random = False  # a kernel drew random numbers (dropout, rand, bernoulli ...)
 
     def __torch_dispatch__(self, func: _Op, types: Sequence[type], args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.random = self.random or draws_random(func, args, kwargs)
         if not is_free(func):
-            entry = self.work[op_class(func)]
-            entry[0] += float(kernel_flops(func, args, kwargs, out))
-            entry[1] += float(kernel_bytes(func, args, kwargs, out))
-            entry[2] += 1
+            flops, nbytes = self.by_class.setdefault(op_class(func), ([], []))
+            flops.append(kernel_flops(func, args, kwargs, out))
+            nbytes.append(kernel_bytes(func, args, kwargs, out))
         return out
+
+    @property
+    def flops(self) -> list[Count]:
+        return [f for flops, _ in self.by_class.values() for f in flops]
+
+    @property
+    def bytes(self) -> list[Count]:
+        return [b for _, nbytes in self.by_class.values() for b in nbytes]
+
+    @property
+    def kernels(self) -> int:
+        return sum(len(flops) for flops, _ in self.by_class.values())
+
+    def totals(self, op_class: str) -> tuple[float, float, int]:
+        """(FLOPs, bytes, kernels) of one op class, summed (real tensors only)."""
+        flops, nbytes = self.by_class.get(op_class, ([], []))
+        return float(sum(flops)), float(sum(nbytes)), len(flops)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from fxpipe.profile.checks import dips, disagreeing, implausible
 from fxpipe.profile.device import OP_CLASSES, ClassRate, Curve, DeviceProfile
-from fxpipe.profile.kernels import WorkCounter
+from fxpipe.profile.kernels import KernelCounter
 from fxpipe.profile.overheads import measure_overheads
 from fxpipe.profile.presets import SPECS, compute_precision, spec_of_device
 
@@ -107,11 +107,11 @@ class _Suite:
     def add(self, op_class: str, axis: str, calls: Sequence[Callable[[], object]]) -> None:
         """Points of the curve `op_class`.`axis` ("flops" or "bytes"), one per call."""
         for fn in calls:
-            counter = WorkCounter()
+            counter = KernelCounter()
             with counter:
                 fn()
-            flops, nbytes, kernels = counter.work[op_class]
-            kernels = int(max(kernels, 1))
+            flops, nbytes, counted = counter.totals(op_class)
+            kernels = max(counted, 1)
             work = (flops if axis == "flops" else nbytes) / kernels
             self.points.append(_Point(f"{op_class}.{axis}", fn, work, kernels))
 
