@@ -47,7 +47,6 @@ from fxpipe.rebalance import (
     move_optimizer_state,
     move_state,
     save_balance,
-    untouched,
 )
 from fxpipe.reference import (
     depends_on_split,
@@ -68,6 +67,7 @@ from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import copy_inputs
 from fxpipe.state import StateNames, graph_tensors
 from fxpipe.structure import Structure
+from fxpipe.untouched import untouched
 from fxpipe.weights import WeightsSource, open_weights
 from fxpipe.writer import ProgramFiles, write_program
 
@@ -209,7 +209,9 @@ class Program(nn.Module):
 
         def measure(current: Built) -> list[float]:
             # under the program's autocast, as its steps run (and as its costs were counted)
-            with untouched(self.model), compiled_autocast(self.config.autocast, self.devices):
+            model = self.model
+            with untouched(model.parameters(), model.buffers()), \
+                    compiled_autocast(self.config.autocast, self.devices):
                 if self._rank is not None:
                     return measure_ranks(self._rank, flat, target, loss_fn, steps)
                 executor = self._local_executor("balancing")

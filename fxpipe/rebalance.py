@@ -26,13 +26,12 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from fxpipe.built import Built
 from fxpipe.errors import RuntimeInputError
@@ -53,7 +52,7 @@ from fxpipe.version import __version__
 
 __all__ = ["balance_by_measurement", "cut_of", "balance_key", "load_balance", "forget_balance",
            "save_balance", "moves", "move_state", "placed_state", "move_optimizer_state",
-           "untouched", "measure_local", "measure_ranks", "robust_time"]
+           "measure_local", "measure_ranks", "robust_time"]
 
 Measure = Callable[[Built], list[float]]
 """Seconds of compute per micro-batch of each stage of a built program, measured."""
@@ -358,22 +357,6 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 # --- measuring a program's stages --------------------------------------------------------------
 
-@contextlib.contextmanager
-def untouched(model: nn.Module) -> Iterator[None]:
-    """Measuring steps leave no trace: gradients, buffers (BatchNorm statistics) and the RNG
-    streams are as they were before."""
-    grads = {p: (p.grad.clone() if p.grad is not None else None) for p in model.parameters()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for p, grad in grads.items():
-            p.grad = grad
 
 
 def measure_local(executor: LocalExecutor, signature: Signature, chunks: int, remat: str,

@@ -37,6 +37,7 @@ from fxpipe.frontend import shapes
 from fxpipe.frontend.capture import CaptureInfo
 from fxpipe.frontend.regions import RegionInterpreter
 from fxpipe.passes.cost import writes_into_leaf
+from fxpipe.untouched import untouched
 
 __all__ = ["measure_times"]
 
@@ -65,7 +66,7 @@ def measure_times(gm: GraphModule, flat_inputs: Sequence[torch.Tensor], *, micro
                   key=str)
     sync = functools.partial(_synchronize, cuda) if cuda else None
     times: dict[str, ir.MeasuredTime] = {}
-    with _threads(threads), _preserved_state(gm):
+    with _threads(threads), untouched([], gm.buffers()):
         values = _record_values(gm, tensors)
         for node in ir.compute_nodes(gm.graph):
             timer = _NodeTimer(gm, node, values, warmup, repeat, sync)
@@ -126,21 +127,6 @@ def _threads(threads: int | None) -> Iterator[None]:
     finally:
         torch.set_num_threads(previous)
 
-
-@contextlib.contextmanager
-def _preserved_state(gm: GraphModule) -> Iterator[None]:
-    """Restores every buffer (BatchNorm statistics move when a train-mode node runs) and the
-    caller's RNG streams (dropout nodes draw from them)."""
-    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
-    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # unannotated
-    devices = list(range(torch.cuda.device_count())) if initialized else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
 
 
 def _record_values(gm: GraphModule, tensors: Sequence[torch.Tensor]) -> dict[Node, Any]:

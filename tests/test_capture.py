@@ -9,9 +9,9 @@ from torch import nn
 import fxpipe
 from fxpipe import ir
 from fxpipe.errors import CaptureError, RuntimeInputError
-from fxpipe.frontend.batching import seeded
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
+from fxpipe.untouched import seeded
 
 
 def _load(name):

@@ -6,7 +6,7 @@ import torch
 
 import fxpipe
 from fxpipe import ir
-from fxpipe.frontend.batching import seeded
+from fxpipe.untouched import seeded
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,6 @@ its batch in dim 1; a causal model is not separable along time).
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,18 +18,9 @@ from torch import nn
 from fxpipe.errors import CaptureError
 from fxpipe.frontend.mutation import StateSnapshot, check_unchanged
 from fxpipe.signature import ModelArgs, ModelKwargs, is_tensor
+from fxpipe.untouched import seeded
 
-__all__ = ["BatchLayout", "infer_batch_layout", "seeded"]
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Runs a block with a fixed RNG seed, leaving the caller's RNG state untouched."""
-    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # unannotated
-    devices = list(range(torch.cuda.device_count())) if initialized else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
+__all__ = ["BatchLayout", "infer_batch_layout"]
 
 
 @dataclass(frozen=True)

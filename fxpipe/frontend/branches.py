@@ -19,8 +19,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe import source
-from fxpipe.frontend.batching import seeded
 from fxpipe.frontend.mutation import restore_values, snapshot_state
+from fxpipe.untouched import seeded
 
 __all__ = ["Decisions", "record", "following"]
 

@@ -26,7 +26,7 @@ from torch import nn
 from fxpipe import ir
 from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import lazy, regions, shapes, tracers
-from fxpipe.frontend.batching import BatchLayout, infer_batch_layout, seeded
+from fxpipe.frontend.batching import BatchLayout, infer_batch_layout
 from fxpipe.frontend.meta import (
     Check,
     check_name,
@@ -40,6 +40,7 @@ from fxpipe.frontend.mutation import StateSnapshot, restore_values, snapshot_sta
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
+from fxpipe.untouched import seeded
 
 __all__ = ["capture", "CaptureInfo", "METHODS"]
 

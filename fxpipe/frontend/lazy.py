@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fxpipe.frontend.batching import seeded
 from fxpipe.frontend.mutation import (
     StateSnapshot,
     batch_norm_statistics,
@@ -29,6 +28,7 @@ from fxpipe.frontend.mutation import (
     written,
 )
 from fxpipe.signature import ModelArgs, ModelKwargs
+from fxpipe.untouched import seeded
 
 __all__ = ["run_first_forward"]
 

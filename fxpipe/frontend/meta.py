@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe import source
 from fxpipe.errors import CaptureError, ConfigError
-from fxpipe.frontend.batching import seeded
+from fxpipe.untouched import seeded
 
 __all__ = ["Check", "CHECKS", "is_meta_model", "to_meta", "run_on_meta", "eager_runs",
            "meta_run_error", "check_name", "validate_check", "has_meta_tensor"]

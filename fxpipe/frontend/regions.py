@@ -25,8 +25,8 @@ from torch import nn
 
 from fxpipe import ir
 from fxpipe.errors import CaptureError
-from fxpipe.frontend.batching import seeded
 from fxpipe.signature import Signature
+from fxpipe.untouched import seeded
 
 __all__ = ["inline_regions", "ModeWatch", "RegionInterpreter", "call", "gradient_difference"]
 

@@ -51,7 +51,6 @@ from fxpipe.runtime.loss_split import (
     loss_key,
     refusal,
     split_kind,
-    unchanged,
     undecidable,
     weight_of,
 )
@@ -65,6 +64,7 @@ from fxpipe.runtime.strict import make_transport
 from fxpipe.runtime.timeline import Event
 from fxpipe.runtime.transport import Transport
 from fxpipe.signature import Signature
+from fxpipe.untouched import untouched
 
 __all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "RankUnit", "split_target",
            "stage_info"]
@@ -184,10 +184,9 @@ class DistributedExecutor:
         if self._loss_first(schedule, chunks):  # judged on each step before its backward
             return self._step(tensors, target, loss_fn, key, None, **run)
         if key not in self.loss_kinds:  # a step that only judges the loss, then the step
-            devices = sorted({p.device.index or 0 for p in self.parameters() if p.is_cuda})
             buffers = list({id(b): b for u in self.units.values()
                             for b in u.module.buffers()}.values())
-            with unchanged(self.parameters(), buffers, devices):
+            with untouched(self.parameters(), buffers):
                 self._step(tensors, target, loss_fn, key, None, probe=True, **run)
         return self._step(tensors, target, loss_fn, key, self.loss_kinds[key], **run)
 

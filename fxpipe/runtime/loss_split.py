@@ -17,20 +17,18 @@ replicas agree on the kind (counts of each, summed over the replicas) before the
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from fxpipe.errors import LossError
 from fxpipe.losses import NAMED
 
 __all__ = ["MEAN", "SUM", "NEITHER", "UNDECIDED", "MIXED", "KINDS", "split_kind", "weight_of",
            "loss_key", "known_kind", "agreed", "refusal", "undecidable", "disagreement",
-           "changed", "unchanged"]
+           "changed"]
 
 MEAN, SUM, NEITHER = "mean", "sum", "neither"
 UNDECIDED = "undecided"  # one micro-batch of one example: nothing to compare
@@ -155,21 +153,3 @@ def disagreement(loss_fn: Callable[..., Any], counts: Sequence[int],
 def changed(kind: str | None, assumed: str) -> bool:
     """Whether a step judged `kind` had its backward scaled wrongly as `assumed`."""
     return kind is not None and kind != assumed
-
-
-@contextlib.contextmanager
-def unchanged(parameters: Sequence[nn.Parameter], buffers: Sequence[torch.Tensor],
-              devices: Sequence[int]) -> Iterator[None]:
-    """A step that only finds the loss's kind leaves no trace: gradients, buffers and the RNG
-    streams are restored."""
-    grads = [(p, p.grad.clone() if p.grad is not None else None) for p in parameters]
-    saved = [(b, b.detach().clone()) for b in buffers]
-    try:
-        with torch.random.fork_rng(devices=list(devices)):
-            yield
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
-        for p, grad in grads:
-            p.grad = grad

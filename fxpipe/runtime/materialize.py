@@ -16,10 +16,9 @@ others are skipped on meta, which would make this stage's values depend on the p
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.errors import CheckpointError
+from fxpipe.untouched import seeded
 
 __all__ = ["initialize", "seed_for", "is_materialized", "meta_names"]
 
@@ -146,7 +146,7 @@ def _run_initializers(model: nn.Module, order: list[tuple[str, nn.Module]],
             if call is None:
                 continue
             recorder.call = _Call()
-            with _seeded(seed_for(seed, qualname, phase), device), torch.no_grad(), recorder:
+            with seeded(seed_for(seed, qualname, phase)), torch.no_grad(), recorder:
                 call()
             mine = recorder.call.real & storage_of.keys()
             if mine and recorder.call.drew_on_meta:
@@ -215,13 +215,3 @@ def _view(model: nn.Module, real: Mapping[int, torch.Tensor]) -> dict[int, nn.Mo
 def _names(names: Sequence[str]) -> str:
     shown = ", ".join(names[:8])
     return shown + (f" ... ({len(names) - 8} more)" if len(names) > 8 else "")
-
-
-@contextlib.contextmanager
-def _seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """A fixed seed for one call, the caller's RNG state restored afterwards."""
-    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    devices = list(range(torch.cuda.device_count())) if initialized else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
