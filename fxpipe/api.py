@@ -9,6 +9,7 @@ from torch import nn
 
 from fxpipe.config import CompileConfig, check_config
 from fxpipe.errors import ConfigError
+from fxpipe.optimizers import optimizer_memory
 from fxpipe.profile import DeviceProfile
 from fxpipe.program import Program
 
@@ -39,6 +40,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     check: str | nn.Module | None = None,
     batch_dims: Sequence[int | None] | None = None,
     stages_per_rank: int | None = None,
+    optimizer: Any = "adam",
+    master_weights: bool = False,
 ) -> Program:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
 
@@ -98,6 +101,12 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             accepts the example inputs, whose capture is checked against its eager outputs; or
             "shapes" to check only output shapes and dtypes. Then `program.load_weights(path)`
             or `program.init_weights()` gives each process the weights of its own stages.
+        optimizer: what the training's optimizer holds, for the memory each stage is charged
+            (memory_limit, remat="auto", schedule="auto", the report): a name ("adam",
+            "adamw", "sgd", "momentum", "adagrad", "rmsprop", "adafactor", ...), a
+            torch.optim class or instance, or bytes per parameter element beyond the weight.
+        master_weights: the optimizer keeps a float32 copy of parameters stored below float32
+            and its state in float32 (mixed precision with master weights).
         batch_dims: the batch dimension of each tensor input (None for unbatched ones, e.g.
             [0, None]); inferred when omitted. The example batch needs at least 2 samples
             either way: the batch dimension is checked on two halves of it.
@@ -127,7 +136,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,
         dp_bucket_mb=dp_bucket_mb, autocast=autocast, command=command, check=check,
         batch_dims=tuple(batch_dims) if batch_dims is not None else None,
-        stages_per_rank=stages_per_rank)
+        stages_per_rank=stages_per_rank,
+        optimizer=optimizer_memory(optimizer, master_weights))
     check_config(config)
     program = Program(model, config)
     program.train(model.training)

@@ -128,6 +128,22 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
                         "on this machine")
+    _add_optimizer(p)
+
+def _add_optimizer(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--optimizer", default="adam",
+                   help="what training holds per parameter, for the memory each stage is "
+                        "charged: adam, adamw, sgd, momentum, adagrad, rmsprop, adafactor, ... "
+                        "or bytes per parameter element beyond the weight (default: adam)")
+    p.add_argument("--master-weights", action="store_true",
+                   help="the optimizer keeps float32 master weights and state (mixed precision)")
+
+
+def _optimizer(args: argparse.Namespace) -> str | float:
+    try:
+        return float(args.optimizer)
+    except ValueError:
+        return str(args.optimizer)
 
 
 def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
@@ -138,7 +154,8 @@ def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
                              chunks=args.chunks, remat=args.remat, balance=args.balance,
                              memory_limit=args.memory_limit, schedule=args.schedule,
                              stages_per_rank=args.stages_per_rank,
-                             profile=args.profile, command=_command_line(args))
+                             profile=args.profile, command=_command_line(args),
+                             optimizer=_optimizer(args), master_weights=args.master_weights)
     return program, target
 
 
@@ -158,6 +175,10 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--stages-per-rank", str(args.stages_per_rank)]
     if args.profile is not None:
         words += ["--profile", args.profile]
+    if args.optimizer != "adam":
+        words += ["--optimizer", args.optimizer]
+    if args.master_weights:
+        words += ["--master-weights"]
     return shlex.join(words)
 
 
@@ -199,7 +220,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         size, found = largest_that_fits(
             build, devices=args.devices, memory_per_device=args.memory_per_device,
             profile=args.profile, devices_per_node=args.devices_per_node,
-            inter_node_bandwidth=args.inter_node_bandwidth,
+            inter_node_bandwidth=args.inter_node_bandwidth, optimizer=_optimizer(args),
+            master_weights=args.master_weights,
             say=lambda line: print(line, file=sys.stderr, flush=True))
         print(f"the largest {key} that fits: {size}\n")
         print(found.table(rows=args.rows), end="")
@@ -210,7 +232,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(model, inputs, kwargs, devices=args.devices,
                   memory_per_device=args.memory_per_device, profile=args.profile,
                   devices_per_node=args.devices_per_node,
-                  inter_node_bandwidth=args.inter_node_bandwidth)
+                  inter_node_bandwidth=args.inter_node_bandwidth, optimizer=_optimizer(args),
+                  master_weights=args.master_weights)
     print(result.table(rows=args.rows), end="")
     return 0
 
@@ -334,6 +357,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--profile", default=None,
                     help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
                          "on this machine")
+    _add_optimizer(pl)
     pl.add_argument("--rows", type=int, default=12, help="candidates to print")
     pl.add_argument("--largest", metavar="KEY", default=None,
                     help="search the factory's KEY (e.g. n_layer) for the largest model that "

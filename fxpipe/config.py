@@ -6,6 +6,7 @@ from typing import Any
 
 from fxpipe.errors import ConfigError
 from fxpipe.frontend.capture import METHODS
+from fxpipe.optimizers import ADAM, OptimizerMemory
 from fxpipe.passes.partition import BALANCE_MODES
 from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import DeviceProfile
@@ -40,6 +41,7 @@ class CompileConfig:
     check: Any = None  # a meta model's capture check: a twin nn.Module or "shapes"
     batch_dims: tuple[int | None, ...] | None = None  # per tensor input; None: inferred
     stages_per_rank: int | None = None  # None: the schedule's (2 for the looped ones, else 1)
+    optimizer: OptimizerMemory = ADAM  # what training holds per parameter (fxpipe.optimizers)
 
     @property
     def fixed_chunks(self) -> int | None:

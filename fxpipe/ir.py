@@ -134,7 +134,8 @@ class Cost:
 
     fwd_flops / bwd_flops: floating-point operations of the forward and of its backward.
     param_bytes: bytes of parameters and buffers first used by this node (tied ones once);
-    grad_param_bytes: the part that are parameters needing gradients.
+    grad_param_bytes: the part that are parameters needing gradients; grad_param_elements
+    their elements (the optimizer's state is counted per element: fxpipe.optimizers).
     output_bytes: bytes of the node's output. saved_bytes: bytes this node makes autograd keep
     until backward (its output if any consumer saves it, plus internal buffers it saves).
     fwd_bytes / bwd_bytes: memory traffic, the bandwidth side of the roofline.
@@ -148,6 +149,7 @@ class Cost:
     fwd_bytes: sympy.Expr
     bwd_bytes: sympy.Expr
     grad_param_bytes: sympy.Expr = field(default=sympy.Integer(0))  # params that need grads
+    grad_param_elements: sympy.Expr = field(default=sympy.Integer(0))
     fwd_kernels: int = 0  # aten kernels launched by the forward (per-kernel overhead)
     bwd_kernels: int = 0
     # What saved_bytes is made of, for per-stage accounting: bytes of buffers the node allocates

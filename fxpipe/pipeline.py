@@ -32,6 +32,7 @@ from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.frontend.capture import CaptureInfo, capture
 from fxpipe.frontend.meta import is_meta_model
 from fxpipe.losses import loss_time
+from fxpipe.optimizers import OptimizerMemory
 from fxpipe.passes.batchnorm import defer_batch_norm
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import PartitionPlan, choose_chunks, partition
@@ -164,7 +165,8 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
         with _timed(timings, cpu, "mark_remat"):
             regions = mark_remat(g.graph_module, config.remat,
                                  microbatch_size=plan.microbatch_size, inflight=plan.chunks,
-                                 memory_limit=share, fixed_bytes=_fixed_bytes(g))
+                                 memory_limit=share,
+                                 fixed_bytes=_fixed_bytes(g, config.optimizer))
             ir.verify(g.graph_module, after="remat")
         _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module)
         ran = (*(name for name in timings if name != "codegen"), "codegen")
@@ -240,7 +242,8 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: Devi
                              schedule=candidate.schedule, ranks=candidate.ranks,
                              loss_time=loss_time(gm, b, profile, config.balance == "time",
                                                  _profile_device(config)),
-                             corrections=corrections, starts=starts)
+                             corrections=corrections, starts=starts,
+                             optimizer=config.optimizer)
         return choose_chunks(batch, config.chunks, for_chunks)
 
     if config.schedule != AUTO:
@@ -281,8 +284,15 @@ def _auto_candidates(config: CompileConfig) -> list[CompileConfig]:
     return out
 
 
-def _fixed_bytes(g: StageGraph) -> float:
-    return float(sum(p.numel() * p.element_size() for p in g.graph_module.parameters()))
+def _fixed_bytes(g: StageGraph, optimizer: OptimizerMemory) -> float:
+    """What a stage holds whatever it recomputes: its parameters and buffers, and for the
+    trainable ones their gradients and the optimizer's state."""
+    module = g.graph_module
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    return float(sum(t.numel() * t.element_size() for t in [*module.parameters(),
+                                                            *module.buffers()])
+                 + optimizer.held_bytes(grads, sum(p.numel() for p in trainable)))
 
 
 def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,

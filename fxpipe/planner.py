@@ -36,6 +36,7 @@ from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError, FxPipeError, PartitionError
 from fxpipe.frontend.capture import CaptureInfo
 from fxpipe.losses import loss_time
+from fxpipe.optimizers import ADAM, OptimizerMemory, optimizer_memory
 from fxpipe.passes.partition import PartitionPlan, partition
 from fxpipe.passes.partition.graph import Atoms
 from fxpipe.pipeline import capture_and_cost
@@ -89,6 +90,7 @@ class Plan:
     memory_per_device: float | None
     candidates: tuple[Candidate, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    optimizer: OptimizerMemory = ADAM  # what each device holds per parameter beyond the weight
 
     @property
     def choice(self) -> Candidate:
@@ -105,6 +107,8 @@ class Plan:
             out["stages_per_rank"] = c.stages_per_rank
         if self.memory_per_device is not None:
             out["memory_limit"] = self.memory_per_device
+        if self.optimizer != ADAM:
+            out["optimizer"] = self.optimizer
         return out
 
     @property
@@ -148,7 +152,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
          profile: DeviceProfile | str | None = None, devices_per_node: int | None = None,
          inter_node_bandwidth: float | None = None,
          schedules: Sequence[str] = tuple(SCHEDULES), remats: Sequence[str] = REMATS,
-         max_chunks: int = 64, capture: str = "auto", check: Any = None) -> Plan:
+         max_chunks: int = 64, capture: str = "auto", check: Any = None,
+         optimizer: Any = "adam", master_weights: bool = False) -> Plan:
     """Chooses stages, replicas, micro-batches, schedule and remat for `devices` devices.
 
     Args:
@@ -162,6 +167,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
             span machines all-reduce over `inter_node_bandwidth` (bytes/s).
         schedules, remats: the schedules and remat modes to consider.
         max_chunks: the most micro-batches per replica to consider.
+        optimizer, master_weights: what training holds per parameter, as fxpipe.compile
+            takes them (each device is charged its stages' gradients and optimizer state).
 
     Raises:
         PlanError: no candidate fits (the message names the smallest memory that would).
@@ -182,7 +189,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
         raise ConfigError(f"unknown schedule(s) {unknown}", hint=f"use {tuple(SCHEDULES)}")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
         else (example_inputs,)
-    config = CompileConfig(capture=capture, check=check, profile=profile)
+    held = optimizer_memory(optimizer, master_weights)
+    config = CompileConfig(capture=capture, check=check, profile=profile, optimizer=held)
     gm = capture_and_cost(model, args, dict(example_kwargs or {}), config, list[Snapshot](),
                           {}, {})
     info: CaptureInfo = gm.meta[ir.CAPTURE]
@@ -201,7 +209,7 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
                     c = Candidate(ranks * per_rank, per_rank, replicas, chunks, schedule, remat)
                     found.append(_predict(gm, c, share // chunks, chosen_profile,
                                           memory_per_device, grads, devices_per_node,
-                                          inter_node_bandwidth, reuse))
+                                          inter_node_bandwidth, reuse, held))
     for node in ir.compute_nodes(gm.graph):  # the last partition tried wrote its stages
         node.meta.pop(ir.STAGE, None)
     if not found:
@@ -210,7 +218,7 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
                         "count divides")
     found.sort(key=lambda c: (not c.fits, c.step_s, c.memory_bytes))
     result = Plan(devices, info.batch_size, memory_per_device, tuple(found),
-                  (f"profile: {chosen_profile.name}",))
+                  (f"profile: {chosen_profile.name}", f"optimizer: {held.describe()}"), held)
     if not result.choice.fits:
         needs = [c.memory_bytes for c in found if c.memory_bytes]
         smallest = f" (the least a candidate's fastest cut holds: {human_bytes(min(needs))})" \
@@ -292,14 +300,16 @@ def _grad_bytes(gm: GraphModule) -> dict[str, float]:
 
 def _predict(gm: GraphModule, c: Candidate, b: int, profile: DeviceProfile,
              memory: float | None, grads: dict[str, float], devices_per_node: int | None,
-             inter_node: float | None, reuse: dict[tuple[Any, ...], Atoms]) -> Candidate:
+             inter_node: float | None, reuse: dict[tuple[Any, ...], Atoms],
+             optimizer: OptimizerMemory) -> Candidate:
     """The candidate with its predicted step and memory, or the reason it cannot run."""
     limit = memory / c.stages_per_rank if memory is not None else None
 
     def partitioned(limit: float | None) -> PartitionPlan:
         return partition(gm, c.stages, microbatch_size=b, chunks=c.chunks, profile=profile,
                          remat=c.remat, memory_limit=limit, schedule=c.schedule, ranks=c.ranks,
-                         loss_time=loss_time(gm, b, profile, False), reuse=reuse)
+                         loss_time=loss_time(gm, b, profile, False), reuse=reuse,
+                         optimizer=optimizer)
 
     def per_device(p: PartitionPlan) -> float:
         held: dict[int, float] = {}

@@ -16,6 +16,7 @@ from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
 from fxpipe.figures import against, kept_at_peak, remat_saving, stage_load
+from fxpipe.optimizers import ADAM, OptimizerMemory
 from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, kept_reason
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
@@ -111,6 +112,10 @@ def compile_command(config: CompileConfig, model: str) -> tuple[str, bool]:
             continue  # what the schedule places anyway
         if isinstance(value, DeviceProfile):
             value = value.name
+        if isinstance(value, OptimizerMemory):
+            if value.master_weights:
+                options.append("master_weights=True")
+            value = value.extra_bytes if value.extra_bytes is not None else value.name
         if isinstance(value, nn.Module):  # a twin that checked a meta model's capture
             options.append(f"{f.name}={type(value).__name__}(...)")
             continue
@@ -224,6 +229,7 @@ class Report:
     rounds: list[BalanceRound] = field(default_factory=list)  # balancing by measurement
     stages_per_rank: int = 1
     remat: str = "never"
+    optimizer: str = ADAM.describe()  # what each stage's memory counts per parameter
 
     @property
     def ranks(self) -> int:
@@ -242,6 +248,7 @@ class Report:
             "predicted_step_time_s": step,  # the one predicted step (simulated)
             "simulated_step_time_s": step,
             "breakdown_s": plan.breakdown(),
+            "optimizer": self.optimizer,
             "chunk_candidates": [{"chunks": c, "predicted_step_time_s": t}
                                  for c, t in plan.candidates],
             "auto_schedules": [{"schedule": name, "step_time_s": t}
@@ -311,6 +318,10 @@ class Report:
                  "predicted work per step, all stages together: " + ", ".join(
                      f"{name} {human_time(s['breakdown_s'][key])}"
                      for key, name in BREAKDOWN.items())]
+        memory = [st.get("memory_model_bytes") for st in self.stages]
+        if all(m is not None for m in memory):
+            lines.append(f"memory per stage (weights, gradients, {self.optimizer}; and kept "
+                         "activations): " + ", ".join(human_bytes(m or 0) for m in memory))
         if self.shared:
             lines.append("tied parameters (gradients summed across stages): "
                          + ", ".join(f"{k} in stages {v}" for k, v in self.shared.items()))
@@ -481,4 +492,5 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
                   built.config.schedule, shared=dict(built.shared),
                   mesh=mesh.describe() if mesh is not None else [],
                   comm=communication(built, replicas), rounds=list(built.rounds),
-                  stages_per_rank=built.config.per_rank, remat=built.config.remat)
+                  stages_per_rank=built.config.per_rank, remat=built.config.remat,
+                  optimizer=built.config.optimizer.describe())

@@ -495,7 +495,7 @@ class _CostRunner(Interpreter):
         by_node: dict[str, ir.Cost] = {}
         for node in ir.compute_nodes(graph):
             raw = self.raw[node]
-            params, grad_params = self._param_bytes(node)
+            params, grad_params, grad_elements = self._param_bytes(node)
             internal = sympy.expand(sympy.Add(*self.internal.get(node, [])))
             saved = sympy.expand(sympy.Add(*kept_by_owner.get(node, []), internal))
             info = node.meta.get(ir.TENSOR)
@@ -503,6 +503,7 @@ class _CostRunner(Interpreter):
                 fwd_flops=raw.fwd_flops, bwd_flops=raw.bwd_flops, param_bytes=params,
                 output_bytes=_value_bytes(info), saved_bytes=saved, fwd_bytes=raw.fwd_bytes,
                 bwd_bytes=raw.bwd_bytes, grad_param_bytes=grad_params,
+                grad_param_elements=grad_elements,
                 fwd_kernels=raw.fwd_kernels, bwd_kernels=raw.bwd_kernels,
                 internal_saved_bytes=internal,
                 saves=tuple(sorted(self.saves.get(node, {}).items())), random=raw.random,
@@ -520,9 +521,10 @@ class _CostRunner(Interpreter):
         return CostSummary(len(by_node), add(totals["fwd"]), add(totals["bwd"]),
                            add(totals["params"]), add(totals["saved"]), self.cache_hits, by_node)
 
-    def _param_bytes(self, node: Node) -> tuple[sympy.Expr, sympy.Expr]:
-        """Bytes of parameters and buffers this node is the first to use (tied ones once)."""
-        total, grad = 0, 0
+    def _param_bytes(self, node: Node) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+        """Bytes of parameters and buffers this node is the first to use (tied ones once), the
+        bytes of those needing gradients, and their elements."""
+        total, grad, elements = 0, 0, 0
         for arg in node.all_input_nodes:
             if arg.op != "get_attr":
                 continue
@@ -533,6 +535,7 @@ class _CostRunner(Interpreter):
             total += real.numel() * real.element_size()
             if real.requires_grad:
                 grad += real.numel() * real.element_size()
+                elements += real.numel()
         if node.op == "call_module":
             sub = self.fetch_attr(str(node.target))
             for p in [*sub.parameters(), *sub.buffers()]:
@@ -540,7 +543,8 @@ class _CostRunner(Interpreter):
                     self.seen_params.add(id(p))
                     total += p.numel() * p.element_size()
                     grad += p.numel() * p.element_size() if p.requires_grad else 0
-        return sympy.Integer(total), sympy.Integer(grad)
+                    elements += p.numel() if p.requires_grad else 0
+        return sympy.Integer(total), sympy.Integer(grad), sympy.Integer(elements)
 
 
 _REAL_SAMPLED = ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn")

@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
      "fxpipe.userfiles", "fxpipe.figures"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
      "fxpipe.structure", "fxpipe.checkpoint", "fxpipe.resume", "fxpipe.weights", "fxpipe.untouched",
+     "fxpipe.optimizers",
      "fxpipe.models"),  # contracts: metadata, names, formats
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes

@@ -25,6 +25,7 @@ from torch.fx import GraphModule, Node
 from fxpipe import ir
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.figures import imbalance, stage_load
+from fxpipe.optimizers import ADAM, OptimizerMemory
 from fxpipe.passes.cost import estimate_time
 from fxpipe.passes.partition.correct import LOSS
 from fxpipe.passes.partition.problem import Partition, evaluate
@@ -35,10 +36,9 @@ from fxpipe.runtime.schedule import make_schedule
 from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
-           "BALANCE_MODES", "OPTIMIZER_STATE_FACTOR", "WEIGHT_GRAD_SHARE"]
+           "BALANCE_MODES", "WEIGHT_GRAD_SHARE"]
 
 BALANCE_MODES = ("cost", "time", "params", "dynamic")
-OPTIMIZER_STATE_FACTOR = 2.0  # Adam keeps two moments per parameter
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ class StagePlan:
     weight_time: float = 0.0
     # the part of compute_time paid beyond kernels: per operation, per micro-batch, per region
     overhead_time: float = 0.0
+    # bytes held whatever the schedule: weights and buffers, and for the trainable weights their
+    # gradients and the optimizer's state (fxpipe.optimizers); part of `memory`
+    held_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class Atoms:
     weight: list[float]  # seconds of the backward's weight gradients, per atom
     # seconds per atom of per-operation overhead beyond kernels (in compute; recompute included)
     overhead: list[float] = field(default_factory=list)
+    held: list[float] = field(default_factory=list)  # StagePlan.held_bytes, per atom
 
 
 def _is_glue(node: Node) -> bool:
@@ -229,7 +233,8 @@ def _value_bytes(node: Node, b: int) -> tuple[float, float]:
 
 def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
                   profile: DeviceProfile, b: int, remat: str, chunks: int,
-                  corrections: Mapping[str, float] | None = None) -> Atoms:
+                  corrections: Mapping[str, float] | None = None,
+                  optimizer: OptimizerMemory = ADAM) -> Atoms:
     index = _atom_index(groups)
     n = len(groups)
     recompute = 0.0 if remat == "never" else (
@@ -237,6 +242,7 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     compute: list[float] = []
     mem_fixed: list[float] = []
     mem_act: list[float] = []
+    held: list[float] = []
     saved: list[float] = []
     forward: list[float] = []
     recomputed: list[float] = []
@@ -264,9 +270,11 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         costs = [ir.cost(x) for x in group]
         params = sum(float(ir.evaluate(c.param_bytes, b)) for c in costs)
         grads = sum(float(ir.evaluate(c.grad_param_bytes, b)) for c in costs)
+        elements = sum(float(ir.evaluate(c.grad_param_elements, b)) for c in costs)
         act = sum(float(ir.evaluate(c.saved_bytes, b)) for c in costs)
         saved.append(act)
-        mem_fixed.append(params + grads * (1 + OPTIMIZER_STATE_FACTOR)
+        held.append(params + optimizer.held_bytes(grads, elements))
+        mem_fixed.append(held[-1]
                          + (act if remat != "never" else 0))
         mem_act.append(0.0 if remat != "never" else act)
     # values crossing each cut: produced in atom i, last used in atom j > i -> cuts i+1 .. j
@@ -297,7 +305,7 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
                 for f, bw, m in zip(cut_f, cut_b, cut_m)]
     comm[0] = comm[n] = 0.0
     return Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved, forward, recomputed,
-                 weight, overhead)
+                 weight, overhead, held)
 
 
 def partition(
@@ -317,6 +325,7 @@ def partition(
     corrections: Mapping[str, float] | None = None,
     starts: Sequence[str] | None = None,
     reuse: dict[tuple[Any, ...], Atoms] | None = None,
+    optimizer: OptimizerMemory = ADAM,
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
 
@@ -330,6 +339,8 @@ def partition(
     starts: the first node of each stage: keeps a cut measured before instead of solving.
     reuse: atoms measured by earlier calls on this graph and profile, by micro-batch size,
         remat and chunks (fxpipe.planner partitions one graph many ways); filled as it goes.
+    optimizer: what training holds per trainable parameter beyond the weight (gradients,
+        optimizer state, master weights), charged to each stage's fixed memory.
 
     Raises:
         PartitionError: more stages than operations that can start one, or no partition
@@ -352,12 +363,12 @@ def partition(
     corrections = corrections or {}
     loss_time *= corrections.get(LOSS, 1.0)
     costed = "cost" if mode in ("explicit", "dynamic") else mode
-    key = (costed, b, remat, chunks, tuple(sorted(corrections.items())))
+    key = (costed, b, remat, chunks, tuple(sorted(corrections.items())), optimizer)
     if reuse is not None and mode != "explicit" and key in reuse:
         atoms = reuse[key]
     else:
         atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=remat,
-                              chunks=chunks, corrections=corrections)
+                              chunks=chunks, corrections=corrections, optimizer=optimizer)
         if reuse is not None and mode != "explicit":
             reuse[key] = reuse[("groups",)] = atoms
     if mode != "params":  # the last atom is always in the last stage
@@ -387,7 +398,7 @@ def partition(
         cuts = result.cuts
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
         atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
-                               chunks=chunks)
+                               chunks=chunks, optimizer=optimizer)
         atoms.compute[-1] += loss_time
     evaluated = evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
                          memory_limit=memory_limit, mem_fixed=atoms.mem_fixed,
@@ -424,7 +435,8 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
             s, tuple(n.name for n in members), evaluated.stage_times[s] + fixed, compute, comm,
             evaluated.stage_memory[s] if evaluated.stage_memory else None,
             modules[0], modules[-1], forward, recompute, weight,
-            sum(atoms.overhead[cuts[s]:cuts[s + 1]]) + fixed if atoms.overhead else fixed))
+            sum(atoms.overhead[cuts[s]:cuts[s + 1]]) + fixed if atoms.overhead else fixed,
+            sum(atoms.held[cuts[s]:cuts[s + 1]])))
     bottleneck = max(st.time for st in stages)
     return PartitionPlan(tuple(stages), b, chunks, mode, bottleneck, (chunks + k - 1) * bottleneck)
 
