@@ -183,6 +183,10 @@ class CommInfo:
     peer: int  # the other stage
     tag: str  # the value's name, the same on both ends
     value: ValueInfo  # shape/dtype for a tensor, so buffers can be allocated up front
+    # recv: the stage writes into the value in place (itself or through a view). A rank
+    # receives into a leaf of the autograd graph, which autograd refuses to write into, so the
+    # distributed receive hands the stage a copy (one process passes values in the graph).
+    written: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ to the next (see NOTE [Random streams across stages] in fxpipe.runtime.ops).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
@@ -32,6 +32,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from fxpipe import ir
 from fxpipe.errors import SplitError
+from fxpipe.passes.aliasing import storage_roots, written_by
 from fxpipe.runtime.ops import RNG_STATE_BYTES, RNG_TAG, continue_rng, hand_over_rng, recv, send
 
 __all__ = ["split_stages", "StageGraph", "shared_parameters"]
@@ -269,15 +270,29 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
             builder.graph.output(torch.fx.node.map_arg(output.args[0], builder.value))
         else:
             builder.graph.output(None)
+        recvs = _mark_written_recvs(builder.graph, builder.recvs)
         root = {t: _attr(gm, t) for t in builder.attrs}
         stage_gm = GraphModule(root, builder.graph, class_name=f"Stage{s}")
         names = gm.meta.get(ir.QUALNAMES, {})
         stage_gm.meta[ir.QUALNAMES] = {t: names[t] for t in builder.attrs if t in names}
-        stages.append(StageGraph(s, stage_gm, tuple(builder.inputs), tuple(builder.recvs),
+        stages.append(StageGraph(s, stage_gm, tuple(builder.inputs), recvs,
                                  tuple(sends), tuple(builder.attrs), builder.last,
                                  s <= last_random and last_random > 0))
     _check_pairs(stages)
     return stages
+
+
+def _mark_written_recvs(graph: Graph, recvs: list[ir.CommInfo]) -> tuple[ir.CommInfo, ...]:
+    """The stage's receives, those whose value the stage writes into in place marked
+    `written` (on the recv nodes too): see ir.CommInfo."""
+    roots = storage_roots(graph)
+    written = {roots[v] for node in graph.nodes for v in written_by(node)}
+    marked: dict[str, ir.CommInfo] = {}
+    for node in graph.nodes:
+        info = node.meta.get(ir.COMM)
+        if node.target is recv and isinstance(info, ir.CommInfo) and roots[node] in written:
+            node.meta[ir.COMM] = marked[info.tag] = replace(info, written=True)
+    return tuple(marked.get(info.tag, info) for info in recvs)
 
 
 def _attr(gm: GraphModule, target: str) -> object:

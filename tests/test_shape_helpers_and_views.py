@@ -14,6 +14,8 @@ train mode: outputs, loss and every parameter's gradient (check_transparent).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,3 +236,68 @@ def test_helper_that_specialises_and_fails_is_sampled() -> None:
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
     assert ir.value_info(out).shape[0] == ir.BATCH
 
+
+
+# --- an in-place write into a value received from the stage before, on two ranks ---------------
+
+class WritesWhatItReceives(nn.Module):
+    """The second stage begins by adding into a slice of the hidden state it receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h[:, :4] += self.bias
+        out: torch.Tensor = self.b(torch.relu(h))
+        return out
+
+
+def _writes_what_it_receives() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return WritesWhatItReceives(), torch.randn(8, 8), torch.randint(0, 8, (8,))
+
+
+def _cut_after_the_first_layer(model: nn.Module, x: torch.Tensor, **options: Any) -> Any:
+    whole = fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100", **options)
+    nodes = sum(len(s.nodes) for s in whole.plan.stages)
+    return fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100",
+                          balance=[1, nodes - 1], **options)
+
+
+def _step_on_rank(rank: int, world: int) -> tuple[float, dict[str, torch.Tensor]]:
+    model, x, y = _writes_what_it_receives()
+    program = _cut_after_the_first_layer(model, x, remat="never")
+    loss = program.step(x, target=y)
+    return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_receive_the_stage_writes_into_is_marked_and_only_that_one() -> None:
+    model, x, _ = _writes_what_it_receives()
+    program = _cut_after_the_first_layer(model, x)
+    first, second = (s.graph_module for s in program.stages)
+    assert [c.written for c in program.stages[1].recvs] == [True]
+    assert "clone" not in second.code  # the stage code is unchanged: the receive copies
+    assert not any(c.written for c in program.stages[0].recvs)
+
+
+@pytest.mark.distributed
+def test_a_stage_writing_into_a_received_value_trains_like_the_model_on_two_ranks() -> None:
+    import copy
+
+    from ranks import spawn
+
+    from fxpipe.losses import default_loss
+
+    model, x, y = _writes_what_it_receives()
+    plain = copy.deepcopy(model)
+    loss = default_loss(plain(x), y)
+    loss.backward()
+    ranks = spawn(2, __name__, "_step_on_rank")
+    assert [r[0] for r in ranks] == pytest.approx([float(loss.detach())] * 2, rel=1e-5)
+    got = {**ranks[0][1], **ranks[1][1]}
+    assert set(got) == {n for n, _ in plain.named_parameters()}
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, msg=lambda m, n=name: f"{n}: {m}")

@@ -144,7 +144,8 @@ class DistComm:
                  info: dict[Edge, ir.ValueInfo], microbatch_size: int, device: torch.device,
                  transport: Transport, tags: TagTable | None = None,
                  dtypes: dict[tuple[str, int, int, int], torch.dtype] | None = None,
-                 learn: bool = False, timeline: Any = None) -> None:
+                 learn: bool = False, timeline: Any = None,
+                 written: frozenset[Edge] = frozenset()) -> None:
         self.rank = rank
         self.global_ranks = list(global_ranks)
         self.placement = list(placement)
@@ -156,6 +157,7 @@ class DistComm:
         self.dtypes = dtypes if dtypes is not None else {}
         self.learn = learn
         self.timeline = timeline
+        self.written = written  # receives the stage writes into: it gets a copy (recv)
         self.records: dict[tuple[int, int], _Record] = {}  # (stage, mb) -> what crossed
         self.outbox: dict[Message, torch.Tensor] = {}  # produced, posted at its tick
         self.inbox: dict[Message, tuple[Handle | None, torch.Tensor]] = {}  # posted receives
@@ -271,7 +273,9 @@ class DistComm:
                     value = buffer.requires_grad_(_needs_grad(leaf) and torch.is_grad_enabled())
                     if _needs_grad(leaf):
                         record.received.append((value, msg))
-                    values.append(value)
+                    # a leaf that requires grad cannot be written into: the stage gets a copy
+                    written = (tag, src, dst) in self.written and value.requires_grad
+                    values.append(value.clone() if written else value)
                 else:
                     number = buffer.item()
                     exact = isinstance(leaf, ir.ScalarInfo) and isinstance(leaf.value, float)

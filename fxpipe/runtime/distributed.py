@@ -67,7 +67,7 @@ from fxpipe.signature import Signature
 from fxpipe.untouched import untouched
 
 __all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "RankUnit", "split_target",
-           "stage_info"]
+           "stage_info", "written_recvs"]
 
 DEFAULT_DP_BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb
 
@@ -82,6 +82,7 @@ class RankUnit:
     comm_info: dict[tuple[str, int, int], Any]  # (value, src, dst) -> value info, its messages
     random: bool
     graph: Any = None  # the stage GraphModule when known (names the node of a NaN/Inf)
+    written: frozenset[tuple[str, int, int]] = frozenset()  # its receives it writes into
 
 
 @dataclass
@@ -119,6 +120,7 @@ class DistributedExecutor:
         self.mesh = mesh
         self.signature = signature
         self.comm_info = {k: v for u in units for k, v in u.comm_info.items()}
+        self.written = frozenset(e for u in units for e in u.written)
         self.edges = list(edges)  # every (tag, src, dst) of the program: the same tags on all ranks
         self.random = any(u.random for u in units)
         self.device = device
@@ -383,7 +385,7 @@ class DistributedExecutor:
                         placement=list(self.mesh.placement), info=self.comm_info,
                         microbatch_size=b, device=self.device, transport=self.transport,
                         tags=TagTable(self.edges, chunks), dtypes=dict(known or {}),
-                        learn=known is None, timeline=self.timeline)
+                        learn=known is None, timeline=self.timeline, written=self.written)
 
     def _learned(self, comm: DistComm) -> None:
         if comm.learn:
@@ -521,3 +523,8 @@ def stage_info(recvs: Sequence[ir.CommInfo], sends: Sequence[ir.CommInfo],
     info = {(c.tag, c.peer, stage): c.value for c in recvs}
     info.update({(c.tag, stage, c.peer): c.value for c in sends})
     return info
+
+
+def written_recvs(recvs: Sequence[ir.CommInfo], stage: int) -> frozenset[tuple[str, int, int]]:
+    """(tag, src, dst) of the receives this stage writes into in place (ir.CommInfo.written)."""
+    return frozenset((c.tag, c.peer, stage) for c in recvs if c.written)

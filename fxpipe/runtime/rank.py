@@ -18,7 +18,13 @@ from fxpipe import ir
 from fxpipe.errors import ConfigError, RuntimeInputError
 from fxpipe.losses import LossFn
 from fxpipe.runtime.backend import carries_cuda, cuda_index_for, local_rank
-from fxpipe.runtime.distributed import DistributedExecutor, RankUnit, StepResult, stage_info
+from fxpipe.runtime.distributed import (
+    DistributedExecutor,
+    RankUnit,
+    StepResult,
+    stage_info,
+    written_recvs,
+)
 from fxpipe.runtime.mesh import Groups, Mesh, average_over_replicas
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
@@ -148,7 +154,8 @@ def setup_rank(stages: Sequence[tuple[StageModule, StageWiring, GraphModule | No
     """Builds the executor of this rank's stages, each (module, wiring, its graph when known);
     the modules already sit on `device` and share their tied parameters."""
     units = [RankUnit(w.index, module, w.inputs, stage_info(w.recvs, w.sends, w.index),
-                      w.random, graph) for module, w, graph in stages]
+                      w.random, graph, written_recvs(w.recvs, w.index))
+             for module, w, graph in stages]
     executor = DistributedExecutor(
         units=units, mesh=mesh, signature=signature, edges=edges, device=device,
         pp_group=groups.pp, dp_group=groups.dp, shared=shared, shared_groups=groups.shared,

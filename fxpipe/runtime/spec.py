@@ -78,10 +78,14 @@ class SignatureJSON(TypedDict):
     pytree_modules: list[str]  # modules that register the output's container types
 
 
-class CommJSON(TypedDict):
+class _CommFields(TypedDict):
     peer: int
     tag: str
     value: ValueJSON
+
+
+class CommJSON(_CommFields, total=False):
+    written: bool  # present (true) only on a receive the stage writes into
 
 
 class StageJSON(TypedDict):
@@ -545,7 +549,8 @@ class ProgramSpec:
                                      "hand?): " + "; ".join(problems), hint=REWRITE_HINT)
 
         def comm(c: CommJSON, kind: str) -> ir.CommInfo:
-            return ir.CommInfo(kind, c["peer"], c["tag"], value_from_json(c["value"]))
+            return ir.CommInfo(kind, c["peer"], c["tag"], value_from_json(c["value"]),
+                               bool(c.get("written", False)))
 
         stages = tuple(StageSpec(s["index"], s["file"], s["class_name"], tuple(s["inputs"]),
                                  s["random"], tuple(comm(c, "recv") for c in s["recvs"]),
@@ -570,4 +575,7 @@ def _structure(data: object) -> Structure | None:
 
 
 def comm_to_json(c: ir.CommInfo) -> CommJSON:
-    return {"peer": c.peer, "tag": c.tag, "value": value_to_json(c.value)}
+    out: CommJSON = {"peer": c.peer, "tag": c.tag, "value": value_to_json(c.value)}
+    if c.written:
+        out["written"] = True
+    return out
