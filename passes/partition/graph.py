@@ -27,7 +27,12 @@ from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.figures import imbalance, stage_load
 from fxpipe.passes.cost import estimate_time
 from fxpipe.passes.partition.correct import LOSS
-from fxpipe.passes.partition.problem import Partition, evaluate
+from fxpipe.passes.partition.problem import (
+    Partition,
+    PartitionProblem,
+    evaluate,
+    partition_problem,
+)
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
 from fxpipe.runtime.grid import peak_inflight
@@ -379,21 +384,24 @@ def partition(
                 "floating-point value (a layer, an activation, an addition), and views, "
                 "indexing and integer bookkeeping such as BatchNorm's batch counter go with it",
                 hint=f"use at most {len(groups)} stages{_more_operations(gm)}")
-        result = solve_partition(
+
+    def problem_of(atoms: Atoms) -> PartitionProblem:
+        """The one problem the solver and the exact costs read."""
+        return partition_problem(
             atoms.compute, num_stages, cut_comm=atoms.cut_comm, memory_limit=memory_limit,
             mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
-            cut_mem=atoms.cut_bytes if remat != "never" else [0.0] * (len(groups) + 1),
+            cut_mem=atoms.cut_bytes if remat != "never" else None,
             inflight=inflight)
-        cuts = result.cuts
+
+    problem = problem_of(atoms)
+    if cuts is None:
+        cuts = solve_partition(problem).cuts
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
         atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
                                chunks=chunks)
         atoms.compute[-1] += loss_time
-    evaluated = evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
-                         memory_limit=memory_limit, mem_fixed=atoms.mem_fixed,
-                         mem_act=atoms.mem_act,
-                         cut_mem=atoms.cut_bytes if remat != "never" else None,
-                         inflight=inflight)
+        problem = problem_of(atoms)
+    evaluated = evaluate(problem, cuts)
     fixed = 0.0 if mode == "params" else profile.microbatch_overhead
     plan = _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages, fixed)
     plan = replace(plan, step_overhead=0.0 if mode == "params" else profile.step_overhead)
