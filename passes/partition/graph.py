@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -39,7 +38,8 @@ from fxpipe.runtime.grid import peak_inflight
 from fxpipe.runtime.schedule import make_schedule
 from fxpipe.runtime.timeline import predicted_step
 
-__all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
+__all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "AtomsCache", "atoms_of",
+           "measure_atoms",
            "BALANCE_MODES", "OPTIMIZER_STATE_FACTOR", "WEIGHT_GRAD_SHARE"]
 
 BALANCE_MODES = ("cost", "time", "params", "dynamic")
@@ -113,6 +113,24 @@ class Atoms:
     weight: list[float]  # seconds of the backward's weight gradients, per atom
     # seconds per atom of per-operation overhead beyond kernels (in compute; recompute included)
     overhead: list[float] = field(default_factory=list)
+
+
+AtomsKey = tuple[str, int, str, int, tuple[tuple[str, float], ...]]
+"""What measured atoms depend on besides the graph and the profile: the balance mode they are
+costed by, the micro-batch size, remat, chunks and the corrections (sorted)."""
+
+
+@dataclass
+class AtomsCache:
+    """Atoms measured by earlier partitions of one graph under one profile, for a caller that
+    partitions it many ways (fxpipe.planner); partition fills it as it goes. It holds the
+    measurements each problem is made from, not problems: those also depend on the stages, the
+    schedule's in-flight micro-batches and the memory limit."""
+
+    groups: list[list[Node]] | None = None
+    """The graph's atoms (compute nodes per atom), the same for every measurement."""
+    measured: dict[AtomsKey, Atoms] = field(default_factory=dict)
+    """Atoms measured, by what they depend on."""
 
 
 def _is_glue(node: Node) -> bool:
@@ -321,7 +339,7 @@ def partition(
     loss_time: float = 0.0,
     corrections: Mapping[str, float] | None = None,
     starts: Sequence[str] | None = None,
-    reuse: dict[tuple[Any, ...], Atoms] | None = None,
+    reuse: AtomsCache | None = None,
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
 
@@ -349,22 +367,23 @@ def partition(
             raise ConfigError(
                 f"unknown balance mode {balance!r}",
                 hint=f"use one of {BALANCE_MODES}, or a list of node counts per stage")
-        known = reuse.get(("groups",)) if reuse is not None else None
-        groups = known.groups if known is not None else atoms_of(gm)
+        known = reuse.groups if reuse is not None else None
+        groups = known if known is not None else atoms_of(gm)
         mode = balance
         cuts = None
     b = microbatch_size
     corrections = corrections or {}
     loss_time *= corrections.get(LOSS, 1.0)
     costed = "cost" if mode in ("explicit", "dynamic") else mode
-    key = (costed, b, remat, chunks, tuple(sorted(corrections.items())))
-    if reuse is not None and mode != "explicit" and key in reuse:
-        atoms = reuse[key]
+    key: AtomsKey = (costed, b, remat, chunks, tuple(sorted(corrections.items())))
+    if reuse is not None and mode != "explicit" and key in reuse.measured:
+        atoms = reuse.measured[key]
     else:
         atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=remat,
                               chunks=chunks, corrections=corrections)
         if reuse is not None and mode != "explicit":
-            reuse[key] = reuse[("groups",)] = atoms
+            reuse.measured[key] = atoms
+            reuse.groups = atoms.groups
     if mode != "params":  # the last atom is always in the last stage
         atoms = replace(atoms, compute=[*atoms.compute[:-1], atoms.compute[-1] + loss_time])
     inflight = peak_inflight(make_schedule(schedule, chunks, num_stages, ranks))
