@@ -72,7 +72,7 @@ class StageMemory:
         n = len(self.fixed)
         fixed_total = float(np.cumsum(np.asarray(self.fixed))[-1])
         act_total = float(np.cumsum(np.asarray(self.per_microbatch))[-1])
-        # at_cut[0] and at_cut[n] are paid by no stage: they must not widen the slack
+        # the ends (the model's input and output) are left out of the scale
         interior = float(np.asarray(self.at_cut[1:n]).max()) if n > 1 else 0.0
         scale = fixed_total + float(np.asarray(self.inflight).max()) * (act_total + interior)
         return _MEM_RTOL * max(scale, self.limit or 0.0)

@@ -100,7 +100,9 @@ class _Search:
     """The problem in the probe's notation (module docstring): numpy arrays and prefix sums."""
 
     n: int
+    """PartitionProblem.num_atoms."""
     K: int
+    """PartitionProblem.num_stages."""
     compute: np.ndarray
     """PartitionProblem.compute."""
     comm: np.ndarray
