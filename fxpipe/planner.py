@@ -38,7 +38,7 @@ from fxpipe.frontend.capture import CaptureInfo
 from fxpipe.losses import loss_time
 from fxpipe.optimizers import ADAM, OptimizerMemory, optimizer_memory
 from fxpipe.passes.partition import PartitionPlan, partition
-from fxpipe.passes.partition.graph import Atoms
+from fxpipe.passes.partition.graph import AtomsCache
 from fxpipe.pipeline import capture_and_cost
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import human_bytes
@@ -196,7 +196,7 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
     info: CaptureInfo = gm.meta[ir.CAPTURE]
     chosen_profile = select_profile(profile, model, "cpu")  # as compile on CPU processes
     grads = _grad_bytes(gm)
-    reuse: dict[tuple[Any, ...], Atoms] = {}  # every candidate partitions the same graph
+    reuse = AtomsCache()  # every candidate partitions the same graph
     found: list[Candidate] = []
     for ranks, replicas in _splits(devices):
         if info.batch_size % replicas:
@@ -300,7 +300,7 @@ def _grad_bytes(gm: GraphModule) -> dict[str, float]:
 
 def _predict(gm: GraphModule, c: Candidate, b: int, profile: DeviceProfile,
              memory: float | None, grads: dict[str, float], devices_per_node: int | None,
-             inter_node: float | None, reuse: dict[tuple[Any, ...], Atoms],
+             inter_node: float | None, reuse: AtomsCache,
              optimizer: OptimizerMemory) -> Candidate:
     """The candidate with its predicted step and memory, or the reason it cannot run."""
     limit = memory / c.stages_per_rank if memory is not None else None

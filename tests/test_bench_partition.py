@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpipe.passes.partition.problem import equal_count_cuts, evaluate
+from fxpipe.passes.partition.problem import equal_count_cuts, evaluate, partition_problem
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.testing.partition_oracle import brute_force_partition
 from fxpipe.tools.bench_partition import (
@@ -94,8 +94,8 @@ def test_bg_normalisation_flaw():
     seq = [2, 2, 2, 2, 10, 2]
     r = bg_partition(seq, 2)
     assert (r.cuts, r.moves) == ((0, 3, 6), 0)
-    assert evaluate(r.cuts, seq).bottleneck == 14
-    assert solve_partition(seq, 2).bottleneck == 12
+    assert evaluate(partition_problem(seq, 2), r.cuts).bottleneck == 14
+    assert solve_partition(partition_problem(seq, 2)).bottleneck == 12
     # one step: [4,4,4,4,4,0,0,0] -> [1,1,1,1,1,0,0,0], sums [4,1] -> move one -> [3,2], stop
     assert bg_partition([4, 4, 4, 4, 4, 0, 0, 0], 2).cuts == (0, 3, 8)
     # constant sequences normalise to zeros: the even split
@@ -126,8 +126,9 @@ def test_bg_rejects_more_blocks_than_elements():
 @given(instances())
 def test_dp_equals_brute_force(inst):
     compute, k, comm = inst
-    dp = dp_partition(compute, k, cut_comm=comm)
-    bf = brute_force_partition(compute, k, cut_comm=comm)
+    problem = partition_problem(compute, k, cut_comm=comm)
+    dp = dp_partition(problem)
+    bf = brute_force_partition(problem)
     assert _valid(dp.cuts, len(compute), k)
     assert dp.bottleneck == pytest.approx(bf.bottleneck, rel=1e-12, abs=1e-12)
 
@@ -137,9 +138,10 @@ def test_dp_band_keeps_the_optimum(seed):
     rng = np.random.default_rng(seed)
     n, k = 300, 6
     compute, comm = rng.lognormal(size=n), rng.random(n + 1)
-    upper = evaluate(equal_count_cuts(n, k), compute, cut_comm=comm).bottleneck
-    full = dp_partition(compute, k, cut_comm=comm, chunk=64)
-    band = dp_partition(compute, k, cut_comm=comm, upper=upper, chunk=37)
+    problem = partition_problem(compute, k, cut_comm=comm)
+    upper = evaluate(problem, equal_count_cuts(n, k)).bottleneck
+    full = dp_partition(problem, chunk=64)
+    band = dp_partition(problem, upper=upper, chunk=37)
     assert band.bottleneck == pytest.approx(full.bottleneck, rel=1e-12)
 
 
@@ -152,12 +154,13 @@ def test_dp_band_keeps_the_optimum(seed):
 @given(instances(max_n=60, max_k=8))
 def test_fxpipe_optimal_and_no_worse_than_baselines(inst):
     compute, k, comm = inst
-    fx = solve_partition(compute, k, cut_comm=comm).bottleneck
-    dp = dp_partition(compute, k, cut_comm=comm).bottleneck
+    problem = partition_problem(compute, k, cut_comm=comm)
+    fx = solve_partition(problem).bottleneck
+    dp = dp_partition(problem).bottleneck
     assert fx == pytest.approx(dp, rel=1e-9, abs=1e-12)
     for cuts in (equal_count_cuts(len(compute), k), bg_partition(compute, k).cuts,
                  bg_partition(compute, k, normalise="max").cuts):
-        assert fx <= evaluate(cuts, compute, cut_comm=comm).bottleneck * (1 + 1e-9) + 1e-12
+        assert fx <= evaluate(problem, cuts).bottleneck * (1 + 1e-9) + 1e-12
 
 
 @pytest.mark.parametrize("kind", ["chain", "dag"])
@@ -165,7 +168,7 @@ def test_compare_on_synthetic_instances(kind):
     for seed, n, k in itertools.product(range(2), (50, 300), (2, 8)):
         compute, comm, _ = (synthetic_chain(n, seed) if kind == "chain"
                             else synthetic_dag(n, seed, k))
-        res = compare(compute, comm, k)
+        res = compare(partition_problem(compute, k, cut_comm=comm))
         assert res["exact"]["method"] == "dp"
         assert all(res["checks"].values()), res["checks"]
         for m in ("equal", "bg", "bg_max"):

@@ -1,6 +1,6 @@
 """Tests for passes.partition: atoms, stage assignment, balance modes, memory limits and chunks.
 
-The pure solver (passes.partition_solver) has its own literal and oracle tests; these check the
+The pure solver (passes.partition.solver) has its own literal and oracle tests; these check the
 pass around it on captured graphs. Partitions use the deterministic "a100" preset unless the
 exact numbers matter; the GPT benchmark uses the measured CPU profile, as the project requires.
 """

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
 from typing import TypedDict
 
 import numpy as np
@@ -13,12 +12,11 @@ import numpy as np
 from fxpipe.errors import PartitionError
 from fxpipe.passes.partition.problem import (
     Partition,
+    PartitionProblem,
     build_partition,
     comm_sum,
-    fits,
     memory_error,
-    prepare,
-    stage_memory,
+    partition_problem,
     stage_time,
 )
 from fxpipe.passes.partition.solver import min_memory_limit, solve_partition
@@ -29,48 +27,35 @@ __all__ = ["brute_force_partition", "benchmark", "SolveBenchmark"]
 _BRUTE_FORCE_MAX = 5_000_000
 
 
-def brute_force_partition(
-    compute: Sequence[float] | np.ndarray,
-    num_stages: int,
-    *,
-    cut_comm: Sequence[float] | np.ndarray | None = None,
-    memory_limit: float | None = None,
-    mem_fixed: Sequence[float] | np.ndarray | None = None,
-    mem_act: Sequence[float] | np.ndarray | None = None,
-    cut_mem: Sequence[float] | np.ndarray | None = None,
-    inflight: Sequence[float] | np.ndarray | None = None,
-    rel_tol: float = 1e-9,
-) -> Partition:
+def brute_force_partition(problem: PartitionProblem) -> Partition:
     """Reference solver: enumerates every cut set (for tests, n <= ~14).  Minimises the exact
     bottleneck, then the interior communication, then the cut tuple."""
-    del rel_tol  # exact
-    prob = prepare(
-        compute, num_stages, cut_comm, memory_limit, mem_fixed, mem_act, cut_mem, inflight
-    )
-    n, K = prob.n, prob.K
+    n, K = problem.num_atoms, problem.num_stages
     count = math.comb(n - 1, K - 1)
     if count > _BRUTE_FORCE_MAX:
         raise PartitionError(
             f"brute force would enumerate {count} cut sets (more than {_BRUTE_FORCE_MAX})",
             hint="use solve_partition for instances this large",
         )
-    T = {(i, j): stage_time(prob, i, j) for i in range(n) for j in range(i + 1, n + 1)}
+    memory = problem.memory
+    limit = memory.limit if memory is not None else None
+    T = {(i, j): stage_time(problem, i, j) for i in range(n) for j in range(i + 1, n + 1)}
     best_key = None
     best_cuts: tuple[int, ...] | None = None
     min_peak = math.inf
     for inner in itertools.combinations(range(1, n), K - 1):
         cuts = (0, *inner, n)
-        if prob.limit is not None:
-            peak = max(stage_memory(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
+        if memory is not None and limit is not None:
+            peak = max(memory.stage_bytes(s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
             min_peak = min(min_peak, peak)
-            if not fits(prob, peak):
+            if not memory.fits(peak):
                 continue
-        key = (max(T[i, j] for i, j in zip(cuts, cuts[1:])), comm_sum(prob, cuts), cuts)
+        key = (max(T[i, j] for i, j in zip(cuts, cuts[1:])), comm_sum(problem, cuts), cuts)
         if best_key is None or key < best_key:
             best_key, best_cuts = key, cuts
     if best_cuts is None:
-        raise memory_error(prob, min_peak)
-    return build_partition(prob, best_cuts)
+        raise memory_error(K, limit if limit is not None else 0.0, min_peak)
+    return build_partition(problem, best_cuts)
 
 
 class SolveBenchmark(TypedDict):
@@ -94,21 +79,19 @@ def benchmark(
     rng = np.random.default_rng(seed)
     compute = rng.random(n)
     cut_comm = 0.5 * rng.random(n + 1)
-    memory_limit = mem_fixed = mem_act = cut_mem = inflight = None  # without: no memory model
+    problem = partition_problem(compute, stages, cut_comm=cut_comm)  # without: no memory model
     if with_memory:
-        mem_fixed = rng.random(n)
-        mem_act = rng.random(n)
-        cut_mem = 0.5 * rng.random(n + 1)
+        mem_fixed, mem_act, cut_mem = rng.random(n), rng.random(n), 0.5 * rng.random(n + 1)
         inflight = [min(stages - s, 2 * stages) for s in range(stages)]
-        free = solve_partition(compute, stages, cut_comm=cut_comm, mem_fixed=mem_fixed,
-                               mem_act=mem_act, cut_mem=cut_mem, inflight=inflight)
+        unlimited = partition_problem(compute, stages, cut_comm=cut_comm, mem_fixed=mem_fixed,
+                                      mem_act=mem_act, cut_mem=cut_mem, inflight=inflight)
+        free = solve_partition(unlimited)
         assert free.stage_memory is not None
-        low = min_memory_limit(stages, mem_fixed=mem_fixed, mem_act=mem_act, cut_mem=cut_mem,
-                               inflight=inflight)
-        memory_limit = 0.5 * (low + max(free.stage_memory))
+        memory_limit = 0.5 * (min_memory_limit(unlimited) + max(free.stage_memory))
+        problem = partition_problem(compute, stages, cut_comm=cut_comm, mem_fixed=mem_fixed,
+                                    mem_act=mem_act, cut_mem=cut_mem, inflight=inflight,
+                                    memory_limit=memory_limit)
     t0 = time.perf_counter()
-    part = solve_partition(compute, stages, cut_comm=cut_comm, memory_limit=memory_limit,
-                           mem_fixed=mem_fixed, mem_act=mem_act, cut_mem=cut_mem,
-                           inflight=inflight)
+    part = solve_partition(problem)
     seconds = time.perf_counter() - t0
     return {"n": n, "stages": stages, "seconds": seconds, "bottleneck": part.bottleneck}

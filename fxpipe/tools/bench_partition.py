@@ -2,9 +2,9 @@
 
 On every instance (the reference models' atoms under the preset "a100" profile, and synthetic
 chains and skip-edge DAGs of args.sizes atoms) it reports the bottleneck (slowest stage,
-communication included, as `partition_problem.evaluate` computes it) of
+communication included, as `problem.evaluate` computes it) of
 
-- fxpipe: `partition_solver.solve_partition` (bisection with an exact probe), and its solve time;
+- fxpipe: `solver.solve_partition` (bisection with an exact probe), and its solve time;
 - exact: `dp_partition` below, the textbook O(n^2 K) dynamic program, on every instance up to
   `DP_MAX_ATOMS` atoms (its i-range is banded by a baseline's bottleneck, an upper bound on the
   optimum, which keeps it exact); above that "= fxpipe (certified by bisection)";
@@ -38,7 +38,13 @@ import fxpipe
 from fxpipe.models import MODELS
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition.graph import atoms_of, measure_atoms
-from fxpipe.passes.partition.problem import Partition, equal_count_cuts, evaluate
+from fxpipe.passes.partition.problem import (
+    Partition,
+    PartitionProblem,
+    equal_count_cuts,
+    evaluate,
+    partition_problem,
+)
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import get_profile
 
@@ -154,8 +160,8 @@ def bg_partition(seq: Vector, k: int, *, normalise: str = "minmax",
 # --------------------------------------------------------------------------------------------
 
 
-def dp_partition(compute: Vector, k: int, *, cut_comm: Vector | None = None,
-                 upper: float | None = None, chunk: int = 256) -> Partition:
+def dp_partition(problem: PartitionProblem, *, upper: float | None = None,
+                 chunk: int = 256) -> Partition:
     """The bottleneck-optimal k-stage partition by D[s][j] = min_i max(D[s-1][i], T(i, j)) with
     T(i, j) = sum(compute[i:j]) + cut_comm[i] + cut_comm[j] (ends 0), vectorised over blocks of j.
 
@@ -163,12 +169,9 @@ def dp_partition(compute: Vector, k: int, *, cut_comm: Vector | None = None,
     compute alone above it cannot be in an optimal partition, so i starts at the first position
     with P[j] - P[i] <= upper.  Costs use float prefix sums; the result is re-scored by evaluate.
     """
-    x = np.asarray(compute, dtype=np.float64)
-    n = int(x.shape[0])
-    if not 1 <= k <= n:
-        raise ValueError(f"cannot cut {n} atoms into {k} non-empty stages")
-    c = np.zeros(n + 1) if cut_comm is None else np.array(cut_comm, dtype=np.float64)
-    c[0] = c[n] = 0.0
+    x = np.asarray(problem.compute, dtype=np.float64)
+    n, k = problem.num_atoms, problem.num_stages
+    c = np.asarray(problem.cut_comm, dtype=np.float64)  # the ends are 0
     P = np.concatenate(([0.0], np.cumsum(x)))
     band = math.inf if upper is None else upper * (1 + 1e-9) + 1e-12 * float(P[-1])
     prev = np.full(n + 1, math.inf)
@@ -194,7 +197,7 @@ def dp_partition(compute: Vector, k: int, *, cut_comm: Vector | None = None,
     cuts = [n]
     for s in range(k, 0, -1):
         cuts.append(int(arg[s, cuts[-1]]))
-    return evaluate(tuple(reversed(cuts)), x, cut_comm=cut_comm)
+    return evaluate(problem, tuple(reversed(cuts)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,8 +276,7 @@ class Instance(TypedDict):
     K: int  # stages
     unit: str  # of the bottlenecks in the tables: "us" (models) or "u" (mean atom compute)
     scale: float  # bottleneck x scale is in `unit`
-    compute: FloatArray
-    comm: FloatArray
+    problem: PartitionProblem  # compute and cut communication, no memory model
     info: InstanceInfo
 
 
@@ -302,8 +304,9 @@ def model_instances(stages: int, log: Callable[[str], object] = print,
         for k in sorted({2, 4, min(stages, n)}):
             if k <= n:
                 out.append({"name": f"{name}", "kind": "model", "n": n, "K": k, "unit": "us",
-                            "scale": 1e6, "compute": np.asarray(atoms.compute),
-                            "comm": np.asarray(atoms.cut_comm),
+                            "scale": 1e6,
+                            "problem": partition_problem(atoms.compute, k,
+                                                         cut_comm=atoms.cut_comm),
                             "info": {"profile": "a100", "microbatch": b, "remat": "never"}})
     return out
 
@@ -313,11 +316,11 @@ def model_instances(stages: int, log: Callable[[str], object] = print,
 # --------------------------------------------------------------------------------------------
 
 
-def _timed_solve(compute: Vector, k: int, comm: Vector) -> tuple[Partition, float]:
+def _timed_solve(problem: PartitionProblem) -> tuple[Partition, float]:
     best, spent, part = math.inf, 0.0, None
     for _ in range(3):  # best of up to 3 runs while they take under 1 s in all
         t0 = time.perf_counter()
-        part = solve_partition(compute, k, cut_comm=comm, rel_tol=REL_TOL)
+        part = solve_partition(problem, rel_tol=REL_TOL)
         dt = time.perf_counter() - t0
         best, spent = min(best, dt), spent + dt
         if spent > 1.0:
@@ -352,20 +355,19 @@ class Comparison(TypedDict):
     checks: dict[str, bool]
 
 
-def compare(compute: Vector, comm: Vector, k: int, *,
-            bg_budget: float | None = None) -> Comparison:
+def compare(problem: PartitionProblem, *, bg_budget: float | None = None) -> Comparison:
     """All methods on one instance: bottlenecks, ratios to fxpipe, checks."""
-    n = len(compute)
-    fx, solve_s = _timed_solve(compute, k, comm)
-    eq = evaluate(equal_count_cuts(n, k), compute, cut_comm=comm)
+    n, k = problem.num_atoms, problem.num_stages
+    fx, solve_s = _timed_solve(problem)
+    eq = evaluate(problem, equal_count_cuts(n, k))
     bg: dict[str, MethodResult] = {}
     for key, norm in (("bg", "minmax"), ("bg_max", "max")):
-        r = bg_partition(compute, k, normalise=norm, time_budget=bg_budget)
+        r = bg_partition(problem.compute, k, normalise=norm, time_budget=bg_budget)
         entry: MethodResult = {"seconds": r.seconds, "moves": r.moves, "status": r.status,
                                "normalise": norm, "repaired_blocks": r.repaired,
                                "bottleneck": None, "cuts": None}
         if r.cuts is not None:
-            entry["bottleneck"] = evaluate(r.cuts, compute, cut_comm=comm).bottleneck
+            entry["bottleneck"] = evaluate(problem, r.cuts).bottleneck
             entry["cuts"] = list(r.cuts)
         bg[key] = entry
     res: Comparison = {
@@ -376,7 +378,7 @@ def compare(compute: Vector, comm: Vector, k: int, *,
     dp: Partition | None = None
     if n <= DP_MAX_ATOMS:
         t0 = time.perf_counter()
-        dp = dp_partition(compute, k, cut_comm=comm, upper=min(baselines))
+        dp = dp_partition(problem, upper=min(baselines))
         res["exact"] = {"bottleneck": dp.bottleneck, "method": "dp",
                         "seconds": time.perf_counter() - t0, "cuts": list(dp.cuts)}
     else:
@@ -500,14 +502,15 @@ def run_bench_partition(sizes: Sequence[int] = (1000, 10000, 100000), stages: in
             compute, comm, info = (synthetic_chain(n, seed) if kind == "chain"
                                    else synthetic_dag(n, seed, k))
             instances.append({"name": f"{kind}-{n}", "kind": kind, "n": n, "K": k, "unit": "u",
-                              "scale": 1.0, "compute": compute, "comm": comm,
+                              "scale": 1.0,
+                              "problem": partition_problem(compute, k, cut_comm=comm),
                               "info": {**info, "seed": seed,
                                        "compute": "log-normal, sigma 1, mean 1"}})
     rows: list[Row] = []
     for idx, inst in enumerate(instances, 1):
         t0 = time.perf_counter()
         budget = bg_budget if inst["n"] > 10_000 else None
-        res = compare(inst["compute"], inst["comm"], inst["K"], bg_budget=budget)
+        res = compare(inst["problem"], bg_budget=budget)
         # the instance without its data, then the results: the order of bench_partition.json
         row: Row = {"name": inst["name"], "kind": inst["kind"], "n": inst["n"], "K": inst["K"],
                     "unit": inst["unit"], "scale": inst["scale"], "info": inst["info"], **res}

@@ -1,7 +1,7 @@
 """The partition pass as a small package: the pass on the graph, the problem, and its solver.
 
     graph.py     atoms of the fx graph, their costs, STAGE written on every node (the pass)
-    problem.py   the partition problem as plain data: validation, exact stage costs (pure)
+    problem.py   the partition problem as one frozen value: validation, exact stage costs (pure)
     solver.py    the exact search for the cuts that minimise the slowest stage (pure)
     chunks.py    the number of micro-batches whose plan predicts the fastest step
     correct.py   node times corrected by measured stage times (balancing by measurement)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -28,15 +27,20 @@ from fxpipe.figures import imbalance, stage_load
 from fxpipe.optimizers import ADAM, OptimizerMemory
 from fxpipe.passes.cost import estimate_time
 from fxpipe.passes.partition.correct import LOSS
-from fxpipe.passes.partition.problem import Partition, evaluate
+from fxpipe.passes.partition.problem import (
+    Partition,
+    PartitionProblem,
+    evaluate,
+    partition_problem,
+)
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
 from fxpipe.runtime.grid import peak_inflight
 from fxpipe.runtime.schedule import make_schedule
 from fxpipe.runtime.timeline import predicted_step
 
-__all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
-           "BALANCE_MODES", "WEIGHT_GRAD_SHARE"]
+__all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "AtomsCache", "atoms_of",
+           "measure_atoms", "BALANCE_MODES", "WEIGHT_GRAD_SHARE"]
 
 BALANCE_MODES = ("cost", "time", "params", "dynamic")
 
@@ -112,6 +116,25 @@ class Atoms:
     # seconds per atom of per-operation overhead beyond kernels (in compute; recompute included)
     overhead: list[float] = field(default_factory=list)
     held: list[float] = field(default_factory=list)  # StagePlan.held_bytes, per atom
+
+
+AtomsKey = tuple[str, int, str, int, tuple[tuple[str, float], ...], OptimizerMemory]
+"""What measured atoms depend on besides the graph and the profile: the balance mode they are
+costed by, the micro-batch size, remat, chunks, the corrections (sorted) and what the optimizer
+holds per parameter."""
+
+
+@dataclass
+class AtomsCache:
+    """Atoms measured by earlier partitions of one graph under one profile, for a caller that
+    partitions it many ways (fxpipe.planner); partition fills it as it goes. It holds the
+    measurements each problem is made from, not problems: those also depend on the stages, the
+    schedule's in-flight micro-batches and the memory limit."""
+
+    groups: list[list[Node]] | None = None
+    """The graph's atoms (compute nodes per atom), the same for every measurement."""
+    measured: dict[AtomsKey, Atoms] = field(default_factory=dict)
+    """Atoms measured, by what they depend on."""
 
 
 def _is_glue(node: Node) -> bool:
@@ -324,7 +347,7 @@ def partition(
     loss_time: float = 0.0,
     corrections: Mapping[str, float] | None = None,
     starts: Sequence[str] | None = None,
-    reuse: dict[tuple[Any, ...], Atoms] | None = None,
+    reuse: AtomsCache | None = None,
     optimizer: OptimizerMemory = ADAM,
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
@@ -355,22 +378,23 @@ def partition(
             raise ConfigError(
                 f"unknown balance mode {balance!r}",
                 hint=f"use one of {BALANCE_MODES}, or a list of node counts per stage")
-        known = reuse.get(("groups",)) if reuse is not None else None
-        groups = known.groups if known is not None else atoms_of(gm)
+        known = reuse.groups if reuse is not None else None
+        groups = known if known is not None else atoms_of(gm)
         mode = balance
         cuts = None
     b = microbatch_size
     corrections = corrections or {}
     loss_time *= corrections.get(LOSS, 1.0)
     costed = "cost" if mode in ("explicit", "dynamic") else mode
-    key = (costed, b, remat, chunks, tuple(sorted(corrections.items())), optimizer)
-    if reuse is not None and mode != "explicit" and key in reuse:
-        atoms = reuse[key]
+    key: AtomsKey = (costed, b, remat, chunks, tuple(sorted(corrections.items())), optimizer)
+    if reuse is not None and mode != "explicit" and key in reuse.measured:
+        atoms = reuse.measured[key]
     else:
         atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=remat,
                               chunks=chunks, corrections=corrections, optimizer=optimizer)
         if reuse is not None and mode != "explicit":
-            reuse[key] = reuse[("groups",)] = atoms
+            reuse.measured[key] = atoms
+            reuse.groups = atoms.groups
     if mode != "params":  # the last atom is always in the last stage
         atoms = replace(atoms, compute=[*atoms.compute[:-1], atoms.compute[-1] + loss_time])
     inflight = peak_inflight(make_schedule(schedule, chunks, num_stages, ranks))
@@ -390,21 +414,24 @@ def partition(
                 "floating-point value (a layer, an activation, an addition), and views, "
                 "indexing and integer bookkeeping such as BatchNorm's batch counter go with it",
                 hint=f"use at most {len(groups)} stages{_more_operations(gm)}")
-        result = solve_partition(
+
+    def problem_of(atoms: Atoms) -> PartitionProblem:
+        """The one problem the solver and the exact costs read."""
+        return partition_problem(
             atoms.compute, num_stages, cut_comm=atoms.cut_comm, memory_limit=memory_limit,
             mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
-            cut_mem=atoms.cut_bytes if remat != "never" else [0.0] * (len(groups) + 1),
+            cut_mem=atoms.cut_bytes if remat != "never" else None,
             inflight=inflight)
-        cuts = result.cuts
+
+    problem = problem_of(atoms)
+    if cuts is None:
+        cuts = solve_partition(problem).cuts
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
         atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
                                chunks=chunks, optimizer=optimizer)
         atoms.compute[-1] += loss_time
-    evaluated = evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
-                         memory_limit=memory_limit, mem_fixed=atoms.mem_fixed,
-                         mem_act=atoms.mem_act,
-                         cut_mem=atoms.cut_bytes if remat != "never" else None,
-                         inflight=inflight)
+        problem = problem_of(atoms)
+    evaluated = evaluate(problem, cuts)
     fixed = 0.0 if mode == "params" else profile.microbatch_overhead
     plan = _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages, fixed)
     plan = replace(plan, step_overhead=0.0 if mode == "params" else profile.step_overhead)

@@ -1,13 +1,14 @@
-"""The partition problem: a chain of atoms cut into K contiguous pipeline stages, and the exact
-cost of a given cut set.
+"""The partition problem: a chain of atoms cut into K contiguous pipeline stages, as one frozen
+value, and the exact cost of a given cut set.
 
 Cut atoms 0..n-1 (fixed topological order) at 0 = c_0 < ... < c_K = n into exactly K non-empty
 stages. Stage time T(i, j) = sum(compute[i:j]) + cut_comm[i] + cut_comm[j] (cut_comm[0] and
-cut_comm[n] count as 0); with a memory model, stage memory Mem(s, i, j) = sum(mem_fixed[i:j]) +
-inflight[s] * (sum(mem_act[i:j]) + cut_mem[i]) must stay within the limit. Inputs are validated
-here with errors that name the offending entry; costs are computed exactly (math.fsum) from the
-cuts, and a stage fits the memory limit up to a 1e-12 relative slack that absorbs prefix-sum
-rounding. passes.partition_solver searches this problem; passes.partition_oracle enumerates it.
+cut_comm[n] count as 0); with a memory model, stage memory Mem(s, i, j) = sum(fixed[i:j]) +
+inflight[s] * (sum(per_microbatch[i:j]) + at_cut[i]) must stay within the limit. The problem is
+made once by partition_problem, which validates its inputs with errors that name the offending
+entry; costs are computed exactly (math.fsum) from the cuts, and a stage fits the memory limit up
+to a 1e-12 relative slack that absorbs prefix-sum rounding. passes.partition.solver searches this
+problem; fxpipe.testing.partition_oracle enumerates it.
 """
 from __future__ import annotations
 
@@ -15,32 +16,97 @@ import itertools
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TypeAlias
 
 import numpy as np
 
 from fxpipe.errors import PartitionError
 
 __all__ = [
-    "MemoryEnds",
     "Partition",
-    "Problem",
+    "PartitionProblem",
+    "StageMemory",
     "build_partition",
     "check_num_stages",
     "checked_vector",
     "comm_sum",
     "equal_count_cuts",
     "evaluate",
-    "fits",
     "memory_error",
-    "prepare",
-    "stage_memory",
+    "partition_problem",
     "stage_time",
 ]
 
 # A stage fits the memory limit when Mem <= limit + slack, with slack this fraction of the
 # problem's memory scale; it absorbs the rounding of prefix sums (bytes are exact below 2**53).
 _MEM_RTOL = 1e-12
+
+Vector: TypeAlias = Sequence[float] | np.ndarray
+"""Per-atom, per-cut or per-stage numbers as callers hold them."""
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """What each stage holds, Mem(s, i, j) = sum(fixed[i:j]) + inflight[s] *
+    (sum(per_microbatch[i:j]) + at_cut[i]), and the limit it must stay within."""
+
+    fixed: tuple[float, ...]
+    """Bytes per atom held however many micro-batches are in flight (parameters, gradients,
+    optimizer state, and what a recomputing stage keeps once)."""
+    per_microbatch: tuple[float, ...]
+    """Bytes per atom held for each micro-batch in flight (activations saved for backward)."""
+    at_cut: tuple[float, ...]
+    """Bytes per cut position 0..n held for each micro-batch in flight by the stage starting
+    there (its input, kept to recompute from); n + 1 entries."""
+    inflight: tuple[float, ...]
+    """Micro-batches each stage holds at its peak under the schedule; one per stage, > 0."""
+    limit: float | None
+    """Bytes a stage may hold; None: stage memory is measured, not bounded."""
+
+    @cached_property
+    def slack(self) -> float:
+        """Bytes a stage may exceed the limit by: rounding of prefix sums, relative to the
+        problem's memory scale."""
+        n = len(self.fixed)
+        fixed_total = float(np.cumsum(np.asarray(self.fixed))[-1])
+        act_total = float(np.cumsum(np.asarray(self.per_microbatch))[-1])
+        # the ends (the model's input and output) are left out of the scale
+        interior = float(np.asarray(self.at_cut[1:n]).max()) if n > 1 else 0.0
+        scale = fixed_total + float(np.asarray(self.inflight).max()) * (act_total + interior)
+        return _MEM_RTOL * max(scale, self.limit or 0.0)
+
+    def stage_bytes(self, s: int, i: int, j: int) -> float:
+        """Mem(s, i, j), exact: what stage s holds when it runs atoms i..j-1."""
+        act = math.fsum(itertools.chain(self.per_microbatch[i:j], (self.at_cut[i],)))
+        return math.fsum(self.fixed[i:j]) + self.inflight[s] * act
+
+    def fits(self, nbytes: float) -> bool:
+        """Whether a stage holding nbytes is within the limit (up to the slack)."""
+        return self.limit is None or nbytes <= self.limit + self.slack
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """Atoms in topological order, their costs, and the number of stages to cut them into;
+    made and validated once by partition_problem, then read unchanged by the solver, the exact
+    costs (evaluate) and the brute-force oracle."""
+
+    compute: tuple[float, ...]
+    """Seconds per atom (its forward, backward and recomputation for one micro-batch)."""
+    num_stages: int
+    """K, the number of contiguous non-empty stages; 1 <= K <= n."""
+    cut_comm: tuple[float, ...]
+    """Seconds per cut position 0..n, paid by each of the two stages it separates (values
+    forward, gradients backward); n + 1 entries, the ends (model input, output) 0."""
+    memory: StageMemory | None = None
+    """The stages' memory and its limit; None: stages are costed in time only."""
+
+    @property
+    def num_atoms(self) -> int:
+        """n, the number of atoms."""
+        return len(self.compute)
 
 
 @dataclass(frozen=True)
@@ -148,52 +214,28 @@ def checked_vector(
     return arr
 
 
-@dataclass
-class MemoryEnds:
-    """The solver's cache of per-layer memory interval ends (independent of the bottleneck)."""
+def partition_problem(
+    compute: Vector,
+    num_stages: int,
+    *,
+    cut_comm: Vector | None = None,
+    memory_limit: float | None = None,
+    mem_fixed: Vector | None = None,
+    mem_act: Vector | None = None,
+    cut_mem: Vector | None = None,
+    inflight: Vector | None = None,
+) -> PartitionProblem:
+    """The problem of cutting these atoms into num_stages stages, validated.
 
-    windows: tuple[np.ndarray, np.ndarray] | None = None  # memory-only windows [a_s, b_s]
-    layers: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # s -> (lo, e)
+    compute: seconds per atom; cut_comm: seconds per cut position 0..n (default 0; the ends are
+    taken as 0). A memory model is given by mem_fixed (StageMemory.fixed) with, optionally,
+    mem_act (per_microbatch, default 0), cut_mem (at_cut, default 0) and inflight (default 1
+    per stage); memory_limit (bytes, or None or inf for none) needs one.
 
-
-@dataclass
-class Problem:
-    n: int
-    K: int
-    compute: np.ndarray
-    comm: np.ndarray  # n+1, ends zeroed
-    P: np.ndarray  # prefix sums of compute, n+1
-    g: np.ndarray  # comm - P
-    cP: np.ndarray  # comm + P
-    has_mem: bool
-    limit: float | None  # finite limit to enforce, or None
-    Fp: np.ndarray | None
-    Ap: np.ndarray | None
-    cm: np.ndarray | None
-    f: np.ndarray | None
-    mem_slack: float
-    lim_eff: float
-    # plain lists for the exact (fsum) evaluation
-    compute_l: list[float]
-    comm_l: list[float]
-    mf_l: list[float] | None
-    ma_l: list[float] | None
-    cm_l: list[float] | None
-    f_l: list[float] | None
-    # per-layer memory interval ends, filled lazily by the probe when set to a MemoryEnds
-    ecache: MemoryEnds | None = None
-
-
-def prepare(
-    compute: object,
-    num_stages: object,
-    cut_comm: object,
-    memory_limit: object,
-    mem_fixed: object,
-    mem_act: object,
-    cut_mem: object,
-    inflight: object,
-) -> Problem:
+    Raises:
+        PartitionError: an input of the wrong length, a negative or non-finite entry, fewer
+            atoms than stages, or a memory limit without a memory model.
+    """
     comp = checked_vector("compute", compute, None, "")
     n = int(comp.shape[0])
     K = check_num_stages(n, num_stages)
@@ -209,7 +251,7 @@ def prepare(
     limit: float | None = None
     if memory_limit is not None:
         try:
-            limit = float(memory_limit)  # type: ignore[arg-type]
+            limit = float(memory_limit)
         except (TypeError, ValueError):
             raise PartitionError(
                 f"memory_limit must be a number (got {memory_limit!r})",
@@ -234,11 +276,8 @@ def prepare(
                     f"{name} is given but mem_fixed is not",
                     hint="the memory model needs mem_fixed (use zeros if nothing is fixed)",
                 )
-    has_mem = mem_fixed is not None
-    Fp = Ap = cm = f = None
-    mf_l = ma_l = cm_l = f_l = None
-    slack = 0.0
-    if has_mem:
+    memory = None
+    if mem_fixed is not None:
         mf = checked_vector("mem_fixed", mem_fixed, n, f"one per atom, like compute with {n} atoms")
         ma = (
             np.zeros(n)
@@ -258,37 +297,10 @@ def prepare(
             else checked_vector("inflight", inflight, K, f"one per stage, {K} stages",
                                 positive=True)
         )
-        Fp = np.concatenate(([0.0], np.cumsum(mf)))
-        Ap = np.concatenate(([0.0], np.cumsum(ma)))
-        # cut_mem[0] and cut_mem[n] are paid by no stage: they must not widen the slack
-        interior = float(cm[1:n].max()) if n > 1 else 0.0
-        scale = float(Fp[-1]) + float(f.max()) * (float(Ap[-1]) + interior)
-        slack = _MEM_RTOL * max(scale, limit or 0.0)
-        mf_l, ma_l, cm_l, f_l = mf.tolist(), ma.tolist(), cm.tolist(), f.tolist()
-    P = np.concatenate(([0.0], np.cumsum(comp)))
-    return Problem(
-        n=n,
-        K=K,
-        compute=comp,
-        comm=comm,
-        P=P,
-        g=comm - P,
-        cP=comm + P,
-        has_mem=has_mem,
-        limit=limit,
-        Fp=Fp,
-        Ap=Ap,
-        cm=cm,
-        f=f,
-        mem_slack=slack,
-        lim_eff=(limit + slack) if limit is not None else math.inf,
-        compute_l=comp.tolist(),
-        comm_l=comm.tolist(),
-        mf_l=mf_l,
-        ma_l=ma_l,
-        cm_l=cm_l,
-        f_l=f_l,
-    )
+        memory = StageMemory(fixed=tuple(mf.tolist()), per_microbatch=tuple(ma.tolist()),
+                             at_cut=tuple(cm.tolist()), inflight=tuple(f.tolist()), limit=limit)
+    return PartitionProblem(compute=tuple(comp.tolist()), num_stages=K,
+                            cut_comm=tuple(comm.tolist()), memory=memory)
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,32 +308,26 @@ def prepare(
 # --------------------------------------------------------------------------------------------
 
 
-def stage_time(prob: Problem, i: int, j: int) -> float:
-    return math.fsum(itertools.chain(prob.compute_l[i:j], (prob.comm_l[i], prob.comm_l[j])))
+def stage_time(problem: PartitionProblem, i: int, j: int) -> float:
+    """T(i, j), exact: the time of a stage running atoms i..j-1."""
+    comm = problem.cut_comm
+    return math.fsum(itertools.chain(problem.compute[i:j], (comm[i], comm[j])))
 
 
-def stage_memory(prob: Problem, s: int, i: int, j: int) -> float:
-    assert prob.mf_l is not None and prob.ma_l is not None
-    assert prob.cm_l is not None and prob.f_l is not None
-    act = math.fsum(itertools.chain(prob.ma_l[i:j], (prob.cm_l[i],)))
-    return math.fsum(prob.mf_l[i:j]) + prob.f_l[s] * act
-
-
-def fits(prob: Problem, mem: float) -> bool:
-    return prob.limit is None or mem <= prob.lim_eff
-
-
-def build_partition(prob: Problem, cuts: Sequence[int]) -> Partition:
+def build_partition(problem: PartitionProblem, cuts: Sequence[int]) -> Partition:
+    """The partition of these (valid) cuts with its exact costs."""
     cuts = tuple(int(c) for c in cuts)
-    times = tuple(stage_time(prob, i, j) for i, j in zip(cuts, cuts[1:]))
+    times = tuple(stage_time(problem, i, j) for i, j in zip(cuts, cuts[1:]))
     mem = None
-    if prob.has_mem:
-        mem = tuple(stage_memory(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
+    if problem.memory is not None:
+        mem = tuple(problem.memory.stage_bytes(s, i, j)
+                    for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
     return Partition(cuts=cuts, bottleneck=max(times), stage_times=times, stage_memory=mem)
 
 
-def comm_sum(prob: Problem, cuts: Sequence[int]) -> float:
-    return math.fsum(prob.comm_l[c] for c in cuts[1:-1])
+def comm_sum(problem: PartitionProblem, cuts: Sequence[int]) -> float:
+    """The communication of the interior cuts, exact (the tie-break among equal bottlenecks)."""
+    return math.fsum(problem.cut_comm[c] for c in cuts[1:-1])
 
 
 def equal_count_cuts(n: int, num_stages: int) -> tuple[int, ...]:
@@ -330,45 +336,32 @@ def equal_count_cuts(n: int, num_stages: int) -> tuple[int, ...]:
     return tuple((s * int(n)) // K for s in range(K + 1))
 
 
-def memory_error(prob: Problem, minimum: float) -> PartitionError:
-    limit = prob.limit if prob.limit is not None else 0.0
+def memory_error(num_stages: int, limit: float, minimum: float) -> PartitionError:
+    """The error for a limit below the least memory any num_stages-stage partition needs."""
     least = math.ceil(minimum)  # whole bytes, rounded up: the hint's value is always enough
     return PartitionError(
-        f"no {prob.K}-stage partition fits the memory limit "
+        f"no {num_stages}-stage partition fits the memory limit "
         f"(limit {limit:.0f} < minimum {least} bytes)",
         hint=f"raise the memory limit to at least {least} bytes, use more stages, or keep less "
         "per micro-batch in flight (fewer micro-batches, activation recomputation)",
     )
 
 
-def evaluate(
-    cuts: Sequence[int],
-    compute: Sequence[float] | np.ndarray,
-    *,
-    cut_comm: Sequence[float] | np.ndarray | None = None,
-    memory_limit: float | None = None,
-    mem_fixed: Sequence[float] | np.ndarray | None = None,
-    mem_act: Sequence[float] | np.ndarray | None = None,
-    cut_mem: Sequence[float] | np.ndarray | None = None,
-    inflight: Sequence[float] | np.ndarray | None = None,
-) -> Partition:
-    """The exact cost of a given partition; raises PartitionError when a stage exceeds
-    memory_limit (pass no limit to just measure)."""
+def evaluate(problem: PartitionProblem, cuts: Sequence[int]) -> Partition:
+    """The exact cost of a given partition of the problem; raises PartitionError when a stage
+    exceeds the memory limit (a problem without a limit is only measured)."""
     cuts_t = tuple(cuts)
-    if len(cuts_t) < 2:
-        raise PartitionError(
-            f"cuts must have at least 2 positions (got {len(cuts_t)})",
-            hint="pass K+1 positions 0 = c_0 < ... < c_K = n",
-        )
     for c in cuts_t:
         if isinstance(c, bool) or not isinstance(c, numbers.Integral):
             raise PartitionError(
                 f"cut positions must be integers (got {c!r})", hint="pass integer cut positions"
             )
-    prob = prepare(
-        compute, len(cuts_t) - 1, cut_comm, memory_limit, mem_fixed, mem_act, cut_mem, inflight
-    )
-    n = prob.n
+    n, K = problem.num_atoms, problem.num_stages
+    if len(cuts_t) != K + 1:
+        raise PartitionError(
+            f"cuts have {len(cuts_t)} positions but {K} stages need {K + 1}",
+            hint="pass K+1 positions 0 = c_0 < ... < c_K = n",
+        )
     if cuts_t[0] != 0 or cuts_t[-1] != n:
         raise PartitionError(
             f"cuts must start at 0 and end at n = {n} (got {cuts_t[0]} and {cuts_t[-1]})",
@@ -380,11 +373,12 @@ def evaluate(
                 f"stage {s} is empty or reversed (cuts[{s}] = {i} >= cuts[{s + 1}] = {j})",
                 hint="cut positions must be strictly increasing",
             )
-    part = build_partition(prob, cuts_t)
-    if prob.limit is not None and part.stage_memory is not None:
+    part = build_partition(problem, cuts_t)
+    memory = problem.memory
+    if memory is not None and memory.limit is not None and part.stage_memory is not None:
         for s, m in enumerate(part.stage_memory):
-            if not fits(prob, m):
-                m_s, l_s = _fmt_pair(m, prob.limit)
+            if not memory.fits(m):
+                m_s, l_s = _fmt_pair(m, memory.limit)
                 raise PartitionError(
                     f"stage {s} needs more memory than the limit ({m_s} > {l_s} bytes)",
                     hint="move cuts to shrink that stage, or raise the memory limit",

@@ -1,7 +1,7 @@
 """Exact bottleneck-optimal cutting of a chain of atoms into K contiguous pipeline stages.
 
-Objective: among the K-stage cut sets of the problem in passes.partition_problem, minimise the
-slowest stage time T(i, j), every stage within the memory limit when one is given; ties go to
+Objective: among the K-stage cut sets of a PartitionProblem (passes.partition.problem), minimise
+the slowest stage time T(i, j), every stage within the memory limit when one is given; ties go to
 the least interior communication.
 
 Algorithm: bisection on the bottleneck B with an exact probe "is there a K-stage partition with
@@ -14,28 +14,25 @@ positions still reachable from 0 and still able to reach n, a thin band near the
 feasible probe is walked back into cuts whose exact bottleneck tightens the bracket, and a
 min-plus pass over the final layers picks the least-communication partition (skipped when the
 layers are too wide).  Reported costs are recomputed exactly from the cuts
-(partition_problem.build_partition).
+(problem.build_partition).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from fxpipe.errors import PartitionError
 from fxpipe.passes.partition.problem import (
-    MemoryEnds,
     Partition,
-    Problem,
+    PartitionProblem,
+    StageMemory,
     build_partition,
-    checked_vector,
     comm_sum,
     equal_count_cuts,
-    fits,
     memory_error,
-    prepare,
-    stage_memory,
 )
 
 __all__ = ["solve_partition", "min_memory_limit"]
@@ -46,6 +43,93 @@ _TIE_BREAK_BUDGET = 4_000_000
 _ECACHE_MAX = 20_000_000
 
 _INF = math.inf
+
+
+# --------------------------------------------------------------------------------------------
+# the problem as the probe reads it
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _MemoryPrefix:
+    """A StageMemory as prefix sums, in the probe's notation."""
+
+    Fp: np.ndarray
+    """Prefix sums of StageMemory.fixed, n + 1 entries."""
+    Ap: np.ndarray
+    """Prefix sums of StageMemory.per_microbatch, n + 1 entries."""
+    cm: np.ndarray
+    """StageMemory.at_cut, n + 1 entries."""
+    f: np.ndarray
+    """StageMemory.inflight, K entries."""
+
+    @staticmethod
+    def of(memory: StageMemory) -> _MemoryPrefix:
+        return _MemoryPrefix(
+            Fp=np.concatenate(([0.0], np.cumsum(np.asarray(memory.fixed)))),
+            Ap=np.concatenate(([0.0], np.cumsum(np.asarray(memory.per_microbatch)))),
+            cm=np.asarray(memory.at_cut),
+            f=np.asarray(memory.inflight),
+        )
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A memory limit the probe enforces."""
+
+    memory: StageMemory
+    """The memory model, exact."""
+    mem: _MemoryPrefix
+    """The memory model as prefix sums."""
+    limit: float
+    """Bytes a stage may hold."""
+    allowed: float
+    """limit plus the memory model's slack: what the prefix arithmetic compares with."""
+
+
+@dataclass
+class MemoryEnds:
+    """The solver's cache of per-layer memory interval ends (independent of the bottleneck)."""
+
+    windows: tuple[np.ndarray, np.ndarray] | None = None  # memory-only windows [a_s, b_s]
+    layers: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # s -> (lo, e)
+
+
+@dataclass(frozen=True)
+class _Search:
+    """The problem in the probe's notation (module docstring): numpy arrays and prefix sums."""
+
+    n: int
+    """PartitionProblem.num_atoms."""
+    K: int
+    """PartitionProblem.num_stages."""
+    compute: np.ndarray
+    """PartitionProblem.compute."""
+    comm: np.ndarray
+    """PartitionProblem.cut_comm (c), n + 1 entries."""
+    P: np.ndarray
+    """Prefix sums of compute, n + 1 entries."""
+    g: np.ndarray
+    """comm - P."""
+    cP: np.ndarray
+    """comm + P."""
+    bound: _Bound | None
+    """The memory limit enforced, or None."""
+    ecache: MemoryEnds | None = None
+    """Per-layer memory interval ends, filled lazily by the probe when given."""
+
+    @staticmethod
+    def of(problem: PartitionProblem) -> _Search:
+        comp = np.asarray(problem.compute, dtype=np.float64)
+        comm = np.asarray(problem.cut_comm, dtype=np.float64)
+        P = np.concatenate(([0.0], np.cumsum(comp)))
+        memory = problem.memory
+        bound = None
+        if memory is not None and memory.limit is not None:
+            bound = _Bound(memory, _MemoryPrefix.of(memory), memory.limit,
+                           memory.limit + memory.slack)
+        return _Search(n=problem.num_atoms, K=problem.num_stages, compute=comp, comm=comm, P=P,
+                       g=comm - P, cP=comm + P, bound=bound)
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,16 +152,17 @@ def _last_true(pred: Callable[[np.ndarray], np.ndarray], lo: np.ndarray,
         hi = np.where(open_ & ~ok, mid, hi)
 
 
-def _windows(prob: Problem, B: float, L: float | None) -> tuple[np.ndarray, np.ndarray]:
+def _windows(search: _Search, B: float,
+             bound: _Bound | None) -> tuple[np.ndarray, np.ndarray]:
     """Per layer s, the positions [a_s, b_s] that cut c_s can take with all T <= B (B may be inf)
-    and all Mem <= L (None: no limit): stage times are at least their compute, stage memories at
-    least sum(mem_fixed + min_inflight * mem_act) over their atoms."""
-    n, K = prob.n, prob.K
+    and all Mem <= bound.limit (None: no limit): stage times are at least their compute, stage
+    memories at least sum(fixed + min_inflight * per_microbatch) over their atoms."""
+    n, K = search.n, search.K
     s = np.arange(K + 1)
     a = s.copy()
     b = n - K + s
     if not math.isinf(B):
-        P = prob.P
+        P = search.P
         slack = 1e-9 * (float(P[-1]) + K * B)
         with np.errstate(over="ignore", invalid="ignore"):
             # P[c_s] <= s*B and P[n] - P[c_s] <= (K - s)*B
@@ -85,12 +170,12 @@ def _windows(prob: Problem, B: float, L: float | None) -> tuple[np.ndarray, np.n
             low = np.searchsorted(P, P[-1] - (K - s) * B - slack, side="left")
         a = np.maximum(a, low)
         b = np.minimum(b, up)
-    if L is not None and not math.isinf(L):
-        assert prob.Fp is not None and prob.Ap is not None and prob.f is not None
-        Fp, Ap = prob.Fp, prob.Ap
-        fwd = np.concatenate(([prob.f[0]], np.minimum.accumulate(prob.f)))  # min f over t < s
-        bwd = np.concatenate((np.minimum.accumulate(prob.f[::-1])[::-1], [prob.f[-1]]))  # t >= s
-        slack = 1e-9 * (float(Fp[-1]) + float(prob.f.max()) * float(Ap[-1]) + K * L)
+    if bound is not None and not math.isinf(bound.limit):
+        L = bound.limit
+        Fp, Ap, f = bound.mem.Fp, bound.mem.Ap, bound.mem.f
+        fwd = np.concatenate(([f[0]], np.minimum.accumulate(f)))  # min f over t < s
+        bwd = np.concatenate((np.minimum.accumulate(f[::-1])[::-1], [f[-1]]))  # t >= s
+        slack = 1e-9 * (float(Fp[-1]) + float(f.max()) * float(Ap[-1]) + K * L)
         with np.errstate(over="ignore", invalid="ignore"):
             t_up = s * L + slack
             t_low = (Fp[-1] + bwd * Ap[-1]) - (K - s) * L - slack
@@ -127,37 +212,35 @@ def _stab_min(lo: np.ndarray, hi: np.ndarray, val: np.ndarray, w: int) -> np.nda
 _Layers = list[tuple[int, np.ndarray]]
 
 
-def _memory_ends(prob: Problem, s: int) -> tuple[int, np.ndarray]:
+def _memory_ends(search: _Search, bound: _Bound, cache: MemoryEnds,
+                 s: int) -> tuple[int, np.ndarray]:
     """For layer s, e_i = the last j with Mem(s, i, j) <= limit (prefix arithmetic, as in the
     probe) for every i of the memory-only window of layer s; independent of B, so cached."""
-    cache = prob.ecache
-    assert cache is not None
     hit = cache.layers.get(s)
     if hit is not None:
         return hit
-    assert prob.Fp is not None and prob.Ap is not None
-    assert prob.cm is not None and prob.f is not None
+    mem = bound.mem
     if cache.windows is None:
-        cache.windows = _windows(prob, _INF, prob.limit)
+        cache.windows = _windows(search, _INF, bound)
     wa, wb = cache.windows
     lo, top = int(wa[s]), int(wb[s + 1])
     hi = min(int(wb[s]), top)
-    fs = prob.f[s]
-    Q = prob.Fp[lo : top + 1] + fs * prob.Ap[lo : top + 1]
-    lim = (prob.lim_eff + Q[: hi - lo + 1]) - fs * prob.cm[lo : hi + 1]
+    fs = mem.f[s]
+    Q = mem.Fp[lo : top + 1] + fs * mem.Ap[lo : top + 1]
+    lim = (bound.allowed + Q[: hi - lo + 1]) - fs * mem.cm[lo : hi + 1]
     e = (lo - 1 + np.searchsorted(Q, lim, side="right")).astype(np.int64)
     cache.layers[s] = (lo, e)
     return lo, e
 
 
-def _probe(prob: Problem, B: float) -> _Layers | None:
+def _probe(search: _Search, B: float) -> _Layers | None:
     """Layers (a_s, reached mask over [a_s, ...]) if a K-stage partition with all T <= B and all
     Mem <= limit exists, else None.  B = inf checks memory only."""
-    n, K = prob.n, prob.K
-    P, g, cP = prob.P, prob.g, prob.cP
+    n, K = search.n, search.K
+    P, g, cP = search.P, search.g, search.cP
     time_free = math.isinf(B)
-    use_mem = prob.limit is not None
-    wa, wb = _windows(prob, B, prob.limit)
+    bound = search.bound
+    wa, wb = _windows(search, B, bound)
     if np.any(wa > wb):
         return None
     tslack = 0.0 if time_free else 1e-9 * (float(P[-1]) + K * B)
@@ -172,19 +255,18 @@ def _probe(prob: Problem, B: float) -> _Layers | None:
         if a2 > b2:
             return None
         seg = r[first - a : last - a + 1]
-        if use_mem:
-            assert prob.Fp is not None and prob.Ap is not None
-            assert prob.cm is not None and prob.f is not None
+        if bound is not None:
+            mem = bound.mem
             starts = first + np.flatnonzero(seg)
             if not time_free:  # starts whose g exceeds every h of the next window reach nothing
                 starts = starts[g[starts] <= (B - cP[a2 : b2 + 1]).max()]
-            if prob.ecache is not None:
-                start, E = _memory_ends(prob, s)
+            if search.ecache is not None:
+                start, E = _memory_ends(search, bound, search.ecache, s)
                 e = E[starts - start]
             else:
-                fs = prob.f[s]
-                Q = prob.Fp[first : b2 + 1] + fs * prob.Ap[first : b2 + 1]
-                lim = (prob.lim_eff + Q[starts - first]) - fs * prob.cm[starts]
+                fs = mem.f[s]
+                Q = mem.Fp[first : b2 + 1] + fs * mem.Ap[first : b2 + 1]
+                lim = (bound.allowed + Q[starts - first]) - fs * mem.cm[starts]
                 e = first - 1 + np.searchsorted(Q, lim, side="right")
             lo = np.maximum(starts + 1, a2)
             hi = np.minimum(e, b2)
@@ -226,38 +308,38 @@ def _probe(prob: Problem, B: float) -> _Layers | None:
 
 
 def _valid_from(
-    prob: Problem, B: float, s: int, cand: np.ndarray, j: int
+    search: _Search, B: float, s: int, cand: np.ndarray, j: int
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Which candidate starts i (of layer s) may precede cut j, with the probe's arithmetic; also
     the prefix-sum stage memory when a limit is enforced."""
-    ok = prob.g[cand] <= B - prob.cP[j]
+    ok = search.g[cand] <= B - search.cP[j]
     mem = None
-    if prob.limit is not None:
-        assert prob.Fp is not None and prob.Ap is not None
-        assert prob.cm is not None and prob.f is not None
-        fs = prob.f[s]
-        Qj = prob.Fp[j] + fs * prob.Ap[j]
-        Qi = prob.Fp[cand] + fs * prob.Ap[cand]
-        ok &= Qj <= (prob.lim_eff + Qi) - fs * prob.cm[cand]
-        mem = (Qj - Qi) + fs * prob.cm[cand]
+    bound = search.bound
+    if bound is not None:
+        Fp, Ap, cm = bound.mem.Fp, bound.mem.Ap, bound.mem.cm
+        fs = bound.mem.f[s]
+        Qj = Fp[j] + fs * Ap[j]
+        Qi = Fp[cand] + fs * Ap[cand]
+        ok &= Qj <= (bound.allowed + Qi) - fs * cm[cand]
+        mem = (Qj - Qi) + fs * cm[cand]
     return ok, mem
 
 
-def _walk_back(prob: Problem, B: float, layers: _Layers, *,
+def _walk_back(search: _Search, B: float, layers: _Layers, *,
                by_memory: bool = False) -> tuple[int, ...]:
     """Concrete cuts through the probe's layers: from n backwards, each step takes the admissible
     start with the shortest stage (or the smallest stage memory)."""
-    j = prob.n
+    j = search.n
     cuts = [j]
-    for s in range(prob.K - 1, -1, -1):
+    for s in range(search.K - 1, -1, -1):
         a, r = layers[s]
         top = min(j - 1, a + r.shape[0] - 1)
         cand = a + np.flatnonzero(r[: top - a + 1])
-        ok, mem = _valid_from(prob, B, s, cand, j)
+        ok, mem = _valid_from(search, B, s, cand, j)
         if by_memory and mem is not None:
             key = mem[ok]
         else:
-            key = prob.g[cand[ok]]
+            key = search.g[cand[ok]]
         cand = cand[ok]
         if cand.size == 0:  # pragma: no cover - the probe guarantees a predecessor
             raise AssertionError("partition walk-back found no predecessor")
@@ -266,33 +348,33 @@ def _walk_back(prob: Problem, B: float, layers: _Layers, *,
     return tuple(reversed(cuts))
 
 
-def _least_comm_cuts(prob: Problem, B: float, layers: _Layers) -> tuple[int, ...] | None:
+def _least_comm_cuts(search: _Search, B: float, layers: _Layers) -> tuple[int, ...] | None:
     """Among the partitions the layers encode (all T <= B, Mem <= limit), one with the least
     interior cut_comm (ties: shortest stage walking back); None when the layers are too wide."""
-    K = prob.K
+    K = search.K
     pos = [a + np.flatnonzero(r) for a, r in layers]
     if sum(len(pos[s]) * len(pos[s + 1]) for s in range(K)) > _TIE_BREAK_BUDGET:
         return None
-    g, cP = prob.g, prob.cP
+    g, cP = search.g, search.cP
+    bound = search.bound
     costs = [np.zeros(1)]
     mats = []
     for s in range(K):
         starts, J = pos[s], pos[s + 1]
         V = (starts[:, None] < J[None, :]) & (g[starts][:, None] <= (B - cP[J])[None, :])
-        if prob.limit is not None:
-            assert prob.Fp is not None and prob.Ap is not None
-            assert prob.cm is not None and prob.f is not None
-            fs = prob.f[s]
-            QI = prob.Fp[starts] + fs * prob.Ap[starts]
-            QJ = prob.Fp[J] + fs * prob.Ap[J]
-            V &= QJ[None, :] <= ((prob.lim_eff + QI) - fs * prob.cm[starts])[:, None]
-        cost = np.where(V, costs[-1][:, None], _INF).min(axis=0) + prob.comm[J]
+        if bound is not None:
+            Fp, Ap, cm = bound.mem.Fp, bound.mem.Ap, bound.mem.cm
+            fs = bound.mem.f[s]
+            QI = Fp[starts] + fs * Ap[starts]
+            QJ = Fp[J] + fs * Ap[J]
+            V &= QJ[None, :] <= ((bound.allowed + QI) - fs * cm[starts])[:, None]
+        cost = np.where(V, costs[-1][:, None], _INF).min(axis=0) + search.comm[J]
         mats.append(V)
         costs.append(cost)
     if not np.isfinite(costs[K][0]):  # pragma: no cover - the probe reached n
         return None
     y = 0
-    cuts = [prob.n]
+    cuts = [search.n]
     for s in range(K - 1, -1, -1):
         col = mats[s][:, y]
         c = costs[s]
@@ -323,24 +405,22 @@ def _balanced_cuts(P: np.ndarray, K: int) -> tuple[int, ...]:
     return tuple(int(v) for v in x)
 
 
-def _min_memory(prob: Problem) -> float:
-    """Smallest limit admitting a K-stage partition (memory only); prob.limit is ignored."""
-    assert prob.has_mem and prob.Fp is not None and prob.Ap is not None and prob.f is not None
-    n, K = prob.n, prob.K
-    probe_prob = Problem(**{**prob.__dict__})
-    probe_prob.compute = np.zeros(n)
-    probe_prob.ecache = None
+def _min_memory(search: _Search, memory: StageMemory) -> float:
+    """Smallest limit admitting a K-stage partition (memory only); memory.limit counts only in
+    the slack, and the bottleneck is ignored."""
+    n, K = search.n, search.K
+    mem = _MemoryPrefix.of(memory)
 
     def max_mem(cuts: Sequence[int]) -> float:
-        return max(stage_memory(prob, s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
+        return max(memory.stage_bytes(s, i, j) for s, (i, j) in enumerate(zip(cuts, cuts[1:])))
 
     if K == 1 or K == n:
         return max_mem(tuple(range(n + 1)) if K == n else (0, n))
-    mf = np.diff(prob.Fp)
-    ma = np.diff(prob.Ap)
-    fmin = float(prob.f.min())
-    lo = max(float((mf + fmin * ma).max()), (float(prob.Fp[-1]) + fmin * float(prob.Ap[-1])) / K)
-    weights = np.concatenate(([0.0], np.cumsum(mf + float(prob.f.mean()) * ma)))
+    mf = np.diff(mem.Fp)
+    ma = np.diff(mem.Ap)
+    fmin = float(mem.f.min())
+    lo = max(float((mf + fmin * ma).max()), (float(mem.Fp[-1]) + fmin * float(mem.Ap[-1])) / K)
+    weights = np.concatenate(([0.0], np.cumsum(mf + float(mem.f.mean()) * ma)))
     best = min(max_mem(c) for c in (equal_count_cuts(n, K), _balanced_cuts(weights, K)))
     hi = best
     rtol = 1e-11
@@ -350,13 +430,12 @@ def _min_memory(prob: Problem) -> float:
         mid = 0.5 * (lo + hi)
         if not lo < mid < hi:
             break
-        probe_prob.limit = mid
-        probe_prob.lim_eff = mid + prob.mem_slack
-        layers = _probe(probe_prob, _INF)
+        trial = replace(search, bound=_Bound(memory, mem, mid, mid + memory.slack), ecache=None)
+        layers = _probe(trial, _INF)
         if layers is None:
             lo = mid
         else:
-            m = max_mem(_walk_back(probe_prob, _INF, layers, by_memory=True))
+            m = max_mem(_walk_back(trial, _INF, layers, by_memory=True))
             best = min(best, m)
             hi = min(mid, best)
     return best
@@ -367,38 +446,20 @@ def _min_memory(prob: Problem) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def min_memory_limit(
-    num_stages: int,
-    *,
-    mem_fixed: Sequence[float] | np.ndarray,
-    mem_act: Sequence[float] | np.ndarray | None = None,
-    cut_mem: Sequence[float] | np.ndarray | None = None,
-    inflight: Sequence[float] | np.ndarray | None = None,
-) -> float:
-    """The smallest memory_limit for which some num_stages-stage partition fits (time ignored).
+def min_memory_limit(problem: PartitionProblem) -> float:
+    """The smallest memory limit for which some partition of the problem fits (its compute,
+    communication and own limit ignored).
 
     The value is the exact peak stage memory of a partition found by bisection (relative
     precision 1e-11), so a solve with exactly this limit is feasible.
     """
-    if mem_fixed is None:
-        raise PartitionError("min_memory_limit needs mem_fixed", hint="pass mem_fixed")
-    mf = checked_vector("mem_fixed", mem_fixed, None, "")
-    prob = prepare(mf, num_stages, None, None, mf, mem_act, cut_mem, inflight)
-    return _min_memory(prob)
+    if problem.memory is None:
+        raise PartitionError("min_memory_limit needs a memory model, and the problem has none",
+                             hint="build the problem with mem_fixed (partition_problem)")
+    return _min_memory(_Search.of(problem), replace(problem.memory, limit=None))
 
 
-def solve_partition(
-    compute: Sequence[float] | np.ndarray,
-    num_stages: int,
-    *,
-    cut_comm: Sequence[float] | np.ndarray | None = None,
-    memory_limit: float | None = None,
-    mem_fixed: Sequence[float] | np.ndarray | None = None,
-    mem_act: Sequence[float] | np.ndarray | None = None,
-    cut_mem: Sequence[float] | np.ndarray | None = None,
-    inflight: Sequence[float] | np.ndarray | None = None,
-    rel_tol: float = 1e-9,
-) -> Partition:
+def solve_partition(problem: PartitionProblem, *, rel_tol: float = 1e-9) -> Partition:
     """The K-stage partition minimising the bottleneck stage time within rel_tol (relative),
     subject to the memory limit; among such partitions, the least interior communication."""
     rel_tol = float(rel_tol)
@@ -407,47 +468,48 @@ def solve_partition(
             f"rel_tol must be a finite non-negative number (got {rel_tol!r})",
             hint="use e.g. 1e-9",
         )
-    prob = prepare(
-        compute, num_stages, cut_comm, memory_limit, mem_fixed, mem_act, cut_mem, inflight
-    )
-    n, K = prob.n, prob.K
-    if prob.limit is not None and n * K <= _ECACHE_MAX:
-        prob.ecache = MemoryEnds()
+    search = _Search.of(problem)
+    n, K = search.n, search.K
+    bound = search.bound
+    if bound is not None and n * K <= _ECACHE_MAX:
+        search = replace(search, ecache=MemoryEnds())
 
     mem_layers = None
-    if prob.limit is not None:
-        mem_layers = _probe(prob, _INF)
+    if bound is not None:
+        mem_layers = _probe(search, _INF)
         if mem_layers is None:
-            raise memory_error(prob, _min_memory(prob))
+            raise memory_error(K, bound.limit, _min_memory(search, bound.memory))
     if K == 1 or K == n:
-        return build_partition(prob, (0, n) if K == 1 else tuple(range(n + 1)))
+        return build_partition(problem, (0, n) if K == 1 else tuple(range(n + 1)))
 
     best: Partition | None = None
 
     def consider(cuts: Sequence[int]) -> None:
         nonlocal best
-        part = build_partition(prob, cuts)
-        if part.stage_memory is not None and not all(fits(prob, m) for m in part.stage_memory):
+        part = build_partition(problem, cuts)
+        memory = problem.memory
+        if part.stage_memory is not None and memory is not None \
+                and not all(memory.fits(m) for m in part.stage_memory):
             return
         if best is None or part.bottleneck < best.bottleneck:
             best = part
 
-    consider(_balanced_cuts(prob.P, K))
+    consider(_balanced_cuts(search.P, K))
     consider(equal_count_cuts(n, K))
     if best is None:
         assert mem_layers is not None
-        consider(_walk_back(prob, _INF, mem_layers))
+        consider(_walk_back(search, _INF, mem_layers))
     assert best is not None
 
-    total = float(prob.P[-1])
-    lo = max(total / K, float(prob.compute.max()))
+    total = float(search.P[-1])
+    lo = max(total / K, float(search.compute.max()))
     hi = best.bottleneck
 
     def attempt(B: float) -> bool:
-        layers = _probe(prob, B)
+        layers = _probe(search, B)
         if layers is None:
             return False
-        consider(_walk_back(prob, B, layers))
+        consider(_walk_back(search, B, layers))
         return True
 
     if lo < hi and attempt(lo):
@@ -466,12 +528,12 @@ def solve_partition(
     # Least-communication tie-break among partitions no worse than the best found.
     b = best.bottleneck
     B_final = b + min(1e-12, 0.25 * rel_tol) * b
-    layers = _probe(prob, B_final)
+    layers = _probe(search, B_final)
     if layers is not None:
-        cuts = _least_comm_cuts(prob, B_final, layers)
+        cuts = _least_comm_cuts(search, B_final, layers)
         if cuts is not None and cuts != best.cuts:
-            cand = build_partition(prob, cuts)
-            c_new, c_old = comm_sum(prob, cuts), comm_sum(prob, best.cuts)
+            cand = build_partition(problem, cuts)
+            c_new, c_old = comm_sum(problem, cuts), comm_sum(problem, best.cuts)
             eps = 1e-12 * (abs(c_old) + abs(c_new))
             if c_new < c_old - eps or (
                 c_new <= c_old + eps and cand.bottleneck <= best.bottleneck
