@@ -51,7 +51,8 @@ _BODY = 8  # indentation of statements inside a method
 
 @dataclass(frozen=True)
 class StageHeader:
-    """Deterministic facts shown at the top of a stage file."""
+    """The facts shown at the top of a stage file: the same command writes the same bytes on
+    every machine, so nothing in it is measured or predicted from a device profile."""
 
     command: str  # how the program was compiled
     runnable: bool  # `command` is a shell command that regenerates the files
@@ -59,7 +60,7 @@ class StageHeader:
     stage: int
     num_stages: int
     span: str
-    lines: tuple[tuple[str, str], ...] = ()  # (label, text): time, params, recv/send, remat ...
+    lines: tuple[tuple[str, str], ...] = ()  # (label, text): flops, params, recv/send, remat ...
     passes: tuple[str, ...] = ()  # the passes that ran, in order
     version: str = __version__
 

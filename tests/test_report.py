@@ -121,11 +121,11 @@ def test_one_bubble_one_imbalance_and_one_step_in_the_report_the_grid_and_the_he
     assert plan.predicted_step_time == pytest.approx(step)
     assert summary["predicted_step_time_s"] == summary["simulated_step_time_s"]
     assert "slowest stage:" not in text
-    # one imbalance: the stages' loads, as the headers share them out
+    # one imbalance: the stages' loads; the stage files print no time (the same on any machine)
     loads = [stage_load(s.compute_time, s.comm_time) for s in plan.stages]
     assert plan.imbalance == pytest.approx(max(loads) / (sum(loads) / len(loads)))
-    for st, load in zip(program.stages, loads):
-        assert f"{load / sum(loads):.1%} of all stages' time" in st.source
+    for st in program.stages:
+        assert "of all stages' time" not in st.source and "bubble" not in st.source
 
 
 def test_kept_bytes_at_the_peak_count_the_micro_batches_in_flight():

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 0 of 3 of Branchy: branch1.0 -> branch2.3 (6 ops)
-#   time    130.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 26.3% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   10.43 KFLOP forward per micro-batch
 #   params  10.4 KiB; saved activations 448 B per micro-batch (192 B kept with remat)
 #   send    branch1_1  f32[b, 32]  -> stage 1

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 1 of 3 of Branchy: branch3.0 -> branch3.5 (7 ops)
-#   time    155.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 31.3% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   11.65 KFLOP forward per micro-batch
 #   params  11.4 KiB; saved activations 512 B per micro-batch (512 B kept with remat)
 #   recv    branch1_1  f32[b, 32]  <- stage 0

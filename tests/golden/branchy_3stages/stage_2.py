@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 2 of 3 of Branchy: y_branch.0 -> aux_head (10 ops)
-#   time    210.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 42.4% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   19.59 KFLOP forward per micro-batch
 #   params  18.8 KiB; saved activations 2.1 KiB per micro-batch (840 B kept with remat)
 #   recv    cat  f32[b, 96]  <- stage 1

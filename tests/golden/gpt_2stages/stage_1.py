@@ -2,9 +2,6 @@
 #   fxpipe.compile(GPT(...), stages=2, chunks=4, remat='always', balance='cost', profile='a100')
 #
 # Stage 1 of 2 of GPT: blocks.1.ln_1 -> lm_head (28 ops)
-#   time    260.4 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 51.0% of all stages' time, 50.0% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   11.25 MFLOP forward per micro-batch
 #   params  323.8 KiB; saved activations 290.5 KiB per micro-batch (16.0 KiB kept with remat)
 #   recv    blocks_0_add_1  f32[b, 32, 64]  <- stage 0

@@ -2,9 +2,6 @@
 #   fxpipe.compile(GPT(...), stages=2, chunks=4, remat='never', balance='cost', profile='a100')
 #
 # Stage 0 of 2 of GPT: wte -> blocks.0 (33 ops)
-#   time    180.1 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 47.3% of all stages' time, 50.0% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   7.06 MFLOP forward per micro-batch
 #   params  331.2 KiB; saved activations 258.8 KiB per micro-batch
 #   send    blocks_0_add_1  f32[b, 32, 64]  -> stage 1

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 0 of 3 of MLP: proj -> blocks.2 (16 ops)
-#   time    280.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 35.2% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   417.15 KFLOP forward per micro-batch
 #   params  397.5 KiB; saved activations 15.3 KiB per micro-batch (256 B kept with remat)
 #   send    blocks_2_add  f32[b, 64]  -> stage 1

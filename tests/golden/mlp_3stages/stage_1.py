@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 1 of 3 of MLP: blocks.3.ln -> blocks.5 (15 ops)
-#   time    271.3 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 34.1% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   408.96 KFLOP forward per micro-batch
 #   params  389.2 KiB; saved activations 15.0 KiB per micro-batch (512 B kept with remat)
 #   recv    blocks_2_add  f32[b, 64]  <- stage 0

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 2 of 3 of MLP: blocks.6.ln -> head (12 ops)
-#   time    245.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 30.8% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   276.22 KFLOP forward per micro-batch
 #   params  262.5 KiB; saved activations 11.0 KiB per micro-batch (512 B kept with remat)
 #   recv    blocks_5_add  f32[b, 64]  <- stage 1

@@ -2,9 +2,6 @@
 #   fxpipe.compile(ResNet(...), stages=2, chunks=4, remat='never', balance='cost', profile='a100')
 #
 # Stage 0 of 2 of ResNet: stem.0 -> layers.1 (24 ops)
-#   time    240.1 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 55.2% of all stages' time, 50.0% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   9.17 MFLOP forward per micro-batch
 #   params  76.8 KiB; saved activations 263.1 KiB per micro-batch
 #   send    layers_1_add  f32[b, 32, 8, 8]  -> stage 1

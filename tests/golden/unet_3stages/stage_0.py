@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 0 of 3 of UNet: enc1.block.net.0 -> enc3.block.net.4 (19 ops)
-#   time    291.6 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 34.2% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   12.17 MFLOP forward per micro-batch
 #   params  83.2 KiB; saved activations 688.4 KiB per micro-batch (24.0 KiB kept with remat)
 #   send    enc1_block_net_5  f32[b, 8, 32, 32]  -> stage 2

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 1 of 3 of UNet: enc3.block.net.5 -> dec3.block.net.4 (15 ops)
-#   time    262.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 30.8% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   11.89 MFLOP forward per micro-batch
 #   params  394.5 KiB; saved activations 180.2 KiB per micro-batch (16.0 KiB kept with remat)
 #   recv    enc3_block_net_4  f32[b, 32, 8, 8]  <- stage 0

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 2 of 3 of UNet: dec3.block.net.5 -> out (18 ops)
-#   time    298.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 35.0% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   15.96 MFLOP forward per micro-batch
 #   params  44.5 KiB; saved activations 800.2 KiB per micro-batch (112.0 KiB kept with remat)
 #   recv    enc1_block_net_5  f32[b, 8, 32, 32]  <- stage 0
