@@ -62,6 +62,26 @@ def test_golden_files_are_valid_python():
         compile(path.read_text(encoding="utf-8"), str(path), "exec")
 
 
+def test_every_parameter_of_a_generated_method_is_annotated():
+    """forward and the remat regions: comm is the MicrobatchComm the executors pass, a tensor
+    says its shape, as the statements do."""
+    from fxpipe.runtime.comm import MicrobatchComm
+
+    files = sorted(GOLDEN.glob("*/stage_*.py"))
+    remat = 0
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        assert "from fxpipe.runtime.comm import MicrobatchComm" in ast.unparse(tree)
+        for method in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            remat += method.name.startswith("remat_")
+            params = method.args.args[1:]
+            assert all(p.annotation is not None for p in params), f"{path}: {method.name}"
+            assert method.name != "forward" or params[0].arg == "comm"
+            assert all(ast.unparse(p.annotation) == "MicrobatchComm" for p in params
+                       if p.arg == "comm")
+    assert remat >= 5 and MicrobatchComm.__module__ == "fxpipe.runtime.comm"
+
+
 def test_generated_code_is_deterministic():
     first = [s.source for s in _compile("gpt", 2, "except_last", dropout=0.0).stages]
     second = [s.source for s in _compile("gpt", 2, "except_last", dropout=0.0).stages]
@@ -75,6 +95,10 @@ def test_every_generated_stage_compiles(name):
     program = _compile(name, 3, "always")
     for stage in program.stages:
         compile(stage.source, f"stage_{stage.index}.py", "exec")
+        for method in (n for n in ast.walk(ast.parse(stage.source))
+                       if isinstance(n, ast.FunctionDef)):
+            bare = [p.arg for p in method.args.args[1:] if p.annotation is None]
+            assert bare == [], f"stage {stage.index} of {name}: {method.name}"
 
 
 def test_stage_code_reads_like_the_model():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -33,7 +34,7 @@ class Stage1(StageModule):
         'branch3_4_bias': 'branch3.4.bias',
     }
 
-    def forward(self, comm, x: "f32[b, 24]"):
+    def forward(self, comm: MicrobatchComm, x: "f32[b, 24]"):
         branch1_1: "f32[b, 32]" = comm.recv('branch1_1', src=0)
         branch2_3: "f32[b, 32]" = comm.recv('branch2_3', src=0)
 
@@ -44,7 +45,7 @@ class Stage1(StageModule):
         del cat
         return None
 
-    def remat_0(self, x, branch1_1, branch2_3):
+    def remat_0(self, x: "f32[b, 24]", branch1_1: "f32[b, 32]", branch2_3: "f32[b, 32]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/branchy.py:34 in forward: xs = torch.cat([self.branch1(x), self.branch2(x...
         branch3_0: "f32[b, 32]" = torch.nn.functional.linear(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -40,7 +41,7 @@ class Stage1(StageModule):
         'wte_weight': 'wte.weight',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         blocks_0_add_1: "f32[b, 32, 64]" = comm.recv('blocks_0_add_1', src=0)
 
         # remat region remat_0: 28 operations, recomputed in backward instead of saved
@@ -48,7 +49,7 @@ class Stage1(StageModule):
         del blocks_0_add_1
         return (lm_head,)
 
-    def remat_0(self, blocks_0_add_1):
+    def remat_0(self, blocks_0_add_1: "f32[b, 32, 64]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/gpt.py:61 in forward: x = x + self.attn(self.ln_1(x))
         blocks_1_ln_1: "f32[b, 32, 64]" = torch.nn.functional.layer_norm(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -38,7 +39,7 @@ class Stage0(StageModule):
         'blocks_0_mlp_c_proj_bias': 'blocks.0.mlp.c_proj.bias',
     }
 
-    def forward(self, comm, idx: "i64[b, 32]"):
+    def forward(self, comm: MicrobatchComm, idx: "i64[b, 32]"):
 
         # fxpipe/models/gpt.py:95 in forward: T = idx.size(1)  # must be <= seq_len (wpe raises a...
         idx_size_1 = idx.size(1)

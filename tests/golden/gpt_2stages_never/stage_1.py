@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -39,7 +40,7 @@ class Stage1(StageModule):
         'wte_weight': 'wte.weight',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         blocks_0_add_1: "f32[b, 32, 64]" = comm.recv('blocks_0_add_1', src=0)
 
         # fxpipe/models/gpt.py:61 in forward: x = x + self.attn(self.ln_1(x))

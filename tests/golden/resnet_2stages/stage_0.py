@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -60,7 +61,7 @@ class Stage0(StageModule):
         'layers_1_shortcut_1_running_var': 'layers.1.shortcut.1.running_var',
     }
 
-    def forward(self, comm, x: "f32[b, 3, 16, 16]"):
+    def forward(self, comm: MicrobatchComm, x: "f32[b, 3, 16, 16]"):
 
         # fxpipe/models/resnet.py:51 in forward: x = self.pool(self.layers(self.stem(x)))
         stem_0: "f32[b, 16, 16, 16]" = torch.nn.functional.conv2d(

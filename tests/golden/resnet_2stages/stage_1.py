@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -44,7 +45,7 @@ class Stage1(StageModule):
         'layers_2_shortcut_1_running_var': 'layers.2.shortcut.1.running_var',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         layers_1_add: "f32[b, 32, 8, 8]" = comm.recv('layers_1_add', src=0)
 
         # fxpipe/models/resnet.py:29 in forward: return F.relu(out + self.shortcut(x))

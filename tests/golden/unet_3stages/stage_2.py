@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -48,7 +49,7 @@ class Stage2(StageModule):
         'out_bias': 'out.bias',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         enc1_block_net_5: "f32[b, 8, 32, 32]" = comm.recv('enc1_block_net_5', src=0)
         enc2_block_net_5: "f32[b, 16, 16, 16]" = comm.recv('enc2_block_net_5', src=0)
         dec3_block_net_4: "f32[b, 32, 8, 8]" = comm.recv('dec3_block_net_4', src=1)
@@ -59,7 +60,9 @@ class Stage2(StageModule):
         del dec3_block_net_4, enc1_block_net_5, enc2_block_net_5
         return (out,)
 
-    def remat_0(self, dec3_block_net_4, enc2_block_net_5, enc1_block_net_5):
+    def remat_0(
+        self, dec3_block_net_4: "f32[b, 32, 8, 8]", enc2_block_net_5: "f32[b, 16, 16, 16]",
+        enc1_block_net_5: "f32[b, 8, 32, 32]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/unet.py:24 in forward: return self.net(x)
         dec3_block_net_5: "f32[b, 32, 8, 8]" = torch.nn.functional.silu(
