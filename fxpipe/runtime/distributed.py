@@ -20,6 +20,7 @@ the backward, with all ranks agreeing on skipping a step (fxpipe.runtime.amp).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,7 +275,7 @@ class DistributedExecutor:
                     args = [to_device(micro[mb][i], self.device) for i in unit.inputs]
                     with self.timeline.span("forward", stage, mb), \
                             seeded_forward(base if unit.random else None, mb, devices[stage]), \
-                            (memory.forward((stage, mb)) if memory else _nothing()):
+                            (memory.forward((stage, mb)) if memory else contextlib.nullcontext()):
                         out = unit.module(view, *args)
                         last = self.is_last(stage)
                         if self.check_finite:
@@ -506,14 +507,6 @@ class DistributedExecutor:
                     param.grad = torch.zeros_like(param)
                 dist.all_reduce(param.grad, group=self.dp_group)
                 param.grad /= self.mesh.replicas
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def stage_info(recvs: Sequence[ir.CommInfo], sends: Sequence[ir.CommInfo],
