@@ -32,6 +32,7 @@ from torch import nn
 from fxpipe import ir
 from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
 from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
+from fxpipe.runtime.arguments import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_device
@@ -70,7 +71,6 @@ from fxpipe.signature import Signature
 __all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "RankUnit", "split_target",
            "stage_info"]
 
-DEFAULT_DP_BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxpipe import ir
+from fxpipe.choices import BALANCE_MODES
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.figures import imbalance, stage_load
 from fxpipe.passes.cost import estimate_time
@@ -37,7 +38,6 @@ from fxpipe.runtime.timeline import predicted_step
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
            "BALANCE_MODES", "OPTIMIZER_STATE_FACTOR", "WEIGHT_GRAD_SHARE"]
 
-BALANCE_MODES = ("cost", "time", "params", "dynamic")
 OPTIMIZER_STATE_FACTOR = 2.0  # Adam keeps two moments per parameter
 
 
