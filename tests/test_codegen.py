@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import re
 import shlex
@@ -179,7 +180,8 @@ def test_the_written_stage_files_are_the_same_whatever_the_device_profile_predic
     second. The cut is the same, the predictions differ, and only the report (and program.json,
     which lists the report's digest and the predicted timeline `--timeline` draws) says so."""
     fast = preset("a100")
-    slow = fast.scaled(3.0)  # the same name: only the numbers differ
+    slow = dataclasses.replace(fast.scaled(3.0), link=fast.link.scaled(3.0),
+                               link_latency=fast.link_latency * 3.0)  # the same name and cut
     model, inputs, _ = load_model("mlp")
     written = {}
     for name, profile in (("fast", fast), ("slow", slow)):
