@@ -334,8 +334,8 @@ class Report:
                                                     if c['step_time_s'] is not None
                                                     else "does not fit")
                              for c in s["auto_schedules"]) + ")")
-        lines.append("simulated step time by schedule (stage costs, bubble = idle share, "
-                     "most activations a stage keeps at the peak): "
+        lines.append("simulated step time by schedule (stage costs, bubble, most activations "
+                     "a stage keeps at the peak): "
                      + ", ".join(f"{c['schedule']} {human_time(c['step_time_s'])} "
                                  f"(bubble {c['bubble']:.1%}, keeps "
                                  f"{human_bytes(c['kept_bytes'])})" for c in s["schedules"]))
