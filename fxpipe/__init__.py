@@ -20,14 +20,20 @@ if TYPE_CHECKING:
 __all__ = ["compile", "capture", "load_checkpoint", "Program", "FxPipeError", "__version__"]
 
 # Imported on first use, so that importing a torch-free module of the package (the command
-# line's parser answering --help) does not import torch.
+# line's parser answering --help) does not import torch; a submodule (fxpipe.pipeline) is
+# imported when it is first named, as importing the API used to import it.
 _LAZY = {"compile": "fxpipe.api", "load_checkpoint": "fxpipe.checkpoint",
          "capture": "fxpipe.frontend.capture", "Program": "fxpipe.program"}
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'fxpipe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
