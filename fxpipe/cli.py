@@ -1,43 +1,32 @@
 """The `fxpipe` command line: compile, inspect, run and benchmark pipelines of any PyTorch model.
 
 Exit status: 0 ok, 1 a failure while running, 2 bad input (an option, a model, a factory).
+
+Only what the parser needs is imported up front (torch-free): each command imports the API and
+tools it runs, so `fxpipe --help` and `fxpipe COMMAND --help` answer without importing torch.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.metadata
 import re
 import shlex
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from tabulate import tabulate
-
-from fxpipe import ir
-from fxpipe.api import compile as compile_program
-from fxpipe.costs import cost_table
+from fxpipe.choices import BALANCE_MODES, MODELS, REMAT_MODES
 from fxpipe.errors import ConfigError, FxPipeError, PipelineRuntimeError
-from fxpipe.frontend.capture import capture
-from fxpipe.models import MODELS, load_factory
-from fxpipe.passes.cost import annotate_costs
-from fxpipe.passes.partition import BALANCE_MODES
-from fxpipe.passes.remat import REMAT_MODES
-from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
-from fxpipe.profile.cache import clear_cache, profile_path
-from fxpipe.program import Program
 from fxpipe.runtime.arguments import program_options_help
-from fxpipe.runtime.folder import program_report
 from fxpipe.runtime.schedule import SCHEDULES
-from fxpipe.runtime.torchrun import plan_run, run_program
-from fxpipe.tools.bench import BenchOptions, run_bench, run_bench_compile
-from fxpipe.tools.bench_partition import run_bench_partition
-from fxpipe.tools.bench_torch import SCHEDULES as TORCH_SCHEDULES
-from fxpipe.tools.demo import run_demo
-from fxpipe.tools.selfcheck import run_selfcheck
 from fxpipe.version import __version__
+
+if TYPE_CHECKING:
+    import torch
+
+    from fxpipe.program import Program
 
 __all__ = ["main"]
 
@@ -147,6 +136,9 @@ def _optimizer(args: argparse.Namespace) -> str | float:
 
 
 def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
+    from fxpipe.api import compile as compile_program
+    from fxpipe.models import load_factory
+
     model, inputs, kwargs, target = load_factory(args.factory, args.set)
     print(f"compiling {type(model).__name__} into {args.stages} stages (capture, costs, "
           "partition, split, remat, codegen) ...", file=sys.stderr, flush=True)
@@ -193,6 +185,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_costs(args: argparse.Namespace) -> int:
+    from fxpipe import ir
+    from fxpipe.costs import cost_table
+    from fxpipe.frontend.capture import capture
+    from fxpipe.models import load_factory
+    from fxpipe.passes.cost import annotate_costs
+    from fxpipe.profile import get_profile
+
     model, inputs, kwargs, _ = load_factory(args.factory, args.set)
     print(f"capturing {type(model).__name__} and costing every node ...", file=sys.stderr,
           flush=True)
@@ -206,6 +205,7 @@ def cmd_costs(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from fxpipe.models import load_factory
     from fxpipe.planner import largest_that_fits, plan
 
     if args.largest:
@@ -239,20 +239,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from fxpipe.runtime.folder import program_report
+
     print(program_report(args.dir, as_json=args.json), end="")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from fxpipe.runtime.torchrun import plan_run, run_program
+
     plan = plan_run(args.dir, args.nproc, args.port, args.program_args)
     return run_program(plan, debug=args.debug)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from fxpipe.tools.demo import run_demo
+
     return run_demo(args.out, nproc=2, steps=args.steps)
 
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
+    from fxpipe.tools.selfcheck import run_selfcheck
+
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if args.quick:
         return run_selfcheck(models, remat=("except_last",), distributed=not args.no_distributed)
@@ -260,23 +268,37 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from fxpipe.tools.bench import BenchOptions, run_bench
+    from fxpipe.tools.bench_torch import SCHEDULES as TORCH_SCHEDULES
+
+    chosen = args.torch_schedules.split(",") if args.torch_schedules else TORCH_SCHEDULES
     return run_bench(BenchOptions(model=args.model, settings=tuple(args.set), stages=args.stages,
                                   chunks=args.chunks, remat=args.remat, steps=args.steps,
                                   warmup=args.warmup, out=args.out, plot=args.plot,
                                   port=args.port, balance=args.balance,
-                                  torch_schedules=tuple(args.torch_schedules.split(","))))
+                                  torch_schedules=tuple(chosen)))
 
 
 def cmd_bench_compile(args: argparse.Namespace) -> int:
+    from fxpipe.tools.bench import run_bench_compile
+
     return run_bench_compile(args.n_layer, args.stages, args.profile)
 
 
 def cmd_bench_partition(args: argparse.Namespace) -> int:
+    from fxpipe.tools.bench_partition import run_bench_partition
+
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     return run_bench_partition(sizes, args.stages, args.out)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+    from tabulate import tabulate
+
+    from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
+    from fxpipe.profile.cache import clear_cache, profile_path
+
     if args.clear:
         removed = clear_cache()
         print(f"removed {removed} cached profiles and balanced cuts from {cache_dir()}")
@@ -317,7 +339,7 @@ def parser() -> argparse.ArgumentParser:
                          "--out prog", "fxpipe run prog --nproc 2 --steps 5",
                          "fxpipe COMMAND --help") + "\n\n" + __doc__.split("\n\n")[1])
     p.add_argument("--version", action="version",
-                   version=f"fxpipe {__version__} (torch {torch.__version__})")
+                   version=f"fxpipe {__version__} (torch {importlib.metadata.version('torch')})")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     # --debug after the command too: every subcommand takes it (SUPPRESS keeps the top's value)
     common = argparse.ArgumentParser(add_help=False)
@@ -454,8 +476,9 @@ def _add_bench_options(b: argparse.ArgumentParser) -> None:
     b.add_argument("--port", type=int, default=29511, help="rendezvous port of the ranks")
     b.add_argument("--balance", default="dynamic", choices=BALANCE_MODES,
                    help="fxpipe's balance mode")
-    b.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
-                   help="torch.distributed.pipelining schedules to race, comma-separated")
+    b.add_argument("--torch-schedules", default=None,
+                   help="torch.distributed.pipelining schedules to race, comma-separated "
+                        "(default: every one fxpipe.tools.bench_torch knows)")
 
 
 def _unknown(p: argparse.ArgumentParser, extra: list[str]) -> None:

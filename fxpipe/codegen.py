@@ -35,7 +35,7 @@ from fxpipe.version import __version__
 __all__ = ["StageHeader", "generate_stage", "load_stage_class"]
 
 _RESERVED = {"self", "comm", "torch", "operator", "math", "checkpoint", "StageModule",
-             "annotations"}
+             "MicrobatchComm", "annotations"}
 _INFIX = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
           operator.floordiv: "//", operator.mod: "%", operator.pow: "**", operator.matmul: "@",
           operator.and_: "&", operator.or_: "|", operator.xor: "^", operator.lshift: "<<",
@@ -51,7 +51,8 @@ _BODY = 8  # indentation of statements inside a method
 
 @dataclass(frozen=True)
 class StageHeader:
-    """Deterministic facts shown at the top of a stage file."""
+    """The facts shown at the top of a stage file: the same command writes the same bytes on
+    every machine, so nothing in it is measured or predicted from a device profile."""
 
     command: str  # how the program was compiled
     runnable: bool  # `command` is a shell command that regenerates the files
@@ -59,7 +60,7 @@ class StageHeader:
     stage: int
     num_stages: int
     span: str
-    lines: tuple[tuple[str, str], ...] = ()  # (label, text): time, params, recv/send, remat ...
+    lines: tuple[tuple[str, str], ...] = ()  # (label, text): flops, params, recv/send, remat ...
     passes: tuple[str, ...] = ()  # the passes that ran, in order
     version: str = __version__
 
@@ -315,7 +316,8 @@ def generate_stage(gm: GraphModule, header: StageHeader, *, class_name: str | No
     lines += ["from __future__ import annotations", ""]
     lines += [f"import {m}" for m in sorted({"torch", *ctx.imports} - {"builtins"})]
     lines += sorted(ctx.from_imports)
-    lines += ["", "from fxpipe.runtime.stage import StageModule, checkpoint", "", ""]
+    lines += ["", "from fxpipe.runtime.comm import MicrobatchComm",
+              "from fxpipe.runtime.stage import StageModule, checkpoint", "", ""]
     lines += [f"class {cls}(StageModule):", *_docstring(doc, 4), ""]
     lines += [f"    STAGE = {header.stage}"]
     lines += _constant("INPUTS", inputs)
@@ -432,12 +434,20 @@ def _regions(nodes: Sequence[Node]) -> dict[str, list[Node]]:
     return regions
 
 
-def _signature(placeholders: list[Node], ctx: _Context) -> list[str]:
-    """`def forward(self, comm, x: "f32[b, 64]", ...):`, wrapped when long."""
-    params = ("self", "comm", *(f"{ctx.names[p]}{_annotation(p)}" for p in placeholders))
-    lines = _format("def forward", _Call("", params), indent=4)
+_COMM = "comm: MicrobatchComm"  # the view of the stage's communication its code is given
+
+
+def _signature(name: str, params: Sequence[str]) -> list[str]:
+    """`def name(self, comm: MicrobatchComm, x: "f32[b, 64]", ...):`, wrapped when long."""
+    lines = _format(f"def {name}", _Call("", ("self", *params)), indent=4)
     lines[-1] += ":"
     return ["    " + line for line in lines]
+
+
+def _parameter(node: Node, ctx: _Context) -> str:
+    """A method's parameter for `node`'s value: its name and, for a tensor, its shape (values
+    cross stages and enter remat regions as tensors; sizes are read again from them)."""
+    return ctx.names[node] + _annotation(node)
 
 
 # (lines, values it uses, values it defines, the grad-mode and autocast regions it runs in)
@@ -484,7 +494,8 @@ def _forward(nodes: list[Node], ctx: _Context) -> list[str]:
             text += _format(f"{ctx.names[node]}{_annotation(node)} = ", expr, indent)
         statements.append((text, set(node.all_input_nodes), [node], mode))
     body = _with_deletes(statements, ctx)
-    return _signature(placeholders, ctx) + [" " * _BODY + line if line else "" for line in body] \
+    params = (_COMM, *(_parameter(p, ctx) for p in placeholders))
+    return _signature("forward", params) + [" " * _BODY + line if line else "" for line in body] \
         + methods
 
 
@@ -563,9 +574,10 @@ def _region(region: str, members: list[Node],
         lines = _format(f"{out_names} = ", call)
     else:
         lines = _format("", call)
-    signature = _format(f"def {region}", _Call("", ("self", *names)), indent=4)
-    signature[-1] += ":"
-    method = ["", *("    " + line for line in signature),
+    params = [_parameter(n, ctx) for n in inputs]
+    if names and names[0] == "comm":
+        params.insert(0, _COMM)
+    method = ["", *_signature(region, params),
               f'        """Remat region {region}: recomputed in the backward pass instead of '
               'saved."""']
     last_where = None

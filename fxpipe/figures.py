@@ -26,7 +26,12 @@ def imbalance(times: Sequence[float]) -> float:
 
 def idle_share(busy: float, ranks: int, step: float) -> float:
     """The bubble: the share of `ranks` ranks' time over a step of `step` seconds that they
-    spend not computing (busy: their compute in the step, all ranks together)."""
+    spend not computing (busy: their compute in the step, all ranks together).
+
+    The one bubble fxpipe prints for a schedule: predicted, the schedule played at the stages'
+    predicted costs (fxpipe.runtime.timeline.predicted_step); measured, a run's step (the
+    bench). GPipe's textbook (S-1)/(M+S-1) is this figure at equal unit costs
+    (fxpipe.runtime.grid.bubble_fraction), not a second one."""
     total = step * ranks
     return min(max(1 - busy / total, 0.0), 1.0) if total > 0 else 0.0
 

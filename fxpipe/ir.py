@@ -107,10 +107,6 @@ class ScalarInfo:
 
     value: Any
 
-    @property
-    def depends_on_batch(self) -> bool:
-        return isinstance(self.value, sympy.Expr) and BATCH in self.value.free_symbols
-
 
 ValueInfo: TypeAlias = TensorInfo | ScalarInfo | tuple["ValueInfo", ...]
 
@@ -240,7 +236,8 @@ def _meta(node: Node, key: str, run_first: str) -> Any:
 
 def value_info(node: Node) -> ValueInfo:
     """What fxpipe.capture recorded about the node's value."""
-    info: ValueInfo = _meta(node, TENSOR, "fxpipe.capture (or passes.shapes.propagate_shapes)")
+    info: ValueInfo = _meta(node, TENSOR,
+                            "fxpipe.capture (or fxpipe.frontend.shapes.propagate_shapes)")
     return info
 
 

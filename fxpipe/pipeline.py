@@ -171,8 +171,7 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
         _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module)
         ran = (*(name for name in timings if name != "codegen"), "codegen")
         with _timed(timings, cpu, "codegen"):
-            stages.append(_generate(g, regions, plan, config, info, model_name, gm, shared, ran,
-                                    profile, corrections))
+            stages.append(_generate(g, regions, plan, config, info, model_name, gm, shared, ran))
     built = Built(gm, plan, stages, shared, profile, config, history, timings,
                   model_name=model_name, corrections=corrections, cpu_timings=cpu)
     if _debug_level():
@@ -297,10 +296,8 @@ def _fixed_bytes(g: StageGraph, optimizer: OptimizerMemory) -> float:
 
 def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
               config: CompileConfig, info: CaptureInfo, model_name: str, captured: GraphModule,
-              shared: dict[str, list[int]], passes: tuple[str, ...],
-              profile: DeviceProfile, corrections: dict[str, float]) -> BuiltStage:
-    header = stage_header(g, regions, plan, config, model_name, shared, passes, profile,
-                          corrected=plan.balance == "dynamic" and bool(corrections))
+              shared: dict[str, list[int]], passes: tuple[str, ...]) -> BuiltStage:
+    header = stage_header(g, regions, plan, config, model_name, shared, passes)
     class_name = f"Stage{g.index}"
     text = codegen.generate_stage(g.graph_module, header, class_name=class_name,
                                   qualnames=captured.meta.get(ir.QUALNAMES, {}))

@@ -128,20 +128,14 @@ def compile_command(config: CompileConfig, model: str) -> tuple[str, bool]:
 
 def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: PartitionPlan,
                  config: CompileConfig, model: str, shared: dict[str, list[int]],
-                 passes: tuple[str, ...], profile: DeviceProfile,
-                 corrected: bool = False) -> StageHeader:
-    """The deterministic facts at the top of a generated stage file."""
+                 passes: tuple[str, ...]) -> StageHeader:
+    """The facts at the top of a generated stage file: what the stage computes, holds and
+    exchanges, the same on every machine. Nothing here comes from the device profile (predicted
+    or measured times): the report says what was predicted, and with which profile."""
     b, k = plan.microbatch_size, len(plan.stages)
     figures = _stage_figures(graph, regions, b)
     stage_plan = plan.stages[graph.index]
-    loads = [stage_load(s.compute_time, s.comm_time) for s in plan.stages]
-    total = sum(loads)
-    share = loads[graph.index] / total if total else 1.0 / k
-    how = "predicted, corrected by measured stage times" if corrected else "predicted"
-    lines = [("time", f"{human_time(loads[graph.index])} per micro-batch, forward + backward "
-                      f"and half its boundaries' traffic ({how}): {share:.1%} of all stages' "
-                      f"time, {1 / k:.1%} if even"),
-             ("profile", f"{profile.name} [{profile.key}]" if profile.key else profile.name)]
+    lines: list[tuple[str, str]] = []
     rank_of = config.placement
     if config.per_rank > 1:
         mine = map(str, stages_on(rank_of, rank_of[graph.index]))
@@ -308,7 +302,7 @@ class Report:
         lines = [f"fxpipe partition of {self.model}: {s['stages']} stages{on} x {s['chunks']} "
                  f"micro-batches of {s['microbatch_size']} (balance={s['balance']}, "
                  f"schedule={s['schedule']})",
-                 f"device profile: {self.profile}", "",
+                 f"times predicted with device profile: {self.profile}", "",
                  tabulate(self.rows(), headers=self.headers(), tablefmt=fmt), "",
                  f"imbalance (slowest / mean stage, compute + half its traffic): "
                  f"{s['imbalance']:.3f}",
@@ -351,8 +345,8 @@ class Report:
                                                     if c['step_time_s'] is not None
                                                     else "does not fit")
                              for c in s["auto_schedules"]) + ")")
-        lines.append("simulated step time by schedule (stage costs, bubble = idle share, "
-                     "most activations a stage keeps at the peak): "
+        lines.append("simulated step time by schedule (stage costs, bubble, most activations "
+                     "a stage keeps at the peak): "
                      + ", ".join(f"{c['schedule']} {human_time(c['step_time_s'])} "
                                  f"(bubble {c['bubble']:.1%}, keeps "
                                  f"{human_bytes(c['kept_bytes'])})" for c in s["schedules"]))

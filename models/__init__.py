@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxpipe.choices import MODELS
 from fxpipe.errors import ConfigError
 
 __all__ = ["MODELS", "load", "load_factory"]
 
-MODELS = ("mlp", "gpt", "resnet", "unet", "branchy", "recurrent")
 
 
 # What makes a model compute the same on any split of its batch, as exact comparisons with the

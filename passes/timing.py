@@ -76,7 +76,7 @@ def measure_times(gm: GraphModule, flat_inputs: Sequence[torch.Tensor], *, micro
                 raise CostError(f"cannot time {node.name} ({node.op} {node.target}) at "
                                 f"micro-batch size {microbatch_size}: {type(e).__name__}: {e}",
                                 hint="check that the graph runs on these inputs "
-                                     "(fxpipe.capture.run_flat)") from e
+                                     "(fxpipe.frontend.capture.run_flat)") from e
             times[node.name] = ir.MeasuredTime(fwd, bwd, b=microbatch_size)
             node.meta[ir.TIME] = times[node.name]
     return times

@@ -48,6 +48,50 @@ def test_help_works_both_ways():
         assert "compile" in result.stdout and "bench-partition" in result.stdout
 
 
+@pytest.mark.parametrize("command", [[], ["compile"], ["run"], ["bench"], ["profile"]])
+def test_help_imports_no_torch(command):
+    """Each command imports what it runs: the parser alone answers --help, without torch."""
+    script = ("import sys\nfrom fxpipe.cli import main\ntry:\n    main(sys.argv[1:])\n"
+              "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script, *command, "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage: fxpipe" in result.stdout
+    assert result.stdout.splitlines()[-1] == "False"
+
+
+def test_the_same_compile_on_two_machines_writes_the_same_stage_files(tmp_path, monkeypatch,
+                                                                    capsys):
+    """`fxpipe compile ... --out DIR` with the profile measured on each machine: two cache
+    folders hold one device's profile measured at different speeds (as two machines would)."""
+    from fxpipe.profile import cache, preset, profile_key
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the cached profile should have been read, not measured again")
+
+    monkeypatch.setattr(cache, "measure", refuse)
+    key = profile_key("cpu", torch.float32)
+    for machine, factor in (("one", 1.0), ("two", 2.5)):
+        slower = preset("a100").scaled(factor)  # and its link too: the same cut, slower
+        measured = dataclasses.replace(slower, key=key, link=slower.link.scaled(factor),
+                                       link_latency=slower.link_latency * factor,
+                                       name=f"measured cpu of machine {machine}",
+                                       source=f"measured on cpu of machine {machine}")
+        monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path / machine / "cache"))
+        cache.clear_memory()
+        path = cache.profile_path(key)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(measured.to_json()))
+        assert main(["compile", "fxpipe.models.mlp:build", "--stages", "2", "--chunks", "4",
+                     "--out", str(tmp_path / machine / "prog")]) == 0
+        assert f"device profile: measured cpu of machine {machine}" in capsys.readouterr().out
+    cache.clear_memory()
+    one, two = tmp_path / "one" / "prog", tmp_path / "two" / "prog"
+    assert (one / "report.txt").read_text() != (two / "report.txt").read_text()
+    for name in ("stage_0.py", "stage_1.py", "program.py"):
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+
+
 def test_compile_prints_the_report_and_writes_the_program(tmp_path, capsys):
     code = main(["compile", "fxpipe.models.mlp:build", "--stages", "2", "--chunks", "4",
                  "--profile", "a100", "--out", str(tmp_path / "prog")])
@@ -448,7 +492,7 @@ def test_memory_limit_takes_a_unit_and_plain_numbers_stay_bytes(size, nbytes, mo
         seen.update(options)
         raise ConfigError("stopped before compiling", hint="none")
 
-    monkeypatch.setattr(cli, "compile_program", compile_program)
+    monkeypatch.setattr("fxpipe.api.compile", compile_program)  # the command imports it
     assert main(["compile", "fxpipe.models.mlp:build", "--memory-limit", size]) == 2
     assert seen["memory_limit"] == nbytes
     entry = " ".join(_help(capsys, "compile").split("--memory-limit SIZE ")[-1]

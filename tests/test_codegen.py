@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import re
 import shlex
@@ -14,6 +15,7 @@ from torch import nn
 import fxpipe
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
+from fxpipe.profile import preset
 from fxpipe.runtime.launch import build_stage
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -61,6 +63,26 @@ def test_golden_files_are_valid_python():
         compile(path.read_text(encoding="utf-8"), str(path), "exec")
 
 
+def test_every_parameter_of_a_generated_method_is_annotated():
+    """forward and the remat regions: comm is the MicrobatchComm the executors pass, a tensor
+    says its shape, as the statements do."""
+    from fxpipe.runtime.comm import MicrobatchComm
+
+    files = sorted(GOLDEN.glob("*/stage_*.py"))
+    remat = 0
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        assert "from fxpipe.runtime.comm import MicrobatchComm" in ast.unparse(tree)
+        for method in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            remat += method.name.startswith("remat_")
+            params = method.args.args[1:]
+            assert all(p.annotation is not None for p in params), f"{path}: {method.name}"
+            assert method.name != "forward" or params[0].arg == "comm"
+            assert all(ast.unparse(p.annotation) == "MicrobatchComm" for p in params
+                       if p.arg == "comm")
+    assert remat >= 5 and MicrobatchComm.__module__ == "fxpipe.runtime.comm"
+
+
 def test_generated_code_is_deterministic():
     first = [s.source for s in _compile("gpt", 2, "except_last", dropout=0.0).stages]
     second = [s.source for s in _compile("gpt", 2, "except_last", dropout=0.0).stages]
@@ -74,6 +96,10 @@ def test_every_generated_stage_compiles(name):
     program = _compile(name, 3, "always")
     for stage in program.stages:
         compile(stage.source, f"stage_{stage.index}.py", "exec")
+        for method in (n for n in ast.walk(ast.parse(stage.source))
+                       if isinstance(n, ast.FunctionDef)):
+            bare = [p.arg for p in method.args.args[1:] if p.annotation is None]
+            assert bare == [], f"stage {stage.index} of {name}: {method.name}"
 
 
 def test_stage_code_reads_like_the_model():
@@ -138,14 +164,40 @@ def test_the_header_is_built_from_facts():
     assert f"fxpipe {fxpipe.__version__}" in header
     assert "Compiled with:" in header  # the Python API gives no command to run again
     assert "fxpipe.compile(GPT(...), stages=2, chunks=4, remat='always'" in header
-    times = [s.compute_time + s.comm_time / 2 for s in program.plan.stages]  # busy per stage
-    assert f"{times[0] / sum(times):.1%} of all stages' time" in header
+    # nothing predicted or measured: that depends on the machine (the report says it)
+    assert "#   profile" not in header and "A100" not in header and " us " not in header
+    assert "predicted" not in header and "of all stages' time" not in header
     assert "wte.weight is also held by stage 1; its gradient is summed over stages 0, 1" in header
     passes = "capture > annotate_costs > partition > split_stages > mark_remat > codegen"
     assert passes in header.replace("\n#           ", " ")
     model, inputs, _ = load_model("resnet")
     deferred = fxpipe.compile(model, inputs, stages=2, profile="a100", deferred_batch_norm=True)
     assert "capture > defer_batch_norm > annotate_costs" in deferred.stages[0].source
+
+
+def test_the_written_stage_files_are_the_same_whatever_the_device_profile_predicts(tmp_path):
+    """The same compile on two machines: one device, measured three times slower on the
+    second. The cut is the same, the predictions differ, and only the report (and program.json,
+    which lists the report's digest and the predicted timeline `--timeline` draws) says so."""
+    fast = preset("a100")
+    slow = dataclasses.replace(fast.scaled(3.0), link=fast.link.scaled(3.0),
+                               link_latency=fast.link_latency * 3.0)  # the same name and cut
+    model, inputs, _ = load_model("mlp")
+    written = {}
+    for name, profile in (("fast", fast), ("slow", slow)):
+        program = fxpipe.compile(model, inputs, stages=3, chunks=4, remat="except_last",
+                                 profile=profile)
+        program.write(str(tmp_path / name), reference_steps=2)
+        written[name] = program
+    plans = [written[name].plan for name in ("fast", "slow")]
+    assert [s.nodes for s in plans[0].stages] == [s.nodes for s in plans[1].stages]
+    assert plans[1].predicted_step_time > 2 * plans[0].predicted_step_time
+    files = sorted(p.name for p in (tmp_path / "fast").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "slow").iterdir())
+    differ = [f for f in files if (tmp_path / "fast" / f).read_bytes()
+              != (tmp_path / "slow" / f).read_bytes()]
+    assert differ == ["program.json", "report.json", "report.txt"]
+    assert {"stage_0.py", "stage_1.py", "stage_2.py", "program.py"} <= set(files)
 
 
 def test_the_command_line_header_is_a_command_that_regenerates_the_program(tmp_path):
@@ -178,10 +230,3 @@ def test_hostile_class_and_parameter_names_give_a_launcher_and_stages_that_compi
             assert f"for {name.strip()}\\n." in ast.get_docstring(tree)  # reads as the name
     stage = build_stage(tmp_path / "prog", 0)
     assert list(stage.PARAMETERS.values()) == ["a\\x00'''.weight", "a\\x00'''.bias"]
-def test_header_shares_and_the_report_imbalance_are_one_measure():
-    program = _compile("gpt", 2, "always", dropout=0.0)
-    shares = [float(re.search(r"([\d.]+)% of all stages' time", s.source).group(1))
-              for s in program.stages]
-    imbalance = program.report().summary()["imbalance"]
-    assert max(shares) / (100 / len(shares)) == pytest.approx(imbalance, abs=2e-3)
-    assert f"{imbalance:.3f}" in program.report().text()

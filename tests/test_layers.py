@@ -14,7 +14,7 @@ PACKAGES = {"fxpipe": ROOT / "fxpipe", "fxpipe.passes": ROOT / "passes",
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors", "fxpipe.version", "fxpipe.files", "fxpipe.source", "fxpipe.savelock",
-     "fxpipe.userfiles", "fxpipe.figures"),  # foundation
+     "fxpipe.userfiles", "fxpipe.figures", "fxpipe.choices"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
      "fxpipe.structure", "fxpipe.checkpoint", "fxpipe.resume", "fxpipe.weights", "fxpipe.untouched",
      "fxpipe.optimizers",

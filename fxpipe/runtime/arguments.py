@@ -6,12 +6,17 @@ import argparse
 import difflib
 import math
 import os
+from typing import TYPE_CHECKING
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.distributed import DEFAULT_DP_BUCKET_BYTES
-from fxpipe.runtime.spec import ProgramSpec
 
-__all__ = ["program_parser", "parse_program_args", "program_options_help"]
+if TYPE_CHECKING:  # torch-free at run time: `fxpipe run --help` lists these options
+    from fxpipe.runtime.spec import ProgramSpec
+
+__all__ = ["program_parser", "parse_program_args", "program_options_help",
+           "DEFAULT_DP_BUCKET_BYTES"]
+
+DEFAULT_DP_BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb
 
 
 def program_parser(spec: ProgramSpec | None) -> argparse.ArgumentParser:

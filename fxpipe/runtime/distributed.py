@@ -20,6 +20,7 @@ the backward, with all ranks agreeing on skipping a step (fxpipe.runtime.amp).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from torch import nn
 from fxpipe import ir
 from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
 from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
+from fxpipe.runtime.arguments import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_device
@@ -69,7 +71,6 @@ from fxpipe.untouched import untouched
 __all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "RankUnit", "split_target",
            "stage_info", "written_recvs"]
 
-DEFAULT_DP_BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb
 
 
 @dataclass
@@ -275,7 +276,7 @@ class DistributedExecutor:
                     args = [to_device(micro[mb][i], self.device) for i in unit.inputs]
                     with self.timeline.span("forward", stage, mb), \
                             seeded_forward(base if unit.random else None, mb, devices[stage]), \
-                            (memory.forward((stage, mb)) if memory else _nothing()):
+                            (memory.forward((stage, mb)) if memory else contextlib.nullcontext()):
                         out = unit.module(view, *args)
                         last = self.is_last(stage)
                         if self.check_finite:
@@ -507,14 +508,6 @@ class DistributedExecutor:
                     param.grad = torch.zeros_like(param)
                 dist.all_reduce(param.grad, group=self.dp_group)
                 param.grad /= self.mesh.replicas
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def stage_info(recvs: Sequence[ir.CommInfo], sends: Sequence[ir.CommInfo],

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.choices import REMAT_MODES
 from fxpipe.errors import FxPipeError, PipelineRuntimeError
 from fxpipe.runtime.amp import AutocastState
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
@@ -35,11 +36,6 @@ __all__ = ["LocalExecutor", "REMAT_MODES", "remat_enabled", "microbatch_seed", "
            "draw_base"]
 
 _RNG_LOCK = threading.Lock()
-
-
-REMAT_MODES = ("never", "always", "except_last", "auto")
-"""What recomputes in backward: no micro-batch, every one, all but the last, or the regions
-passes.remat chose under a memory limit (every micro-batch)."""
 
 
 def remat_enabled(mode: str, microbatch: int, chunks: int) -> bool:

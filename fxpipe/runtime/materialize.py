@@ -31,17 +31,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxpipe.errors import CheckpointError
 from fxpipe.untouched import seeded
 
-__all__ = ["initialize", "seed_for", "is_materialized", "meta_names"]
+__all__ = ["initialize", "seed_for", "meta_names"]
 
 
 def seed_for(seed: int, qualname: str, phase: str) -> int:
     """The RNG seed of one initializer call: a stable hash of the base seed, module and phase."""
     digest = hashlib.sha256(f"{seed}\0{qualname}\0{phase}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def is_materialized(tensors: Sequence[torch.Tensor]) -> bool:
-    return not any(t.is_meta for t in tensors)
 
 
 def meta_names(named: Mapping[str, torch.Tensor]) -> list[str]:

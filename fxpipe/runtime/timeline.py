@@ -62,9 +62,6 @@ class Timeline:
             self.events.append(Event(kind, stage, microbatch, start,
                                      time.perf_counter() - self.origin, detail))
 
-    def to_dicts(self) -> list[EventJSON]:
-        return [e.to_json() for e in self.events]
-
 
 _COMPUTE = ("forward", "backward", "recompute")
 SPLIT_BACKWARD = ("I", "W")  # the detail of a backward span: the input or the weight gradients

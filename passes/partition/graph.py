@@ -22,6 +22,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxpipe import ir
+from fxpipe.choices import BALANCE_MODES
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.figures import imbalance, stage_load
 from fxpipe.optimizers import ADAM, OptimizerMemory
@@ -42,7 +43,6 @@ from fxpipe.runtime.timeline import predicted_step
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "AtomsCache", "atoms_of",
            "measure_atoms", "BALANCE_MODES", "WEIGHT_GRAD_SHARE"]
 
-BALANCE_MODES = ("cost", "time", "params", "dynamic")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 0 of 3 of Branchy: branch1.0 -> branch2.3 (6 ops)
-#   time    130.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 26.3% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   10.43 KFLOP forward per micro-batch
 #   params  10.4 KiB; saved activations 448 B per micro-batch (192 B kept with remat)
 #   send    branch1_1  f32[b, 32]  -> stage 1
@@ -17,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -34,7 +32,7 @@ class Stage0(StageModule):
         'branch2_2_bias': 'branch2.2.bias',
     }
 
-    def forward(self, comm, x: "f32[b, 24]"):
+    def forward(self, comm: MicrobatchComm, x: "f32[b, 24]"):
 
         # remat region remat_0: 6 operations, recomputed in backward instead of saved
         branch1_1, branch2_3 = checkpoint(self.remat_0, x, enabled=comm.remat)
@@ -45,7 +43,7 @@ class Stage0(StageModule):
         del branch2_3
         return None
 
-    def remat_0(self, x):
+    def remat_0(self, x: "f32[b, 24]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/branchy.py:34 in forward: xs = torch.cat([self.branch1(x), self.branch2(x...
         branch1_0: "f32[b, 32]" = torch.nn.functional.linear(

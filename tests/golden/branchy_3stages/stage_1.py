@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 1 of 3 of Branchy: branch3.0 -> branch3.5 (7 ops)
-#   time    155.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 31.3% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   11.65 KFLOP forward per micro-batch
 #   params  11.4 KiB; saved activations 512 B per micro-batch (512 B kept with remat)
 #   recv    branch1_1  f32[b, 32]  <- stage 0
@@ -19,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -36,7 +34,7 @@ class Stage1(StageModule):
         'branch3_4_bias': 'branch3.4.bias',
     }
 
-    def forward(self, comm, x: "f32[b, 24]"):
+    def forward(self, comm: MicrobatchComm, x: "f32[b, 24]"):
         branch1_1: "f32[b, 32]" = comm.recv('branch1_1', src=0)
         branch2_3: "f32[b, 32]" = comm.recv('branch2_3', src=0)
 
@@ -47,7 +45,7 @@ class Stage1(StageModule):
         del cat
         return None
 
-    def remat_0(self, x, branch1_1, branch2_3):
+    def remat_0(self, x: "f32[b, 24]", branch1_1: "f32[b, 32]", branch2_3: "f32[b, 32]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/branchy.py:34 in forward: xs = torch.cat([self.branch1(x), self.branch2(x...
         branch3_0: "f32[b, 32]" = torch.nn.functional.linear(

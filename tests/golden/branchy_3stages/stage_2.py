@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 2 of 3 of Branchy: y_branch.0 -> aux_head (10 ops)
-#   time    210.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 42.4% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   19.59 KFLOP forward per micro-batch
 #   params  18.8 KiB; saved activations 2.1 KiB per micro-batch (840 B kept with remat)
 #   recv    cat  f32[b, 96]  <- stage 1
@@ -16,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -35,7 +33,7 @@ class Stage2(StageModule):
         'aux_head_bias': 'aux_head.bias',
     }
 
-    def forward(self, comm, y: "f32[b, 8]", gate: "f32[b, 1]"):
+    def forward(self, comm: MicrobatchComm, y: "f32[b, 8]", gate: "f32[b, 1]"):
         cat: "f32[b, 96]" = comm.recv('cat', src=1)
 
         # remat region remat_0: 10 operations, recomputed in backward instead of saved
@@ -43,7 +41,7 @@ class Stage2(StageModule):
         del cat, gate, y
         return (head, aux_head)
 
-    def remat_0(self, y, cat, gate):
+    def remat_0(self, y: "f32[b, 8]", cat: "f32[b, 96]", gate: "f32[b, 1]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/branchy.py:35 in forward: ys = self.y_branch(y)
         y_branch_0: "f32[b, 96]" = torch.nn.functional.linear(

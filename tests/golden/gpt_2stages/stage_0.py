@@ -2,9 +2,6 @@
 #   fxpipe.compile(GPT(...), stages=2, chunks=4, remat='always', balance='cost', profile='a100')
 #
 # Stage 0 of 2 of GPT: wte -> blocks.0 (33 ops)
-#   time    250.1 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 49.0% of all stages' time, 50.0% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   7.06 MFLOP forward per micro-batch
 #   params  331.2 KiB; saved activations 258.8 KiB per micro-batch (512 B kept with remat)
 #   send    blocks_0_add_1  f32[b, 32, 64]  -> stage 1
@@ -17,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -42,7 +40,7 @@ class Stage0(StageModule):
         'blocks_0_mlp_c_proj_bias': 'blocks.0.mlp.c_proj.bias',
     }
 
-    def forward(self, comm, idx: "i64[b, 32]"):
+    def forward(self, comm: MicrobatchComm, idx: "i64[b, 32]"):
 
         # remat region remat_0: 33 operations, recomputed in backward instead of saved
         blocks_0_add_1: "f32[b, 32, 64]" = checkpoint(self.remat_0, idx, enabled=comm.remat)
@@ -51,7 +49,7 @@ class Stage0(StageModule):
         del blocks_0_add_1
         return None
 
-    def remat_0(self, idx):
+    def remat_0(self, idx: "i64[b, 32]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/gpt.py:95 in forward: T = idx.size(1)  # must be <= seq_len (wpe raises a...
         idx_size_1 = idx.size(1)

@@ -2,9 +2,6 @@
 #   fxpipe.compile(GPT(...), stages=2, chunks=4, remat='always', balance='cost', profile='a100')
 #
 # Stage 1 of 2 of GPT: blocks.1.ln_1 -> lm_head (28 ops)
-#   time    260.4 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 51.0% of all stages' time, 50.0% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   11.25 MFLOP forward per micro-batch
 #   params  323.8 KiB; saved activations 290.5 KiB per micro-batch (16.0 KiB kept with remat)
 #   recv    blocks_0_add_1  f32[b, 32, 64]  <- stage 0
@@ -17,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -43,7 +41,7 @@ class Stage1(StageModule):
         'wte_weight': 'wte.weight',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         blocks_0_add_1: "f32[b, 32, 64]" = comm.recv('blocks_0_add_1', src=0)
 
         # remat region remat_0: 28 operations, recomputed in backward instead of saved
@@ -51,7 +49,7 @@ class Stage1(StageModule):
         del blocks_0_add_1
         return (lm_head,)
 
-    def remat_0(self, blocks_0_add_1):
+    def remat_0(self, blocks_0_add_1: "f32[b, 32, 64]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/gpt.py:61 in forward: x = x + self.attn(self.ln_1(x))
         blocks_1_ln_1: "f32[b, 32, 64]" = torch.nn.functional.layer_norm(

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 0 of 3 of MLP: proj -> blocks.2 (16 ops)
-#   time    280.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 35.2% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   417.15 KFLOP forward per micro-batch
 #   params  397.5 KiB; saved activations 15.3 KiB per micro-batch (256 B kept with remat)
 #   send    blocks_2_add  f32[b, 64]  -> stage 1
@@ -16,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -47,7 +45,7 @@ class Stage0(StageModule):
         'blocks_2_fc2_bias': 'blocks.2.fc2.bias',
     }
 
-    def forward(self, comm, x: "f32[b, 32]"):
+    def forward(self, comm: MicrobatchComm, x: "f32[b, 32]"):
 
         # remat region remat_0: 16 operations, recomputed in backward instead of saved
         blocks_2_add: "f32[b, 64]" = checkpoint(self.remat_0, x, enabled=comm.remat)
@@ -56,7 +54,7 @@ class Stage0(StageModule):
         del blocks_2_add
         return None
 
-    def remat_0(self, x):
+    def remat_0(self, x: "f32[b, 32]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/mlp.py:34 in forward: return self.head(self.ln_f(self.blocks(self.proj(x))))
         proj: "f32[b, 64]" = torch.nn.functional.linear(x, self.proj_weight, self.proj_bias)

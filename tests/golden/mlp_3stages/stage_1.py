@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 1 of 3 of MLP: blocks.3.ln -> blocks.5 (15 ops)
-#   time    271.3 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 34.1% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   408.96 KFLOP forward per micro-batch
 #   params  389.2 KiB; saved activations 15.0 KiB per micro-batch (512 B kept with remat)
 #   recv    blocks_2_add  f32[b, 64]  <- stage 0
@@ -17,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -46,7 +44,7 @@ class Stage1(StageModule):
         'blocks_5_fc2_bias': 'blocks.5.fc2.bias',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         blocks_2_add: "f32[b, 64]" = comm.recv('blocks_2_add', src=0)
 
         # remat region remat_0: 15 operations, recomputed in backward instead of saved
@@ -56,7 +54,7 @@ class Stage1(StageModule):
         del blocks_5_add
         return None
 
-    def remat_0(self, blocks_2_add):
+    def remat_0(self, blocks_2_add: "f32[b, 64]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/mlp.py:20 in forward: return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
         blocks_3_ln: "f32[b, 64]" = torch.nn.functional.layer_norm(

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 2 of 3 of MLP: blocks.6.ln -> head (12 ops)
-#   time    245.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 30.8% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   276.22 KFLOP forward per micro-batch
 #   params  262.5 KiB; saved activations 11.0 KiB per micro-batch (512 B kept with remat)
 #   recv    blocks_5_add  f32[b, 64]  <- stage 1
@@ -16,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -43,7 +41,7 @@ class Stage2(StageModule):
         'head_bias': 'head.bias',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         blocks_5_add: "f32[b, 64]" = comm.recv('blocks_5_add', src=1)
 
         # remat region remat_0: 12 operations, recomputed in backward instead of saved
@@ -51,7 +49,7 @@ class Stage2(StageModule):
         del blocks_5_add
         return (head,)
 
-    def remat_0(self, blocks_5_add):
+    def remat_0(self, blocks_5_add: "f32[b, 64]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/mlp.py:20 in forward: return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
         blocks_6_ln: "f32[b, 64]" = torch.nn.functional.layer_norm(

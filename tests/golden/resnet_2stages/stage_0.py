@@ -2,9 +2,6 @@
 #   fxpipe.compile(ResNet(...), stages=2, chunks=4, remat='never', balance='cost', profile='a100')
 #
 # Stage 0 of 2 of ResNet: stem.0 -> layers.1 (24 ops)
-#   time    240.1 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 55.2% of all stages' time, 50.0% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   9.17 MFLOP forward per micro-batch
 #   params  76.8 KiB; saved activations 263.1 KiB per micro-batch
 #   send    layers_1_add  f32[b, 32, 8, 8]  -> stage 1
@@ -14,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -63,7 +61,7 @@ class Stage0(StageModule):
         'layers_1_shortcut_1_running_var': 'layers.1.shortcut.1.running_var',
     }
 
-    def forward(self, comm, x: "f32[b, 3, 16, 16]"):
+    def forward(self, comm: MicrobatchComm, x: "f32[b, 3, 16, 16]"):
 
         # fxpipe/models/resnet.py:51 in forward: x = self.pool(self.layers(self.stem(x)))
         stem_0: "f32[b, 16, 16, 16]" = torch.nn.functional.conv2d(

@@ -2,9 +2,6 @@
 #   fxpipe.compile(ResNet(...), stages=2, chunks=4, remat='never', balance='cost', profile='a100')
 #
 # Stage 1 of 2 of ResNet: layers.1 -> fc (16 ops)
-#   time    195.1 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 44.8% of all stages' time, 50.0% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   3.73 MFLOP forward per micro-batch
 #   params  228.0 KiB; saved activations 50.0 KiB per micro-batch
 #   recv    layers_1_add  f32[b, 32, 8, 8]  <- stage 0
@@ -14,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -47,7 +45,7 @@ class Stage1(StageModule):
         'layers_2_shortcut_1_running_var': 'layers.2.shortcut.1.running_var',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         layers_1_add: "f32[b, 32, 8, 8]" = comm.recv('layers_1_add', src=0)
 
         # fxpipe/models/resnet.py:29 in forward: return F.relu(out + self.shortcut(x))

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 0 of 3 of UNet: enc1.block.net.0 -> enc3.block.net.4 (19 ops)
-#   time    291.6 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 34.2% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   12.17 MFLOP forward per micro-batch
 #   params  83.2 KiB; saved activations 688.4 KiB per micro-batch (24.0 KiB kept with remat)
 #   send    enc1_block_net_5  f32[b, 8, 32, 32]  -> stage 2
@@ -19,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -58,7 +56,7 @@ class Stage0(StageModule):
         'enc3_block_net_4_bias': 'enc3.block.net.4.bias',
     }
 
-    def forward(self, comm, x: "f32[b, 3, 32, 32]"):
+    def forward(self, comm: MicrobatchComm, x: "f32[b, 3, 32, 32]"):
 
         # remat region remat_0: 19 operations, recomputed in backward instead of saved
         enc1_block_net_5, enc2_block_net_5, enc3_block_net_4 = checkpoint(
@@ -72,7 +70,7 @@ class Stage0(StageModule):
         del enc3_block_net_4
         return None
 
-    def remat_0(self, x):
+    def remat_0(self, x: "f32[b, 3, 32, 32]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/unet.py:24 in forward: return self.net(x)
         enc1_block_net_0: "f32[b, 8, 32, 32]" = torch.nn.functional.conv2d(

@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 1 of 3 of UNet: enc3.block.net.5 -> dec3.block.net.4 (15 ops)
-#   time    262.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 30.8% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   11.89 MFLOP forward per micro-batch
 #   params  394.5 KiB; saved activations 180.2 KiB per micro-batch (16.0 KiB kept with remat)
 #   recv    enc3_block_net_4  f32[b, 32, 8, 8]  <- stage 0
@@ -18,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -49,7 +47,7 @@ class Stage1(StageModule):
         'dec3_block_net_4_bias': 'dec3.block.net.4.bias',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         enc3_block_net_4: "f32[b, 32, 8, 8]" = comm.recv('enc3_block_net_4', src=0)
 
         # remat region remat_0: 15 operations, recomputed in backward instead of saved
@@ -60,7 +58,7 @@ class Stage1(StageModule):
         del dec3_block_net_4
         return None
 
-    def remat_0(self, enc3_block_net_4):
+    def remat_0(self, enc3_block_net_4: "f32[b, 32, 8, 8]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/unet.py:24 in forward: return self.net(x)
         enc3_block_net_5: "f32[b, 32, 8, 8]" = torch.nn.functional.silu(

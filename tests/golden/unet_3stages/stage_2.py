@@ -3,9 +3,6 @@
 #     profile='a100')
 #
 # Stage 2 of 3 of UNet: dec3.block.net.5 -> out (18 ops)
-#   time    298.0 us per micro-batch, forward + backward and half its boundaries' traffic
-#             (predicted): 35.0% of all stages' time, 33.3% if even
-#   profile NVIDIA A100 SXM4 (fp32) [a100:fp32]
 #   flops   15.96 MFLOP forward per micro-batch
 #   params  44.5 KiB; saved activations 800.2 KiB per micro-batch (112.0 KiB kept with remat)
 #   recv    enc1_block_net_5  f32[b, 8, 32, 32]  <- stage 0
@@ -18,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.stage import StageModule, checkpoint
 
 
@@ -51,7 +49,7 @@ class Stage2(StageModule):
         'out_bias': 'out.bias',
     }
 
-    def forward(self, comm):
+    def forward(self, comm: MicrobatchComm):
         enc1_block_net_5: "f32[b, 8, 32, 32]" = comm.recv('enc1_block_net_5', src=0)
         enc2_block_net_5: "f32[b, 16, 16, 16]" = comm.recv('enc2_block_net_5', src=0)
         dec3_block_net_4: "f32[b, 32, 8, 8]" = comm.recv('dec3_block_net_4', src=1)
@@ -62,7 +60,9 @@ class Stage2(StageModule):
         del dec3_block_net_4, enc1_block_net_5, enc2_block_net_5
         return (out,)
 
-    def remat_0(self, dec3_block_net_4, enc2_block_net_5, enc1_block_net_5):
+    def remat_0(
+        self, dec3_block_net_4: "f32[b, 32, 8, 8]", enc2_block_net_5: "f32[b, 16, 16, 16]",
+        enc1_block_net_5: "f32[b, 8, 32, 32]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/unet.py:24 in forward: return self.net(x)
         dec3_block_net_5: "f32[b, 32, 8, 8]" = torch.nn.functional.silu(
