@@ -1,7 +1,8 @@
 """What compiling produces: the captured graph, the partition plan and the generated stages.
 
 A `Built` is plain data that the report, the writer, the checkpoint naming and the executors
-read; `fxpipe.pipeline.build` makes it.
+read; `fxpipe.pipeline.build` makes it. Its `spec` is the runtime plan (fxpipe.runtime.spec):
+what everything after the compiler runs by, the one home of chunks, schedule and remat there.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fxpipe.passes.partition import BalanceRound, PartitionPlan
 from fxpipe.passes.remat import RematRegion
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
+from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.signature import Signature
 
 __all__ = ["Snapshot", "BuiltStage", "Built"]
@@ -31,16 +33,14 @@ class Snapshot:
 
 @dataclass
 class BuiltStage:
-    """One stage: its graph (with send/recv), remat regions and generated source."""
+    """One stage as the compiler made it: its graph (with send/recv), remat regions and
+    generated source. What the runtime reads of it is in Built.spec.stages."""
 
     index: int
     graph_module: GraphModule
     source: str
-    class_name: str
     regions: list[RematRegion]
     graph: StageGraph
-    random: bool  # draws random numbers: each micro-batch then gets its own RNG stream
-    input_indexes: tuple[int, ...]  # which flat model inputs the stage reads
 
 
 @dataclass
@@ -50,9 +50,9 @@ class Built:
     captured: GraphModule  # the whole graph, with costs and stages on its nodes
     plan: PartitionPlan
     stages: list[BuiltStage]
-    shared: dict[str, list[int]]  # tied parameter -> the stages that hold it
     profile: DeviceProfile
-    config: CompileConfig  # with chunks resolved
+    config: CompileConfig  # with the schedule resolved
+    spec: ProgramSpec  # the runtime plan
     history: list[Snapshot] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per pass
     model_name: str = ""  # the model's class name, as stage headers show it
@@ -73,6 +73,11 @@ class Built:
         return self.capture_info.signature
 
     @property
+    def shared(self) -> dict[str, list[int]]:
+        """Tied parameter -> the stages that hold it."""
+        return self.spec.shared
+
+    @property
     def edges(self) -> list[tuple[str, int, int]]:
         """Every (value, src stage, dst stage) that crosses stages, sorted."""
-        return sorted({(c.tag, s.index, c.peer) for s in self.stages for c in s.graph.sends})
+        return list(self.spec.edges)

@@ -180,7 +180,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.out:
         files = program.write(args.out, target=target)
         print(f"\nwrote {len(files)} files to {args.out}/ (run: fxpipe run {args.out} "
-              f"--nproc {program.built.config.ranks})")
+              f"--nproc {program.built.spec.ranks})")
     return 0
 
 

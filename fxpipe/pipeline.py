@@ -45,7 +45,9 @@ from fxpipe.report import stage_header
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.rank import devices_for_stages
 from fxpipe.runtime.schedule import SCHEDULES, stages_per_rank_for
-from fxpipe.runtime.timeline import predicted_step
+from fxpipe.runtime.spec import ProgramSpec
+from fxpipe.runtime.stagespec import StageSpec
+from fxpipe.runtime.timeline import predicted_events, predicted_step
 
 __all__ = ["build", "rebuild", "PlanAgreement"]
 
@@ -130,13 +132,14 @@ def rebuild(built: Built, corrections: Mapping[str, float], *,
     stage), then splits, remats and generates as build() does. The number of micro-batches
     stays the one `built` runs with."""
     gm = built.captured
+    config = replace(built.config, chunks=built.spec.chunks)
     for node in ir.compute_nodes(gm.graph):
         node.meta.pop(ir.STAGE, None)
     history = [s for s in built.history if not s.after.startswith("split_stages")]
     again = ("partition", "split_stages", "mark_remat", "codegen")
     timings = {k: v for k, v in built.timings.items() if k not in again}
     cpu = {k: v for k, v in built.cpu_timings.items() if k not in again}
-    return _stages(gm, built.config, built.profile, built.model_name, history, timings, agree,
+    return _stages(gm, config, built.profile, built.model_name, history, timings, agree,
                    dict(corrections), starts, cpu=cpu)
 
 
@@ -151,7 +154,6 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
         if agree is not None:
             plan = agree(gm, plan)
         ir.verify(gm, after="partition")
-    config = replace(config, chunks=plan.chunks)
     # Stage graphs are new modules: the captured graph stays whole for reports and checks.
     with _timed(timings, cpu, "split_stages"):
         graphs = split_stages(gm, config.stages)
@@ -171,8 +173,9 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
         _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module)
         ran = (*(name for name in timings if name != "codegen"), "codegen")
         with _timed(timings, cpu, "codegen"):
-            stages.append(_generate(g, regions, plan, config, info, model_name, gm, shared, ran))
-    built = Built(gm, plan, stages, shared, profile, config, history, timings,
+            stages.append(_generate(g, regions, plan, config, model_name, gm, shared, ran))
+    spec = _runtime_plan(graphs, plan, config, info, model_name, shared)
+    built = Built(gm, plan, stages, profile, config, spec, history, timings,
                   model_name=model_name, corrections=corrections, cpu_timings=cpu)
     if _debug_level():
         print("[fxpipe] " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
@@ -295,14 +298,35 @@ def _fixed_bytes(g: StageGraph, optimizer: OptimizerMemory) -> float:
 
 
 def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
-              config: CompileConfig, info: CaptureInfo, model_name: str, captured: GraphModule,
+              config: CompileConfig, model_name: str, captured: GraphModule,
               shared: dict[str, list[int]], passes: tuple[str, ...]) -> BuiltStage:
     header = stage_header(g, regions, plan, config, model_name, shared, passes)
-    class_name = f"Stage{g.index}"
-    text = codegen.generate_stage(g.graph_module, header, class_name=class_name,
+    text = codegen.generate_stage(g.graph_module, header, class_name=_class_name(g.index),
                                   qualnames=captured.meta.get(ir.QUALNAMES, {}))
+    return BuiltStage(g.index, g.graph_module, text, regions, g)
+
+
+def _class_name(index: int) -> str:
+    """The class a stage's generated code defines."""
+    return f"Stage{index}"
+
+
+def _runtime_plan(graphs: Sequence[StageGraph], plan: PartitionPlan, config: CompileConfig,
+                  info: CaptureInfo, model_name: str,
+                  shared: dict[str, list[int]]) -> ProgramSpec:
+    """What everything after the compiler runs by: made here once (the runtime's one road to
+    chunks, schedule and remat), written as program.json as it is."""
     names = [leaf.name for leaf in info.signature.tensor_leaves]
-    indexes = tuple(names.index(n) for n in g.inputs)
-    random = g.carries_rng or any(ir.cost(n).random for n in
-                                  ir.compute_nodes(g.graph_module.graph) if ir.COST in n.meta)
-    return BuiltStage(g.index, g.graph_module, text, class_name, regions, g, random, indexes)
+    stages = tuple(StageSpec(
+        g.index, f"stage_{g.index}.py", _class_name(g.index),
+        tuple(names.index(n) for n in g.inputs),
+        g.carries_rng or any(ir.cost(n).random for n in ir.compute_nodes(g.graph_module.graph)
+                             if ir.COST in n.meta),
+        g.recvs, g.sends) for g in graphs)
+    edges = tuple(sorted({(c.tag, st.index, c.peer) for st in stages for c in st.sends}))
+    return ProgramSpec(
+        model=model_name, stages=stages, chunks=plan.chunks, remat=config.remat,
+        schedule=config.schedule, signature=info.signature, shared=shared, edges=edges,
+        autocast=config.autocast, stages_per_rank=config.per_rank,
+        predicted_events=tuple(e.to_json() for e in predicted_events(
+            plan, config.schedule, config.ranks)))

@@ -32,7 +32,7 @@ from fxpipe.errors import (
     RuntimeInputError,
 )
 from fxpipe.frontend.meta import is_meta_model
-from fxpipe.held import HeldStages, Stage, held_tensors, hold_stages
+from fxpipe.held import Stage, held_tensors, hold_built, stage_views
 from fxpipe.losses import LossFn, default_loss, loss_name, resolve_loss
 from fxpipe.passes.partition import BalanceRound, PartitionPlan
 from fxpipe.pipeline import build, rebuild
@@ -57,6 +57,7 @@ from fxpipe.reference import (
 from fxpipe.report import Report, build_report, predicted_kept
 from fxpipe.resume import fit_state, restore_optimizer
 from fxpipe.runtime.amp import compiled_autocast
+from fxpipe.runtime.hold import HeldStages, RunSettings, local_loss
 from fxpipe.runtime.loading import load_named
 from fxpipe.runtime.local import LocalExecutor
 from fxpipe.runtime.materialize import initialize
@@ -127,8 +128,9 @@ class Program(nn.Module):
             self._local.close()
             self._local = None
         self._classes = [codegen.load_stage_class(s.source, f"<fxpipe stage {s.index}>",
-                                                  s.class_name) for s in built.stages]
-        self._mesh = mesh_of_world(built.config.placement) if device is not None else None
+                                                  runs.class_name)
+                         for s, runs in zip(built.stages, built.spec.stages)]
+        self._mesh = mesh_of_world(built.spec.placement) if device is not None else None
         self._device = device
         self._instantiate(graph_tensors(built.captured))
 
@@ -215,8 +217,8 @@ class Program(nn.Module):
                 if self._rank is not None:
                     return measure_ranks(self._rank, flat, target, loss_fn, steps)
                 executor = self._local_executor("balancing")
-                return measure_local(executor, current.signature, current.plan.chunks,
-                                     self.config.remat, flat, target, loss_fn, steps)
+                return measure_local(executor, current.signature, current.spec.chunks,
+                                     current.spec.remat, flat, target, loss_fn, steps)
 
         show = verbose and (device is None or dist.get_rank() == 0)
         after = balance_by_measurement(
@@ -242,11 +244,14 @@ class Program(nn.Module):
         if self._rank is not None:  # its hooks go; its process groups stay in the cache
             self._rank.close()
             self._rank = None
-        held = hold_stages(self._require_built("stages"), self._classes, self.config, tensors,
-                           self._mesh, self._device, self._groups)
+        built = self._require_built("stages")
+        settings = RunSettings(self.config.check_finite, self.config.dp_bucket_mb,
+                               self.config.devices)
+        held = hold_built(built, self._classes, settings, tensors, self._mesh, self._device,
+                          self._groups)
         self._held = held
         self.stage_modules = nn.ModuleList(held.modules)
-        self._stage_views = held.views
+        self._stage_views = stage_views(built, held)
         self._local, self._rank, self._meta = held.local, held.rank, held.meta
 
     def _require_built(self, what: str) -> Built:
@@ -398,11 +403,9 @@ class Program(nn.Module):
             self.measured["last_step_events"] = result.events
             self.measured["kept_bytes"] = result.kept_bytes
             return loss
+        executor = self._local_executor("calling a program")
         with compiled_autocast(self.config.autocast, self.devices):
-            output = self(*args, **kwargs)
-            if target is not None:  # where the last stage put the outputs
-                target = target.to(self.devices[-1], non_blocking=True)
-            value = loss_fn(output, target) if target is not None else loss_fn(output)
+            value = local_loss(executor, self._last_batch[0], target, loss_fn)
         torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
 
@@ -489,12 +492,12 @@ class Program(nn.Module):
                                                    "on the meta device reads only their shapes)")
         name = loss_name(loss_fn)
         meta_model = is_meta_model(self.model)
-        draws_random = any(st.random for st in built.stages)
+        draws_random = not built.spec.deterministic
 
         def recorded(replicas: int) -> list[float]:
             return reference_losses(self.model, built.signature, self._example, target,
                                     resolve_loss(name), reference_steps, lr,
-                                    chunks=built.plan.chunks, draws_random=draws_random,
+                                    chunks=built.spec.chunks, draws_random=draws_random,
                                     device=reference_device(self.model, self.devices[0]),
                                     autocast=self.config.autocast, replicas=replicas)
 
@@ -503,7 +506,7 @@ class Program(nn.Module):
         split_dependent = depends_on_split(self.model, draws_random)
         by_replicas: dict[int, list[float]] = {}
         for replicas in replica_counts(built.signature.batch_size(self._example),
-                                       built.plan.chunks) if reference and split_dependent else []:
+                                       built.spec.chunks) if reference and split_dependent else []:
             try:
                 by_replicas[replicas] = recorded(replicas)
             except (RuntimeError, ValueError):  # e.g. BatchNorm of one example a micro-batch:

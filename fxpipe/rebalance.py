@@ -158,7 +158,7 @@ so cuts kept by an earlier rule are measured again."""
 def balance_key(built: Built, world: int) -> str:
     """What a balanced cut depends on: the graph, the options, the device, the processes."""
     config = built.config
-    parts = [built.captured.code, built.model_name, str(config.stages), str(config.chunks),
+    parts = [built.captured.code, built.model_name, str(config.stages), str(built.spec.chunks),
              config.remat, config.schedule, str(config.per_rank), repr(config.devices),
              repr(config.memory_limit),
              built.profile.key or built.profile.name, str(world), torch.__version__, __version__,
@@ -402,9 +402,9 @@ def measure_ranks(rank: RankStage, flat: list[torch.Tensor], target: torch.Tenso
         if i:
             for s in held:
                 samples[s].append([busy_time([e for e in result.events if e.microbatch == mb],
-                                             s) for mb in range(rank.chunks)])
+                                             s) for mb in range(rank.spec.chunks)])
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [(s, robust_time(samples[s], rank.remat)) for s in held])
+    dist.all_gather_object(everyone, [(s, robust_time(samples[s], rank.spec.remat)) for s in held])
     per_stage: dict[int, list[float]] = {}
     for stage, seconds in (pair for mine in everyone for pair in mine):
         per_stage.setdefault(stage, []).append(seconds)

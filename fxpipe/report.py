@@ -410,12 +410,12 @@ def predicted_kept(built: Built) -> list[float]:
     """Activation bytes each stage holds after all forwards of a GPipe step (its peak; what
     program.measure_activations measures), as fxpipe.figures.kept_at_peak counts them."""
     plan = built.plan
-    m, b = plan.chunks, plan.microbatch_size
+    m, b = built.spec.chunks, plan.microbatch_size
     out = []
     for st in built.stages:
         figures = _stage_figures(st.graph, st.regions, b)
         out.append(kept_at_peak(figures["saved"], figures["kept_with_remat"],
-                                built.config.remat, m, m))
+                                built.spec.remat, m, m))
     return out
 
 
@@ -424,9 +424,9 @@ def communication(built: Built, replicas: int = 1) -> dict[str, float]:
     one pipeline, the data-parallel gradient all-reduce per replica (ring: 2(R-1)/R of each
     stage's gradients) and the tied-weight gradient all-reduce."""
     plan = built.plan
-    m = plan.chunks
+    m = built.spec.chunks
     b = max(1, plan.microbatch_size // replicas)  # each replica pipelines its share of the batch
-    rank_of = built.config.placement
+    rank_of = built.spec.placement
     p2p = 0.0
     for st in built.stages:
         for c in st.graph.sends:
@@ -483,8 +483,8 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
     head, sep, method = profile.source.partition(": ")
     how = method if sep and head.startswith("measured on ") else profile.source
     return Report(model, plan, stages, f"{which} ({how})",
-                  built.config.schedule, shared=dict(built.shared),
+                  built.spec.schedule, shared=dict(built.spec.shared),
                   mesh=mesh.describe() if mesh is not None else [],
                   comm=communication(built, replicas), rounds=list(built.rounds),
-                  stages_per_rank=built.config.per_rank, remat=built.config.remat,
+                  stages_per_rank=built.spec.stages_per_rank, remat=built.spec.remat,
                   optimizer=built.config.optimizer.describe())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -22,8 +22,7 @@ from fxpipe.files import atomic_save, atomic_write, replace_folder, write_failed
 from fxpipe.report import Report
 from fxpipe.runtime.folder import file_digest, is_program
 from fxpipe.runtime.imports import ProgramCode, source_folders
-from fxpipe.runtime.spec import comm_to_json, signature_to_json
-from fxpipe.runtime.timeline import predicted_events
+from fxpipe.runtime.spec import ProgramSpec, signature_to_json
 from fxpipe.source import safe_docstring
 from fxpipe.state import StateNames
 from fxpipe.structure import Structure
@@ -156,9 +155,9 @@ def _check_replaceable(directory: str) -> None:
 def _write_files(built: Built, folder: str, files: ProgramFiles, target: str) -> list[str]:
     """Every file of the program in `folder`, program.json (with the others' sha256) last."""
     names = []
-    for st in built.stages:
-        names.append(f"stage_{st.index}.py")
-        atomic_write(os.path.join(folder, names[-1]), st.source)
+    for st, runs in zip(built.stages, built.spec.stages):
+        names.append(runs.file)
+        atomic_write(os.path.join(folder, runs.file), st.source)
     code = _program_code(built, files, target)
     texts = {
         "program.py": LAUNCHER.format(version=__version__, model=safe_docstring(files.model_name),
@@ -175,7 +174,7 @@ def _write_files(built: Built, folder: str, files: ProgramFiles, target: str) ->
                 os.path.join(folder, "batch.pt"))
     names.append("batch.pt")
     digests = {name: file_digest(os.path.join(folder, name)) for name in sorted(names)}
-    spec = {**_spec(built, files), "files": digests}
+    spec = {**_spec(built, files).to_json(), "files": digests}
     atomic_write(os.path.join(folder, "program.json"),
                  json.dumps(spec, indent=2, sort_keys=True) + "\n")
     return [*names, "program.json"]
@@ -229,28 +228,12 @@ def write_weights(directory: str, files: ProgramFiles) -> list[str]:
     return [os.path.join(directory, name) for name in ["weights.json", *paths.values()] if name]
 
 
-def _spec(built: Built, files: ProgramFiles) -> dict[str, object]:
-    """program.json: what the launcher needs, as plain JSON (fxpipe.runtime.spec reads it)."""
-    per_rank = built.config.per_rank
-    return {
-        **({"stages_per_rank": per_rank} if per_rank > 1 else {}),
-        "fxpipe": __version__, "model": files.model_name,
-        "chunks": built.plan.chunks, "remat": built.config.remat,
-        "schedule": built.config.schedule, "signature": signature_to_json(built.signature),
-        "stages": [{"index": st.index, "file": f"stage_{st.index}.py", "class_name": st.class_name,
-                    "inputs": list(st.input_indexes), "random": st.random,
-                    "recvs": [comm_to_json(c) for c in st.graph.recvs],
-                    "sends": [comm_to_json(c) for c in st.graph.sends]} for st in built.stages],
-        "shared": built.shared, "edges": [list(e) for e in built.edges],
-        "loss": files.loss, "lr": files.lr, "reference_losses": files.reference_losses,
-        "deterministic": not any(st.random for st in built.stages),
-        "aliases": files.names.to_json(),
-        "structure": None if files.structure is None else files.structure.to_json(),
-        "autocast": built.config.autocast,
-        "predicted_events": [e.__dict__ for e in predicted_events(
-            built.plan, built.config.schedule, built.config.ranks)],
-        **({"split_dependent": True,
-            "replica_reference_losses": {str(r): losses for r, losses in
-                                         sorted(files.replica_reference_losses.items())}}
-           if files.split_dependent else {}),
-    }
+def _spec(built: Built, files: ProgramFiles) -> ProgramSpec:
+    """The runtime plan with what this program records besides: program.json holds it."""
+    return replace(
+        built.spec, model=files.model_name, loss=files.loss, lr=files.lr,
+        reference_losses=tuple(files.reference_losses), aliases=files.names.to_json(),
+        structure=files.structure,
+        replica_reference_losses={r: tuple(v) for r, v in files.replica_reference_losses.items()}
+        if files.split_dependent else {},
+        split_dependent=files.split_dependent)

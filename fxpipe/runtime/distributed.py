@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe import ir
 from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
 from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
 from fxpipe.runtime.arguments import DEFAULT_DP_BUCKET_BYTES
@@ -61,29 +60,15 @@ from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.overlap import ReplicaAverager
 from fxpipe.runtime.plan import Tick, plan_rank
 from fxpipe.runtime.schedule import make_schedule, stage_ranks
-from fxpipe.runtime.stage import StageModule
+from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.runtime.strict import make_transport
 from fxpipe.runtime.timeline import Event
 from fxpipe.runtime.transport import Transport
 from fxpipe.signature import Signature
 from fxpipe.untouched import untouched
 
-__all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "RankUnit", "split_target",
-           "stage_info", "written_recvs"]
+__all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "split_target"]
 
-
-
-@dataclass
-class RankUnit:
-    """One stage this rank runs: its module and how it is wired into the pipeline."""
-
-    index: int
-    module: StageModule
-    inputs: tuple[int, ...]  # the flat model inputs it reads
-    comm_info: dict[tuple[str, int, int], Any]  # (value, src, dst) -> value info, its messages
-    random: bool
-    graph: Any = None  # the stage GraphModule when known (names the node of a NaN/Inf)
-    written: frozenset[tuple[str, int, int]] = frozenset()  # its receives it writes into
 
 
 @dataclass
@@ -111,7 +96,7 @@ def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
 class DistributedExecutor:
     """Runs this rank's stages of the program (one, or several under a looped schedule)."""
 
-    def __init__(self, *, units: Sequence[RankUnit], mesh: Mesh, signature: Signature,
+    def __init__(self, *, units: Sequence[HeldStage], mesh: Mesh, signature: Signature,
                  edges: Sequence[tuple[str, int, int]], device: torch.device,
                  pp_group: Any = None, shared: dict[str, list[int]] | None = None,
                  shared_groups: dict[str, Any] | None = None,
@@ -120,8 +105,9 @@ class DistributedExecutor:
         self.units = {u.index: u for u in units}
         self.mesh = mesh
         self.signature = signature
-        self.comm_info = {k: v for u in units for k, v in u.comm_info.items()}
-        self.written = frozenset(e for u in units for e in u.written)
+        self.comm_info = {k: v for u in units for k, v in u.spec.messages.items()}
+        self.written = frozenset((c.tag, c.peer, u.spec.index) for u in units
+                                 for c in u.spec.recvs if c.written)  # receives written into
         self.edges = list(edges)  # every (tag, src, dst) of the program: the same tags on all ranks
         self.random = any(u.random for u in units)
         self.device = device
@@ -510,14 +496,3 @@ class DistributedExecutor:
                 param.grad /= self.mesh.replicas
 
 
-def stage_info(recvs: Sequence[ir.CommInfo], sends: Sequence[ir.CommInfo],
-               stage: int) -> dict[tuple[str, int, int], ir.ValueInfo]:
-    """(tag, src, dst) -> value info for this stage's messages."""
-    info = {(c.tag, c.peer, stage): c.value for c in recvs}
-    info.update({(c.tag, stage, c.peer): c.value for c in sends})
-    return info
-
-
-def written_recvs(recvs: Sequence[ir.CommInfo], stage: int) -> frozenset[tuple[str, int, int]]:
-    """(tag, src, dst) of the receives this stage writes into in place (ir.CommInfo.written)."""
-    return frozenset((c.tag, c.peer, stage) for c in recvs if c.written)

@@ -25,19 +25,13 @@ from fxpipe.runtime.arguments import parse_program_args
 from fxpipe.runtime.backend import choose_backend
 from fxpipe.runtime.data import user_batches
 from fxpipe.runtime.folder import check_program
+from fxpipe.runtime.hold import RunSettings, hold_stages, local_loss
 from fxpipe.runtime.imports import code_of_launcher, import_folders, program_loss
-from fxpipe.runtime.local import LocalExecutor, LocalStage
-from fxpipe.runtime.mesh import limit_waits, make_groups
-from fxpipe.runtime.rank import (
-    StageWiring,
-    devices_for_stages,
-    mesh_of_world,
-    rank_device,
-    setup_rank,
-)
+from fxpipe.runtime.mesh import GroupCache, limit_waits, make_groups
+from fxpipe.runtime.rank import mesh_of_world, rank_device
 from fxpipe.runtime.schedule import stages_on
 from fxpipe.runtime.spec import REWRITE_HINT, ProgramSpec
-from fxpipe.runtime.stage import StageModule, share_tied
+from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.timeline import Event, write_chrome_trace
 from fxpipe.runtime.written import check_written, stage_tensors
 from fxpipe.state import StateNames
@@ -213,26 +207,21 @@ def _local(folder: Path, spec: ProgramSpec, args: argparse.Namespace
            ) -> tuple[StepFn, int, list[StageModule], list[torch.device]]:
     classes = [_stage_class(folder, spec, s.index) for s in spec.stages]
     weights = _tensors(folder, spec, classes, torch.device("cpu"), args)
-    stages = []
-    for s, cls, device in zip(spec.stages, classes, devices_for_stages(spec.placement)):
-        stages.append(LocalStage(cls(weights), device, s.inputs, s.random))
-    share_tied([st.module for st in stages])
-    placed: set[int] = set()  # the GPUs this process sees, in turn (else the CPU)
-    for st in stages:
-        st.module.place(st.device, placed)
-    executor = LocalExecutor(stages, spec.signature, spec.chunks, spec.remat,
-                             check_finite=args.check_finite)
+    held = hold_stages(spec, lambda s: classes[s](weights), _settings(args))
+    executor = held.local
+    assert executor is not None  # the weights are real
 
     def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
              scaler: torch.amp.GradScaler) -> tuple[float, bool]:
-        outputs = spec.signature.unflatten_outputs(executor.run(inputs))
-        if target is not None:
-            target = target.to(stages[-1].device)
-        loss = loss_fn(outputs, target) if target is not None else loss_fn(outputs)
+        loss = local_loss(executor, inputs, target, loss_fn)
         torch.autograd.backward(scaler.scale(loss))
         return float(loss.detach()), False  # one process: its scaler sees every gradient
 
-    return step, 0, [st.module for st in stages], sorted({st.device for st in stages}, key=str)
+    return step, 0, held.modules, sorted(set(held.devices), key=str)
+
+
+def _settings(args: argparse.Namespace) -> RunSettings:
+    return RunSettings(check_finite=args.check_finite, dp_bucket_mb=args.dp_bucket_mb)
 
 
 def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
@@ -250,21 +239,14 @@ def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
     dist.init_process_group(backend, timeout=timedelta(seconds=start),
                             device_id=device if device.type == "cuda" else None)
     mesh = mesh_of_world(spec.placement)
-    groups = make_groups(mesh, spec.shared, device.type)
-    mine = [spec.stages[s] for s in mesh.held]
-    classes = [_stage_class(folder, spec, st.index) for st in mine]
-    weights = _tensors(folder, spec, classes, device, args)  # these stages' tensors only
-    modules = [cls(weights) for cls in classes]
-    share_tied(modules)
-    placed: set[int] = set()
-    for module in modules:
-        module.place(device, placed)
-    rank_stage = setup_rank(
-        [(module, StageWiring(st.index, st.inputs, st.recvs, st.sends, st.random), None)
-         for module, st in zip(modules, mine)],
-        mesh=mesh, groups=groups, device=device, signature=spec.signature, edges=spec.edges,
-        shared=spec.shared, chunks=spec.chunks, remat=spec.remat, schedule=spec.schedule,
-        check_finite=args.check_finite, dp_bucket_mb=args.dp_bucket_mb)
+    cache = GroupCache()
+    groups = make_groups(mesh, spec.shared, device.type, cache)  # before the load: collective
+    classes = {s: _stage_class(folder, spec, s) for s in mesh.held}
+    weights = _tensors(folder, spec, list(classes.values()), device, args)  # these stages' only
+    held = hold_stages(spec, lambda s: classes[s](weights), _settings(args), mesh=mesh,
+                       device=device, groups=cache)
+    rank_stage = held.rank
+    assert rank_stage is not None  # the weights are real
     limit_waits(groups, args.timeout, args.setup_timeout)  # once every rank has loaded
     rank_stage.executor.transport.set_timeout(args.timeout)
 
@@ -275,7 +257,7 @@ def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
             _write_timeline(args.timeline, result.events, mesh.rank, spec)
         return loss, result.overflow
 
-    return step, mesh.rank, modules, [device]
+    return step, mesh.rank, held.modules, [device]
 
 
 def _write_timeline(path: str, events: list[Event], rank: int, spec: ProgramSpec) -> None:

@@ -16,7 +16,6 @@ import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from fxpipe.runtime.comm import LocalComm, MicrobatchComm
 from fxpipe.runtime.devices import pin_for, stage_devices, to_device
 from fxpipe.runtime.finite import check_finite
 from fxpipe.runtime.memory import KeptMemory
-from fxpipe.runtime.stage import StageModule
+from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.signature import Signature
 
 __all__ = ["LocalExecutor", "REMAT_MODES", "remat_enabled", "microbatch_seed", "seeded_forward",
@@ -83,17 +82,8 @@ def seeded_forward(base: int | None, microbatch: int,
         yield
 
 
-@dataclass
-class LocalStage:
-    module: StageModule
-    device: torch.device
-    inputs: tuple[int, ...]  # indexes into the flat tensor inputs
-    random: bool
-    graph: Any = None  # the stage GraphModule, to name the node of a NaN/Inf
-
-
 class LocalExecutor:
-    def __init__(self, stages: Sequence[LocalStage], signature: Signature, chunks: int,
+    def __init__(self, stages: Sequence[HeldStage], signature: Signature, chunks: int,
                  remat: str, check_finite: bool = False) -> None:
         self.stages = list(stages)
         self.check_finite = check_finite

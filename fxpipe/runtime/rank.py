@@ -12,24 +12,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.fx import GraphModule
 
-from fxpipe import ir
 from fxpipe.errors import ConfigError, RuntimeInputError
 from fxpipe.losses import LossFn
 from fxpipe.runtime.backend import carries_cuda, cuda_index_for, local_rank
-from fxpipe.runtime.distributed import (
-    DistributedExecutor,
-    RankUnit,
-    StepResult,
-    stage_info,
-    written_recvs,
-)
+from fxpipe.runtime.distributed import DistributedExecutor, StepResult
 from fxpipe.runtime.mesh import Groups, Mesh, average_over_replicas
-from fxpipe.runtime.stage import StageModule
+from fxpipe.runtime.spec import ProgramSpec
+from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.signature import Signature
 
-__all__ = ["RankStage", "StageWiring", "setup_rank", "mesh_of_world",
+__all__ = ["RankStage", "setup_rank", "mesh_of_world",
            "rank_device", "devices_for_stages", "shard_batch"]
 
 
@@ -103,17 +96,6 @@ def shard_batch(signature: Signature, flat: list[torch.Tensor], target: torch.Te
     return sharded, target
 
 
-@dataclass(frozen=True)
-class StageWiring:
-    """What a rank needs to know of its stage besides its code: inputs, messages, randomness."""
-
-    index: int
-    inputs: tuple[int, ...]  # the flat model inputs it reads
-    recvs: tuple[ir.CommInfo, ...]
-    sends: tuple[ir.CommInfo, ...]
-    random: bool
-
-
 @dataclass
 class RankStage:
     """This rank's stages of a distributed pipeline, ready to step."""
@@ -121,19 +103,17 @@ class RankStage:
     executor: DistributedExecutor
     mesh: Mesh
     groups: Groups
-    signature: Signature
-    chunks: int
-    remat: str
-    schedule: str
+    spec: ProgramSpec  # the plan it runs
 
     def step(self, flat: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
              scaler: torch.amp.GradScaler | None = None) -> tuple[float, StepResult]:
         """One training step of the global batch; returns the global loss and what this rank
         measured (events, kept bytes). With `scaler` the backward runs on the scaled loss."""
         if self.mesh.replicas > 1:
-            flat, target = shard_batch(self.signature, flat, target, self.mesh)
-        result = self.executor.step(flat, target, loss_fn, chunks=self.chunks, remat=self.remat,
-                                    schedule=self.schedule, scaler=scaler)
+            flat, target = shard_batch(self.spec.signature, flat, target, self.mesh)
+        result = self.executor.step(flat, target, loss_fn, chunks=self.spec.chunks,
+                                    remat=self.spec.remat, schedule=self.spec.schedule,
+                                    scaler=scaler)
         loss = result.loss
         if self.mesh.replicas > 1:
             loss = average_over_replicas(loss, self.groups.dp, self.mesh.replicas,
@@ -146,19 +126,13 @@ class RankStage:
         self.executor.close()
 
 
-def setup_rank(stages: Sequence[tuple[StageModule, StageWiring, GraphModule | None]], *,
-               mesh: Mesh, groups: Groups, device: torch.device, signature: Signature,
-               edges: Sequence[tuple[str, int, int]], shared: dict[str, list[int]], chunks: int,
-               remat: str, schedule: str, check_finite: bool = False,
+def setup_rank(stages: Sequence[HeldStage], spec: ProgramSpec, *, mesh: Mesh, groups: Groups,
+               device: torch.device, check_finite: bool = False,
                dp_bucket_mb: float = 25.0) -> RankStage:
-    """Builds the executor of this rank's stages, each (module, wiring, its graph when known);
-    the modules already sit on `device` and share their tied parameters."""
-    units = [RankUnit(w.index, module, w.inputs, stage_info(w.recvs, w.sends, w.index),
-                      w.random, graph, written_recvs(w.recvs, w.index))
-             for module, w, graph in stages]
+    """Builds the executor of this rank's stages of `spec`; their modules already sit on
+    `device` and share their tied parameters."""
     executor = DistributedExecutor(
-        units=units, mesh=mesh, signature=signature, edges=edges, device=device,
-        pp_group=groups.pp, dp_group=groups.dp, shared=shared, shared_groups=groups.shared,
+        units=stages, mesh=mesh, signature=spec.signature, edges=spec.edges, device=device,
+        pp_group=groups.pp, dp_group=groups.dp, shared=spec.shared, shared_groups=groups.shared,
         check_finite=check_finite, dp_bucket_bytes=int(dp_bucket_mb * 2**20))
-    return RankStage(executor, mesh, groups, signature, chunks, remat, schedule)
-
+    return RankStage(executor, mesh, groups, spec)

@@ -24,14 +24,16 @@ from fxpipe.errors import CheckpointError, CodegenError, ConfigError, ProgramFol
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
 from fxpipe.runtime.local import REMAT_MODES
 from fxpipe.runtime.schedule import SCHEDULES, check_layout, placement
+from fxpipe.runtime.stagespec import StageSpec
 from fxpipe.runtime.timeline import EventJSON
 from fxpipe.signature import LeafSpec, Signature
 from fxpipe.structure import Structure
+from fxpipe.version import __version__
 
-__all__ = ["StageSpec", "ProgramSpec", "value_to_json", "value_from_json", "signature_to_json",
-           "signature_from_json", "Constant", "SizeJSON", "TensorJSON", "TupleJSON", "ScalarJSON",
-           "ValueJSON", "LeafJSON", "SignatureJSON", "CommJSON", "StageJSON", "ProgramJSON",
-           "spec_problems", "is_inside_path", "REWRITE_HINT"]
+__all__ = ["ProgramSpec", "stage_to_json", "stage_from_json", "value_to_json", "value_from_json",
+           "signature_to_json", "signature_from_json", "Constant", "SizeJSON", "TensorJSON",
+           "TupleJSON", "ScalarJSON", "ValueJSON", "LeafJSON", "SignatureJSON", "CommJSON",
+           "StageJSON", "ProgramJSON", "spec_problems", "is_inside_path", "REWRITE_HINT"]
 
 SizeJSON: TypeAlias = list[int] | int | float
 """A size: integer polynomial coefficients in b (constant first), or a constant."""
@@ -494,40 +496,56 @@ def signature_from_json(data: SignatureJSON) -> Signature:
     return Signature(in_spec, leaves, out_spec, data["out_batch_dims"], data["out_is_tensor"])
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    index: int
-    file: str
-    class_name: str
-    inputs: tuple[int, ...]
-    random: bool
-    recvs: tuple[ir.CommInfo, ...]
-    sends: tuple[ir.CommInfo, ...]
+def stage_to_json(stage: StageSpec) -> StageJSON:
+    return {"index": stage.index, "file": stage.file, "class_name": stage.class_name,
+            "inputs": list(stage.inputs), "random": stage.random,
+            "recvs": [comm_to_json(c) for c in stage.recvs],
+            "sends": [comm_to_json(c) for c in stage.sends]}
+
+
+def stage_from_json(data: StageJSON) -> StageSpec:
+    def comm(c: CommJSON, kind: str) -> ir.CommInfo:
+        return ir.CommInfo(kind, c["peer"], c["tag"], value_from_json(c["value"]),
+                           bool(c.get("written", False)))
+
+    return StageSpec(data["index"], data["file"], data["class_name"], tuple(data["inputs"]),
+                     data["random"], tuple(comm(c, "recv") for c in data["recvs"]),
+                     tuple(comm(c, "send") for c in data["sends"]))
 
 
 @dataclass(frozen=True)
 class ProgramSpec:
+    """The runtime plan: what everything after the compiler reads (Program, the written program,
+    the report, the bench). fxpipe.pipeline.build makes it; a written program's program.json is
+    this value, with what the writer recorded besides (the loss, lr and the plain model's
+    losses for --verify, the state's names and structure)."""
+
     model: str
     stages: tuple[StageSpec, ...]
-    chunks: int
+    chunks: int  # micro-batches per step
     remat: str
     schedule: str
     signature: Signature
-    shared: dict[str, list[int]]
-    edges: tuple[tuple[str, int, int], ...]
-    loss: str
-    lr: float
-    reference_losses: tuple[float, ...]
-    deterministic: bool
-    aliases: dict[str, list[str]]  # tensor name -> every state_dict name of the model for it
-    predicted_events: tuple[EventJSON, ...] = ()  # the cost model's timeline of one step
+    shared: dict[str, list[int]]  # tied tensor -> the stages that hold it
+    edges: tuple[tuple[str, int, int], ...]  # every (value, src stage, dst stage), sorted
     autocast: str | None = None  # "bf16" / "fp16": every stage under torch.autocast
-    structure: Structure | None = None  # the model's state, which checkpoints record
     stages_per_rank: int = 1  # more than 1 under a looped schedule
+    predicted_events: tuple[EventJSON, ...] = ()  # the cost model's timeline of one step
+    # recorded when the program is written
+    loss: str = ""
+    lr: float = 0.0
+    reference_losses: tuple[float, ...] = ()  # the plain model's, for --verify
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # tensor -> state_dict names
+    structure: Structure | None = None  # the model's state, which checkpoints record
     # replicas -> the plain model's losses as they compute them, for a step that depends on how
     # the batch is split (empty: it does not, or the program predates the record)
     replica_reference_losses: dict[int, tuple[float, ...]] = field(default_factory=dict)
     split_dependent: bool = False  # dropout or BatchNorm in training
+
+    @property
+    def deterministic(self) -> bool:
+        """No stage draws random numbers."""
+        return not any(st.random for st in self.stages)
 
     @property
     def ranks(self) -> int:
@@ -539,6 +557,28 @@ class ProgramSpec:
         """placement[s]: the pipeline rank of stage s."""
         return placement(self.schedule, len(self.stages), self.ranks)
 
+    def to_json(self) -> ProgramJSON:
+        """program.json, without the files' digests (the writer adds them)."""
+        data: ProgramJSON = {
+            "fxpipe": __version__, "model": self.model, "chunks": self.chunks,
+            "remat": self.remat, "schedule": self.schedule,
+            "signature": signature_to_json(self.signature),
+            "stages": [stage_to_json(st) for st in self.stages],
+            "shared": {k: list(v) for k, v in self.shared.items()},
+            "edges": [(tag, src, dst) for tag, src, dst in self.edges],
+            "loss": self.loss, "lr": self.lr, "reference_losses": list(self.reference_losses),
+            "deterministic": self.deterministic,
+            "aliases": {k: list(v) for k, v in self.aliases.items()},
+            "structure": None if self.structure is None else self.structure.to_json(),
+            "autocast": self.autocast, "predicted_events": list(self.predicted_events)}
+        if self.stages_per_rank > 1:
+            data["stages_per_rank"] = self.stages_per_rank
+        if self.split_dependent:
+            data["split_dependent"] = True
+            data["replica_reference_losses"] = {
+                str(r): list(losses) for r, losses in sorted(self.replica_reference_losses.items())}
+        return data
+
     @staticmethod
     def from_json(data: ProgramJSON) -> ProgramSpec:
         """The spec program.json holds; raises ProgramFolderError naming every field fxpipe would
@@ -547,27 +587,20 @@ class ProgramSpec:
         if problems:
             raise ProgramFolderError("program.json is not as fxpipe writes it (was it edited by "
                                      "hand?): " + "; ".join(problems), hint=REWRITE_HINT)
-
-        def comm(c: CommJSON, kind: str) -> ir.CommInfo:
-            return ir.CommInfo(kind, c["peer"], c["tag"], value_from_json(c["value"]),
-                               bool(c.get("written", False)))
-
-        stages = tuple(StageSpec(s["index"], s["file"], s["class_name"], tuple(s["inputs"]),
-                                 s["random"], tuple(comm(c, "recv") for c in s["recvs"]),
-                                 tuple(comm(c, "send") for c in s["sends"]))
-                       for s in data["stages"])
-        return ProgramSpec(data["model"], stages, data["chunks"], data["remat"],
-                           data["schedule"], signature_from_json(data["signature"]),
-                           {k: list(v) for k, v in data["shared"].items()},
-                           tuple((tag, src, dst) for tag, src, dst in data["edges"]),
-                           data["loss"], data["lr"],
-                           tuple(data["reference_losses"]), data["deterministic"],
-                           {k: list(v) for k, v in data.get("aliases", {}).items()},
-                           tuple(data.get("predicted_events", ())), data.get("autocast"),
-                           _structure(data.get("structure")), data.get("stages_per_rank", 1),
-                           {int(k): tuple(v) for k, v in
-                            data.get("replica_reference_losses", {}).items()},
-                           data.get("split_dependent", False))
+        return ProgramSpec(
+            model=data["model"], stages=tuple(stage_from_json(s) for s in data["stages"]),
+            chunks=data["chunks"], remat=data["remat"], schedule=data["schedule"],
+            signature=signature_from_json(data["signature"]),
+            shared={k: list(v) for k, v in data["shared"].items()},
+            edges=tuple((tag, src, dst) for tag, src, dst in data["edges"]),
+            autocast=data.get("autocast"), stages_per_rank=data.get("stages_per_rank", 1),
+            predicted_events=tuple(data.get("predicted_events", ())),
+            loss=data["loss"], lr=data["lr"], reference_losses=tuple(data["reference_losses"]),
+            aliases={k: list(v) for k, v in data.get("aliases", {}).items()},
+            structure=_structure(data.get("structure")),
+            replica_reference_losses={int(k): tuple(v) for k, v in
+                                      data.get("replica_reference_losses", {}).items()},
+            split_dependent=data.get("split_dependent", False))
 
 
 def _structure(data: object) -> Structure | None:

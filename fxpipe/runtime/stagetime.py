@@ -20,7 +20,8 @@ import torch.utils._pytree as pytree
 from fxpipe.runtime.batchnorm import discard_batch_norms
 from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.devices import to_device
-from fxpipe.runtime.local import LocalStage, remat_enabled
+from fxpipe.runtime.local import remat_enabled
+from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.signature import Signature
 
 __all__ = ["time_stages"]
@@ -49,7 +50,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_stages(stages: Sequence[LocalStage], signature: Signature, chunks: int, remat: str,
+def time_stages(stages: Sequence[HeldStage], signature: Signature, chunks: int, remat: str,
                 flat: Sequence[torch.Tensor], target: torch.Tensor | None,
                 loss_fn: Callable[..., torch.Tensor], *, steps: int = 2
                 ) -> list[list[list[float]]]:
@@ -68,7 +69,7 @@ def time_stages(stages: Sequence[LocalStage], signature: Signature, chunks: int,
     return times
 
 
-def _stage_step(s: int, stage: LocalStage, last: bool, box: _Mailbox,
+def _stage_step(s: int, stage: HeldStage, last: bool, box: _Mailbox,
                 micro: Sequence[Sequence[torch.Tensor]], targets: Sequence[torch.Tensor | None],
                 chunks: int, remat: str, signature: Signature,
                 loss_fn: Callable[..., torch.Tensor]) -> list[float]:

@@ -26,8 +26,8 @@ def reference_forward(program: Program, model: nn.Module, *args: Any, **kwargs: 
     of it): each micro-batch in turn, the outputs joined."""
     built = program.built
     flat = built.signature.flatten_inputs(args, kwargs)
-    draws_random = any(stage.random for stage in built.stages)
-    return microbatched_forward(model, built.signature, flat, program.plan.chunks, draws_random)
+    draws_random = not built.spec.deterministic
+    return microbatched_forward(model, built.signature, flat, built.spec.chunks, draws_random)
 
 
 def reference_step(program: Program, model: nn.Module, *args: Any,

@@ -88,10 +88,10 @@ class _FxpipeVariant:
 def _at_compute(program: Program, busy: list[float]) -> PartitionPlan:
     """The program's plan with the compute of each rank's stages scaled so that their sum is
     what the rank measured (busy[r], seconds per step); messages keep their predicted times."""
-    plan, placement = program.plan, program.built.config.placement
+    plan, placement = program.plan, program.built.spec.placement
     predicted = [0.0] * len(busy)
     for r, stage in zip(placement, plan.stages):
-        predicted[r] += stage.compute_time * plan.chunks
+        predicted[r] += stage.compute_time * program.built.spec.chunks
     scale = [b / p if p > 0 else 1.0 for b, p in zip(busy, predicted)]
     return replace(plan, stages=tuple(
         replace(st, forward_time=st.forward_time * scale[r], compute_time=st.compute_time
@@ -278,17 +278,17 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
         "probes": {k: v.probes[warm:] for k, v in fx.items()},
         "events": [e.__dict__ for e in main.measured.get("last_step_events", [])],
         # each schedule played with its program's stage costs
-        "predicted": {k: predicted_step(v.program.plan, v.program.built.config.schedule,
+        "predicted": {k: predicted_step(v.program.plan, v.program.built.spec.schedule,
                                         world)[0] for k, v in fx.items()},
         # the same with each rank's stages scaled to the compute they measured in this run:
         # what the schedule's model predicts once the machine's speed of the moment is known
         "predicted_at_measured_compute": {
             k: predicted_step(_at_compute(v.program, [b[k] for b in every_busy]),
-                              v.program.built.config.schedule, world)[0]
+                              v.program.built.spec.schedule, world)[0]
             for k, v in fx.items()},
         "predicted_events": [e.__dict__ for e in predicted_events(main.plan)],
         "stages": [{"first": s.first_module, "last": s.last_module, "ops": len(s.nodes),
-                    "predicted_s": s.compute_time * main.plan.chunks}
+                    "predicted_s": s.compute_time * main.built.spec.chunks}
                    for s in main.plan.stages],
         "balance_rounds": [r.to_json() for r in main.built.rounds],
         "balance_rounds_by_variant": {k: _rounds(v.program) for k, v in fx.items()},

@@ -60,7 +60,7 @@ def check_model(name: str, *, stages: int = 2, chunks: int = 4, steps: int = 8,
         cpu.append(time.process_time() - used)
     out = {"predicted_local_s": predicted_local_step(plan), "local_min_s": min(times),
            "local_median_s": statistics.median(times), "local_cpu_s": statistics.median(cpu),
-           "predicted_ranks_s": predicted_step(plan, program.built.config.schedule)[0]}
+           "predicted_ranks_s": predicted_step(plan, program.built.spec.schedule)[0]}
     if ranks:
         with tempfile.TemporaryDirectory() as folder:
             program.write(folder)
