@@ -10,7 +10,7 @@ from fxpipe.passes.partition import BALANCE_MODES
 from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import DeviceProfile
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
-from fxpipe.runtime.schedule import SCHEDULES, check_layout, default_stages_per_rank, placement
+from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, schedule_kind
 
 __all__ = ["AUTO", "CompileConfig", "check_config"]
 
@@ -52,7 +52,7 @@ class CompileConfig:
         by default)."""
         if self.stages_per_rank is not None:
             return self.stages_per_rank
-        return 1 if self.schedule == AUTO else default_stages_per_rank(self.schedule)
+        return 1 if self.schedule == AUTO else self.schedule_kind.default_stages_per_rank
 
     @property
     def ranks(self) -> int:
@@ -61,9 +61,18 @@ class CompileConfig:
         return max(self.stages // self.per_rank, 1)
 
     @property
+    def schedule_kind(self) -> ScheduleKind:
+        """The schedule this config runs (after schedule="auto" is resolved)."""
+        if self.schedule == AUTO:
+            raise ConfigError('schedule="auto" is not resolved yet',
+                              hint="ask the config returned by the build, which names the "
+                                   "schedule it chose")
+        return schedule_kind(self.schedule)
+
+    @property
     def placement(self) -> list[int]:
         """placement[s]: the pipeline rank of stage s (the schedule resolved)."""
-        return placement(self.schedule, self.stages, self.ranks)
+        return self.schedule_kind.placement(self.stages, self.ranks)
 
 
 def check_config(config: CompileConfig) -> None:
@@ -90,7 +99,7 @@ def check_config(config: CompileConfig) -> None:
         raise ConfigError(f"unknown schedule {config.schedule!r}",
                           hint=f"use one of {(*SCHEDULES, AUTO)}")
     if config.schedule != AUTO:
-        check_layout(config.schedule, config.stages, config.per_rank)
+        config.schedule_kind.check_layout(config.stages, config.per_rank)
     elif config.stages_per_rank is not None and (not _is_int(config.stages_per_rank)
                                                  or config.stages % config.stages_per_rank):
         raise ConfigError(f"stages_per_rank={config.stages_per_rank!r} does not divide "

@@ -43,7 +43,7 @@ from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.rank import devices_for_stages
-from fxpipe.runtime.schedule import SCHEDULES, stages_per_rank_for
+from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["build", "rebuild", "PlanAgreement"]
@@ -237,7 +237,7 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: Devi
             return partition(gm, candidate.stages, microbatch_size=b, chunks=chunks,
                              profile=profile, balance=balance, split_points=config.split_points,
                              remat=config.remat, memory_limit=limit,
-                             schedule=candidate.schedule, ranks=candidate.ranks,
+                             schedule=candidate.schedule_kind, ranks=candidate.ranks,
                              loss_time=loss_time(gm, b, profile, config.balance == "time",
                                                  _profile_device(config)),
                              corrections=corrections, starts=starts)
@@ -257,7 +257,8 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: Devi
             failure = failure or e
             times.append((name, None))
             continue
-        times.append((name, predicted_step(plans[name][0], name, candidate.ranks)[0]))
+        times.append((name, predicted_step(plans[name][0], candidate.schedule_kind,
+                                           candidate.ranks)[0]))
     fits = [(t, name) for name, t in times if t is not None]
     if not fits:
         assert failure is not None
@@ -274,8 +275,8 @@ def _auto_candidates(config: CompileConfig) -> list[CompileConfig]:
     looped ones with stages_per_rank (if given, else 2) stages per rank."""
     ranks = config.ranks
     out = []
-    for name in SCHEDULES:
-        per_rank = stages_per_rank_for(name, config.per_rank)
+    for name, kind in SCHEDULES.items():
+        per_rank = kind.stages_per_rank_for(config.per_rank)
         out.append(replace(config, schedule=name, stages=ranks * per_rank,
                            stages_per_rank=per_rank))
     return out

@@ -248,7 +248,7 @@ def _spec(built: Built, files: ProgramFiles) -> dict[str, object]:
         "structure": None if files.structure is None else files.structure.to_json(),
         "autocast": built.config.autocast,
         "predicted_events": [e.__dict__ for e in predicted_events(
-            built.plan, built.config.schedule, built.config.ranks)],
+            built.plan, built.config.schedule_kind, built.config.ranks)],
         **({"split_dependent": True,
             "replica_reference_losses": {str(r): losses for r, losses in
                                          sorted(files.replica_reference_losses.items())}}

@@ -59,7 +59,7 @@ from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.overlap import ReplicaAverager
 from fxpipe.runtime.plan import Tick, plan_rank
-from fxpipe.runtime.schedule import make_schedule, stage_ranks
+from fxpipe.runtime.schedule import ScheduleKind, schedule_kind, stage_ranks
 from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.strict import make_transport
 from fxpipe.runtime.timeline import Event
@@ -132,7 +132,7 @@ class DistributedExecutor:
         # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
         # None reads FXPIPE_P2P (fxpipe/runtime/transport.py)
         self.transport: Transport = make_transport(p2p, pp_group)
-        self.plans: dict[tuple[str, int, bool], list[Tick]] = {}
+        self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
         # dtypes of received values under each autocast state, learned on its first step
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
         self.warm = False
@@ -140,7 +140,7 @@ class DistributedExecutor:
         # how each loss splits over micro-batches, found on a step that only finds it, for a
         # schedule whose last stage starts a backward before every forward is done
         self.loss_kinds: dict[Any, str] = {}
-        self.loss_first: dict[tuple[str, int], bool] = {}
+        self.loss_first: dict[tuple[ScheduleKind, int], bool] = {}
         # Replica averaging of untied gradients overlaps the last backward (0: after it).
         # Tied parameters wait for their sum over stages, which needs every stage's backward.
         self.averager = None
@@ -167,7 +167,7 @@ class DistributedExecutor:
 
     def step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
              loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: str,
-             schedule: str = "gpipe", scaler: Any = None) -> StepResult:
+             schedule: ScheduleKind | str = "gpipe", scaler: Any = None) -> StepResult:
         """One training step of this rank's stages: forwards and backwards of every micro-batch.
 
         scaler: a torch.amp.GradScaler; the backward runs on the scaled loss (the returned loss
@@ -180,8 +180,9 @@ class DistributedExecutor:
         mean nor a sum over examples, or whose kind the replicas cannot find or agree on.
         """
         key = loss_key(loss_fn, target is not None)
-        run = dict(chunks=chunks, remat=remat, schedule=schedule, scaler=scaler)
-        if self._loss_first(schedule, chunks):  # judged on each step before its backward
+        kind = schedule_kind(schedule)
+        run = dict(chunks=chunks, remat=remat, schedule=kind, scaler=scaler)
+        if self._loss_first(kind, chunks):  # judged on each step before its backward
             return self._step(tensors, target, loss_fn, key, None, **run)
         if key not in self.loss_kinds:  # a step that only judges the loss, then the step
             devices = sorted({p.device.index or 0 for p in self.parameters() if p.is_cuda})
@@ -191,12 +192,12 @@ class DistributedExecutor:
                 self._step(tensors, target, loss_fn, key, None, probe=True, **run)
         return self._step(tensors, target, loss_fn, key, self.loss_kinds[key], **run)
 
-    def _loss_first(self, schedule: str, chunks: int) -> bool:
+    def _loss_first(self, schedule: ScheduleKind, chunks: int) -> bool:
         """Whether the last stage runs every forward before its first backward (GPipe), so it
         knows the batch's loss before any backward."""
         if (schedule, chunks) not in self.loss_first:
             last = self.mesh.stages - 1
-            actions = make_schedule(schedule, chunks, self.mesh.stages, self.mesh.ranks)
+            actions = schedule.build(chunks, self.mesh.stages, self.mesh.ranks)
             kinds = [a.kind for a in actions[self.mesh.placement[last]] if a.stage == last]
             backward = next((i for i, k in enumerate(kinds) if k != "F"), len(kinds))
             self.loss_first[(schedule, chunks)] = "F" not in kinds[backward:]
@@ -204,7 +205,7 @@ class DistributedExecutor:
 
     def _step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
               loss_fn: Callable[..., torch.Tensor], key: Any, assumed: str | None, *,
-              chunks: int, remat: str, schedule: str, scaler: Any,
+              chunks: int, remat: str, schedule: ScheduleKind, scaler: Any,
               probe: bool = False) -> StepResult:
         """The step, its backward weighted as `assumed` (None: as the last stage finds before
         its first backward; `probe`: by 0, only to find the kind, recorded in loss_kinds)."""
@@ -356,16 +357,16 @@ class DistributedExecutor:
         if self.device.type == "cuda":
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
 
-    def _plan(self, schedule: str, chunks: int, early: bool) -> list[Tick]:
+    def _plan(self, schedule: ScheduleKind, chunks: int, early: bool) -> list[Tick]:
         """This rank's ticks (fxpipe.runtime.plan): the same clock on every rank; `early`
         posts receives some actions before their consumer (NOTE [Early receives] there)."""
         key = (schedule, chunks, early)
         if key not in self.plans:
             mesh = self.mesh
-            actions_by_rank = make_schedule(schedule, chunks, mesh.stages, mesh.ranks)
+            actions_by_rank = schedule.build(chunks, mesh.stages, mesh.ranks)
             if stage_ranks(actions_by_rank) != list(mesh.placement):
                 raise PipelineRuntimeError(
-                    f"schedule {schedule!r} places the stages on ranks "
+                    f"schedule {schedule.name!r} places the stages on ranks "
                     f"{stage_ranks(actions_by_rank)}, but this program runs them on "
                     f"{list(mesh.placement)}", hint="compile the program for this schedule")
             edges = {(src, dst) for _, src, dst in self.edges}

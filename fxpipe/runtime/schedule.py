@@ -36,6 +36,8 @@ from fxpipe.errors import ConfigError
 __all__ = [
     "Action",
     "Schedule",
+    "ScheduleKind",
+    "schedule_kind",
     "gpipe",
     "one_f_one_b",
     "zb_h1",
@@ -283,52 +285,137 @@ def _stages_per_rank(num_stages: int, num_ranks: int, name: str, exactly: int | 
 # --------------------------------------------------------------------------- registry
 
 
-def _flat(fn: Callable[[int, int], Schedule], name: str
-          ) -> Callable[[int, int, int], Schedule]:
-    def build(num_microbatches: int, num_stages: int, num_ranks: int) -> Schedule:
-        _stages_per_rank(num_stages, num_ranks, name, exactly=1)
-        return fn(num_microbatches, num_stages)
-    return build
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A schedule by name, with everything that differs between schedules: how it orders the
+    actions, how many stages a rank holds, where the stages go and whether the backward is
+    split. A name is resolved to its kind once (`schedule_kind`); code after that asks the kind.
+    """
+
+    name: str
+    title: str  # as the report's picture names it
+    order: Callable[[int, int, int], Schedule]  # (micro-batches, stages, ranks) -> the schedule
+    fixed_stages_per_rank: int | None  # exactly this many stages per rank; None: any from 2
+    splits_backward: bool = False  # the backward runs as I then W (zero-bubble)
+    v_shape: bool = False  # rank r holds stages r and 2R-1-r; else stage s on rank s mod R
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def looped(self) -> bool:
+        """Whether a rank holds several stages."""
+        return self.fixed_stages_per_rank != 1
+
+    @property
+    def default_stages_per_rank(self) -> int:
+        """How many stages a rank holds unless told otherwise: 2 for the looped schedules
+        (ZB-V takes exactly 2), 1 for the others."""
+        return self.fixed_stages_per_rank or 2
+
+    def stages_per_rank_for(self, requested: int) -> int:
+        """The stages per rank this schedule runs when a program asks for `requested`:
+        interleaving takes any number from 2 (else 2), ZB-V exactly 2, the flat schedules 1."""
+        if self.fixed_stages_per_rank is None and requested > 1:
+            return requested
+        return self.default_stages_per_rank
+
+    def ranks_for(self, num_stages: int) -> int:
+        """The number of ranks `num_stages` stages take at the default stages per rank."""
+        return max(num_stages // self.default_stages_per_rank, 1)
+
+    def check_ranks(self, num_stages: int, num_ranks: int) -> int:
+        """The stages per rank of `num_stages` stages on `num_ranks` ranks; ConfigError where
+        this schedule cannot place them so."""
+        return _stages_per_rank(num_stages, num_ranks, self.name, self.fixed_stages_per_rank)
+
+    def build(self, num_microbatches: int, num_stages: int,
+              num_ranks: int | None = None) -> Schedule:
+        """The schedule for M micro-batches and S stages on R ranks (default: S at the default
+        stages per rank)."""
+        check_sizes(num_microbatches, num_stages)
+        if num_ranks is None:
+            num_ranks = self.ranks_for(num_stages)
+        self.check_ranks(num_stages, num_ranks)
+        return self.order(num_microbatches, num_stages, num_ranks)
+
+    def placement(self, num_stages: int, num_ranks: int) -> list[int]:
+        """placement[s]: the pipeline rank that runs stage s."""
+        self.check_ranks(num_stages, num_ranks)
+        if self.v_shape:
+            return [s if s < num_ranks else num_stages - 1 - s for s in range(num_stages)]
+        return [s % num_ranks for s in range(num_stages)]
+
+    def check_layout(self, num_stages: int, stages_per_rank: int) -> int:
+        """The number of ranks of `num_stages` stages at `stages_per_rank` each; raises
+        ConfigError where this schedule cannot place them so."""
+        name = self.name
+        if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) \
+                or stages_per_rank < 1:
+            raise ConfigError(f"stages_per_rank must be an integer >= 1 (got "
+                              f"{stages_per_rank!r})",
+                              hint="pass 1, or 2 or more for a looped schedule")
+        if not self.looped and stages_per_rank != 1:
+            raise ConfigError(f"schedule {name!r} runs one stage per rank (stages_per_rank="
+                              f"{stages_per_rank})",
+                              hint="use schedule='interleaved-1f1b' or 'zb-v' for several "
+                                   "stages per rank, or stages_per_rank=1")
+        fixed = self.fixed_stages_per_rank
+        if self.looped and fixed is not None and stages_per_rank != fixed:
+            raise ConfigError(f"{name} places exactly {fixed} stages on each rank "
+                              f"(stages_per_rank={stages_per_rank})",
+                              hint=f"pass stages_per_rank={fixed}, or use "
+                                   "schedule='interleaved-1f1b'")
+        if self.looped and stages_per_rank < 2:
+            raise ConfigError(f"{name} places several stages on each rank (stages_per_rank=1)",
+                              hint="pass stages_per_rank=2 or more, or use a flat schedule "
+                                   "('gpipe', '1f1b', 'zb-h1')")
+        if num_stages % stages_per_rank:
+            raise ConfigError(f"{num_stages} stages do not divide into {stages_per_rank} "
+                              f"stages per rank under {name}",
+                              hint=f"use a multiple of {stages_per_rank} stages")
+        return num_stages // stages_per_rank
 
 
-def _zb_v_on(num_microbatches: int, num_stages: int, num_ranks: int) -> Schedule:
-    _stages_per_rank(num_stages, num_ranks, "zb-v", exactly=2)
-    return zb_v(num_microbatches, num_stages)
+def _ranks_from_stages(fn: Callable[[int, int], Schedule]
+                       ) -> Callable[[int, int, int], Schedule]:
+    """An order whose number of ranks follows from its stages (checked by the kind)."""
+    return lambda num_microbatches, num_stages, num_ranks: fn(num_microbatches, num_stages)
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "gpipe": _flat(gpipe, "gpipe"),
-    "1f1b": _flat(one_f_one_b, "1f1b"),
-    "zb-h1": _flat(zb_h1, "zb-h1"),
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-v": _zb_v_on,
-}
-"""Every schedule by name: (micro-batches, stages, ranks) -> the schedule."""
+SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind("gpipe", "GPipe", _ranks_from_stages(gpipe), 1),
+    ScheduleKind("1f1b", "1F1B", _ranks_from_stages(one_f_one_b), 1),
+    ScheduleKind("zb-h1", "ZB-H1", _ranks_from_stages(zb_h1), 1, splits_backward=True),
+    ScheduleKind("interleaved-1f1b", "Interleaved 1F1B", interleaved_1f1b, None),
+    ScheduleKind("zb-v", "ZB-V", _ranks_from_stages(zb_v), 2, splits_backward=True, v_shape=True),
+)}
+"""Every schedule kind by the name the options accept."""
 
-LOOPED = frozenset({"interleaved-1f1b", "zb-v"})
-"""The schedules that place several stages on each rank."""
+LOOPED = frozenset(name for name, kind in SCHEDULES.items() if kind.looped)
+"""The names of the schedules that place several stages on each rank."""
 
 
-def _known(name: str) -> None:
+def schedule_kind(name: str | ScheduleKind) -> ScheduleKind:
+    """The schedule kind called `name` (a kind is returned as it is); ConfigError naming the
+    known ones for any other name."""
+    if isinstance(name, ScheduleKind):
+        return name
     if not isinstance(name, str) or name not in SCHEDULES:
         known = ", ".join(repr(k) for k in SCHEDULES)
         raise ConfigError(f"unknown schedule {name!r}; known schedules: {known}",
                           hint=f"pass one of {known}")
+    return SCHEDULES[name]
 
 
-def default_stages_per_rank(name: str) -> int:
-    """How many stages a rank holds under `name` unless told otherwise: 2 for the looped
-    schedules (ZB-V takes exactly 2), 1 for the others."""
-    _known(name)
-    return 2 if name in LOOPED else 1
+def default_stages_per_rank(name: str | ScheduleKind) -> int:
+    """How many stages a rank holds under `name` unless told otherwise (see ScheduleKind)."""
+    return schedule_kind(name).default_stages_per_rank
 
 
-def stages_per_rank_for(name: str, requested: int) -> int:
-    """The stages per rank `name` runs when a program asks for `requested`: interleaving takes
-    any number from 2 (else 2), ZB-V exactly 2, the flat schedules 1."""
-    if name == "interleaved-1f1b" and requested > 1:
-        return requested
-    return default_stages_per_rank(name)
+def stages_per_rank_for(name: str | ScheduleKind, requested: int) -> int:
+    """The stages per rank `name` runs when a program asks for `requested` (see ScheduleKind)."""
+    return schedule_kind(name).stages_per_rank_for(requested)
 
 
 def stages_on(placement: Sequence[int], rank: int) -> list[int]:
@@ -336,55 +423,22 @@ def stages_on(placement: Sequence[int], rank: int) -> list[int]:
     return [s for s, r in enumerate(placement) if r == rank]
 
 
-def check_layout(name: str, num_stages: int, stages_per_rank: int) -> int:
+def check_layout(name: str | ScheduleKind, num_stages: int, stages_per_rank: int) -> int:
     """The number of ranks of `num_stages` stages at `stages_per_rank` each under schedule
     `name`; raises ConfigError where the schedule cannot place them so."""
-    _known(name)
-    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) \
-            or stages_per_rank < 1:
-        raise ConfigError(f"stages_per_rank must be an integer >= 1 (got {stages_per_rank!r})",
-                          hint="pass 1, or 2 or more for a looped schedule")
-    if name not in LOOPED and stages_per_rank != 1:
-        raise ConfigError(f"schedule {name!r} runs one stage per rank (stages_per_rank="
-                          f"{stages_per_rank})",
-                          hint="use schedule='interleaved-1f1b' or 'zb-v' for several stages "
-                               "per rank, or stages_per_rank=1")
-    if name == "zb-v" and stages_per_rank != 2:
-        raise ConfigError(f"zb-v places exactly 2 stages on each rank (stages_per_rank="
-                          f"{stages_per_rank})", hint="pass stages_per_rank=2, or use "
-                                                     "schedule='interleaved-1f1b'")
-    if name in LOOPED and stages_per_rank < 2:
-        raise ConfigError(f"{name} places several stages on each rank (stages_per_rank=1)",
-                          hint="pass stages_per_rank=2 or more, or use a flat schedule "
-                               "('gpipe', '1f1b', 'zb-h1')")
-    if num_stages % stages_per_rank:
-        raise ConfigError(f"{num_stages} stages do not divide into {stages_per_rank} stages "
-                          f"per rank under {name}",
-                          hint=f"use a multiple of {stages_per_rank} stages")
-    return num_stages // stages_per_rank
+    return schedule_kind(name).check_layout(num_stages, stages_per_rank)
 
 
-def make_schedule(name: str, num_microbatches: int, num_stages: int,
+def make_schedule(name: str | ScheduleKind, num_microbatches: int, num_stages: int,
                   num_ranks: int | None = None) -> Schedule:
     """The schedule `name` for M micro-batches and S stages on R ranks (default: S for the
     flat schedules, S / 2 for the looped ones)."""
-    _known(name)
-    if num_ranks is None:
-        num_ranks = max(num_stages // default_stages_per_rank(name), 1)
-    return SCHEDULES[name](num_microbatches, num_stages, num_ranks)
+    return schedule_kind(name).build(num_microbatches, num_stages, num_ranks)
 
 
-def placement(name: str, num_stages: int, num_ranks: int) -> list[int]:
+def placement(name: str | ScheduleKind, num_stages: int, num_ranks: int) -> list[int]:
     """placement[s]: the pipeline rank that runs stage s under schedule `name`."""
-    _known(name)
-    if name == "zb-v":
-        _stages_per_rank(num_stages, num_ranks, name, exactly=2)
-        return [s if s < num_ranks else num_stages - 1 - s for s in range(num_stages)]
-    if name in LOOPED:
-        _stages_per_rank(num_stages, num_ranks, name)
-        return [s % num_ranks for s in range(num_stages)]
-    _stages_per_rank(num_stages, num_ranks, name, exactly=1)
-    return list(range(num_stages))
+    return schedule_kind(name).placement(num_stages, num_ranks)
 
 
 # --------------------------------------------------------------------------- checks

@@ -31,7 +31,7 @@ from fxpipe.passes.partition.problem import Partition, evaluate
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
 from fxpipe.runtime.grid import peak_inflight
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.schedule import ScheduleKind, schedule_kind
 from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "atoms_of", "measure_atoms",
@@ -311,7 +311,7 @@ def partition(
     split_points: Sequence[str] | None = None,
     remat: str = "except_last",
     memory_limit: float | None = None,
-    schedule: str = "gpipe",
+    schedule: ScheduleKind | str = "gpipe",
     ranks: int | None = None,
     loss_time: float = 0.0,
     corrections: Mapping[str, float] | None = None,
@@ -320,8 +320,9 @@ def partition(
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
 
-    schedule, ranks: the schedule and its number of ranks (default: one stage per rank, two
-    under a looped schedule), which say how many micro-batches each stage keeps alive.
+    schedule, ranks: the schedule (a kind, or its name) and its number of ranks (default: one
+    stage per rank, two under a looped schedule), which say how many micro-batches each stage
+    keeps alive.
     memory_limit: bytes per stage.
     loss_time: seconds per micro-batch of the training loss (forward and backward), which the
     last stage computes after the model's outputs.
@@ -362,7 +363,8 @@ def partition(
             reuse[key] = reuse[("groups",)] = atoms
     if mode != "params":  # the last atom is always in the last stage
         atoms = replace(atoms, compute=[*atoms.compute[:-1], atoms.compute[-1] + loss_time])
-    inflight = peak_inflight(make_schedule(schedule, chunks, num_stages, ranks))
+    schedule = schedule_kind(schedule)
+    inflight = peak_inflight(schedule.build(chunks, num_stages, ranks))
     if starts is not None:
         cuts = _cuts_from_starts(groups, starts, num_stages)
     if split_points is not None:
