@@ -59,7 +59,7 @@ from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.overlap import ReplicaAverager
 from fxpipe.runtime.plan import Tick, plan_rank
-from fxpipe.runtime.schedule import ScheduleKind, schedule_kind, stage_ranks
+from fxpipe.runtime.schedule import ActionKind, ScheduleKind, schedule_kind, stage_ranks
 from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.strict import make_transport
 from fxpipe.runtime.timeline import Event
@@ -199,8 +199,9 @@ class DistributedExecutor:
             last = self.mesh.stages - 1
             actions = schedule.build(chunks, self.mesh.stages, self.mesh.ranks)
             kinds = [a.kind for a in actions[self.mesh.placement[last]] if a.stage == last]
-            backward = next((i for i, k in enumerate(kinds) if k != "F"), len(kinds))
-            self.loss_first[(schedule, chunks)] = "F" not in kinds[backward:]
+            backward = next((i for i, k in enumerate(kinds) if k != ActionKind.FORWARD),
+                            len(kinds))
+            self.loss_first[(schedule, chunks)] = ActionKind.FORWARD not in kinds[backward:]
         return self.loss_first[(schedule, chunks)]
 
     def _step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
@@ -258,7 +259,7 @@ class DistributedExecutor:
             return weight
         # the last action that accumulates gradients (B, or W of a split backward)
         last_backward = max(t.index for t in ticks
-                            if t.action is not None and t.action.kind in ("B", "W"))
+                            if t.action is not None and t.action.kind.accumulates_weight_grad)
         weights = {s: [p for p in u.module.parameters() if p.requires_grad]
                    for s, u in self.units.items()}
         for tick in ticks:
@@ -269,7 +270,7 @@ class DistributedExecutor:
             stage, mb = action.stage, action.microbatch
             unit = self.units[stage]
             try:
-                if action.kind == "F":
+                if action.kind == ActionKind.FORWARD:
                     view = MicrobatchComm(comm, stage, mb, remat_enabled(remat, mb, chunks),
                                           self.device)
                     args = [to_device(micro[mb][i], self.device) for i in unit.inputs]
@@ -288,16 +289,17 @@ class DistributedExecutor:
                             outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
                                            for o in out]
                     del view, out  # the comm keeps what the backward needs
-                elif action.kind == "I":
-                    with self.timeline.span("backward", stage, mb, detail="I"):
+                elif action.kind == ActionKind.INPUT_GRAD:
+                    with self.timeline.span("backward", stage, mb, detail=str(action.kind)):
                         comm.backward_input(stage, mb, self._weighted(losses, mb, decided(), scale)
                                             if self.is_last(stage) else None)
                 else:
                     if self.averager and tick.index == last_backward:
                         self.averager.arm()
-                    detail = "W" if action.kind == "W" else ""
-                    with self.timeline.span("backward", stage, mb, detail=detail):
-                        if action.kind == "W":
+                    split = action.kind == ActionKind.WEIGHT_GRAD
+                    with self.timeline.span("backward", stage, mb,
+                                            detail=str(action.kind) if split else ""):
+                        if split:
                             comm.backward_weight(stage, mb, weights[stage])
                         else:
                             comm.backward(stage, mb, self._weighted(losses, mb, decided(), scale)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.schedule import (
-    FORWARD,
-    INPUT_GRAD,
-    WEIGHT_GRAD,
     Action,
+    ActionKind,
     Schedule,
     check_sizes,
     is_split,
@@ -28,11 +26,11 @@ __all__ = ["clock_cycles", "render_grid", "bubble_fraction", "peak_inflight", "d
 def dependencies(action: Action, num_stages: int) -> list[Action]:
     """What must finish before `action` may start, on the chain of stages 0 -> 1 -> ... -> S-1."""
     s, m = action.stage, action.microbatch
-    if action.kind == FORWARD:
-        return [Action(FORWARD, s - 1, m)] if s > 0 else []
-    if action.kind == WEIGHT_GRAD:
-        return [Action(INPUT_GRAD, s, m)]
-    deps = [Action(FORWARD, s, m)]
+    if action.kind == ActionKind.FORWARD:
+        return [Action(ActionKind.FORWARD, s - 1, m)] if s > 0 else []
+    if action.kind == ActionKind.WEIGHT_GRAD:
+        return [Action(ActionKind.INPUT_GRAD, s, m)]
+    deps = [Action(ActionKind.FORWARD, s, m)]
     if s < num_stages - 1:
         deps.append(Action(action.kind, s + 1, m))  # B after B, I after I
     return deps
@@ -86,9 +84,9 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     live, peaks = [0] * num_stages, [0] * num_stages
     for actions in schedule:
         for a in actions:
-            if a.kind == INPUT_GRAD:
+            if a.kind == ActionKind.INPUT_GRAD:
                 continue
-            live[a.stage] += 1 if a.kind == FORWARD else -1
+            live[a.stage] += 1 if a.kind == ActionKind.FORWARD else -1
             peaks[a.stage] = max(peaks[a.stage], live[a.stage])
     return peaks
 

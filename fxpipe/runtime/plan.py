@@ -64,16 +64,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.schedule import Action
+from fxpipe.runtime.schedule import Action, ActionKind
 
-__all__ = ["Message", "Tick", "clock", "plan_rank", "BACKWARD_INPUT", "RECEIVE_LEAD"]
+__all__ = ["Message", "Tick", "clock", "plan_rank", "RECEIVE_LEAD"]
 
-BACKWARD_INPUT = ("B", "I")  # actions that take an output's gradient and give the input's
-WEIGHT = "W"  # a weight-gradient action: no messages, after the stage's input gradient
 RECEIVE_LEAD = 2  # actions an early receive is posted before its consumer (one is too few
 # where the action before the consumer is short: interleaved 1F1B's forwards)
 
-ActionKey = tuple[str, int, int]  # (kind, stage, micro-batch)
+ActionKey = tuple[ActionKind, int, int]  # (kind, stage, micro-batch)
 
 
 @dataclass(frozen=True, order=True)
@@ -124,19 +122,20 @@ def clock(actions_by_rank: Sequence[Sequence[Action]],
         if src != dst:
             producers[dst].add(src)
             consumers[src].add(dst)
-    backward: dict[tuple[int, int], str] = {}
+    backward: dict[tuple[int, int], ActionKind] = {}
     for actions in actions_by_rank:
         for a in actions:
-            if a.kind in BACKWARD_INPUT:
+            if a.kind.gives_input_grad:
                 backward[(a.stage, a.microbatch)] = a.kind
 
     def deps(a: Action) -> list[ActionKey]:
         s, m = a.stage, a.microbatch
-        if a.kind == "F":
-            return [("F", p, m) for p in producers[s]]
-        if a.kind == WEIGHT:
-            return [("I", s, m)]
-        return [("F", s, m)] + [(backward.get((d, m), "B"), d, m) for d in consumers[s]]
+        if a.kind == ActionKind.FORWARD:
+            return [(ActionKind.FORWARD, p, m) for p in producers[s]]
+        if a.kind == ActionKind.WEIGHT_GRAD:  # no messages, after the stage's input gradient
+            return [(ActionKind.INPUT_GRAD, s, m)]
+        return [(ActionKind.FORWARD, s, m)] + [
+            (backward.get((d, m), ActionKind.BACKWARD), d, m) for d in consumers[s]]
 
     tick_of: dict[ActionKey, int] = {}
     position = [0] * len(actions_by_rank)
@@ -174,10 +173,11 @@ def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
     before its consumer (NOTE [Early receives]); only for transports that match by tag.
     """
     tick_of = clock(actions_by_rank, edges)
-    backward = {(k[1], k[2]): k[0] for k in tick_of if k[0] in BACKWARD_INPUT}
+    backward = {(k[1], k[2]): k[0] for k in tick_of if k[0].gives_input_grad}
 
     def made(stage: int, mb: int, grad: bool) -> int:
-        key = (backward.get((stage, mb), "B"), stage, mb) if grad else ("F", stage, mb)
+        key = (backward.get((stage, mb), ActionKind.BACKWARD), stage, mb) if grad \
+            else (ActionKind.FORWARD, stage, mb)
         if key not in tick_of:
             raise ConfigError(f"no rank runs {key[0]}{mb} of stage {stage}, which a message needs",
                               hint="every stage must run F and B of every micro-batch")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import TypeAlias
 
 from fxpipe.errors import ConfigError
@@ -56,25 +57,54 @@ __all__ = [
     "is_split",
     "waiting",
     "check_sizes",
-    "FORWARD",
-    "BACKWARD",
-    "INPUT_GRAD",
-    "WEIGHT_GRAD",
+    "ActionKind",
 ]
 
-FORWARD = "F"
-BACKWARD = "B"
-INPUT_GRAD = "I"  # the input-gradient half of a split backward
-WEIGHT_GRAD = "W"  # the weight-gradient half: after I(s, m); nothing waits for it
+
+class ActionKind(str, Enum):
+    """What an action computes. The values are the letters schedules print and files store
+    ("F3" is the forward of micro-batch 3); a kind equals and hashes as its letter."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    INPUT_GRAD = "I"  # the input-gradient half of a split backward
+    WEIGHT_GRAD = "W"  # the weight-gradient half: after I(s, m); nothing waits for it
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @property
+    def gives_input_grad(self) -> bool:
+        """Whether it takes the outputs' gradients and gives the inputs' (B, or I of a split
+        backward): what the previous stage waits for."""
+        return self in (ActionKind.BACKWARD, ActionKind.INPUT_GRAD)
+
+    @property
+    def accumulates_weight_grad(self) -> bool:
+        """Whether it adds into the parameters' gradients (B, or W of a split backward)."""
+        return self in (ActionKind.BACKWARD, ActionKind.WEIGHT_GRAD)
 
 
 @dataclass(frozen=True)
 class Action:
     """One unit of work: the forward or the backward of one micro-batch on one stage."""
 
-    kind: str  # "F", "B", or "I" and "W" (a split backward)
+    kind: ActionKind  # given as its letter ("F"), it becomes the kind
     stage: int
     microbatch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ActionKind):
+            if self.kind not in tuple(ActionKind):
+                letters = ", ".join(repr(k.value) for k in ActionKind)
+                raise ConfigError(f"unknown action kind {self.kind!r} (stage {self.stage}, "
+                                  f"micro-batch {self.microbatch})", hint=f"use one of {letters}")
+            object.__setattr__(self, "kind", ActionKind(self.kind))
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}"
@@ -107,7 +137,8 @@ def gpipe(num_microbatches: int, num_stages: int) -> Schedule:
     check_sizes(num_microbatches, num_stages)
     m_all = range(num_microbatches)
     return [
-        [Action(FORWARD, s, m) for m in m_all] + [Action(BACKWARD, s, m) for m in reversed(m_all)]
+        [Action(ActionKind.FORWARD, s, m) for m in m_all]
+        + [Action(ActionKind.BACKWARD, s, m) for m in reversed(m_all)]
         for s in range(num_stages)
     ]
 
@@ -122,8 +153,8 @@ def one_f_one_b(num_microbatches: int, num_stages: int) -> Schedule:
     schedule: Schedule = []
     for s in range(num_stages):
         warmup = min(num_stages - s - 1, num_microbatches)
-        forwards = [Action(FORWARD, s, m) for m in range(num_microbatches)]
-        backwards = [Action(BACKWARD, s, m) for m in range(num_microbatches)]
+        forwards = [Action(ActionKind.FORWARD, s, m) for m in range(num_microbatches)]
+        backwards = [Action(ActionKind.BACKWARD, s, m) for m in range(num_microbatches)]
         schedule.append(_warm_up_then_alternate(forwards, backwards, warmup))
     return schedule
 
@@ -152,16 +183,17 @@ def zb_h1(num_microbatches: int, num_stages: int) -> Schedule:
     check_sizes(num_microbatches, num_stages)
     schedule: Schedule = []
     for s in range(num_stages):
-        forwards = [Action(FORWARD, s, m) for m in range(num_microbatches)]
-        input_grads = [Action(INPUT_GRAD, s, m) for m in range(num_microbatches)]
+        forwards = [Action(ActionKind.FORWARD, s, m) for m in range(num_microbatches)]
+        input_grads = [Action(ActionKind.INPUT_GRAD, s, m) for m in range(num_microbatches)]
         actions: list[Action] = []
         for a in _warm_up_then_alternate(forwards, input_grads,
                                          min(num_stages - s - 1, num_microbatches)):
             actions.append(a)
-            if a.kind == INPUT_GRAD and a.microbatch >= s:
-                actions.append(Action(WEIGHT_GRAD, s, a.microbatch - s))
+            if a.kind == ActionKind.INPUT_GRAD and a.microbatch >= s:
+                actions.append(Action(ActionKind.WEIGHT_GRAD, s, a.microbatch - s))
         first_left = max(num_microbatches - s, 0)
-        actions += [Action(WEIGHT_GRAD, s, m) for m in range(first_left, num_microbatches)]
+        actions += [Action(ActionKind.WEIGHT_GRAD, s, m)
+                    for m in range(first_left, num_microbatches)]
         schedule.append(actions)
     return schedule
 
@@ -193,14 +225,14 @@ def interleaved_1f1b(num_microbatches: int, num_stages: int, num_ranks: int) -> 
     v = _stages_per_rank(num_stages, num_ranks, "interleaved-1f1b")
     rounds = _rounds(num_microbatches, num_ranks)
 
-    def order(kind: str, rank: int, chunks: list[int]) -> list[Action]:
+    def order(kind: ActionKind, rank: int, chunks: list[int]) -> list[Action]:
         return [Action(kind, c * num_ranks + rank, m) for group in rounds for c in chunks
                 for m in group]
 
     schedule: Schedule = []
     for r in range(num_ranks):
-        forwards = order(FORWARD, r, list(range(v)))
-        backwards = order(BACKWARD, r, list(reversed(range(v))))
+        forwards = order(ActionKind.FORWARD, r, list(range(v)))
+        backwards = order(ActionKind.BACKWARD, r, list(reversed(range(v))))
         warmup = min(2 * (num_ranks - r - 1) + (v - 1) * len(rounds[0]), len(forwards))
         schedule.append(_warm_up_then_alternate(forwards, backwards, warmup))
     return schedule
@@ -231,23 +263,24 @@ class _Counter:
 
     def __init__(self) -> None:
         self.actions: list[Action] = []
-        self.count: dict[tuple[str, int], int] = {}
+        self.count: dict[tuple[ActionKind, int], int] = {}
 
-    def run(self, *steps: tuple[str, int]) -> None:
+    def run(self, *steps: tuple[ActionKind, int]) -> None:
         for kind, stage in steps:
             m = self.ran(kind, stage)
             self.count[(kind, stage)] = m + 1
             self.actions.append(Action(kind, stage, m))
 
-    def ran(self, kind: str, stage: int) -> int:
+    def ran(self, kind: ActionKind, stage: int) -> int:
         return self.count.get((kind, stage), 0)
 
 
 def _zb_v_rank(r: int, ranks: int, played: int) -> list[Action]:
     """Rank r's ZB-V order for `played` micro-batches (see `zb_v`)."""
-    f_down, i_down, w_down = ((k, r) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
+    kinds = (ActionKind.FORWARD, ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD)
+    f_down, i_down, w_down = ((k, r) for k in kinds)
     up = 2 * ranks - 1 - r
-    f_up, i_up, w_up = ((k, up) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
+    f_up, i_up, w_up = ((k, up) for k in kinds)
     c = _Counter()
     for _ in range(2 * (ranks - r) - 1):
         c.run(f_down)
@@ -445,12 +478,12 @@ def placement(name: str | ScheduleKind, num_stages: int, num_ranks: int) -> list
 
 
 _BUILD_HINT = "build one with make_schedule(name, M, S) (or gpipe(M, K), one_f_one_b(M, K), ...)"
-_KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
+_KINDS = tuple(ActionKind)
 
 
 def is_split(schedule: Schedule) -> bool:
     """Whether the schedule splits backwards into I and W (see `zb_h1`)."""
-    return any(a.kind == INPUT_GRAD for acts in schedule for a in acts)
+    return any(a.kind == ActionKind.INPUT_GRAD for acts in schedule for a in acts)
 
 
 def stage_ranks(schedule: Schedule) -> list[int]:
@@ -493,20 +526,22 @@ def validate(schedule: Schedule) -> tuple[int, int]:
                           "actions", hint=_BUILD_HINT)
     for r, actions in enumerate(schedule):
         for a in actions:
-            if a.kind not in _KINDS or a.microbatch < 0 or a.stage < 0:
+            if a.microbatch < 0 or a.stage < 0:
                 raise ConfigError(
                     f"rank {r}: invalid action {a!r}",
-                    hint='kind must be "F", "B", "I" or "W", stage and microbatch >= 0',
+                    hint="stage and microbatch must be >= 0",
                 )
     ranks = stage_ranks(schedule)
     num_microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
-    backward = (INPUT_GRAD, WEIGHT_GRAD) if is_split(schedule) else (BACKWARD,)
-    expected = {(k, m) for k in (FORWARD, *backward) for m in range(num_microbatches)}
-    seen: list[set[tuple[str, int]]] = [set() for _ in ranks]
+    backward = (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD) if is_split(schedule) \
+        else (ActionKind.BACKWARD,)
+    expected = {(k, m) for k in (ActionKind.FORWARD, *backward) for m in range(num_microbatches)}
+    seen: list[set[tuple[ActionKind, int]]] = [set() for _ in ranks]
     for actions in schedule:
         for a in actions:
             s = a.stage
-            if a.kind == WEIGHT_GRAD and (INPUT_GRAD, a.microbatch) not in seen[s]:
+            if a.kind == ActionKind.WEIGHT_GRAD \
+                    and (ActionKind.INPUT_GRAD, a.microbatch) not in seen[s]:
                 raise ConfigError(f"stage {s} runs {a} before I{a.microbatch}",
                                   hint="a weight gradient needs its input gradient's pass first")
             if (a.kind, a.microbatch) in seen[s]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, TypedDict
 
 from fxpipe.figures import idle_share
-from fxpipe.runtime.schedule import ScheduleKind, schedule_kind
+from fxpipe.runtime.schedule import ActionKind, ScheduleKind, schedule_kind
 from fxpipe.runtime.simulate import TimedEvent, simulate
 
 __all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
@@ -67,7 +67,8 @@ class Timeline:
 
 
 _COMPUTE = ("forward", "backward", "recompute")
-SPLIT_BACKWARD = ("I", "W")  # the detail of a backward span: the input or the weight gradients
+# the detail of a backward span: the input or the weight gradients
+SPLIT_BACKWARD = (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD)
 _WAITS = ("recv", "recv_grad")
 
 
@@ -244,7 +245,8 @@ def predicted_events(plan: PlanTimes, schedule: ScheduleKind | str = "gpipe",
                      ranks: int | None = None) -> list[Event]:
     """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
     events, _ = _simulated(plan, schedule_kind(schedule), ranks)
-    kinds = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
+    kinds: dict[str, str] = {ActionKind.FORWARD: "forward", ActionKind.BACKWARD: "backward",
+                             ActionKind.INPUT_GRAD: "backward", ActionKind.WEIGHT_GRAD: "backward"}
     return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
-                  e.kind if e.kind in SPLIT_BACKWARD else "")
+                  str(e.kind) if e.kind in SPLIT_BACKWARD else "")
             for e in events]
