@@ -24,10 +24,10 @@ from fxpipe.frontend.capture import capture
 from fxpipe.models import MODELS, load_factory
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import BALANCE_MODES
-from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
 from fxpipe.profile.cache import clear_cache, profile_path
 from fxpipe.program import Program
+from fxpipe.remat_policy import REMAT_MODES
 from fxpipe.runtime.arguments import program_options_help
 from fxpipe.runtime.folder import program_report
 from fxpipe.runtime.schedule import SCHEDULES

@@ -7,8 +7,8 @@ from typing import Any
 from fxpipe.errors import ConfigError
 from fxpipe.frontend.capture import METHODS
 from fxpipe.passes.partition import BALANCE_MODES
-from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import DeviceProfile
+from fxpipe.remat_policy import REMAT_MODES, RematPolicy
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
 from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, schedule_kind
 
@@ -59,6 +59,11 @@ class CompileConfig:
         """Pipeline ranks of one replica: processes under torchrun, devices in one process.
         schedule="auto" keeps this number whichever schedule it picks."""
         return max(self.stages // self.per_rank, 1)
+
+    @property
+    def remat_policy(self) -> RematPolicy:
+        """Which micro-batches recompute, and what a stage keeps (fxpipe.remat_policy)."""
+        return RematPolicy(self.remat)
 
     @property
     def schedule_kind(self) -> ScheduleKind:
@@ -112,7 +117,7 @@ def check_config(config: CompileConfig) -> None:
                                             or not config.memory_limit > 0):
         raise ConfigError(f"memory_limit must be a positive number of bytes (got "
                           f"{config.memory_limit!r})", hint="e.g. memory_limit=8 * 2**30")
-    if config.remat == "auto" and config.memory_limit is None:
+    if config.remat_policy.chooses_regions and config.memory_limit is None:
         raise ConfigError("remat='auto' chooses what to recompute to fit memory_limit, "
                           "but no memory_limit was given",
                           hint="pass memory_limit (bytes per rank), or remat='always'")

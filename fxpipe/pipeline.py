@@ -162,7 +162,7 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
     share = config.memory_limit / config.per_rank if config.memory_limit else None
     for g in graphs:
         with _timed(timings, cpu, "mark_remat"):
-            regions = mark_remat(g.graph_module, config.remat,
+            regions = mark_remat(g.graph_module, config.remat_policy,
                                  microbatch_size=plan.microbatch_size, inflight=plan.chunks,
                                  memory_limit=share, fixed_bytes=_fixed_bytes(g))
             ir.verify(g.graph_module, after="remat")
@@ -236,7 +236,7 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: Devi
             limit = config.memory_limit / candidate.per_rank if config.memory_limit else None
             return partition(gm, candidate.stages, microbatch_size=b, chunks=chunks,
                              profile=profile, balance=balance, split_points=config.split_points,
-                             remat=config.remat, memory_limit=limit,
+                             remat=config.remat_policy, memory_limit=limit,
                              schedule=candidate.schedule_kind, ranks=candidate.ranks,
                              loss_time=loss_time(gm, b, profile, config.balance == "time",
                                                  _profile_device(config)),

@@ -15,11 +15,12 @@ from fxpipe.built import Built
 from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
-from fxpipe.figures import against, kept_at_peak, remat_saving, stage_load
+from fxpipe.figures import against, remat_saving, stage_load
 from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, kept_reason
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
+from fxpipe.remat_policy import RematPolicy
 from fxpipe.runtime.grid import peak_inflight, render_grid
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, stages_on
@@ -215,7 +216,7 @@ class Report:
     comm: dict[str, float] = field(default_factory=dict)  # bytes per step by kind
     rounds: list[BalanceRound] = field(default_factory=list)  # balancing by measurement
     stages_per_rank: int = 1
-    remat: str = "never"
+    remat: RematPolicy = RematPolicy.NEVER
 
     @property
     def ranks(self) -> int:
@@ -248,8 +249,8 @@ class Report:
         """The most activation bytes a stage keeps at the peak of a step of `schedule`."""
         m = self.plan.chunks
         inflight = peak_inflight(schedule.build(m, len(self.plan.stages), ranks))
-        return max(kept_at_peak(s["activations_bytes"], s["kept_with_remat_bytes"], self.remat,
-                                n, m) for s, n in zip(self.stages, inflight))
+        return max(self.remat.kept_at_peak(s["activations_bytes"], s["kept_with_remat_bytes"],
+                                           n, m) for s, n in zip(self.stages, inflight))
 
     def _layouts(self) -> list[tuple[ScheduleKind, int]]:
         """Each schedule that runs these stages on this program's ranks, with that number: the
@@ -395,14 +396,14 @@ class Report:
 
 def predicted_kept(built: Built) -> list[float]:
     """Activation bytes each stage holds after all forwards of a GPipe step (its peak; what
-    program.measure_activations measures), as fxpipe.figures.kept_at_peak counts them."""
+    program.measure_activations measures), as the remat policy counts them."""
     plan = built.plan
     m, b = plan.chunks, plan.microbatch_size
     out = []
     for st in built.stages:
         figures = _stage_figures(st.graph, st.regions, b)
-        out.append(kept_at_peak(figures["saved"], figures["kept_with_remat"],
-                                built.config.remat, m, m))
+        out.append(built.config.remat_policy.kept_at_peak(figures["saved"],
+                                                          figures["kept_with_remat"], m, m))
     return out
 
 
@@ -473,4 +474,4 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
                   built.config.schedule_kind, shared=dict(built.shared),
                   mesh=mesh.describe() if mesh is not None else [],
                   comm=communication(built, replicas), rounds=list(built.rounds),
-                  stages_per_rank=built.config.per_rank, remat=built.config.remat)
+                  stages_per_rank=built.config.per_rank, remat=built.config.remat_policy)

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
      "fxpipe.userfiles", "fxpipe.figures"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
      "fxpipe.structure", "fxpipe.checkpoint", "fxpipe.resume", "fxpipe.weights",
-     "fxpipe.models"),  # contracts: metadata, names, formats
+     "fxpipe.models", "fxpipe.remat_policy"),  # contracts: metadata, names, formats, policies
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces

@@ -30,13 +30,14 @@ from torch import nn
 
 from fxpipe import ir
 from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
+from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_device
 from fxpipe.runtime.dist_comm import DistComm, TagTable, messages_of
 from fxpipe.runtime.finite import check_finite
-from fxpipe.runtime.local import remat_enabled, seeded_forward
+from fxpipe.runtime.local import seeded_forward
 from fxpipe.runtime.loss_split import (
     KINDS,
     MEAN,
@@ -166,7 +167,7 @@ class DistributedExecutor:
         return stage == self.mesh.stages - 1
 
     def step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
-             loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: str,
+             loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: RematPolicy | str,
              schedule: ScheduleKind | str = "gpipe", scaler: Any = None) -> StepResult:
         """One training step of this rank's stages: forwards and backwards of every micro-batch.
 
@@ -181,7 +182,7 @@ class DistributedExecutor:
         """
         key = loss_key(loss_fn, target is not None)
         kind = schedule_kind(schedule)
-        run = dict(chunks=chunks, remat=remat, schedule=kind, scaler=scaler)
+        run = dict(chunks=chunks, remat=remat_policy(remat), schedule=kind, scaler=scaler)
         if self._loss_first(kind, chunks):  # judged on each step before its backward
             return self._step(tensors, target, loss_fn, key, None, **run)
         if key not in self.loss_kinds:  # a step that only judges the loss, then the step
@@ -206,7 +207,7 @@ class DistributedExecutor:
 
     def _step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
               loss_fn: Callable[..., torch.Tensor], key: Any, assumed: str | None, *,
-              chunks: int, remat: str, schedule: ScheduleKind, scaler: Any,
+              chunks: int, remat: RematPolicy, schedule: ScheduleKind, scaler: Any,
               probe: bool = False) -> StepResult:
         """The step, its backward weighted as `assumed` (None: as the last stage finds before
         its first backward; `probe`: by 0, only to find the kind, recorded in loss_kinds)."""
@@ -271,7 +272,7 @@ class DistributedExecutor:
             unit = self.units[stage]
             try:
                 if action.kind == ActionKind.FORWARD:
-                    view = MicrobatchComm(comm, stage, mb, remat_enabled(remat, mb, chunks),
+                    view = MicrobatchComm(comm, stage, mb, remat.recomputes(mb, chunks),
                                           self.device)
                     args = [to_device(micro[mb][i], self.device) for i in unit.inputs]
                     with self.timeline.span("forward", stage, mb), \

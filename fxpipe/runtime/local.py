@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fxpipe.errors import FxPipeError, PipelineRuntimeError
+from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.amp import AutocastState
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import LocalComm, MicrobatchComm
@@ -31,24 +32,9 @@ from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
-__all__ = ["LocalExecutor", "REMAT_MODES", "remat_enabled", "microbatch_seed", "seeded_forward",
-           "draw_base"]
+__all__ = ["LocalExecutor", "microbatch_seed", "seeded_forward", "draw_base"]
 
 _RNG_LOCK = threading.Lock()
-
-
-REMAT_MODES = ("never", "always", "except_last", "auto")
-"""What recomputes in backward: no micro-batch, every one, all but the last, or the regions
-passes.remat chose under a memory limit (every micro-batch)."""
-
-
-def remat_enabled(mode: str, microbatch: int, chunks: int) -> bool:
-    """Whether micro-batch `microbatch` recomputes its activations in backward."""
-    if mode in ("always", "auto"):
-        return True
-    if mode == "except_last":
-        return microbatch < chunks - 1
-    return False
 
 
 def microbatch_seed(base: int, microbatch: int) -> int:
@@ -98,12 +84,12 @@ class LocalStage:
 
 class LocalExecutor:
     def __init__(self, stages: Sequence[LocalStage], signature: Signature, chunks: int,
-                 remat: str, check_finite: bool = False) -> None:
+                 remat: RematPolicy | str, check_finite: bool = False) -> None:
         self.stages = list(stages)
         self.check_finite = check_finite
         self.signature = signature
         self.chunks = chunks
-        self.remat = remat
+        self.remat = remat_policy(remat)
         devices = sorted({str(s.device) for s in self.stages})
         self.workers = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxpipe-{d}")
                         for d in devices}
@@ -147,7 +133,7 @@ class LocalExecutor:
     def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
               base: int | None, grad: bool, autocast: AutocastState, tracker: Any) -> Any:
         stage = self.stages[s]
-        view = MicrobatchComm(comm, s, mb, remat_enabled(self.remat, mb, self.chunks), stage.device)
+        view = MicrobatchComm(comm, s, mb, self.remat.recomputes(mb, self.chunks), stage.device)
         args = [to_device(inputs[i], stage.device) for i in stage.inputs]
         devices = stage_devices(stage.device, [*stage.module.parameters(),
                                                *stage.module.buffers()]) if stage.random else []

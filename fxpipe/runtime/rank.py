@@ -17,6 +17,7 @@ from torch.fx import GraphModule
 from fxpipe import ir
 from fxpipe.errors import ConfigError, RuntimeInputError
 from fxpipe.losses import LossFn
+from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.backend import carries_cuda, cuda_index_for, local_rank
 from fxpipe.runtime.distributed import DistributedExecutor, RankUnit, StepResult, stage_info
 from fxpipe.runtime.mesh import Groups, Mesh, average_over_replicas
@@ -118,7 +119,7 @@ class RankStage:
     groups: Groups
     signature: Signature
     chunks: int
-    remat: str
+    remat: RematPolicy
     schedule: ScheduleKind
 
     def step(self, flat: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
@@ -144,16 +145,18 @@ class RankStage:
 def setup_rank(stages: Sequence[tuple[StageModule, StageWiring, GraphModule | None]], *,
                mesh: Mesh, groups: Groups, device: torch.device, signature: Signature,
                edges: Sequence[tuple[str, int, int]], shared: dict[str, list[int]], chunks: int,
-               remat: str, schedule: ScheduleKind | str, check_finite: bool = False,
+               remat: RematPolicy | str, schedule: ScheduleKind | str,
+               check_finite: bool = False,
                dp_bucket_mb: float = 25.0) -> RankStage:
     """Builds the executor of this rank's stages, each (module, wiring, its graph when known);
     the modules already sit on `device` and share their tied parameters. `schedule`, a kind or
-    its name (as a written program stores it), is resolved here once."""
+    its name (as a written program stores it), is resolved here once, as is `remat`."""
     units = [RankUnit(w.index, module, w.inputs, stage_info(w.recvs, w.sends, w.index),
                       w.random, graph) for module, w, graph in stages]
     executor = DistributedExecutor(
         units=units, mesh=mesh, signature=signature, edges=edges, device=device,
         pp_group=groups.pp, dp_group=groups.dp, shared=shared, shared_groups=groups.shared,
         check_finite=check_finite, dp_bucket_bytes=int(dp_bucket_mb * 2**20))
-    return RankStage(executor, mesh, groups, signature, chunks, remat, schedule_kind(schedule))
+    return RankStage(executor, mesh, groups, signature, chunks, remat_policy(remat),
+                     schedule_kind(schedule))
 

@@ -30,6 +30,7 @@ from fxpipe.passes.partition.correct import LOSS
 from fxpipe.passes.partition.problem import Partition, evaluate
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
+from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.grid import peak_inflight
 from fxpipe.runtime.schedule import ScheduleKind, schedule_kind
 from fxpipe.runtime.timeline import predicted_step
@@ -228,12 +229,12 @@ def _value_bytes(node: Node, b: int) -> tuple[float, float]:
 
 
 def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
-                  profile: DeviceProfile, b: int, remat: str, chunks: int,
+                  profile: DeviceProfile, b: int, remat: RematPolicy | str, chunks: int,
                   corrections: Mapping[str, float] | None = None) -> Atoms:
     index = _atom_index(groups)
     n = len(groups)
-    recompute = 0.0 if remat == "never" else (
-        (chunks - 1) / chunks if remat == "except_last" else 1.0)
+    policy = remat_policy(remat)
+    recompute = policy.recomputed_share(chunks)
     compute: list[float] = []
     mem_fixed: list[float] = []
     mem_act: list[float] = []
@@ -267,8 +268,8 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         act = sum(float(ir.evaluate(c.saved_bytes, b)) for c in costs)
         saved.append(act)
         mem_fixed.append(params + grads * (1 + OPTIMIZER_STATE_FACTOR)
-                         + (act if remat != "never" else 0))
-        mem_act.append(0.0 if remat != "never" else act)
+                         + (act if policy.recomputes_any else 0))
+        mem_act.append(0.0 if policy.recomputes_any else act)
     # values crossing each cut: produced in atom i, last used in atom j > i -> cuts i+1 .. j
     diff_f = [0.0] * (n + 2)
     diff_b = [0.0] * (n + 2)
@@ -309,7 +310,7 @@ def partition(
     profile: DeviceProfile,
     balance: str | Sequence[int] = "cost",
     split_points: Sequence[str] | None = None,
-    remat: str = "except_last",
+    remat: RematPolicy | str = "except_last",
     memory_limit: float | None = None,
     schedule: ScheduleKind | str = "gpipe",
     ranks: int | None = None,
@@ -350,14 +351,15 @@ def partition(
         mode = balance
         cuts = None
     b = microbatch_size
+    policy = remat_policy(remat)
     corrections = corrections or {}
     loss_time *= corrections.get(LOSS, 1.0)
     costed = "cost" if mode in ("explicit", "dynamic") else mode
-    key = (costed, b, remat, chunks, tuple(sorted(corrections.items())))
+    key = (costed, b, policy, chunks, tuple(sorted(corrections.items())))
     if reuse is not None and mode != "explicit" and key in reuse:
         atoms = reuse[key]
     else:
-        atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=remat,
+        atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=policy,
                               chunks=chunks, corrections=corrections)
         if reuse is not None and mode != "explicit":
             reuse[key] = reuse[("groups",)] = atoms
@@ -384,17 +386,17 @@ def partition(
         result = solve_partition(
             atoms.compute, num_stages, cut_comm=atoms.cut_comm, memory_limit=memory_limit,
             mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
-            cut_mem=atoms.cut_bytes if remat != "never" else [0.0] * (len(groups) + 1),
+            cut_mem=atoms.cut_bytes if policy.recomputes_any else [0.0] * (len(groups) + 1),
             inflight=inflight)
         cuts = result.cuts
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
-        atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
+        atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=policy,
                                chunks=chunks)
         atoms.compute[-1] += loss_time
     evaluated = evaluate(cuts, atoms.compute, cut_comm=atoms.cut_comm,
                          memory_limit=memory_limit, mem_fixed=atoms.mem_fixed,
                          mem_act=atoms.mem_act,
-                         cut_mem=atoms.cut_bytes if remat != "never" else None,
+                         cut_mem=atoms.cut_bytes if policy.recomputes_any else None,
                          inflight=inflight)
     fixed = 0.0 if mode == "params" else profile.microbatch_overhead
     plan = _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages, fixed)
