@@ -82,7 +82,9 @@ def hold_stages(built: Built, classes: Sequence[type[StageModule]], config: Comp
         meta = sorted({q for m in held for q in meta_names(m.named_model_tensors())})
         executor = None if meta else LocalExecutor(local, built.signature, built.plan.chunks,
                                                    config.remat,
-                                                   check_finite=config.check_finite)
+                                                   check_finite=config.check_finite,
+                                                   schedule=built.config.schedule_kind,
+                                                   ranks=built.config.ranks)
         return HeldStages(held, devices[:len(held)], views, executor, None, meta)
     assert device is not None  # the rank's device comes with its mesh
     mine = [classes[s](tensors, modules) for s in mesh.held]

@@ -221,7 +221,8 @@ def _local(folder: Path, spec: ProgramSpec, args: argparse.Namespace
     for st in stages:
         st.module.place(st.device, placed)
     executor = LocalExecutor(stages, spec.signature, spec.chunks, spec.remat,
-                             check_finite=args.check_finite)
+                             check_finite=args.check_finite, schedule=spec.schedule,
+                             ranks=spec.ranks)
 
     def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
              scaler: torch.amp.GradScaler) -> tuple[float, bool]:

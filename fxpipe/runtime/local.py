@@ -1,9 +1,11 @@
 """The local executor: every stage in one process, one worker thread per device (as torchgpipe).
 
-Micro-batch m enters stage s at clock tick m + s, so at each tick the stages work on different
-micro-batches at once. Values move between devices with a differentiable copy, so the outputs
-belong to one autograd graph and `loss.backward()` reaches every parameter of the model; remat
-regions recompute during that backward.
+The forwards run in the order of the schedule the executor is given, played on the one clock
+(fxpipe.runtime.grid.play; under GPipe micro-batch m enters stage s at tick m + s), so at each
+tick the stages work on different micro-batches at once; the backwards are one autograd
+backward of the joined outputs, whatever the schedule. Values move between devices with a
+differentiable copy, so the outputs belong to one autograd graph and `loss.backward()` reaches
+every parameter of the model; remat regions recompute during that backward.
 
 The caller's autocast state is captured when `run` is called and re-entered in every worker
 thread (autocast is per thread), so `with torch.autocast(...): program(x)` takes effect in every
@@ -28,7 +30,9 @@ from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import LocalComm, MicrobatchComm
 from fxpipe.runtime.devices import pin_for, stage_devices, to_device
 from fxpipe.runtime.finite import check_finite
+from fxpipe.runtime.grid import chain, play
 from fxpipe.runtime.memory import KeptMemory
+from fxpipe.runtime.schedule import ActionKind, ScheduleKind, schedule_kind
 from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import Signature
 
@@ -84,12 +88,19 @@ class LocalStage:
 
 class LocalExecutor:
     def __init__(self, stages: Sequence[LocalStage], signature: Signature, chunks: int,
-                 remat: RematPolicy | str, check_finite: bool = False) -> None:
+                 remat: RematPolicy | str, check_finite: bool = False, *,
+                 schedule: ScheduleKind | str = "gpipe", ranks: int | None = None) -> None:
         self.stages = list(stages)
         self.check_finite = check_finite
         self.signature = signature
         self.chunks = chunks
         self.remat = remat_policy(remat)
+        # the forwards of the schedule, tick by tick (the backward is one autograd call)
+        grid = play(schedule_kind(schedule).build(chunks, len(self.stages), ranks),
+                    chain(len(self.stages)))
+        self.forward_ticks = [tick for tick in (
+            [(a.stage, a.microbatch) for a in row if a is not None
+             and a.kind == ActionKind.FORWARD] for row in grid) if tick]
         devices = sorted({str(s.device) for s in self.stages})
         self.workers = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxpipe-{d}")
                         for d in devices}
@@ -110,9 +121,8 @@ class LocalExecutor:
         outputs: list[Any] = [None] * self.chunks
         base = draw_base() if any(s.random for s in self.stages) else None
         grad = torch.is_grad_enabled()
-        k, m = len(self.stages), self.chunks
-        for tick in range(m + k - 1):
-            tasks = [(s, tick - s) for s in range(k) if 0 <= tick - s < m]
+        k = len(self.stages)
+        for tasks in self.forward_ticks:
             futures = [(s, mb, self.workers_by_stage[s].submit(
                 self._task, comm, s, mb, micro[mb], base, grad, autocast,
                 trackers[s] if trackers else None)) for s, mb in tasks]

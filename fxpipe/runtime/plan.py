@@ -4,7 +4,7 @@ Pure (no torch): the distributed executor turns a rank's plan into `batch_isend_
 
 A schedule is given per rank (`actions_by_rank[r]`, the actions rank r runs in order; a rank may
 run several stages) together with the stage -> rank placement and the stages' data edges
-(src, dst). `clock` plays the ranks on a unit-time clock, as `schedule.clock_cycles` plays stages:
+(src, dst). `clock` plays the ranks on the one unit-time clock (`fxpipe.runtime.grid.play`):
 every rank starts its next action at the first tick when the actions it depends on ended in an
 earlier tick. Every rank computes the same clock from the same inputs.
 
@@ -64,6 +64,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.grid import play
 from fxpipe.runtime.schedule import Action, ActionKind
 
 __all__ = ["Message", "Tick", "clock", "plan_rank", "RECEIVE_LEAD"]
@@ -109,58 +110,10 @@ def _key(a: Action) -> ActionKey:
 
 def clock(actions_by_rank: Sequence[Sequence[Action]],
           edges: Iterable[tuple[int, int]]) -> dict[ActionKey, int]:
-    """The tick of every action: each rank runs its list in order, one action per tick, each at
-    the first tick when its dependencies ended earlier.
-
-    F(s, m) depends on F(p, m) for every producer p of s; the backward of s (B, or I in a
-    split backward) on F(s, m) and on the backward of every consumer of s; W(s, m) on I(s, m).
-    Raises ConfigError if the order deadlocks.
-    """
-    producers: dict[int, set[int]] = defaultdict(set)
-    consumers: dict[int, set[int]] = defaultdict(set)
-    for src, dst in edges:
-        if src != dst:
-            producers[dst].add(src)
-            consumers[src].add(dst)
-    backward: dict[tuple[int, int], ActionKind] = {}
-    for actions in actions_by_rank:
-        for a in actions:
-            if a.kind.gives_input_grad:
-                backward[(a.stage, a.microbatch)] = a.kind
-
-    def deps(a: Action) -> list[ActionKey]:
-        s, m = a.stage, a.microbatch
-        if a.kind == ActionKind.FORWARD:
-            return [(ActionKind.FORWARD, p, m) for p in producers[s]]
-        if a.kind == ActionKind.WEIGHT_GRAD:  # no messages, after the stage's input gradient
-            return [(ActionKind.INPUT_GRAD, s, m)]
-        return [(ActionKind.FORWARD, s, m)] + [
-            (backward.get((d, m), ActionKind.BACKWARD), d, m) for d in consumers[s]]
-
-    tick_of: dict[ActionKey, int] = {}
-    position = [0] * len(actions_by_rank)
-    remaining = sum(len(acts) for acts in actions_by_rank)
-    tick = 0
-    while remaining:
-        ran = []
-        for r, actions in enumerate(actions_by_rank):
-            if position[r] < len(actions):
-                a = actions[position[r]]
-                if all(tick_of.get(d, tick) < tick for d in deps(a)):
-                    ran.append((r, a))
-        if not ran:
-            stuck = ", ".join(f"rank {r}: {acts[position[r]].kind}{acts[position[r]].microbatch}"
-                              f" of stage {acts[position[r]].stage}"
-                              for r, acts in enumerate(actions_by_rank) if position[r] < len(acts))
-            raise ConfigError(f"the schedule deadlocks at tick {tick}; next actions wait forever "
-                              f"({stuck})", hint="each rank must run an action only after the "
-                              "actions it depends on, on any rank")
-        for r, a in ran:
-            tick_of[_key(a)] = tick
-            position[r] += 1
-        remaining -= len(ran)
-        tick += 1
-    return tick_of
+    """The tick of every action, the ranks played on the one clock (fxpipe.runtime.grid.play)
+    along the stages' data edges. Raises ConfigError if the order deadlocks."""
+    return {_key(a): tick for tick, row in enumerate(play(actions_by_rank, edges))
+            for a in row if a is not None}
 
 
 def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],

@@ -507,7 +507,7 @@ def stage_ranks(schedule: Schedule) -> list[int]:
     return [rank_of[s] for s in range(len(rank_of))]
 
 
-def waiting(schedule: Schedule, position: Sequence[int]) -> str:
+def waiting(schedule: Sequence[Sequence[Action]], position: Sequence[int]) -> str:
     """The next action of every rank with actions left (rank r at index position[r]), for the
     message of a schedule that deadlocks."""
     return ", ".join(f"stage {acts[p].stage}: {acts[p]}" for acts, p in zip(schedule, position)
