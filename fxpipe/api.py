@@ -77,8 +77,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             fastest schedule by the stages' simulated costs that fits memory_limit, on the
             same number of ranks: a looped one cuts the model into stages_per_rank (2) times
             more stages; the report lists each one's time). The distributed executor runs
-            every schedule; the local executor (one process) runs the forwards in fill order
-            and one autograd backward, as GPipe does.
+            every schedule; the local executor (one process) runs the schedule's forwards
+            in its order and one autograd backward of the joined outputs.
         stages_per_rank: stages each rank holds: 1 for the flat schedules, 2 (the default) or
             more for "interleaved-1f1b", exactly 2 for "zb-v".
         profile: a DeviceProfile, a preset name ("a100", "h100", or "h100:bf16" with its

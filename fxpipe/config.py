@@ -8,10 +8,10 @@ from fxpipe.errors import ConfigError
 from fxpipe.frontend.capture import METHODS
 from fxpipe.optimizers import ADAM, OptimizerMemory
 from fxpipe.passes.partition import BALANCE_MODES
-from fxpipe.passes.remat import REMAT_MODES
 from fxpipe.profile import DeviceProfile
+from fxpipe.remat_policy import REMAT_MODES, RematPolicy
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
-from fxpipe.runtime.schedule import SCHEDULES, check_layout, default_stages_per_rank, placement
+from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, schedule_kind
 
 __all__ = ["AUTO", "CompileConfig", "check_config"]
 
@@ -54,7 +54,7 @@ class CompileConfig:
         by default)."""
         if self.stages_per_rank is not None:
             return self.stages_per_rank
-        return 1 if self.schedule == AUTO else default_stages_per_rank(self.schedule)
+        return 1 if self.schedule == AUTO else self.schedule_kind.default_stages_per_rank
 
     @property
     def ranks(self) -> int:
@@ -63,9 +63,23 @@ class CompileConfig:
         return max(self.stages // self.per_rank, 1)
 
     @property
+    def remat_policy(self) -> RematPolicy:
+        """Which micro-batches recompute, and what a stage keeps (fxpipe.remat_policy)."""
+        return RematPolicy(self.remat)
+
+    @property
+    def schedule_kind(self) -> ScheduleKind:
+        """The schedule this config runs (after schedule="auto" is resolved)."""
+        if self.schedule == AUTO:
+            raise ConfigError('schedule="auto" is not resolved yet',
+                              hint="ask the config returned by the build, which names the "
+                                   "schedule it chose")
+        return schedule_kind(self.schedule)
+
+    @property
     def placement(self) -> list[int]:
         """placement[s]: the pipeline rank of stage s (the schedule resolved)."""
-        return placement(self.schedule, self.stages, self.ranks)
+        return self.schedule_kind.placement(self.stages, self.ranks)
 
 
 def check_config(config: CompileConfig) -> None:
@@ -92,7 +106,7 @@ def check_config(config: CompileConfig) -> None:
         raise ConfigError(f"unknown schedule {config.schedule!r}",
                           hint=f"use one of {(*SCHEDULES, AUTO)}")
     if config.schedule != AUTO:
-        check_layout(config.schedule, config.stages, config.per_rank)
+        config.schedule_kind.check_layout(config.stages, config.per_rank)
     elif config.stages_per_rank is not None and (not _is_int(config.stages_per_rank)
                                                  or config.stages % config.stages_per_rank):
         raise ConfigError(f"stages_per_rank={config.stages_per_rank!r} does not divide "
@@ -105,7 +119,7 @@ def check_config(config: CompileConfig) -> None:
                                             or not config.memory_limit > 0):
         raise ConfigError(f"memory_limit must be a positive number of bytes (got "
                           f"{config.memory_limit!r})", hint="e.g. memory_limit=8 * 2**30")
-    if config.remat == "auto" and config.memory_limit is None:
+    if config.remat_policy.chooses_regions and config.memory_limit is None:
         raise ConfigError("remat='auto' chooses what to recompute to fit memory_limit, "
                           "but no memory_limit was given",
                           hint="pass memory_limit (bytes per rank), or remat='always'")

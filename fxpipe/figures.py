@@ -43,15 +43,11 @@ def stage_load(compute: float, comm: float) -> float:
     return compute + comm / 2
 
 
-def kept_at_peak(saved: float, kept: float, remat: str, inflight: int, chunks: int) -> float:
+def kept_at_peak(saved: float, kept: float, inflight: int, whole: int) -> float:
     """Bytes a stage keeps for its backwards at the peak of a step: `inflight` micro-batches
     whose forward is done and backward is not (fxpipe.runtime.grid.peak_inflight of the
-    schedule), each keeping `saved` bytes, or `kept` under remat; remat="except_last" keeps the
-    last micro-batch whole, and its forward finishes with the others a stage has in flight
-    (all of them under GPipe, the stage's share of the pipeline under 1F1B)."""
-    if remat == "never" or chunks <= 1:
-        return inflight * saved
-    whole = 1 if remat == "except_last" else 0
+    schedule), `whole` of them keeping `saved` bytes and the others `kept`, what their remat
+    regions keep (which are whole: fxpipe.remat_policy.RematPolicy.kept_whole)."""
     return (inflight - whole) * kept + whole * saved
 
 

@@ -44,7 +44,7 @@ from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.rank import devices_for_stages
-from fxpipe.runtime.schedule import SCHEDULES, stages_per_rank_for
+from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.stagespec import StageSpec
 from fxpipe.runtime.timeline import predicted_events, predicted_step
@@ -165,7 +165,7 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
     share = config.memory_limit / config.per_rank if config.memory_limit else None
     for g in graphs:
         with _timed(timings, cpu, "mark_remat"):
-            regions = mark_remat(g.graph_module, config.remat,
+            regions = mark_remat(g.graph_module, config.remat_policy,
                                  microbatch_size=plan.microbatch_size, inflight=plan.chunks,
                                  memory_limit=share,
                                  fixed_bytes=_fixed_bytes(g, config.optimizer))
@@ -240,8 +240,8 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: Devi
             limit = config.memory_limit / candidate.per_rank if config.memory_limit else None
             return partition(gm, candidate.stages, microbatch_size=b, chunks=chunks,
                              profile=profile, balance=balance, split_points=config.split_points,
-                             remat=config.remat, memory_limit=limit,
-                             schedule=candidate.schedule, ranks=candidate.ranks,
+                             remat=config.remat_policy, memory_limit=limit,
+                             schedule=candidate.schedule_kind, ranks=candidate.ranks,
                              loss_time=loss_time(gm, b, profile, config.balance == "time",
                                                  _profile_device(config)),
                              corrections=corrections, starts=starts,
@@ -262,7 +262,8 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: Devi
             failure = failure or e
             times.append((name, None))
             continue
-        times.append((name, predicted_step(plans[name][0], name, candidate.ranks)[0]))
+        times.append((name, predicted_step(plans[name][0], candidate.schedule_kind,
+                                           candidate.ranks)[0]))
     fits = [(t, name) for name, t in times if t is not None]
     if not fits:
         assert failure is not None
@@ -279,8 +280,8 @@ def _auto_candidates(config: CompileConfig) -> list[CompileConfig]:
     looped ones with stages_per_rank (if given, else 2) stages per rank."""
     ranks = config.ranks
     out = []
-    for name in SCHEDULES:
-        per_rank = stages_per_rank_for(name, config.per_rank)
+    for name, kind in SCHEDULES.items():
+        per_rank = kind.stages_per_rank_for(config.per_rank)
         out.append(replace(config, schedule=name, stages=ranks * per_rank,
                            stages_per_rank=per_rank))
     return out

@@ -41,7 +41,8 @@ from fxpipe.passes.partition import TOLERANCE, BalanceRound, best_round, correct
 from fxpipe.pipeline import PlanAgreement, rebuild
 from fxpipe.profile import cache_dir
 from fxpipe.profile.cache import check_against_run
-from fxpipe.runtime.local import LocalExecutor, remat_enabled
+from fxpipe.remat_policy import RematPolicy, remat_policy
+from fxpipe.runtime.local import LocalExecutor
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.rank import RankStage
 from fxpipe.runtime.stagetime import time_stages
@@ -359,7 +360,8 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 
-def measure_local(executor: LocalExecutor, signature: Signature, chunks: int, remat: str,
+def measure_local(executor: LocalExecutor, signature: Signature, chunks: int,
+                  remat: RematPolicy | str,
                   flat: Sequence[torch.Tensor], target: torch.Tensor | None,
                   loss_fn: LossFn, steps: int) -> list[float]:
     """Seconds per micro-batch each stage computes, every stage timed alone in this process
@@ -375,17 +377,18 @@ def measure_local(executor: LocalExecutor, signature: Signature, chunks: int, re
     return [robust_time(per_step, remat) for per_step in times]
 
 
-def robust_time(samples: Sequence[Sequence[float]], remat: str) -> float:
+def robust_time(samples: Sequence[Sequence[float]], remat: RematPolicy | str) -> float:
     """Seconds per micro-batch from samples[step][micro-batch]: among micro-batches that do the
     same work (those that recompute, and those that do not), the fastest sample, weighted by
     how many there are. Load elsewhere only slows samples down, so the fastest is the stage's
     own time; taking it over steps and micro-batches gives many chances to see it."""
     chunks = len(samples[0])
+    policy = remat_policy(remat)
     groups: dict[bool, list[float]] = {}
     for per_mb in samples:
         for mb, seconds in enumerate(per_mb):
-            groups.setdefault(remat_enabled(remat, mb, chunks), []).append(seconds)
-    counts = {flag: sum(remat_enabled(remat, mb, chunks) == flag for mb in range(chunks))
+            groups.setdefault(policy.recomputes(mb, chunks), []).append(seconds)
+    counts = {flag: sum(policy.recomputes(mb, chunks) == flag for mb in range(chunks))
               for flag in groups}
     return sum(min(times) * counts[flag] for flag, times in groups.items()) / chunks
 

@@ -15,22 +15,16 @@ from fxpipe.built import Built
 from fxpipe.codegen import StageHeader
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
-from fxpipe.figures import against, kept_at_peak, remat_saving, stage_load
+from fxpipe.figures import against, remat_saving, stage_load
 from fxpipe.optimizers import ADAM, OptimizerMemory
 from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, kept_reason
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
+from fxpipe.remat_policy import RematPolicy
 from fxpipe.runtime.grid import peak_inflight, render_grid
 from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.schedule import (
-    SCHEDULES,
-    check_layout,
-    default_stages_per_rank,
-    make_schedule,
-    stages_on,
-    stages_per_rank_for,
-)
+from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, stages_on
 from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["Report", "StageRow", "build_report", "stage_header", "compile_command",
@@ -108,7 +102,7 @@ def compile_command(config: CompileConfig, model: str) -> tuple[str, bool]:
         if f.name == "command" or (not always and value == getattr(defaults, f.name)):
             continue
         if f.name == "stages_per_rank" and config.schedule in SCHEDULES \
-                and value == default_stages_per_rank(config.schedule):
+                and value == config.schedule_kind.default_stages_per_rank:
             continue  # what the schedule places anyway
         if isinstance(value, DeviceProfile):
             value = value.name
@@ -202,8 +196,7 @@ BREAKDOWN = {"kernels": "kernels", "overhead": "per-operation and per-micro-batc
              "messages": "messages", "step": "per-step"}
 """PartitionPlan.breakdown's parts as the report names them."""
 
-SCHEDULE_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1",
-                   "interleaved-1f1b": "Interleaved 1F1B", "zb-v": "ZB-V"}
+SCHEDULE_TITLES = {name: kind.title for name, kind in SCHEDULES.items()}
 
 
 @dataclass
@@ -214,7 +207,7 @@ class Report:
     plan: PartitionPlan
     stages: list[StageRow]
     profile: str
-    schedule: str
+    schedule: ScheduleKind
     measured: dict[str, Any] = field(default_factory=dict)
     shared: dict[str, list[int]] = field(default_factory=dict)
     # (rank, replica, stages it runs)
@@ -222,7 +215,7 @@ class Report:
     comm: dict[str, float] = field(default_factory=dict)  # bytes per step by kind
     rounds: list[BalanceRound] = field(default_factory=list)  # balancing by measurement
     stages_per_rank: int = 1
-    remat: str = "never"
+    remat: RematPolicy = RematPolicy.NEVER
     optimizer: str = ADAM.describe()  # what each stage's memory counts per parameter
 
     @property
@@ -236,7 +229,7 @@ class Report:
         return {
             "stages": k, "ranks": self.ranks, "stages_per_rank": self.stages_per_rank,
             "chunks": m, "microbatch_size": plan.microbatch_size,
-            "balance": plan.balance, "schedule": self.schedule,
+            "balance": plan.balance, "schedule": self.schedule.name,
             "imbalance": plan.imbalance,
             "bubble": simulated_bubble,
             "predicted_step_time_s": step,  # the one predicted step (simulated)
@@ -247,29 +240,29 @@ class Report:
                                  for c, t in plan.candidates],
             "auto_schedules": [{"schedule": name, "step_time_s": t}
                                for name, t in plan.schedules],
-            "schedules": [{"schedule": name, "ranks": r, "step_time_s": t, "bubble": b,
-                           "kept_bytes": self.kept(name, r)}
-                          for name, r in self._layouts()
-                          for t, b in [predicted_step(plan, name, r)]],
+            "schedules": [{"schedule": kind.name, "ranks": r, "step_time_s": t, "bubble": b,
+                           "kept_bytes": self.kept(kind, r)}
+                          for kind, r in self._layouts()
+                          for t, b in [predicted_step(plan, kind, r)]],
         }
 
-    def kept(self, schedule: str, ranks: int) -> float:
+    def kept(self, schedule: ScheduleKind, ranks: int) -> float:
         """The most activation bytes a stage keeps at the peak of a step of `schedule`."""
         m = self.plan.chunks
-        inflight = peak_inflight(make_schedule(schedule, m, len(self.plan.stages), ranks))
-        return max(kept_at_peak(s["activations_bytes"], s["kept_with_remat_bytes"], self.remat,
-                                n, m) for s, n in zip(self.stages, inflight))
+        inflight = peak_inflight(schedule.build(m, len(self.plan.stages), ranks))
+        return max(self.remat.kept_at_peak(s["activations_bytes"], s["kept_with_remat_bytes"],
+                                           n, m) for s, n in zip(self.stages, inflight))
 
-    def _layouts(self) -> list[tuple[str, int]]:
+    def _layouts(self) -> list[tuple[ScheduleKind, int]]:
         """Each schedule that runs these stages on this program's ranks, with that number: the
         flat ones for one stage per rank, the looped ones for several."""
         k = len(self.plan.stages)
         out = []
-        for name in SCHEDULES:
+        for kind in SCHEDULES.values():
             try:
-                if check_layout(name, k, stages_per_rank_for(name, self.stages_per_rank)) \
+                if kind.check_layout(k, kind.stages_per_rank_for(self.stages_per_rank)) \
                         == self.ranks:
-                    out.append((name, self.ranks))
+                    out.append((kind, self.ranks))
             except ConfigError:
                 continue  # e.g. an odd number of stages under zb-v
         return out
@@ -350,8 +343,8 @@ class Report:
                      + ", ".join(f"{c['schedule']} {human_time(c['step_time_s'])} "
                                  f"(bubble {c['bubble']:.1%}, keeps "
                                  f"{human_bytes(c['kept_bytes'])})" for c in s["schedules"]))
-        lines += ["", render_grid(make_schedule(self.schedule, m, k, self.ranks),
-                                  title=SCHEDULE_TITLES.get(self.schedule, self.schedule),
+        lines += ["", render_grid(self.schedule.build(m, k, self.ranks),
+                                  title=self.schedule.title,
                                   bubble=s["bubble"])]
         return "\n".join(lines)
 
@@ -408,14 +401,14 @@ class Report:
 
 def predicted_kept(built: Built) -> list[float]:
     """Activation bytes each stage holds after all forwards of a GPipe step (its peak; what
-    program.measure_activations measures), as fxpipe.figures.kept_at_peak counts them."""
+    program.measure_activations measures), as the remat policy counts them."""
     plan = built.plan
     m, b = built.spec.chunks, plan.microbatch_size
     out = []
     for st in built.stages:
         figures = _stage_figures(st.graph, st.regions, b)
-        out.append(kept_at_peak(figures["saved"], figures["kept_with_remat"],
-                                built.spec.remat, m, m))
+        out.append(built.config.remat_policy.kept_at_peak(figures["saved"],
+                                                          figures["kept_with_remat"], m, m))
     return out
 
 
@@ -483,8 +476,8 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
     head, sep, method = profile.source.partition(": ")
     how = method if sep and head.startswith("measured on ") else profile.source
     return Report(model, plan, stages, f"{which} ({how})",
-                  built.spec.schedule, shared=dict(built.spec.shared),
+                  built.config.schedule_kind, shared=dict(built.spec.shared),
                   mesh=mesh.describe() if mesh is not None else [],
                   comm=communication(built, replicas), rounds=list(built.rounds),
-                  stages_per_rank=built.spec.stages_per_rank, remat=built.spec.remat,
+                  stages_per_rank=built.spec.stages_per_rank, remat=built.config.remat_policy,
                   optimizer=built.config.optimizer.describe())

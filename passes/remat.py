@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from torch.fx import GraphModule, Node
 
 from fxpipe import ir
-from fxpipe.errors import ConfigError
 from fxpipe.passes.aliasing import rewritten_later, written_by
-from fxpipe.runtime.local import REMAT_MODES
+from fxpipe.remat_policy import RematPolicy, remat_policy
 
 __all__ = ["mark_remat", "RematRegion", "select_regions", "is_mutating", "kept_bytes",
-           "rewritten_later", "REMAT_MODES"]
+           "rewritten_later"]
 
 
 @dataclass(frozen=True)
@@ -97,19 +96,20 @@ def _region_stats(nodes: Sequence[Node], b: int) -> tuple[float, float, float]:
     return saved, kept, flops
 
 
-def mark_remat(gm: GraphModule, mode: str, *, microbatch_size: int, inflight: int = 1,
-               fixed_bytes: float = 0.0, memory_limit: float | None = None) -> list[RematRegion]:
+def mark_remat(gm: GraphModule, mode: RematPolicy | str, *, microbatch_size: int,
+               inflight: int = 1, fixed_bytes: float = 0.0,
+               memory_limit: float | None = None) -> list[RematRegion]:
     """Marks remat regions on a stage graph; returns them (empty for "never")."""
-    if mode not in REMAT_MODES:
-        raise ConfigError(f"unknown remat mode {mode!r}", hint=f"use one of {REMAT_MODES}")
+    policy = remat_policy(mode)
     for node in gm.graph.nodes:
         node.meta.pop(ir.REMAT, None)
-    if mode == "never":
+    if not policy.recomputes_any:
         return []
     runs = _runs(gm)
-    candidates = [_split_blocks(run) for run in runs] if mode == "auto" else [[r] for r in runs]
+    chooses = policy.chooses_regions
+    candidates = [_split_blocks(run) for run in runs] if chooses else [[r] for r in runs]
     blocks = [block for run in candidates for block in run]
-    if mode == "auto":
+    if chooses:
         blocks = _auto(blocks, microbatch_size, inflight, fixed_bytes, memory_limit)
     regions = []
     for i, block in enumerate(blocks):

@@ -16,9 +16,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors", "fxpipe.version", "fxpipe.files", "fxpipe.source", "fxpipe.savelock",
      "fxpipe.userfiles", "fxpipe.figures", "fxpipe.choices"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
-     "fxpipe.structure", "fxpipe.checkpoint", "fxpipe.resume", "fxpipe.weights", "fxpipe.untouched",
-     "fxpipe.optimizers",
-     "fxpipe.models"),  # contracts: metadata, names, formats
+     "fxpipe.structure", "fxpipe.checkpoint", "fxpipe.resume", "fxpipe.weights",
+     "fxpipe.untouched", "fxpipe.optimizers", "fxpipe.models",
+     "fxpipe.remat_policy"),  # contracts: metadata, names, formats, policies
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces
@@ -135,3 +135,11 @@ def test_the_import_graph_has_no_cycle():
         if name not in state:
             visit(name, [name])
     assert cycles == []
+
+
+def test_the_remat_names_are_the_policies() -> None:
+    """The command line lists remat modes from fxpipe.choices (no torch); each is a policy."""
+    from fxpipe.choices import REMAT_MODES
+    from fxpipe.remat_policy import RematPolicy
+
+    assert REMAT_MODES == tuple(p.value for p in RematPolicy)

@@ -17,9 +17,10 @@ import pytest
 import fxpipe
 from fxpipe import ir
 from fxpipe.costs import cost_table
-from fxpipe.figures import kept_at_peak, remat_saving, stage_load
+from fxpipe.figures import remat_saving, stage_load
 from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
+from fxpipe.remat_policy import remat_policy
 from fxpipe.report import SCHEDULE_TITLES, human_bytes, human_flops, human_time
 from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.runtime.timeline import chrome_trace, predicted_events, predicted_step
@@ -138,6 +139,9 @@ def test_one_bubble_one_imbalance_and_one_step_in_the_report_the_grid_and_the_he
 
 
 def test_kept_bytes_at_the_peak_count_the_micro_batches_in_flight():
+    def kept_at_peak(saved, kept, remat, inflight, chunks):
+        return remat_policy(remat).kept_at_peak(saved, kept, inflight, chunks)
+
     assert kept_at_peak(100, 10, "never", 3, 4) == 300
     assert kept_at_peak(100, 10, "always", 3, 4) == 30
     # except_last: the last micro-batch whole, beside the others the stage has in flight

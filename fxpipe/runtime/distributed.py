@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
+from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
 from fxpipe.runtime.arguments import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
@@ -37,7 +38,7 @@ from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_device
 from fxpipe.runtime.dist_comm import DistComm, TagTable, messages_of
 from fxpipe.runtime.finite import check_finite
-from fxpipe.runtime.local import remat_enabled, seeded_forward
+from fxpipe.runtime.local import seeded_forward
 from fxpipe.runtime.loss_split import (
     KINDS,
     MEAN,
@@ -59,7 +60,12 @@ from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.overlap import ReplicaAverager
 from fxpipe.runtime.plan import Tick, plan_rank
-from fxpipe.runtime.schedule import make_schedule, stage_ranks
+from fxpipe.runtime.schedule import (
+    ActionKind,
+    ScheduleKind,
+    schedule_kind,
+    stage_ranks,
+)
 from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.runtime.strict import make_transport
 from fxpipe.runtime.timeline import Event
@@ -121,7 +127,7 @@ class DistributedExecutor:
         # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
         # None reads FXPIPE_P2P (fxpipe/runtime/transport.py)
         self.transport: Transport = make_transport(p2p, pp_group)
-        self.plans: dict[tuple[str, int, bool], list[Tick]] = {}
+        self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
         # dtypes of received values under each autocast state, learned on its first step
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
         self.warm = False
@@ -129,7 +135,7 @@ class DistributedExecutor:
         # how each loss splits over micro-batches, found on a step that only finds it, for a
         # schedule whose last stage starts a backward before every forward is done
         self.loss_kinds: dict[Any, str] = {}
-        self.loss_first: dict[tuple[str, int], bool] = {}
+        self.loss_first: dict[tuple[ScheduleKind, int], bool] = {}
         # Replica averaging of untied gradients overlaps the last backward (0: after it).
         # Tied parameters wait for their sum over stages, which needs every stage's backward.
         self.averager = None
@@ -155,8 +161,8 @@ class DistributedExecutor:
         return stage == self.mesh.stages - 1
 
     def step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
-             loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: str,
-             schedule: str = "gpipe", scaler: Any = None) -> StepResult:
+             loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: RematPolicy | str,
+             schedule: ScheduleKind | str = "gpipe", scaler: Any = None) -> StepResult:
         """One training step of this rank's stages: forwards and backwards of every micro-batch.
 
         scaler: a torch.amp.GradScaler; the backward runs on the scaled loss (the returned loss
@@ -169,8 +175,9 @@ class DistributedExecutor:
         mean nor a sum over examples, or whose kind the replicas cannot find or agree on.
         """
         key = loss_key(loss_fn, target is not None)
-        run = dict(chunks=chunks, remat=remat, schedule=schedule, scaler=scaler)
-        if self._loss_first(schedule, chunks):  # judged on each step before its backward
+        kind = schedule_kind(schedule)
+        run = dict(chunks=chunks, remat=remat_policy(remat), schedule=kind, scaler=scaler)
+        if self._loss_first(kind, chunks):  # judged on each step before its backward
             return self._step(tensors, target, loss_fn, key, None, **run)
         if key not in self.loss_kinds:  # a step that only judges the loss, then the step
             buffers = list({id(b): b for u in self.units.values()
@@ -179,20 +186,21 @@ class DistributedExecutor:
                 self._step(tensors, target, loss_fn, key, None, probe=True, **run)
         return self._step(tensors, target, loss_fn, key, self.loss_kinds[key], **run)
 
-    def _loss_first(self, schedule: str, chunks: int) -> bool:
+    def _loss_first(self, schedule: ScheduleKind, chunks: int) -> bool:
         """Whether the last stage runs every forward before its first backward (GPipe), so it
         knows the batch's loss before any backward."""
         if (schedule, chunks) not in self.loss_first:
             last = self.mesh.stages - 1
-            actions = make_schedule(schedule, chunks, self.mesh.stages, self.mesh.ranks)
+            actions = schedule.build(chunks, self.mesh.stages, self.mesh.ranks)
             kinds = [a.kind for a in actions[self.mesh.placement[last]] if a.stage == last]
-            backward = next((i for i, k in enumerate(kinds) if k != "F"), len(kinds))
-            self.loss_first[(schedule, chunks)] = "F" not in kinds[backward:]
+            backward = next((i for i, k in enumerate(kinds) if k != ActionKind.FORWARD),
+                            len(kinds))
+            self.loss_first[(schedule, chunks)] = ActionKind.FORWARD not in kinds[backward:]
         return self.loss_first[(schedule, chunks)]
 
     def _step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
               loss_fn: Callable[..., torch.Tensor], key: Any, assumed: str | None, *,
-              chunks: int, remat: str, schedule: str, scaler: Any,
+              chunks: int, remat: RematPolicy, schedule: ScheduleKind, scaler: Any,
               probe: bool = False) -> StepResult:
         """The step, its backward weighted as `assumed` (None: as the last stage finds before
         its first backward; `probe`: by 0, only to find the kind, recorded in loss_kinds)."""
@@ -245,7 +253,7 @@ class DistributedExecutor:
             return weight
         # the last action that accumulates gradients (B, or W of a split backward)
         last_backward = max(t.index for t in ticks
-                            if t.action is not None and t.action.kind in ("B", "W"))
+                            if t.action is not None and t.action.kind.accumulates_weight_grad)
         weights = {s: [p for p in u.module.parameters() if p.requires_grad]
                    for s, u in self.units.items()}
         for tick in ticks:
@@ -256,8 +264,8 @@ class DistributedExecutor:
             stage, mb = action.stage, action.microbatch
             unit = self.units[stage]
             try:
-                if action.kind == "F":
-                    view = MicrobatchComm(comm, stage, mb, remat_enabled(remat, mb, chunks),
+                if action.kind == ActionKind.FORWARD:
+                    view = MicrobatchComm(comm, stage, mb, remat.recomputes(mb, chunks),
                                           self.device)
                     args = [to_device(micro[mb][i], self.device) for i in unit.inputs]
                     with self.timeline.span("forward", stage, mb), \
@@ -275,16 +283,17 @@ class DistributedExecutor:
                             outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
                                            for o in out]
                     del view, out  # the comm keeps what the backward needs
-                elif action.kind == "I":
-                    with self.timeline.span("backward", stage, mb, detail="I"):
+                elif action.kind == ActionKind.INPUT_GRAD:
+                    with self.timeline.span("backward", stage, mb, detail=str(action.kind)):
                         comm.backward_input(stage, mb, self._weighted(losses, mb, decided(), scale)
                                             if self.is_last(stage) else None)
                 else:
                     if self.averager and tick.index == last_backward:
                         self.averager.arm()
-                    detail = "W" if action.kind == "W" else ""
-                    with self.timeline.span("backward", stage, mb, detail=detail):
-                        if action.kind == "W":
+                    split = action.kind == ActionKind.WEIGHT_GRAD
+                    with self.timeline.span("backward", stage, mb,
+                                            detail=str(action.kind) if split else ""):
+                        if split:
                             comm.backward_weight(stage, mb, weights[stage])
                         else:
                             comm.backward(stage, mb, self._weighted(losses, mb, decided(), scale)
@@ -344,16 +353,16 @@ class DistributedExecutor:
         if self.device.type == "cuda":
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
 
-    def _plan(self, schedule: str, chunks: int, early: bool) -> list[Tick]:
+    def _plan(self, schedule: ScheduleKind, chunks: int, early: bool) -> list[Tick]:
         """This rank's ticks (fxpipe.runtime.plan): the same clock on every rank; `early`
         posts receives some actions before their consumer (NOTE [Early receives] there)."""
         key = (schedule, chunks, early)
         if key not in self.plans:
             mesh = self.mesh
-            actions_by_rank = make_schedule(schedule, chunks, mesh.stages, mesh.ranks)
+            actions_by_rank = schedule.build(chunks, mesh.stages, mesh.ranks)
             if stage_ranks(actions_by_rank) != list(mesh.placement):
                 raise PipelineRuntimeError(
-                    f"schedule {schedule!r} places the stages on ranks "
+                    f"schedule {schedule.name!r} places the stages on ranks "
                     f"{stage_ranks(actions_by_rank)}, but this program runs them on "
                     f"{list(mesh.placement)}", hint="compile the program for this schedule")
             edges = {(src, dst) for _, src, dst in self.edges}

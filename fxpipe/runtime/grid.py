@@ -1,19 +1,22 @@
 """A schedule played on a unit-time clock: the tick grid, its picture, and what it keeps alive.
 
-* `clock_cycles` plays a schedule (fxpipe.runtime.schedule) on a clock where every action takes
+* `play` is the one clock a schedule (fxpipe.runtime.schedule) is played on: every action takes
   one tick and starts as early as its dependencies and its rank allow, which also checks that
-  the order cannot deadlock; `render_grid` draws it as text, one column per rank.
+  the order cannot deadlock. The point-to-point plan (fxpipe.runtime.plan) and the local
+  executor play a schedule on it; `clock_cycles` plays one on a chain of stages and
+  `render_grid` draws that as text, one column per rank.
 * `bubble_fraction` is the idle share of GPipe and 1F1B at equal times; `peak_inflight` is
   what each stage keeps alive at most, the input of the memory model.
 """
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.schedule import (
-    FORWARD,
-    INPUT_GRAD,
-    WEIGHT_GRAD,
     Action,
+    ActionKind,
     Schedule,
     check_sizes,
     is_split,
@@ -22,55 +25,78 @@ from fxpipe.runtime.schedule import (
     waiting,
 )
 
-__all__ = ["clock_cycles", "render_grid", "bubble_fraction", "peak_inflight", "dependencies"]
+__all__ = ["play", "chain", "clock_cycles", "render_grid", "bubble_fraction", "peak_inflight"]
 
 
-def dependencies(action: Action, num_stages: int) -> list[Action]:
-    """What must finish before `action` may start, on the chain of stages 0 -> 1 -> ... -> S-1."""
-    s, m = action.stage, action.microbatch
-    if action.kind == FORWARD:
-        return [Action(FORWARD, s - 1, m)] if s > 0 else []
-    if action.kind == WEIGHT_GRAD:
-        return [Action(INPUT_GRAD, s, m)]
-    deps = [Action(FORWARD, s, m)]
-    if s < num_stages - 1:
-        deps.append(Action(action.kind, s + 1, m))  # B after B, I after I
-    return deps
+def chain(num_stages: int) -> list[tuple[int, int]]:
+    """The data edges of a chain of stages 0 -> 1 -> ... -> S-1."""
+    return [(s, s + 1) for s in range(num_stages - 1)]
 
 
-def clock_cycles(schedule: Schedule) -> list[list[Action | None]]:
-    """Play `schedule` on a unit-time clock; return grid[tick][rank] (None where idle).
+def play(actions_by_rank: Sequence[Sequence[Action]],
+         edges: Iterable[tuple[int, int]]) -> list[list[Action | None]]:
+    """The one unit-time clock every schedule is played on; grid[tick][rank] (None: idle).
 
-    Each action takes one tick and starts at the first tick when its rank has run everything
-    listed before it and its dependencies finished in an earlier tick: F(s, m) after F(s-1, m);
-    B(s, m) after B(s+1, m) and after F(s, m) (the last stage's B(m) only after its F(m)).
-    Raises ConfigError if the schedule is incomplete or its order deadlocks.
+    Each rank runs its list in order, one action per tick, each at the first tick when the
+    actions it depends on ended in an earlier tick: F(s, m) on F(p, m) for every producer p of
+    s (along `edges`, (src, dst) stage pairs); the backward of s (B, or I of a split backward)
+    on F(s, m) and on the backward of every consumer of s; W(s, m) on I(s, m). Raises
+    ConfigError if the order deadlocks.
     """
-    _, num_stages = validate(schedule)
+    producers: dict[int, set[int]] = defaultdict(set)
+    consumers: dict[int, set[int]] = defaultdict(set)
+    for src, dst in edges:
+        if src != dst:
+            producers[dst].add(src)
+            consumers[src].add(dst)
+    backward = {(a.stage, a.microbatch): a.kind for actions in actions_by_rank for a in actions
+                if a.kind.gives_input_grad}
+
+    def depends_on(a: Action) -> list[Action]:
+        s, m = a.stage, a.microbatch
+        if a.kind == ActionKind.FORWARD:
+            return [Action(ActionKind.FORWARD, p, m) for p in producers[s]]
+        if a.kind == ActionKind.WEIGHT_GRAD:
+            return [Action(ActionKind.INPUT_GRAD, s, m)]
+        return [Action(ActionKind.FORWARD, s, m)] + [
+            Action(backward.get((d, m), ActionKind.BACKWARD), d, m) for d in consumers[s]]
+
     done: set[Action] = set()
-    position = [0] * len(schedule)
+    position = [0] * len(actions_by_rank)
     grid: list[list[Action | None]] = []
-    remaining = sum(len(acts) for acts in schedule)
+    remaining = sum(len(acts) for acts in actions_by_rank)
     while remaining:
-        row: list[Action | None] = [None] * len(schedule)
-        for r, actions in enumerate(schedule):
+        row: list[Action | None] = [None] * len(actions_by_rank)
+        for r, actions in enumerate(actions_by_rank):
             if position[r] < len(actions):
                 a = actions[position[r]]
-                if all(d in done for d in dependencies(a, num_stages)):
+                if all(d in done for d in depends_on(a)):
                     row[r] = a
         ran = [(r, a) for r, a in enumerate(row) if a is not None]
         if not ran:
-            stuck = waiting(schedule, position)
+            stuck = waiting(actions_by_rank, position)
             raise ConfigError(
-                f"schedule deadlocks at tick {len(grid)}; next actions wait forever ({stuck})",
-                hint="F(s, m) needs F(s-1, m) first and B(s, m) needs B(s+1, m) and F(s, m) first",
-            )
+                f"the schedule deadlocks at tick {len(grid)}; next actions wait forever "
+                f"({stuck})", hint="each rank must run an action only after the actions it "
+                "depends on, on any rank: F(s, m) after its producers' F(m), a backward after "
+                "F(s, m) and its consumers' backward, W after I")
         for r, a in ran:
             done.add(a)
             position[r] += 1
         remaining -= len(ran)
         grid.append(row)
     return grid
+
+
+def clock_cycles(schedule: Schedule) -> list[list[Action | None]]:
+    """Play `schedule` on a chain of stages (`play`); return grid[tick][rank] (None where idle).
+
+    F(s, m) runs after F(s-1, m); B(s, m) after B(s+1, m) and after F(s, m) (the last stage's
+    B(m) only after its F(m)). Raises ConfigError if the schedule is incomplete or its order
+    deadlocks.
+    """
+    _, num_stages = validate(schedule)
+    return play(schedule, chain(num_stages))
 
 
 def bubble_fraction(num_microbatches: int, num_stages: int) -> float:
@@ -86,9 +112,9 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     live, peaks = [0] * num_stages, [0] * num_stages
     for actions in schedule:
         for a in actions:
-            if a.kind == INPUT_GRAD:
+            if a.kind == ActionKind.INPUT_GRAD:
                 continue
-            live[a.stage] += 1 if a.kind == FORWARD else -1
+            live[a.stage] += 1 if a.kind == ActionKind.FORWARD else -1
             peaks[a.stage] = max(peaks[a.stage], live[a.stage])
     return peaks
 

@@ -80,7 +80,8 @@ def hold_stages(spec: ProgramSpec, make: Callable[[int], StageModule], settings:
         return held
     if mesh is None:
         held.local = LocalExecutor(stages, spec.signature, spec.chunks, spec.remat,
-                                   check_finite=settings.check_finite)
+                                   check_finite=settings.check_finite, schedule=spec.schedule,
+                                   ranks=spec.ranks)
         return held
     assert device is not None
     held.rank = setup_rank(stages, spec, mesh=mesh,

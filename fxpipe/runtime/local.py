@@ -1,9 +1,11 @@
 """The local executor: every stage in one process, one worker thread per device (as torchgpipe).
 
-Micro-batch m enters stage s at clock tick m + s, so at each tick the stages work on different
-micro-batches at once. Values move between devices with a differentiable copy, so the outputs
-belong to one autograd graph and `loss.backward()` reaches every parameter of the model; remat
-regions recompute during that backward.
+The forwards run in the order of the schedule the executor is given, played on the one clock
+(fxpipe.runtime.grid.play; under GPipe micro-batch m enters stage s at tick m + s), so at each
+tick the stages work on different micro-batches at once; the backwards are one autograd
+backward of the joined outputs, whatever the schedule. Values move between devices with a
+differentiable copy, so the outputs belong to one autograd graph and `loss.backward()` reaches
+every parameter of the model; remat regions recompute during that backward.
 
 The caller's autocast state is captured when `run` is called and re-entered in every worker
 thread (autocast is per thread), so `with torch.autocast(...): program(x)` takes effect in every
@@ -20,30 +22,22 @@ from typing import Any
 
 import torch
 
-from fxpipe.choices import REMAT_MODES
 from fxpipe.errors import FxPipeError, PipelineRuntimeError
+from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.amp import AutocastState
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import LocalComm, MicrobatchComm
 from fxpipe.runtime.devices import pin_for, stage_devices, to_device
 from fxpipe.runtime.finite import check_finite
+from fxpipe.runtime.grid import chain, play
 from fxpipe.runtime.memory import KeptMemory
+from fxpipe.runtime.schedule import ActionKind, ScheduleKind, schedule_kind
 from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.signature import Signature
 
-__all__ = ["LocalExecutor", "REMAT_MODES", "remat_enabled", "microbatch_seed", "seeded_forward",
-           "draw_base"]
+__all__ = ["LocalExecutor", "microbatch_seed", "seeded_forward", "draw_base"]
 
 _RNG_LOCK = threading.Lock()
-
-
-def remat_enabled(mode: str, microbatch: int, chunks: int) -> bool:
-    """Whether micro-batch `microbatch` recomputes its activations in backward."""
-    if mode in ("always", "auto"):
-        return True
-    if mode == "except_last":
-        return microbatch < chunks - 1
-    return False
 
 
 def microbatch_seed(base: int, microbatch: int) -> int:
@@ -84,12 +78,19 @@ def seeded_forward(base: int | None, microbatch: int,
 
 class LocalExecutor:
     def __init__(self, stages: Sequence[HeldStage], signature: Signature, chunks: int,
-                 remat: str, check_finite: bool = False) -> None:
+                 remat: RematPolicy | str, check_finite: bool = False, *,
+                 schedule: ScheduleKind | str = "gpipe", ranks: int | None = None) -> None:
         self.stages = list(stages)
         self.check_finite = check_finite
         self.signature = signature
         self.chunks = chunks
-        self.remat = remat
+        self.remat = remat_policy(remat)
+        # the forwards of the schedule, tick by tick (the backward is one autograd call)
+        grid = play(schedule_kind(schedule).build(chunks, len(self.stages), ranks),
+                    chain(len(self.stages)))
+        self.forward_ticks = [tick for tick in (
+            [(a.stage, a.microbatch) for a in row if a is not None
+             and a.kind == ActionKind.FORWARD] for row in grid) if tick]
         devices = sorted({str(s.device) for s in self.stages})
         self.workers = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxpipe-{d}")
                         for d in devices}
@@ -110,9 +111,8 @@ class LocalExecutor:
         outputs: list[Any] = [None] * self.chunks
         base = draw_base() if any(s.random for s in self.stages) else None
         grad = torch.is_grad_enabled()
-        k, m = len(self.stages), self.chunks
-        for tick in range(m + k - 1):
-            tasks = [(s, tick - s) for s in range(k) if 0 <= tick - s < m]
+        k = len(self.stages)
+        for tasks in self.forward_ticks:
             futures = [(s, mb, self.workers_by_stage[s].submit(
                 self._task, comm, s, mb, micro[mb], base, grad, autocast,
                 trackers[s] if trackers else None)) for s, mb in tasks]
@@ -133,7 +133,7 @@ class LocalExecutor:
     def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
               base: int | None, grad: bool, autocast: AutocastState, tracker: Any) -> Any:
         stage = self.stages[s]
-        view = MicrobatchComm(comm, s, mb, remat_enabled(self.remat, mb, self.chunks), stage.device)
+        view = MicrobatchComm(comm, s, mb, self.remat.recomputes(mb, self.chunks), stage.device)
         args = [to_device(inputs[i], stage.device) for i in stage.inputs]
         devices = stage_devices(stage.device, [*stage.module.parameters(),
                                                *stage.module.buffers()]) if stage.random else []

@@ -4,7 +4,7 @@ Pure (no torch): the distributed executor turns a rank's plan into `batch_isend_
 
 A schedule is given per rank (`actions_by_rank[r]`, the actions rank r runs in order; a rank may
 run several stages) together with the stage -> rank placement and the stages' data edges
-(src, dst). `clock` plays the ranks on a unit-time clock, as `schedule.clock_cycles` plays stages:
+(src, dst). `clock` plays the ranks on the one unit-time clock (`fxpipe.runtime.grid.play`):
 every rank starts its next action at the first tick when the actions it depends on ended in an
 earlier tick. Every rank computes the same clock from the same inputs.
 
@@ -64,16 +64,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.schedule import Action
+from fxpipe.runtime.grid import play
+from fxpipe.runtime.schedule import Action, ActionKind
 
-__all__ = ["Message", "Tick", "clock", "plan_rank", "BACKWARD_INPUT", "RECEIVE_LEAD"]
+__all__ = ["Message", "Tick", "clock", "plan_rank", "RECEIVE_LEAD"]
 
-BACKWARD_INPUT = ("B", "I")  # actions that take an output's gradient and give the input's
-WEIGHT = "W"  # a weight-gradient action: no messages, after the stage's input gradient
 RECEIVE_LEAD = 2  # actions an early receive is posted before its consumer (one is too few
 # where the action before the consumer is short: interleaved 1F1B's forwards)
 
-ActionKey = tuple[str, int, int]  # (kind, stage, micro-batch)
+ActionKey = tuple[ActionKind, int, int]  # (kind, stage, micro-batch)
 
 
 @dataclass(frozen=True, order=True)
@@ -111,57 +110,10 @@ def _key(a: Action) -> ActionKey:
 
 def clock(actions_by_rank: Sequence[Sequence[Action]],
           edges: Iterable[tuple[int, int]]) -> dict[ActionKey, int]:
-    """The tick of every action: each rank runs its list in order, one action per tick, each at
-    the first tick when its dependencies ended earlier.
-
-    F(s, m) depends on F(p, m) for every producer p of s; the backward of s (B, or I in a
-    split backward) on F(s, m) and on the backward of every consumer of s; W(s, m) on I(s, m).
-    Raises ConfigError if the order deadlocks.
-    """
-    producers: dict[int, set[int]] = defaultdict(set)
-    consumers: dict[int, set[int]] = defaultdict(set)
-    for src, dst in edges:
-        if src != dst:
-            producers[dst].add(src)
-            consumers[src].add(dst)
-    backward: dict[tuple[int, int], str] = {}
-    for actions in actions_by_rank:
-        for a in actions:
-            if a.kind in BACKWARD_INPUT:
-                backward[(a.stage, a.microbatch)] = a.kind
-
-    def deps(a: Action) -> list[ActionKey]:
-        s, m = a.stage, a.microbatch
-        if a.kind == "F":
-            return [("F", p, m) for p in producers[s]]
-        if a.kind == WEIGHT:
-            return [("I", s, m)]
-        return [("F", s, m)] + [(backward.get((d, m), "B"), d, m) for d in consumers[s]]
-
-    tick_of: dict[ActionKey, int] = {}
-    position = [0] * len(actions_by_rank)
-    remaining = sum(len(acts) for acts in actions_by_rank)
-    tick = 0
-    while remaining:
-        ran = []
-        for r, actions in enumerate(actions_by_rank):
-            if position[r] < len(actions):
-                a = actions[position[r]]
-                if all(tick_of.get(d, tick) < tick for d in deps(a)):
-                    ran.append((r, a))
-        if not ran:
-            stuck = ", ".join(f"rank {r}: {acts[position[r]].kind}{acts[position[r]].microbatch}"
-                              f" of stage {acts[position[r]].stage}"
-                              for r, acts in enumerate(actions_by_rank) if position[r] < len(acts))
-            raise ConfigError(f"the schedule deadlocks at tick {tick}; next actions wait forever "
-                              f"({stuck})", hint="each rank must run an action only after the "
-                              "actions it depends on, on any rank")
-        for r, a in ran:
-            tick_of[_key(a)] = tick
-            position[r] += 1
-        remaining -= len(ran)
-        tick += 1
-    return tick_of
+    """The tick of every action, the ranks played on the one clock (fxpipe.runtime.grid.play)
+    along the stages' data edges. Raises ConfigError if the order deadlocks."""
+    return {_key(a): tick for tick, row in enumerate(play(actions_by_rank, edges))
+            for a in row if a is not None}
 
 
 def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
@@ -174,10 +126,11 @@ def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
     before its consumer (NOTE [Early receives]); only for transports that match by tag.
     """
     tick_of = clock(actions_by_rank, edges)
-    backward = {(k[1], k[2]): k[0] for k in tick_of if k[0] in BACKWARD_INPUT}
+    backward = {(k[1], k[2]): k[0] for k in tick_of if k[0].gives_input_grad}
 
     def made(stage: int, mb: int, grad: bool) -> int:
-        key = (backward.get((stage, mb), "B"), stage, mb) if grad else ("F", stage, mb)
+        key = (backward.get((stage, mb), ActionKind.BACKWARD), stage, mb) if grad \
+            else (ActionKind.FORWARD, stage, mb)
         if key not in tick_of:
             raise ConfigError(f"no rank runs {key[0]}{mb} of stage {stage}, which a message needs",
                               hint="every stage must run F and B of every micro-batch")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import TypeAlias
 
 from fxpipe.errors import ConfigError
@@ -36,6 +37,8 @@ from fxpipe.errors import ConfigError
 __all__ = [
     "Action",
     "Schedule",
+    "ScheduleKind",
+    "schedule_kind",
     "gpipe",
     "one_f_one_b",
     "zb_h1",
@@ -54,25 +57,54 @@ __all__ = [
     "is_split",
     "waiting",
     "check_sizes",
-    "FORWARD",
-    "BACKWARD",
-    "INPUT_GRAD",
-    "WEIGHT_GRAD",
+    "ActionKind",
 ]
 
-FORWARD = "F"
-BACKWARD = "B"
-INPUT_GRAD = "I"  # the input-gradient half of a split backward
-WEIGHT_GRAD = "W"  # the weight-gradient half: after I(s, m); nothing waits for it
+
+class ActionKind(str, Enum):
+    """What an action computes. The values are the letters schedules print and files store
+    ("F3" is the forward of micro-batch 3); a kind equals and hashes as its letter."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    INPUT_GRAD = "I"  # the input-gradient half of a split backward
+    WEIGHT_GRAD = "W"  # the weight-gradient half: after I(s, m); nothing waits for it
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @property
+    def gives_input_grad(self) -> bool:
+        """Whether it takes the outputs' gradients and gives the inputs' (B, or I of a split
+        backward): what the previous stage waits for."""
+        return self in (ActionKind.BACKWARD, ActionKind.INPUT_GRAD)
+
+    @property
+    def accumulates_weight_grad(self) -> bool:
+        """Whether it adds into the parameters' gradients (B, or W of a split backward)."""
+        return self in (ActionKind.BACKWARD, ActionKind.WEIGHT_GRAD)
 
 
 @dataclass(frozen=True)
 class Action:
     """One unit of work: the forward or the backward of one micro-batch on one stage."""
 
-    kind: str  # "F", "B", or "I" and "W" (a split backward)
+    kind: ActionKind  # given as its letter ("F"), it becomes the kind
     stage: int
     microbatch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ActionKind):
+            if self.kind not in tuple(ActionKind):
+                letters = ", ".join(repr(k.value) for k in ActionKind)
+                raise ConfigError(f"unknown action kind {self.kind!r} (stage {self.stage}, "
+                                  f"micro-batch {self.microbatch})", hint=f"use one of {letters}")
+            object.__setattr__(self, "kind", ActionKind(self.kind))
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}"
@@ -105,7 +137,8 @@ def gpipe(num_microbatches: int, num_stages: int) -> Schedule:
     check_sizes(num_microbatches, num_stages)
     m_all = range(num_microbatches)
     return [
-        [Action(FORWARD, s, m) for m in m_all] + [Action(BACKWARD, s, m) for m in reversed(m_all)]
+        [Action(ActionKind.FORWARD, s, m) for m in m_all]
+        + [Action(ActionKind.BACKWARD, s, m) for m in reversed(m_all)]
         for s in range(num_stages)
     ]
 
@@ -120,8 +153,8 @@ def one_f_one_b(num_microbatches: int, num_stages: int) -> Schedule:
     schedule: Schedule = []
     for s in range(num_stages):
         warmup = min(num_stages - s - 1, num_microbatches)
-        forwards = [Action(FORWARD, s, m) for m in range(num_microbatches)]
-        backwards = [Action(BACKWARD, s, m) for m in range(num_microbatches)]
+        forwards = [Action(ActionKind.FORWARD, s, m) for m in range(num_microbatches)]
+        backwards = [Action(ActionKind.BACKWARD, s, m) for m in range(num_microbatches)]
         schedule.append(_warm_up_then_alternate(forwards, backwards, warmup))
     return schedule
 
@@ -150,16 +183,17 @@ def zb_h1(num_microbatches: int, num_stages: int) -> Schedule:
     check_sizes(num_microbatches, num_stages)
     schedule: Schedule = []
     for s in range(num_stages):
-        forwards = [Action(FORWARD, s, m) for m in range(num_microbatches)]
-        input_grads = [Action(INPUT_GRAD, s, m) for m in range(num_microbatches)]
+        forwards = [Action(ActionKind.FORWARD, s, m) for m in range(num_microbatches)]
+        input_grads = [Action(ActionKind.INPUT_GRAD, s, m) for m in range(num_microbatches)]
         actions: list[Action] = []
         for a in _warm_up_then_alternate(forwards, input_grads,
                                          min(num_stages - s - 1, num_microbatches)):
             actions.append(a)
-            if a.kind == INPUT_GRAD and a.microbatch >= s:
-                actions.append(Action(WEIGHT_GRAD, s, a.microbatch - s))
+            if a.kind == ActionKind.INPUT_GRAD and a.microbatch >= s:
+                actions.append(Action(ActionKind.WEIGHT_GRAD, s, a.microbatch - s))
         first_left = max(num_microbatches - s, 0)
-        actions += [Action(WEIGHT_GRAD, s, m) for m in range(first_left, num_microbatches)]
+        actions += [Action(ActionKind.WEIGHT_GRAD, s, m)
+                    for m in range(first_left, num_microbatches)]
         schedule.append(actions)
     return schedule
 
@@ -191,14 +225,14 @@ def interleaved_1f1b(num_microbatches: int, num_stages: int, num_ranks: int) -> 
     v = _stages_per_rank(num_stages, num_ranks, "interleaved-1f1b")
     rounds = _rounds(num_microbatches, num_ranks)
 
-    def order(kind: str, rank: int, chunks: list[int]) -> list[Action]:
+    def order(kind: ActionKind, rank: int, chunks: list[int]) -> list[Action]:
         return [Action(kind, c * num_ranks + rank, m) for group in rounds for c in chunks
                 for m in group]
 
     schedule: Schedule = []
     for r in range(num_ranks):
-        forwards = order(FORWARD, r, list(range(v)))
-        backwards = order(BACKWARD, r, list(reversed(range(v))))
+        forwards = order(ActionKind.FORWARD, r, list(range(v)))
+        backwards = order(ActionKind.BACKWARD, r, list(reversed(range(v))))
         warmup = min(2 * (num_ranks - r - 1) + (v - 1) * len(rounds[0]), len(forwards))
         schedule.append(_warm_up_then_alternate(forwards, backwards, warmup))
     return schedule
@@ -229,23 +263,24 @@ class _Counter:
 
     def __init__(self) -> None:
         self.actions: list[Action] = []
-        self.count: dict[tuple[str, int], int] = {}
+        self.count: dict[tuple[ActionKind, int], int] = {}
 
-    def run(self, *steps: tuple[str, int]) -> None:
+    def run(self, *steps: tuple[ActionKind, int]) -> None:
         for kind, stage in steps:
             m = self.ran(kind, stage)
             self.count[(kind, stage)] = m + 1
             self.actions.append(Action(kind, stage, m))
 
-    def ran(self, kind: str, stage: int) -> int:
+    def ran(self, kind: ActionKind, stage: int) -> int:
         return self.count.get((kind, stage), 0)
 
 
 def _zb_v_rank(r: int, ranks: int, played: int) -> list[Action]:
     """Rank r's ZB-V order for `played` micro-batches (see `zb_v`)."""
-    f_down, i_down, w_down = ((k, r) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
+    kinds = (ActionKind.FORWARD, ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD)
+    f_down, i_down, w_down = ((k, r) for k in kinds)
     up = 2 * ranks - 1 - r
-    f_up, i_up, w_up = ((k, up) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
+    f_up, i_up, w_up = ((k, up) for k in kinds)
     c = _Counter()
     for _ in range(2 * (ranks - r) - 1):
         c.run(f_down)
@@ -283,52 +318,137 @@ def _stages_per_rank(num_stages: int, num_ranks: int, name: str, exactly: int | 
 # --------------------------------------------------------------------------- registry
 
 
-def _flat(fn: Callable[[int, int], Schedule], name: str
-          ) -> Callable[[int, int, int], Schedule]:
-    def build(num_microbatches: int, num_stages: int, num_ranks: int) -> Schedule:
-        _stages_per_rank(num_stages, num_ranks, name, exactly=1)
-        return fn(num_microbatches, num_stages)
-    return build
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A schedule by name, with everything that differs between schedules: how it orders the
+    actions, how many stages a rank holds, where the stages go and whether the backward is
+    split. A name is resolved to its kind once (`schedule_kind`); code after that asks the kind.
+    """
+
+    name: str
+    title: str  # as the report's picture names it
+    order: Callable[[int, int, int], Schedule]  # (micro-batches, stages, ranks) -> the schedule
+    fixed_stages_per_rank: int | None  # exactly this many stages per rank; None: any from 2
+    splits_backward: bool = False  # the backward runs as I then W (zero-bubble)
+    v_shape: bool = False  # rank r holds stages r and 2R-1-r; else stage s on rank s mod R
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def looped(self) -> bool:
+        """Whether a rank holds several stages."""
+        return self.fixed_stages_per_rank != 1
+
+    @property
+    def default_stages_per_rank(self) -> int:
+        """How many stages a rank holds unless told otherwise: 2 for the looped schedules
+        (ZB-V takes exactly 2), 1 for the others."""
+        return self.fixed_stages_per_rank or 2
+
+    def stages_per_rank_for(self, requested: int) -> int:
+        """The stages per rank this schedule runs when a program asks for `requested`:
+        interleaving takes any number from 2 (else 2), ZB-V exactly 2, the flat schedules 1."""
+        if self.fixed_stages_per_rank is None and requested > 1:
+            return requested
+        return self.default_stages_per_rank
+
+    def ranks_for(self, num_stages: int) -> int:
+        """The number of ranks `num_stages` stages take at the default stages per rank."""
+        return max(num_stages // self.default_stages_per_rank, 1)
+
+    def check_ranks(self, num_stages: int, num_ranks: int) -> int:
+        """The stages per rank of `num_stages` stages on `num_ranks` ranks; ConfigError where
+        this schedule cannot place them so."""
+        return _stages_per_rank(num_stages, num_ranks, self.name, self.fixed_stages_per_rank)
+
+    def build(self, num_microbatches: int, num_stages: int,
+              num_ranks: int | None = None) -> Schedule:
+        """The schedule for M micro-batches and S stages on R ranks (default: S at the default
+        stages per rank)."""
+        check_sizes(num_microbatches, num_stages)
+        if num_ranks is None:
+            num_ranks = self.ranks_for(num_stages)
+        self.check_ranks(num_stages, num_ranks)
+        return self.order(num_microbatches, num_stages, num_ranks)
+
+    def placement(self, num_stages: int, num_ranks: int) -> list[int]:
+        """placement[s]: the pipeline rank that runs stage s."""
+        self.check_ranks(num_stages, num_ranks)
+        if self.v_shape:
+            return [s if s < num_ranks else num_stages - 1 - s for s in range(num_stages)]
+        return [s % num_ranks for s in range(num_stages)]
+
+    def check_layout(self, num_stages: int, stages_per_rank: int) -> int:
+        """The number of ranks of `num_stages` stages at `stages_per_rank` each; raises
+        ConfigError where this schedule cannot place them so."""
+        name = self.name
+        if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) \
+                or stages_per_rank < 1:
+            raise ConfigError(f"stages_per_rank must be an integer >= 1 (got "
+                              f"{stages_per_rank!r})",
+                              hint="pass 1, or 2 or more for a looped schedule")
+        if not self.looped and stages_per_rank != 1:
+            raise ConfigError(f"schedule {name!r} runs one stage per rank (stages_per_rank="
+                              f"{stages_per_rank})",
+                              hint="use schedule='interleaved-1f1b' or 'zb-v' for several "
+                                   "stages per rank, or stages_per_rank=1")
+        fixed = self.fixed_stages_per_rank
+        if self.looped and fixed is not None and stages_per_rank != fixed:
+            raise ConfigError(f"{name} places exactly {fixed} stages on each rank "
+                              f"(stages_per_rank={stages_per_rank})",
+                              hint=f"pass stages_per_rank={fixed}, or use "
+                                   "schedule='interleaved-1f1b'")
+        if self.looped and stages_per_rank < 2:
+            raise ConfigError(f"{name} places several stages on each rank (stages_per_rank=1)",
+                              hint="pass stages_per_rank=2 or more, or use a flat schedule "
+                                   "('gpipe', '1f1b', 'zb-h1')")
+        if num_stages % stages_per_rank:
+            raise ConfigError(f"{num_stages} stages do not divide into {stages_per_rank} "
+                              f"stages per rank under {name}",
+                              hint=f"use a multiple of {stages_per_rank} stages")
+        return num_stages // stages_per_rank
 
 
-def _zb_v_on(num_microbatches: int, num_stages: int, num_ranks: int) -> Schedule:
-    _stages_per_rank(num_stages, num_ranks, "zb-v", exactly=2)
-    return zb_v(num_microbatches, num_stages)
+def _ranks_from_stages(fn: Callable[[int, int], Schedule]
+                       ) -> Callable[[int, int, int], Schedule]:
+    """An order whose number of ranks follows from its stages (checked by the kind)."""
+    return lambda num_microbatches, num_stages, num_ranks: fn(num_microbatches, num_stages)
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "gpipe": _flat(gpipe, "gpipe"),
-    "1f1b": _flat(one_f_one_b, "1f1b"),
-    "zb-h1": _flat(zb_h1, "zb-h1"),
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-v": _zb_v_on,
-}
-"""Every schedule by name: (micro-batches, stages, ranks) -> the schedule."""
+SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind("gpipe", "GPipe", _ranks_from_stages(gpipe), 1),
+    ScheduleKind("1f1b", "1F1B", _ranks_from_stages(one_f_one_b), 1),
+    ScheduleKind("zb-h1", "ZB-H1", _ranks_from_stages(zb_h1), 1, splits_backward=True),
+    ScheduleKind("interleaved-1f1b", "Interleaved 1F1B", interleaved_1f1b, None),
+    ScheduleKind("zb-v", "ZB-V", _ranks_from_stages(zb_v), 2, splits_backward=True, v_shape=True),
+)}
+"""Every schedule kind by the name the options accept."""
 
-LOOPED = frozenset({"interleaved-1f1b", "zb-v"})
-"""The schedules that place several stages on each rank."""
+LOOPED = frozenset(name for name, kind in SCHEDULES.items() if kind.looped)
+"""The names of the schedules that place several stages on each rank."""
 
 
-def _known(name: str) -> None:
+def schedule_kind(name: str | ScheduleKind) -> ScheduleKind:
+    """The schedule kind called `name` (a kind is returned as it is); ConfigError naming the
+    known ones for any other name."""
+    if isinstance(name, ScheduleKind):
+        return name
     if not isinstance(name, str) or name not in SCHEDULES:
         known = ", ".join(repr(k) for k in SCHEDULES)
         raise ConfigError(f"unknown schedule {name!r}; known schedules: {known}",
                           hint=f"pass one of {known}")
+    return SCHEDULES[name]
 
 
-def default_stages_per_rank(name: str) -> int:
-    """How many stages a rank holds under `name` unless told otherwise: 2 for the looped
-    schedules (ZB-V takes exactly 2), 1 for the others."""
-    _known(name)
-    return 2 if name in LOOPED else 1
+def default_stages_per_rank(name: str | ScheduleKind) -> int:
+    """How many stages a rank holds under `name` unless told otherwise (see ScheduleKind)."""
+    return schedule_kind(name).default_stages_per_rank
 
 
-def stages_per_rank_for(name: str, requested: int) -> int:
-    """The stages per rank `name` runs when a program asks for `requested`: interleaving takes
-    any number from 2 (else 2), ZB-V exactly 2, the flat schedules 1."""
-    if name == "interleaved-1f1b" and requested > 1:
-        return requested
-    return default_stages_per_rank(name)
+def stages_per_rank_for(name: str | ScheduleKind, requested: int) -> int:
+    """The stages per rank `name` runs when a program asks for `requested` (see ScheduleKind)."""
+    return schedule_kind(name).stages_per_rank_for(requested)
 
 
 def stages_on(placement: Sequence[int], rank: int) -> list[int]:
@@ -336,67 +456,34 @@ def stages_on(placement: Sequence[int], rank: int) -> list[int]:
     return [s for s, r in enumerate(placement) if r == rank]
 
 
-def check_layout(name: str, num_stages: int, stages_per_rank: int) -> int:
+def check_layout(name: str | ScheduleKind, num_stages: int, stages_per_rank: int) -> int:
     """The number of ranks of `num_stages` stages at `stages_per_rank` each under schedule
     `name`; raises ConfigError where the schedule cannot place them so."""
-    _known(name)
-    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) \
-            or stages_per_rank < 1:
-        raise ConfigError(f"stages_per_rank must be an integer >= 1 (got {stages_per_rank!r})",
-                          hint="pass 1, or 2 or more for a looped schedule")
-    if name not in LOOPED and stages_per_rank != 1:
-        raise ConfigError(f"schedule {name!r} runs one stage per rank (stages_per_rank="
-                          f"{stages_per_rank})",
-                          hint="use schedule='interleaved-1f1b' or 'zb-v' for several stages "
-                               "per rank, or stages_per_rank=1")
-    if name == "zb-v" and stages_per_rank != 2:
-        raise ConfigError(f"zb-v places exactly 2 stages on each rank (stages_per_rank="
-                          f"{stages_per_rank})", hint="pass stages_per_rank=2, or use "
-                                                     "schedule='interleaved-1f1b'")
-    if name in LOOPED and stages_per_rank < 2:
-        raise ConfigError(f"{name} places several stages on each rank (stages_per_rank=1)",
-                          hint="pass stages_per_rank=2 or more, or use a flat schedule "
-                               "('gpipe', '1f1b', 'zb-h1')")
-    if num_stages % stages_per_rank:
-        raise ConfigError(f"{num_stages} stages do not divide into {stages_per_rank} stages "
-                          f"per rank under {name}",
-                          hint=f"use a multiple of {stages_per_rank} stages")
-    return num_stages // stages_per_rank
+    return schedule_kind(name).check_layout(num_stages, stages_per_rank)
 
 
-def make_schedule(name: str, num_microbatches: int, num_stages: int,
+def make_schedule(name: str | ScheduleKind, num_microbatches: int, num_stages: int,
                   num_ranks: int | None = None) -> Schedule:
     """The schedule `name` for M micro-batches and S stages on R ranks (default: S for the
     flat schedules, S / 2 for the looped ones)."""
-    _known(name)
-    if num_ranks is None:
-        num_ranks = max(num_stages // default_stages_per_rank(name), 1)
-    return SCHEDULES[name](num_microbatches, num_stages, num_ranks)
+    return schedule_kind(name).build(num_microbatches, num_stages, num_ranks)
 
 
-def placement(name: str, num_stages: int, num_ranks: int) -> list[int]:
+def placement(name: str | ScheduleKind, num_stages: int, num_ranks: int) -> list[int]:
     """placement[s]: the pipeline rank that runs stage s under schedule `name`."""
-    _known(name)
-    if name == "zb-v":
-        _stages_per_rank(num_stages, num_ranks, name, exactly=2)
-        return [s if s < num_ranks else num_stages - 1 - s for s in range(num_stages)]
-    if name in LOOPED:
-        _stages_per_rank(num_stages, num_ranks, name)
-        return [s % num_ranks for s in range(num_stages)]
-    _stages_per_rank(num_stages, num_ranks, name, exactly=1)
-    return list(range(num_stages))
+    return schedule_kind(name).placement(num_stages, num_ranks)
 
 
 # --------------------------------------------------------------------------- checks
 
 
 _BUILD_HINT = "build one with make_schedule(name, M, S) (or gpipe(M, K), one_f_one_b(M, K), ...)"
-_KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
+_KINDS = tuple(ActionKind)
 
 
 def is_split(schedule: Schedule) -> bool:
     """Whether the schedule splits backwards into I and W (see `zb_h1`)."""
-    return any(a.kind == INPUT_GRAD for acts in schedule for a in acts)
+    return any(a.kind == ActionKind.INPUT_GRAD for acts in schedule for a in acts)
 
 
 def stage_ranks(schedule: Schedule) -> list[int]:
@@ -420,7 +507,7 @@ def stage_ranks(schedule: Schedule) -> list[int]:
     return [rank_of[s] for s in range(len(rank_of))]
 
 
-def waiting(schedule: Schedule, position: Sequence[int]) -> str:
+def waiting(schedule: Sequence[Sequence[Action]], position: Sequence[int]) -> str:
     """The next action of every rank with actions left (rank r at index position[r]), for the
     message of a schedule that deadlocks."""
     return ", ".join(f"stage {acts[p].stage}: {acts[p]}" for acts, p in zip(schedule, position)
@@ -439,20 +526,22 @@ def validate(schedule: Schedule) -> tuple[int, int]:
                           "actions", hint=_BUILD_HINT)
     for r, actions in enumerate(schedule):
         for a in actions:
-            if a.kind not in _KINDS or a.microbatch < 0 or a.stage < 0:
+            if a.microbatch < 0 or a.stage < 0:
                 raise ConfigError(
                     f"rank {r}: invalid action {a!r}",
-                    hint='kind must be "F", "B", "I" or "W", stage and microbatch >= 0',
+                    hint="stage and microbatch must be >= 0",
                 )
     ranks = stage_ranks(schedule)
     num_microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
-    backward = (INPUT_GRAD, WEIGHT_GRAD) if is_split(schedule) else (BACKWARD,)
-    expected = {(k, m) for k in (FORWARD, *backward) for m in range(num_microbatches)}
-    seen: list[set[tuple[str, int]]] = [set() for _ in ranks]
+    backward = (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD) if is_split(schedule) \
+        else (ActionKind.BACKWARD,)
+    expected = {(k, m) for k in (ActionKind.FORWARD, *backward) for m in range(num_microbatches)}
+    seen: list[set[tuple[ActionKind, int]]] = [set() for _ in ranks]
     for actions in schedule:
         for a in actions:
             s = a.stage
-            if a.kind == WEIGHT_GRAD and (INPUT_GRAD, a.microbatch) not in seen[s]:
+            if a.kind == ActionKind.WEIGHT_GRAD \
+                    and (ActionKind.INPUT_GRAD, a.microbatch) not in seen[s]:
                 raise ConfigError(f"stage {s} runs {a} before I{a.microbatch}",
                                   hint="a weight gradient needs its input gradient's pass first")
             if (a.kind, a.microbatch) in seen[s]:

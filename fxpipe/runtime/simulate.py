@@ -12,11 +12,8 @@ from dataclasses import dataclass
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.schedule import (
-    BACKWARD,
-    FORWARD,
-    INPUT_GRAD,
-    WEIGHT_GRAD,
     Action,
+    ActionKind,
     Schedule,
     stage_ranks,
     validate,
@@ -35,7 +32,7 @@ class TimedEvent:
     """
 
     stage: int
-    kind: str
+    kind: str  # an ActionKind, or "send"
     microbatch: int
     start: float
     end: float
@@ -136,8 +133,9 @@ def simulate(
         if w > b:
             raise ConfigError(f"weight_time[{s}] = {w} exceeds backward_time[{s}] = {b}",
                               hint="the weight-gradient pass is a part of the backward")
-    duration_of = {FORWARD: fwd, BACKWARD: bwd, WEIGHT_GRAD: wgt,
-                   INPUT_GRAD: [b - w for b, w in zip(bwd, wgt)]}
+    duration_of = {ActionKind.FORWARD: fwd, ActionKind.BACKWARD: bwd,
+                   ActionKind.WEIGHT_GRAD: wgt,
+                   ActionKind.INPUT_GRAD: [b - w for b, w in zip(bwd, wgt)]}
     edge_list = _edges(edges, num_stages)
     edge_comm = {e: 0.0 if rank_of[e[0]] == rank_of[e[1]] else t
                  for e, t in _edge_times(comm_time, edge_list, num_stages).items()}
@@ -149,11 +147,12 @@ def simulate(
 
     def inputs(a: Action) -> list[tuple[Action, float]]:
         s, m = a.stage, a.microbatch
-        if a.kind == FORWARD:
-            return [(Action(FORWARD, p, m), edge_comm[(p, s)]) for p in producers[s]]
-        if a.kind == WEIGHT_GRAD:
-            return [(Action(INPUT_GRAD, s, m), 0.0)]
-        return [(Action(FORWARD, s, m), 0.0)] + \
+        if a.kind == ActionKind.FORWARD:
+            return [(Action(ActionKind.FORWARD, p, m), edge_comm[(p, s)])
+                    for p in producers[s]]
+        if a.kind == ActionKind.WEIGHT_GRAD:
+            return [(Action(ActionKind.INPUT_GRAD, s, m), 0.0)]
+        return [(Action(ActionKind.FORWARD, s, m), 0.0)] + \
             [(Action(a.kind, d, m), edge_comm[(s, d)]) for d in consumers[s]]
 
     end: dict[Action, float] = {}
@@ -188,7 +187,8 @@ def simulate(
                 "B(s, m) needs its consumers' B(m) and F(s, m) first",
             )
 
-    order = {FORWARD: 0, BACKWARD: 1, INPUT_GRAD: 1, WEIGHT_GRAD: 2, "send": 3}
+    order = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 1, ActionKind.INPUT_GRAD: 1,
+             ActionKind.WEIGHT_GRAD: 2, "send": 3}
     events.sort(key=lambda e: (e.start, e.stage, order[e.kind], e.microbatch))
     makespan = max(e.end for e in events if e.kind != "send")
     return events, makespan

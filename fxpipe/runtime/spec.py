@@ -21,8 +21,8 @@ import torch.utils._pytree as pytree
 
 from fxpipe import ir
 from fxpipe.errors import CheckpointError, CodegenError, ConfigError, ProgramFolderError
+from fxpipe.remat_policy import REMAT_MODES
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
-from fxpipe.runtime.local import REMAT_MODES
 from fxpipe.runtime.schedule import SCHEDULES, check_layout, placement
 from fxpipe.runtime.stagespec import StageSpec
 from fxpipe.runtime.timeline import EventJSON

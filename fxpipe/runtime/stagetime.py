@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.batchnorm import discard_batch_norms
 from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.devices import to_device
-from fxpipe.runtime.local import remat_enabled
 from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.signature import Signature
 
@@ -50,7 +50,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_stages(stages: Sequence[HeldStage], signature: Signature, chunks: int, remat: str,
+def time_stages(stages: Sequence[HeldStage], signature: Signature, chunks: int,
+                remat: RematPolicy | str,
                 flat: Sequence[torch.Tensor], target: torch.Tensor | None,
                 loss_fn: Callable[..., torch.Tensor], *, steps: int = 2
                 ) -> list[list[list[float]]]:
@@ -64,14 +65,14 @@ def time_stages(stages: Sequence[HeldStage], signature: Signature, chunks: int, 
         box = _Mailbox()
         for s, stage in enumerate(stages):
             times[s].append(_stage_step(s, stage, s == len(stages) - 1, box, micro, targets,
-                                        chunks, remat, signature, loss_fn))
+                                        chunks, remat_policy(remat), signature, loss_fn))
         discard_batch_norms()
     return times
 
 
 def _stage_step(s: int, stage: HeldStage, last: bool, box: _Mailbox,
                 micro: Sequence[Sequence[torch.Tensor]], targets: Sequence[torch.Tensor | None],
-                chunks: int, remat: str, signature: Signature,
+                chunks: int, remat: RematPolicy, signature: Signature,
                 loss_fn: Callable[..., torch.Tensor]) -> list[float]:
     """Forwards of every micro-batch, then their backwards in reverse order (GPipe's order);
     seconds per micro-batch."""
@@ -79,7 +80,7 @@ def _stage_step(s: int, stage: HeldStage, last: bool, box: _Mailbox,
     elapsed = [0.0] * chunks
     with torch.enable_grad():
         for mb in range(chunks):
-            view = MicrobatchComm(box, s, mb, remat_enabled(remat, mb, chunks), stage.device)
+            view = MicrobatchComm(box, s, mb, remat.recomputes(mb, chunks), stage.device)
             args = [to_device(micro[mb][i], stage.device) for i in stage.inputs]
             _sync(stage.device)
             start = time.perf_counter()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, TypedDict
 
 from fxpipe.figures import idle_share
-from fxpipe.runtime.schedule import default_stages_per_rank, is_split, make_schedule
+from fxpipe.runtime.schedule import ActionKind, ScheduleKind, schedule_kind
 from fxpipe.runtime.simulate import TimedEvent, simulate
 
 __all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
@@ -64,7 +64,8 @@ class Timeline:
 
 
 _COMPUTE = ("forward", "backward", "recompute")
-SPLIT_BACKWARD = ("I", "W")  # the detail of a backward span: the input or the weight gradients
+# the detail of a backward span: the input or the weight gradients
+SPLIT_BACKWARD = (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD)
 _WAITS = ("recv", "recv_grad")
 
 
@@ -188,7 +189,7 @@ class PlanTimes(Protocol):
     def step_overhead(self) -> float: ...
 
 
-def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
+def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None
                ) -> tuple[list[TimedEvent], float]:
     """The schedule played with the plan's stage times as the executors run it. A split
     backward's W costs the stage's weight time and I the rest of the backward; under remat,
@@ -201,8 +202,8 @@ def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
     # recompute included; a difference of sums can round a hair below zero
     bwd = [max(s.compute_time - s.forward_time, 0.0) for s in plan.stages]
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
-    actions = make_schedule(schedule, m, k, ranks)
-    if not is_split(actions):
+    actions = schedule.build(m, k, ranks)
+    if not schedule.splits_backward:
         return simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm)
     inputs, weights = [], []
     for s, backward in zip(plan.stages, bwd):
@@ -217,14 +218,15 @@ def _simulated(plan: PlanTimes, schedule: str, ranks: int | None
                     backward_time=[i + w for i, w in zip(inputs, weights)], comm_time=comm)
 
 
-def predicted_step(plan: PlanTimes, schedule: str, ranks: int | None = None
+def predicted_step(plan: PlanTimes, schedule: ScheduleKind | str, ranks: int | None = None
                    ) -> tuple[float, float]:
     """(step time, bubble) of `schedule` on `ranks` ranks (default: the schedule's stages per
     rank) simulated with the plan's stage times, plus what a step pays once; the bubble is the
     ranks' idle share of the step (fxpipe.figures.idle_share), the one bubble every report
     prints."""
-    ranks = ranks or max(len(plan.stages) // default_stages_per_rank(schedule), 1)
-    events, makespan = _simulated(plan, schedule, ranks)
+    kind = schedule_kind(schedule)
+    ranks = ranks or kind.ranks_for(len(plan.stages))
+    events, makespan = _simulated(plan, kind, ranks)
     work = sum(e.end - e.start for e in events if e.kind != "send")
     step = makespan + plan.step_overhead
     return step, idle_share(work, ranks, step)
@@ -236,11 +238,12 @@ def predicted_local_step(plan: PlanTimes) -> float:
     return plan.chunks * sum(s.compute_time for s in plan.stages) + plan.step_overhead
 
 
-def predicted_events(plan: PlanTimes, schedule: str = "gpipe",
+def predicted_events(plan: PlanTimes, schedule: ScheduleKind | str = "gpipe",
                      ranks: int | None = None) -> list[Event]:
     """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
-    events, _ = _simulated(plan, schedule, ranks)
-    kinds = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
+    events, _ = _simulated(plan, schedule_kind(schedule), ranks)
+    kinds: dict[str, str] = {ActionKind.FORWARD: "forward", ActionKind.BACKWARD: "backward",
+                             ActionKind.INPUT_GRAD: "backward", ActionKind.WEIGHT_GRAD: "backward"}
     return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
-                  e.kind if e.kind in SPLIT_BACKWARD else "")
+                  str(e.kind) if e.kind in SPLIT_BACKWARD else "")
             for e in events]

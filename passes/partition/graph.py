@@ -36,8 +36,9 @@ from fxpipe.passes.partition.problem import (
 )
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
+from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.grid import peak_inflight
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.schedule import ScheduleKind, schedule_kind
 from fxpipe.runtime.timeline import predicted_step
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "AtomsCache", "atoms_of",
@@ -118,7 +119,7 @@ class Atoms:
     held: list[float] = field(default_factory=list)  # StagePlan.held_bytes, per atom
 
 
-AtomsKey = tuple[str, int, str, int, tuple[tuple[str, float], ...], OptimizerMemory]
+AtomsKey = tuple[str, int, RematPolicy, int, tuple[tuple[str, float], ...], OptimizerMemory]
 """What measured atoms depend on besides the graph and the profile: the balance mode they are
 costed by, the micro-batch size, remat, chunks, the corrections (sorted) and what the optimizer
 holds per parameter."""
@@ -255,13 +256,13 @@ def _value_bytes(node: Node, b: int) -> tuple[float, float]:
 
 
 def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
-                  profile: DeviceProfile, b: int, remat: str, chunks: int,
+                  profile: DeviceProfile, b: int, remat: RematPolicy | str, chunks: int,
                   corrections: Mapping[str, float] | None = None,
                   optimizer: OptimizerMemory = ADAM) -> Atoms:
     index = _atom_index(groups)
     n = len(groups)
-    recompute = 0.0 if remat == "never" else (
-        (chunks - 1) / chunks if remat == "except_last" else 1.0)
+    policy = remat_policy(remat)
+    recompute = policy.recomputed_share(chunks)
     compute: list[float] = []
     mem_fixed: list[float] = []
     mem_act: list[float] = []
@@ -297,9 +298,8 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         act = sum(float(ir.evaluate(c.saved_bytes, b)) for c in costs)
         saved.append(act)
         held.append(params + optimizer.held_bytes(grads, elements))
-        mem_fixed.append(held[-1]
-                         + (act if remat != "never" else 0))
-        mem_act.append(0.0 if remat != "never" else act)
+        mem_fixed.append(held[-1] + (act if policy.recomputes_any else 0))
+        mem_act.append(0.0 if policy.recomputes_any else act)
     # values crossing each cut: produced in atom i, last used in atom j > i -> cuts i+1 .. j
     diff_f = [0.0] * (n + 2)
     diff_b = [0.0] * (n + 2)
@@ -340,9 +340,9 @@ def partition(
     profile: DeviceProfile,
     balance: str | Sequence[int] = "cost",
     split_points: Sequence[str] | None = None,
-    remat: str = "except_last",
+    remat: RematPolicy | str = "except_last",
     memory_limit: float | None = None,
-    schedule: str = "gpipe",
+    schedule: ScheduleKind | str = "gpipe",
     ranks: int | None = None,
     loss_time: float = 0.0,
     corrections: Mapping[str, float] | None = None,
@@ -352,8 +352,9 @@ def partition(
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
 
-    schedule, ranks: the schedule and its number of ranks (default: one stage per rank, two
-    under a looped schedule), which say how many micro-batches each stage keeps alive.
+    schedule, ranks: the schedule (a kind, or its name) and its number of ranks (default: one
+    stage per rank, two under a looped schedule), which say how many micro-batches each stage
+    keeps alive.
     memory_limit: bytes per stage.
     loss_time: seconds per micro-batch of the training loss (forward and backward), which the
     last stage computes after the model's outputs.
@@ -383,21 +384,23 @@ def partition(
         mode = balance
         cuts = None
     b = microbatch_size
+    policy = remat_policy(remat)
     corrections = corrections or {}
     loss_time *= corrections.get(LOSS, 1.0)
     costed = "cost" if mode in ("explicit", "dynamic") else mode
-    key: AtomsKey = (costed, b, remat, chunks, tuple(sorted(corrections.items())), optimizer)
+    key: AtomsKey = (costed, b, policy, chunks, tuple(sorted(corrections.items())), optimizer)
     if reuse is not None and mode != "explicit" and key in reuse.measured:
         atoms = reuse.measured[key]
     else:
-        atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=remat,
+        atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=policy,
                               chunks=chunks, corrections=corrections, optimizer=optimizer)
         if reuse is not None and mode != "explicit":
             reuse.measured[key] = atoms
             reuse.groups = atoms.groups
     if mode != "params":  # the last atom is always in the last stage
         atoms = replace(atoms, compute=[*atoms.compute[:-1], atoms.compute[-1] + loss_time])
-    inflight = peak_inflight(make_schedule(schedule, chunks, num_stages, ranks))
+    schedule = schedule_kind(schedule)
+    inflight = peak_inflight(schedule.build(chunks, num_stages, ranks))
     if starts is not None:
         cuts = _cuts_from_starts(groups, starts, num_stages)
     if split_points is not None:
@@ -420,14 +423,14 @@ def partition(
         return partition_problem(
             atoms.compute, num_stages, cut_comm=atoms.cut_comm, memory_limit=memory_limit,
             mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
-            cut_mem=atoms.cut_bytes if remat != "never" else None,
+            cut_mem=atoms.cut_bytes if policy.recomputes_any else None,
             inflight=inflight)
 
     problem = problem_of(atoms)
     if cuts is None:
         cuts = solve_partition(problem).cuts
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
-        atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=remat,
+        atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=policy,
                                chunks=chunks, optimizer=optimizer)
         atoms.compute[-1] += loss_time
         problem = problem_of(atoms)
