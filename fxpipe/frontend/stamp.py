@@ -372,8 +372,8 @@ def _match(one: list[fx.Node], two: list[fx.Node], block: dict[fx.Node, int | No
                 raise StampRefused(f"block 2 of {path} reads {b.name} of block 1 where block 1 "
                                    f"reads {a.name}, not block 0's output: not a chain")
         elif a is not b:
-            raise StampRefused(f"blocks 1 and 2 of {path} read {a.name} and {b.name}: not a "
-                               f"value they share")
+            raise StampRefused(f"blocks 1 and 2 of {path} read {a.name} and {b.name}, neither "
+                               f"the block before's output nor one value: not a chain")
     return twin
 
 
