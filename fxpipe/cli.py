@@ -128,6 +128,9 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
                         "on this machine")
+    p.add_argument("--stamp", action="store_true",
+                   help="trace a run of alike blocks (the layers of a ModuleList) once and stamp "
+                        "out the rest; checked against the whole model")
 
 
 def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
@@ -138,7 +141,8 @@ def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
                              chunks=args.chunks, remat=args.remat, balance=args.balance,
                              memory_limit=args.memory_limit, schedule=args.schedule,
                              stages_per_rank=args.stages_per_rank,
-                             profile=args.profile, command=_command_line(args))
+                             profile=args.profile, command=_command_line(args),
+                             stamp=args.stamp)
     return program, target
 
 
@@ -158,6 +162,8 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--stages-per-rank", str(args.stages_per_rank)]
     if args.profile is not None:
         words += ["--profile", args.profile]
+    if args.stamp:
+        words += ["--stamp"]
     return shlex.join(words)
 
 

@@ -40,6 +40,7 @@ class CompileConfig:
     check: Any = None  # a meta model's capture check: a twin nn.Module or "shapes"
     batch_dims: tuple[int | None, ...] | None = None  # per tensor input; None: inferred
     stages_per_rank: int | None = None  # None: the schedule's (2 for the looped ones, else 1)
+    stamp: bool = False  # repeated blocks traced once, the rest stamped (fxpipe.frontend.stamp)
 
     @property
     def fixed_chunks(self) -> int | None:

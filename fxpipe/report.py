@@ -224,6 +224,7 @@ class Report:
     rounds: list[BalanceRound] = field(default_factory=list)  # balancing by measurement
     stages_per_rank: int = 1
     remat: str = "never"
+    stamping: str | None = None  # capture(stamp=True): the blocks stamped, or why none
 
     @property
     def ranks(self) -> int:
@@ -328,6 +329,8 @@ class Report:
         if self.comm:
             lines.append("communication per step (each replica): " + ", ".join(
                 f"{kind} {human_bytes(v)}" for kind, v in self.comm.items()))
+        if self.stamping:
+            lines.append(f"repeated blocks: {self.stamping}")
         lines += self.balance_lines()
         lines += self.kept_lines()
         for key, value in self.measured.items():
@@ -481,4 +484,5 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
                   built.config.schedule, shared=dict(built.shared),
                   mesh=mesh.describe() if mesh is not None else [],
                   comm=communication(built, replicas), rounds=list(built.rounds),
-                  stages_per_rank=built.config.per_rank, remat=built.config.remat)
+                  stages_per_rank=built.config.per_rank, remat=built.config.remat,
+                  stamping=built.capture_info.stamp_note)
