@@ -70,16 +70,26 @@ def _bert() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     return transformers.BertModel(cfg), (_ids(),), {}
 
 
-MODELS = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2, "mistral": _mistral, "bert": _bert}
+def _t5() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """Encoder and decoder stacks; block 0 of each owns the relative position bias."""
+    cfg = transformers.T5Config(num_layers=5, num_decoder_layers=5, d_model=32, d_kv=8, d_ff=64,
+                                num_heads=2, vocab_size=128, decoder_start_token_id=0,
+                                pad_token_id=0, eos_token_id=1)
+    ids = _ids()
+    return transformers.T5Model(cfg), (ids,), {"decoder_input_ids": ids, "use_cache": False}
 
 
-def _both(build: Any, method: str = "auto") -> tuple[nn.Module, fx.GraphModule, fx.GraphModule,
-                                                     tuple[Any, ...], dict[str, Any]]:
+MODELS = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2, "mistral": _mistral, "bert": _bert,
+          "t5": _t5}
+
+
+def _both(build: Any, method: str = "auto", inline: bool = True
+          ) -> tuple[nn.Module, fx.GraphModule, fx.GraphModule, tuple[Any, ...], dict[str, Any]]:
     torch.manual_seed(0)
     model, inputs, kwargs = build()
     model.eval()
-    full = capture(model, inputs, kwargs, method=method, inline_modules=True)
-    stamped = capture(model, inputs, kwargs, method=method, inline_modules=True, stamp=True)
+    full = capture(model, inputs, kwargs, method=method, inline_modules=inline)
+    stamped = capture(model, inputs, kwargs, method=method, inline_modules=inline, stamp=True)
     return model, full, stamped, inputs, kwargs
 
 
@@ -102,12 +112,14 @@ def test_a_stamped_capture_is_the_full_capture(name: str) -> None:
         torch.testing.assert_close(g, e)
 
 
-def test_the_bundled_gpt_stamped_under_fx_and_export() -> None:
-    for method in ("fx", "export"):
-        model, full, stamped, _, _ = _both(_gpt, method)
-        assert stamped.meta[ir.CAPTURE].stamped == 3
-        assert canonical(stamped) == canonical(full)
-        assert set(stamped.state_dict()) == set(full.state_dict())
+@pytest.mark.parametrize("inline", [True, False], ids=["functional", "modules"])
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_the_bundled_gpt_stamped_under_fx_and_export(method: str, inline: bool) -> None:
+    model, full, stamped, inputs, _ = _both(_gpt, method, inline)
+    assert stamped.meta[ir.CAPTURE].stamped == 3
+    assert canonical(stamped) == canonical(full)
+    assert list(stamped.state_dict()) == list(full.state_dict())
+    torch.testing.assert_close(stamped(*inputs), model(*inputs))
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
