@@ -277,6 +277,16 @@ def test_blocks_that_cannot_be_stamped_fall_back_and_say_why(case: str, method: 
     torch.testing.assert_close(gm(x), model(x))
 
 
+def test_the_report_says_why_blocks_were_not_stamped() -> None:
+    torch.manual_seed(0)
+    model = _hooked().train()
+    x = torch.randn(4, 4)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, stamp=True)
+    assert "repeated blocks: not stamped: blocks.3 has a hook (forward hook)" \
+        in program.report().text()
+    torch.testing.assert_close(program(x), model(x))
+
+
 def test_a_block_branching_on_its_index_is_caught_by_the_check_against_eager() -> None:
     class Late(_Block):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
