@@ -234,6 +234,16 @@ class _BetweenNet(_Net):
         return self.head(h)
 
 
+class _CountedNet(_Net):
+    """Loops over a number of layers kept apart from the list, as range(config.n_layer) does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i in range(5):
+            h = self.blocks[i](h)
+        return self.head(h)
+
+
 def _hooked() -> nn.Module:
     net = _Net([_Block(8, i) for i in range(5)])
     net.blocks[3].register_forward_hook(lambda m, i, o: o * 2)
@@ -256,6 +266,8 @@ FALLBACKS = {
     "not a chain": (lambda: _SkipNet([_SkipBlock(8, i) for i in range(5)]), "not a chain"),
     "between": (lambda: _BetweenNet([_Block(8, i) for i in range(5)]), "between the blocks"),
     "too few": (lambda: _Net([_Block(8, i) for i in range(3)]), "4 or more blocks"),
+    "counted loop": (lambda: _CountedNet([_Block(8, i) for i in range(5)]),
+                     "the model with 3 blocks of blocks was not captured"),
 }
 
 
