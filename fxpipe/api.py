@@ -42,6 +42,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     stages_per_rank: int | None = None,
     optimizer: Any = "adam",
     master_weights: bool = False,
+    stamp: bool = False,
 ) -> Program:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
 
@@ -110,6 +111,11 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         batch_dims: the batch dimension of each tensor input (None for unbatched ones, e.g.
             [0, None]); inferred when omitted. The example batch needs at least 2 samples
             either way: the batch dimension is checked on two halves of it.
+        stamp: trace a run of alike blocks (the layers of a ModuleList: same class, weight
+            shapes and attributes, no hooks) as three and stamp out the others, which makes the
+            capture of a deep model about as fast as a shallow one's. The graph is the one a
+            full capture gives, checked against the whole model; where the blocks differ it
+            falls back to the full capture, and the report says why.
 
     Returns:
         A Program: call it like the model (drop-in, differentiable), `step()` it to train
@@ -136,7 +142,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,
         dp_bucket_mb=dp_bucket_mb, autocast=autocast, command=command, check=check,
         batch_dims=tuple(batch_dims) if batch_dims is not None else None,
-        stages_per_rank=stages_per_rank,
+        stages_per_rank=stages_per_rank, stamp=stamp,
         optimizer=optimizer_memory(optimizer, master_weights))
     check_config(config)
     program = Program(model, config)

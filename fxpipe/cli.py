@@ -118,6 +118,10 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
                         "on this machine")
     _add_optimizer(p)
+    p.add_argument("--stamp", action="store_true",
+                   help="trace a run of alike blocks (the layers of a ModuleList) once and stamp "
+                        "out the rest; checked against the whole model")
+
 
 def _add_optimizer(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adam",
@@ -147,7 +151,8 @@ def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
                              memory_limit=args.memory_limit, schedule=args.schedule,
                              stages_per_rank=args.stages_per_rank,
                              profile=args.profile, command=_command_line(args),
-                             optimizer=_optimizer(args), master_weights=args.master_weights)
+                             optimizer=_optimizer(args), master_weights=args.master_weights,
+                             stamp=args.stamp)
     return program, target
 
 
@@ -171,6 +176,8 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--optimizer", args.optimizer]
     if args.master_weights:
         words += ["--master-weights"]
+    if args.stamp:
+        words += ["--stamp"]
     return shlex.join(words)
 
 

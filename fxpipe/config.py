@@ -42,6 +42,7 @@ class CompileConfig:
     batch_dims: tuple[int | None, ...] | None = None  # per tensor input; None: inferred
     stages_per_rank: int | None = None  # None: the schedule's (2 for the looped ones, else 1)
     optimizer: OptimizerMemory = ADAM  # what training holds per parameter (fxpipe.optimizers)
+    stamp: bool = False  # repeated blocks traced once, the rest stamped (fxpipe.frontend.stamp)
 
     @property
     def fixed_chunks(self) -> int | None:

@@ -102,7 +102,7 @@ def capture_and_cost(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     with _timed(timings, cpu, "capture"):
         gm = capture(model, args, kwargs, method=config.capture,
                      leaf_modules=config.leaf_modules, inline_modules=True, check=config.check,
-                     batch_dims=config.batch_dims)
+                     batch_dims=config.batch_dims, stamp=config.stamp)
         ir.verify(gm, after="capture")
     _snapshot(history, "capture", gm)
     # Before costs and cuts: a stacked RNN is one node, which no cut could enter.

@@ -217,6 +217,7 @@ class Report:
     stages_per_rank: int = 1
     remat: RematPolicy = RematPolicy.NEVER
     optimizer: str = ADAM.describe()  # what each stage's memory counts per parameter
+    stamping: str | None = None  # capture(stamp=True): the blocks stamped, or why none
 
     @property
     def ranks(self) -> int:
@@ -326,6 +327,8 @@ class Report:
         if self.comm:
             lines.append("communication per step (each replica): " + ", ".join(
                 f"{kind} {human_bytes(v)}" for kind, v in self.comm.items()))
+        if self.stamping:
+            lines.append(f"repeated blocks: {self.stamping}")
         lines += self.balance_lines()
         lines += self.kept_lines()
         for key, value in self.measured.items():
@@ -480,4 +483,5 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
                   mesh=mesh.describe() if mesh is not None else [],
                   comm=communication(built, replicas), rounds=list(built.rounds),
                   stages_per_rank=built.spec.stages_per_rank, remat=built.config.remat_policy,
-                  optimizer=built.config.optimizer.describe())
+                  optimizer=built.config.optimizer.describe(),
+                  stamping=built.capture_info.stamp_note)

@@ -14,7 +14,7 @@ import contextlib
 import operator
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from fxpipe.frontend.meta import (
     validate_check,
 )
 from fxpipe.frontend.mutation import StateSnapshot, restore_values, snapshot_state
+from fxpipe.frontend.stamp import Stamper
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
@@ -64,6 +65,8 @@ class CaptureInfo:
     checked: str = "values against the eager model"  # what the graph was checked against
     fake_runs: int = 0  # runs of the model or its graph on fake tensors (_Runs)
     cpu_timings: tuple[tuple[str, float], ...] = ()  # CPU seconds, by the phases of timings
+    stamped: int = 0  # blocks stamped as copies of a traced one (fxpipe.frontend.stamp)
+    stamp_note: str | None = None  # one line: which blocks were stamped, or why not (None: off)
 
 
 @dataclass
@@ -99,6 +102,7 @@ def capture(
     inline_modules: bool = False,
     batch_dims: Sequence[int | None] | None = None,
     check: Check = None,
+    stamp: bool = False,
 ) -> fx.GraphModule:
     """Captures `model` as a GraphModule that computes what the model computes.
 
@@ -118,6 +122,8 @@ def capture(
         check: for a model on the meta device, which has no values to compare: a twin (a
             small instance of the same code on real tensors, checked on the example batch) or
             "shapes" (output shapes and dtypes only); see fxpipe.frontend.meta.
+        stamp: trace a run of alike blocks (the layers of a ModuleList) as three and stamp out
+            the rest (fxpipe.frontend.stamp); the graph is checked against the whole model.
 
     Returns:
         A GraphModule with flat tensor placeholders, callable like the model
@@ -168,9 +174,11 @@ def capture(
                     raise
                 raise meta_run_error(model, error) from error
         signature = _signature(leaves, in_spec, names, layout)
+        stamper = Stamper(model, len(signature.out_is_tensor)) if stamp else None
         layout_s = lap()
         gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
-                                         leaf_modules, inline_modules, args, kwargs, runs)
+                                         leaf_modules, inline_modules, args, kwargs, runs,
+                                         stamper)
         regions.inline_regions(gm)  # no_grad / autocast regions: marked operations
         front_s = lap()
         _annotate_shapes(gm, used, tensors, signature, runs)
@@ -181,7 +189,9 @@ def capture(
                                       layout.batch_size, inline_modules,
                                       tuple((k, wall) for k, (wall, _) in phases),
                                       check_name(check), runs.fake,
-                                      tuple((k, cpu) for k, (_, cpu) in phases))
+                                      tuple((k, cpu) for k, (_, cpu) in phases),
+                                      stamper.stamped if stamper else 0,
+                                      stamper.note if stamper else None)
     return gm
 
 
@@ -214,15 +224,22 @@ def _check_twin(check: Check, model: nn.Module, args: ModelArgs, kwargs: ModelKw
 def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: Sequence[Any],
                   tensors: Sequence[torch.Tensor], layout: BatchLayout,
                   leaf_modules: Sequence[LeafModule], inline: bool, args: ModelArgs,
-                  kwargs: ModelKwargs, runs: _Runs) -> tuple[fx.GraphModule, str, str | None]:
+                  kwargs: ModelKwargs, runs: _Runs,
+                  stamper: Stamper | None = None) -> tuple[fx.GraphModule, str, str | None]:
     reason = None
     meta = is_meta_model(model)
     if method in ("auto", "fx"):
         try:
-            gm = tracers.trace_fx(model, signature, leaves, leaf_modules, inline)
-            _set_signature_codegen(gm, signature)
-            with runs.calls(gm, meta):
-                problem = _compare_with_eager(gm, model, signature, args, kwargs, layout)
+            def traced() -> fx.GraphModule:
+                gm = tracers.trace_fx(model, signature, leaves, leaf_modules, inline)
+                _set_signature_codegen(gm, signature)
+                return gm
+
+            def fx_check(gm: fx.GraphModule) -> str | None:
+                with runs.calls(gm, meta):
+                    return _compare_with_eager(gm, model, signature, args, kwargs, layout)
+
+            gm, problem = _stamped_or_whole(traced, fx_check, stamper)
             if problem is None:
                 return gm, "fx", None
             if method == "fx":
@@ -234,21 +251,45 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
             if method == "fx":
                 raise
             reason = e.message
-    gm = tracers.export(model, signature, leaves, tensors, layout,
-                        follow_branches=method == "follow_branches")
-    runs.fake += 1
-    _set_signature_codegen(gm, signature)
-    infos = shapes.export_infos(gm, signature.input_batch_dims) \
-        if meta and len(_known_outputs(model, layout)) == 2 else None
-    if infos is not None:
-        problem = _compare_shapes(gm, infos, layout)
-    else:
+
+    def exported() -> fx.GraphModule:
+        gm = tracers.export(model, signature, leaves, tensors, layout,
+                            follow_branches=method == "follow_branches")
+        runs.fake += 1
+        _set_signature_codegen(gm, signature)
+        return gm
+
+    def export_check(gm: fx.GraphModule) -> str | None:
+        infos = shapes.export_infos(gm, signature.input_batch_dims) \
+            if meta and len(_known_outputs(model, layout)) == 2 else None
+        if infos is not None:
+            return _compare_shapes(gm, infos, layout)
         with runs.calls(gm, meta):
-            problem = _compare_with_eager(gm, model, signature, args, kwargs, layout)
+            return _compare_with_eager(gm, model, signature, args, kwargs, layout)
+
+    gm, problem = _stamped_or_whole(exported, export_check, stamper)
     if problem is not None:
         raise CaptureError(f"the exported graph computes something else than the model: {problem}",
                            hint="please report this model; as a workaround capture a submodule")
     return gm, "export", reason
+
+
+def _stamped_or_whole(front: Callable[[], fx.GraphModule],
+                      check: Callable[[fx.GraphModule], str | None],
+                      stamper: Stamper | None) -> tuple[fx.GraphModule, str | None]:
+    """`front()` and what `check` finds wrong with its graph (None: nothing). With a stamper,
+    the front end traces the reduced model and the stamped graph is checked against the whole
+    model; a stamped graph that fails the check is dropped for a capture of the whole model."""
+    if stamper is None:
+        gm = front()
+        return gm, check(gm)
+    gm = stamper.capture(front)
+    problem = check(gm)
+    if problem is not None and stamper.stamped:
+        stamper.refuse(f"the stamped graph computes something else than the model: {problem}")
+        gm = front()
+        problem = check(gm)
+    return gm, problem
 
 
 # --- inputs and signature -------------------------------------------------------------------------

@@ -69,7 +69,8 @@ def _restart_peak() -> None:
 
 
 def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: int = 2048,
-                    microbatch: int = 2, profile: str = "h100") -> dict[str, Any]:
+                    microbatch: int = 2, profile: str = "h100",
+                    stamp: bool = True) -> dict[str, Any]:
     """Compiles `model` (on meta) and returns the figures of the run and of the plan."""
     ids = torch.zeros(chunks * microbatch, seq, dtype=torch.long)
     params = {id(p): p for p in model.parameters()}.values()
@@ -78,7 +79,7 @@ def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: in
     before, _ = _resident()
     start, cpu = time.perf_counter(), time.process_time()
     program = fxpipe.compile(model, (ids,), example_kwargs={"use_cache": False}, stages=stages,
-                             chunks=chunks, profile=profile, check="shapes")
+                             chunks=chunks, profile=profile, check="shapes", stamp=stamp)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     _, peak = _resident()
     report = program.report()
@@ -96,6 +97,7 @@ def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: in
         "capture_timings_s": dict(program.built.capture_info.timings),
         "capture_cpu_timings_s": dict(program.built.capture_info.cpu_timings),
         "fake_runs": program.built.capture_info.fake_runs,
+        "stamping": program.built.capture_info.stamp_note,
         "stage_params_bytes": [s["params_bytes"] for s in report.stages],
         "stage_memory_model_bytes": [s["memory_model_bytes"] for s in report.stages],
         "stage_first_last": [(s["first_module"], s["last_module"]) for s in report.stages],
@@ -145,6 +147,8 @@ def _print_phases(runs: list[dict[str, Any]]) -> None:
         print(f"{name:28s}{cells}  {wall:9.3f} {cpu:9.3f} s")
     print("runs on fake tensors while capturing: "
           + ", ".join(f"{r['fake_runs']} ({r['layers']} layers)" for r in runs))
+    for r in runs:
+        print(f"repeated blocks ({r['layers']} layers): {r['stamping'] or 'off (--no-stamp)'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,18 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", metavar="N",
                         help="decoder layers instead of the preset's; two counts (8 16) show "
                              "what one more layer costs in each phase")
+    parser.add_argument("--no-stamp", dest="stamp", action="store_false",
+                        help="trace every decoder layer instead of stamping copies of one")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     runs = []
     counts: list[int | None] = list(args.layers or [None])
     if len(counts) > 1:  # a first compile pays once for imports and caches: not a layer's cost
         compile_on_meta(llama_on_meta(args.preset, layers=1), stages=1, chunks=2, seq=args.seq,
-                        profile=args.profile)
+                        profile=args.profile, stamp=args.stamp)
     for layers in counts:
         model = llama_on_meta(args.preset, layers=layers)
         runs.append(compile_on_meta(model, stages=args.stages,
                                     chunks=args.chunks or 4 * args.stages, seq=args.seq,
-                                    profile=args.profile))
+                                    profile=args.profile, stamp=args.stamp))
         del model
     figures = runs[-1]
     if args.json:

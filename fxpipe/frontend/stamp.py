@@ -1,0 +1,491 @@
+"""Repeated blocks captured once: the layers of a ModuleList traced as three, the rest stamped.
+
+A deep model spends most of its capture tracing the same block again and again. When the
+children of one nn.ModuleList (or nn.Sequential) are alike (one class, the same parameter and
+buffer names, shapes, dtypes and requires_grad, the same attributes apart from an int equal to the
+block's position, such as transformers' `layer_idx`, no hooks, no weights shared), the model is
+captured with that list cut to three blocks: the first (which may differ: T5's owns the position
+bias), the second and the last. When the second and third come out as the same graph up to
+parameter names, reading the previous block's outputs (a chain) and values from outside the loop
+(masks, position embeddings), the other blocks are copies of the third with their parameter
+targets renamed and the metadata (shapes, export's values, module stacks) copied. Anything else
+falls back to the full capture, and the reason is kept for the report.
+
+The reduced model is the user's model with the list's children swapped for the three, put back
+when the trace ends (also on error). Taking the last block as the third catches a block whose
+forward branches on its own index in a way the first blocks do not show.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpipe import ir
+
+__all__ = ["BlockRun", "Stamper", "find_blocks", "reduced"]
+
+MIN_BLOCKS = 4  # three are traced; below four nothing is left to stamp
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_SKIPPED = frozenset({"_parameters", "_buffers", "_modules", *_HOOKS,
+                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                      "_forward_pre_hooks_with_kwargs"})
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """A list of alike blocks: its qualified name and its number of children."""
+
+    path: str
+    count: int
+
+
+class StampRefused(Exception):
+    """The reduced graph does not show a chain of equal blocks: capture the whole model."""
+
+
+# --- finding the blocks ---------------------------------------------------------------------------
+
+def find_blocks(model: nn.Module) -> BlockRun | str:
+    """The longest list of alike blocks, or one line saying why none can be stamped."""
+    candidates = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or not path:
+            continue
+        children = list(module._modules.values())
+        keys = list(module._modules)
+        if len(children) < MIN_BLOCKS or keys != [str(i) for i in range(len(children))]:
+            continue
+        if all(type(c) is type(children[1]) for c in children[1:]):
+            candidates.append((path, children))
+    if not candidates:
+        return f"no nn.ModuleList or nn.Sequential holds {MIN_BLOCKS} or more blocks of one class"
+    candidates.sort(key=lambda c: -len(c[1]))
+    first_reason = ""
+    for path, blocks in candidates:
+        reason = _unlike(model, path, blocks)
+        if reason is None:
+            return BlockRun(path, len(blocks))
+        first_reason = first_reason or reason
+    return first_reason
+
+
+def _unlike(model: nn.Module, path: str, blocks: list[nn.Module]) -> str | None:
+    """Why the blocks of `path` cannot be stamped (None if they can). Block 0 is traced, so it
+    may differ from the rest."""
+    owner: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for name, t in [*block.named_parameters(remove_duplicate=False),
+                        *block.named_buffers(remove_duplicate=False)]:
+            j = owner.setdefault(id(t), i)
+            if j != i:
+                return f"blocks {j} and {i} of {path} share the weight {name!r}"
+        for name, m in block.named_modules(remove_duplicate=False):
+            hooked = [h for h in _HOOKS if getattr(m, h, None)]
+            if hooked:
+                where = f"{path}.{i}" + (f".{name}" if name else "")
+                return f"{where} has a hook ({hooked[0].strip('_').replace('_', ' ')[:-1]})"
+    inside = {id(t) for b in blocks for t in [*b.parameters(), *b.buffers()]}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        if id(t) in inside and not name.startswith(f"{path}."):
+            return f"a block of {path} shares its weight with {name!r} outside the list"
+    template = _layout(blocks[1])
+    for i in range(2, len(blocks)):
+        difference = _difference(template, _layout(blocks[i]), i)
+        if difference is not None:
+            return f"blocks 1 and {i} of {path} differ: {difference}"
+    return None
+
+
+def _layout(block: nn.Module) -> dict[str, Any]:
+    """What must be equal between two blocks: weights' metadata and the modules' attributes."""
+    out: dict[str, Any] = {}
+    for name, p in block.named_parameters(remove_duplicate=False):
+        out[f"parameter {name!r}"] = (tuple(p.shape), p.dtype, p.requires_grad)
+    for name, b in block.named_buffers(remove_duplicate=False):
+        out[f"buffer {name!r}"] = (tuple(b.shape), b.dtype)
+    for name, m in block.named_modules(remove_duplicate=False):
+        out[f"module {name!r}"] = type(m)
+        for key, value in vars(m).items():
+            if key not in _SKIPPED:
+                out[f"attribute {(name + '.' if name else '') + key!r}"] = value
+    return out
+
+
+def _difference(template: dict[str, Any], other: dict[str, Any], index: int) -> str | None:
+    """The first difference between block 1's layout and block `index`'s; an int equal to each
+    block's position (an index kept for bookkeeping) is no difference."""
+    if template.keys() != other.keys():
+        missing = sorted(template.keys() ^ other.keys())
+        return f"{missing[0]} is in one of them only"
+    for key, a in template.items():
+        b = other[key]
+        if _same(a, b):
+            continue
+        if type(a) is int and type(b) is int and a == 1 and b == index:
+            continue
+        return f"{key} is {_short(a)} in block 1, {_short(b)} in block {index}"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            return False
+        return a.is_meta or bool(torch.equal(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        equal = a == b
+    except Exception:  # noqa: BLE001 - any object may be an attribute
+        return False
+    return equal if isinstance(equal, bool) else False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --- the reduced model ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def reduced(model: nn.Module, run: BlockRun) -> Iterator[None]:
+    """The model with the list holding its first, second and last block only, as the children
+    "0", "1" and "2"; the list is put back as it was afterwards, also on error."""
+    blocks = model.get_submodule(run.path)
+    kept = blocks._modules
+    children = list(kept.values())
+    three = type(kept)()
+    three.update({"0": children[0], "1": children[1], "2": children[-1]})
+    blocks.__dict__["_modules"] = three
+    try:
+        yield
+    finally:
+        blocks.__dict__["_modules"] = kept
+
+
+# --- checking and stamping the reduced graph ------------------------------------------------------
+
+class Stamper:
+    """Captures a model through its reduced twin when it has a run of alike blocks.
+
+    `note` says afterwards what happened, in one line: how many blocks of which list were
+    stamped, or why the model was captured whole."""
+
+    def __init__(self, model: nn.Module, outputs: int) -> None:
+        self.model = model
+        self.outputs = outputs  # tensor and constant leaves of the model's output
+        found = find_blocks(model)
+        self.run: BlockRun | None = found if isinstance(found, BlockRun) else None
+        self.stamped = 0
+        self.note = "" if self.run is not None else f"not stamped: {found}"
+
+    def capture(self, front: Callable[[], fx.GraphModule]) -> fx.GraphModule:
+        """`front()` (a trace of self.model) on the reduced model, stamped out to the whole one;
+        on the whole model when the reduced graph is not a chain of equal blocks."""
+        run = self.run
+        if run is None:
+            return front()
+        try:
+            with reduced(self.model, run):
+                small = front()
+            gm = stamp(small, run, self.model, self.outputs)
+        except StampRefused as refused:
+            self.refuse(str(refused))
+            return front()
+        except Exception as error:  # noqa: BLE001 - then the whole model says what is wrong
+            whole = front()  # a front end that fails on the whole model too raises here
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            self.refuse(f"the model with 3 blocks of {run.path} was not captured: "
+                        f"{type(error).__name__}: {first}"[:300])
+            return whole
+        self.stamped = run.count - 3
+        self.note = f"stamped {self.stamped} of the {run.count} blocks of {run.path} " \
+                    f"from the graph of one"
+        return gm
+
+    def refuse(self, reason: str) -> None:
+        """No stamping from here on; `reason` goes into the note."""
+        self.run = None
+        self.stamped = 0
+        self.note = f"not stamped: {reason}"
+
+
+def _block_of(node: fx.Node, path: str) -> int | None:
+    """Which of the list's blocks a node belongs to (None: outside the list)."""
+    if node.op in ("get_attr", "call_module"):
+        return _index_in(str(node.target), path)
+    for value in (node.meta.get("nn_module_stack") or {}).values():
+        where = value[0] if isinstance(value, tuple) else value
+        index = _index_in(ir.clean_module_path(str(where)), path)
+        if index is not None:
+            return index
+    return None
+
+
+def _index_in(qualname: str, path: str) -> int | None:
+    if not qualname.startswith(f"{path}."):
+        return None
+    head = qualname[len(path) + 1:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def stamp(gm: fx.GraphModule, run: BlockRun, model: nn.Module, outputs: int) -> fx.GraphModule:
+    """The graph of the whole model from the reduced model's: blocks 3..N-1 copies of block 2,
+    chained, the nodes after the loop reading the last block. Raises StampRefused when blocks 1
+    and 2 are not the same graph or the data flow is not a chain."""
+    if gm.meta.get(ir.QUALNAMES):
+        raise StampRefused("attribute names that need aliases in generated code")
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    output = nodes[-1]
+    if len(_leaves(output.args[0])) != outputs:
+        raise StampRefused(f"the model's outputs depend on the number of blocks of {run.path}")
+    block = {n: _block_of(n, run.path) for n in nodes}
+    members: list[list[fx.Node]] = [[n for n in nodes if block[n] == i] for i in range(3)]
+    if any(not m for m in members):
+        raise StampRefused(f"a block of {run.path} has no operation in the graph")
+    position = {n: i for i, n in enumerate(nodes)}
+    computing = [[n for n in m if n.op != "get_attr"] for m in members]
+    first, last = position[computing[0][0]], position[computing[2][-1]]
+    for n in nodes[first:last + 1]:
+        if block[n] is None and n.op != "get_attr":
+            raise StampRefused(f"{_shown(n)} runs between the blocks of {run.path}")
+    for i in range(2):
+        if position[computing[i][-1]] > position[computing[i + 1][0]]:
+            raise StampRefused(f"blocks {i} and {i + 1} of {run.path} interleave")
+    one, two = members[1], members[2]
+    twin = _match(one, two, block, run.path)  # block 1 node -> block 2 node
+    for n in one:
+        for user in n.users:
+            if block[user] not in (1, 2):
+                raise StampRefused(f"{user.name} after the loop reads block 1 of {run.path}: "
+                                   f"not a chain")
+    template = {n.target: _attribute(gm, str(n.target)) for n in two
+                if n.op in ("get_attr", "call_module")}
+    hoisted = all(position[n] < position[computing[0][0]] for n in two if n.op == "get_attr")
+    last_attr = max((n for n in two if n.op == "get_attr"), key=position.__getitem__,
+                    default=computing[2][-1])
+    previous = {n: n for n in two}  # block 2's node -> its copy in the block before
+    after = {"op": computing[2][-1], "attr": last_attr if hoisted else computing[2][-1]}
+    for k in range(3, run.count):
+        previous = _copy_block(graph, two, k, previous, twin, block, after, hoisted, run.path)
+    outside = {n for n in nodes if block[n] is None}
+    for n in two:
+        for user in list(n.users):
+            if user in outside:
+                user.replace_input_with(n, previous[n])
+    _bind(gm, model, run, template)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _copy_block(graph: fx.Graph, two: list[fx.Node], k: int, previous: dict[fx.Node, fx.Node],
+                twin: dict[fx.Node, fx.Node], block: dict[fx.Node, int | None],
+                after: dict[str, fx.Node], hoisted: bool, path: str) -> dict[fx.Node, fx.Node]:
+    """Block k as a copy of block 2, reading block k-1 (`previous`: block 2's node -> its copy
+    there) where block 2 reads block 1; inserted after `after` (the last operation, and the
+    last attribute when the front end puts attributes first). Returns block 2's node -> copy."""
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def source(x: fx.Node) -> fx.Node:
+        if x in copies:
+            return copies[x]
+        if block[x] == 1:  # the chain: what the block before computed
+            return previous[twin[x]]
+        return x  # a value from outside the loop, or from block 0, shared
+
+    for n in two:
+        cursor = "attr" if n.op == "get_attr" and hoisted else "op"
+        with graph.inserting_after(after[cursor]):
+            copy = graph.create_node(
+                n.op, _renamed_target(n, path, k), fx.map_arg(n.args, source),
+                fx.map_arg(n.kwargs, source), name=_copy_name(n, path, k))
+        copy.meta = _renamed_meta(n.meta, path, k)
+        copies[n] = copy
+        after[cursor] = copy
+        if not hoisted:
+            after["attr"] = copy
+    return copies
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    return [value]
+
+
+def _match(one: list[fx.Node], two: list[fx.Node], block: dict[fx.Node, int | None],
+           path: str) -> dict[fx.Node, fx.Node]:
+    """Block 1's nodes paired with block 2's when the two are the same graph up to names, each
+    input of block 2 either block 1's output where block 1 read block 0 (the chain) or the value
+    block 1 reads too (shared); else StampRefused saying where they differ."""
+    if len(one) != len(two):
+        raise StampRefused(f"blocks 1 and 2 of {path} are graphs of {len(one)} and {len(two)} "
+                           f"nodes")
+    twin = dict(zip(one, two))
+    inputs: list[tuple[fx.Node, fx.Node]] = []
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+                return False
+            if a in twin:
+                return twin[a] is b
+            if block[b] == 2:
+                return False
+            inputs.append((a, b))
+            return True
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) \
+                and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
+        return type(a) is type(b) and _same(a, b)
+
+    for a, b in zip(one, two):
+        relative_a = _relative(a, path, 1)
+        relative_b = _relative(b, path, 2)
+        if a.op != b.op or relative_a != relative_b or not same(a.args, b.args) \
+                or not same(a.kwargs, b.kwargs) or not _same_value(a, b):
+            raise StampRefused(f"blocks 1 and 2 of {path} differ at {_shown(b)} "
+                               f"(block 1: {_shown(a)})")
+    for a, b in inputs:
+        if block[b] == 1:
+            if block[a] != 0:
+                raise StampRefused(f"block 2 of {path} reads {b.name} of block 1 where block 1 "
+                                   f"reads {a.name}, not block 0's output: not a chain")
+        elif a is not b:
+            raise StampRefused(f"blocks 1 and 2 of {path} read {a.name} and {b.name}, neither "
+                               f"the block before's output nor one value: not a chain")
+    return twin
+
+
+def _shown(node: fx.Node) -> str:
+    """The node as fx prints it, shortened for a one-line reason."""
+    text = node.format_node() or node.name
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _relative(node: fx.Node, path: str, index: int) -> Any:
+    if node.op in ("get_attr", "call_module"):
+        target = str(node.target)
+        prefix = f"{path}.{index}"
+        if target == prefix or target.startswith(f"{prefix}."):
+            return target[len(prefix):]
+    return node.target
+
+
+def _same_value(a: fx.Node, b: fx.Node) -> bool:
+    """Equal metadata that decides what a node computes: shapes, dtypes, grad and autocast."""
+    if a.meta.get(ir.MODE) != b.meta.get(ir.MODE):
+        return False
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor):
+        return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) \
+            and str(va.shape) == str(vb.shape) and va.dtype == vb.dtype
+    return True
+
+
+def _renamed(text: str, path: str, k: int) -> str:
+    return re.sub(rf"(?<![A-Za-z0-9]){re.escape(path)}\.2(?=$|\.)", f"{path}.{k}", text)
+
+
+def _copy_name(node: fx.Node, path: str, k: int) -> str:
+    """The name of block 2's node for block k's copy, without fx's counter (the graph numbers
+    it again), so that names derived from it later are the ones a full capture gets."""
+    if node.op == "get_attr":  # named after its target, as the front end spelled it
+        flat = re.escape(re.sub(r"\W", "_", path))
+        return re.sub(rf"(?<![A-Za-z0-9])({flat})_2(?=_|$)", rf"\g<1>_{k}", node.name, count=1)
+    return re.sub(r"_\d+$", "", node.name)
+
+
+def _renamed_target(node: fx.Node, path: str, k: int) -> Any:
+    if node.op in ("get_attr", "call_module"):
+        return _renamed(str(node.target), path, k)
+    return node.target
+
+
+def _renamed_meta(meta: dict[str, Any], path: str, k: int) -> dict[str, Any]:
+    """The metadata of block 2's node for block k's copy: the module stack renamed, the rest
+    (shapes, export's values, costs) shared."""
+    out = dict(meta)
+    stack = meta.get("nn_module_stack")
+    if stack:
+        out["nn_module_stack"] = type(stack)(
+            (_renamed(str(key), path, k),
+             (_renamed(str(value[0]), path, k), *value[1:]) if isinstance(value, tuple)
+             else _renamed(str(value), path, k))
+            for key, value in stack.items())
+    return out
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> tuple[str, bool]:
+    """How the GraphModule holds block 2's attribute: its kind and, for a buffer, whether it is
+    saved in the state_dict (stamped blocks hold theirs alike)."""
+    owner_path, _, name = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    if name in owner._parameters:
+        return "parameter", True
+    if name in owner._buffers:
+        return "buffer", name not in owner._non_persistent_buffers_set
+    if name in owner._modules:
+        return "module", True
+    return "attribute", True
+
+
+def _bind(gm: fx.GraphModule, model: nn.Module, run: BlockRun,
+          template: dict[Any, tuple[str, bool]]) -> None:
+    """Points the targets of blocks 2..N-1 at the model's own weights and modules (block 2's
+    pointed at the last block's while the model was reduced), held as block 2's are held."""
+    for target, (kind, persistent) in template.items():
+        for k in range(2, run.count):
+            qualname = _renamed(str(target), run.path, k)
+            owner_path, _, name = qualname.rpartition(".")
+            owner = _module_at(gm, owner_path)
+            value = _resolve(model, qualname)
+            if kind == "parameter":
+                owner._parameters[name] = value
+            elif kind == "buffer":
+                owner._buffers[name] = value
+                if not persistent:
+                    owner._non_persistent_buffers_set.add(name)
+            elif kind == "module":
+                owner._modules[name] = value
+            else:
+                setattr(owner, name, value)
+
+
+def _module_at(gm: nn.Module, path: str) -> nn.Module:
+    """The GraphModule's module at `path`, made (as plain modules) where missing."""
+    module = gm
+    for part in path.split(".") if path else []:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module._modules[part] = child
+        module = child
+    return module
+
+
+def _resolve(model: nn.Module, qualname: str) -> Any:
+    value: Any = model
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value

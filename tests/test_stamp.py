@@ -1,0 +1,370 @@
+"""Repeated blocks captured once (fxpipe.frontend.stamp): a stamped capture is the full capture,
+node for node up to names; every case it cannot prove falls back and says why."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import fxpipe
+from fxpipe import ir
+from fxpipe.frontend.capture import capture
+from fxpipe.frontend.stamp import BlockRun, find_blocks, reduced
+from fxpipe.passes.cost import annotate_costs
+from fxpipe.testing.reference_step import reference_step
+from fxpipe.untouched import seeded
+from models import gpt
+
+transformers = pytest.importorskip("transformers")
+
+
+def canonical(gm: fx.GraphModule, costs: bool = False) -> list[tuple[Any, ...]]:
+    """The graph without node names: op, target, arguments as positions, shape (and cost)."""
+    index: dict[fx.Node, int] = {}
+    rows = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        args = fx.map_arg((node.args, node.kwargs), lambda n: ("node", index[n]))
+        target = node.target if node.op != "placeholder" else "input"
+        row = (node.op, target, args, node.meta.get(ir.TENSOR), node.name)
+        rows.append(row + ((node.meta.get(ir.COST),) if costs else ()))
+    return rows
+
+
+def _gpt() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    model, inputs = gpt.build(n_layer=6, dropout=0.0, batch=4)
+    return model, inputs, {}
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _llama() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    cfg = transformers.LlamaConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=64, vocab_size=128,
+                                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(cfg), (_ids(),), {"use_cache": False}
+
+
+def _mistral() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    cfg = transformers.MistralConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=2,
+                                     num_key_value_heads=1, intermediate_size=64, vocab_size=128,
+                                     max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    return transformers.MistralForCausalLM(cfg), (_ids(),), {"use_cache": False}
+
+
+def _gpt2() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    cfg = transformers.GPT2Config(n_layer=5, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg), (_ids(),), {"use_cache": False}
+
+
+def _bert() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    cfg = transformers.BertConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=2,
+                                  intermediate_size=64, vocab_size=128, max_position_embeddings=64)
+    return transformers.BertModel(cfg), (_ids(),), {}
+
+
+def _t5() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """Encoder and decoder stacks; block 0 of each owns the relative position bias."""
+    cfg = transformers.T5Config(num_layers=5, num_decoder_layers=5, d_model=32, d_kv=8, d_ff=64,
+                                num_heads=2, vocab_size=128, decoder_start_token_id=0,
+                                pad_token_id=0, eos_token_id=1)
+    ids = _ids()
+    return transformers.T5Model(cfg), (ids,), {"decoder_input_ids": ids, "use_cache": False}
+
+
+MODELS = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2, "mistral": _mistral, "bert": _bert,
+          "t5": _t5}
+
+
+def _both(build: Any, method: str = "auto", inline: bool = True
+          ) -> tuple[nn.Module, fx.GraphModule, fx.GraphModule, tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(0)
+    model, inputs, kwargs = build()
+    model.eval()
+    full = capture(model, inputs, kwargs, method=method, inline_modules=inline)
+    stamped = capture(model, inputs, kwargs, method=method, inline_modules=inline, stamp=True)
+    return model, full, stamped, inputs, kwargs
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_stamped_capture_is_the_full_capture(name: str) -> None:
+    model, full, stamped, inputs, kwargs = _both(MODELS[name])
+    info = stamped.meta[ir.CAPTURE]
+    assert info.stamped == len(_blocks(model)) - 3, info.stamp_note
+    assert info.stamp_note.startswith(f"stamped {info.stamped} of the"), info.stamp_note
+    assert full.meta[ir.CAPTURE].stamp_note is None
+    assert canonical(stamped) == canonical(full)
+    assert list(stamped.state_dict()) == list(full.state_dict())
+    annotate_costs(full)
+    annotate_costs(stamped)
+    assert canonical(stamped, costs=True) == canonical(full, costs=True)
+    with seeded(0):
+        expected = model(*inputs, **kwargs)
+    got = stamped(*inputs, **kwargs)
+    for e, g in zip(_tensors(expected), _tensors(got)):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["functional", "modules"])
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_the_bundled_gpt_stamped_under_fx_and_export(method: str, inline: bool) -> None:
+    model, full, stamped, inputs, _ = _both(_gpt, method, inline)
+    assert stamped.meta[ir.CAPTURE].stamped == 3
+    assert canonical(stamped) == canonical(full)
+    assert list(stamped.state_dict()) == list(full.state_dict())
+    torch.testing.assert_close(stamped(*inputs), model(*inputs))
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 4:
+            return module
+    raise AssertionError("no list of blocks")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    import torch.utils._pytree as pytree
+
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+# --- the pipelined model ----------------------------------------------------------------------
+
+def _llama_logits(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output["logits"] if isinstance(output, dict) or hasattr(output, "keys") else output
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_the_pipelined_stamped_model_equals_the_eager_model(name: str) -> None:
+    torch.manual_seed(0)
+    model, inputs, kwargs = MODELS[name]()
+    model.train()
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=2, chunks=2,
+                             stamp=True)
+    info = program.built.capture_info
+    assert info.stamped == len(_blocks(model)) - 3, info.stamp_note
+    assert "repeated blocks: stamped" in program.report().text()
+    with torch.no_grad(), seeded(0):
+        got = program(*inputs, **kwargs)
+    with torch.no_grad(), seeded(0):
+        expected = plain(*inputs, **kwargs)
+    for e, g in zip(_tensors(expected), _tensors(got)):
+        torch.testing.assert_close(g, e)
+    target = torch.randint(0, 128, inputs[0].shape, generator=torch.Generator().manual_seed(1))
+    loss_fn = _llama_logits
+    with seeded(0):
+        loss = program.step(*inputs, target=target, loss_fn=loss_fn, **kwargs)
+    with seeded(0):
+        expected_loss = reference_step(program, plain, *inputs, target=target, loss_fn=loss_fn,
+                                       **kwargs)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    theirs = {n: p.grad for n, p in plain.named_parameters()}
+    assert ours.keys() == theirs.keys()
+    for key, grad in theirs.items():
+        assert grad is not None and ours[key] is not None, key
+        torch.testing.assert_close(ours[key], grad, msg=key)
+
+
+# --- what falls back --------------------------------------------------------------------------
+
+class _Block(nn.Module):
+    def __init__(self, width: int, index: int = 0, p: float = 0.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(p)
+        self.layer_idx = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.fc(x)))
+
+
+class _IndexBlock(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x)) * (self.layer_idx + 1)
+
+
+class _Net(nn.Module):
+    def __init__(self, blocks: list[nn.Module], width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class _SkipBlock(_Block):
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x)) + skip
+
+
+class _SkipNet(_Net):
+    """Each block reads the output of the block two before: not a chain."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [self.embed(x)]
+        for block in self.blocks:
+            outs.append(block(outs[-1], outs[-2] if len(outs) > 1 else outs[-1]))
+        return self.head(outs[-1])
+
+
+class _BetweenNet(_Net):
+    """An operation between the blocks, outside any of them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h) * 0.5
+        return self.head(h)
+
+
+class _CountedNet(_Net):
+    """Loops over a number of layers kept apart from the list, as range(config.n_layer) does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i in range(5):
+            h = self.blocks[i](h)
+        return self.head(h)
+
+
+def _hooked() -> nn.Module:
+    net = _Net([_Block(8, i) for i in range(5)])
+    net.blocks[3].register_forward_hook(lambda m, i, o: o * 2)
+    return net
+
+
+def _shared() -> nn.Module:
+    net = _Net([_Block(8, i) for i in range(5)])
+    net.blocks[4].fc.weight = net.blocks[3].fc.weight
+    return net
+
+
+FALLBACKS = {
+    "different config": (lambda: _Net([_Block(8, i, p=0.5 if i == 3 else 0.0)
+                                       for i in range(5)]), "blocks 1 and 3 of blocks differ"),
+    "hook": (_hooked, "blocks.3 has a hook (forward hook)"),
+    "own index": (lambda: _Net([_IndexBlock(8, i) for i in range(5)]),
+                  "blocks 1 and 2 of blocks differ at"),
+    "shared weights": (_shared, "blocks 3 and 4 of blocks share the weight 'fc.weight'"),
+    "not a chain": (lambda: _SkipNet([_SkipBlock(8, i) for i in range(5)]), "not a chain"),
+    "between": (lambda: _BetweenNet([_Block(8, i) for i in range(5)]), "between the blocks"),
+    "too few": (lambda: _Net([_Block(8, i) for i in range(3)]), "4 or more blocks"),
+    "counted loop": (lambda: _CountedNet([_Block(8, i) for i in range(5)]),
+                     "the model with 3 blocks of blocks was not captured"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACKS))
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_blocks_that_cannot_be_stamped_fall_back_and_say_why(case: str, method: str) -> None:
+    build, why = FALLBACKS[case]
+    torch.manual_seed(0)
+    model = build().eval()
+    x = torch.randn(4, 4)
+    full = capture(model, (x,), method=method, inline_modules=True)
+    gm = capture(model, (x,), method=method, inline_modules=True, stamp=True)
+    info = gm.meta[ir.CAPTURE]
+    assert info.stamped == 0
+    assert info.stamp_note.startswith("not stamped: ") and why in info.stamp_note, \
+        info.stamp_note
+    assert "\n" not in info.stamp_note
+    assert canonical(gm) == canonical(full)
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_the_report_says_why_blocks_were_not_stamped() -> None:
+    torch.manual_seed(0)
+    model = _hooked().train()
+    x = torch.randn(4, 4)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, stamp=True)
+    assert "repeated blocks: not stamped: blocks.3 has a hook (forward hook)" \
+        in program.report().text()
+    torch.testing.assert_close(program(x), model(x))
+
+
+def test_a_block_branching_on_its_index_is_caught_by_the_check_against_eager() -> None:
+    class Late(_Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x + torch.tanh(self.fc(x))
+            return y * 2 if self.layer_idx == 3 else y  # blocks 1, 2 and the last agree
+
+    torch.manual_seed(0)
+    model = _Net([Late(8, i) for i in range(5)]).eval()
+    x = torch.randn(4, 4)
+    gm = capture(model, (x,), method="fx", inline_modules=True, stamp=True)
+    info = gm.meta[ir.CAPTURE]
+    assert info.stamped == 0
+    assert "the stamped graph computes something else than the model" in info.stamp_note
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_a_stamped_capture_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model, inputs, kwargs = _llama()
+    model.eval()
+    modules = [(name, type(m), m) for name, m in model.named_modules()]
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    values = {k: v.detach().clone() for k, v in state.items()}
+    gm = capture(model, inputs, kwargs, stamp=True)
+    assert gm.meta[ir.CAPTURE].stamped == 2
+    assert [(name, type(m), m) for name, m in model.named_modules()] == modules
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(state) and all(after[k] is state[k] for k in state)
+    for k, v in values.items():
+        torch.testing.assert_close(after[k].detach(), v)
+
+
+def test_the_model_is_put_back_when_the_reduced_capture_fails() -> None:
+    model = _Net([_Block(8, i) for i in range(5)])
+    blocks = list(model.blocks)
+    run = find_blocks(model)
+    assert run == BlockRun("blocks", 5)
+    with pytest.raises(RuntimeError, match="while reduced"):
+        with reduced(model, run):
+            assert list(model.blocks) == [blocks[0], blocks[1], blocks[4]]
+            raise RuntimeError("while reduced")
+    assert list(model.blocks) == blocks
+    assert [name for name, _ in model.named_modules()] == \
+        ["", "embed", "blocks", *[f"blocks.{i}{part}" for i in range(5)
+                                  for part in ("", ".fc", ".drop")], "head"]
+
+
+# --- at depth ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_model_of_hundreds_of_layers_on_meta_is_stamped_and_pipelined() -> None:
+    layers, stages = 300, 12
+    with torch.device("meta"):
+        model = gpt.GPT(vocab_size=256, seq_len=16, d_model=32, n_layer=layers, n_head=2,
+                        dropout=0.0)
+    idx = torch.zeros(8, 16, dtype=torch.long)
+    program = fxpipe.compile(model, (idx,), stages=stages, chunks=4, check="shapes",
+                             profile="h100", stamp=True)
+    info = program.built.capture_info
+    assert info.stamped == layers - 3, info.stamp_note
+    assert len(program.built.stages) == stages
+    names = set(model.state_dict())
+    weights = {n for n, _ in model.named_parameters()}  # lm_head.weight is wte.weight, tied
+    held: set[str] = set()
+    for stage in program.built.stages:
+        own = set(stage.graph.graph_module.state_dict())
+        assert own <= names, sorted(own - names)[:5]
+        held |= own
+    assert held == weights
