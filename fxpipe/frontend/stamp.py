@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -459,7 +460,7 @@ def _bind(gm: fx.GraphModule, model: nn.Module, run: BlockRun,
             qualname = _renamed(str(target), run.path, k)
             owner_path, _, name = qualname.rpartition(".")
             owner = _module_at(gm, owner_path)
-            value = _resolve(model, qualname)
+            value = operator.attrgetter(qualname)(model)
             if kind == "parameter":
                 owner._parameters[name] = value
             elif kind == "buffer":
@@ -483,9 +484,3 @@ def _module_at(gm: nn.Module, path: str) -> nn.Module:
         module = child
     return module
 
-
-def _resolve(model: nn.Module, qualname: str) -> Any:
-    value: Any = model
-    for part in qualname.split("."):
-        value = getattr(value, part)
-    return value
