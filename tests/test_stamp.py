@@ -368,3 +368,28 @@ def test_a_model_of_hundreds_of_layers_on_meta_is_stamped_and_pipelined() -> Non
         assert own <= names, sorted(own - names)[:5]
         held |= own
     assert held == weights
+
+
+class _Wrapper(nn.Module):
+    """A function held as a module in a plain dict, one per block (transformers' kernel
+    wrappers, `_kernel_funcs`): equal blocks by class and layout, not by identity."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _with_wrappers(scales: list[float]) -> _Net:
+    blocks = [_Block(8, i) for i in range(len(scales))]
+    for block, scale in zip(blocks, scales):
+        block.__dict__["_kernel_funcs"] = {"rotary": _Wrapper(scale)}
+    return _Net(blocks)
+
+
+def test_modules_held_in_a_plain_attribute_compare_by_class_and_layout() -> None:
+    assert find_blocks(_with_wrappers([1.0] * 5)) == BlockRun("blocks", 5)
+    differ = find_blocks(_with_wrappers([1.0, 1.0, 1.0, 2.0, 1.0]))
+    assert isinstance(differ, str) and "_kernel_funcs" in differ and "block 3" in differ

@@ -137,9 +137,22 @@ def _difference(template: dict[str, Any], other: dict[str, Any], index: int) -> 
     return None
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, depth: int = 3) -> bool:
+    """Equal as attributes of two blocks: containers element by element, and a module held in
+    a plain attribute (transformers' per-block kernel wrappers in a dict) by its class and its
+    own layout, a few levels deep; anything else by `==`."""
     if a is b:
         return True
+    if depth > 0 and isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], depth - 1) for k in a)
+    if depth > 0 and isinstance(a, (list, tuple)) and type(a) is type(b):
+        return len(a) == len(b) and all(_same(x, y, depth - 1) for x, y in zip(a, b))
+    if isinstance(a, nn.Module) and isinstance(b, nn.Module):
+        if type(a) is not type(b) or depth <= 0:
+            return False
+        mine, theirs = _layout(a), _layout(b)
+        return mine.keys() == theirs.keys() and \
+            all(_same(mine[k], theirs[k], depth - 1) for k in mine)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
