@@ -153,7 +153,7 @@ def test_a_plan_at_measured_compute_gives_each_rank_the_compute_it_measured():
                          microbatch_size=1, chunks=4, balance="cost", bottleneck=4.5,
                          predicted_step_time=0.0)
     program = SimpleNamespace(plan=plan, built=SimpleNamespace(
-        config=SimpleNamespace(placement=[0, 1, 0, 1])))
+        spec=SimpleNamespace(placement=[0, 1, 0, 1], chunks=4)))
     scaled = _at_compute(program, [32.0, 12.0])  # predicted 16 and 24 s per step
     assert scaled.chunks == 4
     assert [s.compute_time for s in scaled.stages] == [2.0, 1.0, 6.0, 2.0]
