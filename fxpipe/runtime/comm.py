@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import PipelineRuntimeError
+from fxpipe.runtime.ops import RNG_TAG
 
 __all__ = ["LocalComm", "MicrobatchComm"]
 
@@ -45,6 +46,12 @@ class MicrobatchComm:
     received: dict[str, Any] = field(default_factory=dict)  # for the NaN/Inf check
     sent: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def host_tensors(self) -> bool:
+        """Whether a host tensor sent through this comm arrives as it is (the RNG hand-over,
+        fxpipe.runtime.ops)."""
+        return bool(getattr(self.base, "host_tensors", False))
+
     def recv(self, tag: str, src: int) -> Any:
         value = self.base.recv(tag, src, self.stage, self.microbatch, self.device)
         self.received[tag] = value
@@ -56,7 +63,11 @@ class MicrobatchComm:
 
 
 class LocalComm:
-    """Mailboxes in one process; values stay in the autograd graph."""
+    """Mailboxes in one process; values stay in the autograd graph. The generator state handed
+    between stages stays on the host, where the generators keep it (NOTE [Random streams across
+    stages] in fxpipe/runtime/ops.py)."""
+
+    host_tensors = True
 
     def __init__(self) -> None:
         self.box: dict[tuple[str, int, int, int], Any] = {}
@@ -75,6 +86,8 @@ class LocalComm:
                     f"stage {dst} expected {tag!r} from stage {src} for micro-batch {mb}, "
                     "but it was not sent",
                     hint="this is a scheduling bug; please report it") from None
+        if tag == RNG_TAG:
+            return value
         return pytree.tree_map(lambda t: _to_device(t, device) if isinstance(t, torch.Tensor)
                                else t, value)
 

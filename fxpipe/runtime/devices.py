@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -20,6 +20,9 @@ from fxpipe.runtime.timeline import Event, Timeline
 
 __all__ = ["pin_for", "to_device", "stage_devices", "WallTimeline", "CudaTimeline",
            "make_timeline"]
+
+
+Pending = tuple[str, int, int, Any, Any, str]  # kind, stage, micro-batch, start, end, detail
 
 
 def pin_for(tensors: Sequence[Any], device: torch.device) -> list[Any]:
@@ -60,14 +63,20 @@ class WallTimeline(Timeline):
         """The events of the step (after the step's work has finished)."""
         return list(self.events)
 
+    def take(self) -> Sequence[Event]:
+        """The step's events, leaving the timeline to the next step without waiting for the
+        device: a CUDA timeline's are read when first asked for."""
+        return list(self.events)
+
 
 class CudaTimeline(WallTimeline):
     """Spans in device time: CUDA events on the current stream around each span, read once
-    the step is done, relative to an event recorded when the timeline was reset."""
+    the step is done and someone asks (`take`), relative to an event recorded when the timeline
+    was reset."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pending: list[tuple[str, int, int, Any, Any, str]] = []
+        self.pending: list[Pending] = []
         super().__init__()
         self._start()
 
@@ -97,13 +106,50 @@ class CudaTimeline(WallTimeline):
         self.pending.append((kind, stage, microbatch, event, event, detail))
 
     def resolve(self) -> list[Event]:
-        for kind, stage, mb, start, end, detail in self.pending:
-            end.synchronize()
-            self.events.append(Event(kind, stage, mb,
-                                     self.origin_event.elapsed_time(start) / 1e3,
-                                     self.origin_event.elapsed_time(end) / 1e3, detail))
+        self.events.extend(_read(self.origin_event, self.pending))
         self.pending.clear()
         return list(self.events)
+
+    def take(self) -> Sequence[Event]:
+        taken = ReadLater(self.origin_event, list(self.pending), list(self.events))
+        self.pending.clear()
+        return taken
+
+
+def _read(origin: Any, pending: Sequence[Pending]) -> list[Event]:
+    """Spans from their CUDA events, waiting for each to have run."""
+    out = []
+    for kind, stage, mb, start, end, detail in pending:
+        end.synchronize()
+        out.append(Event(kind, stage, mb, origin.elapsed_time(start) / 1e3,
+                         origin.elapsed_time(end) / 1e3, detail))
+    return out
+
+
+class ReadLater(Sequence[Event]):
+    """A step's CUDA spans, read from their events when first looked at: reading waits for the
+    device, which a step that nobody inspects need not do."""
+
+    def __init__(self, origin: Any, pending: list[Pending], read: list[Event]) -> None:
+        self._origin, self._pending, self._events = origin, pending, read
+
+    def _all(self) -> list[Event]:
+        if self._pending:
+            self._events.extend(_read(self._origin, self._pending))
+            self._pending = []
+        return self._events
+
+    @overload
+    def __getitem__(self, index: int) -> Event: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Event]: ...
+
+    def __getitem__(self, index: int | slice) -> Event | Sequence[Event]:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
 def make_timeline(device: torch.device) -> WallTimeline:

@@ -172,7 +172,9 @@ class DistComm:
         remote = []
         for msg in tick.post:
             if msg.src_rank == msg.dst_rank:  # two stages of this rank: hand it over
-                self.inbox[msg] = (None, self._take(msg).clone())
+                value = self._take(msg)  # a copy only for a stage that writes into it
+                edge = (msg.value, msg.sender, msg.receiver)
+                self.inbox[msg] = (None, value.clone() if edge in self.written else value)
                 if msg.grad:  # its value's gradient is here: the value need not be held on
                     self.sent_values.pop(_activation(msg), None)
             else:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,7 +80,7 @@ __all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "split_target"]
 @dataclass
 class StepResult:
     loss: float
-    events: list[Event] = field(default_factory=list)
+    events: Sequence[Event] = ()  # on CUDA, read from the device when first looked at
     kept_bytes: int = 0  # peak activation bytes held for backward on this rank
     sends_held: int = 0  # most sent tensors held at once, waiting for their sends to complete
     overflow: bool = False  # with a scaler: some rank's gradients were not finite (all skip)
@@ -312,17 +312,21 @@ class DistributedExecutor:
         commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
         # what the last stage found of the loss: [loss, kind, replicas finding each kind...,
         # its parts' losses...]
+        # (read on the host once per step: by the judge on the last stage, from the broadcast
+        # on the others)
         width = len(KINDS) + 1
-        verdict = torch.zeros(2 + width + (2 if halves else chunks), dtype=torch.float64,
-                              device=self.device)
+        size = 2 + width + (2 if halves else chunks)
+        numbers: list[float] | None = None
         if last_stage in self.units:
             if judged is None:
                 judged = judge()
-            verdict[0] = judged[0]
-            verdict[1] = KINDS.index(judged[2]) if judged[2] is not None else -1
-            verdict[2:2 + width] = torch.tensor(judged[3], dtype=torch.float64)
-            verdict[2 + width:2 + width + len(judged[1])] = torch.tensor(judged[1],
-                                                                         dtype=torch.float64)
+            numbers = [judged[0], KINDS.index(judged[2]) if judged[2] is not None else -1,
+                       *judged[3], *judged[1]]
+            numbers += [0.0] * (size - len(numbers))
+            verdict = to_device(pin_for([torch.tensor(numbers, dtype=torch.float64)],
+                                        self.device)[0], self.device)
+        else:
+            verdict = torch.zeros(size, dtype=torch.float64, device=self.device)
         overflow = False
         first = min(self.units)
         try:
@@ -335,12 +339,14 @@ class DistributedExecutor:
             raise PeerLostError(f"stage {first} (rank {self.mesh.rank}): a collective with the "
                                 f"other ranks failed: {str(e).splitlines()[0]}",
                                 hint="another rank failed or exited; its error says why") from e
-        used = self._settle(verdict.tolist(), loss_fn, key, assumed, probe, halves)
+        if numbers is None:
+            numbers = verdict.tolist()
+        used = self._settle(numbers, loss_fn, key, assumed, probe, halves)
         sends_held = self.transport.peak
         self.transport.reset_peak()
         # the replicas' losses are averaged (fxpipe.runtime.mesh): a sum's is their sum
-        self.last = StepResult(float(verdict[0].item()) * (replicas if used == SUM else 1),
-                               self.timeline.resolve(),
+        self.last = StepResult(numbers[0] * (replicas if used == SUM else 1),
+                               self.timeline.take(),
                                memory.peak if memory else 0, sends_held, overflow)
         return self.last
 
@@ -417,11 +423,14 @@ class DistributedExecutor:
             with torch.no_grad():
                 loss = self._loss(joined, to_device(target, self.device) if target is not None
                                   else None, loss_fn)
-            full, parts = float(loss), [float(values[m]) for m in sorted(values)]
+            # one host read for all of them
+            full, *parts = torch.stack([t.detach().reshape(()).to(torch.float64) for t in (
+                loss, *(values[m] for m in sorted(values)))]).tolist()
             kind = split_kind(full, parts, loss.dtype)
-        counts = torch.zeros(len(KINDS) + 1, dtype=torch.float64, device=self.device)
-        counts[KINDS.index(kind) if kind is not None else len(KINDS)] = 1
+        found = [0] * (len(KINDS) + 1)
+        found[KINDS.index(kind) if kind is not None else len(KINDS)] = 1
         if self.dp_group is not None and self.mesh.replicas > 1:
+            counts = torch.tensor(found, dtype=torch.float64, device=self.device)
             try:  # the last stage of every replica
                 dist.all_reduce(counts, group=self.dp_group)
             except RuntimeError as e:
@@ -429,7 +438,7 @@ class DistributedExecutor:
                                     f"the other replicas failed: {str(e).splitlines()[0]}",
                                     hint="another rank failed or exited; its error says why"
                                     ) from e
-        found = [int(n) for n in counts.tolist()]
+            found = [int(n) for n in counts.tolist()]
         return full, parts, agreed(found), found
 
     def _halves(self, out: list[Any], target: torch.Tensor | None,

@@ -16,6 +16,7 @@ import torch
 from torch.fx import GraphModule
 
 from fxpipe.losses import LossFn
+from fxpipe.runtime.devices import pin_for, to_device
 from fxpipe.runtime.local import LocalExecutor
 from fxpipe.runtime.materialize import meta_names
 from fxpipe.runtime.mesh import GroupCache, Mesh, make_groups
@@ -96,7 +97,8 @@ def local_loss(executor: LocalExecutor, inputs: list[torch.Tensor],
     """The loss of one step in one process: every micro-batch through every stage, the outputs
     joined, the target moved to where the last stage put them."""
     outputs = executor.signature.unflatten_outputs(executor.run(inputs))
-    if target is not None:
-        target = target.to(executor.stages[-1].device, non_blocking=True)
+    if target is not None:  # from pinned memory: a pageable copy would wait for the device
+        device = executor.stages[-1].device
+        target = to_device(pin_for([target], device)[0], device)
     loss: torch.Tensor = loss_fn(outputs, target) if target is not None else loss_fn(outputs)
     return loss

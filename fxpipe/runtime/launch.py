@@ -254,7 +254,7 @@ def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
              scaler: torch.amp.GradScaler) -> tuple[float, bool]:
         loss, result = rank_stage.step(inputs, target, loss_fn, scaler)
         if args.timeline:
-            _write_timeline(args.timeline, result.events, mesh.rank, spec)
+            _write_timeline(args.timeline, list(result.events), mesh.rank, spec)
         return loss, result.overflow
 
     return step, mesh.rank, held.modules, [device]

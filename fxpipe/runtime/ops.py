@@ -5,6 +5,14 @@ depth) from one stream, as one forward of the plain model would: stage 0 starts 
 micro-batch's seed, and every later stage continues it from the generator state the stage
 before it handed over (`hand_over_rng` at its end, `continue_rng` at the next one's start). So
 the masks are the plain model's on that micro-batch, wherever the cuts fall.
+
+Both generators keep their state on the host (a CUDA generator's is its seed and offset, read
+and set without touching the device, as torch.utils.checkpoint stashes it), so the hand-over
+never waits for a device: a comm that carries host tensors (the local executor's mailboxes,
+gloo) gets the host state as it is, and one that carries device tensors (NCCL) gets it by an
+asynchronous copy from pinned memory. Only the receiving end of such a comm reads it back to
+the host, the one wait the hand-over cannot avoid: the state exists only once the message has
+arrived.
 """
 from __future__ import annotations
 
@@ -49,6 +57,10 @@ def _device_of(comm: Comm) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device("cpu")
 
 
+def _carries_host_tensors(comm: Comm) -> bool:
+    return bool(getattr(comm, "host_tensors", False)) or _device_of(comm).type == "cpu"
+
+
 def hand_over_rng(comm: Comm, *, dst: int) -> None:
     """Sends the generator state where this stage's forward left it to stage `dst`."""
     device = _device_of(comm)
@@ -58,12 +70,16 @@ def hand_over_rng(comm: Comm, *, dst: int) -> None:
     if state.numel() != RNG_STATE_BYTES:
         raise RuntimeError(f"generator state of {state.numel()} bytes, expected "
                            f"{RNG_STATE_BYTES}: this torch keeps its generators otherwise")
-    comm.send(state.to(device), RNG_TAG, dst)
+    if not _carries_host_tensors(comm):  # pinned, so the copy does not block the host
+        state = state.pin_memory().to(device, non_blocking=True)
+    comm.send(state, RNG_TAG, dst)
 
 
 def continue_rng(comm: Comm, *, src: int) -> None:
     """Continues this micro-batch's random stream where stage `src` left it."""
-    state = comm.recv(RNG_TAG, src).detach().to("cpu", torch.uint8)
+    state = comm.recv(RNG_TAG, src).detach()
+    if state.device.type != "cpu":  # arrived in device memory (NCCL): the one host read
+        state = state.to("cpu")
     torch.set_rng_state(state[:_CPU_STATE_BYTES].contiguous())
     device = _device_of(comm)
     if device.type == "cuda":

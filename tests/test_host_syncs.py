@@ -1,0 +1,149 @@
+"""No host sync per micro-batch: a steady-state step reads device values on the host only where
+its result needs them, counted by fxpipe.testing.host_syncs on CPU as if every tensor lived on
+the device.
+
+The documented minimum per step: one read of the loss (step() returns it as a number; on the
+ranks that read also carries the loss's kind, so a loss that stops splitting over micro-batches
+is refused on the step it does), and, for a model that draws random numbers, one draw of the
+step's seed from the caller's generator (a host tensor on every device, so no wait on a GPU).
+The generator state handed between stages, the timeline, the same-rank hand-over and the
+step's verdict add none. Each counted run also trains like the plain model.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from ranks import spawn
+
+import fxpipe
+from fxpipe.models import gpt
+from fxpipe.runtime.devices import ReadLater
+from fxpipe.runtime.timeline import Event
+from fxpipe.testing.host_syncs import HostSyncs
+from fxpipe.testing.reference_step import reference_step
+
+WARM, COUNTED = 2, 2
+
+
+def _case(dropout: float) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    model, (idx,) = gpt.build(batch=16, dropout=dropout)
+    return model, idx, gpt.target((idx,))
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _counted(program: fxpipe.Program, idx: torch.Tensor, y: torch.Tensor
+             ) -> tuple[float, list[str]]:
+    """Syncs per steady-state step, and the files that made them."""
+    for _ in range(WARM):
+        program.step(idx, target=y)
+    with HostSyncs(every_tensor=True) as syncs:
+        for _ in range(COUNTED):
+            program.step(idx, target=y)
+    files = sorted({os.path.basename(site.split(" at ")[1].rsplit(":", 1)[0])
+                    for site in syncs.sites})
+    return syncs.count / COUNTED, files
+
+
+def test_the_counter_counts_host_reads_and_copies_to_the_host():
+    t = torch.ones(3)
+    with HostSyncs(every_tensor=True) as syncs:
+        t.sum().item()
+        float(t[0])
+        t.tolist()
+        t.to("cpu", torch.uint8)
+        t.cpu()
+        t.to(torch.float64)  # a dtype change stays where it is: not counted
+        t + 1
+    assert syncs.count == 5, syncs.report()
+    with HostSyncs() as syncs:  # a CPU tensor is on the host already
+        t.sum().item()
+    assert syncs.count == 0
+    assert torch.Tensor.__dict__.get("item") is None  # every patch is undone
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_local_steps_read_only_the_loss_and_the_seed_and_train_like_the_plain_model(dropout):
+    model, idx, y = _case(dropout)
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=8, profile="a100")
+    per_step, files = _counted(program, idx, y)
+    if dropout:
+        assert (per_step, files) == (2, ["local.py", "program.py"])  # the seed, the loss
+    else:
+        assert (per_step, files) == (1, ["program.py"])
+    program.zero_grad()
+    torch.manual_seed(3)
+    loss = program.step(idx, target=y)
+    torch.manual_seed(3)
+    expected = reference_step(program, plain, idx, target=y)
+    assert loss == pytest.approx(expected, rel=1e-6)
+    theirs = _grads(plain)
+    mine = _grads(model)
+    assert set(mine) == set(theirs)
+    for name, grad in mine.items():
+        torch.testing.assert_close(grad, theirs[name], msg=name)
+
+
+def _rank_steps(rank: int, world: int, schedule: str) -> dict:
+    model, idx, y = _case(0.1)
+    program = fxpipe.compile(model, (idx,), stages=world, chunks=8, profile="a100",
+                             schedule=schedule)
+    per_step, files = _counted(program, idx, y)
+    program.zero_grad()
+    torch.manual_seed(5)
+    loss = program.step(idx, target=y)
+    own = {id(p) for p in program.parameters()}
+    return {"syncs": per_step, "files": files, "loss": loss,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                      if id(p) in own and p.grad is not None}}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_rank_steps_read_only_the_verdict_and_the_seed_and_train_like_the_plain_model(schedule):
+    ranks = spawn(2, __name__, "_rank_steps", schedule, timeout=120, bound=400)
+    for rank in ranks:  # the seed, and the verdict (the judge on the last stage)
+        assert (rank["syncs"], rank["files"]) == (2, ["distributed.py"])
+    model, idx, y = _case(0.1)
+    program = fxpipe.compile(copy.deepcopy(model), (idx,), stages=2, chunks=8,
+                             profile="a100", schedule=schedule)
+    torch.manual_seed(5)
+    expected = reference_step(program, model, idx, target=y)
+    assert [r["loss"] for r in ranks] == pytest.approx([expected] * 2, rel=1e-6)
+    theirs = _grads(model)
+    seen: set[str] = set()
+    for rank in ranks:
+        for name, grad in rank["grads"].items():
+            torch.testing.assert_close(grad, theirs[name], msg=name)
+        seen |= set(rank["grads"])
+    assert seen == set(theirs)
+
+
+class _FakeCudaEvent:
+    def __init__(self, at: float, waits: list[int]) -> None:
+        self.at, self.waits = at, waits
+
+    def synchronize(self) -> None:
+        self.waits.append(1)
+
+    def elapsed_time(self, other: _FakeCudaEvent) -> float:
+        return (other.at - self.at) * 1e3
+
+
+def test_a_cuda_timeline_is_read_from_the_device_only_when_looked_at():
+    waits: list[int] = []
+    origin = _FakeCudaEvent(0.0, waits)
+    pending = [("forward", 0, mb, _FakeCudaEvent(mb, waits), _FakeCudaEvent(mb + 0.5, waits), "")
+               for mb in range(3)]
+    events = ReadLater(origin, pending, [])
+    assert waits == []
+    assert [(e.microbatch, e.start, e.end) for e in events] == [(0, 0.0, 0.5), (1, 1.0, 1.5),
+                                                                (2, 2.0, 2.5)]
+    assert len(waits) == 3 and len(events) == 3 and len(waits) == 3  # read once
+    assert isinstance(events[0], Event)
