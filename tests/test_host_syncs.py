@@ -17,8 +17,10 @@ import os
 import pytest
 import torch
 from ranks import spawn
+from torch import nn
 
 import fxpipe
+from fxpipe.losses import default_loss
 from fxpipe.models import gpt
 from fxpipe.runtime.devices import ReadLater
 from fxpipe.runtime.timeline import Event
@@ -104,6 +106,7 @@ def _rank_steps(rank: int, world: int, schedule: str) -> dict:
                       if id(p) in own and p.grad is not None}}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_rank_steps_read_only_the_verdict_and_the_seed_and_train_like_the_plain_model(schedule):
@@ -147,3 +150,51 @@ def test_a_cuda_timeline_is_read_from_the_device_only_when_looked_at():
                                                                 (2, 2.0, 2.5)]
     assert len(waits) == 3 and len(events) == 3 and len(waits) == 3  # read once
     assert isinstance(events[0], Event)
+
+
+class _WritesAfterAHandOver(nn.Module):
+    """Under ZB-V on 2 ranks, stages 1 and 2 share rank 1; stage 2 begins by adding into a
+    slice of what stage 1 hands it, which the hand-over must copy (and only that one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x)))
+        h[:, :4] += self.bias
+        out: torch.Tensor = self.d(torch.relu(self.c(torch.relu(h))))
+        return out
+
+
+def _hand_over_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor, fxpipe.Program]:
+    torch.manual_seed(0)
+    model, x = _WritesAfterAHandOver(), torch.randn(8, 8)
+    # stage 1 ends at b's output, which stage 2 writes into
+    program = fxpipe.compile(model, (x,), stages=4, chunks=2, profile="a100", schedule="zb-v",
+                             balance=[2, 1, 9, 1])
+    return model, x, torch.randint(0, 8, (8,)), program
+
+
+def _hand_over_steps(rank: int, world: int) -> dict[str, torch.Tensor]:
+    model, x, y, program = _hand_over_case()
+    for _ in range(2):  # the second step receives into what the first left
+        program.zero_grad()
+        program.step(x, target=y)
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stage_writing_into_a_same_rank_hand_over_trains_like_the_model():
+    model, x, y, program = _hand_over_case()
+    assert [[(c.peer, c.written) for c in s.recvs] for s in program.stages] == \
+        [[], [(0, False)], [(1, True)], [(2, False)]]
+    ranks = spawn(2, __name__, "_hand_over_steps", timeout=120, bound=400)
+    plain = copy.deepcopy(model)
+    default_loss(plain(x), y).backward()
+    got = {**ranks[0], **ranks[1]}
+    assert set(got) == {n for n, _ in plain.named_parameters()}
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, msg=name)

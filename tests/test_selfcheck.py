@@ -25,7 +25,8 @@ def test_selfcheck_runs_the_cpu_checks_and_says_what_it_skipped():
     assert "written program, one process" in out and "--verify OK" in out
     assert "dropout: the pipeline draws the plain model's masks" in out
     assert "compile(autocast='bf16') is sized for bf16" in out
-    assert "ok, 0 failed, 1 skipped" in out
+    assert "host syncs per step" in out
+    assert "ok, 0 failed, 2 skipped" in out
 
 
 @pytest.mark.slow
@@ -79,3 +80,23 @@ def test_a_run_that_fails_after_a_good_verdict_shows_its_cause_not_the_verdict(m
     with pytest.raises(AssertionError) as info:
         selfcheck._run(["program.py"])
     assert str(info.value) == "exit 1: RuntimeError: Connection reset by peer"
+
+
+def test_the_host_sync_check_passes_a_step_that_reads_once_and_fails_one_that_waits_more(
+        monkeypatch):
+    """The GPU check's code path, on the CPU: torch's CUDA calls stand in as no-ops, and a step
+    that also synchronizes the device fails the check."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    cpu = torch.device("cpu")
+    assert selfcheck._host_syncs(cpu, steps=1).startswith("0 host read(s) and 0 sync(s)")
+    real_step = Program.step
+
+    def waiting_step(self, *args, **kwargs):
+        for _ in range(2):
+            torch.cuda.synchronize()
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Program, "step", waiting_step)
+    with pytest.raises(AssertionError, match="2 host read"):
+        selfcheck._host_syncs(cpu, steps=1)

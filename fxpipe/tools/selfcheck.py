@@ -7,7 +7,8 @@ program run in one process on the GPU (its --verify against the plain model); wi
 GPUs, a written program of every schedule (GPipe, 1F1B, ZB-H1 on 2 stages; interleaved 1F1B
 and ZB-V on 4 stages, two per rank) under torchrun over NCCL; two ranks on a node that shows
 them one GPU (gloo on the CPU, said once); a model with dropout whose masks must be the plain
-model's; compile(autocast="bf16") sized for bf16 (profile and boundary dtypes). It also times
+model's; compile(autocast="bf16") sized for bf16 (profile and boundary dtypes); the host
+syncs of a steady-state step on the GPU (one: the loss step() returns). It also times
 the device profile against the datasheet preset. Without a GPU it runs the same checks on the
 CPU (torchrun over gloo in strict point-to-point mode, which keeps NCCL's ordering rules) and
 says what it skipped. One table at the end; exit status 1 when a check failed.
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,7 @@ from fxpipe.models import MODELS, gpt, load
 from fxpipe.profile import PRESETS, DeviceProfile, measure
 from fxpipe.profile.presets import spec_of_device
 from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
+from fxpipe.testing.host_syncs import HostSyncs
 from fxpipe.testing.reference_step import reference_step
 
 __all__ = ["run_selfcheck", "Check"]
@@ -91,6 +94,12 @@ def run_selfcheck(models: Sequence[str] = MODELS, *, remat: Sequence[str] = REMA
         record(Check("model already on the GPU", "-", "skipped", "no GPU", 0.0))
     record(_timed("dropout: the pipeline draws the plain model's masks", str(device),
                   functools.partial(_dropout, device)))
+    if gpus:
+        record(_timed("host syncs per step, 2 stages x 8 micro-batches", str(device),
+                      functools.partial(_host_syncs, device)))
+    else:
+        record(Check("host syncs per step, 2 stages x 8 micro-batches", "-", "skipped",
+                     "no GPU (tests/test_host_syncs.py counts them on the CPU)", 0.0))
     record(_timed("compile(autocast='bf16') is sized for bf16", str(device),
                   functools.partial(_autocast_sizing, device)))
     record(_timed("written program, one process", str(device), _written_local))
@@ -302,6 +311,37 @@ def _dropout(device: torch.device) -> str:
     ref_loss = reference_step(program, plain, idx, target=target)
     return _compare(loss, _grads(model), ref_loss, _grads(plain),
                     arithmetic("fp32", device, model))
+
+
+def _host_syncs(device: torch.device, steps: int = 3) -> str:
+    """A tiny GPT with dropout on two stages of the GPU, 8 micro-batches: after warm-up a step
+    waits for the device once, to return the loss. Counted twice: the Python calls that read
+    device values or synchronize (fxpipe.testing.host_syncs), and the syncs inside CUDA ops
+    that torch's sync debug mode reports."""
+    model, (idx,) = gpt.build(batch=16, dropout=0.1)
+    target = gpt.target((idx,)).to(device)
+    model.to(device)
+    idx = idx.to(device)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=8, devices=[device, device],
+                             profile="a100")
+    for _ in range(2):
+        program.step(idx, target=target)
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught, HostSyncs() as reads:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                program.step(idx, target=target)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    debug = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    said = f"{reads.count / steps:g} host read(s) and {len(debug) / steps:g} sync(s) in CUDA " \
+           "ops per step"
+    if reads.count > steps or len(debug) > steps:
+        raise AssertionError(f"{said}, expected at most 1 each (the loss): {reads.report()}; "
+                             f"{'; '.join(sorted(set(debug)))}")
+    return said
 
 
 def _autocast_sizing(device: torch.device) -> str:
