@@ -22,7 +22,9 @@ from torch import nn
 import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import gpt
+from fxpipe.runtime.comm import LocalComm, MicrobatchComm
 from fxpipe.runtime.devices import ReadLater
+from fxpipe.runtime.dist_comm import DistComm
 from fxpipe.runtime.timeline import Event
 from fxpipe.testing.host_syncs import HostSyncs
 from fxpipe.testing.reference_step import reference_step
@@ -198,3 +200,20 @@ def test_a_stage_writing_into_a_same_rank_hand_over_trains_like_the_model():
     assert set(got) == {n for n, _ in plain.named_parameters()}
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.grad, msg=name)
+
+
+def test_the_generator_state_crosses_as_a_host_tensor_except_between_ranks_over_a_gpu():
+    """ZB-V on 2 ranks: stages 1 and 2 share rank 1, so the state they hand over stays on the
+    host even with the stages on a GPU; between ranks over NCCL it must cross in device
+    memory."""
+    def comm(device: str) -> DistComm:
+        return DistComm(rank=1, global_ranks=[0, 1], placement=[0, 1, 1, 0], info={},
+                        microbatch_size=1, device=torch.device(device),
+                        transport=None)  # type: ignore[arg-type]
+    gpu, cpu = comm("cuda:0"), comm("cpu")
+    assert gpu.carries_host_tensors(1, 2) and not gpu.carries_host_tensors(0, 1)
+    assert not gpu.carries_host_tensors(2, 3)
+    assert all(cpu.carries_host_tensors(s, s + 1) for s in range(3))
+    view = MicrobatchComm(gpu, 1, 0, False, torch.device("cuda:0"))
+    assert view.carries_host_tensors(2) and not view.carries_host_tensors(0)
+    assert MicrobatchComm(LocalComm(), 0, 0, False, torch.device("cuda:0")).carries_host_tensors(1)

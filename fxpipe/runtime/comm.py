@@ -46,11 +46,12 @@ class MicrobatchComm:
     received: dict[str, Any] = field(default_factory=dict)  # for the NaN/Inf check
     sent: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def host_tensors(self) -> bool:
-        """Whether a host tensor sent through this comm arrives as it is (the RNG hand-over,
+    def carries_host_tensors(self, dst: int) -> bool:
+        """Whether a host tensor sent to stage `dst` arrives as it is (the RNG hand-over,
         fxpipe.runtime.ops)."""
-        return bool(getattr(self.base, "host_tensors", False))
+        carries = getattr(self.base, "carries_host_tensors", None)
+        return bool(carries(self.stage, dst)) if carries is not None else \
+            self.device.type == "cpu"
 
     def recv(self, tag: str, src: int) -> Any:
         value = self.base.recv(tag, src, self.stage, self.microbatch, self.device)
@@ -67,11 +68,12 @@ class LocalComm:
     between stages stays on the host, where the generators keep it (NOTE [Random streams across
     stages] in fxpipe/runtime/ops.py)."""
 
-    host_tensors = True
-
     def __init__(self) -> None:
         self.box: dict[tuple[str, int, int, int], Any] = {}
         self.lock = threading.Lock()
+
+    def carries_host_tensors(self, src: int, dst: int) -> bool:
+        return True
 
     def send(self, value: Any, tag: str, src: int, dst: int, mb: int) -> None:
         with self.lock:

@@ -165,6 +165,11 @@ class DistComm:
         self.sent_values: dict[Message, torch.Tensor] = {}  # grad buffers take their shape
         self.retained: dict[tuple[int, int], WeightPass] = {}  # (stage, mb): I done, W to run
 
+    def carries_host_tensors(self, src: int, dst: int) -> bool:
+        """Whether a host tensor stage `src` sends to stage `dst` arrives as it is: on a CPU
+        device, or handed over between two stages of this rank."""
+        return self.device.type == "cpu" or self.placement[src] == self.placement[dst]
+
     # -- posting --------------------------------------------------------------------------------
 
     def begin_tick(self, tick: Tick) -> None:
@@ -173,8 +178,8 @@ class DistComm:
         for msg in tick.post:
             if msg.src_rank == msg.dst_rank:  # two stages of this rank: hand it over
                 value = self._take(msg)  # a copy only for a stage that writes into it
-                edge = (msg.value, msg.sender, msg.receiver)
-                self.inbox[msg] = (None, value.clone() if edge in self.written else value)
+                written = not msg.grad and (msg.value, msg.sender, msg.receiver) in self.written
+                self.inbox[msg] = (None, value.clone() if written else value)
                 if msg.grad:  # its value's gradient is here: the value need not be held on
                     self.sent_values.pop(_activation(msg), None)
             else:

@@ -9,10 +9,10 @@ the masks are the plain model's on that micro-batch, wherever the cuts fall.
 Both generators keep their state on the host (a CUDA generator's is its seed and offset, read
 and set without touching the device, as torch.utils.checkpoint stashes it), so the hand-over
 never waits for a device: a comm that carries host tensors (the local executor's mailboxes,
-gloo) gets the host state as it is, and one that carries device tensors (NCCL) gets it by an
-asynchronous copy from pinned memory. Only the receiving end of such a comm reads it back to
-the host, the one wait the hand-over cannot avoid: the state exists only once the message has
-arrived.
+gloo, two stages of one rank) gets the host state as it is, and one that carries device tensors
+(NCCL) gets it by an asynchronous copy from pinned memory. Only the receiving end of such a
+comm reads it back to the host, the one wait the hand-over cannot avoid: the state exists there
+only once the message has arrived.
 """
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ def _device_of(comm: Comm) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device("cpu")
 
 
-def _carries_host_tensors(comm: Comm) -> bool:
-    return bool(getattr(comm, "host_tensors", False)) or _device_of(comm).type == "cpu"
+def _carries_host_tensors(comm: Comm, dst: int) -> bool:
+    carries = getattr(comm, "carries_host_tensors", None)
+    return bool(carries(dst)) if carries is not None else _device_of(comm).type == "cpu"
 
 
 def hand_over_rng(comm: Comm, *, dst: int) -> None:
@@ -70,7 +71,7 @@ def hand_over_rng(comm: Comm, *, dst: int) -> None:
     if state.numel() != RNG_STATE_BYTES:
         raise RuntimeError(f"generator state of {state.numel()} bytes, expected "
                            f"{RNG_STATE_BYTES}: this torch keeps its generators otherwise")
-    if not _carries_host_tensors(comm):  # pinned, so the copy does not block the host
+    if not _carries_host_tensors(comm, dst):  # pinned, so the copy does not block the host
         state = state.pin_memory().to(device, non_blocking=True)
     comm.send(state, RNG_TAG, dst)
 
