@@ -322,3 +322,21 @@ def test_the_planner_weighs_sharding_the_optimizer_over_the_replicas():
         assert only.options["shard"] == "optimizer" and only.options["replicas"] == 2
     else:
         assert "shard" not in only.options
+
+
+def test_the_command_line_compiles_with_shard_and_program_json_records_it(tmp_path, capsys):
+    from fxpipe.cli import main
+    from fxpipe.runtime.spec import spec_problems
+
+    out = tmp_path / "out"
+    assert main(["compile", "fxpipe.models.mlp:build", "--stages", "2", "--chunks", "2",
+                 "--profile", "a100", "--shard", "optimizer", "--replicas", "2",
+                 "--out", str(out)]) == 0
+    assert "sharded over 2 replicas" in capsys.readouterr().out
+    data = json.loads((out / "program.json").read_text())
+    assert data["shard"] == "optimizer"
+    assert "--shard optimizer --replicas 2" in (out / "stage_0.py").read_text()
+    assert spec_problems({**data, "shard": "zero"}) == ["shard is 'zero' (allowed: none, "
+                                                        "optimizer, full)"]
+    assert main(["compile", "fxpipe.models.mlp:build", "--shard", "full"]) == 2
+    assert "shard='full'" in capsys.readouterr().err
