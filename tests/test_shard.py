@@ -340,3 +340,16 @@ def test_the_command_line_compiles_with_shard_and_program_json_records_it(tmp_pa
                                                         "optimizer, full)"]
     assert main(["compile", "fxpipe.models.mlp:build", "--shard", "full"]) == 2
     assert "shard='full'" in capsys.readouterr().err
+
+
+def test_remat_auto_recomputes_only_where_the_unsharded_state_leaves_no_room():
+    model, (x,) = mlp.build(depth=4, batch=64)
+    options = {"stages": 2, "chunks": 2, "profile": "a100"}
+    whole = fxpipe.compile(model, (x,), remat="never", **options)
+    kept = max((s.memory or 0) - s.held_bytes for s in whole.plan.stages)
+    limit = 1.05 * (max(s.held_bytes for s in whole.plan.stages) + kept / 2)
+    sharded = fxpipe.compile(model, (x,), remat="auto", memory_limit=limit, shard="optimizer",
+                             replicas=2, **options)
+    assert all(not s.regions for s in sharded.stages)  # Adam's moments / 2 leave room
+    unsharded = fxpipe.compile(model, (x,), remat="auto", memory_limit=limit, **options)
+    assert any(s.regions for s in unsharded.stages)
