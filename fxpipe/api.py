@@ -1,10 +1,12 @@
 """fxpipe.compile(): any model in, a Program out (built now, or on its first call)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fxpipe.config import CompileConfig, check_config
@@ -43,6 +45,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     optimizer: Any = "adam",
     master_weights: bool = False,
     stamp: bool = False,
+    shard: str = "none",
+    replicas: int | None = None,
 ) -> Program:
     """Compiles `model` into a GPipe pipeline of `stages` stages.
 
@@ -111,6 +115,13 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         batch_dims: the batch dimension of each tensor input (None for unbatched ones, e.g.
             [0, None]); inferred when omitted. The example batch needs at least 2 samples
             either way: the batch dimension is checked on two halves of it.
+        shard: what the data-parallel replicas of each stage split among themselves: "none"
+            (each holds everything) or "optimizer" (ZeRO-1: torch's ZeroRedundancyOptimizer
+            over the stage's replicas holds 1/R of the optimizer's state on each; make the
+            optimizer with `program.optimizer(torch.optim.Adam, lr=...)`). The memory model
+            charges each rank its share.
+        replicas: the data-parallel replicas the memory model shards over (default: under
+            torchrun, the world size over the pipeline ranks; else 1).
         stamp: trace a run of alike blocks (the layers of a ModuleList: same class, weight
             shapes and attributes, no hooks) as three and stamp out the others, which makes the
             capture of a deep model about as fast as a shallow one's. The graph is the one a
@@ -142,9 +153,11 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,
         dp_bucket_mb=dp_bucket_mb, autocast=autocast, command=command, check=check,
         batch_dims=tuple(batch_dims) if batch_dims is not None else None,
-        stages_per_rank=stages_per_rank, stamp=stamp,
+        stages_per_rank=stages_per_rank, stamp=stamp, shard=shard, replicas=replicas,
         optimizer=optimizer_memory(optimizer, master_weights))
     check_config(config)
+    config = dataclasses.replace(config, optimizer=config.optimizer.sharded(
+        shard, _replicas(config)))
     program = Program(model, config)
     program.train(model.training)
     if example_inputs is not None:
@@ -152,3 +165,14 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             else (example_inputs,)
         program.build(*args, **(example_kwargs or {}))
     return program
+
+
+def _replicas(config: CompileConfig) -> int:
+    """The data-parallel replicas the memory model shards over: as given, else those torchrun
+    started (the world size over the pipeline ranks), else 1."""
+    if config.replicas is not None:
+        return config.replicas
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        return world // config.ranks if world % config.ranks == 0 else 1
+    return 1

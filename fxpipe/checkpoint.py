@@ -43,6 +43,7 @@ import torch.distributed as dist
 from fxpipe.errors import CheckpointError, FxPipeError
 from fxpipe.files import TEMP_PREFIX, TORCH_WRITE_FAILURES, atomic_write, fsync_folder, write_failed
 from fxpipe.savelock import LOCK, hold_save_lock
+from fxpipe.sharding import optimizer_kind, whole_state_dict
 from fxpipe.structure import Structure
 from fxpipe.version import __version__
 
@@ -78,9 +79,13 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _optimizer_by_name(optimizer: torch.optim.Optimizer,
-                       names: dict[int, str]) -> dict[str, Any]:
+                       names: dict[int, str]) -> dict[str, Any] | None:
+    """The optimizer's state keyed by parameter names; None on a replica that does not save
+    the state of a sharded optimizer (fxpipe.sharding: the first replica saves it whole)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    raw = optimizer.state_dict()
+    raw = whole_state_dict(optimizer)
+    if raw is None:
+        return None
     index_to_name = {i: names[id(p)] for i, p in enumerate(params)}
     return {"state": {index_to_name[i]: s for i, s in raw["state"].items()},
             "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
@@ -99,9 +104,11 @@ def save_shard(directory: str, state: dict[str, torch.Tensor],
     try:
         tmp = _on_rank0(rank, world, lambda: _begin(directory, lock))
         shard: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in state.items()}}
-        if optimizer is not None:
-            shard["optimizer"] = _optimizer_by_name(optimizer, names)
-        kind = None if optimizer is None else type(optimizer).__name__
+        saved = _optimizer_by_name(optimizer, names) if optimizer is not None else None
+        if saved is not None:
+            shard["optimizer"] = saved
+        kind = optimizer_kind(optimizer) if optimizer is not None and saved is not None \
+            else None
         entries = _on_every_rank(rank, world,
                                  lambda: {**_write_shard(directory, tmp, rank, shard),
                                           "optimizer": kind},

@@ -6,7 +6,7 @@ here.
 """
 from __future__ import annotations
 
-__all__ = ["REMAT_MODES", "BALANCE_MODES", "MODELS"]
+__all__ = ["REMAT_MODES", "BALANCE_MODES", "SHARD_MODES", "MODELS"]
 
 REMAT_MODES = ("never", "always", "except_last", "auto")
 """What recomputes in backward: no micro-batch, every one, all but the last, or the regions
@@ -15,6 +15,11 @@ passes.remat chose under a memory limit (every micro-batch)."""
 BALANCE_MODES = ("cost", "time", "params", "dynamic")
 """How the partition weighs nodes: the cost model, measured per-node times, parameter bytes, or
 the cost model corrected by measuring each stage (fxpipe.rebalance)."""
+
+SHARD_MODES = ("none", "optimizer", "full")
+"""What data-parallel replicas of a stage split among themselves: nothing (each holds all of
+it), the optimizer's state (ZeRO-1, torch's ZeroRedundancyOptimizer), or also the gradients
+and parameters (FSDP2; refused for now, see fxpipe.sharding)."""
 
 MODELS = ("mlp", "gpt", "resnet", "unet", "branchy", "recurrent")
 """The reference models of fxpipe.models, by name."""

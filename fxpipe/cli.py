@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fxpipe.choices import BALANCE_MODES, MODELS, REMAT_MODES
+from fxpipe.choices import BALANCE_MODES, MODELS, REMAT_MODES, SHARD_MODES
 from fxpipe.errors import ConfigError, FxPipeError, PipelineRuntimeError
 from fxpipe.runtime.arguments import program_options_help
 from fxpipe.runtime.schedule import SCHEDULES
@@ -118,6 +118,11 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
                         "on this machine")
     _add_optimizer(p)
+    p.add_argument("--shard", default="none", choices=SHARD_MODES,
+                   help="what the data-parallel replicas of a stage split: none, or the "
+                        "optimizer's state (ZeRO-1); the written program honours it")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="data-parallel replicas the memory model shards over (default: 1)")
     p.add_argument("--stamp", action="store_true",
                    help="trace a run of alike blocks (the layers of a ModuleList) once and stamp "
                         "out the rest; checked against the whole model")
@@ -152,7 +157,7 @@ def _compile(args: argparse.Namespace) -> tuple[Program, torch.Tensor | None]:
                              stages_per_rank=args.stages_per_rank,
                              profile=args.profile, command=_command_line(args),
                              optimizer=_optimizer(args), master_weights=args.master_weights,
-                             stamp=args.stamp)
+                             stamp=args.stamp, shard=args.shard, replicas=args.replicas)
     return program, target
 
 
@@ -178,6 +183,10 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--master-weights"]
     if args.stamp:
         words += ["--stamp"]
+    if args.shard != "none":
+        words += ["--shard", args.shard]
+    if args.replicas is not None:
+        words += ["--replicas", str(args.replicas)]
     return shlex.join(words)
 
 
@@ -228,7 +237,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             build, devices=args.devices, memory_per_device=args.memory_per_device,
             profile=args.profile, devices_per_node=args.devices_per_node,
             inter_node_bandwidth=args.inter_node_bandwidth, optimizer=_optimizer(args),
-            master_weights=args.master_weights,
+            master_weights=args.master_weights, **_shards(args),
             say=lambda line: print(line, file=sys.stderr, flush=True))
         print(f"the largest {key} that fits: {size}\n")
         print(found.table(rows=args.rows), end="")
@@ -240,9 +249,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   memory_per_device=args.memory_per_device, profile=args.profile,
                   devices_per_node=args.devices_per_node,
                   inter_node_bandwidth=args.inter_node_bandwidth, optimizer=_optimizer(args),
-                  master_weights=args.master_weights)
+                  master_weights=args.master_weights, **_shards(args))
     print(result.table(rows=args.rows), end="")
     return 0
+
+
+def _shards(args: argparse.Namespace) -> dict[str, Any]:
+    """plan()'s shard modes: the one --shard names, else its default (every available one)."""
+    return {"shards": (args.shard,)} if args.shard is not None else {}
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -387,6 +401,9 @@ def parser() -> argparse.ArgumentParser:
                     help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
                          "on this machine")
     _add_optimizer(pl)
+    pl.add_argument("--shard", default=None, choices=SHARD_MODES,
+                    help="consider only this sharding of the replicas (default: none and "
+                         "optimizer, ZeRO-1)")
     pl.add_argument("--rows", type=int, default=12, help="candidates to print")
     pl.add_argument("--largest", metavar="KEY", default=None,
                     help="search the factory's KEY (e.g. n_layer) for the largest model that "

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fxpipe.choices import SHARD_MODES
 from fxpipe.errors import ConfigError
 from fxpipe.frontend.capture import METHODS
 from fxpipe.optimizers import ADAM, OptimizerMemory
@@ -13,7 +14,7 @@ from fxpipe.remat_policy import REMAT_MODES, RematPolicy
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
 from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, schedule_kind
 
-__all__ = ["AUTO", "CompileConfig", "check_config"]
+__all__ = ["AUTO", "CompileConfig", "check_config", "check_shard"]
 
 AUTO = "auto"  # schedule="auto": the fastest simulated schedule that fits memory (pipeline.py)
 
@@ -43,6 +44,8 @@ class CompileConfig:
     stages_per_rank: int | None = None  # None: the schedule's (2 for the looped ones, else 1)
     optimizer: OptimizerMemory = ADAM  # what training holds per parameter (fxpipe.optimizers)
     stamp: bool = False  # repeated blocks traced once, the rest stamped (fxpipe.frontend.stamp)
+    shard: str = "none"  # what data-parallel replicas split (fxpipe.choices.SHARD_MODES)
+    replicas: int | None = None  # replicas the memory model shards over; None: from torchrun
 
     @property
     def fixed_chunks(self) -> int | None:
@@ -128,6 +131,7 @@ def check_config(config: CompileConfig) -> None:
             or not config.dp_bucket_mb >= 0:
         raise ConfigError(f"dp_bucket_mb must be a number >= 0 (got {config.dp_bucket_mb!r})",
                           hint="use e.g. 25 (DDP's default), or 0 to average after the backward")
+    check_shard(config.shard, config.replicas)
     if config.autocast is not None and config.autocast not in AUTOCAST_DTYPES:
         raise ConfigError(f"unknown autocast dtype {config.autocast!r}",
                           hint=f"use one of {sorted(AUTOCAST_DTYPES)}, or None for full precision")
@@ -137,6 +141,27 @@ def check_config(config: CompileConfig) -> None:
         raise ConfigError(f"fewer devices than {what} ({len(config.devices)} < {config.ranks})",
                           hint=f"give {config.ranks} devices (e.g. ['cpu'] * {config.ranks}), "
                                "or fewer stages")
+
+
+def check_shard(shard: object, replicas: object = None) -> None:
+    """Refuses an unknown shard mode, shard="full" (not available yet) and a replica count
+    that is not a positive integer."""
+    if shard not in SHARD_MODES:
+        raise ConfigError(f"unknown shard mode {shard!r}",
+                          hint=f"use one of {SHARD_MODES}: 'optimizer' splits the optimizer's "
+                               "state over the data-parallel replicas (ZeRO-1)")
+    if shard == "full":
+        raise ConfigError("shard='full' (gradients and parameters sharded with FSDP2's "
+                          "fully_shard) is not implemented yet: the stages' micro-batch "
+                          "backward and gradient averaging are fxpipe's own, and FSDP2 would "
+                          "have to take them over",
+                          hint="use shard='optimizer' (ZeRO-1: the optimizer's state split "
+                               "over the replicas)")
+    if replicas is not None and not (isinstance(replicas, int) and not isinstance(replicas, bool)
+                                     and replicas >= 1):
+        raise ConfigError(f"replicas must be an integer >= 1 (got {replicas!r})",
+                          hint="the data-parallel replicas the run will have, e.g. replicas=2, "
+                               "or leave it out to take them from torchrun's world size")
 
 
 def _is_int(value: object) -> bool:

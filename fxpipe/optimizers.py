@@ -6,10 +6,13 @@ copy of every parameter stored below float32. Adam keeps two moments, SGD with m
 plain SGD none. Torch's optimizers keep their state in the parameter's dtype; mixed-precision
 setups with master weights keep it in float32. The partition, remat="auto", schedule="auto",
 the report and the planner all charge a stage `held_bytes` for its trainable parameters.
+
+Sharded across R data-parallel replicas (compile(shard="optimizer"): ZeRO-1), each replica of a
+stage holds 1/R of the states and of the master copy; its gradients stay whole.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,26 +41,41 @@ class OptimizerMemory:
     state_bytes: int = 0
     master_weights: bool = False
     extra_bytes: float | None = None
+    shard: str = "none"  # what the replicas split (fxpipe.choices.SHARD_MODES)
+    replicas: int = 1  # data-parallel replicas of each stage
+
+    @property
+    def share(self) -> float:
+        """The part of the optimizer's state (and master copy) one replica holds."""
+        return 1.0 / self.replicas if self.shard != "none" else 1.0
+
+    def sharded(self, shard: str, replicas: int) -> OptimizerMemory:
+        """This memory with its state split over `replicas` data-parallel replicas under
+        `shard` ("none" keeps it whole)."""
+        return replace(self, shard=shard, replicas=max(int(replicas), 1))
 
     def held_bytes(self, grad_bytes: float, elements: float) -> float:
         """Bytes held beyond the weights for `elements` trainable parameter elements whose
         gradients take `grad_bytes`: the gradients, the states and the master copy."""
-        if self.extra_bytes is not None:
-            return self.extra_bytes * elements
+        if self.extra_bytes is not None:  # the gradient, then the rest (sharded)
+            extra = self.extra_bytes * elements
+            return min(extra, grad_bytes) + max(extra - grad_bytes, 0.0) * self.share
         own = grad_bytes  # the state in the parameter's dtype takes what its gradient takes
         state = self.states * (self.state_bytes * elements if self.state_bytes else own)
         low = grad_bytes < _MASTER_BYTES * elements  # stored below float32
         master = _MASTER_BYTES * elements if self.master_weights and low else 0.0
-        return grad_bytes + state + master
+        return grad_bytes + (state + master) * self.share
 
     def describe(self) -> str:
+        sharded = f", sharded over {self.replicas} replica{'s' if self.replicas > 1 else ''}" \
+            if self.shard != "none" else ""
         if self.extra_bytes is not None:
-            return f"{self.extra_bytes:g} bytes per parameter beyond the weight"
+            return f"{self.extra_bytes:g} bytes per parameter beyond the weight{sharded}"
         dtype = f"float{8 * self.state_bytes}" if self.state_bytes else "the parameters' dtype"
         states = f"{self.states} state tensor{'s' if self.states != 1 else ''}" \
             if self.states else "no state"
         master = ", float32 master weights" if self.master_weights else ""
-        return f"{self.name}: {states} in {dtype}{master}"
+        return f"{self.name}: {states} in {dtype}{master}{sharded}"
 
 
 ADAM = OptimizerMemory()

@@ -328,6 +328,6 @@ def _runtime_plan(graphs: Sequence[StageGraph], plan: PartitionPlan, config: Com
     return ProgramSpec(
         model=model_name, stages=stages, chunks=plan.chunks, remat=config.remat,
         schedule=config.schedule, signature=info.signature, shared=shared, edges=edges,
-        autocast=config.autocast, stages_per_rank=config.per_rank,
+        autocast=config.autocast, stages_per_rank=config.per_rank, shard=config.shard,
         predicted_events=tuple(e.to_json() for e in predicted_events(
             plan, config.schedule, config.ranks)))

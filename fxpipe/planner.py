@@ -8,14 +8,17 @@ every candidate that uses all N devices is partitioned and its step predicted:
                                         stages_per_rank stages on each of a replica's S ranks)
     micro-batches M: divisors of the replica's share of the batch, B / R
     schedule x remat
+    shard: with R > 1, "none" or "optimizer" (ZeRO-1: each replica holds 1/R of the state)
 
 A candidate's step is its pipeline's step as the schedule plays the stages' costs
 (passes.partition, fxpipe.runtime.simulate), plus the data-parallel all-reduce of the slowest
 stage's gradients (a ring over its R replicas, not overlapped with the backward: an upper
 bound), over the link between devices of a node or, where a stage's replicas span nodes, the
-link between nodes. Its memory is the partition's memory model per device. The fastest that
-fits wins; `Plan.options` are the arguments `fxpipe.compile` takes for it, and the replicas are
-the multiple of its ranks that torchrun starts.
+link between nodes; under shard="optimizer" also the broadcast of each replica's updated part
+of the parameters after the step. Its memory is the partition's memory model per device (its
+optimizer state split over the replicas under shard="optimizer"). The fastest that fits wins;
+`Plan.options` are the arguments `fxpipe.compile` takes for it, and the replicas are the
+multiple of its ranks that torchrun starts.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from torch.fx import GraphModule
 
 from fxpipe import ir
 from fxpipe.built import Snapshot
-from fxpipe.config import CompileConfig
+from fxpipe.config import CompileConfig, check_shard
 from fxpipe.errors import ConfigError, FxPipeError, PartitionError
 from fxpipe.frontend.capture import CaptureInfo
 from fxpipe.losses import loss_time
@@ -47,6 +50,7 @@ from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank, placemen
 __all__ = ["plan", "largest_that_fits", "Plan", "Candidate", "PlanError"]
 
 REMATS = ("never", "except_last", "always")
+SHARDS = ("none", "optimizer")
 
 
 class PlanError(FxPipeError):
@@ -63,6 +67,7 @@ class Candidate:
     chunks: int
     schedule: str
     remat: str
+    shard: str = "none"  # what the replicas split (fxpipe.choices.SHARD_MODES)
     pipeline_s: float = math.inf  # one replica's step as its schedule plays it
     allreduce_s: float = 0.0  # the slowest stage's gradient all-reduce over its replicas
     memory_bytes: float = 0.0  # the most a device holds (the partition's memory model)
@@ -109,6 +114,8 @@ class Plan:
             out["memory_limit"] = self.memory_per_device
         if self.optimizer != ADAM:
             out["optimizer"] = self.optimizer
+        if c.shard != "none":
+            out.update(shard=c.shard, replicas=c.replicas)
         return out
 
     @property
@@ -128,6 +135,7 @@ class Plan:
             else:
                 why = f"{c.step_s / best - 1:+.1%} slower"
             lines.append([c.ranks, c.replicas, c.stages_per_rank, c.chunks, c.schedule, c.remat,
+                          c.shard,
                           f"{c.pipeline_s * 1e3:.2f}" if c.fits else "-",
                           f"{c.allreduce_s * 1e3:.2f}" if c.fits else "-",
                           f"{c.step_s * 1e3:.2f}" if c.fits else "-",
@@ -137,7 +145,8 @@ class Plan:
         head = (f"fxpipe plan: {self.devices} devices ({limit} each), batch {self.batch}: "
                 f"{len(self.candidates)} candidates, {fitting} fit")
         text = tabulate(lines, headers=["ranks", "replicas", "stages/rank", "micro-batches",
-                                        "schedule", "remat", "pipeline ms", "all-reduce ms",
+                                        "schedule", "remat", "shard", "pipeline ms",
+                                        "all-reduce ms",
                                         "step ms", "memory/device", ""], tablefmt="github")
         c = self.choice
         tail = ("choice: fxpipe.compile(model, batch, "
@@ -153,7 +162,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
          inter_node_bandwidth: float | None = None,
          schedules: Sequence[str] = tuple(SCHEDULES), remats: Sequence[str] = REMATS,
          max_chunks: int = 64, capture: str = "auto", check: Any = None,
-         optimizer: Any = "adam", master_weights: bool = False) -> Plan:
+         optimizer: Any = "adam", master_weights: bool = False,
+         shards: Sequence[str] = SHARDS) -> Plan:
     """Chooses stages, replicas, micro-batches, schedule and remat for `devices` devices.
 
     Args:
@@ -169,6 +179,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
         max_chunks: the most micro-batches per replica to consider.
         optimizer, master_weights: what training holds per parameter, as fxpipe.compile
             takes them (each device is charged its stages' gradients and optimizer state).
+        shards: the shard modes to consider with several replicas ("none": each holds all
+            the state; "optimizer": ZeRO-1, each holds 1/R of it).
 
     Raises:
         PlanError: no candidate fits (the message names the smallest memory that would).
@@ -184,6 +196,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
         raise ConfigError(f"{devices} devices on machines of {devices_per_node} need the "
                           "bandwidth between machines", hint="pass inter_node_bandwidth in "
                           "bytes/s per device, e.g. 25e9 for 200 Gb/s InfiniBand")
+    for shard in shards:
+        check_shard(shard)
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
         raise ConfigError(f"unknown schedule(s) {unknown}", hint=f"use {tuple(SCHEDULES)}")
@@ -206,10 +220,13 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
             for schedule in schedules:
                 per_rank = default_stages_per_rank(schedule)
                 for remat in remats:
-                    c = Candidate(ranks * per_rank, per_rank, replicas, chunks, schedule, remat)
-                    found.append(_predict(gm, c, share // chunks, chosen_profile,
-                                          memory_per_device, grads, devices_per_node,
-                                          inter_node_bandwidth, reuse, held))
+                    for shard in shards if replicas > 1 else ("none",):
+                        c = Candidate(ranks * per_rank, per_rank, replicas, chunks, schedule,
+                                      remat, shard)
+                        found.append(_predict(gm, c, share // chunks, chosen_profile,
+                                              memory_per_device, grads, devices_per_node,
+                                              inter_node_bandwidth, reuse,
+                                              held.sharded(shard, replicas)))
     for node in ir.compute_nodes(gm.graph):  # the last partition tried wrote its stages
         node.meta.pop(ir.STAGE, None)
     if not found:
@@ -336,6 +353,8 @@ def _predict(gm: GraphModule, c: Candidate, b: int, profile: DeviceProfile,
         across = devices_per_node is not None and c.ranks * c.replicas > devices_per_node
         bandwidth = inter_node if across and inter_node else profile.link_bandwidth
         hops = 2 * (c.replicas - 1)
+        if c.shard == "optimizer":  # each replica's updated parameters, to the others
+            hops += c.replicas - 1
         reduce_s = hops / c.replicas * slowest / bandwidth + hops * profile.link_latency
     return replace(c, pipeline_s=p.predicted_step_time, allreduce_s=reduce_s,
                    memory_bytes=per_device(p))

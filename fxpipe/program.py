@@ -65,6 +65,7 @@ from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.mesh import GroupCache, Mesh
 from fxpipe.runtime.rank import RankStage, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
+from fxpipe.sharding import is_sharded, make_optimizer
 from fxpipe.signature import copy_inputs
 from fxpipe.state import StateNames, graph_tensors
 from fxpipe.structure import Structure
@@ -182,6 +183,11 @@ class Program(nn.Module):
         measured once and kept, with a warning that says so.
         """
         built = self._require_built("plan to rebalance")
+        if optimizer is not None and is_sharded(optimizer):
+            raise ConfigError("program.rebalance() cannot move the state of an optimizer "
+                              "sharded over the replicas (shard='optimizer')",
+                              hint="save a checkpoint, compile the new cut, and load it into "
+                                   "a new program.optimizer(...)")
         if args or kwargs:
             flat = built.signature.flatten_inputs(args, kwargs)
         else:
@@ -525,6 +531,23 @@ class Program(nn.Module):
                              replica_reference_losses={r: v for r, v in by_replicas.items() if v},
                              split_dependent=split_dependent)
         return write_program(built, directory, files)
+
+    # -- training -------------------------------------------------------------------------------
+
+    def optimizer(self, optimizer_class: type[Any],
+                  **kwargs: Any) -> torch.optim.Optimizer | None:
+        """`optimizer_class(program.parameters(), **kwargs)`, right for the program's shard
+        mode: under shard="optimizer" with data-parallel replicas (torchrun), a
+        torch.distributed.optim.ZeroRedundancyOptimizer of it over this stage's replicas (each
+        holds about 1/R of the state). None on a rank whose stages hold no parameters.
+        `program.save(dir, optimizer=...)` and `program.load(dir, optimizer=...)` take it."""
+        self._require_built("parameters to optimize")
+        self._require_weights()
+        rank = self._rank
+        replicas = rank.mesh.replicas if rank is not None else 1
+        return make_optimizer(self.parameters(), optimizer_class, shard=self.config.shard,
+                              group=rank.groups.dp if rank is not None else None,
+                              replicas=replicas, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

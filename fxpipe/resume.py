@@ -17,6 +17,7 @@ import torch
 
 from fxpipe.checkpoint import Checkpoint
 from fxpipe.errors import CheckpointError
+from fxpipe.sharding import current_state, optimizer_kind
 from fxpipe.structure import Structure, TensorSpec
 
 __all__ = ["fit_state", "restore_optimizer"]
@@ -84,7 +85,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, checkpoint: Checkpoint,
     parameters (names: id(parameter) -> canonical key). skip: keys whose model tensors were
     not loaded, so their state is not either (strict=False); a parameter not restored keeps
     the state it has."""
-    kind, saved = type(optimizer).__name__, checkpoint["optimizer"]
+    kind, saved = optimizer_kind(optimizer), checkpoint["optimizer"]
     where = f"{checkpoint['path']}/checkpoint.json"
     if saved is None or checkpoint["optimizer_class"] != kind:
         found = "none (saved without optimizer=)" if saved is None \
@@ -95,7 +96,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, checkpoint: Checkpoint,
                        f"optimizer=, or load without optimizer= to start a fresh {kind}")
         return
     group_of = {p: i for i, g in enumerate(saved["param_groups"] or []) for p in g["params"]}
-    current = optimizer.state_dict()["state"]  # kept for the parameters not restored
+    current = current_state(optimizer)  # kept for the parameters not restored
     problems, state, groups, position = [], {}, [], 0
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:

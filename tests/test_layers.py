@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
      "fxpipe.userfiles", "fxpipe.figures", "fxpipe.choices"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
      "fxpipe.structure", "fxpipe.checkpoint", "fxpipe.resume", "fxpipe.weights",
-     "fxpipe.untouched", "fxpipe.optimizers", "fxpipe.models",
+     "fxpipe.untouched", "fxpipe.optimizers", "fxpipe.sharding", "fxpipe.models",
      "fxpipe.remat_policy"),  # contracts: metadata, names, formats, policies
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes

@@ -34,6 +34,7 @@ from fxpipe.runtime.spec import REWRITE_HINT, ProgramSpec
 from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.timeline import Event, write_chrome_trace
 from fxpipe.runtime.written import check_written, stage_tensors
+from fxpipe.sharding import make_optimizer
 from fxpipe.state import StateNames
 from fxpipe.structure import Structure
 
@@ -43,6 +44,9 @@ StepFn: TypeAlias = Callable[[list[torch.Tensor], "torch.Tensor | None", LossFn,
                              torch.amp.GradScaler], tuple[float, bool]]
 """One training step on the batch (inputs, target): forward, loss, scaled backward; returns the
 loss and whether some rank's gradients were not finite (with a scaler: every rank skips)."""
+
+Replicas: TypeAlias = tuple[object, int]
+"""This rank's data-parallel group (None without one) and its number of replicas."""
 
 
 def load_spec(folder: Path) -> ProgramSpec:
@@ -124,13 +128,15 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         if args.data else None
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
-        step, rank, modules, devices = _distributed(folder, spec, args)
+        step, rank, modules, devices, (group, replicas) = _distributed(folder, spec, args)
     else:
-        step, rank, modules, devices = _local(folder, spec, args)
+        step, rank, modules, devices, (group, replicas) = _local(folder, spec, args)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     # A rank whose stages hold no parameters (an activation, a skip's addition) has nothing to
-    # update: no optimizer, and its loss scale follows the ranks that step.
-    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9) if params else None
+    # update: no optimizer, and its loss scale follows the ranks that step. Under
+    # shard="optimizer" the replicas of a stage share one (fxpipe.sharding).
+    optimizer = make_optimizer(params, torch.optim.SGD, shard=spec.shard, group=group,
+                               replicas=replicas, lr=args.lr, momentum=0.9)
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range
     scaler = torch.amp.GradScaler(devices[0].type, enabled=spec.autocast == "fp16")
     follower = ScaleFollower()
@@ -204,7 +210,7 @@ def _structure(spec: ProgramSpec) -> Structure:
 
 
 def _local(folder: Path, spec: ProgramSpec, args: argparse.Namespace
-           ) -> tuple[StepFn, int, list[StageModule], list[torch.device]]:
+           ) -> tuple[StepFn, int, list[StageModule], list[torch.device], Replicas]:
     classes = [_stage_class(folder, spec, s.index) for s in spec.stages]
     weights = _tensors(folder, spec, classes, torch.device("cpu"), args)
     held = hold_stages(spec, lambda s: classes[s](weights), _settings(args))
@@ -217,7 +223,7 @@ def _local(folder: Path, spec: ProgramSpec, args: argparse.Namespace
         torch.autograd.backward(scaler.scale(loss))
         return float(loss.detach()), False  # one process: its scaler sees every gradient
 
-    return step, 0, held.modules, sorted(set(held.devices), key=str)
+    return step, 0, held.modules, sorted(set(held.devices), key=str), (None, 1)
 
 
 def _settings(args: argparse.Namespace) -> RunSettings:
@@ -225,7 +231,7 @@ def _settings(args: argparse.Namespace) -> RunSettings:
 
 
 def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
-                 ) -> tuple[StepFn, int, list[StageModule], list[torch.device]]:
+                 ) -> tuple[StepFn, int, list[StageModule], list[torch.device], Replicas]:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     backend = choose_backend(world, rank, torch.cuda.device_count())
     device = rank_device(backend, say=False)  # before the process group: NCCL binds to it
@@ -257,7 +263,7 @@ def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
             _write_timeline(args.timeline, list(result.events), mesh.rank, spec)
         return loss, result.overflow
 
-    return step, mesh.rank, held.modules, [device]
+    return step, mesh.rank, held.modules, [device], (groups.dp, mesh.replicas)
 
 
 def _write_timeline(path: str, events: list[Event], rank: int, spec: ProgramSpec) -> None:

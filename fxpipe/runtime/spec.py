@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe import ir
+from fxpipe.choices import SHARD_MODES
 from fxpipe.errors import CheckpointError, CodegenError, ConfigError, ProgramFolderError
 from fxpipe.remat_policy import REMAT_MODES
 from fxpipe.runtime.amp import AUTOCAST_DTYPES
@@ -129,6 +130,7 @@ class ProgramJSON(_ProgramJSON, total=False):
     # plain model's losses as R data-parallel replicas compute them, by R
     replica_reference_losses: dict[str, list[float]]
     split_dependent: bool  # absent: false
+    shard: str  # what data-parallel replicas split (fxpipe.choices.SHARD_MODES); absent: none
 
 
 REWRITE_HINT = "write the program again (program.write(DIR) or fxpipe compile ... --out DIR)"
@@ -184,6 +186,7 @@ def spec_problems(data: object) -> list[str]:
         and all(_is_number(x) for x in v) for k, v in replicas.items()),
         "replica_reference_losses", "replica counts >= 2 -> lists of finite numbers")
     check(isinstance(data.get("split_dependent", False), bool), "split_dependent", "true, false")
+    check(data.get("shard", "none") in SHARD_MODES, "shard", ", ".join(SHARD_MODES))
     files = data.get("files", {})
     check(isinstance(files, dict)
           and all(is_inside_path(k) and isinstance(v, str) for k, v in files.items()),
@@ -541,6 +544,7 @@ class ProgramSpec:
     # the batch is split (empty: it does not, or the program predates the record)
     replica_reference_losses: dict[int, tuple[float, ...]] = field(default_factory=dict)
     split_dependent: bool = False  # dropout or BatchNorm in training
+    shard: str = "none"  # what data-parallel replicas split: the optimizer's state, or nothing
 
     @property
     def deterministic(self) -> bool:
@@ -573,6 +577,8 @@ class ProgramSpec:
             "autocast": self.autocast, "predicted_events": list(self.predicted_events)}
         if self.stages_per_rank > 1:
             data["stages_per_rank"] = self.stages_per_rank
+        if self.shard != "none":
+            data["shard"] = self.shard
         if self.split_dependent:
             data["split_dependent"] = True
             data["replica_reference_losses"] = {
@@ -600,7 +606,8 @@ class ProgramSpec:
             structure=_structure(data.get("structure")),
             replica_reference_losses={int(k): tuple(v) for k, v in
                                       data.get("replica_reference_losses", {}).items()},
-            split_dependent=data.get("split_dependent", False))
+            split_dependent=data.get("split_dependent", False),
+            shard=data.get("shard", "none"))
 
 
 def _structure(data: object) -> Structure | None:
