@@ -36,7 +36,7 @@ def canonical(gm: fx.GraphModule, costs: bool = False) -> list[tuple[Any, ...]]:
 
 
 def _gpt() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    model, inputs = gpt.build(n_layer=6, dropout=0.0, batch=4)
+    model, inputs = gpt.build(n_layer=7, dropout=0.0, batch=4)
     return model, inputs, {}
 
 
@@ -45,34 +45,34 @@ def _ids() -> torch.Tensor:
 
 
 def _llama() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    cfg = transformers.LlamaConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=2,
+    cfg = transformers.LlamaConfig(num_hidden_layers=7, hidden_size=32, num_attention_heads=2,
                                    num_key_value_heads=1, intermediate_size=64, vocab_size=128,
                                    max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
     return transformers.LlamaForCausalLM(cfg), (_ids(),), {"use_cache": False}
 
 
 def _mistral() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    cfg = transformers.MistralConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=2,
+    cfg = transformers.MistralConfig(num_hidden_layers=7, hidden_size=32, num_attention_heads=2,
                                      num_key_value_heads=1, intermediate_size=64, vocab_size=128,
                                      max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
     return transformers.MistralForCausalLM(cfg), (_ids(),), {"use_cache": False}
 
 
 def _gpt2() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    cfg = transformers.GPT2Config(n_layer=5, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+    cfg = transformers.GPT2Config(n_layer=7, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
                                   bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg), (_ids(),), {"use_cache": False}
 
 
 def _bert() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    cfg = transformers.BertConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=2,
+    cfg = transformers.BertConfig(num_hidden_layers=7, hidden_size=32, num_attention_heads=2,
                                   intermediate_size=64, vocab_size=128, max_position_embeddings=64)
     return transformers.BertModel(cfg), (_ids(),), {}
 
 
 def _t5() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     """Encoder and decoder stacks; block 0 of each owns the relative position bias."""
-    cfg = transformers.T5Config(num_layers=5, num_decoder_layers=5, d_model=32, d_kv=8, d_ff=64,
+    cfg = transformers.T5Config(num_layers=7, num_decoder_layers=7, d_model=32, d_kv=8, d_ff=64,
                                 num_heads=2, vocab_size=128, decoder_start_token_id=0,
                                 pad_token_id=0, eos_token_id=1)
     ids = _ids()
@@ -103,8 +103,11 @@ def test_a_stamped_capture_is_the_full_capture(name: str) -> None:
     assert canonical(stamped) == canonical(full)
     assert list(stamped.state_dict()) == list(full.state_dict())
     annotate_costs(full)
-    annotate_costs(stamped)
+    handed = annotate_costs(stamped).handed_over
     assert canonical(stamped, costs=True) == canonical(full, costs=True)
+    # blocks 3..N-2 took block 2's costs (the cut at block 3 the others cost is what is compared)
+    assert handed == sum(1 for n in ir.compute_nodes(stamped.graph)
+                         if _block_index(n, _path(model)) in range(3, len(_blocks(model)) - 1))
     with seeded(0):
         expected = model(*inputs, **kwargs)
     got = stamped(*inputs, **kwargs)
@@ -116,10 +119,20 @@ def test_a_stamped_capture_is_the_full_capture(name: str) -> None:
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_the_bundled_gpt_stamped_under_fx_and_export(method: str, inline: bool) -> None:
     model, full, stamped, inputs, _ = _both(_gpt, method, inline)
-    assert stamped.meta[ir.CAPTURE].stamped == 3
+    assert stamped.meta[ir.CAPTURE].stamped == 4
     assert canonical(stamped) == canonical(full)
     assert list(stamped.state_dict()) == list(full.state_dict())
     torch.testing.assert_close(stamped(*inputs), model(*inputs))
+
+
+def _path(model: nn.Module) -> str:
+    return next(p for p, m in model.named_modules() if m is _blocks(model))
+
+
+def _block_index(node: fx.Node, path: str) -> int | None:
+    from fxpipe.frontend.stamp import _block_of
+
+    return _block_of(node, path)
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
@@ -323,7 +336,7 @@ def test_a_stamped_capture_leaves_the_model_as_it_was() -> None:
     state = {k: v for k, v in model.state_dict(keep_vars=True).items()}
     values = {k: v.detach().clone() for k, v in state.items()}
     gm = capture(model, inputs, kwargs, stamp=True)
-    assert gm.meta[ir.CAPTURE].stamped == 2
+    assert gm.meta[ir.CAPTURE].stamped == 4
     assert [(name, type(m), m) for name, m in model.named_modules()] == modules
     after = model.state_dict(keep_vars=True)
     assert list(after) == list(state) and all(after[k] is state[k] for k in state)

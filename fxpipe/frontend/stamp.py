@@ -31,7 +31,11 @@ from torch import nn
 
 from fxpipe import ir
 
-__all__ = ["BlockRun", "Stamper", "find_blocks", "reduced"]
+__all__ = ["BLOCKS", "BlockRun", "StampedBlocks", "Stamper", "find_blocks", "reduced"]
+
+BLOCKS = "fxpipe_stamped_blocks"
+"""GraphModule.meta key: StampedBlocks, the stamped graph's blocks node for node (passes.cost
+hands the costs of one block over to its copies)."""
 
 MIN_BLOCKS = 4  # three are traced; below four nothing is left to stamp
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -46,6 +50,15 @@ class BlockRun:
 
     path: str
     count: int
+
+
+@dataclass(frozen=True)
+class StampedBlocks:
+    """The blocks 1..N-1 of a stamped list, each as its nodes in the order of block 2's: the
+    i-th node of every block computes what block 2's i-th node computes (block 0 may differ)."""
+
+    path: str
+    blocks: tuple[tuple[fx.Node, ...], ...]  # blocks[k - 1]: block k
 
 
 class StampRefused(Exception):
@@ -295,14 +308,18 @@ def stamp(gm: fx.GraphModule, run: BlockRun, model: nn.Module, outputs: int) -> 
                     default=computing[2][-1])
     previous = {n: n for n in two}  # block 2's node -> its copy in the block before
     after = {"op": computing[2][-1], "attr": last_attr if hoisted else computing[2][-1]}
+    of_two = {b: a for a, b in twin.items()}
+    aligned = [tuple(of_two[n] for n in two), tuple(two)]
     for k in range(3, run.count):
         previous = _copy_block(graph, two, k, previous, twin, block, after, hoisted, run.path)
+        aligned.append(tuple(previous[n] for n in two))
     outside = {n for n in nodes if block[n] is None}
     for n in two:
         for user in list(n.users):
             if user in outside:
                 user.replace_input_with(n, previous[n])
     _bind(gm, model, run, template)
+    gm.meta[BLOCKS] = StampedBlocks(run.path, tuple(aligned))
     graph.lint()
     gm.recompile()
     return gm
