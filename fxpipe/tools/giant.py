@@ -66,7 +66,7 @@ def model_on_meta(preset: str, dtype: torch.dtype = torch.bfloat16,
         return llama_on_meta(preset, dtype, layers)
     import transformers
 
-    shape = {**GPIPE, **({"n_layer": layers} if layers else {})}
+    shape: dict[str, Any] = {**GPIPE, **({"n_layer": layers} if layers else {})}
     config = transformers.GPT2Config(**shape, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0)
     with torch.device("meta"):
@@ -147,8 +147,9 @@ def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: in
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    if hasattr(model, "transformer"):  # GPT-2
-        return list(model.transformer.h)
+    transformer = getattr(model, "transformer", None)
+    if isinstance(transformer, torch.nn.Module):  # GPT-2
+        return list(getattr(transformer, "h", []))
     layers: list[torch.nn.Module] = list(getattr(getattr(model, "model", model), "layers", []))
     return layers
 
