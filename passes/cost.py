@@ -11,14 +11,18 @@ attention, which torch's counter reports as 0); every other kernel costs its ele
 per-op factor, and its bytes read and written. Saved-for-backward bytes come from autograd's
 saved-tensor hooks and are charged to the node whose output they keep alive, once per storage,
 so their sum is what a real run keeps. Identical nodes (the blocks of a transformer) are
-annotated once and the result reused, their output included. Operations whose fake kernels
+annotated once and the result reused, their output included. A graph stamped from one block
+(fxpipe.frontend.stamp) is run through its first four blocks, its last and what follows; the
+blocks between take block 2's costs, which are theirs: the same nodes on the same shapes, read
+by a copy of themselves, and the storage accounting above only ever looks one block ahead.
+Operations whose fake kernels
 specialise the batch symbol (see NOTE [Specialising kernels] in fxpipe.frontend.shapes) are
 costed on static samples and interpolated, so every cost stays a polynomial in b.
 """
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
 import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
@@ -26,13 +30,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.fx import GraphModule, Interpreter, Node
+from torch.fx import Graph, GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import DimDynamic, GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.node import Argument, Target
 
 from fxpipe import ir, source
 from fxpipe.errors import CostError
 from fxpipe.frontend import shapes
+from fxpipe.frontend.stamp import BLOCKS, StampedBlocks
 from fxpipe.profile import DeviceProfile
 from fxpipe.profile.kernels import ELEMENTWISE_FACTOR, Count, KernelCounter
 
@@ -71,6 +76,7 @@ class CostSummary:
     saved_bytes: sympy.Expr
     cache_hits: int = 0
     by_node: dict[str, ir.Cost] = field(default_factory=dict)
+    handed_over: int = 0  # nodes of stamped blocks given block 2's costs, not run
 
 
 def annotate_costs(gm: GraphModule, *, batch_hint: int | None = None) -> CostSummary:
@@ -149,6 +155,7 @@ class _CostRunner(Interpreter):
         self.raw: dict[Node, _NodeCost] = {}
         self.cache: dict[tuple[Hashable, ...], _Cached] = {}
         self.cache_hits = 0
+        self.handover = _Handover.of(gm)
         # Fake inputs live beside the parameters. A model built on the meta device is costed as
         # on the CPU: on meta, attention dispatches to its math kernel, which keeps the whole
         # attention matrix for backward, so the plan would differ from the one with weights.
@@ -196,8 +203,12 @@ class _CostRunner(Interpreter):
         return fake
 
     def run_all(self) -> None:
+        skipped = self.handover.alias if self.handover else {}
         with self.mode:
             for node in self.gm.graph.nodes:
+                if node in skipped:  # a stamped block costed as block 2: its values as block 3's
+                    self.env[node] = self.env[skipped[node]]
+                    continue
                 self._current = node
                 self.env[node] = self.run_node(node)
                 if node.op in ("placeholder", "get_attr"):
@@ -493,7 +504,19 @@ class _CostRunner(Interpreter):
                 kept_by_owner.setdefault(node, []).append(self._expr(nbytes))
         totals: dict[str, list[sympy.Expr]] = {"fwd": [], "bwd": [], "params": [], "saved": []}
         by_node: dict[str, ir.Cost] = {}
+        handover = self.handover
+        handed_over = 0
         for node in ir.compute_nodes(graph):
+            if handover and node in handover.source:
+                handed_over += 1
+                cost = handover.cost(node)
+                node.meta[ir.COST] = cost
+                by_node[node.name] = cost
+                totals["fwd"].append(cost.fwd_flops)
+                totals["bwd"].append(cost.bwd_flops)
+                totals["params"].append(cost.param_bytes)
+                totals["saved"].append(cost.saved_bytes)
+                continue
             raw = self.raw[node]
             params, grad_params, grad_elements = self._param_bytes(node)
             internal = sympy.expand(sympy.Add(*self.internal.get(node, [])))
@@ -506,8 +529,7 @@ class _CostRunner(Interpreter):
                 grad_param_elements=grad_elements,
                 fwd_kernels=raw.fwd_kernels, bwd_kernels=raw.bwd_kernels,
                 internal_saved_bytes=internal,
-                saves=tuple(sorted(self.saves.get(node, {}).items())), random=raw.random,
-                work=_class_work(raw))
+                saves=self._saves(node), random=raw.random, work=_class_work(raw))
             node.meta[ir.COST] = cost
             by_node[node.name] = cost
             totals["fwd"].append(cost.fwd_flops)
@@ -519,7 +541,16 @@ class _CostRunner(Interpreter):
             return sympy.expand(sympy.Add(*xs))
 
         return CostSummary(len(by_node), add(totals["fwd"]), add(totals["bwd"]),
-                           add(totals["params"]), add(totals["saved"]), self.cache_hits, by_node)
+                           add(totals["params"]), add(totals["saved"]), self.cache_hits, by_node,
+                           handed_over)
+
+    def _saves(self, node: Node) -> tuple[tuple[str, sympy.Expr], ...]:
+        """The producers `node` keeps alive, by name; after skipped blocks, a producer of block
+        3 (whose values stood for the skipped ones) is named as its copy in block N-2."""
+        saves = self.saves.get(node, {})
+        if self.handover:
+            saves = self.handover.saves(node, saves)
+        return tuple(sorted(saves.items()))
 
     def _param_bytes(self, node: Node) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
         """Bytes of parameters and buffers this node is the first to use (tied ones once), the
@@ -545,6 +576,74 @@ class _CostRunner(Interpreter):
                     grad += p.numel() * p.element_size() if p.requires_grad else 0
                     elements += p.numel() if p.requires_grad else 0
         return sympy.Integer(total), sympy.Integer(grad), sympy.Integer(elements)
+
+
+class _Handover:
+    """Which nodes of a stamped graph take their costs from block 2's (see the module's
+    docstring): in each stamped list, blocks 3..N-2 (block 3 is run, so that block 2's outputs
+    are kept as a middle block's are, but costed as block 2), of which 4..N-2 are not run."""
+
+    def __init__(self, graph: Graph, lists: Sequence[tuple[tuple[Node, ...], ...]]) -> None:
+        self.alias: dict[Node, Node] = {}
+        self.source: dict[Node, tuple[Node, dict[str, str]]] = {}
+        # per list: the nodes after its skipped blocks, and the names of blocks 1..3 there
+        self.renamed_after: list[tuple[set[Node], dict[str, str]]] = []
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        for blocks in lists:
+            self._add(blocks, order)
+
+    def _add(self, blocks: tuple[tuple[Node, ...], ...], order: dict[Node, int]) -> None:
+        n = len(blocks) + 1  # blocks[k - 1] is block k; block 0 may differ
+
+        def names(k: int) -> list[str]:
+            return [node.name for node in blocks[k - 1]]
+
+        self.alias.update({node: blocks[2][i] for k in range(4, n - 1)
+                           for i, node in enumerate(blocks[k - 1])})
+        for k in range(3, n - 1):
+            renamed = {**dict(zip(names(2), names(k))), **dict(zip(names(1), names(k - 1)))}
+            for i, node in enumerate(blocks[k - 1]):
+                self.source[node] = (blocks[1][i], renamed)
+        shift = n - 5  # block 3 stood for block N-2 in what the last block and later read
+        end = max(order[node] for node in blocks[n - 3])  # block N-2's last node
+        self.renamed_after.append((
+            {node for node, i in order.items() if i > end},
+            {a: b for k in (1, 2, 3) for a, b in zip(names(k), names(k + shift))}))
+
+    @classmethod
+    def of(cls, gm: GraphModule) -> _Handover | None:
+        """The hand-over for `gm`'s stamped lists of six blocks or more (fewer leave nothing to
+        skip); None when there are none, or a pass since capture changed a block so that it
+        no longer matches block 2."""
+        stamped = [s for s in gm.meta.get(BLOCKS, ())
+                   if isinstance(s, StampedBlocks) and len(s.blocks) + 1 >= 6]
+        if not stamped:
+            return None
+        alive = set(gm.graph.nodes)
+        for lists in stamped:
+            template = lists.blocks[1]
+            for block in lists.blocks:
+                if len(block) != len(template) or any(
+                        n not in alive or n.op != t.op or
+                        (n.op != "get_attr" and n.target != t.target)
+                        for n, t in zip(block, template)):
+                    return None
+        return cls(gm.graph, [s.blocks for s in stamped])
+
+    def saves(self, node: Node, saves: dict[str, sympy.Expr]) -> dict[str, sympy.Expr]:
+        """A run node's kept producers, those of a block 3 that stood for a skipped block
+        named as that block's."""
+        for after, renamed in self.renamed_after:
+            if node in after:
+                saves = {renamed.get(name, name): nbytes for name, nbytes in saves.items()}
+        return saves
+
+    def cost(self, node: Node) -> ir.Cost:
+        """Block 2's cost of the node's twin, with the producers it keeps named as the node's."""
+        source, renamed = self.source[node]
+        cost: ir.Cost = source.meta[ir.COST]
+        return replace(cost, saves=tuple(sorted((renamed.get(name, name), nbytes)
+                                                for name, nbytes in cost.saves)))
 
 
 _REAL_SAMPLED = ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn")

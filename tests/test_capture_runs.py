@@ -119,3 +119,38 @@ def test_meta_shape_check_still_refuses_a_wrong_output_shape() -> None:
     assert "has shape" in str(capture_module._compare_shapes(gm, infos, layout))
     infos[out] = ir.TensorInfo(info.shape, torch.float16, info.batch_dim)
     assert "dtype" in str(capture_module._compare_shapes(gm, infos, layout))
+
+
+def test_meta_model_traced_by_fx_is_checked_by_its_propagated_shapes() -> None:
+    # The eager runs of the batch layout (2) and one propagation of shapes, which both checks
+    # the graph's output shapes on the example batch and on its half and writes ir.TENSOR.
+    idx = torch.zeros(8, 32, dtype=torch.long)
+    gm = capture(_meta_gpt().eval(), (idx,), method="fx", check="shapes", inline_modules=True)
+    assert gm.meta[ir.CAPTURE].fake_runs == 3
+    real = capture(gpt.GPT(vocab_size=512, seq_len=32, d_model=64, n_layer=2, n_head=4,
+                           dropout=0.0).eval(), (idx,), method="fx", inline_modules=True)
+
+    def tensors(g: torch.fx.GraphModule) -> list[ir.TensorInfo]:  # (devices differ: meta, cpu)
+        return [n.meta[ir.TENSOR] for n in g.graph.nodes if n.op != "output"
+                and isinstance(n.meta[ir.TENSOR], ir.TensorInfo)]
+
+    assert len(tensors(gm)) > 10 and tensors(gm) == tensors(real)
+
+
+def test_meta_fx_check_by_shapes_refuses_a_graph_that_fails_on_the_batch() -> None:
+    from fxpipe.frontend import capture as capture_module
+
+    idx = torch.zeros(8, 32, dtype=torch.long)
+    gm = capture(_meta_gpt().eval(), (idx,), method="fx", check="shapes", inline_modules=True)
+    info: CaptureInfo = gm.meta[ir.CAPTURE]
+    layout = capture_module.infer_batch_layout(
+        _meta_gpt().eval(), (idx.to("meta"),), {}, [idx.to("meta")], [0])
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):  # a graph whose output has another shape
+        wrong = gm.graph.call_function(torch.ops.aten.sum.dim_IntList, (out.args[0][0], [2]))
+    out.args = ((wrong, *out.args[0][1:]),)
+    gm.recompile()
+    tensors = [idx.to("meta")]
+    problem = capture_module._check_by_shapes(gm, tensors, info.signature, layout,
+                                              capture_module._Runs())
+    assert problem is not None and "has shape" in problem

@@ -36,7 +36,7 @@ def canonical(gm: fx.GraphModule, costs: bool = False) -> list[tuple[Any, ...]]:
 
 
 def _gpt() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    model, inputs = gpt.build(n_layer=6, dropout=0.0, batch=4)
+    model, inputs = gpt.build(n_layer=7, dropout=0.0, batch=4)
     return model, inputs, {}
 
 
@@ -45,36 +45,36 @@ def _ids() -> torch.Tensor:
 
 
 def _llama() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    cfg = transformers.LlamaConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=2,
+    cfg = transformers.LlamaConfig(num_hidden_layers=7, hidden_size=32, num_attention_heads=2,
                                    num_key_value_heads=1, intermediate_size=64, vocab_size=128,
                                    max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
     return transformers.LlamaForCausalLM(cfg), (_ids(),), {"use_cache": False}
 
 
 def _mistral() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    cfg = transformers.MistralConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=2,
+    cfg = transformers.MistralConfig(num_hidden_layers=7, hidden_size=32, num_attention_heads=2,
                                      num_key_value_heads=1, intermediate_size=64, vocab_size=128,
                                      max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
     return transformers.MistralForCausalLM(cfg), (_ids(),), {"use_cache": False}
 
 
 def _gpt2() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    cfg = transformers.GPT2Config(n_layer=5, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+    cfg = transformers.GPT2Config(n_layer=7, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
                                   bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg), (_ids(),), {"use_cache": False}
 
 
 def _bert() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    cfg = transformers.BertConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=2,
+    cfg = transformers.BertConfig(num_hidden_layers=7, hidden_size=32, num_attention_heads=2,
                                   intermediate_size=64, vocab_size=128, max_position_embeddings=64)
     return transformers.BertModel(cfg), (_ids(),), {}
 
 
 def _t5() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     """Encoder and decoder stacks; block 0 of each owns the relative position bias."""
-    cfg = transformers.T5Config(num_layers=5, num_decoder_layers=5, d_model=32, d_kv=8, d_ff=64,
+    cfg = transformers.T5Config(num_layers=7, num_decoder_layers=7, d_model=32, d_kv=8, d_ff=64,
                                 num_heads=2, vocab_size=128, decoder_start_token_id=0,
-                                pad_token_id=0, eos_token_id=1)
+                                pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
     ids = _ids()
     return transformers.T5Model(cfg), (ids,), {"decoder_input_ids": ids, "use_cache": False}
 
@@ -97,14 +97,21 @@ def _both(build: Any, method: str = "auto", inline: bool = True
 def test_a_stamped_capture_is_the_full_capture(name: str) -> None:
     model, full, stamped, inputs, kwargs = _both(MODELS[name])
     info = stamped.meta[ir.CAPTURE]
-    assert info.stamped == len(_blocks(model)) - 3, info.stamp_note
-    assert info.stamp_note.startswith(f"stamped {info.stamped} of the"), info.stamp_note
+    lists = _lists(model)  # T5: its encoder's and its decoder's blocks
+    assert len(lists) == (2 if name == "t5" else 1)
+    assert info.stamped == sum(len(blocks) - 3 for blocks in lists.values()), info.stamp_note
+    assert info.stamp_note == "stamped " + " and ".join(
+        f"{len(b) - 3} of the {len(b)} blocks of {p}" for p, b in lists.items()) + \
+        " from the graph of one"
     assert full.meta[ir.CAPTURE].stamp_note is None
     assert canonical(stamped) == canonical(full)
     assert list(stamped.state_dict()) == list(full.state_dict())
     annotate_costs(full)
-    annotate_costs(stamped)
+    handed = annotate_costs(stamped).handed_over
     assert canonical(stamped, costs=True) == canonical(full, costs=True)
+    # blocks 3..N-2 took block 2's costs (the cut at block 3 the others cost is what is compared)
+    assert handed == sum(1 for n in ir.compute_nodes(stamped.graph) for p, b in lists.items()
+                         if _block_index(n, p) in range(3, len(b) - 1))
     with seeded(0):
         expected = model(*inputs, **kwargs)
     got = stamped(*inputs, **kwargs)
@@ -116,10 +123,20 @@ def test_a_stamped_capture_is_the_full_capture(name: str) -> None:
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_the_bundled_gpt_stamped_under_fx_and_export(method: str, inline: bool) -> None:
     model, full, stamped, inputs, _ = _both(_gpt, method, inline)
-    assert stamped.meta[ir.CAPTURE].stamped == 3
+    assert stamped.meta[ir.CAPTURE].stamped == 4
     assert canonical(stamped) == canonical(full)
     assert list(stamped.state_dict()) == list(full.state_dict())
     torch.testing.assert_close(stamped(*inputs), model(*inputs))
+
+
+def _lists(model: nn.Module) -> dict[str, nn.ModuleList]:
+    return {p: m for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 4}
+
+
+def _block_index(node: fx.Node, path: str) -> int | None:
+    from fxpipe.frontend.stamp import _block_of
+
+    return _block_of(node, path)
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
@@ -140,11 +157,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 # --- the pipelined model ----------------------------------------------------------------------
 
 def _llama_logits(output: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = output["logits"] if isinstance(output, dict) or hasattr(output, "keys") else output
+    keyed = isinstance(output, dict) or hasattr(output, "keys")
+    if keyed and "logits" not in output:  # T5Model: its decoder's last hidden state
+        return output["last_hidden_state"].float().pow(2).mean()
+    logits = output["logits"] if keyed else output
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "t5"])
 def test_the_pipelined_stamped_model_equals_the_eager_model(name: str) -> None:
     torch.manual_seed(0)
     model, inputs, kwargs = MODELS[name]()
@@ -153,7 +173,7 @@ def test_the_pipelined_stamped_model_equals_the_eager_model(name: str) -> None:
     program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=2, chunks=2,
                              stamp=True)
     info = program.built.capture_info
-    assert info.stamped == len(_blocks(model)) - 3, info.stamp_note
+    assert info.stamped == sum(len(b) - 3 for b in _lists(model).values()), info.stamp_note
     assert "repeated blocks: stamped" in program.report().text()
     with torch.no_grad(), seeded(0):
         got = program(*inputs, **kwargs)
@@ -323,7 +343,7 @@ def test_a_stamped_capture_leaves_the_model_as_it_was() -> None:
     state = {k: v for k, v in model.state_dict(keep_vars=True).items()}
     values = {k: v.detach().clone() for k, v in state.items()}
     gm = capture(model, inputs, kwargs, stamp=True)
-    assert gm.meta[ir.CAPTURE].stamped == 2
+    assert gm.meta[ir.CAPTURE].stamped == 4
     assert [(name, type(m), m) for name, m in model.named_modules()] == modules
     after = model.state_dict(keep_vars=True)
     assert list(after) == list(state) and all(after[k] is state[k] for k in state)
@@ -393,3 +413,52 @@ def test_modules_held_in_a_plain_attribute_compare_by_class_and_layout() -> None
     assert find_blocks(_with_wrappers([1.0] * 5)) == BlockRun("blocks", 5)
     differ = find_blocks(_with_wrappers([1.0, 1.0, 1.0, 2.0, 1.0]))
     assert isinstance(differ, str) and "_kernel_funcs" in differ and "block 3" in differ
+
+
+def test_a_stamped_meta_model_runs_whole_once() -> None:
+    # Whole: the eager run on the example batch (its output structure and the shape check's
+    # reference), plus for fx one propagation of the stamped graph's shapes. Cut to three blocks:
+    # the example batch (to see that it has the whole model's output shapes), its half (the
+    # batch layout) and export's trace.
+    with torch.device("meta"):
+        llama = _llama()[0]
+        model, inputs = gpt.build(n_layer=7, dropout=0.0, batch=4)
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    cases = [(llama.eval(), (ids,), {"use_cache": False}, "export", 1, 3),
+             (model.eval(), inputs, {}, "fx", 2, 2)]
+    for net, inputs, kwargs, method, whole, cut in cases:
+        full = capture(net, inputs, kwargs, check="shapes", inline_modules=True)
+        stamped = capture(net, inputs, kwargs, check="shapes", inline_modules=True, stamp=True)
+        info = stamped.meta[ir.CAPTURE]
+        assert info.method == method and info.stamped == 4, info.stamp_note
+        assert (info.fake_runs, info.cut_runs) == (whole, cut)
+        assert full.meta[ir.CAPTURE].cut_runs == 0
+        assert full.meta[ir.CAPTURE].fake_runs > whole
+        assert info.signature.input_batch_dims == full.meta[ir.CAPTURE].signature.input_batch_dims
+        assert info.signature.out_batch_dims == \
+            full.meta[ir.CAPTURE].signature.out_batch_dims
+        assert canonical(stamped) == canonical(full)
+
+
+def test_a_meta_model_whose_outputs_grow_with_its_blocks_is_laid_out_whole() -> None:
+    # The cut model's outputs have other shapes than the whole's: the trials run whole.
+    class Stacked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(_Block(8, i) for i in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            states = []
+            for block in self.blocks:
+                x = block(x)
+                states.append(x)
+            return torch.stack(states, dim=1)
+
+    with torch.device("meta"):
+        net = Stacked().eval()
+    x = torch.zeros(4, 8)
+    gm = capture(net, (x,), check="shapes", inline_modules=True, stamp=True)
+    info = gm.meta[ir.CAPTURE]
+    assert info.stamped == 0, info.stamp_note
+    assert info.signature.out_batch_dims == (0,)
+    assert tuple(info.signature.out_is_tensor) == (True,)

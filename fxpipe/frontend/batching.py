@@ -4,10 +4,16 @@ A dimension is the batch dimension when running the model on two halves of the b
 and concatenating the results reproduces the whole-batch result. That is what micro-batching
 relies on, so it is checked rather than assumed to be dim 0 (an LSTM with batch_first=False has
 its batch in dim 1; a causal model is not separable along time).
+
+A meta model with a list of alike blocks (fxpipe.frontend.stamp) runs whole once, on the example
+batch; the trials on halves run the model cut to three blocks when that cut model's outputs have
+the whole one's shapes and dtypes on the example batch (on meta, shapes are all there is to
+compare), so that no trial pays for every layer.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -109,12 +115,15 @@ def _allclose(a: torch.Tensor, b: torch.Tensor) -> bool:
 def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                        leaves: Sequence[Any],
                        batch_dims: Sequence[int | None] | None,
-                       before: StateSnapshot | None = None) -> BatchLayout:
+                       before: StateSnapshot | None = None,
+                       cut: Callable[[], AbstractContextManager[None]] | None = None
+                       ) -> BatchLayout:
     """Finds (or checks the given) batch dims; runs the model in eval mode, without grad.
 
     The first run, in the model's own mode, is checked against `before` (state and inputs
     written in place are refused: fxpipe.frontend.mutation). The caller restores the model's
-    training flags and buffers afterwards.
+    training flags and buffers afterwards. `cut`, for a model on meta: a context in which the
+    model is cut short, for the trial runs (see the module's docstring).
     """
     tensors = [x for x in leaves if is_tensor(x)]
     training = model.training
@@ -136,9 +145,12 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
             # In eval mode the seeded run above is already the eval-mode result.
             full = out_leaves if not any_training else \
                 pytree.tree_leaves(model(*args, **kwargs))
+            trials, trial_full = _trial_model(model, args, kwargs, full, cut)
             for dims in candidates:
                 tried.append(dims)
-                layout = _try(model, args, kwargs, dims, full, out_spec, out_is_tensor, tensors)
+                with trials():
+                    layout = _try(model, args, kwargs, dims, trial_full, out_spec, out_is_tensor,
+                                  tensors)
                 if layout is not None:
                     _check_numbers(model, out, full, layout)
                     return replace(layout, eager_outputs=(full, layout.eager_outputs[0])) \
@@ -146,6 +158,28 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
     finally:
         model.train(training)
     raise _no_batch_dim(model, tensors, batch_dims, tried)
+
+
+def _trial_model(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs, full: Sequence[Any],
+                 cut: Callable[[], AbstractContextManager[None]] | None
+                 ) -> tuple[Callable[[], AbstractContextManager[None]], Sequence[Any]]:
+    """The context to run the trials in and the outputs on the example batch they compare
+    with: the cut model's when its outputs on the example batch have the whole model's shapes
+    and dtypes, else the whole model's."""
+    if cut is None or not all(x.is_meta for x in full if is_tensor(x)):
+        return nullcontext, full
+    try:
+        with cut():
+            short = pytree.tree_leaves(model(*args, **kwargs))
+    except Exception:  # noqa: BLE001 - the cut model is a shortcut only: trial the whole one
+        return nullcontext, full
+    if len(short) != len(full) or any(
+            is_tensor(a) != is_tensor(b) or
+            (is_tensor(a) and (a.shape != b.shape or a.dtype != b.dtype)) or
+            (not is_tensor(a) and not _same_number(a, b))
+            for a, b in zip(full, short)):
+        return nullcontext, full
+    return cut, short
 
 
 def _no_batch_dim(model: nn.Module, tensors: Sequence[torch.Tensor],

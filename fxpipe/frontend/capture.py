@@ -63,10 +63,11 @@ class CaptureInfo:
     # seconds per phase: batch layout, front end (trace or export, and the check), shapes
     timings: tuple[tuple[str, float], ...] = ()
     checked: str = "values against the eager model"  # what the graph was checked against
-    fake_runs: int = 0  # runs of the model or its graph on fake tensors (_Runs)
+    fake_runs: int = 0  # runs of the whole model or its graph on fake tensors (_Runs)
     cpu_timings: tuple[tuple[str, float], ...] = ()  # CPU seconds, by the phases of timings
     stamped: int = 0  # blocks stamped as copies of a traced one (fxpipe.frontend.stamp)
     stamp_note: str | None = None  # one line: which blocks were stamped, or why not (None: off)
+    cut_runs: int = 0  # runs (and export) of the model cut to three blocks, on fake tensors
 
 
 @dataclass
@@ -75,6 +76,15 @@ class _Runs:
     eager runs and graph checks, export's trace, shape propagation): they dominate its cost."""
 
     fake: int = 0
+    cut: int = 0  # of them, runs of the model cut to three blocks (counted apart)
+    stamper: Stamper | None = None  # tells whether the model is cut now
+
+    def add(self) -> None:
+        """One run more (of the cut model while it is cut)."""
+        if self.stamper is not None and self.stamper.cutting:
+            self.cut += 1
+        else:
+            self.fake += 1
 
     @contextlib.contextmanager
     def calls(self, module: nn.Module, on: bool) -> Iterator[None]:
@@ -89,7 +99,7 @@ class _Runs:
             handle.remove()
 
     def _count(self, *_: Any) -> None:
-        self.fake += 1
+        self.add()
 
 
 def capture(
@@ -161,12 +171,15 @@ def capture(
     if check is None:  # buffers a forward fills once are filled before capture
         lazy.run_first_forward(model, args, kwargs, named_inputs)
     before = snapshot_state(model, named_inputs)
-    runs = _Runs()
     meta = check is not None  # every run of the model is on fake tensors
+    stamper = Stamper(model) if stamp else None
+    runs = _Runs(stamper=stamper)
+    # a meta model's trial batches run on the model cut to three blocks (fxpipe.frontend.batching)
+    cut = stamper.cut if stamper is not None and stamper.runs and meta else None
     with preserved_state(model, before), runs.calls(model, meta):
         with eager_runs(model):
             try:
-                layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims, before)
+                layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims, before, cut)
             except CaptureError:
                 raise
             except Exception as error:  # noqa: BLE001 - the first run: on meta, what needs data
@@ -174,7 +187,8 @@ def capture(
                     raise
                 raise meta_run_error(model, error) from error
         signature = _signature(leaves, in_spec, names, layout)
-        stamper = Stamper(model, len(signature.out_is_tensor)) if stamp else None
+        if stamper is not None:
+            stamper.outputs = len(signature.out_is_tensor)
         layout_s = lap()
         gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
                                          leaf_modules, inline_modules, args, kwargs, runs,
@@ -191,14 +205,36 @@ def capture(
                                       check_name(check), runs.fake,
                                       tuple((k, cpu) for k, (_, cpu) in phases),
                                       stamper.stamped if stamper else 0,
-                                      stamper.note if stamper else None)
+                                      stamper.note if stamper else None, runs.cut)
     return gm
+
+
+_SHAPED = "fxpipe_shaped_by_check"  # gm.meta: ir.TENSOR written by _check_by_shapes
+
+
+def _check_by_shapes(gm: fx.GraphModule, tensors: Sequence[torch.Tensor], signature: Signature,
+                     layout: BatchLayout, runs: _Runs) -> str | None:
+    """A meta model's fx graph checked by the shapes it propagates (which capture keeps), not by
+    two runs more: what _compare_with_eager compares on meta tensors, shapes and dtypes."""
+    try:
+        shapes.propagate_shapes(gm, tensors, signature.input_batch_dims)
+    except Exception as error:  # noqa: BLE001 - a wrong trace may crash on other shapes
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        return f"running it raised {type(error).__name__}: {first_line}"
+    runs.fake += 1 + len(gm.meta[ir.SAMPLED]) - len(shapes.known_sampled(gm))
+    gm.meta[_SHAPED] = True
+    infos = {n: n.meta[ir.TENSOR] for n in gm.graph.nodes if n.op != "output"}
+    return _compare_shapes(gm, infos, layout)
 
 
 def _annotate_shapes(gm: fx.GraphModule, used: str, tensors: Sequence[torch.Tensor],
                      signature: Signature, runs: _Runs) -> None:
     """ir.TENSOR on every node: from export's own symbolic values when they determine it (a
-    run less), else by propagating shapes (each restart after a specialising kernel a run)."""
+    run less), else by propagating shapes (each restart after a specialising kernel a run),
+    unless the check propagated them already."""
+    if gm.meta.pop(_SHAPED, False) and \
+            all(ir.TENSOR in n.meta for n in gm.graph.nodes if n.op != "output"):
+        return
     infos = shapes.export_infos(gm, signature.input_batch_dims) if used == "export" else None
     if infos is not None:
         shapes.write_infos(gm, infos, shapes.known_sampled(gm))
@@ -236,6 +272,8 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
                 return gm
 
             def fx_check(gm: fx.GraphModule) -> str | None:
+                if meta and len(_known_outputs(model, layout)) == 2:
+                    return _check_by_shapes(gm, tensors, signature, layout, runs)
                 with runs.calls(gm, meta):
                     return _compare_with_eager(gm, model, signature, args, kwargs, layout)
 
@@ -255,7 +293,7 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
     def exported() -> fx.GraphModule:
         gm = tracers.export(model, signature, leaves, tensors, layout,
                             follow_branches=method == "follow_branches")
-        runs.fake += 1
+        runs.add()
         _set_signature_codegen(gm, signature)
         return gm
 

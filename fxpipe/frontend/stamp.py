@@ -8,10 +8,12 @@ captured with that list cut to three blocks: the first (which may differ: T5's o
 bias), the second and the last. When the second and third come out as the same graph up to
 parameter names, reading the previous block's outputs (a chain) and values from outside the loop
 (masks, position embeddings), the other blocks are copies of the third with their parameter
-targets renamed and the metadata (shapes, export's values, module stacks) copied. Anything else
-falls back to the full capture, and the reason is kept for the report.
+targets renamed and the metadata (shapes, export's values, module stacks) copied. Every such
+list not inside another is cut at once (T5's encoder and decoder stacks): one trace for all. A
+list whose graph does not show this is left whole (the model traced again without cutting it);
+anything else falls back to the full capture, and the reasons are kept for the report.
 
-The reduced model is the user's model with the list's children swapped for the three, put back
+The reduced model is the user's model with each list's children swapped for three, put back
 when the trace ends (also on error). Taking the last block as the third catches a block whose
 forward branches on its own index in a way the first blocks do not show.
 """
@@ -31,7 +33,12 @@ from torch import nn
 
 from fxpipe import ir
 
-__all__ = ["BlockRun", "Stamper", "find_blocks", "reduced"]
+__all__ = ["BLOCKS", "BlockRun", "StampedBlocks", "Stamper", "find_blocks", "find_runs",
+           "reduced"]
+
+BLOCKS = "fxpipe_stamped_blocks"
+"""GraphModule.meta key: a tuple of StampedBlocks, one per list, its blocks node for node
+(passes.cost hands the costs of one block over to its copies)."""
 
 MIN_BLOCKS = 4  # three are traced; below four nothing is left to stamp
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -48,6 +55,15 @@ class BlockRun:
     count: int
 
 
+@dataclass(frozen=True)
+class StampedBlocks:
+    """The blocks 1..N-1 of a stamped list, each as its nodes in the order of block 2's: the
+    i-th node of every block computes what block 2's i-th node computes (block 0 may differ)."""
+
+    path: str
+    blocks: tuple[tuple[fx.Node, ...], ...]  # blocks[k - 1]: block k
+
+
 class StampRefused(Exception):
     """The reduced graph does not show a chain of equal blocks: capture the whole model."""
 
@@ -56,6 +72,13 @@ class StampRefused(Exception):
 
 def find_blocks(model: nn.Module) -> BlockRun | str:
     """The longest list of alike blocks, or one line saying why none can be stamped."""
+    found = find_runs(model)
+    return found[0] if isinstance(found, list) else found
+
+
+def find_runs(model: nn.Module) -> list[BlockRun] | str:
+    """Every list of alike blocks, longest first, none inside another (T5's encoder and decoder
+    stacks), or one line saying why none can be stamped."""
     candidates = []
     for path, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or not path:
@@ -70,12 +93,21 @@ def find_blocks(model: nn.Module) -> BlockRun | str:
         return f"no nn.ModuleList or nn.Sequential holds {MIN_BLOCKS} or more blocks of one class"
     candidates.sort(key=lambda c: -len(c[1]))
     first_reason = ""
+    runs: list[BlockRun] = []
     for path, blocks in candidates:
+        if any(_nested(path, run.path) for run in runs):
+            continue
         reason = _unlike(model, path, blocks)
         if reason is None:
-            return BlockRun(path, len(blocks))
-        first_reason = first_reason or reason
-    return first_reason
+            runs.append(BlockRun(path, len(blocks)))
+        else:
+            first_reason = first_reason or reason
+    return runs or first_reason
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether one of two module paths is inside the other (or they are one)."""
+    return a == b or a.startswith(f"{b}.") or b.startswith(f"{a}.")
 
 
 def _unlike(model: nn.Module, path: str, blocks: list[nn.Module]) -> str | None:
@@ -194,46 +226,68 @@ def reduced(model: nn.Module, run: BlockRun) -> Iterator[None]:
 # --- checking and stamping the reduced graph ------------------------------------------------------
 
 class Stamper:
-    """Captures a model through its reduced twin when it has a run of alike blocks.
+    """Captures a model through its reduced twin when it has runs of alike blocks.
 
-    `note` says afterwards what happened, in one line: how many blocks of which list were
+    `note` says afterwards what happened, in one line: how many blocks of which lists were
     stamped, or why the model was captured whole."""
 
-    def __init__(self, model: nn.Module, outputs: int) -> None:
+    def __init__(self, model: nn.Module, outputs: int = -1) -> None:
         self.model = model
-        self.outputs = outputs  # tensor and constant leaves of the model's output
-        found = find_blocks(model)
-        self.run: BlockRun | None = found if isinstance(found, BlockRun) else None
+        self.outputs = outputs  # tensor and constant leaves of the model's output (set later)
+        found = find_runs(model)
+        self.runs: list[BlockRun] = found if isinstance(found, list) else []
         self.stamped = 0
-        self.note = "" if self.run is not None else f"not stamped: {found}"
+        self.note = "" if self.runs else f"not stamped: {found}"
+        self.cutting = False  # the model is cut to three blocks a list now
+
+    @contextlib.contextmanager
+    def cut(self) -> Iterator[None]:
+        """The model with each of its lists cut to three blocks (see reduced())."""
+        with contextlib.ExitStack() as stack:
+            for run in self.runs:
+                stack.enter_context(reduced(self.model, run))
+            self.cutting = True
+            try:
+                yield
+            finally:
+                self.cutting = False
 
     def capture(self, front: Callable[[], fx.GraphModule]) -> fx.GraphModule:
         """`front()` (a trace of self.model) on the reduced model, stamped out to the whole one;
-        on the whole model when the reduced graph is not a chain of equal blocks."""
-        run = self.run
-        if run is None:
+        a list whose reduced graph is not a chain of equal blocks is left whole (the model
+        traced again without it), and the model is traced whole when none is left."""
+        if not self.runs:
             return front()
-        try:
-            with reduced(self.model, run):
-                small = front()
-            gm = stamp(small, run, self.model, self.outputs)
-        except StampRefused as refused:
-            self.refuse(str(refused))
-            return front()
-        except Exception as error:  # noqa: BLE001 - then the whole model says what is wrong
-            whole = front()  # a front end that fails on the whole model too raises here
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            self.refuse(f"the model with 3 blocks of {run.path} was not captured: "
-                        f"{type(error).__name__}: {first}"[:300])
-            return whole
-        self.stamped = run.count - 3
-        self.note = f"stamped {self.stamped} of the {run.count} blocks of {run.path} " \
-                    f"from the graph of one"
-        return gm
+        refused: list[str] = []
+        while self.runs:
+            try:
+                with self.cut():
+                    gm = front()
+            except Exception as error:  # noqa: BLE001 - then the whole model says what is wrong
+                whole = front()  # a front end that fails on the whole model too raises here
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                lists = " and ".join(run.path for run in self.runs)
+                self.refuse(f"the model with 3 blocks of {lists} was not captured: "
+                            f"{type(error).__name__}: {first}"[:300])
+                return whole
+            try:
+                for run in self.runs:
+                    gm = stamp(gm, run, self.model, self.outputs)
+            except StampRefused as refusal:
+                refused.append(str(refusal))
+                self.runs.remove(run)
+                continue
+            self.stamped = sum(run.count - 3 for run in self.runs)
+            self.note = "stamped " + " and ".join(
+                f"{run.count - 3} of the {run.count} blocks of {run.path}" for run in self.runs) \
+                + " from the graph of one" + "".join(f"; not stamped: {r}" for r in refused)
+            return gm
+        self.refuse("; ".join(refused))
+        return front()
 
     def refuse(self, reason: str) -> None:
         """No stamping from here on; `reason` goes into the note."""
-        self.run = None
+        self.runs = []
         self.stamped = 0
         self.note = f"not stamped: {reason}"
 
@@ -295,14 +349,18 @@ def stamp(gm: fx.GraphModule, run: BlockRun, model: nn.Module, outputs: int) -> 
                     default=computing[2][-1])
     previous = {n: n for n in two}  # block 2's node -> its copy in the block before
     after = {"op": computing[2][-1], "attr": last_attr if hoisted else computing[2][-1]}
+    of_two = {b: a for a, b in twin.items()}
+    aligned = [tuple(of_two[n] for n in two), tuple(two)]
     for k in range(3, run.count):
         previous = _copy_block(graph, two, k, previous, twin, block, after, hoisted, run.path)
+        aligned.append(tuple(previous[n] for n in two))
     outside = {n for n in nodes if block[n] is None}
     for n in two:
         for user in list(n.users):
             if user in outside:
                 user.replace_input_with(n, previous[n])
     _bind(gm, model, run, template)
+    gm.meta[BLOCKS] = (*gm.meta.get(BLOCKS, ()), StampedBlocks(run.path, tuple(aligned)))
     graph.lint()
     gm.recompile()
     return gm

@@ -1,10 +1,14 @@
-"""Compiles Llama-style models of billions of parameters on the meta device, as a user with too
-little memory for the weights would: the compile time, the peak host memory of the compiling
-process, each stage's parameter memory, the predicted step time and the bubble.
+"""Compiles models of billions of parameters on the meta device, as a user with too little
+memory for the weights would: the compile time, the peak host memory of the compiling process,
+each stage's parameter memory, the predicted step time and the bubble.
 
-Run as `python -m fxpipe.tools.giant --preset 8b --stages 8` (needs transformers). Each phase
-of the compile is shown in wall and CPU seconds, and per decoder layer: the phase divided by the
-layers, or with `--layers 8 16` the marginal cost of a layer between two compiles.
+Run as `python -m fxpipe.tools.giant --preset 8b --stages 8` (needs transformers). Presets:
+Llama 3 shapes ("1b", "8b", "70b") and GPipe's largest Transformer ("gpipe": 1663 layers, d_model
+2048, feed-forward 8192, 32 heads, vocabulary 32k, sequence 1024, batch 32, 83.9e9 parameters;
+run it as `--preset gpipe --stages 128 --remat auto --memory-gb 16`). Each phase of the compile,
+and the report and write() after it, is shown in wall and CPU seconds, and per layer: the phase
+divided by the layers, or with `--layers 8 16` the marginal cost of a layer between two
+compiles; and whether the layers were stamped from the graph of one (fxpipe.frontend.stamp).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import argparse
 import json
 import resource
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -19,7 +24,7 @@ import torch
 
 import fxpipe
 
-__all__ = ["PRESETS", "llama_on_meta", "compile_on_meta", "main"]
+__all__ = ["PRESETS", "GPIPE", "llama_on_meta", "model_on_meta", "compile_on_meta", "main"]
 
 # Llama 3 shapes: 8B and 70B as published; "1b" has the 1B model's width with 8 layers and
 # untied embeddings, about 1.0e9 parameters, for a quick run.
@@ -31,6 +36,12 @@ PRESETS: dict[str, dict[str, int]] = {
     "70b": {"num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 28672,
             "num_attention_heads": 64, "num_key_value_heads": 8},
 }
+# GPipe's Transformer-L at 128 partitions (its Table 1): a pre-norm decoder with a two-matrix
+# feed-forward, which GPT-2's blocks are; 83.9e9 parameters, as the paper counts.
+GPIPE: dict[str, int] = {"n_layer": 1663, "n_embd": 2048, "n_inner": 8192, "n_head": 32,
+                         "vocab_size": 32000, "n_positions": 1024}
+# the paper's batch and sequence for "gpipe": 32 sequences of 1024 tokens
+GPIPE_BATCH = {"seq": 1024, "batch": 32}
 
 
 def llama_on_meta(preset: str, dtype: torch.dtype = torch.bfloat16,
@@ -45,6 +56,21 @@ def llama_on_meta(preset: str, dtype: torch.dtype = torch.bfloat16,
                                       bos_token_id=0, eos_token_id=0)
     with torch.device("meta"):
         model: torch.nn.Module = transformers.LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def model_on_meta(preset: str, dtype: torch.dtype = torch.bfloat16,
+                  layers: int | None = None) -> torch.nn.Module:
+    """The preset's model on the meta device (optionally with another number of layers)."""
+    if preset != "gpipe":
+        return llama_on_meta(preset, dtype, layers)
+    import transformers
+
+    shape: dict[str, Any] = {**GPIPE, **({"n_layer": layers} if layers else {})}
+    config = transformers.GPT2Config(**shape, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    with torch.device("meta"):
+        model: torch.nn.Module = transformers.GPT2LMHeadModel(config)
     return model.to(dtype).eval()
 
 
@@ -69,9 +95,11 @@ def _restart_peak() -> None:
 
 
 def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: int = 2048,
-                    microbatch: int = 2, profile: str = "h100",
-                    stamp: bool = True) -> dict[str, Any]:
-    """Compiles `model` (on meta) and returns the figures of the run and of the plan."""
+                    microbatch: int = 2, profile: str = "h100", stamp: bool = True,
+                    remat: str = "except_last", memory_limit: int | None = None,
+                    write: bool = False) -> dict[str, Any]:
+    """Compiles `model` (on meta) and returns the figures of the run and of the plan; the
+    report and, when `write`, the program's folder (to a temporary directory) are timed too."""
     ids = torch.zeros(chunks * microbatch, seq, dtype=torch.long)
     params = {id(p): p for p in model.parameters()}.values()
     process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -79,11 +107,20 @@ def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: in
     before, _ = _resident()
     start, cpu = time.perf_counter(), time.process_time()
     program = fxpipe.compile(model, (ids,), example_kwargs={"use_cache": False}, stages=stages,
-                             chunks=chunks, profile=profile, check="shapes", stamp=stamp)
+                             chunks=chunks, profile=profile, check="shapes", stamp=stamp,
+                             remat=remat, memory_limit=memory_limit)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    _, peak = _resident()
+    after: dict[str, tuple[float, float]] = {}
+    clock = (time.perf_counter(), time.process_time())
     report = program.report()
     summary = report.summary()
+    after["report"] = (time.perf_counter() - clock[0], time.process_time() - clock[1])
+    if write:
+        clock = (time.perf_counter(), time.process_time())
+        with tempfile.TemporaryDirectory() as folder:
+            program.write(folder)
+        after["write"] = (time.perf_counter() - clock[0], time.process_time() - clock[1])
+    _, peak = _resident()
     return {
         "parameters": sum(p.numel() for p in params),
         "model_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -92,11 +129,14 @@ def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: in
         "process_peak_bytes": max(peak, process_peak), "rss_before_compile_bytes": before,
         "compile_peak_growth_bytes": peak - before,
         "layers": sum(1 for _ in _decoder_layers(model)),
-        "timings_s": dict(program.built.timings),
-        "cpu_timings_s": dict(program.built.cpu_timings),
+        "timings_s": {**program.built.timings, **{k: w for k, (w, _) in after.items()}},
+        "cpu_timings_s": {**program.built.cpu_timings, **{k: c for k, (_, c) in after.items()}},
         "capture_timings_s": dict(program.built.capture_info.timings),
         "capture_cpu_timings_s": dict(program.built.capture_info.cpu_timings),
         "fake_runs": program.built.capture_info.fake_runs,
+        "cut_runs": program.built.capture_info.cut_runs,
+        "stamped": program.built.capture_info.stamped,
+        "nodes": len(program.built.captured.graph.nodes),
         "stamping": program.built.capture_info.stamp_note,
         "stage_params_bytes": [s["params_bytes"] for s in report.stages],
         "stage_memory_model_bytes": [s["memory_model_bytes"] for s in report.stages],
@@ -107,6 +147,9 @@ def compile_on_meta(model: torch.nn.Module, *, stages: int, chunks: int, seq: in
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    transformer = getattr(model, "transformer", None)
+    if isinstance(transformer, torch.nn.Module):  # GPT-2
+        return list(getattr(transformer, "h", []))
     layers: list[torch.nn.Module] = list(getattr(getattr(model, "model", model), "layers", []))
     return layers
 
@@ -117,7 +160,7 @@ def phases(figures: dict[str, Any]) -> dict[str, tuple[float, float]]:
             for name, wall in figures["timings_s"].items()}
     rows.update({f"capture: {name}": (wall, figures["capture_cpu_timings_s"].get(name, 0.0))
                  for name, wall in figures["capture_timings_s"].items()})
-    rows["total"] = (figures["compile_s"], figures["compile_cpu_s"])
+    rows["compile total"] = (figures["compile_s"], figures["compile_cpu_s"])
     return rows
 
 
@@ -145,18 +188,27 @@ def _print_phases(runs: list[dict[str, Any]]) -> None:
                         f"{phases(r).get(name, (0.0, 0.0))[1]:8.2f} s" for r in runs)
         wall, cpu = each[name]
         print(f"{name:28s}{cells}  {wall:9.3f} {cpu:9.3f} s")
-    print("runs on fake tensors while capturing: "
-          + ", ".join(f"{r['fake_runs']} ({r['layers']} layers)" for r in runs))
+    print("runs on fake tensors while capturing, of the whole model (and of it cut to three "
+          "blocks a list): " + ", ".join(f"{r['fake_runs']} ({r['cut_runs']}) at {r['layers']} "
+                                         f"layers" for r in runs))
     for r in runs:
-        print(f"repeated blocks ({r['layers']} layers): {r['stamping'] or 'off (--no-stamp)'}")
+        print(f"repeated blocks ({r['layers']} layers, {r['nodes']} nodes): "
+              f"{r['stamping'] or 'off (--no-stamp)'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxpipe.tools.giant", description=__doc__)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="8b")
+    parser.add_argument("--preset", choices=[*sorted(PRESETS), "gpipe"], default="8b")
     parser.add_argument("--stages", type=int, default=8)
     parser.add_argument("--chunks", type=int, help="micro-batches (default 4 x stages)")
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", type=int, help="tokens per sequence (default 2048; gpipe 1024)")
+    parser.add_argument("--microbatch", type=int,
+                        help="sequences per micro-batch (default 2; gpipe: 32 / chunks)")
+    parser.add_argument("--remat", default="except_last",
+                        help="except_last, always, never or auto (with --memory-gb)")
+    parser.add_argument("--memory-gb", type=float, help="memory limit per device, GB (1e9 B)")
+    parser.add_argument("--write", action="store_true",
+                        help="also time write() of the program's folder (to a temporary one)")
     parser.add_argument("--profile", default="h100")
     parser.add_argument("--layers", type=int, nargs="+", metavar="N",
                         help="decoder layers instead of the preset's; two counts (8 16) show "
@@ -165,16 +217,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="trace every decoder layer instead of stamping copies of one")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
+    gpipe = args.preset == "gpipe"
+    seq = args.seq or (GPIPE_BATCH["seq"] if gpipe else 2048)
+    chunks = args.chunks or (min(GPIPE_BATCH["batch"], 4 * args.stages) if gpipe
+                             else 4 * args.stages)
+    microbatch = args.microbatch or (max(1, GPIPE_BATCH["batch"] // chunks) if gpipe else 2)
+    limit = int(args.memory_gb * 1e9) if args.memory_gb else None
     runs = []
     counts: list[int | None] = list(args.layers or [None])
     if len(counts) > 1:  # a first compile pays once for imports and caches: not a layer's cost
-        compile_on_meta(llama_on_meta(args.preset, layers=1), stages=1, chunks=2, seq=args.seq,
+        compile_on_meta(model_on_meta(args.preset, layers=4), stages=1, chunks=2, seq=seq,
                         profile=args.profile, stamp=args.stamp)
     for layers in counts:
-        model = llama_on_meta(args.preset, layers=layers)
-        runs.append(compile_on_meta(model, stages=args.stages,
-                                    chunks=args.chunks or 4 * args.stages, seq=args.seq,
-                                    profile=args.profile, stamp=args.stamp))
+        model = model_on_meta(args.preset, layers=layers)
+        runs.append(compile_on_meta(model, stages=args.stages, chunks=chunks, seq=seq,
+                                    microbatch=microbatch, profile=args.profile,
+                                    stamp=args.stamp, remat=args.remat, memory_limit=limit,
+                                    write=args.write))
         del model
     figures = runs[-1]
     if args.json:
@@ -182,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(figures, indent=1))
         return 0
     gib = 2**30
-    print(f"Llama {args.preset} ({figures['layers']} layers): "
+    print(f"{'GPipe Transformer' if gpipe else 'Llama ' + args.preset} "
+          f"({figures['layers']} layers): "
           f"{figures['parameters'] / 1e9:.2f}e9 parameters, "
           f"{figures['model_bytes'] / gib:.1f} GiB in bf16, on the meta device")
     print(f"compile: {figures['compile_s']:.1f} s wall, {figures['compile_cpu_s']:.1f} s CPU")
@@ -191,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{figures['rss_before_compile_bytes'] / gib:.2f} GiB before compiling, at most "
           f"{figures['compile_peak_growth_bytes'] / gib:.3f} GiB more while compiling")
     print(f"{args.stages} stages x {figures['chunks']} micro-batches of {figures['microbatch']}"
-          f" x {args.seq} tokens, {figures['profile']}")
+          f" x {seq} tokens, {figures['profile']}, remat {args.remat}"
+          + (f", {args.memory_gb:g} GB per device" if limit else ""))
     for i, (params, memory, (first, last)) in enumerate(zip(
             figures["stage_params_bytes"], figures["stage_memory_model_bytes"],
             figures["stage_first_last"])):
