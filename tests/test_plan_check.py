@@ -11,6 +11,7 @@ from fxpipe.tools.plan_check import (
     check_rows,
     choice_against_best,
     competition_ranks,
+    distinct,
     measured_memory,
     options_of,
     per_device,
@@ -63,8 +64,19 @@ def test_the_memory_measured_is_the_storage_a_step_leaves_and_the_kept_activatio
     assert len(measured) == len(predicted) == 2
     for m, p in zip(measured, predicted):
         assert m == pytest.approx(p, rel=0.10)
+    # two replicas: each holds every weight but keeps only its half of the batch's activations
+    halves, predicted_halves = measured_memory(model, (x,), y, Candidate(2, 1, 2, 2, "1f1b",
+                                                                         "never"), "a100")
+    assert all(h < m for h, m in zip(halves, measured))
+    assert all(p < q for p, q in zip(predicted_halves, predicted))
     layer = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(layer.parameters())
     layer(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     assert _held_bytes(layer, optimizer) == 4 * 4 * (3 * 2 + 2)  # weight, grad, 2 moments
+
+
+def test_candidates_predicted_alike_are_measured_once():
+    a, b, c = _candidate(0.01, 2), _candidate(0.01, 2), _candidate(0.02, 1)
+    b = Candidate(2, 1, 1, 2, "gpipe", "never", pipeline_s=0.01, memory_bytes=1e6)
+    assert distinct([a, b, c]) == [a, c]

@@ -40,9 +40,9 @@ def llama(preset: str = "70b", layers: int | None = None, batch: int = 64,
     return model, (ids,), {"use_cache": False}
 
 
-def gpt_family(n_layer: int, d_model: int = 1024, n_head: int = 16, seq_len: int = 1024,
-               vocab_size: int = 50304, batch: int = 128) -> tuple[Any, tuple[Any, ...]]:
-    """The bundled GPT at GPT-2 medium's width (fp32), `n_layer` blocks, on the meta device
+def gpt_family(n_layer: int, d_model: int = 4096, n_head: int = 32, seq_len: int = 1024,
+               vocab_size: int = 50304, batch: int = 64) -> tuple[Any, tuple[Any, ...]]:
+    """The bundled GPT at GPT-3 6.7B's width (fp32), `n_layer` blocks, on the meta device
     when built under torch.device("meta")."""
     return gpt.build(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len,
                      vocab_size=vocab_size, batch=batch, dropout=0.0)
@@ -85,12 +85,15 @@ HEADERS = ["devices", "layers", "parameters", "ranks", "stages/rank", "replicas"
 def largest_table(build: Callable[[int], tuple[Any, ...]], devices: Sequence[int],
                   memory: float, say: Callable[[str], None] | None = None,
                   **plan_kwargs: Any) -> list[LargestRow]:
-    """One row per device count: the most layers `build` may have to fit, and its plan."""
-    rows = []
-    for n in devices:
+    """One row per device count (ascending): the most layers `build` may have to fit, and its
+    plan. Each search starts from the row before's layers (more devices fit at least as
+    many)."""
+    rows: list[LargestRow] = []
+    for n in sorted(devices):
         used = time.process_time()
         layers, found = largest_that_fits(build, devices=n, memory_per_device=memory,
-                                          say=say, **plan_kwargs)
+                                          low=rows[-1].layers if rows else 1, say=say,
+                                          **plan_kwargs)
         cpu = time.process_time() - used
         with torch.device("meta"):
             model = build(layers)[0]
@@ -125,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     big = sub.add_parser("largest", help="the largest GPT that fits on 1, 8, 32, 128 devices")
     big.add_argument("--devices", type=int, nargs="+", default=[1, 8, 32, 128])
     big.add_argument("--memory-gb", type=float, default=16)
-    big.add_argument("--d-model", type=int, default=1024)
-    big.add_argument("--batch", type=int, default=128)
+    big.add_argument("--d-model", type=int, default=4096)
+    big.add_argument("--batch", type=int, default=64)
     big.add_argument("--seq", type=int, default=1024)
     args = parser.parse_args(argv)
 
@@ -134,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     if args.what == "speed":
-        run = lambda: plan_llama(args.devices, args.memory_gb * GB,  # noqa: E731
-                                 args.devices_per_node, args.preset, args.batch, args.seq,
-                                 args.layers, stamp=args.stamp)
+        def run() -> tuple[Plan, float]:
+            return plan_llama(args.devices, args.memory_gb * GB, args.devices_per_node,
+                              args.preset, args.batch, args.seq, args.layers, stamp=args.stamp)
+
         if args.profile_to:
             import cProfile
 

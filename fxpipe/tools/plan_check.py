@@ -41,7 +41,7 @@ from fxpipe.tools.bench import BENCH_GPT, _free_port
 from fxpipe.tools.bench_stats import bootstrap_interval, rotated
 
 __all__ = ["CheckRow", "competition_ranks", "check_rows", "render", "measured_memory",
-           "options_of", "main"]
+           "options_of", "distinct", "main"]
 
 TOLERANCE = 0.05  # the choice is good when its measured step is within this of the best
 
@@ -109,6 +109,19 @@ def render(rows: Sequence[CheckRow]) -> str:
             f"measured: {verdict} {TOLERANCE:.0%}\n")
 
 
+def distinct(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The first of each group predicted alike (step and memory): one stage runs every
+    schedule the same way, and remat except_last nothing on a last stage."""
+    seen: set[tuple[int, int, float, float]] = set()
+    out = []
+    for c in candidates:
+        key = (c.ranks, c.replicas, c.step_s, c.memory_bytes)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
 def options_of(c: Candidate) -> dict[str, Any]:
     """fxpipe.compile's arguments for a candidate."""
     out: dict[str, Any] = {"stages": c.stages, "chunks": c.chunks, "schedule": c.schedule,
@@ -130,10 +143,12 @@ def _held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> float:
 
 def measured_memory(model: nn.Module, inputs: tuple[Any, ...], target: Any, c: Candidate,
                     profile: Any = None) -> tuple[list[float], list[float]]:
-    """(measured, predicted) bytes per stage of the candidate, in this process: after one
-    step with Adam, what each stage holds plus the activations it keeps at its schedule's
-    peak (Program.measure_activations keeps every micro-batch's; each stage keeps its
-    schedule's in-flight share of them)."""
+    """(measured, predicted) bytes per stage of the candidate, in this process, on one
+    replica's share of the batch: after one step with Adam, what each stage holds plus the
+    activations it keeps at its schedule's peak (Program.measure_activations keeps every
+    micro-batch's; each stage keeps its schedule's in-flight share of them)."""
+    inputs = tuple(x[:len(x) // c.replicas] for x in inputs)
+    target = target[:len(target) // c.replicas]
     program = fxpipe.compile(model, inputs, profile=profile, **options_of(c))
     optimizer = torch.optim.Adam(program.parameters(), lr=1e-4)
     kept = program.measure_activations(*inputs)
@@ -184,10 +199,10 @@ def _time_candidates(rank: int, world: int, port: int, args: dict[str, Any]
             optimizer.zero_grad(set_to_none=True)
 
         steps.append(step)
-    names = list(range(len(steps)))
+    names = [str(k) for k in range(len(steps))]
     times: list[list[float]] = [[] for _ in names]
     for i in range(args["warmup"] + args["steps"]):
-        for k in rotated(names, i):
+        for k in map(int, rotated(names, i)):
             dist.barrier()
             start = time.perf_counter()
             steps[k]()
@@ -201,7 +216,7 @@ def _time_candidates(rank: int, world: int, port: int, args: dict[str, Any]
 def measure(found: Plan, top: int, steps: int, warmup: int, factory: str,
             settings: list[str], profile: Any) -> tuple[list[CheckRow], Any]:
     """The top distinct fitting candidates of the plan, measured (2 ranks)."""
-    chosen = [c for c in found.candidates if c.fits and not c.skipped][:top]
+    chosen = distinct([c for c in found.candidates if c.fits and not c.skipped])[:top]
     model, inputs, _, target = load_factory(factory, settings)
     memory = []
     for c in chosen:
