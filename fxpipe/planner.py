@@ -457,9 +457,12 @@ class Bounds:
         key: AtomsKey = ("cost", b, policy, c.chunks, (), self.optimizer)
         if key not in self.reuse.measured:
             assert self.reuse.groups is not None
+            groups = self.reuse.groups
             self.reuse.measured[key] = measure_atoms(
-                self.gm, self.reuse.groups, balance="cost", profile=self.profile, b=b,
-                remat=policy, chunks=c.chunks, optimizer=self.optimizer)
+                self.gm, groups, balance="cost", profile=self.profile, b=b, remat=policy,
+                chunks=c.chunks, optimizer=self.optimizer,
+                facts=self.reuse.facts_for(self.gm, groups, balance="cost",
+                                           profile=self.profile, b=b, corrections={}))
         return self.reuse.measured[key]
 
     def memory(self, c: Candidate, b: int) -> float:
