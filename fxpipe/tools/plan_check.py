@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ from fxpipe.planner import Candidate, Plan, plan
 from fxpipe.report import human_bytes
 from fxpipe.runtime.grid import peak_inflight
 from fxpipe.runtime.schedule import default_stages_per_rank, placement, schedule_kind
-from fxpipe.tools.bench import BENCH_GPT, _free_port
+from fxpipe.tools.bench import BENCH_GPT
 from fxpipe.tools.bench_stats import bootstrap_interval, rotated
 
 __all__ = ["CheckRow", "competition_ranks", "check_rows", "render", "measured_memory",
@@ -169,6 +170,13 @@ def per_device(c: Candidate, per_stage: Sequence[float]) -> float:
     for rank, nbytes in zip(placement(c.schedule, c.stages, c.ranks), per_stage):
         held[rank] = held.get(rank, 0.0) + nbytes
     return max(held.values())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
