@@ -169,7 +169,7 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
          schedules: Sequence[str] = tuple(SCHEDULES), remats: Sequence[str] = REMATS,
          max_chunks: int = 64, capture: str = "auto", check: Any = None,
          optimizer: Any = "adam", master_weights: bool = False,
-         stamp: bool | None = None, prune: bool = True) -> Plan:
+         stamp: bool | None = None, prune: bool = True, any_fit: bool = False) -> Plan:
     """Chooses stages, replicas, micro-batches, schedule and remat for `devices` devices.
 
     Args:
@@ -191,6 +191,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
         prune: leave unpartitioned the candidates that cannot fit or cannot beat the fastest
             found, by lower bounds of their memory and step (Bounds); False partitions every
             one (the same choice, slower).
+        any_fit: stop at the first candidate that fits, trying them by their memory bound
+            (what largest_that_fits asks of each size); the plan holds those tried.
 
     Raises:
         PlanError: no candidate fits (the message names the smallest memory that would).
@@ -225,7 +227,7 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
     bounds = Bounds(gm, chosen_profile, reuse, held, sum(grads.values()),
                     Link(devices_per_node, inter_node_bandwidth, chosen_profile))
     partitions = Partitions(gm, chosen_profile, held, reuse)
-    listed: list[tuple[Candidate, float]] = []  # each with its step's lower bound
+    listed: list[tuple[Candidate, float, float]] = []  # with its step's and memory's bounds
     found: list[Candidate] = []
     for ranks, replicas in _splits(devices):
         if info.batch_size % replicas:
@@ -242,9 +244,12 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
                         found.append(replace(c, memory_bytes=least, problem="holds at least "
                                              f"{human_bytes(least)} per device"))
                     else:
-                        listed.append((c, bounds.step(c, share // chunks)))
+                        listed.append((c, bounds.step(c, share // chunks), least))
     best = math.inf  # the fastest that fits so far: a candidate that cannot beat it is skipped
-    for c, least in sorted(listed, key=lambda pair: pair[1]):
+    # the likeliest to win first; to find any that fits, the likeliest to fit
+    for c, least, _ in sorted(listed, key=lambda x: x[2] if any_fit else x[1]):
+        if any_fit and best < math.inf:
+            break
         if prune and least >= best:
             found.append(replace(c, bound_s=least))
             continue
@@ -287,6 +292,8 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
     Sizes are tried doubling from `low`, then by bisection between the last that fit and the
     first that did not (what fits is taken as monotone in the size). With `on_meta` each model
     is built on the meta device and checked by shapes, so no size needs its weights in memory.
+    Each size is asked only whether some candidate fits (plan(any_fit=True)); the largest is
+    then planned in full.
 
     Raises:
         PlanError: not even `low` fits.
@@ -301,13 +308,13 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
             kwargs = made[2] if len(made) > 2 else None
             try:
                 tried[size] = plan(model, inputs, kwargs, devices=devices,
-                                   memory_per_device=memory_per_device,
+                                   memory_per_device=memory_per_device, any_fit=True,
                                    check="shapes" if on_meta else None, **plan_kwargs)
             except PlanError:
                 tried[size] = None
             if say is not None:
                 result = tried[size]
-                say(f"size {size}: " + (f"fits, step {result.choice.step_s * 1e3:.2f} ms"
+                say(f"size {size}: " + (f"fits ({_key(result.choice)})"
                                         if result is not None else "does not fit"))
         return tried[size] is not None
 
@@ -325,9 +332,16 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
     while bad is not None and bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
-    found = tried[good]
-    assert found is not None
-    return good, found
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        made = build(good)
+    return good, plan(made[0], made[1], made[2] if len(made) > 2 else None, devices=devices,
+                      memory_per_device=memory_per_device,
+                      check="shapes" if on_meta else None, **plan_kwargs)
+
+
+def _key(c: Candidate) -> str:
+    return (f"{c.ranks} ranks x {c.replicas} replicas, {c.chunks} micro-batches, {c.schedule}, "
+            f"remat {c.remat}")
 
 
 def _splits(devices: int) -> list[tuple[int, int]]:

@@ -124,6 +124,13 @@ def test_the_largest_that_fits_fits_and_one_more_layer_does_not():
         model, inputs = _gpt_of(layers + 1)
     with pytest.raises(PlanError):
         plan(model, inputs, check="shapes", **options)
+    with torch.device("meta"):
+        model, inputs = _gpt_of(layers)
+    full = plan(model, inputs, check="shapes", **options)  # the largest is planned in full
+    assert [(_key(c), c.step_s) for c in found.candidates] == \
+        [(_key(c), c.step_s) for c in full.candidates]
+    first = plan(model, inputs, check="shapes", any_fit=True, **options)
+    assert first.choice.fits and sum(c.fits for c in first.candidates) == 1
     with pytest.raises(PlanError, match="size 1 does not fit 2 devices"):
         largest_that_fits(_gpt_of, **{**options, "memory_per_device": 1e5})
 
