@@ -371,9 +371,10 @@ def _grad_bytes(gm: GraphModule) -> dict[str, float]:
             for n in ir.compute_nodes(gm.graph) if ir.COST in n.meta}
 
 
-CutKey = tuple[int, str, int, int]
-"""(micro-batch size, remat, micro-batches, stages): what the fastest cut depends on when no
-memory limit binds (the schedule only sets how many micro-batches each stage holds)."""
+CutKey = tuple[int, str, int, int, OptimizerMemory]
+"""(micro-batch size, remat, micro-batches, stages, optimizer memory as sharded): what the
+fastest cut depends on when no memory limit binds (the schedule only sets how many micro-batches
+each stage holds; memory breaks ties between equally fast cuts)."""
 
 
 @dataclass
@@ -400,15 +401,15 @@ class Partitions:
 
     def __call__(self, c: Candidate, b: int, limit: float | None) -> PartitionPlan:
         """The candidate's fastest cut within `limit` bytes per stage (PartitionError: none)."""
-        key: CutKey = (b, c.remat, c.chunks, c.stages)
+        optimizer = self.optimizer.sharded(c.shard, c.replicas)
+        key: CutKey = (b, c.remat, c.chunks, c.stages, optimizer)
 
         def cut(limit: float | None, starts: tuple[str, ...] | None = None) -> PartitionPlan:
             return partition(self.gm, c.stages, microbatch_size=b, chunks=c.chunks,
                              profile=self.profile, remat=c.remat, memory_limit=limit,
                              schedule=self.kind(c.schedule), ranks=c.ranks,
                              loss_time=loss_time(self.gm, b, self.profile, False),
-                             reuse=self.reuse, starts=starts,
-                             optimizer=self.optimizer.sharded(c.shard, c.replicas))
+                             reuse=self.reuse, optimizer=optimizer, starts=starts)
 
         if key in self.fastest:
             fastest = cut(None, self.fastest[key])

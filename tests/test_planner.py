@@ -146,7 +146,7 @@ def test_fxpipe_plan_largest_prints_the_size_and_its_plan(capsys):
 
 
 def _key(c):
-    return (c.ranks, c.replicas, c.stages_per_rank, c.chunks, c.schedule, c.remat)
+    return (c.ranks, c.replicas, c.stages_per_rank, c.chunks, c.schedule, c.remat, c.shard)
 
 
 @pytest.mark.parametrize("memory_fraction", [None, 0.5])
