@@ -143,3 +143,26 @@ def test_the_remat_names_are_the_policies() -> None:
     from fxpipe.remat_policy import RematPolicy
 
     assert REMAT_MODES == tuple(p.value for p in RematPolicy)
+
+
+def _readme_tree() -> set[str]:
+    """The folders README.md's tree names ("How it works": `name/` lines, two spaces a level)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("The tree, one line per folder", 1)[1].split("```", 2)[1]
+    folders, path = set(), []
+    for line in block.splitlines():
+        name = line.strip().split(" ", 1)[0]
+        if not name.endswith("/"):
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        path = path[:depth] + [name.rstrip("/")]
+        folders.add("/".join(path))
+    return folders
+
+
+def test_the_readme_tree_names_every_package_and_nothing_else():
+    packages = {str(p.parent.relative_to(ROOT)) for folder in PACKAGES.values()
+                for p in folder.rglob("__init__.py")
+                if not (p.parent.relative_to(ROOT).parts[:1] == ("fxpipe",)
+                        and p.parent.relative_to(ROOT).parts[1:2] in (("passes",), ("models",)))}
+    assert _readme_tree() == packages
