@@ -13,12 +13,13 @@ PACKAGES = {"fxpipe": ROOT / "fxpipe", "fxpipe.passes": ROOT / "passes",
 
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: list[tuple[str, ...]] = [
-    ("fxpipe.errors", "fxpipe.version", "fxpipe.files", "fxpipe.source", "fxpipe.savelock",
-     "fxpipe.userfiles", "fxpipe.figures", "fxpipe.choices"),  # foundation
-    ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
-     "fxpipe.structure", "fxpipe.checkpoint", "fxpipe.resume", "fxpipe.weights",
-     "fxpipe.untouched", "fxpipe.optimizers", "fxpipe.models",
-     "fxpipe.remat_policy"),  # contracts: metadata, names, formats, policies
+    ("fxpipe.errors", "fxpipe.version", "fxpipe.source", "fxpipe.figures", "fxpipe.choices",
+     "fxpipe.files", "fxpipe.savelock",
+     "fxpipe.userfiles"),  # foundation
+    ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.untouched",
+     "fxpipe.optimizers", "fxpipe.models", "fxpipe.remat_policy",
+     "fxpipe.state", "fxpipe.structure", "fxpipe.checkpoint",
+     "fxpipe.resume", "fxpipe.weights"),  # contracts: metadata, names, formats, policies
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces
