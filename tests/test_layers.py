@@ -17,9 +17,10 @@ LAYERS: list[tuple[str, ...]] = [
      "fxpipe.files", "fxpipe.savelock",
      "fxpipe.userfiles"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.untouched",
-     "fxpipe.optimizers", "fxpipe.models", "fxpipe.remat_policy",
      "fxpipe.state", "fxpipe.structure", "fxpipe.checkpoint",
-     "fxpipe.resume", "fxpipe.weights"),  # contracts: metadata, names, formats, policies
+     "fxpipe.resume", "fxpipe.weights",
+     "fxpipe.optimizers", "fxpipe.models",
+     "fxpipe.remat_policy"),  # contracts: metadata, names, formats, policies
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces
