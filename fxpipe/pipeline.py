@@ -308,7 +308,7 @@ def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
     header = stage_header(g, regions, plan, config, model_name, shared, passes)
     text = codegen.generate_stage(g.graph_module, header, class_name=_class_name(g.index),
                                   qualnames=captured.meta.get(ir.QUALNAMES, {}))
-    return BuiltStage(g.index, g.graph_module, text, regions, g)
+    return BuiltStage(g, text, regions)
 
 
 def _class_name(index: int) -> str:
