@@ -36,11 +36,17 @@ class BuiltStage:
     """One stage as the compiler made it: its graph (with send/recv), remat regions and
     generated source. What the runtime reads of it is in Built.spec.stages."""
 
-    index: int
-    graph_module: GraphModule
+    graph: StageGraph  # the split's stage: its graph, inputs and messages
     source: str
     regions: list[RematRegion]
-    graph: StageGraph
+
+    @property
+    def index(self) -> int:
+        return self.graph.index
+
+    @property
+    def graph_module(self) -> GraphModule:
+        return self.graph.graph_module
 
 
 @dataclass

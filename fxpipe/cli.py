@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fxpipe.choices import BALANCE_MODES, MODELS, REMAT_MODES, SHARD_MODES
 from fxpipe.errors import ConfigError, FxPipeError, PipelineRuntimeError
 from fxpipe.runtime.arguments import program_options_help
-from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.schedule import DEFAULT_SCHEDULE, SCHEDULES
 from fxpipe.version import __version__
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="memory per rank the partition and --remat auto fit, like 8GiB or 1.5GB "
                         "(plain numbers are bytes); a rank holding several stages gives each an "
                         "equal share (default: no limit)")
-    p.add_argument("--schedule", default="gpipe", choices=(*SCHEDULES, "auto"),
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE.name, choices=(*SCHEDULES, "auto"),
                    help="pipeline schedule; interleaved-1f1b and zb-v place several stages "
                         "on each rank; auto: the fastest predicted one that fits, on the same "
                         "number of ranks")
@@ -171,7 +171,7 @@ def _command_line(args: argparse.Namespace) -> str:
               "--balance", balance]
     if args.memory_limit is not None:
         words += ["--memory-limit", repr(args.memory_limit)]
-    if args.schedule != "gpipe":
+    if args.schedule != DEFAULT_SCHEDULE.name:
         words += ["--schedule", args.schedule]
     if args.stages_per_rank is not None:
         words += ["--stages-per-rank", str(args.stages_per_rank)]

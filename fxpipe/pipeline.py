@@ -289,7 +289,11 @@ def _auto_candidates(config: CompileConfig) -> list[CompileConfig]:
 
 def _fixed_bytes(g: StageGraph, optimizer: OptimizerMemory) -> float:
     """What a stage holds whatever it recomputes: its parameters and buffers, and for the
-    trainable ones their gradients and the optimizer's state."""
+    trainable ones their gradients and the optimizer's state. The partition's
+    StagePlan.held_bytes is the same sum but for a weight tied across stages, which it counts
+    once, in the stage that first uses it; on its own rank every stage holding one holds a copy
+    with its gradient and optimizer state, so remat="auto" is charged it here wherever it is
+    held (tests/test_remat.py pins the difference)."""
     module = g.graph_module
     trainable = [p for p in module.parameters() if p.requires_grad]
     grads = sum(p.numel() * p.element_size() for p in trainable)
@@ -304,7 +308,7 @@ def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
     header = stage_header(g, regions, plan, config, model_name, shared, passes)
     text = codegen.generate_stage(g.graph_module, header, class_name=_class_name(g.index),
                                   qualnames=captured.meta.get(ir.QUALNAMES, {}))
-    return BuiltStage(g.index, g.graph_module, text, regions, g)
+    return BuiltStage(g, text, regions)
 
 
 def _class_name(index: int) -> str:

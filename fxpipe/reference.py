@@ -26,7 +26,7 @@ from torch import nn
 from fxpipe.losses import LossFn
 from fxpipe.runtime.amp import compiled_autocast
 from fxpipe.runtime.devices import stage_devices
-from fxpipe.runtime.local import draw_base, seeded_forward
+from fxpipe.runtime.forward import draw_base, seeded_forward
 from fxpipe.runtime.loss_split import MEAN, SUM, split_kind
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.rank import shard_batch

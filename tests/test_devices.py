@@ -24,7 +24,7 @@ from fxpipe.runtime.devices import (
     stage_devices,
     to_device,
 )
-from fxpipe.runtime.local import seeded_forward
+from fxpipe.runtime.forward import seeded_forward
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

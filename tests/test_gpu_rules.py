@@ -373,7 +373,7 @@ class _NormNet(nn.Module):
 def test_the_loss_of_replicas_is_each_shard_in_its_micro_batches_combined_as_the_loss_is(
         reduction):
     from fxpipe.reference import replicated_loss
-    from fxpipe.runtime.local import draw_base, seeded_forward
+    from fxpipe.runtime.forward import draw_base, seeded_forward
     torch.manual_seed(0)
     model, x, y = _NormNet(), torch.randn(8, 4), torch.randn(8, 3)
     program = fxpipe.compile(copy.deepcopy(model), (x,), stages=2, chunks=2)

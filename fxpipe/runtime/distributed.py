@@ -20,7 +20,6 @@ the backward, with all ranks agreeing on skipping a step (fxpipe.runtime.amp).
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +33,9 @@ from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
 from fxpipe.runtime.arguments import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
-from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_device
 from fxpipe.runtime.dist_comm import DistComm, TagTable, messages_of
-from fxpipe.runtime.finite import check_finite
-from fxpipe.runtime.local import seeded_forward
+from fxpipe.runtime.forward import run_forward
 from fxpipe.runtime.loss_split import (
     KINDS,
     MEAN,
@@ -76,7 +73,6 @@ from fxpipe.untouched import untouched
 __all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "split_target"]
 
 
-
 @dataclass
 class StepResult:
     loss: float
@@ -112,8 +108,7 @@ class DistributedExecutor:
         self.mesh = mesh
         self.signature = signature
         self.comm_info = {k: v for u in units for k, v in u.spec.messages.items()}
-        self.written = frozenset((c.tag, c.peer, u.spec.index) for u in units
-                                 for c in u.spec.recvs if c.written)  # receives written into
+        self.written = frozenset().union(*(u.spec.written_recvs for u in units))
         self.edges = list(edges)  # every (tag, src, dst) of the program: the same tags on all ranks
         self.random = any(u.random for u in units)
         self.device = device
@@ -265,24 +260,20 @@ class DistributedExecutor:
             unit = self.units[stage]
             try:
                 if action.kind == ActionKind.FORWARD:
-                    view = MicrobatchComm(comm, stage, mb, remat.recomputes(mb, chunks),
-                                          self.device)
-                    args = [to_device(micro[mb][i], self.device) for i in unit.inputs]
-                    with self.timeline.span("forward", stage, mb), \
-                            seeded_forward(base if unit.random else None, mb, devices[stage]), \
-                            (memory.forward((stage, mb)) if memory else contextlib.nullcontext()):
-                        out = unit.module(view, *args)
-                        last = self.is_last(stage)
-                        if self.check_finite:
-                            check_finite(stage, mb, view.sent, out if last else None,
-                                         view.received, args, unit.graph)
-                        if last:
-                            losses[mb] = self._loss(out, to_device(targets[mb], self.device),
-                                                    loss_fn)
-                            values[mb] = losses[mb].detach()
-                            outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
-                                           for o in out]
-                    del view, out  # the comm keeps what the backward needs
+                    last = self.is_last(stage)
+
+                    def keep(out: Any, mb: int = mb) -> None:  # the last stage's loss
+                        losses[mb] = self._loss(out, to_device(targets[mb], self.device),
+                                                loss_fn)
+                        values[mb] = losses[mb].detach()
+                        outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
+                                       for o in out]
+                    run_forward(unit, comm, mb, micro[mb], recompute=remat.recomputes(mb, chunks),
+                                seed_base=base, rng_devices=devices[stage],
+                                check=self.check_finite, check_outputs=last,
+                                modes=self.timeline.span("forward", stage, mb),
+                                track=memory.forward((stage, mb)) if memory else None,
+                                then=keep if last else None)  # the comm keeps what backward needs
                 elif action.kind == ActionKind.INPUT_GRAD:
                     with self.timeline.span("backward", stage, mb, detail=str(action.kind)):
                         comm.backward_input(stage, mb, self._weighted(losses, mb, decided(), scale)

@@ -6,7 +6,7 @@ rolled back first (fxpipe.files.recover_folder).
 
 The digests catch a folder mixed from two programs, a stale or truncated file, or a file copied
 in from elsewhere; they are no defence against someone who edits program.json to match (the
-allow-lists of fxpipe.runtime.spec and fxpipe.runtime.imports are).
+allow-lists of fxpipe.runtime.spec_check and fxpipe.runtime.imports are).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from pathlib import Path
 from fxpipe.errors import ProgramFolderError
 from fxpipe.files import recover_folder
 from fxpipe.runtime.imports import ProgramCode, allowed_loss, code_of_launcher
-from fxpipe.runtime.spec import ProgramJSON, spec_problems
+from fxpipe.runtime.spec_check import spec_problems
+from fxpipe.runtime.spec_json import ProgramJSON
 from fxpipe.userfiles import carry_user_files
 
 __all__ = ["CheckedProgram", "check_program", "file_digest", "is_program", "program_report"]

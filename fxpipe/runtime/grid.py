@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from fxpipe.errors import ConfigError
+from fxpipe.figures import idle_share
 from fxpipe.runtime.schedule import (
     Action,
     ActionKind,
@@ -150,8 +151,8 @@ def render_grid(schedule: Schedule, *, title: str = "", bubble: float | None = N
         percent = 100 * ideal_num / ideal_den
         note = f"bubble = (S-1)/(M+S-1) = {ideal_num}/{ideal_den} = {percent:.0f}%"
     else:
-        total = ticks * ranks
-        note = f"bubble = idle/total = {idle}/{total} = {100 * idle / total:.0f}%"
+        total = ticks * ranks  # the idle share at unit costs (fxpipe.figures, the one bubble)
+        note = f"bubble = idle/total = {idle}/{total} = {100 * idle_share(work, ranks, ticks):.0f}%"
     notes = [f"{title}, {size}" if title else size, note]
     if not flat:
         notes.append("cells: stage, action, micro-batch (2F3: stage 2 forwards micro-batch 3)")

@@ -30,7 +30,8 @@ from fxpipe.runtime.imports import code_of_launcher, import_folders, program_los
 from fxpipe.runtime.mesh import GroupCache, limit_waits, make_groups
 from fxpipe.runtime.rank import mesh_of_world, rank_device
 from fxpipe.runtime.schedule import stages_on
-from fxpipe.runtime.spec import REWRITE_HINT, ProgramSpec
+from fxpipe.runtime.spec import ProgramSpec
+from fxpipe.runtime.spec_json import REWRITE_HINT
 from fxpipe.runtime.stage import StageModule
 from fxpipe.runtime.timeline import Event, write_chrome_trace
 from fxpipe.runtime.written import check_written, stage_tensors

@@ -15,7 +15,6 @@ stage as through one forward of the plain model, on every device the stage uses.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,54 +25,16 @@ from fxpipe.errors import FxPipeError, PipelineRuntimeError
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.amp import AutocastState
 from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
-from fxpipe.runtime.comm import LocalComm, MicrobatchComm
-from fxpipe.runtime.devices import pin_for, stage_devices, to_device
-from fxpipe.runtime.finite import check_finite
+from fxpipe.runtime.comm import LocalComm
+from fxpipe.runtime.devices import pin_for, stage_devices
+from fxpipe.runtime.forward import draw_base, run_forward
 from fxpipe.runtime.grid import chain, play
 from fxpipe.runtime.memory import KeptMemory
 from fxpipe.runtime.schedule import ActionKind, ScheduleKind, schedule_kind
 from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.signature import Signature
 
-__all__ = ["LocalExecutor", "microbatch_seed", "seeded_forward", "draw_base"]
-
-_RNG_LOCK = threading.Lock()
-
-
-def microbatch_seed(base: int, microbatch: int) -> int:
-    """Where micro-batch `microbatch`'s random stream starts: the first stage seeds it, later
-    stages continue it (NOTE [Random streams across stages] in fxpipe.runtime.ops), so the
-    masks are the same whatever runs first."""
-    return (base * 1_000_003 + microbatch) % (2**63 - 1)
-
-
-def draw_base() -> int:
-    """One number from the caller's generator per step, from which every micro-batch's seed
-    comes: seeding torch before a step makes the step reproducible."""
-    return int(torch.randint(0, 2**62, (1,)).item())
-
-
-@contextlib.contextmanager
-def seeded_forward(base: int | None, microbatch: int,
-                   devices: Sequence[torch.device] = ()) -> Iterator[None]:
-    """Runs a stage forward on its micro-batch's RNG stream (when the stage draws random
-    numbers), apart from the caller's: seeded here, and continued by a later stage from the
-    state the stage before it hands over (NOTE [Random streams across stages]).
-
-    devices: the CUDA devices the stage uses (fxpipe.runtime.devices.stage_devices). Each one's
-    generator is forked and seeded, not only the current device's: a stage on cuda:1 would
-    otherwise start every micro-batch from the same restored state, drawing the same masks.
-    """
-    if base is None:
-        yield
-        return
-    indexes = [d.index for d in devices if d.type == "cuda"]
-    with _RNG_LOCK, torch.random.fork_rng(devices=indexes):
-        seed = microbatch_seed(base, microbatch)
-        torch.default_generator.manual_seed(seed)
-        for index in indexes:
-            torch.cuda.default_generators[index].manual_seed(seed)
-        yield
+__all__ = ["LocalExecutor"]
 
 
 class LocalExecutor:
@@ -132,22 +93,27 @@ class LocalExecutor:
 
     def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
               base: int | None, grad: bool, autocast: AutocastState, tracker: Any) -> Any:
+        """The forward in this stage's worker thread, under the caller's grad mode and
+        autocast (both per thread) and on the stage's device."""
         stage = self.stages[s]
-        view = MicrobatchComm(comm, s, mb, self.remat.recomputes(mb, self.chunks), stage.device)
-        args = [to_device(inputs[i], stage.device) for i in stage.inputs]
         devices = stage_devices(stage.device, [*stage.module.parameters(),
                                                *stage.module.buffers()]) if stage.random else []
-        with torch.set_grad_enabled(grad), autocast.enter(), _on(stage.device), \
-                seeded_forward(base if stage.random else None, mb, devices), \
-                (tracker.forward(mb) if tracker is not None else contextlib.nullcontext()):
-            out = stage.module(view, *args)
-        if self.check_finite:
-            check_finite(s, mb, view.sent, out, view.received, args, stage.graph)
-        return out
+        recompute = self.remat.recomputes(mb, self.chunks)
+        return run_forward(stage, comm, mb, inputs, recompute=recompute, seed_base=base,
+                           rng_devices=devices, check=self.check_finite, check_outputs=True,
+                           modes=_thread_modes(grad, autocast, stage.device),
+                           track=tracker.forward(mb) if tracker is not None else None).out
 
     def close(self) -> None:
         for worker in self.workers.values():
             worker.shutdown(wait=False)
+
+
+@contextlib.contextmanager
+def _thread_modes(grad: bool, autocast: AutocastState, device: torch.device) -> Iterator[None]:
+    """The caller's grad mode and autocast, and the stage's device, in a worker thread."""
+    with torch.set_grad_enabled(grad), autocast.enter(), _on(device):
+        yield
 
 
 def _on(device: torch.device) -> Any:

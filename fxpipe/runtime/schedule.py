@@ -45,6 +45,7 @@ __all__ = [
     "interleaved_1f1b",
     "zb_v",
     "SCHEDULES",
+    "DEFAULT_SCHEDULE",
     "LOOPED",
     "make_schedule",
     "placement",
@@ -424,6 +425,9 @@ SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
     ScheduleKind("zb-v", "ZB-V", _ranks_from_stages(zb_v), 2, splits_backward=True, v_shape=True),
 )}
 """Every schedule kind by the name the options accept."""
+
+DEFAULT_SCHEDULE = SCHEDULES["gpipe"]
+"""The schedule a program runs unless told otherwise: fill-drain, as torchgpipe."""
 
 LOOPED = frozenset(name for name, kind in SCHEDULES.items() if kind.looped)
 """The names of the schedules that place several stages on each rank."""

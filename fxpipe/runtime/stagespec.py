@@ -34,6 +34,12 @@ class StageSpec:
         info.update({(c.tag, self.index, c.peer): c.value for c in self.sends})
         return info
 
+    @property
+    def written_recvs(self) -> frozenset[tuple[str, int, int]]:
+        """(value, src stage, dst stage) of the receives the stage writes into in place (it
+        gets a copy of a received leaf that requires grad)."""
+        return frozenset((c.tag, c.peer, self.index) for c in self.recvs if c.written)
+
 
 @dataclass
 class HeldStage:

@@ -24,7 +24,8 @@ from torch import nn
 from fxpipe.errors import CheckpointError, ProgramFolderError
 from fxpipe.runtime.loading import load_named
 from fxpipe.runtime.materialize import initialize
-from fxpipe.runtime.spec import REWRITE_HINT, ProgramSpec
+from fxpipe.runtime.spec import ProgramSpec
+from fxpipe.runtime.spec_json import REWRITE_HINT
 from fxpipe.runtime.stage import StageModule
 from fxpipe.state import StateNames
 from fxpipe.structure import Structure

@@ -34,7 +34,7 @@ from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
 from fxpipe.passes.partition import PartitionPlan, best_round
 from fxpipe.program import Program
-from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
+from fxpipe.runtime.schedule import DEFAULT_SCHEDULE, SCHEDULES, default_stages_per_rank
 from fxpipe.runtime.timeline import Event, busy_time, predicted_events, predicted_step
 from fxpipe.tools.bench_stats import rotated
 from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
@@ -138,8 +138,8 @@ def _single(model: Any, inputs: tuple[Any, ...], target: Any, chunks: int) -> St
 def _build_fxpipe(rank: int, world: int, model: Any, inputs: tuple[Any, ...], target: Any,
                   args: dict[str, Any], skipped: list[str]) -> dict[str, _FxpipeVariant]:
     out: dict[str, _FxpipeVariant] = {}
-    for schedule in SCHEDULES:
-        name = "fxpipe" if schedule == "gpipe" else f"fxpipe_{schedule}"
+    for schedule, kind in SCHEDULES.items():
+        name = "fxpipe" if kind is DEFAULT_SCHEDULE else f"fxpipe_{schedule}"
         _say(rank, f"compiling {name} (balance={args['balance']}, remat={args['remat']}) ...")
         start = time.perf_counter()
         try:
@@ -154,7 +154,8 @@ def _build_fxpipe(rank: int, world: int, model: Any, inputs: tuple[Any, ...], ta
         if remat != args["remat"]:
             _say(rank, f"compiling fxpipe_remat_{remat} ...")
             out[f"fxpipe_remat_{remat}"] = _FxpipeVariant(
-                _compile(model, inputs, world, args, remat, "gpipe"), inputs, target)
+                _compile(model, inputs, world, args, remat, DEFAULT_SCHEDULE.name),
+                inputs, target)
     return out
 
 
