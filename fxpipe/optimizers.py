@@ -8,7 +8,9 @@ setups with master weights keep it in float32. The partition, remat="auto", sche
 the report and the planner all charge a stage `held_bytes` for its trainable parameters.
 
 Sharded across R data-parallel replicas (compile(shard="optimizer"): ZeRO-1), each replica of a
-stage holds 1/R of the states and of the master copy; its gradients stay whole.
+stage holds 1/R of the states and of the master copy; its gradients stay whole. Under
+shard="full" (FSDP2) it holds 1/R of the parameters and their gradients too, between steps;
+within a step the stage's whole parameters and gradients are gathered for its backward passes.
 """
 from __future__ import annotations
 
@@ -54,21 +56,32 @@ class OptimizerMemory:
         `shard` ("none" keeps it whole)."""
         return replace(self, shard=shard, replicas=max(int(replicas), 1))
 
+    @property
+    def weight_share(self) -> float:
+        """The part of the parameters and their gradients one replica holds (shard="full")."""
+        return self.share if self.shard == "full" else 1.0
+
+    def weight_bytes(self, param_bytes: float) -> float:
+        """What one replica holds of parameters taking `param_bytes` in all."""
+        return param_bytes * self.weight_share
+
     def held_bytes(self, grad_bytes: float, elements: float) -> float:
         """Bytes held beyond the weights for `elements` trainable parameter elements whose
         gradients take `grad_bytes`: the gradients, the states and the master copy."""
         if self.extra_bytes is not None:  # the gradient, then the rest (sharded)
             extra = self.extra_bytes * elements
-            return min(extra, grad_bytes) + max(extra - grad_bytes, 0.0) * self.share
+            return min(extra, grad_bytes) * self.weight_share + \
+                max(extra - grad_bytes, 0.0) * self.share
         own = grad_bytes  # the state in the parameter's dtype takes what its gradient takes
         state = self.states * (self.state_bytes * elements if self.state_bytes else own)
         low = grad_bytes < _MASTER_BYTES * elements  # stored below float32
         master = _MASTER_BYTES * elements if self.master_weights and low else 0.0
-        return grad_bytes + (state + master) * self.share
+        return grad_bytes * self.weight_share + (state + master) * self.share
 
     def describe(self) -> str:
-        sharded = f", sharded over {self.replicas} replica{'s' if self.replicas > 1 else ''}" \
-            if self.shard != "none" else ""
+        what = " with the parameters and gradients" if self.shard == "full" else ""
+        sharded = f", sharded{what} over {self.replicas} replica" \
+            f"{'s' if self.replicas > 1 else ''}" if self.shard != "none" else ""
         if self.extra_bytes is not None:
             return f"{self.extra_bytes:g} bytes per parameter beyond the weight{sharded}"
         dtype = f"float{8 * self.state_bytes}" if self.state_bytes else "the parameters' dtype"

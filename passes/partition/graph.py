@@ -297,7 +297,7 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         elements = sum(float(ir.evaluate(c.grad_param_elements, b)) for c in costs)
         act = sum(float(ir.evaluate(c.saved_bytes, b)) for c in costs)
         saved.append(act)
-        held.append(params + optimizer.held_bytes(grads, elements))
+        held.append(optimizer.weight_bytes(params) + optimizer.held_bytes(grads, elements))
         mem_fixed.append(held[-1] + (act if policy.recomputes_any else 0))
         mem_act.append(0.0 if policy.recomputes_any else act)
     # values crossing each cut: produced in atom i, last used in atom j > i -> cuts i+1 .. j
