@@ -23,7 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+try:  # public from torch 2.5
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover - torch 2.4
+    from torch.distributed._tensor import (  # type: ignore[attr-defined]
+        DTensor,
+        distribute_tensor,
+    )
 
 from fxpipe.errors import ConfigError
 

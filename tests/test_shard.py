@@ -246,8 +246,8 @@ def _train_whole(program, optimizer, x, y, steps):
 def full_ranks(rank, world, resume_from, save_to):
     """On 4 ranks under shard="full": (a) the plain 2 x 1 checkpoint resumed, MORE steps;
     (b) a fresh run: how it holds its parameters, STEPS steps with every gradient, a save,
-    MORE steps; (c) one step recomputing every micro-batch; (d) a schedule that splits the
-    backward, refused; (e) the held bytes of an MLP's stage with Adam."""
+    MORE steps; (c) one step recomputing every micro-batch, one under 1F1B; (d) a schedule
+    that splits the backward, refused; (e) the held bytes of an MLP's stage with Adam."""
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -273,10 +273,11 @@ def full_ranks(rank, world, resume_from, save_to):
     out["after_save"] = _train(program, optimizer, x, y, MORE)[0]
     out["report"] = program.report().text()
 
-    model, x, y = _gpt()
-    program = _compile(model, x, shard="full", remat="always")
-    optimizer = program.optimizer(torch.optim.Adam, **ADAM)
-    out["remat"] = _train_whole(program, optimizer, x, y, 1)
+    for name, options in {"remat": {"remat": "always"}, "1f1b": {"schedule": "1f1b"}}.items():
+        model, x, y = _gpt()
+        program = _compile(model, x, shard="full", **options)
+        optimizer = program.optimizer(torch.optim.Adam, **ADAM)
+        out[name] = _train_whole(program, optimizer, x, y, 1)
 
     model, x, y = _gpt()
     program = _compile(model, x, shard="full", schedule="zb-h1")
@@ -336,10 +337,13 @@ def test_full_shards_and_trains_like_the_plain_model_losses_gradients_and_parame
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_full_recomputes_every_micro_batch_like_the_plain_model(full_two_by_two):
+@pytest.mark.parametrize("run", ["remat", "1f1b"])
+def test_full_recomputing_or_under_1f1b_trains_like_the_plain_model(full_two_by_two, run):
+    """remat="always" recomputes every micro-batch's forward in its backward; 1F1B runs
+    forwards after backwards within a step."""
     losses, grads, _ = _plain(1)
     for rank, out in enumerate(full_two_by_two["ranks"]):
-        (loss,), (mine,) = out["remat"]
+        (loss,), (mine,) = out[run]
         assert loss == pytest.approx(losses[0], rel=1e-5, abs=1e-6), rank
         assert mine.keys() == {n for n in out["numel"]}, rank
         for name, grad in mine.items():
