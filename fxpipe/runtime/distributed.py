@@ -12,7 +12,8 @@ joined outputs shows it is (fxpipe.runtime.loss_split), so the accumulated gradi
 of the loss on the whole batch; a loss that is neither, or that data-parallel replicas find of
 different kinds, is refused. Parameters that several stages hold (tied weights) have their
 gradients summed across the ranks that hold them (stages of one rank share the Parameter
-itself); with data parallelism, gradients are then averaged across replicas.
+itself); with data parallelism, gradients are then averaged across replicas (under
+shard="full" by FSDP2's reduce-scatter after the step's last backward, fxpipe.runtime.fsdp).
 
 Mixed precision: the caller's `torch.autocast` applies to the stage (it runs in the caller's
 thread), values cross stages in the dtype they have, and a GradScaler passed to `step` scales
