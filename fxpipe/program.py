@@ -651,7 +651,9 @@ class Program(nn.Module):
                 for name, p in super().named_parameters("", recurse, remove_duplicate))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """This process's parameters and buffers under the model's state_dict keys."""
+        """This process's parameters and buffers under the model's state_dict keys, whole (under
+        shard="full" gathered over the stage's replicas: every rank calls it, as save and load
+        do)."""
         out = {k: v.detach() for k, v in self._state_names().state_dict(
             self._stage_modules()).items()}
         if self._holds_first_stage():
