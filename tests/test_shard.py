@@ -466,6 +466,20 @@ def test_the_partition_and_the_report_charge_a_replica_its_share():
                        memory_limit=limit)
 
 
+def test_full_refuses_stages_of_one_rank_sharing_a_parameter_and_a_torch_without_fsdp2(
+        monkeypatch):
+    from fxpipe.runtime.fsdp import FullShard, fully_shard_function
+
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    second.weight = first.weight  # a tied weight in two stages of one rank
+    with pytest.raises(ConfigError, match="stages 0 and 1 of this rank share a parameter"):
+        FullShard([first, second], mesh=None)
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)
+    monkeypatch.setitem(sys.modules, "torch.distributed._composable.fsdp", None)
+    with pytest.raises(ConfigError, match="shard='full' needs FSDP2's fully_shard"):
+        fully_shard_function()
+
+
 def test_a_program_makes_the_plain_optimizer_without_replicas():
     model, (x,) = mlp.build()
     program = fxpipe.compile(copy.deepcopy(model), (x,), stages=2, chunks=2, profile="a100",
