@@ -144,19 +144,12 @@ def check_config(config: CompileConfig) -> None:
 
 
 def check_shard(shard: object, replicas: object = None) -> None:
-    """Refuses an unknown shard mode, shard="full" (not available yet) and a replica count
-    that is not a positive integer."""
+    """Refuses an unknown shard mode and a replica count that is not a positive integer."""
     if shard not in SHARD_MODES:
         raise ConfigError(f"unknown shard mode {shard!r}",
                           hint=f"use one of {SHARD_MODES}: 'optimizer' splits the optimizer's "
-                               "state over the data-parallel replicas (ZeRO-1)")
-    if shard == "full":
-        raise ConfigError("shard='full' (gradients and parameters sharded with FSDP2's "
-                          "fully_shard) is not implemented yet: the stages' micro-batch "
-                          "backward and gradient averaging are fxpipe's own, and FSDP2 would "
-                          "have to take them over",
-                          hint="use shard='optimizer' (ZeRO-1: the optimizer's state split "
-                               "over the replicas)")
+                               "state over the data-parallel replicas (ZeRO-1), 'full' the "
+                               "parameters and gradients too (FSDP2)")
     if replicas is not None and not (isinstance(replicas, int) and not isinstance(replicas, bool)
                                      and replicas >= 1):
         raise ConfigError(f"replicas must be an integer >= 1 (got {replicas!r})",

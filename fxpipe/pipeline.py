@@ -297,8 +297,9 @@ def _fixed_bytes(g: StageGraph, optimizer: OptimizerMemory) -> float:
     module = g.graph_module
     trainable = [p for p in module.parameters() if p.requires_grad]
     grads = sum(p.numel() * p.element_size() for p in trainable)
-    return float(sum(t.numel() * t.element_size() for t in [*module.parameters(),
-                                                            *module.buffers()])
+    # buffers counted with the parameters, as the cost model counts them (fxpipe.ir)
+    return float(optimizer.weight_bytes(sum(t.numel() * t.element_size()
+                                            for t in [*module.parameters(), *module.buffers()]))
                  + optimizer.held_bytes(grads, sum(p.numel() for p in trainable)))
 
 

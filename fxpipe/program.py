@@ -183,6 +183,12 @@ class Program(nn.Module):
         measured once and kept, with a warning that says so.
         """
         built = self._require_built("plan to rebalance")
+        rank = self._rank
+        if self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1:
+            raise ConfigError("program.rebalance() cannot move stages whose parameters FSDP2 "
+                              "shards over the replicas (shard='full')",
+                              hint="save a checkpoint, compile the new cut, and load it into "
+                                   "the new program and a new program.optimizer(...)")
         if optimizer is not None and is_sharded(optimizer):
             raise ConfigError("program.rebalance() cannot move the state of an optimizer "
                               "sharded over the replicas (shard='optimizer')",
@@ -539,7 +545,9 @@ class Program(nn.Module):
         """`optimizer_class(program.parameters(), **kwargs)`, right for the program's shard
         mode: under shard="optimizer" with data-parallel replicas (torchrun), a
         torch.distributed.optim.ZeroRedundancyOptimizer of it over this stage's replicas (each
-        holds about 1/R of the state). None on a rank whose stages hold no parameters.
+        holds about 1/R of the state); under shard="full" the plain one over the FSDP2-sharded
+        parameters (DTensors: each replica holds 1/R of the state too). None on a rank whose
+        stages hold no parameters.
         `program.save(dir, optimizer=...)` and `program.load(dir, optimizer=...)` take it."""
         self._require_built("parameters to optimize")
         self._require_weights()
@@ -643,7 +651,9 @@ class Program(nn.Module):
                 for name, p in super().named_parameters("", recurse, remove_duplicate))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """This process's parameters and buffers under the model's state_dict keys."""
+        """This process's parameters and buffers under the model's state_dict keys, whole (under
+        shard="full" gathered over the stage's replicas: every rank calls it, as save and load
+        do)."""
         out = {k: v.detach() for k, v in self._state_names().state_dict(
             self._stage_modules()).items()}
         if self._holds_first_stage():

@@ -17,7 +17,7 @@ import torch
 
 from fxpipe.checkpoint import Checkpoint
 from fxpipe.errors import CheckpointError
-from fxpipe.sharding import current_state, optimizer_kind
+from fxpipe.sharding import current_state, optimizer_kind, shard_state
 from fxpipe.structure import Structure, TensorSpec
 
 __all__ = ["fit_state", "restore_optimizer"]
@@ -125,3 +125,4 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, checkpoint: Checkpoint,
                        "params": list(range(position, position + count))})
         position += count
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    shard_state(optimizer)  # shard="full": each replica keeps its part of the whole state

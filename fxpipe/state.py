@@ -18,6 +18,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from fxpipe import ir
+from fxpipe.sharding import shard_like, whole
 
 __all__ = ["StateNames", "HoldsModelTensors", "graph_tensors"]
 
@@ -63,10 +64,15 @@ class StateNames:
         return {q: list(keys) for q, keys in sorted(self.keys.items())}
 
     def state_dict(self, modules: Iterable[HoldsModelTensors]) -> dict[str, torch.Tensor]:
-        """Every state_dict key of the model that these stages hold, with the stage's tensor."""
+        """Every state_dict key of the model that these stages hold, with the stage's tensor
+        (whole: a shard="full" stage's parameters are gathered, collectively over its
+        replicas)."""
         out: dict[str, torch.Tensor] = {}
         for qualname, tensor in _named(modules).items():
-            for key in self.keys.get(qualname, ()):
+            keys = self.keys.get(qualname, ())
+            if keys:
+                tensor = whole(tensor)
+            for key in keys:
                 out[key] = tensor
         return out
 
@@ -87,7 +93,7 @@ class StateNames:
             for qualname, tensor in _named(modules).items():
                 for key in self.keys.get(qualname, ()):
                     if key in state:
-                        tensor.copy_(state[key])
+                        tensor.copy_(shard_like(state[key], tensor))
                         used.append(key)
                         break
         return used

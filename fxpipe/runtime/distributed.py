@@ -12,7 +12,8 @@ joined outputs shows it is (fxpipe.runtime.loss_split), so the accumulated gradi
 of the loss on the whole batch; a loss that is neither, or that data-parallel replicas find of
 different kinds, is refused. Parameters that several stages hold (tied weights) have their
 gradients summed across the ranks that hold them (stages of one rank share the Parameter
-itself); with data parallelism, gradients are then averaged across replicas.
+itself); with data parallelism, gradients are then averaged across replicas (under
+shard="full" by FSDP2's reduce-scatter after the step's last backward, fxpipe.runtime.fsdp).
 
 Mixed precision: the caller's `torch.autocast` applies to the stage (it runs in the caller's
 thread), values cross stages in the dtype they have, and a GradScaler passed to `step` scales
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
+from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError, RuntimeInputError
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
 from fxpipe.runtime.arguments import DEFAULT_DP_BUCKET_BYTES
@@ -36,6 +37,7 @@ from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_device
 from fxpipe.runtime.dist_comm import DistComm, TagTable, messages_of
 from fxpipe.runtime.forward import run_forward
+from fxpipe.runtime.fsdp import FullShard
 from fxpipe.runtime.loss_split import (
     KINDS,
     MEAN,
@@ -67,6 +69,7 @@ from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.runtime.strict import make_transport
 from fxpipe.runtime.timeline import Event
 from fxpipe.runtime.transport import Transport
+from fxpipe.sharding import local_part
 from fxpipe.signature import Signature
 from fxpipe.untouched import untouched
 
@@ -103,7 +106,8 @@ class DistributedExecutor:
                  pp_group: Any = None, shared: dict[str, list[int]] | None = None,
                  shared_groups: dict[str, Any] | None = None,
                  dp_group: Any = None, check_finite: bool = False,
-                 dp_bucket_bytes: int = DEFAULT_DP_BUCKET_BYTES, p2p: str | None = None) -> None:
+                 dp_bucket_bytes: int = DEFAULT_DP_BUCKET_BYTES, p2p: str | None = None,
+                 full_shard: FullShard | None = None) -> None:
         self.units = {u.index: u for u in units}
         self.mesh = mesh
         self.signature = signature
@@ -117,6 +121,8 @@ class DistributedExecutor:
         self.shared = shared or {}
         self.shared_groups = shared_groups or {}
         self.check_finite = check_finite
+        # shard="full": FSDP2 holds the stages' parameters and averages their gradients
+        self.full_shard = full_shard
         self.timeline = make_timeline(device)
         self.record_memory = False
         # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
@@ -134,7 +140,8 @@ class DistributedExecutor:
         # Replica averaging of untied gradients overlaps the last backward (0: after it).
         # Tied parameters wait for their sum over stages, which needs every stage's backward.
         self.averager = None
-        if dp_group is not None and mesh.replicas > 1 and dp_bucket_bytes > 0:
+        if dp_group is not None and mesh.replicas > 1 and dp_bucket_bytes > 0 and \
+                full_shard is None:
             tied = {id(t) for name, t in self.named_tensors().items() if name in self.shared}
             self.averager = ReplicaAverager((p for p in self.parameters() if id(p) not in tied),
                                             dp_group, mesh.replicas, dp_bucket_bytes)
@@ -223,6 +230,9 @@ class DistributedExecutor:
         self.timeline.reset()
         if self.averager:
             self.averager.armed = False  # armed only during the last backward
+        if self.full_shard is not None:
+            self._refuse_split_backward(ticks)
+            self.full_shard.accumulate()
         discard_batch_norms()
         losses: dict[int, torch.Tensor] = {}
         outputs: dict[int, list[Any]] = {}  # the last stage's, detached: the batch's loss
@@ -322,6 +332,8 @@ class DistributedExecutor:
         first = min(self.units)
         try:
             with self.timeline.span("reduce", first, -1):
+                if self.full_shard is not None:
+                    self.full_shard.reduce()
                 self._reduce_gradients()
             dist.broadcast(verdict, src=self.mesh.rank_of(last_stage), group=self.pp_group)
             if scale is not None:
@@ -479,6 +491,16 @@ class DistributedExecutor:
             raise refusal(loss_fn, full, parts, assumed, halves)
         return assumed or kind or self.loss_kinds.get(key, MEAN)
 
+    def _refuse_split_backward(self, ticks: Sequence[Tick]) -> None:
+        split = sorted({str(t.action.kind) for t in ticks if t.action is not None
+                        and t.action.kind in (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD)})
+        if split:
+            raise ConfigError(f"shard='full' cannot run a schedule that splits the backward "
+                              f"(this one has {' and '.join(split)} actions): FSDP2 reduces "
+                              "the gradients of whole backward passes",
+                              hint="use schedule='gpipe', '1f1b' or 'interleaved-1f1b', or "
+                                   "shard='optimizer'")
+
     def _reduce_gradients(self) -> None:
         """Sums tied parameters' gradients over the ranks that hold them, then averages every
         gradient over data-parallel replicas."""
@@ -490,8 +512,9 @@ class DistributedExecutor:
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
-        if self.dp_group is None or self.mesh.replicas == 1:
+            # under shard="full" each holder's shard of it: the same part of the same shape
+            dist.all_reduce(local_part(param.grad), group=group)
+        if self.dp_group is None or self.mesh.replicas == 1 or self.full_shard is not None:
             return
         tied = set()
         if self.averager is not None:

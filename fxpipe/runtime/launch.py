@@ -135,7 +135,8 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     # A rank whose stages hold no parameters (an activation, a skip's addition) has nothing to
     # update: no optimizer, and its loss scale follows the ranks that step. Under
-    # shard="optimizer" the replicas of a stage share one (fxpipe.sharding).
+    # shard="optimizer" the replicas of a stage share one, under shard="full" it steps FSDP2's
+    # shards of the parameters (fxpipe.sharding).
     optimizer = make_optimizer(params, torch.optim.SGD, shard=spec.shard, group=group,
                                replicas=replicas, lr=args.lr, momentum=0.9)
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range

@@ -17,6 +17,7 @@ from fxpipe.errors import ConfigError, RuntimeInputError
 from fxpipe.losses import LossFn
 from fxpipe.runtime.backend import carries_cuda, cuda_index_for, local_rank
 from fxpipe.runtime.distributed import DistributedExecutor, StepResult
+from fxpipe.runtime.fsdp import FullShard
 from fxpipe.runtime.mesh import Groups, Mesh, average_over_replicas
 from fxpipe.runtime.spec import ProgramSpec
 from fxpipe.runtime.stagespec import HeldStage
@@ -130,9 +131,15 @@ def setup_rank(stages: Sequence[HeldStage], spec: ProgramSpec, *, mesh: Mesh, gr
                device: torch.device, check_finite: bool = False,
                dp_bucket_mb: float = 25.0) -> RankStage:
     """Builds the executor of this rank's stages of `spec`; their modules already sit on
-    `device` and share their tied parameters."""
+    `device` and share their tied parameters. Under shard="full" with several replicas FSDP2
+    shards them over the replicas first (fxpipe.runtime.fsdp)."""
+    full_shard = None
+    if spec.shard == "full" and mesh.replicas > 1:
+        assert groups.device_mesh is not None  # made whenever there are replicas
+        full_shard = FullShard([st.module for st in stages], groups.device_mesh["dp"])
     executor = DistributedExecutor(
         units=stages, mesh=mesh, signature=spec.signature, edges=spec.edges, device=device,
         pp_group=groups.pp, dp_group=groups.dp, shared=spec.shared, shared_groups=groups.shared,
-        check_finite=check_finite, dp_bucket_bytes=int(dp_bucket_mb * 2**20))
+        check_finite=check_finite, dp_bucket_bytes=int(dp_bucket_mb * 2**20),
+        full_shard=full_shard)
     return RankStage(executor, mesh, groups, spec)

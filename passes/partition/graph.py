@@ -364,7 +364,8 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         forward.append(fwd)
         recomputed.append(again)
         act = facts.saved[a]
-        held.append(facts.params[a] + optimizer.held_bytes(facts.grads[a], facts.elements[a]))
+        held.append(optimizer.weight_bytes(facts.params[a])
+                    + optimizer.held_bytes(facts.grads[a], facts.elements[a]))
         mem_fixed.append(held[-1] + (act if policy.recomputes_any else 0))
         mem_act.append(0.0 if policy.recomputes_any else act)
     if balance == "params":
