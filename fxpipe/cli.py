@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from fxpipe.choices import BALANCE_MODES, MODELS, REMAT_MODES, SHARD_MODES
 from fxpipe.errors import ConfigError, FxPipeError, PipelineRuntimeError
-from fxpipe.runtime.arguments import program_options_help
-from fxpipe.runtime.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from fxpipe.runtime.program.arguments import program_options_help
 from fxpipe.version import __version__
 
 if TYPE_CHECKING:
@@ -260,14 +260,14 @@ def _shards(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.folder import program_report
+    from fxpipe.runtime.program.folder import program_report
 
     print(program_report(args.dir, as_json=args.json), end="")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.torchrun import plan_run, run_program
+    from fxpipe.runtime.program.torchrun import plan_run, run_program
 
     plan = plan_run(args.dir, args.nproc, args.port, args.program_args)
     return run_program(plan, debug=args.debug)

@@ -322,7 +322,7 @@ def test_the_planner_weighs_sharding_the_optimizer_over_the_replicas():
 
 def test_the_command_line_compiles_with_shard_and_program_json_records_it(tmp_path, capsys):
     from fxpipe.cli import main
-    from fxpipe.runtime.spec import spec_problems
+    from fxpipe.runtime.program.spec import spec_problems
 
     out = tmp_path / "out"
     assert main(["compile", "fxpipe.models.mlp:build", "--stages", "2", "--chunks", "2",

@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from fxpipe.errors import CheckpointError, ProgramFolderError
-from fxpipe.runtime.loading import load_named
-from fxpipe.runtime.materialize import initialize
-from fxpipe.runtime.spec import ProgramSpec
-from fxpipe.runtime.spec_json import REWRITE_HINT
+from fxpipe.runtime.program.loading import load_named
+from fxpipe.runtime.program.materialize import initialize
+from fxpipe.runtime.program.spec import ProgramSpec
+from fxpipe.runtime.program.spec_json import REWRITE_HINT
 from fxpipe.runtime.stage import StageModule
-from fxpipe.state import StateNames
-from fxpipe.structure import Structure
-from fxpipe.weights import open_weights
+from fxpipe.storage.state import StateNames
+from fxpipe.storage.structure import Structure
+from fxpipe.storage.weights import open_weights
 
 __all__ = ["stage_tensors", "check_names", "check_written"]
 

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from fxpipe.errors import ConfigError, RuntimeInputError
 from fxpipe.losses import LossFn
-from fxpipe.runtime.backend import carries_cuda, cuda_index_for, local_rank
-from fxpipe.runtime.distributed import DistributedExecutor, StepResult
-from fxpipe.runtime.mesh import Groups, Mesh, average_over_replicas
-from fxpipe.runtime.spec import ProgramSpec
-from fxpipe.runtime.stagespec import HeldStage
+from fxpipe.runtime.communication.backend import carries_cuda, cuda_index_for, local_rank
+from fxpipe.runtime.communication.mesh import Groups, Mesh, average_over_replicas
+from fxpipe.runtime.execution.distributed import DistributedExecutor, StepResult
+from fxpipe.runtime.execution.stagespec import HeldStage
+from fxpipe.runtime.program.spec import ProgramSpec
 from fxpipe.signature import Signature
 
 __all__ = ["RankStage", "setup_rank", "mesh_of_world",
@@ -27,8 +27,8 @@ __all__ = ["RankStage", "setup_rank", "mesh_of_world",
 
 
 def rank_device(backend: str | None = None, *, say: bool = True) -> torch.device:
-    """The device of this rank's stages (fxpipe.runtime.backend): its own GPU when the backend
-    moves CUDA tensors, which becomes the current device as NCCL needs before its first
+    """The device of this rank's stages (fxpipe.runtime.communication.backend): its own GPU when the
+    backend moves CUDA tensors, which becomes the current device as NCCL needs before its first
     collective; else the CPU, said in one line when this node has GPUs (`say`: a launcher that
     chose gloo for more ranks than GPUs said it already)."""
     backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")

@@ -4,9 +4,10 @@ Pure (no torch): the distributed executor turns a rank's plan into `batch_isend_
 
 A schedule is given per rank (`actions_by_rank[r]`, the actions rank r runs in order; a rank may
 run several stages) together with the stage -> rank placement and the stages' data edges
-(src, dst). `clock` plays the ranks on the one unit-time clock (`fxpipe.runtime.grid.play`):
-every rank starts its next action at the first tick when the actions it depends on ended in an
-earlier tick. Every rank computes the same clock from the same inputs.
+(src, dst). `clock` plays the ranks on the one unit-time clock
+(`fxpipe.runtime.planning.grid.play`): every rank starts its next action at the first tick when the
+actions it depends on ended in an earlier tick. Every rank computes the same clock from the same
+inputs.
 
 A message is one tensor (or scalar) crossing ranks: an activation from F(src, m) to F(dst, m), or
 its gradient from the backward of dst to the backward of src. `plan_rank` posts each message at
@@ -39,8 +40,8 @@ it then runs its action of tick t, first waiting only for the receives that acti
 3. The data of a send is ready when posted: its producer ran at an earlier tick on this rank.
 
 A tick may post two batches, both derived from the plan on both ends (the dtype headers of the
-first step under autocast, waited for, then the data; fxpipe/runtime/dist_comm.py): the argument
-holds with each batch as a tick of its own.
+first step under autocast, waited for, then the data; fxpipe/runtime/communication/dist_comm.py):
+the argument holds with each batch as a tick of its own.
 
 Nothing depends on tags, on buffering, or on how long an action takes (the clock only orders,
 it does not time). tests/test_p2p_plan.py checks 1-3 on many schedules with a model of these
@@ -64,8 +65,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.grid import play
-from fxpipe.runtime.schedule import Action, ActionKind
+from fxpipe.runtime.planning.grid import play
+from fxpipe.runtime.planning.schedule import Action, ActionKind
 
 __all__ = ["Message", "Tick", "clock", "plan_rank", "RECEIVE_LEAD"]
 
@@ -110,8 +111,9 @@ def _key(a: Action) -> ActionKey:
 
 def clock(actions_by_rank: Sequence[Sequence[Action]],
           edges: Iterable[tuple[int, int]]) -> dict[ActionKey, int]:
-    """The tick of every action, the ranks played on the one clock (fxpipe.runtime.grid.play)
-    along the stages' data edges. Raises ConfigError if the order deadlocks."""
+    """The tick of every action, the ranks played on the one clock
+    (fxpipe.runtime.planning.grid.play) along the stages' data edges. Raises ConfigError if the
+    order deadlocks."""
     return {_key(a): tick for tick, row in enumerate(play(actions_by_rank, edges))
             for a in row if a is not None}
 

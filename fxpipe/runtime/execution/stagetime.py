@@ -18,10 +18,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.remat_policy import RematPolicy, remat_policy
-from fxpipe.runtime.batchnorm import discard_batch_norms
 from fxpipe.runtime.comm import MicrobatchComm
-from fxpipe.runtime.devices import to_device
-from fxpipe.runtime.stagespec import HeldStage
+from fxpipe.runtime.execution.batchnorm import discard_batch_norms
+from fxpipe.runtime.execution.devices import to_device
+from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.signature import Signature
 
 __all__ = ["time_stages"]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fxpipe.errors import ConfigError, RuntimeInputError
-from fxpipe.runtime.imports import ProgramCode, import_folders, import_user_module
+from fxpipe.runtime.program.imports import ProgramCode, import_folders, import_user_module
 from fxpipe.signature import Signature
 
 __all__ = ["Batch", "user_batches"]

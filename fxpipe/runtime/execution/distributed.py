@@ -4,19 +4,19 @@ Every rank calls `step(inputs, target)` with the whole batch; each runs its own 
 (one stage, or several under a looped schedule) in schedule order (GPipe: all forwards, then all
 backwards; 1F1B interleaves them; ZB-H1 and ZB-V split each backward into its input and weight
 gradients, NOTE [Split backward] in dist_comm.py), exchanging
-activations and gradients with its peers (fxpipe.runtime.dist_comm.DistComm). The actions run on the
-ticks of a clock all ranks share (fxpipe.runtime.plan), and each tick's sends and receives are
-posted together, in one agreed order, so no schedule can deadlock under NCCL. Each micro-batch's
-loss starts its backward weighted as a mean or a sum over examples, whichever the loss of the
-joined outputs shows it is (fxpipe.runtime.loss_split), so the accumulated gradients equal those
-of the loss on the whole batch; a loss that is neither, or that data-parallel replicas find of
-different kinds, is refused. Parameters that several stages hold (tied weights) have their
-gradients summed across the ranks that hold them (stages of one rank share the Parameter
+activations and gradients with its peers (fxpipe.runtime.communication.dist_comm.DistComm). The
+actions run on the ticks of a clock all ranks share (fxpipe.runtime.planning.plan), and each tick's
+sends and receives are posted together, in one agreed order, so no schedule can deadlock under NCCL.
+Each micro-batch's loss starts its backward weighted as a mean or a sum over examples, whichever the
+loss of the joined outputs shows it is (fxpipe.runtime.execution.loss_split), so the accumulated
+gradients equal those of the loss on the whole batch; a loss that is neither, or that data-parallel
+replicas find of different kinds, is refused. Parameters that several stages hold (tied weights)
+have their gradients summed across the ranks that hold them (stages of one rank share the Parameter
 itself); with data parallelism, gradients are then averaged across replicas.
 
 Mixed precision: the caller's `torch.autocast` applies to the stage (it runs in the caller's
 thread), values cross stages in the dtype they have, and a GradScaler passed to `step` scales
-the backward, with all ranks agreeing on skipping a step (fxpipe.runtime.amp).
+the backward, with all ranks agreeing on skipping a step (fxpipe.runtime.execution.amp).
 """
 from __future__ import annotations
 
@@ -30,13 +30,16 @@ from torch import nn
 
 from fxpipe.errors import PeerLostError, PipelineRuntimeError, RuntimeInputError
 from fxpipe.remat_policy import RematPolicy, remat_policy
-from fxpipe.runtime.amp import AutocastState, agree_on_overflow, loss_scale
-from fxpipe.runtime.arguments import DEFAULT_DP_BUCKET_BYTES
-from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
-from fxpipe.runtime.devices import make_timeline, pin_for, stage_devices, to_device
-from fxpipe.runtime.dist_comm import DistComm, TagTable, messages_of
-from fxpipe.runtime.forward import run_forward
-from fxpipe.runtime.loss_split import (
+from fxpipe.runtime.communication.dist_comm import DistComm, TagTable, messages_of
+from fxpipe.runtime.communication.mesh import Mesh
+from fxpipe.runtime.communication.overlap import ReplicaAverager
+from fxpipe.runtime.communication.strict import make_transport
+from fxpipe.runtime.communication.transport import Transport
+from fxpipe.runtime.execution.amp import AutocastState, agree_on_overflow, loss_scale
+from fxpipe.runtime.execution.batchnorm import commit_batch_norms, discard_batch_norms
+from fxpipe.runtime.execution.devices import make_timeline, pin_for, stage_devices, to_device
+from fxpipe.runtime.execution.forward import run_forward
+from fxpipe.runtime.execution.loss_split import (
     KINDS,
     MEAN,
     MIXED,
@@ -53,20 +56,17 @@ from fxpipe.runtime.loss_split import (
     undecidable,
     weight_of,
 )
-from fxpipe.runtime.memory import KeptMemory
-from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.overlap import ReplicaAverager
-from fxpipe.runtime.plan import Tick, plan_rank
-from fxpipe.runtime.schedule import (
+from fxpipe.runtime.execution.memory import KeptMemory
+from fxpipe.runtime.execution.stagespec import HeldStage
+from fxpipe.runtime.planning.plan import Tick, plan_rank
+from fxpipe.runtime.planning.schedule import (
     ActionKind,
     ScheduleKind,
     schedule_kind,
     stage_ranks,
 )
-from fxpipe.runtime.stagespec import HeldStage
-from fxpipe.runtime.strict import make_transport
-from fxpipe.runtime.timeline import Event
-from fxpipe.runtime.transport import Transport
+from fxpipe.runtime.planning.timeline import Event
+from fxpipe.runtime.program.arguments import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.signature import Signature
 from fxpipe.untouched import untouched
 
@@ -120,7 +120,7 @@ class DistributedExecutor:
         self.timeline = make_timeline(device)
         self.record_memory = False
         # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
-        # None reads FXPIPE_P2P (fxpipe/runtime/transport.py)
+        # None reads FXPIPE_P2P (fxpipe/runtime/communication/transport.py)
         self.transport: Transport = make_transport(p2p, pp_group)
         self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
         # dtypes of received values under each autocast state, learned on its first step
@@ -162,12 +162,12 @@ class DistributedExecutor:
 
         scaler: a torch.amp.GradScaler; the backward runs on the scaled loss (the returned loss
         is not scaled) and all ranks agree on skipping the step (NOTE [Loss scaling across
-        ranks] in fxpipe/runtime/amp.py).
+        ranks] in fxpipe/runtime/execution/amp.py).
 
         The loss is computed per micro-batch and once on the joined outputs: the step returns the
         latter, and weights each micro-batch's backward as the comparison shows (NOTE in
-        fxpipe.runtime.loss_split). Raises LossError on every rank for a loss that is neither a
-        mean nor a sum over examples, or whose kind the replicas cannot find or agree on.
+        fxpipe.runtime.execution.loss_split). Raises LossError on every rank for a loss that is
+        neither a mean nor a sum over examples, or whose kind the replicas cannot find or agree on.
         """
         key = loss_key(loss_fn, target is not None)
         kind = schedule_kind(schedule)
@@ -335,7 +335,8 @@ class DistributedExecutor:
         used = self._settle(numbers, loss_fn, key, assumed, probe, halves)
         sends_held = self.transport.peak
         self.transport.reset_peak()
-        # the replicas' losses are averaged (fxpipe.runtime.mesh): a sum's is their sum
+        # the replicas' losses are averaged (fxpipe.runtime.communication.mesh): a sum's is their
+        # sum
         self.last = StepResult(numbers[0] * (replicas if used == SUM else 1),
                                self.timeline.take(),
                                memory.peak if memory else 0, sends_held, overflow)
@@ -351,7 +352,7 @@ class DistributedExecutor:
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
 
     def _plan(self, schedule: ScheduleKind, chunks: int, early: bool) -> list[Tick]:
-        """This rank's ticks (fxpipe.runtime.plan): the same clock on every rank; `early`
+        """This rank's ticks (fxpipe.runtime.planning.plan): the same clock on every rank; `early`
         posts receives some actions before their consumer (NOTE [Early receives] there)."""
         key = (schedule, chunks, early)
         if key not in self.plans:
@@ -401,8 +402,8 @@ class DistributedExecutor:
                halves: bool, known: str | None
                ) -> tuple[float, list[float], str | None, list[int]]:
         """The loss of the whole batch (its outputs joined, as in one process), its parts'
-        losses, the kind the replicas agree on (fxpipe.runtime.loss_split), and how many found
-        each kind. The parts are the micro-batches, or with `halves` the two halves of the one
+        losses, the kind the replicas agree on (fxpipe.runtime.execution.loss_split), and how many
+        found each kind. The parts are the micro-batches, or with `halves` the two halves of the one
         micro-batch; a micro-batch of one example has none and takes the `known` kind."""
         if halves:
             full = float(values[0])

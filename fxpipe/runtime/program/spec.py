@@ -1,10 +1,10 @@
 """The runtime plan (ProgramSpec) and program.json, the plan as plain JSON (no pickles, no eval).
 
 Shapes are stored as integer polynomial coefficients in the micro-batch size b, dtypes by name
-(the fields: fxpipe.runtime.spec_json), so reading the file back never executes anything it
+(the fields: fxpipe.runtime.program.spec_json), so reading the file back never executes anything it
 contains. Every field is checked against what fxpipe writes before anything reads it
-(fxpipe.runtime.spec_check). The code a program imports (its loss, its output types' modules) is
-named in program.py, never by this file alone (fxpipe.runtime.imports).
+(fxpipe.runtime.program.spec_check). The code a program imports (its loss, its output types'
+modules) is named in program.py, never by this file alone (fxpipe.runtime.program.imports).
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import torch.utils._pytree as pytree
 
 from fxpipe import ir
 from fxpipe.errors import CheckpointError, CodegenError, ProgramFolderError
-from fxpipe.runtime.schedule import placement
-from fxpipe.runtime.spec_check import out_spec_problem, spec_problems
-from fxpipe.runtime.spec_json import (
+from fxpipe.runtime.execution.stagespec import StageSpec
+from fxpipe.runtime.planning.schedule import placement
+from fxpipe.runtime.planning.timeline import EventJSON
+from fxpipe.runtime.program.spec_check import out_spec_problem, spec_problems
+from fxpipe.runtime.program.spec_json import (
     DTYPES,
     REWRITE_HINT,
     CommJSON,
@@ -30,10 +32,8 @@ from fxpipe.runtime.spec_json import (
     StageJSON,
     ValueJSON,
 )
-from fxpipe.runtime.stagespec import StageSpec
-from fxpipe.runtime.timeline import EventJSON
 from fxpipe.signature import LeafSpec, Signature
-from fxpipe.structure import Structure
+from fxpipe.storage.structure import Structure
 from fxpipe.version import __version__
 
 __all__ = ["ProgramSpec", "stage_to_json", "stage_from_json", "value_to_json", "value_from_json",

@@ -1,5 +1,5 @@
-"""Checks a program.json against what fxpipe writes (fxpipe.runtime.spec_json) before anything
-reads it: an edited file is refused with every field that is wrong, its value and what is
+"""Checks a program.json against what fxpipe writes (fxpipe.runtime.program.spec_json) before
+anything reads it: an edited file is refused with every field that is wrong, its value and what is
 allowed, never a raw error later."""
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import torch.utils._pytree as pytree
 from fxpipe.choices import SHARD_MODES
 from fxpipe.errors import CheckpointError, ConfigError
 from fxpipe.remat_policy import REMAT_MODES
-from fxpipe.runtime.amp import AUTOCAST_DTYPES
-from fxpipe.runtime.schedule import SCHEDULES, check_layout
-from fxpipe.runtime.spec_json import (
+from fxpipe.runtime.execution.amp import AUTOCAST_DTYPES
+from fxpipe.runtime.planning.schedule import SCHEDULES, check_layout
+from fxpipe.runtime.planning.timeline import EventJSON
+from fxpipe.runtime.program.spec_json import (
     DTYPES,
     CommJSON,
     LeafJSON,
@@ -23,8 +24,7 @@ from fxpipe.runtime.spec_json import (
     StageJSON,
     TensorJSON,
 )
-from fxpipe.runtime.timeline import EventJSON
-from fxpipe.structure import Structure
+from fxpipe.storage.structure import Structure
 
 __all__ = ["spec_problems", "out_spec_problem", "is_inside_path"]
 

@@ -2,12 +2,13 @@
 
 `post(ops)` posts the operations of one tick as one batch and returns a handle per receive;
 the transport holds each send's tensor until that send completes (not until the step ends), and
-`flush()` waits for them all. fxpipe/runtime/plan.py says in what order batches are posted.
+`flush()` waits for them all. fxpipe/runtime/planning/plan.py says in what order batches are posted.
 
 * `TorchTransport` calls `dist.batch_isend_irecv`: one NCCL group under nccl, one isend/irecv
   per operation under gloo (with a tag per message, so a wrong order hangs instead of
   delivering the wrong tensor).
-* `StrictTransport` (fxpipe/runtime/strict.py) runs on gloo and behaves like NCCL, to test
+* `StrictTransport` (fxpipe/runtime/communication/strict.py) runs on gloo and behaves like NCCL, to
+test
   schedules on CPU: FXPIPE_P2P=strict, or `p2p="strict"` in the executor.
 
 Environment:
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import PeerLostError
-from fxpipe.runtime.backend import carries_cuda
+from fxpipe.runtime.communication.backend import carries_cuda
 
 __all__ = ["Op", "Handle", "Transport", "TorchTransport", "SendReaper", "P2P_MODES"]
 

@@ -16,14 +16,14 @@ import torch
 from torch.fx import GraphModule
 
 from fxpipe.losses import LossFn
-from fxpipe.runtime.devices import pin_for, to_device
-from fxpipe.runtime.local import LocalExecutor
-from fxpipe.runtime.materialize import meta_names
-from fxpipe.runtime.mesh import GroupCache, Mesh, make_groups
-from fxpipe.runtime.rank import RankStage, devices_for_stages, setup_rank
-from fxpipe.runtime.spec import ProgramSpec
+from fxpipe.runtime.communication.mesh import GroupCache, Mesh, make_groups
+from fxpipe.runtime.execution.devices import pin_for, to_device
+from fxpipe.runtime.execution.local import LocalExecutor
+from fxpipe.runtime.execution.rank import RankStage, devices_for_stages, setup_rank
+from fxpipe.runtime.execution.stagespec import HeldStage
+from fxpipe.runtime.program.materialize import meta_names
+from fxpipe.runtime.program.spec import ProgramSpec
 from fxpipe.runtime.stage import StageModule, share_tied
-from fxpipe.runtime.stagespec import HeldStage
 
 __all__ = ["RunSettings", "HeldStages", "hold_stages", "local_loss"]
 

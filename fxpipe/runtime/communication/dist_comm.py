@@ -3,20 +3,20 @@ each micro-batch runs on its received leaves and sent values (NOTE [Gradients ac
 fxpipe/runtime/comm.py).
 
 NOTE [Split backward]
-Zero-bubble schedules split a micro-batch's backward in two (fxpipe/runtime/split_backward.py).
-I (`backward_input`) runs autograd from the loss or the sent values to the received leaves only:
-it walks the input closure, the nodes from which a received leaf is reachable, and sends the
-leaves' gradients back at once, since the previous stage waits for them. Prehooks keep, on the
-way, the incoming gradient of each intermediate: a node of the closure with an edge toward a
-weight. W (`backward_weight`) later starts autograd at the intermediates with those gradients
-and walks only what lies between them and the weights: it reruns each intermediate for its
-weight-side outputs (a Linear's dW and db; a custom autograd Function computes all of its
-outputs again) and the nodes that lead only to weights, never the input-only nodes I ran. Each
-weight's gradient reaches its .grad through AccumulateGrad once, so post-accumulate hooks fire
-as in a plain backward. Between I and W the rank keeps the intermediates, the graph below them
-(input-only nodes there keep their saved tensors until W frees everything) and the kept
-gradients; the sent values are detached where nothing else holds them, which frees the graph
-above the intermediates.
+Zero-bubble schedules split a micro-batch's backward in two
+(fxpipe/runtime/execution/split_backward.py). I (`backward_input`) runs autograd from the loss or
+the sent values to the received leaves only: it walks the input closure, the nodes from which a
+received leaf is reachable, and sends the leaves' gradients back at once, since the previous stage
+waits for them. Prehooks keep, on the way, the incoming gradient of each intermediate: a node of the
+closure with an edge toward a weight. W (`backward_weight`) later starts autograd at the
+intermediates with those gradients and walks only what lies between them and the weights: it reruns
+each intermediate for its weight-side outputs (a Linear's dW and db; a custom autograd Function
+computes all of its outputs again) and the nodes that lead only to weights, never the input-only
+nodes I ran. Each weight's gradient reaches its .grad through AccumulateGrad once, so
+post-accumulate hooks fire as in a plain backward. Between I and W the rank keeps the intermediates,
+the graph below them (input-only nodes there keep their saved tensors until W frees everything) and
+the kept gradients; the sent values are detached where nothing else holds them, which frees the
+graph above the intermediates.
 
 A micro-batch with an output that depends on no received leaf but reaches a weight (every
 micro-batch of a first stage; `w * x_input` sent beside `f(received)`) falls back: I takes the
@@ -33,8 +33,8 @@ after the step's last action, so after every W.
 
 DistComm posts nothing itself when the stage code calls send/recv: `send` leaves the value in an
 outbox and `recv` waits for a receive posted earlier. At each tick of the rank's plan
-(fxpipe/runtime/plan.py) `begin_tick` posts that tick's sends and receives as one batch, in the
-plan's order, which NCCL needs (see NOTE [Deadlock-free point-to-point] there).
+(fxpipe/runtime/planning/plan.py) `begin_tick` posts that tick's sends and receives as one batch, in
+the plan's order, which NCCL needs (see NOTE [Deadlock-free point-to-point] there).
 
 Under autocast, values cross stages in the dtype they have. Receive buffers need it before the
 data arrives: the first step under a new autocast state learns it (each forward message is
@@ -55,9 +55,9 @@ import torch.utils._pytree as pytree
 
 from fxpipe import ir
 from fxpipe.errors import PipelineRuntimeError
-from fxpipe.runtime.plan import Message, Tick
-from fxpipe.runtime.split_backward import WeightPass, input_backward
-from fxpipe.runtime.transport import Handle, Op, Transport
+from fxpipe.runtime.communication.transport import Handle, Op, Transport
+from fxpipe.runtime.execution.split_backward import WeightPass, input_backward
+from fxpipe.runtime.planning.plan import Message, Tick
 
 __all__ = ["DistComm", "TagTable", "DTYPE_CODES", "messages_of"]
 

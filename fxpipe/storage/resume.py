@@ -5,7 +5,7 @@ model does not have or that this process needs and the checkpoint lacks, tensors
 shape or dtype (copying would broadcast or cast them), and optimizer state of another class or
 none at all when an optimizer is passed. `strict=False` loads what fits and warns, naming
 every key and parameter it skipped. Integrity (sizes, checksums, readable shards) is checked
-by fxpipe.checkpoint either way.
+by fxpipe.storage.checkpoint either way.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from fxpipe.checkpoint import Checkpoint
 from fxpipe.errors import CheckpointError
 from fxpipe.sharding import current_state, optimizer_kind
-from fxpipe.structure import Structure, TensorSpec
+from fxpipe.storage.checkpoint import Checkpoint
+from fxpipe.storage.structure import Structure, TensorSpec
 
 __all__ = ["fit_state", "restore_optimizer"]
 

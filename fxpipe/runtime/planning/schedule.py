@@ -4,7 +4,7 @@ A schedule is a list with one entry per pipeline rank: the actions that rank per
 execution order. An action is the forward ("F") or backward ("B") of one micro-batch on one
 stage; a rank holds one stage (flat schedules, stage s on rank s) or several (looped ones).
 Nothing here imports torch; the executors consume these lists, and the same lists drive the
-pictures (fxpipe.runtime.grid) and the time predictions (fxpipe.runtime.simulate).
+pictures (fxpipe.runtime.planning.grid) and the time predictions (fxpipe.runtime.planning.simulate).
 
 Flat, one stage per rank:
 * `gpipe` is fill-drain: every stage runs all forwards, then all backwards in reverse
@@ -522,8 +522,8 @@ def validate(schedule: Schedule) -> tuple[int, int]:
     """Check that every stage runs on one rank, F and B (or I and W, for every stage) of every
     micro-batch exactly once, and W(s, m) after I(s, m); return (M, S).
 
-    Only the content is checked here; `fxpipe.runtime.grid.clock_cycles` also checks that the
-    order cannot deadlock.
+    Only the content is checked here; `fxpipe.runtime.planning.grid.clock_cycles` also checks that
+    the order cannot deadlock.
     """
     if not schedule or not any(schedule):
         raise ConfigError("schedule has no stages" if not schedule else "schedule has no "

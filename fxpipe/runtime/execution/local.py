@@ -1,8 +1,8 @@
 """The local executor: every stage in one process, one worker thread per device (as torchgpipe).
 
 The forwards run in the order of the schedule the executor is given, played on the one clock
-(fxpipe.runtime.grid.play; under GPipe micro-batch m enters stage s at tick m + s), so at each
-tick the stages work on different micro-batches at once; the backwards are one autograd
+(fxpipe.runtime.planning.grid.play; under GPipe micro-batch m enters stage s at tick m + s), so at
+each tick the stages work on different micro-batches at once; the backwards are one autograd
 backward of the joined outputs, whatever the schedule. Values move between devices with a
 differentiable copy, so the outputs belong to one autograd graph and `loss.backward()` reaches
 every parameter of the model; remat regions recompute during that backward.
@@ -23,15 +23,15 @@ import torch
 
 from fxpipe.errors import FxPipeError, PipelineRuntimeError
 from fxpipe.remat_policy import RematPolicy, remat_policy
-from fxpipe.runtime.amp import AutocastState
-from fxpipe.runtime.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.comm import LocalComm
-from fxpipe.runtime.devices import pin_for, stage_devices
-from fxpipe.runtime.forward import draw_base, run_forward
-from fxpipe.runtime.grid import chain, play
-from fxpipe.runtime.memory import KeptMemory
-from fxpipe.runtime.schedule import ActionKind, ScheduleKind, schedule_kind
-from fxpipe.runtime.stagespec import HeldStage
+from fxpipe.runtime.execution.amp import AutocastState
+from fxpipe.runtime.execution.batchnorm import commit_batch_norms, discard_batch_norms
+from fxpipe.runtime.execution.devices import pin_for, stage_devices
+from fxpipe.runtime.execution.forward import draw_base, run_forward
+from fxpipe.runtime.execution.memory import KeptMemory
+from fxpipe.runtime.execution.stagespec import HeldStage
+from fxpipe.runtime.planning.grid import chain, play
+from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind, schedule_kind
 from fxpipe.signature import Signature
 
 __all__ = ["LocalExecutor"]
@@ -61,7 +61,8 @@ class LocalExecutor:
             trackers: Sequence[KeptMemory] | None = None) -> list[Any]:
         """Flat tensor inputs in, flat outputs (joined over micro-batches) out.
 
-        trackers: one fxpipe.runtime.memory.KeptMemory per stage, to measure kept activations.
+        trackers: one fxpipe.runtime.execution.memory.KeptMemory per stage, to measure kept
+        activations.
         """
         if any(st.device.type == "cuda" for st in self.stages):
             tensors = pin_for(tensors, torch.device("cuda"))

@@ -2,11 +2,11 @@
 it, the code program.py allows, stage files inside the folder, every file present with the
 contents it was written with (program.json records each one's sha256), and no other Python
 module that an import of program.py would find first. A write killed mid-swap is finished or
-rolled back first (fxpipe.files.recover_folder).
+rolled back first (fxpipe.storage.files.recover_folder).
 
 The digests catch a folder mixed from two programs, a stale or truncated file, or a file copied
 in from elsewhere; they are no defence against someone who edits program.json to match (the
-allow-lists of fxpipe.runtime.spec_check and fxpipe.runtime.imports are).
+allow-lists of fxpipe.runtime.program.spec_check and fxpipe.runtime.program.imports are).
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fxpipe.errors import ProgramFolderError
-from fxpipe.files import recover_folder
-from fxpipe.runtime.imports import ProgramCode, allowed_loss, code_of_launcher
-from fxpipe.runtime.spec_check import spec_problems
-from fxpipe.runtime.spec_json import ProgramJSON
-from fxpipe.userfiles import carry_user_files
+from fxpipe.runtime.program.imports import ProgramCode, allowed_loss, code_of_launcher
+from fxpipe.runtime.program.spec_check import spec_problems
+from fxpipe.runtime.program.spec_json import ProgramJSON
+from fxpipe.storage.files import recover_folder
+from fxpipe.storage.userfiles import carry_user_files
 
 __all__ = ["CheckedProgram", "check_program", "file_digest", "is_program", "program_report"]
 

@@ -1,8 +1,8 @@
 """A schedule played with real durations: when each action and message starts and ends.
 
-`simulate` places every action of a schedule (fxpipe.runtime.schedule) in time from per-stage
-forward, backward and message times, for any stage graph (skip connections included) and any
-placement of stages on ranks; the cost model's predicted step time and timeline come from it.
+`simulate` places every action of a schedule (fxpipe.runtime.planning.schedule) in time from
+per-stage forward, backward and message times, for any stage graph (skip connections included) and
+any placement of stages on ranks; the cost model's predicted step time and timeline come from it.
 Nothing here imports torch.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.schedule import (
+from fxpipe.runtime.planning.schedule import (
     Action,
     ActionKind,
     Schedule,

@@ -1,8 +1,9 @@
 """The tensors of the stages one process holds, read from a checkpoint by the model's names.
 
 Shared by `Program.load_weights` and a written program's `--weights`: both know, for each tensor
-a stage binds, its qualified name, the model's state_dict keys for it (fxpipe.state.StateNames)
-and a template (a meta or real tensor with the shape, dtype and requires_grad it must have).
+a stage binds, its qualified name, the model's state_dict keys for it
+(fxpipe.storage.state.StateNames) and a template (a meta or real tensor with the shape, dtype and
+requires_grad it must have).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from fxpipe.errors import CheckpointError
-from fxpipe.weights import WeightsSource, match_names
+from fxpipe.storage.weights import WeightsSource, match_names
 
 __all__ = ["load_named", "like"]
 

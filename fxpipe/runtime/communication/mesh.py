@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fxpipe.runtime.schedule import stages_on
+from fxpipe.runtime.planning.schedule import stages_on
 
 __all__ = ["Mesh", "Groups", "GroupCache", "make_groups", "group_over", "limit_waits",
            "average_over_replicas"]
@@ -143,7 +143,7 @@ def limit_waits(groups: Groups, seconds: float, setup_seconds: float) -> None:
     """Waits for every rank (up to `setup_seconds`: starting and loading a stage's weights
     take long), then lets each collective of `groups` and of the default group wait at most
     `seconds`; under NCCL its watchdog too. (gloo's point-to-point waits take theirs from the
-    transport, fxpipe.runtime.transport.) A torch without the setter keeps the groups'
+    transport, fxpipe.runtime.communication.transport.) A torch without the setter keeps the groups'
     timeouts."""
     if dist.get_backend() == "gloo":
         # gloo's own waits last as long as its groups' timeout; this barrier says its own

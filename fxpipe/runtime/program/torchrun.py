@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import IO
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.arguments import parse_program_args
-from fxpipe.runtime.folder import check_program
-from fxpipe.runtime.imports import program_loss
 from fxpipe.runtime.launch import load_spec, rank_stages
+from fxpipe.runtime.program.arguments import parse_program_args
+from fxpipe.runtime.program.folder import check_program
+from fxpipe.runtime.program.imports import program_loss
 
 __all__ = ["RunPlan", "plan_run", "run_program", "free_port", "rank_failure"]
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from fxpipe.errors import ConfigError
 
 if TYPE_CHECKING:  # torch-free at run time: `fxpipe run --help` lists these options
-    from fxpipe.runtime.spec import ProgramSpec
+    from fxpipe.runtime.program.spec import ProgramSpec
 
 __all__ = ["program_parser", "parse_program_args", "program_options_help",
            "DEFAULT_DP_BUCKET_BYTES"]

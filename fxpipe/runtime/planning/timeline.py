@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, TypedDict
 
 from fxpipe.figures import idle_share
-from fxpipe.runtime.schedule import ActionKind, ScheduleKind, schedule_kind
-from fxpipe.runtime.simulate import TimedEvent, simulate
+from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind, schedule_kind
+from fxpipe.runtime.planning.simulate import TimedEvent, simulate
 
 __all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
            "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step",
@@ -194,8 +194,8 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None
     """The schedule played with the plan's stage times as the executors run it. A split
     backward's W costs the stage's weight time and I the rest of the backward; under remat,
     W recomputes the regions again (their recomputed values live for one autograd call;
-    NOTE [Split backward] in fxpipe/runtime/dist_comm.py), so a split backward costs one
-    recomputation more than a whole one, except where W is the whole backward (the first
+    NOTE [Split backward] in fxpipe/runtime/communication/dist_comm.py), so a split backward costs
+    one recomputation more than a whole one, except where W is the whole backward (the first
     stage: I has nothing to compute)."""
     k, m = len(plan.stages), plan.chunks
     fwd = [s.forward_time for s in plan.stages]

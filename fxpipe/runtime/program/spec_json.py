@@ -1,14 +1,14 @@
 """program.json's fields as fxpipe writes them: the JSON shape of the runtime plan
-(fxpipe.runtime.spec.ProgramSpec), which fxpipe.runtime.spec_check checks a file against before
-anything reads it. Shapes are integer polynomial coefficients in the micro-batch size b, dtypes
-by name."""
+(fxpipe.runtime.program.spec.ProgramSpec), which fxpipe.runtime.program.spec_check checks a file
+against before anything reads it. Shapes are integer polynomial coefficients in the micro-batch size
+b, dtypes by name."""
 from __future__ import annotations
 
 from typing import Literal, TypeAlias, TypedDict
 
 import torch
 
-from fxpipe.runtime.timeline import EventJSON
+from fxpipe.runtime.planning.timeline import EventJSON
 
 __all__ = ["Constant", "SizeJSON", "TensorJSON", "TupleJSON", "ScalarJSON", "ValueJSON",
            "LeafJSON", "SignatureJSON", "CommJSON", "StageJSON", "ProgramJSON", "DTYPES",

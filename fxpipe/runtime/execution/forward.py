@@ -1,8 +1,8 @@
 """One stage forward on one micro-batch, as both executors run it, and its random stream.
 
-The local executor (fxpipe.runtime.local) and the distributed one
-(fxpipe.runtime.distributed) run a stage's forward alike: a comm view bound to the stage and
-micro-batch (whether it recomputes comes from the remat policy), the stage's model inputs on its
+The local executor (fxpipe.runtime.execution.local) and the distributed one
+(fxpipe.runtime.execution.distributed) run a stage's forward alike: a comm view bound to the stage
+and micro-batch (whether it recomputes comes from the remat policy), the stage's model inputs on its
 device, the micro-batch's own RNG stream, the NaN/Inf check. What differs between them is given:
 the modes entered around it (the local executor's worker thread re-enters the caller's grad mode,
 autocast and device; the distributed one a timeline span), what tracks the activations kept for
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from fxpipe.runtime.comm import MicrobatchComm
-from fxpipe.runtime.devices import to_device
-from fxpipe.runtime.finite import check_finite
-from fxpipe.runtime.stagespec import HeldStage
+from fxpipe.runtime.execution.devices import to_device
+from fxpipe.runtime.execution.finite import check_finite
+from fxpipe.runtime.execution.stagespec import HeldStage
 
 __all__ = ["Forward", "run_forward", "microbatch_seed", "seeded_forward", "draw_base"]
 
@@ -49,8 +49,8 @@ def seeded_forward(base: int | None, microbatch: int,
     numbers), apart from the caller's: seeded here, and continued by a later stage from the
     state the stage before it hands over (NOTE [Random streams across stages]).
 
-    devices: the CUDA devices the stage uses (fxpipe.runtime.devices.stage_devices). Each one's
-    generator is forked and seeded, not only the current device's: a stage on cuda:1 would
+    devices: the CUDA devices the stage uses (fxpipe.runtime.execution.devices.stage_devices). Each
+    one's generator is forked and seeded, not only the current device's: a stage on cuda:1 would
     otherwise start every micro-batch from the same restored state, drawing the same masks.
     """
     if base is None:

@@ -33,7 +33,14 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError
-from fxpipe.runtime.transport import P2P_MODES, Handle, Op, SendReaper, TorchTransport, Transport
+from fxpipe.runtime.communication.transport import (
+    P2P_MODES,
+    Handle,
+    Op,
+    SendReaper,
+    TorchTransport,
+    Transport,
+)
 
 __all__ = ["StrictTransport", "make_transport"]
 
@@ -86,7 +93,7 @@ class _StrictHandle:
                 f"{self.transport.blocked_on()}",
                 hint="the ranks post their operations in orders that cannot both progress: "
                      "this hangs under NCCL; post each tick's sends and receives together in "
-                     "one agreed order (fxpipe/runtime/plan.py)")
+                     "one agreed order (fxpipe/runtime/planning/plan.py)")
         if self.batch.error is not None:
             raise self.batch.error
 

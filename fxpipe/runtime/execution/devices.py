@@ -16,7 +16,7 @@ from typing import Any, overload
 
 import torch
 
-from fxpipe.runtime.timeline import Event, Timeline
+from fxpipe.runtime.planning.timeline import Event, Timeline
 
 __all__ = ["pin_for", "to_device", "stage_devices", "WallTimeline", "CudaTimeline",
            "make_timeline"]

@@ -1,8 +1,9 @@
 """A schedule played on a unit-time clock: the tick grid, its picture, and what it keeps alive.
 
-* `play` is the one clock a schedule (fxpipe.runtime.schedule) is played on: every action takes
+* `play` is the one clock a schedule (fxpipe.runtime.planning.schedule) is played on: every action
+takes
   one tick and starts as early as its dependencies and its rank allow, which also checks that
-  the order cannot deadlock. The point-to-point plan (fxpipe.runtime.plan) and the local
+  the order cannot deadlock. The point-to-point plan (fxpipe.runtime.planning.plan) and the local
   executor play a schedule on it; `clock_cycles` plays one on a chain of stages and
   `render_grid` draws that as text, one column per rank.
 * `bubble_fraction` is the idle share of GPipe and 1F1B at equal times; `peak_inflight` is
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from fxpipe.errors import ConfigError
 from fxpipe.figures import idle_share
-from fxpipe.runtime.schedule import (
+from fxpipe.runtime.planning.schedule import (
     Action,
     ActionKind,
     Schedule,

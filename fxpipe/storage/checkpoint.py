@@ -3,9 +3,9 @@
 A checkpoint folder DIR holds one complete save and the manifest that names it:
 
     DIR/checkpoint.json              written last: format, step, the model's class and structure
-                                     fingerprint (fxpipe.structure), the optimizer's class, the
-                                     save's folder and every shard's size and sha256
-    DIR/checkpoint.lock              held by the one process saving (fxpipe.savelock)
+                                     fingerprint (fxpipe.storage.structure), the optimizer's class,
+                                     the save's folder and every shard's size and sha256
+    DIR/checkpoint.lock              held by the one process saving (fxpipe.storage.savelock)
     DIR/save-000007/shard-00000.pt   one shard per rank: {"model": tensors by the model's
     DIR/save-000007/shard-00001.pt   state_dict keys, "optimizer": state by parameter names}
 
@@ -23,7 +23,7 @@ but a checkpoint is refused too, as it would remove the entries it takes for its
 A load reads checkpoint.json, checks each shard's size and sha256, reads it with
 `weights_only=True` (all from one open file: a save that removes it meanwhile does not change
 what is read) and merges the shards, so a checkpoint can be resumed by the same pipeline,
-by another number of stages, or by the plain model; fxpipe.resume fits it to the model and
+by another number of stages, or by the plain model; fxpipe.storage.resume fits it to the model and
 optimizer that load it.
 """
 from __future__ import annotations
@@ -41,10 +41,16 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError, FxPipeError
-from fxpipe.files import TEMP_PREFIX, TORCH_WRITE_FAILURES, atomic_write, fsync_folder, write_failed
-from fxpipe.savelock import LOCK, hold_save_lock
 from fxpipe.sharding import optimizer_kind, whole_state_dict
-from fxpipe.structure import Structure
+from fxpipe.storage.files import (
+    TEMP_PREFIX,
+    TORCH_WRITE_FAILURES,
+    atomic_write,
+    fsync_folder,
+    write_failed,
+)
+from fxpipe.storage.savelock import LOCK, hold_save_lock
+from fxpipe.storage.structure import Structure
 from fxpipe.version import __version__
 
 __all__ = ["Checkpoint", "save_shard", "load_checkpoint", "FORMAT", "META"]
@@ -64,7 +70,7 @@ class Checkpoint(TypedDict):
     step: int | None
     path: str  # the checkpoint folder
     model_class: str  # the saved model's class name
-    fingerprint: str  # its fxpipe.structure fingerprint
+    fingerprint: str  # its fxpipe.storage.structure fingerprint
     optimizer_class: str | None
     files: dict[str, str]  # state_dict key -> the shard file (in DIR) that holds it
 
