@@ -11,8 +11,8 @@ from fxpipe.optimizers import ADAM, OptimizerMemory
 from fxpipe.passes.partition import BALANCE_MODES
 from fxpipe.profile import DeviceProfile
 from fxpipe.remat_policy import REMAT_MODES, RematPolicy
-from fxpipe.runtime.amp import AUTOCAST_DTYPES
-from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, schedule_kind
+from fxpipe.runtime.execution.amp import AUTOCAST_DTYPES
+from fxpipe.runtime.planning.schedule import SCHEDULES, ScheduleKind, schedule_kind
 
 __all__ = ["AUTO", "CompileConfig", "check_config", "check_shard"]
 

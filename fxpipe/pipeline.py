@@ -42,12 +42,12 @@ from fxpipe.passes.timing import measure_times
 from fxpipe.passes.unroll_rnn import unroll_rnns
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
-from fxpipe.runtime.amp import compiled_autocast
-from fxpipe.runtime.rank import devices_for_stages
-from fxpipe.runtime.schedule import SCHEDULES
-from fxpipe.runtime.spec import ProgramSpec
-from fxpipe.runtime.stagespec import StageSpec
-from fxpipe.runtime.timeline import predicted_events, predicted_step
+from fxpipe.runtime.execution.amp import compiled_autocast
+from fxpipe.runtime.execution.rank import devices_for_stages
+from fxpipe.runtime.execution.stagespec import StageSpec
+from fxpipe.runtime.planning.schedule import SCHEDULES
+from fxpipe.runtime.planning.timeline import predicted_events, predicted_step
+from fxpipe.runtime.program.spec import ProgramSpec
 
 __all__ = ["build", "rebuild", "PlanAgreement"]
 

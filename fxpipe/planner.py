@@ -11,8 +11,8 @@ every candidate that uses all N devices is partitioned and its step predicted:
     shard: with R > 1, "none" or "optimizer" (ZeRO-1: each replica holds 1/R of the state)
 
 A candidate's step is its pipeline's step as the schedule plays the stages' costs
-(passes.partition, fxpipe.runtime.simulate), plus the data-parallel all-reduce of the slowest
-stage's gradients (a ring over its R replicas, not overlapped with the backward: an upper
+(passes.partition, fxpipe.runtime.planning.simulate), plus the data-parallel all-reduce of the
+slowest stage's gradients (a ring over its R replicas, not overlapped with the backward: an upper
 bound), over the link between devices of a node or, where a stage's replicas span nodes, the
 link between nodes; under shard="optimizer" also the broadcast of each replica's updated part
 of the parameters after the step. Its memory is the partition's memory model per device (its
@@ -47,7 +47,12 @@ from fxpipe.pipeline import capture_and_cost
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.remat_policy import remat_policy
 from fxpipe.report import human_bytes
-from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, default_stages_per_rank, placement
+from fxpipe.runtime.planning.schedule import (
+    SCHEDULES,
+    ScheduleKind,
+    default_stages_per_rank,
+    placement,
+)
 
 __all__ = ["plan", "largest_that_fits", "Plan", "Candidate", "PlanError"]
 

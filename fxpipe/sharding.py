@@ -9,8 +9,8 @@ replica, which saves it under the wrapped optimizer's class in the unsharded for
 resumes into any replica count and either shard mode, and `load_state_dict` gives each replica
 its own part.
 
-shard="full" shards the parameters and gradients too, with FSDP2 (fxpipe.runtime.fsdp): the
-parameters are DTensors, and the plain optimizer over them holds DTensor state, 1/R of it on
+shard="full" shards the parameters and gradients too, with FSDP2 (fxpipe.runtime.execution.fsdp):
+the parameters are DTensors, and the plain optimizer over them holds DTensor state, 1/R of it on
 each replica. A checkpoint holds them whole (`whole`, gathered on every replica), so it too
 resumes into any replica count and shard mode, and a load gives each replica its shard of what
 it reads (`shard_like`, `shard_state`).

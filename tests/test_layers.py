@@ -14,11 +14,11 @@ PACKAGES = {"fxpipe": ROOT / "fxpipe", "fxpipe.passes": ROOT / "passes",
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors", "fxpipe.version", "fxpipe.source", "fxpipe.figures", "fxpipe.choices",
-     "fxpipe.files", "fxpipe.savelock",
-     "fxpipe.userfiles"),  # foundation
+     "fxpipe.storage", "fxpipe.storage.files", "fxpipe.storage.savelock",
+     "fxpipe.storage.userfiles"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.untouched",
-     "fxpipe.state", "fxpipe.structure", "fxpipe.checkpoint",
-     "fxpipe.resume", "fxpipe.weights",
+     "fxpipe.storage.state", "fxpipe.storage.structure", "fxpipe.storage.checkpoint",
+     "fxpipe.storage.resume", "fxpipe.storage.weights",
      "fxpipe.optimizers", "fxpipe.sharding", "fxpipe.models",
      "fxpipe.remat_policy"),  # contracts: metadata, names, formats, policies
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher

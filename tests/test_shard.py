@@ -484,7 +484,7 @@ def test_the_partition_and_the_report_charge_a_replica_its_share():
 
 def test_full_refuses_stages_of_one_rank_sharing_a_parameter_and_a_torch_without_fsdp2(
         monkeypatch):
-    from fxpipe.runtime.fsdp import FullShard, fully_shard_function
+    from fxpipe.runtime.execution.fsdp import FullShard, fully_shard_function
 
     first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     second.weight = first.weight  # a tied weight in two stages of one rank
@@ -601,7 +601,7 @@ def test_the_planner_weighs_sharding_the_optimizer_over_the_replicas():
 
 def test_the_command_line_compiles_with_shard_and_program_json_records_it(tmp_path, capsys):
     from fxpipe.cli import main
-    from fxpipe.runtime.spec import spec_problems
+    from fxpipe.runtime.program.spec import spec_problems
 
     out = tmp_path / "out"
     assert main(["compile", "fxpipe.models.mlp:build", "--stages", "2", "--chunks", "2",

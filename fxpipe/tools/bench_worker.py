@@ -4,8 +4,8 @@ step, so that drifts of the machine hit them alike (fxpipe.tools.bench_stats).
 
 Variants: the plain model in one process (rank 0; gradient accumulation over the same
 micro-batches, and one step at full batch), fxpipe with every schedule of
-fxpipe.runtime.schedule.SCHEDULES (remat as asked) and with the other remat modes (GPipe), and
-the torch.distributed.pipelining variants of fxpipe.tools.bench_torch. fxpipe's steps also
+fxpipe.runtime.planning.schedule.SCHEDULES (remat as asked) and with the other remat modes (GPipe),
+and the torch.distributed.pipelining variants of fxpipe.tools.bench_torch. fxpipe's steps also
 record, per stage, the compute (forward, backward, recompute; waits excluded) and the time spent
 waiting for receives, and around each of their steps every rank times the same reference work
 at once (fxpipe.tools.core_speed), so that the report can tell the partition's imbalance from
@@ -34,8 +34,8 @@ from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
 from fxpipe.passes.partition import PartitionPlan, best_round
 from fxpipe.program import Program
-from fxpipe.runtime.schedule import DEFAULT_SCHEDULE, SCHEDULES, default_stages_per_rank
-from fxpipe.runtime.timeline import Event, busy_time, predicted_events, predicted_step
+from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES, default_stages_per_rank
+from fxpipe.runtime.planning.timeline import Event, busy_time, predicted_events, predicted_step
 from fxpipe.tools.bench_stats import rotated
 from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
 from fxpipe.tools.core_speed import CoreProbe

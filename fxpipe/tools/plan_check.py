@@ -36,8 +36,8 @@ import fxpipe
 from fxpipe.models import load_factory
 from fxpipe.planner import Candidate, Plan, plan
 from fxpipe.report import human_bytes
-from fxpipe.runtime.grid import peak_inflight
-from fxpipe.runtime.schedule import default_stages_per_rank, placement, schedule_kind
+from fxpipe.runtime.planning.grid import peak_inflight
+from fxpipe.runtime.planning.schedule import default_stages_per_rank, placement, schedule_kind
 from fxpipe.tools.bench import BENCH_GPT
 from fxpipe.tools.bench_stats import bootstrap_interval, rotated
 

@@ -37,9 +37,9 @@ from fxpipe.passes.partition.problem import (
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
 from fxpipe.remat_policy import RematPolicy, remat_policy
-from fxpipe.runtime.grid import peak_inflight
-from fxpipe.runtime.schedule import ScheduleKind, schedule_kind
-from fxpipe.runtime.timeline import predicted_step
+from fxpipe.runtime.planning.grid import peak_inflight
+from fxpipe.runtime.planning.schedule import ScheduleKind, schedule_kind
+from fxpipe.runtime.planning.timeline import predicted_step
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "AtomsCache", "atoms_of",
            "measure_atoms", "node_facts", "NodeFacts", "BALANCE_MODES", "WEIGHT_GRAD_SHARE"]
@@ -511,7 +511,7 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
         forward = sum(atoms.forward[cuts[s]:cuts[s + 1]]) + fixed / 2
         recompute = sum(atoms.recompute[cuts[s]:cuts[s + 1]])
         # the first stage receives no gradient-carrying value: its split backward's W is the
-        # whole backward (NOTE [Split backward] in fxpipe/runtime/dist_comm.py)
+        # whole backward (NOTE [Split backward] in fxpipe/runtime/communication/dist_comm.py)
         weight = compute - forward - recompute if s == 0 else \
             sum(atoms.weight[cuts[s]:cuts[s + 1]])
         stages.append(StagePlan(
