@@ -91,10 +91,10 @@ class OptimizerMemory:
         return grad_bytes * self.weight_share + (state + master) * self.share
 
     def describe(self) -> str:
-        what = " with the parameters and gradients (between steps; a step gathers its stage " \
-            "whole)" if self.shard == "full" else ""
-        sharded = f", sharded{what} over {self.replicas} replica" \
-            f"{'s' if self.replicas > 1 else ''}" if self.shard != "none" else ""
+        what = " (the parameters and gradients too, between steps)" \
+            if self.shard == "full" else ""
+        sharded = f", sharded over {self.replicas} replica" \
+            f"{'s' if self.replicas > 1 else ''}{what}" if self.shard != "none" else ""
         if self.extra_bytes is not None:
             return f"{self.extra_bytes:g} bytes per parameter beyond the weight{sharded}"
         dtype = f"float{8 * self.state_bytes}" if self.state_bytes else "the parameters' dtype"

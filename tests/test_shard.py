@@ -338,8 +338,8 @@ def test_full_shards_and_trains_like_the_plain_model_losses_gradients_and_parame
     for key, value in state.items():  # the parameters after STEPS Adam steps (see above)
         torch.testing.assert_close(merged[key], value, rtol=1e-4, atol=LR * 1e-3,
                                    msg=lambda m, key=key: f"{key}: {m}")
-    assert "sharded with the parameters and gradients (between steps; a step gathers its stage " \
-        "whole) over 2 replicas" in ranks[0]["report"]
+    assert "sharded over 2 replicas (the parameters and gradients too, between steps)" in \
+        ranks[0]["report"]
 
 
 @pytest.mark.slow
@@ -442,8 +442,8 @@ def test_full_sharding_charges_one_replica_s_share_of_weights_gradients_and_stat
     assert optimizer_memory(16.0).sharded("full", 2).held_bytes(40, 10) == 60 + 120 / 2
     for one in (adam.sharded("full", 1), adam.sharded("full", 1).between_steps()):
         assert one.weight_bytes(40) == 40 and one.held_bytes(40, 10) == 40 + 80
-    assert "sharded with the parameters and gradients (between steps; a step gathers its " \
-        "stage whole) over 4 replicas" in adam.describe()
+    assert "sharded over 4 replicas (the parameters and gradients too, between steps)" in \
+        adam.describe()
 
 
 def test_the_partition_charges_a_replica_its_share_of_everything_under_full():
@@ -458,7 +458,7 @@ def test_the_partition_charges_a_replica_its_share_of_everything_under_full():
         # at the step's peak: weights and gradients gathered beside their halves, moments / 2
         assert b.held_bytes == pytest.approx(1.5 * weights + 1.5 * weights + 2 * weights / 2)
         assert (a.memory or 0) - (b.memory or 0) == pytest.approx(a.held_bytes - b.held_bytes)
-    assert "sharded with the parameters and gradients (between steps" in full.report().text()
+    assert "(the parameters and gradients too, between steps)" in full.report().text()
 
 
 def test_the_partition_and_the_report_charge_a_replica_its_share():
@@ -617,7 +617,7 @@ def test_the_command_line_compiles_with_shard_and_program_json_records_it(tmp_pa
     assert main(["compile", "fxpipe.models.mlp:build", "--stages", "2", "--chunks", "2",
                  "--profile", "a100", "--shard", "full", "--replicas", "2",
                  "--out", str(full)]) == 0
-    assert "sharded with the parameters and gradients over 2 replicas" in \
+    assert "sharded over 2 replicas (the parameters and gradients too, between steps)" in \
         capsys.readouterr().out
     assert json.loads((full / "program.json").read_text())["shard"] == "full"
 
