@@ -8,7 +8,9 @@ every candidate that uses all N devices is partitioned and its step predicted:
                                         stages_per_rank stages on each of a replica's S ranks)
     micro-batches M: divisors of the replica's share of the batch, B / R
     schedule x remat
-    shard: with R > 1, "none" or "optimizer" (ZeRO-1: each replica holds 1/R of the state)
+    shard: with R > 1, "none" or "optimizer" (ZeRO-1: each replica holds 1/R of the state;
+                                        "full" is no candidate: with one FSDP unit per stage
+                                        it lowers no step's peak below "optimizer")
 
 A candidate's step is its pipeline's step as the schedule plays the stages' costs
 (passes.partition, fxpipe.runtime.planning.simulate), plus the data-parallel all-reduce of the
