@@ -78,7 +78,7 @@ def test_local_steps_read_only_the_loss_and_the_seed_and_train_like_the_plain_mo
     program = fxpipe.compile(model, (idx,), stages=2, chunks=8, profile="a100")
     per_step, files = _counted(program, idx, y)
     if dropout:
-        assert (per_step, files) == (2, ["local.py", "program.py"])  # the seed, the loss
+        assert (per_step, files) == (2, ["forward.py", "program.py"])  # the seed, the loss
     else:
         assert (per_step, files) == (1, ["program.py"])
     program.zero_grad()
