@@ -56,7 +56,7 @@ import torch.utils._pytree as pytree
 from fxpipe import ir
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.plan import Message, Tick
-from fxpipe.runtime.split_backward import WeightPass, input_backward
+from fxpipe.runtime.split_backward import SplitPlans, WeightPass, input_backward
 from fxpipe.runtime.transport import Handle, Op, Transport
 
 __all__ = ["DistComm", "TagTable", "DTYPE_CODES", "messages_of"]
@@ -146,7 +146,8 @@ class DistComm:
                  transport: Transport, tags: TagTable | None = None,
                  dtypes: dict[tuple[str, int, int, int], torch.dtype] | None = None,
                  learn: bool = False, timeline: Any = None,
-                 written: frozenset[Edge] = frozenset()) -> None:
+                 written: frozenset[Edge] = frozenset(),
+                 split_plans: dict[int, SplitPlans] | None = None) -> None:
         self.rank = rank
         self.global_ranks = list(global_ranks)
         self.placement = list(placement)
@@ -164,6 +165,8 @@ class DistComm:
         self.inbox: dict[Message, tuple[Handle | None, torch.Tensor]] = {}  # posted receives
         self.sent_values: dict[Message, torch.Tensor] = {}  # grad buffers take their shape
         self.retained: dict[tuple[int, int], WeightPass] = {}  # (stage, mb): I done, W to run
+        # per stage, what reading its backward graph found (kept across steps by the caller)
+        self.split_plans = split_plans if split_plans is not None else {}
 
     def carries_host_tensors(self, src: int, dst: int) -> bool:
         """Whether a host tensor stage `src` sends to stage `dst` arrives as it is: on a CPU
@@ -350,14 +353,16 @@ class DistComm:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             self.outbox[_gradient(msg)] = grad.detach().contiguous()
 
-    def backward_input(self, stage: int, mb: int, loss: torch.Tensor | None = None) -> None:
+    def backward_input(self, stage: int, mb: int, loss: torch.Tensor | None = None,
+                       weights: Sequence[torch.Tensor] | None = None) -> None:
         """The input-gradient half of a split backward (NOTE [Split backward]): gradients in,
-        the received leaves' gradients out; what the weight half needs stays for
-        `backward_weight`."""
+        the received leaves' gradients out; what the weight half needs (for `weights`, by
+        default every parameter in the graph) stays for `backward_weight`."""
         record = self.records.pop((stage, mb), _Record())
         tensors, grads = self._output_grads(record, stage, mb, loss)
         got, self.retained[(stage, mb)] = input_backward(
-            tensors, grads, [leaf for leaf, _ in record.received])
+            tensors, grads, [leaf for leaf, _ in record.received], weights,
+            self.split_plans.setdefault(stage, {}))
         for (leaf, msg), grad in zip(record.received, got):
             grad = grad if grad is not None else torch.zeros_like(leaf)
             self.outbox[_gradient(msg)] = grad.detach().contiguous()

@@ -66,6 +66,7 @@ from fxpipe.runtime.schedule import (
     schedule_kind,
     stage_ranks,
 )
+from fxpipe.runtime.split_backward import SplitPlans
 from fxpipe.runtime.stagespec import HeldStage
 from fxpipe.runtime.strict import make_transport
 from fxpipe.runtime.timeline import Event
@@ -130,6 +131,7 @@ class DistributedExecutor:
         self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
         # dtypes of received values under each autocast state, learned on its first step
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
+        self.split_plans: dict[int, SplitPlans] = {}  # read once per stage (split_backward.py)
         self.warm = False
         self.last: StepResult | None = None  # the latest step's result
         # how each loss splits over micro-batches, found on a step that only finds it, for a
@@ -286,7 +288,7 @@ class DistributedExecutor:
                 elif action.kind == ActionKind.INPUT_GRAD:
                     with self.timeline.span("backward", stage, mb, detail=str(action.kind)):
                         comm.backward_input(stage, mb, self._weighted(losses, mb, decided(), scale)
-                                            if self.is_last(stage) else None)
+                                            if self.is_last(stage) else None, weights[stage])
                 else:
                     if self.averager and tick.index == last_backward:
                         self.averager.arm()
@@ -387,7 +389,8 @@ class DistributedExecutor:
                         placement=list(self.mesh.placement), info=self.comm_info,
                         microbatch_size=b, device=self.device, transport=self.transport,
                         tags=TagTable(self.edges, chunks), dtypes=dict(known or {}),
-                        learn=known is None, timeline=self.timeline, written=self.written)
+                        learn=known is None, timeline=self.timeline, written=self.written,
+                        split_plans=self.split_plans)
 
     def _learned(self, comm: DistComm) -> None:
         if comm.learn:
