@@ -640,3 +640,37 @@ def test_after_the_first_micro_batch_i_is_one_engine_call_with_python_work_not_p
     assert costs[2][1] == costs[8][1]  # no hook, no graph walk per intermediate
     # W: one call per layer's weights (a path through C joins the layers: backward_graph.py)
     assert (costs[2][2], costs[8][2]) == (2, 8)
+
+
+def test_dropout_and_batchnorm_stages_follow_their_plan_exactly() -> None:
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+            self.drop = nn.Dropout(0.3)
+            self.head = nn.Linear(4 * 5 * 5, 6)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            h = self.drop(torch.relu(self.bn(self.conv(x))))
+            return [self.head(h.flatten(1))]
+
+    stage = Noisy().train()
+    reference = copy.deepcopy(stage)
+    plans: SplitPlans = {}
+    passes, expected = [], []
+    for mb in range(3):
+        x, g = torch.randn(4, 3, 5, 5), torch.randn(4, 6)
+        torch.manual_seed(mb)  # the same dropout masks in both
+        got, weight_pass = run_split(stage, [x], [g], plans)
+        passes.append((got, weight_pass))
+        torch.manual_seed(mb)
+        expected.append(run_full(reference, [x], [g]))
+    for k in (1, 2, 0):
+        passes[k][1].run(params(stage))
+    for (got, _), want in zip(passes, expected):
+        torch.testing.assert_close(got[0], want[0])
+    assert len(plans) == 1
+    assert_same_grads(stage, reference)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(stage.state_dict()[key], value, msg=key)
