@@ -86,11 +86,11 @@ def measure_stage(repeats: int, also: str | None) -> None:
     """Plain backward against I + W on the bench GPT's last stage, one micro-batch (see the module
     docstring)."""
     from fxpipe.tools.bench import BENCH_GPT
-    settings = {**BENCH_GPT, "batch": BENCH_GPT["batch"] // 8}  # one of 8 micro-batches
+    settings: dict[str, Any] = {**BENCH_GPT, "batch": int(BENCH_GPT["batch"]) // 8}  # of 8
     model, (idx,) = gpt.build(**settings)
     stage = _LastStage(model)
-    x = torch.randn(idx.shape[0], idx.shape[1], settings["d_model"])
-    target = gpt.target((idx,), vocab_size=settings["vocab_size"])
+    x = torch.randn(idx.shape[0], idx.shape[1], int(settings["d_model"]))
+    target = gpt.target((idx,), vocab_size=int(settings["vocab_size"]))
     weights = [p for p in stage.parameters() if p.requires_grad]
     variants: dict[str, Split | None] = {"plain": None, **_variants(also)}
     plans: dict[str, Any] = {name: {} for name in variants}
@@ -153,7 +153,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, out:
         engine: dict[str, list[int]] = {}
         for r in range(repeats + 2):
             for schedule, name in variants[r % len(variants):] + variants[:r % len(variants)]:
-                dist_comm.input_backward = splits[name]  # type: ignore[attr-defined]
+                setattr(dist_comm, "input_backward", splits[name])  # noqa: B010 (the variant)
                 program = programs[schedule]
                 program.zero_grad()
                 with EngineCalls() as calls:
