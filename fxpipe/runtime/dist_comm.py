@@ -6,9 +6,11 @@ NOTE [Split backward]
 Zero-bubble schedules split a micro-batch's backward in two (fxpipe/runtime/split_backward.py).
 I (`backward_input`) runs autograd from the loss or the sent values to the received leaves only:
 it walks the input closure, the nodes from which a received leaf is reachable, and sends the
-leaves' gradients back at once, since the previous stage waits for them. Prehooks keep, on the
-way, the incoming gradient of each intermediate: a node of the closure with an edge toward a
-weight. W (`backward_weight`) later starts autograd at the intermediates with those gradients
+leaves' gradients back at once, since the previous stage waits for them. The same autograd call
+captures, on the way, the incoming gradient of each intermediate: a node of the closure with an
+edge toward a weight (which nodes these are is read from the stage's first graph and kept in
+`split_plans`, fxpipe/runtime/backward_graph.py). W (`backward_weight`) later starts autograd
+at the intermediates with those gradients
 and walks only what lies between them and the weights: it reruns each intermediate for its
 weight-side outputs (a Linear's dW and db; a custom autograd Function computes all of its
 outputs again) and the nodes that lead only to weights, never the input-only nodes I ran. Each

@@ -7,7 +7,8 @@ seconds (time.process_time, one thread), with autograd engine calls and Python c
   and the loss, received activations that require grad): a plain backward against I + W, with
   the stage's plan read once as the executor keeps it.
 * `ranks`: the tiny GPT (fxpipe.models.gpt defaults, batch 16) on 2 gloo ranks x 8 micro-batches,
-  1F1B against ZB-H1; the last stage's rank reports its CPU time and engine calls per step.
+  1F1B against ZB-H1 (remat "never" unless --remat says otherwise); each rank reports its CPU
+  time (waits for messages included) and engine calls per step.
 
 `--also FILE` races another implementation of `input_backward` (a module file with the same
 function, e.g. an earlier version of fxpipe/runtime/split_backward.py) beside the current one.
@@ -136,7 +137,8 @@ def measure_stage(repeats: int, also: str | None) -> None:
               f"[IQR {q[0]:.3f}-{q[2]:.3f}] (medians {statistics.median(times[name]) / plain:.3f})")
 
 
-def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, out: Any) -> None:
+def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, remat: str,
+          out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -147,7 +149,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, out:
         y = gpt.target((idx,))
         for schedule in ("1f1b", "zb-h1"):
             programs[schedule] = fxpipe.compile(model, (idx,), stages=world, chunks=8,
-                                                profile="a100", schedule=schedule)
+                                                profile="a100", schedule=schedule, remat=remat)
         variants = [("1f1b", "split")] + [("zb-h1", name) for name in splits]
         cpu: dict[str, list[float]] = {}
         engine: dict[str, list[int]] = {}
@@ -169,14 +171,15 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, out:
         dist.destroy_process_group()
 
 
-def measure_ranks(repeats: int, also: str | None) -> None:
+def measure_ranks(repeats: int, also: str | None, remat: str) -> None:
     """1F1B against ZB-H1 on 2 ranks, per step, on the last stage's rank (module docstring)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, repeats, also, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, repeats, also, remat, out))
+             for r in range(2)]
     for p in procs:
         p.start()
     results = {}
@@ -185,8 +188,8 @@ def measure_ranks(repeats: int, also: str | None) -> None:
         results[rank] = (cpu, engine)
     for p in procs:
         p.join()
-    print(f"ranks: tiny GPT, 2 ranks x 8 micro-batches, {repeats} steps per variant, "
-          f"interleaved; CPU time per step")
+    print(f"ranks: tiny GPT, 2 ranks x 8 micro-batches, remat={remat}, {repeats} steps per "
+          f"variant, interleaved; CPU time per step (waits included)")
     for rank in sorted(results):
         cpu, engine = results[rank]
         base = statistics.median(cpu["1f1b"])
@@ -202,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", nargs="*", help="stage, ranks or both (the default)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--also", help="another split_backward.py to race beside this one")
+    parser.add_argument("--remat", default="never",
+                        help="the ranks' remat (under remat W recomputes a region once more)")
     ns = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if "stage" in what:
         measure_stage(ns.repeats, ns.also)
     if "ranks" in what:
-        measure_ranks(ns.repeats, ns.also)
+        measure_ranks(ns.repeats, ns.also, ns.remat)
     return 0
 
 
