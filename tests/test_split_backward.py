@@ -674,3 +674,22 @@ def test_dropout_and_batchnorm_stages_follow_their_plan_exactly() -> None:
     assert_same_grads(stage, reference)
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(stage.state_dict()[key], value, msg=key)
+
+
+def test_nodes_that_do_not_list_their_inputs_keep_their_gradients_by_prehook(monkeypatch) -> None:
+    monkeypatch.setattr(split_backward, "_inputs", lambda node: None)
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.w = nn.Parameter(torch.randn(4))
+            self.block = Block()
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            h = self.lin(x)
+            h.register_hook(lambda grad: grad * 2)
+            a, b = self.block(h).chunk(2, dim=-1)  # one node with two outputs
+            return [a * self.w, b]
+
+    check(Both(), [torch.randn(4, 8)], [torch.randn(4, 4), torch.randn(4, 4)], fallback=False)

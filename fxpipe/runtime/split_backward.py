@@ -14,7 +14,8 @@ with no Python hook); W starts from those edges with those gradients. A gradient
 is taken before the node's tensor hooks (a hook registered on the tensor the node made), which
 then run again when W starts there, so such a hook applies once to each half. The intermediates
 of a call whose paths cross (see backward_graph) are clamped in W to what entered them in I, so
-there node prehooks keep the gradients, after the tensor hooks, as before.
+there node prehooks keep the gradients, after the tensor hooks; so do those of a call with a
+node whose number of inputs the installed torch does not expose.
 
 Exactness needs every output to lie in C or to reach no weight. An output outside C reaches no
 received leaf, so its paths never meet an intermediate (the first stage, whose outputs depend on
@@ -161,13 +162,14 @@ def _read(roots: list[Node], leaves: list[torch.Tensor],
     for call in calls:
         slots = [slot[n] for n in call.intermediates]
         start = len(captured)
-        if not call.crossed:
-            captured += [(s, i) for s, n in zip(slots, call.intermediates)
-                         for i in range(_inputs(n))]
-        else:
+        counts = [_inputs(n) for n in call.intermediates]
+        clamp = call.crossed or None in counts  # crossed, or a node that does not say its inputs
+        if clamp:
             kept += slots
+        else:
+            captured += [(s, i) for s, count in zip(slots, counts) for i in range(count or 0)]
         planned.append(_PlannedCall(tuple(range(start, len(captured))),
-                                    tuple(slots) if call.crossed else (),
+                                    tuple(slots) if clamp else (),
                                     tuple(_variable(w) for w in call.weights)))
     nodes: list[Node] = [None] * len(slot)  # type: ignore[list-item]  # all filled below
     for node, k in slot.items():
@@ -262,10 +264,11 @@ class WeightPass:
                 handle.remove()
 
 
-def _inputs(node: Node) -> int:
-    """How many gradients enter `node` (one per output of the forward op that made it)."""
+def _inputs(node: Node) -> int | None:
+    """How many gradients enter `node` (one per output of the forward op that made it), where
+    this torch says it; else a prehook keeps what enters."""
     metadata = getattr(node, "_input_metadata", None)  # untyped
-    return len(metadata) if metadata is not None else 1
+    return len(metadata) if metadata is not None else None
 
 
 def _variable(node: Node) -> torch.Tensor:
