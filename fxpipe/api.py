@@ -118,8 +118,9 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         shard: what the data-parallel replicas of each stage split among themselves: "none"
             (each holds everything) or "optimizer" (ZeRO-1: torch's ZeroRedundancyOptimizer
             over the stage's replicas holds 1/R of the optimizer's state on each; make the
-            optimizer with `program.optimizer(torch.optim.Adam, lr=...)`). The memory model
-            charges each rank its share.
+            optimizer with `program.optimizer(torch.optim.Adam, lr=...)`), or "full" (FSDP2's
+            fully_shard over the stage's replicas: parameters, gradients and the optimizer's
+            state, 1/R of each on each). The memory model charges each rank its share.
         replicas: the data-parallel replicas the memory model shards over (default: under
             torchrun, the world size over the pipeline ranks; else 1).
         stamp: trace a run of alike blocks (the layers of a ModuleList: same class, weight

@@ -1,8 +1,9 @@
 """What compiling produces: the captured graph, the partition plan and the generated stages.
 
 A `Built` is plain data that the report, the writer, the checkpoint naming and the executors
-read; `fxpipe.pipeline.build` makes it. Its `spec` is the runtime plan (fxpipe.runtime.spec):
-what everything after the compiler runs by, the one home of chunks, schedule and remat there.
+read; `fxpipe.pipeline.build` makes it. Its `spec` is the runtime plan
+(fxpipe.runtime.program.spec): what everything after the compiler runs by, the one home of chunks,
+schedule and remat there.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fxpipe.passes.partition import BalanceRound, PartitionPlan
 from fxpipe.passes.remat import RematRegion
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
-from fxpipe.runtime.spec import ProgramSpec
+from fxpipe.runtime.program.spec import ProgramSpec
 from fxpipe.signature import Signature
 
 __all__ = ["Snapshot", "BuiltStage", "Built"]
@@ -36,11 +37,17 @@ class BuiltStage:
     """One stage as the compiler made it: its graph (with send/recv), remat regions and
     generated source. What the runtime reads of it is in Built.spec.stages."""
 
-    index: int
-    graph_module: GraphModule
+    graph: StageGraph  # the split's stage: its graph, inputs and messages
     source: str
     regions: list[RematRegion]
-    graph: StageGraph
+
+    @property
+    def index(self) -> int:
+        return self.graph.index
+
+    @property
+    def graph_module(self) -> GraphModule:
+        return self.graph.graph_module
 
 
 @dataclass

@@ -19,7 +19,7 @@ the cost model corrected by measuring each stage (fxpipe.rebalance)."""
 SHARD_MODES = ("none", "optimizer", "full")
 """What data-parallel replicas of a stage split among themselves: nothing (each holds all of
 it), the optimizer's state (ZeRO-1, torch's ZeroRedundancyOptimizer), or also the gradients
-and parameters (FSDP2; refused for now, see fxpipe.sharding)."""
+and parameters (FSDP2's fully_shard, see fxpipe.runtime.execution.fsdp)."""
 
 MODELS = ("mlp", "gpt", "resnet", "unet", "branchy", "recurrent")
 """The reference models of fxpipe.models, by name."""

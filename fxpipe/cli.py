@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from fxpipe.choices import BALANCE_MODES, MODELS, REMAT_MODES, SHARD_MODES
 from fxpipe.errors import ConfigError, FxPipeError, PipelineRuntimeError
-from fxpipe.runtime.arguments import program_options_help
-from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from fxpipe.runtime.program.arguments import program_options_help
 from fxpipe.version import __version__
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="memory per rank the partition and --remat auto fit, like 8GiB or 1.5GB "
                         "(plain numbers are bytes); a rank holding several stages gives each an "
                         "equal share (default: no limit)")
-    p.add_argument("--schedule", default="gpipe", choices=(*SCHEDULES, "auto"),
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE.name, choices=(*SCHEDULES, "auto"),
                    help="pipeline schedule; interleaved-1f1b and zb-v place several stages "
                         "on each rank; auto: the fastest predicted one that fits, on the same "
                         "number of ranks")
@@ -171,7 +171,7 @@ def _command_line(args: argparse.Namespace) -> str:
               "--balance", balance]
     if args.memory_limit is not None:
         words += ["--memory-limit", repr(args.memory_limit)]
-    if args.schedule != "gpipe":
+    if args.schedule != DEFAULT_SCHEDULE.name:
         words += ["--schedule", args.schedule]
     if args.stages_per_rank is not None:
         words += ["--stages-per-rank", str(args.stages_per_rank)]
@@ -201,23 +201,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_costs(args: argparse.Namespace) -> int:
-    from fxpipe import ir
-    from fxpipe.costs import cost_table
-    from fxpipe.frontend.capture import capture
-    from fxpipe.models import load_factory
-    from fxpipe.passes.cost import annotate_costs
-    from fxpipe.profile import get_profile
+    from fxpipe.tools.costs import print_costs
 
-    model, inputs, kwargs, _ = load_factory(args.factory, args.set)
-    print(f"capturing {type(model).__name__} and costing every node ...", file=sys.stderr,
-          flush=True)
-    gm = capture(model, inputs, kwargs, inline_modules=not args.modules)
-    annotate_costs(gm)
-    b = args.microbatch or gm.meta[ir.CAPTURE].batch_size
-    sort = args.sort or ("time" if args.top else None)  # top N: the costliest N
-    print(cost_table(gm, b=b, profile=get_profile(args.profile), sort=sort,
-                     by_module=args.by_module, top=args.top))
-    return 0
+    return print_costs(args.factory, args.set, modules=args.modules, microbatch=args.microbatch,
+                       profile=args.profile, sort=args.sort, by_module=args.by_module,
+                       top=args.top)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -260,14 +248,14 @@ def _shards(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.folder import program_report
+    from fxpipe.runtime.program.folder import program_report
 
     print(program_report(args.dir, as_json=args.json), end="")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.torchrun import plan_run, run_program
+    from fxpipe.runtime.program.torchrun import plan_run, run_program
 
     plan = plan_run(args.dir, args.nproc, args.port, args.program_args)
     return run_program(plan, debug=args.debug)
@@ -314,38 +302,10 @@ def cmd_bench_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    import torch
-    from tabulate import tabulate
+    from fxpipe.tools.profile_show import show_profile
 
-    from fxpipe.profile import cache_dir, cached_profile, get_profile, profile_key
-    from fxpipe.profile.cache import clear_cache, profile_path
-
-    if args.clear:
-        removed = clear_cache()
-        print(f"removed {removed} cached profiles and balanced cuts from {cache_dir()}")
-        return 0
-    if args.preset:
-        profile = get_profile(args.preset)
-        where = "datasheet preset"
-    else:
-        dtype = getattr(torch, args.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"unknown dtype {args.dtype!r}", hint="e.g. float32, bfloat16")
-        if not args.refresh and not profile_path(profile_key(args.device, dtype)).exists():
-            print(f"measuring {args.device} ({args.dtype}) once for this machine ...",
-                  file=sys.stderr, flush=True)
-        profile = cached_profile(args.device, dtype, refresh=args.refresh)
-        where = str(profile_path(profile.key))
-    print(f"{profile.name} [{profile.key}]\n{profile.source}\n{where}\n")
-    print(tabulate(profile.describe(), headers=["op class", "GFLOP/s (small .. large kernels)",
-                                                "GB/s (small .. large kernels)"]))
-    print(f"\nkernel launch: {profile.kernel_overhead * 1e6:.2f} us; link latency "
-          f"{profile.link_latency * 1e6:.1f} us per message")
-    print(f"beyond kernels: {profile.op_overhead * 1e6:.1f} us per operation, "
-          f"{profile.region_overhead * 1e6:.1f} us per recomputed operation, "
-          f"{profile.microbatch_overhead * 1e6:.1f} us per stage and micro-batch, "
-          f"{profile.step_overhead * 1e6:.1f} us per step")
-    return 0
+    return show_profile(clear=args.clear, preset=args.preset, device=args.device,
+                        dtype=args.dtype, refresh=args.refresh)
 
 
 def _examples(*lines: str) -> str:

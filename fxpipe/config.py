@@ -11,8 +11,8 @@ from fxpipe.optimizers import ADAM, OptimizerMemory
 from fxpipe.passes.partition import BALANCE_MODES
 from fxpipe.profile import DeviceProfile
 from fxpipe.remat_policy import REMAT_MODES, RematPolicy
-from fxpipe.runtime.amp import AUTOCAST_DTYPES
-from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, schedule_kind
+from fxpipe.runtime.execution.amp import AUTOCAST_DTYPES
+from fxpipe.runtime.planning.schedule import SCHEDULES, ScheduleKind, schedule_kind
 
 __all__ = ["AUTO", "CompileConfig", "check_config", "check_shard"]
 
@@ -144,19 +144,12 @@ def check_config(config: CompileConfig) -> None:
 
 
 def check_shard(shard: object, replicas: object = None) -> None:
-    """Refuses an unknown shard mode, shard="full" (not available yet) and a replica count
-    that is not a positive integer."""
+    """Refuses an unknown shard mode and a replica count that is not a positive integer."""
     if shard not in SHARD_MODES:
         raise ConfigError(f"unknown shard mode {shard!r}",
                           hint=f"use one of {SHARD_MODES}: 'optimizer' splits the optimizer's "
-                               "state over the data-parallel replicas (ZeRO-1)")
-    if shard == "full":
-        raise ConfigError("shard='full' (gradients and parameters sharded with FSDP2's "
-                          "fully_shard) is not implemented yet: the stages' micro-batch "
-                          "backward and gradient averaging are fxpipe's own, and FSDP2 would "
-                          "have to take them over",
-                          hint="use shard='optimizer' (ZeRO-1: the optimizer's state split "
-                               "over the replicas)")
+                               "state over the data-parallel replicas (ZeRO-1), 'full' the "
+                               "parameters and gradients too (FSDP2)")
     if replicas is not None and not (isinstance(replicas, int) and not isinstance(replicas, bool)
                                      and replicas >= 1):
         raise ConfigError(f"replicas must be an integer >= 1 (got {replicas!r})",

@@ -29,9 +29,9 @@ def idle_share(busy: float, ranks: int, step: float) -> float:
     spend not computing (busy: their compute in the step, all ranks together).
 
     The one bubble fxpipe prints for a schedule: predicted, the schedule played at the stages'
-    predicted costs (fxpipe.runtime.timeline.predicted_step); measured, a run's step (the
+    predicted costs (fxpipe.runtime.planning.timeline.predicted_step); measured, a run's step (the
     bench). GPipe's textbook (S-1)/(M+S-1) is this figure at equal unit costs
-    (fxpipe.runtime.grid.bubble_fraction), not a second one."""
+    (fxpipe.runtime.planning.grid.bubble_fraction), not a second one."""
     total = step * ranks
     return min(max(1 - busy / total, 0.0), 1.0) if total > 0 else 0.0
 
@@ -45,7 +45,7 @@ def stage_load(compute: float, comm: float) -> float:
 
 def kept_at_peak(saved: float, kept: float, inflight: int, whole: int) -> float:
     """Bytes a stage keeps for its backwards at the peak of a step: `inflight` micro-batches
-    whose forward is done and backward is not (fxpipe.runtime.grid.peak_inflight of the
+    whose forward is done and backward is not (fxpipe.runtime.planning.grid.peak_inflight of the
     schedule), `whole` of them keeping `saved` bytes and the others `kept`, what their remat
     regions keep (which are whole: fxpipe.remat_policy.RematPolicy.kept_whole)."""
     return (inflight - whole) * kept + whole * saved

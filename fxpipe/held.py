@@ -1,6 +1,6 @@
 """The stages a `Program` holds: built from the compiled plan on a mapping of qualified names to
 tensors (the model's own, so the model trains with the program, or new ones with weights for a
-model built on the meta device), by fxpipe.runtime.hold as a written program's are.
+model built on the meta device), by fxpipe.runtime.execution.hold as a written program's are.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from fxpipe import ir
 from fxpipe.built import Built, BuiltStage
 from fxpipe.errors import ConfigError
 from fxpipe.passes.remat import RematRegion
-from fxpipe.runtime.hold import HeldStages, RunSettings, hold_stages
-from fxpipe.runtime.mesh import GroupCache, Mesh
+from fxpipe.runtime.communication.mesh import GroupCache, Mesh
+from fxpipe.runtime.execution.hold import HeldStages, RunSettings, hold_stages
+from fxpipe.runtime.execution.stagespec import StageSpec
 from fxpipe.runtime.stage import StageModule
-from fxpipe.runtime.stagespec import StageSpec
 
 __all__ = ["Stage", "hold_built", "stage_views", "held_tensors"]
 

@@ -8,7 +8,11 @@ setups with master weights keep it in float32. The partition, remat="auto", sche
 the report and the planner all charge a stage `held_bytes` for its trainable parameters.
 
 Sharded across R data-parallel replicas (compile(shard="optimizer"): ZeRO-1), each replica of a
-stage holds 1/R of the states and of the master copy; its gradients stay whole.
+stage holds 1/R of the states and of the master copy; its gradients stay whole. Under
+shard="full" (FSDP2) it holds 1/R of the parameters and their gradients too between steps, but
+a step gathers the stage's whole parameters and gradients beside the shards (one FSDP unit per
+stage, gathered through the micro-batches): the memory the partition respects is that peak, so
+"full" lowers no step's peak below "optimizer"; it frees memory between steps.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class OptimizerMemory:
     extra_bytes: float | None = None
     shard: str = "none"  # what the replicas split (fxpipe.choices.SHARD_MODES)
     replicas: int = 1  # data-parallel replicas of each stage
+    resting: bool = False  # what stays between steps, not what a step holds at its peak
 
     @property
     def share(self) -> float:
@@ -54,21 +59,42 @@ class OptimizerMemory:
         `shard` ("none" keeps it whole)."""
         return replace(self, shard=shard, replicas=max(int(replicas), 1))
 
+    def between_steps(self) -> OptimizerMemory:
+        """This memory as it stays between steps (it differs under shard="full" only)."""
+        return replace(self, resting=True)
+
+    @property
+    def weight_share(self) -> float:
+        """The part of the parameters (and of their gradients) one replica holds. Under
+        shard="full" a replica keeps its 1/R shard, and FSDP2 gathers its stage whole for the
+        step (one unit per stage, kept gathered from the first forward to the last backward):
+        1 + 1/R at the step's peak, 1/R between steps."""
+        if self.shard != "full" or self.replicas == 1:
+            return 1.0
+        return self.share if self.resting else 1.0 + self.share
+
+    def weight_bytes(self, param_bytes: float) -> float:
+        """What one replica holds of parameters taking `param_bytes` in all."""
+        return param_bytes * self.weight_share
+
     def held_bytes(self, grad_bytes: float, elements: float) -> float:
         """Bytes held beyond the weights for `elements` trainable parameter elements whose
         gradients take `grad_bytes`: the gradients, the states and the master copy."""
         if self.extra_bytes is not None:  # the gradient, then the rest (sharded)
             extra = self.extra_bytes * elements
-            return min(extra, grad_bytes) + max(extra - grad_bytes, 0.0) * self.share
+            return min(extra, grad_bytes) * self.weight_share + \
+                max(extra - grad_bytes, 0.0) * self.share
         own = grad_bytes  # the state in the parameter's dtype takes what its gradient takes
         state = self.states * (self.state_bytes * elements if self.state_bytes else own)
         low = grad_bytes < _MASTER_BYTES * elements  # stored below float32
         master = _MASTER_BYTES * elements if self.master_weights and low else 0.0
-        return grad_bytes + (state + master) * self.share
+        return grad_bytes * self.weight_share + (state + master) * self.share
 
     def describe(self) -> str:
-        sharded = f", sharded over {self.replicas} replica{'s' if self.replicas > 1 else ''}" \
-            if self.shard != "none" else ""
+        what = " (the parameters and gradients too, between steps)" \
+            if self.shard == "full" else ""
+        sharded = f", sharded over {self.replicas} replica" \
+            f"{'s' if self.replicas > 1 else ''}{what}" if self.shard != "none" else ""
         if self.extra_bytes is not None:
             return f"{self.extra_bytes:g} bytes per parameter beyond the weight{sharded}"
         dtype = f"float{8 * self.state_bytes}" if self.state_bytes else "the parameters' dtype"

@@ -42,12 +42,12 @@ from fxpipe.passes.timing import measure_times
 from fxpipe.passes.unroll_rnn import unroll_rnns
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
-from fxpipe.runtime.amp import compiled_autocast
-from fxpipe.runtime.rank import devices_for_stages
-from fxpipe.runtime.schedule import SCHEDULES
-from fxpipe.runtime.spec import ProgramSpec
-from fxpipe.runtime.stagespec import StageSpec
-from fxpipe.runtime.timeline import predicted_events, predicted_step
+from fxpipe.runtime.execution.amp import compiled_autocast
+from fxpipe.runtime.execution.rank import devices_for_stages
+from fxpipe.runtime.execution.stagespec import StageSpec
+from fxpipe.runtime.planning.schedule import SCHEDULES
+from fxpipe.runtime.planning.timeline import predicted_events, predicted_step
+from fxpipe.runtime.program.spec import ProgramSpec
 
 __all__ = ["build", "rebuild", "PlanAgreement"]
 
@@ -289,12 +289,17 @@ def _auto_candidates(config: CompileConfig) -> list[CompileConfig]:
 
 def _fixed_bytes(g: StageGraph, optimizer: OptimizerMemory) -> float:
     """What a stage holds whatever it recomputes: its parameters and buffers, and for the
-    trainable ones their gradients and the optimizer's state."""
+    trainable ones their gradients and the optimizer's state. The partition's
+    StagePlan.held_bytes is the same sum but for a weight tied across stages, which it counts
+    once, in the stage that first uses it; on its own rank every stage holding one holds a copy
+    with its gradient and optimizer state, so remat="auto" is charged it here wherever it is
+    held (tests/test_remat.py pins the difference)."""
     module = g.graph_module
     trainable = [p for p in module.parameters() if p.requires_grad]
     grads = sum(p.numel() * p.element_size() for p in trainable)
-    return float(sum(t.numel() * t.element_size() for t in [*module.parameters(),
-                                                            *module.buffers()])
+    # buffers counted with the parameters, as the cost model counts them (fxpipe.ir)
+    return float(optimizer.weight_bytes(sum(t.numel() * t.element_size()
+                                            for t in [*module.parameters(), *module.buffers()]))
                  + optimizer.held_bytes(grads, sum(p.numel() for p in trainable)))
 
 
@@ -304,7 +309,7 @@ def _generate(g: StageGraph, regions: list[RematRegion], plan: PartitionPlan,
     header = stage_header(g, regions, plan, config, model_name, shared, passes)
     text = codegen.generate_stage(g.graph_module, header, class_name=_class_name(g.index),
                                   qualnames=captured.meta.get(ir.QUALNAMES, {}))
-    return BuiltStage(g.index, g.graph_module, text, regions, g)
+    return BuiltStage(g, text, regions)
 
 
 def _class_name(index: int) -> str:

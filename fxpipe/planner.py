@@ -8,11 +8,13 @@ every candidate that uses all N devices is partitioned and its step predicted:
                                         stages_per_rank stages on each of a replica's S ranks)
     micro-batches M: divisors of the replica's share of the batch, B / R
     schedule x remat
-    shard: with R > 1, "none" or "optimizer" (ZeRO-1: each replica holds 1/R of the state)
+    shard: with R > 1, "none" or "optimizer" (ZeRO-1: each replica holds 1/R of the state;
+                                        "full" is no candidate: with one FSDP unit per stage
+                                        it lowers no step's peak below "optimizer")
 
 A candidate's step is its pipeline's step as the schedule plays the stages' costs
-(passes.partition, fxpipe.runtime.simulate), plus the data-parallel all-reduce of the slowest
-stage's gradients (a ring over its R replicas, not overlapped with the backward: an upper
+(passes.partition, fxpipe.runtime.planning.simulate), plus the data-parallel all-reduce of the
+slowest stage's gradients (a ring over its R replicas, not overlapped with the backward: an upper
 bound), over the link between devices of a node or, where a stage's replicas span nodes, the
 link between nodes; under shard="optimizer" also the broadcast of each replica's updated part
 of the parameters after the step. Its memory is the partition's memory model per device (its
@@ -23,6 +25,7 @@ multiple of its ranks that torchrun starts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -41,11 +44,17 @@ from fxpipe.frontend.capture import CaptureInfo
 from fxpipe.losses import loss_time
 from fxpipe.optimizers import ADAM, OptimizerMemory, optimizer_memory
 from fxpipe.passes.partition import PartitionPlan, partition
-from fxpipe.passes.partition.graph import AtomsCache
+from fxpipe.passes.partition.graph import Atoms, AtomsCache, AtomsKey, atoms_of, measure_atoms
 from fxpipe.pipeline import capture_and_cost
 from fxpipe.profile import DeviceProfile, select_profile
+from fxpipe.remat_policy import remat_policy
 from fxpipe.report import human_bytes
-from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank, placement
+from fxpipe.runtime.planning.schedule import (
+    SCHEDULES,
+    ScheduleKind,
+    default_stages_per_rank,
+    placement,
+)
 
 __all__ = ["plan", "largest_that_fits", "Plan", "Candidate", "PlanError"]
 
@@ -72,6 +81,9 @@ class Candidate:
     allreduce_s: float = 0.0  # the slowest stage's gradient all-reduce over its replicas
     memory_bytes: float = 0.0  # the most a device holds (the partition's memory model)
     problem: str = ""  # why it cannot run ("" when it can)
+    # a lower bound of step_s from the graph's totals (Bounds); a candidate whose bound is no
+    # better than a step already found is not partitioned, and its pipeline_s stays inf
+    bound_s: float = 0.0
 
     @property
     def ranks(self) -> int:
@@ -84,6 +96,11 @@ class Candidate:
     @property
     def fits(self) -> bool:
         return not self.problem
+
+    @property
+    def skipped(self) -> bool:
+        """Not partitioned: its lower bound was no better than a step already found."""
+        return self.fits and math.isinf(self.pipeline_s)
 
 
 @dataclass(frozen=True)
@@ -130,20 +147,25 @@ class Plan:
         for c in self.candidates[:rows]:
             if not c.fits:
                 why = c.problem
+            elif c.skipped:
+                why = f"at least {c.bound_s / best - 1:+.1%} slower (not partitioned)"
             elif c is self.choice:
                 why = "chosen"
             else:
                 why = f"{c.step_s / best - 1:+.1%} slower"
             lines.append([c.ranks, c.replicas, c.stages_per_rank, c.chunks, c.schedule, c.remat,
                           c.shard,
-                          f"{c.pipeline_s * 1e3:.2f}" if c.fits else "-",
-                          f"{c.allreduce_s * 1e3:.2f}" if c.fits else "-",
-                          f"{c.step_s * 1e3:.2f}" if c.fits else "-",
+                          f"{c.pipeline_s * 1e3:.2f}" if c.fits and not c.skipped else "-",
+                          f"{c.allreduce_s * 1e3:.2f}" if c.fits and not c.skipped else "-",
+                          f"{c.step_s * 1e3:.2f}" if c.fits and not c.skipped else
+                          (f">= {c.bound_s * 1e3:.2f}" if c.skipped else "-"),
                           human_bytes(c.memory_bytes) if c.memory_bytes else "-", why])
         limit = human_bytes(self.memory_per_device) if self.memory_per_device else "no limit"
-        fitting = sum(c.fits for c in self.candidates)
+        fitting = sum(c.fits and not c.skipped for c in self.candidates)
+        skipped = sum(c.skipped for c in self.candidates)
         head = (f"fxpipe plan: {self.devices} devices ({limit} each), batch {self.batch}: "
-                f"{len(self.candidates)} candidates, {fitting} fit")
+                f"{len(self.candidates)} candidates, {fitting} fit"
+                + (f", {skipped} not partitioned (cannot beat the choice)" if skipped else ""))
         text = tabulate(lines, headers=["ranks", "replicas", "stages/rank", "micro-batches",
                                         "schedule", "remat", "shard", "pipeline ms",
                                         "all-reduce ms",
@@ -163,7 +185,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
          schedules: Sequence[str] = tuple(SCHEDULES), remats: Sequence[str] = REMATS,
          max_chunks: int = 64, capture: str = "auto", check: Any = None,
          optimizer: Any = "adam", master_weights: bool = False,
-         shards: Sequence[str] = SHARDS) -> Plan:
+         shards: Sequence[str] = SHARDS, stamp: bool | None = None, prune: bool = True,
+         any_fit: bool = False) -> Plan:
     """Chooses stages, replicas, micro-batches, schedule and remat for `devices` devices.
 
     Args:
@@ -181,6 +204,14 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
             takes them (each device is charged its stages' gradients and optimizer state).
         shards: the shard modes to consider with several replicas ("none": each holds all
             the state; "optimizer": ZeRO-1, each holds 1/R of it).
+        stamp: capture a run of alike blocks once and stamp the others, as fxpipe.compile's
+            stamp (None: when the model's parameters are on the meta device, whose shapes are
+            all a plan needs and whose blocks are many).
+        prune: leave unpartitioned the candidates that cannot fit or cannot beat the fastest
+            found, by lower bounds of their memory and step (Bounds); False partitions every
+            one (the same choice, slower).
+        any_fit: stop at the first candidate that fits, trying them by their memory bound
+            (what largest_that_fits asks of each size); the plan holds those tried.
 
     Raises:
         PlanError: no candidate fits (the message names the smallest memory that would).
@@ -204,13 +235,20 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
         else (example_inputs,)
     held = optimizer_memory(optimizer, master_weights)
-    config = CompileConfig(capture=capture, check=check, profile=profile, optimizer=held)
+    if stamp is None:
+        stamp = any(p.is_meta for p in model.parameters())
+    config = CompileConfig(capture=capture, check=check, profile=profile, optimizer=held,
+                           stamp=stamp)
     gm = capture_and_cost(model, args, dict(example_kwargs or {}), config, list[Snapshot](),
                           {}, {})
     info: CaptureInfo = gm.meta[ir.CAPTURE]
     chosen_profile = select_profile(profile, model, "cpu")  # as compile on CPU processes
     grads = _grad_bytes(gm)
-    reuse = AtomsCache()  # every candidate partitions the same graph
+    reuse = AtomsCache(groups=atoms_of(gm))  # every candidate partitions the same graph
+    bounds = Bounds(gm, chosen_profile, reuse, held, sum(grads.values()),
+                    Link(devices_per_node, inter_node_bandwidth, chosen_profile))
+    partitions = Partitions(gm, chosen_profile, held, reuse)
+    listed: list[tuple[Candidate, float, float]] = []  # with its step's and memory's bounds
     found: list[Candidate] = []
     for ranks, replicas in _splits(devices):
         if info.batch_size % replicas:
@@ -223,10 +261,26 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
                     for shard in shards if replicas > 1 else ("none",):
                         c = Candidate(ranks * per_rank, per_rank, replicas, chunks, schedule,
                                       remat, shard)
-                        found.append(_predict(gm, c, share // chunks, chosen_profile,
-                                              memory_per_device, grads, devices_per_node,
-                                              inter_node_bandwidth, reuse,
-                                              held.sharded(shard, replicas)))
+                        least = bounds.memory(c, share // chunks)
+                        if prune and memory_per_device is not None \
+                                and least > memory_per_device * (1 + 1e-9):
+                            found.append(replace(c, memory_bytes=least, problem="holds at "
+                                                 f"least {human_bytes(least)} per device"))
+                        else:
+                            listed.append((c, bounds.step(c, share // chunks), least))
+    best = math.inf  # the fastest that fits so far: a candidate that cannot beat it is skipped
+    # the likeliest to win first; to find any that fits, the likeliest to fit
+    for c, least, _ in sorted(listed, key=lambda x: x[2] if any_fit else x[1]):
+        if any_fit and best < math.inf:
+            break
+        if prune and least >= best:
+            found.append(replace(c, bound_s=least))
+            continue
+        predicted = _predict(c, info.batch_size // c.replicas // c.chunks, memory_per_device,
+                             grads, bounds.link, partitions)
+        found.append(replace(predicted, bound_s=least))
+        if predicted.fits:
+            best = min(best, predicted.step_s)
     for node in ir.compute_nodes(gm.graph):  # the last partition tried wrote its stages
         node.meta.pop(ir.STAGE, None)
     if not found:
@@ -238,8 +292,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
                   (f"profile: {chosen_profile.name}", f"optimizer: {held.describe()}"), held)
     if not result.choice.fits:
         needs = [c.memory_bytes for c in found if c.memory_bytes]
-        smallest = f" (the least a candidate's fastest cut holds: {human_bytes(min(needs))})" \
-            if needs else ""
+        smallest = f" (the least a candidate's fastest cut holds: at least " \
+            f"{human_bytes(min(needs))})" if needs else ""
         raise PlanError(f"none of {len(found)} candidates fits "
                         f"{human_bytes(memory_per_device or 0)} per device{smallest}: "
                         f"{found[0].problem}",
@@ -261,6 +315,8 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
     Sizes are tried doubling from `low`, then by bisection between the last that fit and the
     first that did not (what fits is taken as monotone in the size). With `on_meta` each model
     is built on the meta device and checked by shapes, so no size needs its weights in memory.
+    Each size is asked only whether some candidate fits (plan(any_fit=True)); the largest is
+    then planned in full.
 
     Raises:
         PlanError: not even `low` fits.
@@ -275,13 +331,13 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
             kwargs = made[2] if len(made) > 2 else None
             try:
                 tried[size] = plan(model, inputs, kwargs, devices=devices,
-                                   memory_per_device=memory_per_device,
+                                   memory_per_device=memory_per_device, any_fit=True,
                                    check="shapes" if on_meta else None, **plan_kwargs)
             except PlanError:
                 tried[size] = None
             if say is not None:
                 result = tried[size]
-                say(f"size {size}: " + (f"fits, step {result.choice.step_s * 1e3:.2f} ms"
+                say(f"size {size}: " + (f"fits ({_key(result.choice)})"
                                         if result is not None else "does not fit"))
         return tried[size] is not None
 
@@ -299,9 +355,16 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
     while bad is not None and bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
-    found = tried[good]
-    assert found is not None
-    return good, found
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        made = build(good)
+    return good, plan(made[0], made[1], made[2] if len(made) > 2 else None, devices=devices,
+                      memory_per_device=memory_per_device,
+                      check="shapes" if on_meta else None, **plan_kwargs)
+
+
+def _key(c: Candidate) -> str:
+    return (f"{c.ranks} ranks x {c.replicas} replicas, {c.chunks} micro-batches, {c.schedule}, "
+            f"remat {c.remat}" + (f", shard {c.shard}" if c.shard != "none" else ""))
 
 
 def _splits(devices: int) -> list[tuple[int, int]]:
@@ -315,18 +378,60 @@ def _grad_bytes(gm: GraphModule) -> dict[str, float]:
             for n in ir.compute_nodes(gm.graph) if ir.COST in n.meta}
 
 
-def _predict(gm: GraphModule, c: Candidate, b: int, profile: DeviceProfile,
-             memory: float | None, grads: dict[str, float], devices_per_node: int | None,
-             inter_node: float | None, reuse: AtomsCache,
-             optimizer: OptimizerMemory) -> Candidate:
+CutKey = tuple[int, str, int, int, OptimizerMemory]
+"""(micro-batch size, remat, micro-batches, stages, optimizer memory as sharded): what the
+fastest cut depends on when no memory limit binds (the schedule only sets how many micro-batches
+each stage holds; memory breaks ties between equally fast cuts)."""
+
+
+@dataclass
+class Partitions:
+    """Partitions one graph for many candidates, reusing what they share: the atoms
+    (AtomsCache), each (micro-batch size, remat, chunks, stages)'s fastest cut, solved once
+    without a memory limit and evaluated under each schedule (solved again under the limit
+    only where it does not fit), and the schedules' orders."""
+
+    gm: GraphModule
+    profile: DeviceProfile
+    optimizer: OptimizerMemory
+    reuse: AtomsCache
+    fastest: dict[CutKey, tuple[str, ...]] = field(default_factory=dict)  # first node per stage
+    kinds: dict[str, ScheduleKind] = field(default_factory=dict)
+
+    def kind(self, name: str) -> ScheduleKind:
+        """The schedule with its orders memoised (candidates differing only in remat play the
+        same order)."""
+        if name not in self.kinds:
+            base = SCHEDULES[name]
+            self.kinds[name] = replace(base, order=functools.lru_cache(maxsize=None)(base.order))
+        return self.kinds[name]
+
+    def __call__(self, c: Candidate, b: int, limit: float | None) -> PartitionPlan:
+        """The candidate's fastest cut within `limit` bytes per stage (PartitionError: none)."""
+        optimizer = self.optimizer.sharded(c.shard, c.replicas)
+        key: CutKey = (b, c.remat, c.chunks, c.stages, optimizer)
+
+        def cut(limit: float | None, starts: tuple[str, ...] | None = None) -> PartitionPlan:
+            return partition(self.gm, c.stages, microbatch_size=b, chunks=c.chunks,
+                             profile=self.profile, remat=c.remat, memory_limit=limit,
+                             schedule=self.kind(c.schedule), ranks=c.ranks,
+                             loss_time=loss_time(self.gm, b, self.profile, False),
+                             reuse=self.reuse, optimizer=optimizer, starts=starts)
+
+        if key in self.fastest:
+            fastest = cut(None, self.fastest[key])
+        else:
+            fastest = cut(None)
+            self.fastest[key] = tuple(stage.nodes[0] for stage in fastest.stages)
+        if limit is None or all((stage.memory or 0.0) <= limit for stage in fastest.stages):
+            return fastest
+        return cut(limit)
+
+
+def _predict(c: Candidate, b: int, memory: float | None, grads: dict[str, float], link: Link,
+             partitions: Partitions) -> Candidate:
     """The candidate with its predicted step and memory, or the reason it cannot run."""
     limit = memory / c.stages_per_rank if memory is not None else None
-
-    def partitioned(limit: float | None) -> PartitionPlan:
-        return partition(gm, c.stages, microbatch_size=b, chunks=c.chunks, profile=profile,
-                         remat=c.remat, memory_limit=limit, schedule=c.schedule, ranks=c.ranks,
-                         loss_time=loss_time(gm, b, profile, False), reuse=reuse,
-                         optimizer=optimizer)
 
     def per_device(p: PartitionPlan) -> float:
         held: dict[int, float] = {}
@@ -335,26 +440,79 @@ def _predict(gm: GraphModule, c: Candidate, b: int, profile: DeviceProfile,
         return max(held.values(), default=0.0)
 
     try:
-        p = partitioned(limit)
+        p = partitions(c, b, limit)
     except PartitionError as e:
         if limit is None:
             return replace(c, problem=str(e).splitlines()[0][:90])
         try:  # what its fastest cut would hold, for the table
-            needs = per_device(partitioned(None))
+            needs = per_device(partitions(c, b, None))
         except PartitionError as again:
             return replace(c, problem=str(again).splitlines()[0][:90])
         return replace(c, memory_bytes=needs, problem="no cut fits; the fastest holds "
                        f"{human_bytes(needs)} per device")
-    reduce_s = 0.0
-    if c.replicas > 1:
-        slowest = max(sum(grads.get(n, 0.0) for n in stage.nodes) for stage in p.stages) \
-            * c.stages_per_rank
+    slowest = max(sum(grads.get(n, 0.0) for n in stage.nodes) for stage in p.stages) \
+        * c.stages_per_rank
+    return replace(c, pipeline_s=p.predicted_step_time, allreduce_s=link.all_reduce(c, slowest),
+                   memory_bytes=per_device(p))
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where a stage's replicas all-reduce: the devices of a machine (None: all on one), the
+    bandwidth between machines, and the device profile's link within one."""
+
+    devices_per_node: int | None
+    inter_node: float | None
+    profile: DeviceProfile
+
+    def all_reduce(self, c: Candidate, nbytes: float) -> float:
+        """Seconds of a ring all-reduce of `nbytes` over the candidate's replicas."""
+        if c.replicas == 1:
+            return 0.0
         # a stage's replicas sit ranks apart: on one machine while they all fit on it
-        across = devices_per_node is not None and c.ranks * c.replicas > devices_per_node
-        bandwidth = inter_node if across and inter_node else profile.link_bandwidth
+        across = self.devices_per_node is not None \
+            and c.ranks * c.replicas > self.devices_per_node
+        bandwidth = self.inter_node if across and self.inter_node \
+            else self.profile.link_bandwidth
         hops = 2 * (c.replicas - 1)
         if c.shard == "optimizer":  # each replica's updated parameters, to the others
             hops += c.replicas - 1
-        reduce_s = hops / c.replicas * slowest / bandwidth + hops * profile.link_latency
-    return replace(c, pipeline_s=p.predicted_step_time, allreduce_s=reduce_s,
-                   memory_bytes=per_device(p))
+        return hops / c.replicas * nbytes / bandwidth + hops * self.profile.link_latency
+
+
+class Bounds:
+    """Lower bounds of a candidate's memory per device and step, from the graph's totals
+    before any cut: every rank holds at least its share of the weights, gradients, optimizer
+    state and one micro-batch's activations, and computes at least its share of the
+    micro-batches' work; the slowest stage's gradients are at least a rank's share."""
+
+    def __init__(self, gm: GraphModule, profile: DeviceProfile, reuse: AtomsCache,
+                 optimizer: OptimizerMemory, grad_bytes: float, link: Link) -> None:
+        self.gm, self.profile, self.reuse, self.optimizer = gm, profile, reuse, optimizer
+        self.grad_bytes, self.link = grad_bytes, link
+
+    def _atoms(self, c: Candidate, b: int) -> Atoms:
+        """The atoms partition measures for this candidate, measured once and kept where it
+        will find them."""
+        policy = remat_policy(c.remat)
+        optimizer = self.optimizer.sharded(c.shard, c.replicas)
+        key: AtomsKey = ("cost", b, policy, c.chunks, (), optimizer)
+        if key not in self.reuse.measured:
+            assert self.reuse.groups is not None
+            groups = self.reuse.groups
+            self.reuse.measured[key] = measure_atoms(
+                self.gm, groups, balance="cost", profile=self.profile, b=b, remat=policy,
+                chunks=c.chunks, optimizer=optimizer,
+                facts=self.reuse.facts_for(self.gm, groups, balance="cost",
+                                           profile=self.profile, b=b, corrections={}))
+        return self.reuse.measured[key]
+
+    def memory(self, c: Candidate, b: int) -> float:
+        atoms = self._atoms(c, b)
+        return (math.fsum(atoms.mem_fixed) + math.fsum(atoms.mem_act)) / c.ranks
+
+    def step(self, c: Candidate, b: int) -> float:
+        atoms = self._atoms(c, b)
+        work = (math.fsum(atoms.compute) + loss_time(self.gm, b, self.profile, False)) * c.chunks
+        return work / c.ranks + self.profile.step_overhead \
+            + self.link.all_reduce(c, self.grad_bytes / c.ranks)

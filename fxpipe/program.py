@@ -21,7 +21,6 @@ from torch.fx import GraphModule
 
 from fxpipe import codegen, ir
 from fxpipe.built import Built, Snapshot
-from fxpipe.checkpoint import load_checkpoint, save_shard
 from fxpipe.config import CompileConfig
 from fxpipe.costs import cost_table
 from fxpipe.errors import (
@@ -55,22 +54,23 @@ from fxpipe.reference import (
     replica_counts,
 )
 from fxpipe.report import Report, build_report, predicted_kept
-from fxpipe.resume import fit_state, restore_optimizer
-from fxpipe.runtime.amp import compiled_autocast
-from fxpipe.runtime.hold import HeldStages, RunSettings, local_loss
-from fxpipe.runtime.loading import load_named
-from fxpipe.runtime.local import LocalExecutor
-from fxpipe.runtime.materialize import initialize
-from fxpipe.runtime.memory import KeptMemory
-from fxpipe.runtime.mesh import GroupCache, Mesh
-from fxpipe.runtime.rank import RankStage, mesh_of_world, rank_device
+from fxpipe.runtime.communication.mesh import GroupCache, Mesh
+from fxpipe.runtime.execution.amp import compiled_autocast
+from fxpipe.runtime.execution.hold import HeldStages, RunSettings, local_loss
+from fxpipe.runtime.execution.local import LocalExecutor
+from fxpipe.runtime.execution.memory import KeptMemory
+from fxpipe.runtime.execution.rank import RankStage, mesh_of_world, rank_device
+from fxpipe.runtime.program.loading import load_named
+from fxpipe.runtime.program.materialize import initialize
 from fxpipe.runtime.stage import StageModule
 from fxpipe.sharding import is_sharded, make_optimizer
 from fxpipe.signature import copy_inputs
-from fxpipe.state import StateNames, graph_tensors
-from fxpipe.structure import Structure
+from fxpipe.storage.checkpoint import load_checkpoint, save_shard
+from fxpipe.storage.resume import fit_state, restore_optimizer
+from fxpipe.storage.state import StateNames, graph_tensors
+from fxpipe.storage.structure import Structure
+from fxpipe.storage.weights import WeightsSource, open_weights
 from fxpipe.untouched import untouched
-from fxpipe.weights import WeightsSource, open_weights
 from fxpipe.writer import ProgramFiles, write_program
 
 __all__ = ["Program", "Stage"]
@@ -183,6 +183,12 @@ class Program(nn.Module):
         measured once and kept, with a warning that says so.
         """
         built = self._require_built("plan to rebalance")
+        rank = self._rank
+        if self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1:
+            raise ConfigError("program.rebalance() cannot move stages whose parameters FSDP2 "
+                              "shards over the replicas (shard='full')",
+                              hint="save a checkpoint, compile the new cut, and load it into "
+                                   "the new program and a new program.optimizer(...)")
         if optimizer is not None and is_sharded(optimizer):
             raise ConfigError("program.rebalance() cannot move the state of an optimizer "
                               "sharded over the replicas (shard='optimizer')",
@@ -307,8 +313,8 @@ class Program(nn.Module):
         """Gives this process's stages (under torchrun: this rank's) real tensors on their
         devices, filled by the model's own initializers module by module: reset_parameters()
         and the model's _init_weights(module), with a seed per module and `seed`, so the values
-        do not depend on the partition (see fxpipe.runtime.materialize). For a model built on
-        the meta device; no tensor of another process's stages is allocated."""
+        do not depend on the partition (see fxpipe.runtime.program.materialize). For a model built
+        on the meta device; no tensor of another process's stages is allocated."""
         self._require_built("stages to initialize")
         templates, devices = self._held_tensors()
         if not any(t.is_meta for t in templates.values()):
@@ -539,7 +545,9 @@ class Program(nn.Module):
         """`optimizer_class(program.parameters(), **kwargs)`, right for the program's shard
         mode: under shard="optimizer" with data-parallel replicas (torchrun), a
         torch.distributed.optim.ZeroRedundancyOptimizer of it over this stage's replicas (each
-        holds about 1/R of the state). None on a rank whose stages hold no parameters.
+        holds about 1/R of the state); under shard="full" the plain one over the FSDP2-sharded
+        parameters (DTensors: each replica holds 1/R of the state too). None on a rank whose
+        stages hold no parameters.
         `program.save(dir, optimizer=...)` and `program.load(dir, optimizer=...)` take it."""
         self._require_built("parameters to optimize")
         self._require_weights()
@@ -556,8 +564,8 @@ class Program(nn.Module):
         """Writes a checkpoint (this process's stages and optimizer state, in the model's names).
 
         Under torchrun every rank calls it; the checkpoint counts once every rank's shard is
-        written (fxpipe.checkpoint), and fxpipe.load_checkpoint(directory)["model"] loads into
-        the plain model too.
+        written (fxpipe.storage.checkpoint), and fxpipe.load_checkpoint(directory)["model"] loads
+        into the plain model too.
         """
         self._require_built("state to save")
         self._require_weights()
@@ -643,7 +651,9 @@ class Program(nn.Module):
                 for name, p in super().named_parameters("", recurse, remove_duplicate))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """This process's parameters and buffers under the model's state_dict keys."""
+        """This process's parameters and buffers under the model's state_dict keys, whole (under
+        shard="full" gathered over the stage's replicas: every rank calls it, as save and load
+        do)."""
         out = {k: v.detach() for k, v in self._state_names().state_dict(
             self._stage_modules()).items()}
         if self._holds_first_stage():

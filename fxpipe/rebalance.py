@@ -35,20 +35,20 @@ import torch.distributed as dist
 
 from fxpipe.built import Built
 from fxpipe.errors import RuntimeInputError
-from fxpipe.files import atomic_write
 from fxpipe.losses import LossFn
 from fxpipe.passes.partition import TOLERANCE, BalanceRound, best_round, corrected, next_cut
 from fxpipe.pipeline import PlanAgreement, rebuild
 from fxpipe.profile import cache_dir
 from fxpipe.profile.cache import check_against_run
 from fxpipe.remat_policy import RematPolicy, remat_policy
-from fxpipe.runtime.local import LocalExecutor
-from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.rank import RankStage
-from fxpipe.runtime.stagetime import time_stages
-from fxpipe.runtime.timeline import busy_time
+from fxpipe.runtime.communication.mesh import Mesh
+from fxpipe.runtime.execution.local import LocalExecutor
+from fxpipe.runtime.execution.rank import RankStage
+from fxpipe.runtime.execution.stagetime import time_stages
+from fxpipe.runtime.planning.timeline import busy_time
 from fxpipe.signature import Signature
-from fxpipe.state import graph_tensors
+from fxpipe.storage.files import atomic_write
+from fxpipe.storage.state import graph_tensors
 from fxpipe.version import __version__
 
 __all__ = ["balance_by_measurement", "cut_of", "balance_key", "load_balance", "forget_balance",

@@ -24,12 +24,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.losses import LossFn
-from fxpipe.runtime.amp import compiled_autocast
-from fxpipe.runtime.devices import stage_devices
-from fxpipe.runtime.local import draw_base, seeded_forward
-from fxpipe.runtime.loss_split import MEAN, SUM, split_kind
-from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.rank import shard_batch
+from fxpipe.runtime.communication.mesh import Mesh
+from fxpipe.runtime.execution.amp import compiled_autocast
+from fxpipe.runtime.execution.devices import stage_devices
+from fxpipe.runtime.execution.forward import draw_base, seeded_forward
+from fxpipe.runtime.execution.loss_split import MEAN, SUM, split_kind
+from fxpipe.runtime.execution.rank import shard_batch
 from fxpipe.signature import Signature
 
 __all__ = ["reference_losses", "microbatched_forward", "replicated_loss", "reference_device",
@@ -69,8 +69,8 @@ def replicated_loss(model: nn.Module, signature: Signature, flat: Sequence[torch
     what], once per replica): each computes the plain model over its shard of the batch (the
     batch's equal parts, in order) in `chunks` micro-batches, every replica from the same
     random base; their losses are averaged for a mean over examples and summed for a sum, as
-    the replicas' gradients are (fxpipe.runtime.loss_split). None for a loss that is neither,
-    which replicas refuse."""
+    the replicas' gradients are (fxpipe.runtime.execution.loss_split). None for a loss that is
+    neither, which replicas refuse."""
     base = draw_base() if draws_random else None
     leaves, losses = [], []
     for replica in range(replicas):

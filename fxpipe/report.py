@@ -22,10 +22,10 @@ from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 from fxpipe.profile import DeviceProfile
 from fxpipe.remat_policy import RematPolicy
-from fxpipe.runtime.grid import peak_inflight, render_grid
-from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.schedule import SCHEDULES, ScheduleKind, stages_on
-from fxpipe.runtime.timeline import predicted_step
+from fxpipe.runtime.communication.mesh import Mesh
+from fxpipe.runtime.planning.grid import peak_inflight, render_grid
+from fxpipe.runtime.planning.schedule import SCHEDULES, ScheduleKind, stages_on
+from fxpipe.runtime.planning.timeline import predicted_step
 
 __all__ = ["Report", "StageRow", "build_report", "stage_header", "compile_command",
            "predicted_kept", "communication", "human_bytes", "human_flops",

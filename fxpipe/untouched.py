@@ -4,7 +4,7 @@ and buffers, are as they were before it.
 Capture, timing, the loss probe, balancing and weight materialization all run a model (or part
 of it) for what they learn, not for its effects; they use these, so that "nothing changed" means
 one thing everywhere. The per-micro-batch random streams of a pipelined step are another matter
-(fxpipe.runtime.local.seeded_forward).
+(fxpipe.runtime.execution.forward.seeded_forward).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 weights, example batch, spec and report).
 
 Everything is deterministic (no timestamps, no absolute paths). The folder is built beside the
-target and renamed into its place as a whole (fxpipe.files.replace_folder): two writers to one
-folder leave one complete program, and no file of an earlier program stays behind. program.json
+target and renamed into its place as a whole (fxpipe.storage.files.replace_folder): two writers to
+one folder leave one complete program, and no file of an earlier program stays behind. program.json
 records every other file's sha256, which `fxpipe report` and `fxpipe run` check.
 """
 from __future__ import annotations
@@ -18,15 +18,15 @@ from torch import nn
 
 from fxpipe.built import Built
 from fxpipe.errors import CodegenError, FxPipeError, ProgramFolderError, StorageError
-from fxpipe.files import atomic_save, atomic_write, replace_folder, write_failed
 from fxpipe.report import Report
-from fxpipe.runtime.folder import file_digest, is_program
-from fxpipe.runtime.imports import ProgramCode, source_folders
-from fxpipe.runtime.spec import ProgramSpec, signature_to_json
+from fxpipe.runtime.program.folder import file_digest, is_program
+from fxpipe.runtime.program.imports import ProgramCode, source_folders
+from fxpipe.runtime.program.spec import ProgramSpec, signature_to_json
 from fxpipe.source import safe_docstring
-from fxpipe.state import StateNames
-from fxpipe.structure import Structure
-from fxpipe.userfiles import carry_user_files, user_files
+from fxpipe.storage.files import atomic_save, atomic_write, replace_folder, write_failed
+from fxpipe.storage.state import StateNames
+from fxpipe.storage.structure import Structure
+from fxpipe.storage.userfiles import carry_user_files, user_files
 from fxpipe.version import __version__
 
 __all__ = ["ProgramFiles", "write_program", "write_weights", "LAUNCHER"]

@@ -3,8 +3,8 @@
 Reads:  TENSOR (fxpipe.capture)
 Writes: nothing new; rewrites the graph in place
 Graph:  train-mode batch_norm calls that update running statistics become
-        fxpipe.runtime.batchnorm.deferred_batch_norm; their num_batches_tracked += 1 is dropped
-        (the commit does it once per batch)
+        fxpipe.runtime.execution.batchnorm.deferred_batch_norm; their num_batches_tracked += 1 is
+        dropped (the commit does it once per batch)
 
 Run on the captured graph before partitioning (the rewritten op costs what batch_norm costs).
 """
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.batchnorm import cumulative_batch_norm, deferred_batch_norm
+from fxpipe.runtime.execution.batchnorm import cumulative_batch_norm, deferred_batch_norm
 
 __all__ = ["defer_batch_norm"]
 

@@ -221,7 +221,7 @@ def test_a_written_program_compiled_with_autocast_trains_in_bf16_and_verifies(tm
 
 
 def test_a_rank_without_an_optimizer_moves_its_loss_scale_as_the_ranks_that_step():
-    from fxpipe.runtime.amp import ScaleFollower
+    from fxpipe.runtime.execution.amp import ScaleFollower
 
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.1)

@@ -33,7 +33,7 @@ from fxpipe.passes.partition import (
 from fxpipe.profile import Curve, cache, get_profile
 from fxpipe.rebalance import balance_by_measurement, cut_of, robust_time
 from fxpipe.report import build_report
-from fxpipe.runtime.schedule import default_stages_per_rank
+from fxpipe.runtime.planning.schedule import default_stages_per_rank
 from tests.ranks import spawn
 
 PROFILE = "a100"

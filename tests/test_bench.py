@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fxpipe.cli import main
-from fxpipe.runtime.timeline import Event, busy_time
+from fxpipe.runtime.planning.timeline import Event, busy_time
 
 
 def test_busy_time_excludes_receive_waits_inside_compute_spans():

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 import fxpipe
-from fxpipe.checkpoint import save_shard
 from fxpipe.errors import CheckpointError
 from fxpipe.models import gpt, mlp
-from fxpipe.structure import Structure
+from fxpipe.storage.checkpoint import save_shard
+from fxpipe.storage.structure import Structure
 
 
 def _setup(stages: int, model):
@@ -329,7 +329,7 @@ def _save_where_rank_0_has_no_parameters(directory: str, store: str, rank: int) 
 
 @pytest.mark.distributed
 def test_a_checkpoint_keeps_the_optimizer_when_rank_0_has_none(tmp_path):
-    from fxpipe.resume import restore_optimizer
+    from fxpipe.storage.resume import restore_optimizer
 
     assert _on_two_ranks(_save_where_rank_0_has_no_parameters, tmp_path) == [0, 0]
     checkpoint = fxpipe.load_checkpoint(str(tmp_path / "ckpt"))

@@ -24,9 +24,9 @@ from fxpipe import cli
 from fxpipe.cli import main
 from fxpipe.errors import ConfigError, PipelineRuntimeError, ProgramFolderError
 from fxpipe.runtime import launch
-from fxpipe.runtime.spec import ProgramSpec
-from fxpipe.runtime.timeline import Event, chrome_trace
-from fxpipe.runtime.torchrun import rank_failure
+from fxpipe.runtime.planning.timeline import Event, chrome_trace
+from fxpipe.runtime.program.spec import ProgramSpec
+from fxpipe.runtime.program.torchrun import rank_failure
 
 
 def _free_port() -> int:

@@ -475,7 +475,7 @@ def test_the_predicted_step_pays_per_operation_micro_batch_and_step_beyond_kerne
     import dataclasses
 
     from fxpipe.report import human_time
-    from fxpipe.runtime.timeline import predicted_local_step, predicted_step
+    from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
 
     bare = _step_costs()
     paid = _step_costs(op_overhead=1e-3, microbatch_overhead=2e-3, step_overhead=5e-3)

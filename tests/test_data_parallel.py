@@ -227,7 +227,7 @@ def test_written_program_runs_under_torchrun_with_four_processes(written_gpt):
 
 
 def test_buckets_group_consecutive_parameters_up_to_the_size_and_never_mix_dtypes():
-    from fxpipe.runtime.overlap import buckets
+    from fxpipe.runtime.communication.overlap import buckets
 
     f32, f16 = torch.float32, torch.float16
     assert buckets([(4, f32), (4, f32), (4, f32)], 8) == [[0, 1], [2]]
@@ -264,7 +264,7 @@ def test_a_split_dependent_program_records_what_replicas_compute(written_split_d
     import json
 
     from fxpipe.runtime.launch import _reference
-    from fxpipe.runtime.spec import ProgramSpec
+    from fxpipe.runtime.program.spec import ProgramSpec
     data = json.loads((written_split_dependent / "program.json").read_text())
     assert data["split_dependent"] is True
     # 8 examples in 2 micro-batches: 4 replicas would normalise single examples

@@ -16,7 +16,7 @@ from torch import nn
 import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import load as load_model
-from fxpipe.runtime.devices import (
+from fxpipe.runtime.execution.devices import (
     CudaTimeline,
     WallTimeline,
     make_timeline,
@@ -24,7 +24,7 @@ from fxpipe.runtime.devices import (
     stage_devices,
     to_device,
 )
-from fxpipe.runtime.local import seeded_forward
+from fxpipe.runtime.execution.forward import seeded_forward
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -33,7 +33,7 @@ import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
-from fxpipe.runtime.schedule import default_stages_per_rank
+from fxpipe.runtime.planning.schedule import default_stages_per_rank
 
 pytestmark = pytest.mark.distributed
 

@@ -1,5 +1,5 @@
-"""fxpipe.runtime.folder, spec and imports: a written program's folder checked before anything in
-it runs; an edited, mixed or incomplete folder is refused with what is wrong."""
+"""fxpipe.runtime.program.folder, spec and imports: a written program's folder checked before
+anything in it runs; an edited, mixed or incomplete folder is refused with what is wrong."""
 from __future__ import annotations
 
 import json
@@ -15,8 +15,13 @@ import fxpipe
 from fxpipe.cli import main
 from fxpipe.errors import ProgramFolderError
 from fxpipe.models import mlp
-from fxpipe.runtime.folder import check_program, is_program
-from fxpipe.runtime.imports import ProgramCode, code_of_launcher, import_folders, program_loss
+from fxpipe.runtime.program.folder import check_program, is_program
+from fxpipe.runtime.program.imports import (
+    ProgramCode,
+    code_of_launcher,
+    import_folders,
+    program_loss,
+)
 
 
 @pytest.fixture(scope="module")

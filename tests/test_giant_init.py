@@ -9,7 +9,7 @@ from torch import nn
 import fxpipe
 from fxpipe.errors import CheckpointError, ConfigError
 from fxpipe.models import gpt
-from fxpipe.runtime.materialize import initialize
+from fxpipe.runtime.program.materialize import initialize
 
 transformers = pytest.importorskip("transformers")
 

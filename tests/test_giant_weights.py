@@ -11,10 +11,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 import fxpipe
-from fxpipe import weights
 from fxpipe.errors import CheckpointError, NotBuiltError
 from fxpipe.models import gpt
-from fxpipe.weights import match_names, open_weights
+from fxpipe.storage import weights
+from fxpipe.storage.weights import match_names, open_weights
 
 transformers = pytest.importorskip("transformers")
 

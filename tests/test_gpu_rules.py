@@ -26,7 +26,8 @@ from fxpipe.profile import cache
 from fxpipe.profile.presets import spec_of_device
 from fxpipe.rebalance import placed_state
 from fxpipe.reference import copy_to, microbatched_forward, reference_device
-from fxpipe.runtime import backend, rank
+from fxpipe.runtime.communication import backend
+from fxpipe.runtime.execution import rank
 from tests.ranks import spawn
 
 # --- backend and device ------------------------------------------------------------------------
@@ -373,7 +374,7 @@ class _NormNet(nn.Module):
 def test_the_loss_of_replicas_is_each_shard_in_its_micro_batches_combined_as_the_loss_is(
         reduction):
     from fxpipe.reference import replicated_loss
-    from fxpipe.runtime.local import draw_base, seeded_forward
+    from fxpipe.runtime.execution.forward import draw_base, seeded_forward
     torch.manual_seed(0)
     model, x, y = _NormNet(), torch.randn(8, 4), torch.randn(8, 3)
     program = fxpipe.compile(copy.deepcopy(model), (x,), stages=2, chunks=2)

@@ -23,9 +23,9 @@ import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import gpt
 from fxpipe.runtime.comm import LocalComm, MicrobatchComm
-from fxpipe.runtime.devices import ReadLater
-from fxpipe.runtime.dist_comm import DistComm
-from fxpipe.runtime.timeline import Event
+from fxpipe.runtime.communication.dist_comm import DistComm
+from fxpipe.runtime.execution.devices import ReadLater
+from fxpipe.runtime.planning.timeline import Event
 from fxpipe.testing.host_syncs import HostSyncs
 from fxpipe.testing.reference_step import reference_step
 

@@ -13,11 +13,13 @@ PACKAGES = {"fxpipe": ROOT / "fxpipe", "fxpipe.passes": ROOT / "passes",
 
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: list[tuple[str, ...]] = [
-    ("fxpipe.errors", "fxpipe.version", "fxpipe.files", "fxpipe.source", "fxpipe.savelock",
-     "fxpipe.userfiles", "fxpipe.figures", "fxpipe.choices"),  # foundation
-    ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.state",
-     "fxpipe.structure", "fxpipe.checkpoint", "fxpipe.resume", "fxpipe.weights",
-     "fxpipe.untouched", "fxpipe.optimizers", "fxpipe.sharding", "fxpipe.models",
+    ("fxpipe.errors", "fxpipe.version", "fxpipe.source", "fxpipe.figures", "fxpipe.choices",
+     "fxpipe.storage", "fxpipe.storage.files", "fxpipe.storage.savelock",
+     "fxpipe.storage.userfiles"),  # foundation
+    ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.untouched",
+     "fxpipe.storage.state", "fxpipe.storage.structure", "fxpipe.storage.checkpoint",
+     "fxpipe.storage.resume", "fxpipe.storage.weights",
+     "fxpipe.optimizers", "fxpipe.sharding", "fxpipe.models",
      "fxpipe.remat_policy"),  # contracts: metadata, names, formats, policies
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
@@ -143,3 +145,26 @@ def test_the_remat_names_are_the_policies() -> None:
     from fxpipe.remat_policy import RematPolicy
 
     assert REMAT_MODES == tuple(p.value for p in RematPolicy)
+
+
+def _readme_tree() -> set[str]:
+    """The folders README.md's tree names ("How it works": `name/` lines, two spaces a level)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("The tree, one line per folder", 1)[1].split("```", 2)[1]
+    folders, path = set(), []
+    for line in block.splitlines():
+        name = line.strip().split(" ", 1)[0]
+        if not name.endswith("/"):
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        path = path[:depth] + [name.rstrip("/")]
+        folders.add("/".join(path))
+    return folders
+
+
+def test_the_readme_tree_names_every_package_and_nothing_else():
+    packages = {str(p.parent.relative_to(ROOT)) for folder in PACKAGES.values()
+                for p in folder.rglob("__init__.py")
+                if not (p.parent.relative_to(ROOT).parts[:1] == ("fxpipe",)
+                        and p.parent.relative_to(ROOT).parts[1:2] in (("passes",), ("models",)))}
+    assert _readme_tree() == packages

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxpipe.runtime.mesh import Mesh, make_groups
+from fxpipe.runtime.communication.mesh import Mesh, make_groups
 from tests.ranks import spawn
 
 pytestmark = pytest.mark.distributed

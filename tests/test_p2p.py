@@ -17,7 +17,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.losses import default_loss
-from fxpipe.runtime.schedule import default_stages_per_rank
+from fxpipe.runtime.planning.schedule import default_stages_per_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -124,9 +124,9 @@ def _play(rank: int, world: int, order: str, schedule: str, m: int, eager_bytes:
     """Plays rank `rank`'s program (tests/test_p2p_plan.py) with 64 KiB messages."""
     from test_p2p_plan import chain_messages, one_at_a_time_programs, plan_programs
 
-    from fxpipe.runtime.schedule import make_schedule
-    from fxpipe.runtime.strict import StrictTransport
-    from fxpipe.runtime.transport import Op
+    from fxpipe.runtime.communication.strict import StrictTransport
+    from fxpipe.runtime.communication.transport import Op
+    from fxpipe.runtime.planning.schedule import make_schedule
 
     actions = make_schedule(schedule, m, world)
     messages = chain_messages(world, m)
@@ -204,7 +204,7 @@ LOOPED_CASES = [("interleaved-1f1b", 5, "except_last"), ("interleaved-1f1b", 4, 
 
 
 def _step_schedules(rank: int, world: int, cases: list[tuple[str, int, str]]) -> dict:
-    from fxpipe.runtime.dist_comm import DistComm
+    from fxpipe.runtime.communication.dist_comm import DistComm
 
     held_to_the_end: list[int] = []  # sent values still held when a step finishes
     finish = DistComm.finish
@@ -253,7 +253,7 @@ def test_interleaved_1f1b_and_zb_v_in_strict_mode_train_like_the_model(world):
 
 
 def test_every_schedule_over_gloo_posts_receives_early_and_trains_like_the_model(two_ranks):
-    # NOTE [Early receives] in fxpipe/runtime/plan.py: gloo matches by tag
+    # NOTE [Early receives] in fxpipe/runtime/planning/plan.py: gloo matches by tag
     _check_cases([r["schedules"] for r in two_ranks], 2, STRICT_CASES + ZB_CASES + LOOPED_CASES,
                  "TorchTransport", early=True)
 
@@ -304,8 +304,8 @@ def test_sent_tensors_are_released_as_their_sends_complete_not_at_the_end_of_the
 
 
 def _mismatch(rank: int, world: int) -> str:
-    from fxpipe.runtime.strict import StrictTransport
-    from fxpipe.runtime.transport import Op
+    from fxpipe.runtime.communication.strict import StrictTransport
+    from fxpipe.runtime.communication.transport import Op
 
     transport = StrictTransport(timeout_s=5)
     labels = ["'a' mb 0", "'b' mb 0"]
@@ -335,7 +335,7 @@ def test_strict_mode_names_both_messages_when_the_ends_disagree_on_the_order():
 
 def _comm(dtypes=None, learn=False):
     from fxpipe import ir
-    from fxpipe.runtime.dist_comm import DistComm
+    from fxpipe.runtime.communication.dist_comm import DistComm
 
     info = {("h", 0, 1): ir.TensorInfo((ir.BATCH, 16), torch.float32, 0, True)}
     return DistComm(rank=0, global_ranks=[0, 1], placement=[0, 1], info=info,

@@ -1,4 +1,4 @@
-"""The point-to-point plan, against a model of NCCL's rules (fxpipe/runtime/plan.py).
+"""The point-to-point plan, against a model of NCCL's rules (fxpipe/runtime/planning/plan.py).
 
 `run_nccl_model` plays per-rank programs of "post a batch" and "wait for a receive" under the
 rules the plan's NOTE [Deadlock-free point-to-point] states: matching by order per pair and
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.grid import clock_cycles
-from fxpipe.runtime.plan import RECEIVE_LEAD, Message, Tick, clock, plan_rank
-from fxpipe.runtime.schedule import (
+from fxpipe.runtime.planning.grid import clock_cycles
+from fxpipe.runtime.planning.plan import RECEIVE_LEAD, Message, Tick, clock, plan_rank
+from fxpipe.runtime.planning.schedule import (
     SCHEDULES,
     Action,
     default_stages_per_rank,

@@ -30,7 +30,8 @@ def test_every_candidate_uses_every_device_and_shares_the_batch(four_devices):
         assert c.ranks * c.replicas == 4
         assert (8 // c.replicas) % c.chunks == 0  # micro-batches of the replica's share
         assert c.stages == c.ranks * c.stages_per_rank
-        assert (c.allreduce_s > 0) == (c.replicas > 1)
+        if not c.skipped:
+            assert (c.allreduce_s > 0) == (c.replicas > 1)
     assert {c.schedule for c in four_devices.candidates} == {"gpipe", "1f1b", "zb-h1", "zb-v"}
 
 
@@ -56,7 +57,7 @@ def test_a_single_replica_candidate_predicts_what_compile_predicts(four_devices,
 
 def test_a_memory_limit_leaves_out_what_does_not_fit_and_names_the_smallest(model_and_batch):
     model, inputs = model_and_batch
-    free = plan(model, inputs, devices=2, profile="a100", schedules=("gpipe",))
+    free = plan(model, inputs, devices=2, profile="a100", schedules=("gpipe",), prune=False)
     memories = sorted(c.memory_bytes for c in free.candidates)
     limit = (memories[0] + memories[-1]) / 2
     tight = plan(model, inputs, devices=2, profile="a100", schedules=("gpipe",),
@@ -73,9 +74,10 @@ def test_a_memory_limit_leaves_out_what_does_not_fit_and_names_the_smallest(mode
 def test_replicas_across_machines_all_reduce_over_the_slower_link(model_and_batch):
     model, inputs = model_and_batch
     one_node = plan(model, inputs, devices=4, profile="a100", schedules=("gpipe",),
-                    remats=("never",))
+                    remats=("never",), prune=False)
     two_nodes = plan(model, inputs, devices=4, profile="a100", schedules=("gpipe",),
-                     remats=("never",), devices_per_node=2, inter_node_bandwidth=1e8)
+                     remats=("never",), devices_per_node=2, inter_node_bandwidth=1e8,
+                     prune=False)
 
     def allreduce(p, ranks, chunks):
         return next(c.allreduce_s for c in p.candidates if c.ranks == ranks and c.chunks == chunks)
@@ -122,6 +124,13 @@ def test_the_largest_that_fits_fits_and_one_more_layer_does_not():
         model, inputs = _gpt_of(layers + 1)
     with pytest.raises(PlanError):
         plan(model, inputs, check="shapes", **options)
+    with torch.device("meta"):
+        model, inputs = _gpt_of(layers)
+    full = plan(model, inputs, check="shapes", **options)  # the largest is planned in full
+    assert [(_key(c), c.step_s) for c in found.candidates] == \
+        [(_key(c), c.step_s) for c in full.candidates]
+    first = plan(model, inputs, check="shapes", any_fit=True, **options)
+    assert first.choice.fits and sum(c.fits for c in first.candidates) == 1
     with pytest.raises(PlanError, match="size 1 does not fit 2 devices"):
         largest_that_fits(_gpt_of, **{**options, "memory_per_device": 1e5})
 
@@ -134,3 +143,54 @@ def test_fxpipe_plan_largest_prints_the_size_and_its_plan(capsys):
     captured = capsys.readouterr()
     assert "the largest n_layer that fits: " in captured.out
     assert "size 1: fits" in captured.err
+
+
+def _key(c):
+    return (c.ranks, c.replicas, c.stages_per_rank, c.chunks, c.schedule, c.remat, c.shard)
+
+
+@pytest.mark.parametrize("memory_fraction", [None, 0.5])
+def test_pruning_leaves_the_choice_and_every_prediction_as_partitioning_every_candidate(
+        model_and_batch, memory_fraction):
+    model, inputs = model_and_batch
+    options = {"devices": 4, "profile": "a100", "schedules": ("gpipe", "1f1b", "zb-v")}
+    every = plan(model, inputs, prune=False, **options)
+    if memory_fraction is not None:  # a limit half the candidates exceed
+        memories = sorted(c.memory_bytes for c in every.candidates)
+        options["memory_per_device"] = memories[len(memories) // 2]
+        every = plan(model, inputs, prune=False, **options)
+    pruned = plan(model, inputs, **options)
+    assert _key(pruned.choice) == _key(every.choice)
+    assert pruned.choice.step_s == every.choice.step_s
+    assert not any(c.skipped for c in every.candidates)
+    full = {_key(c): c for c in every.candidates}
+    assert set(full) == {_key(c) for c in pruned.candidates}
+    for c in pruned.candidates:
+        whole = full[_key(c)]
+        assert c.bound_s <= whole.step_s * (1 + 1e-9), c  # a lower bound of the step
+        if c.skipped:  # left out because it could not beat the choice
+            assert c.bound_s >= pruned.choice.step_s
+        elif c.fits:  # partitioned: as partitioning every candidate predicts it
+            assert (c.step_s, c.memory_bytes) == pytest.approx(
+                (whole.step_s, whole.memory_bytes), rel=1e-9)
+        else:  # a memory bound or no cut: it does not fit either way
+            assert not whole.fits and c.memory_bytes <= whole.memory_bytes * (1 + 1e-9)
+    if memory_fraction is not None:
+        assert any(c.problem.startswith("holds at least") for c in pruned.candidates)
+    assert any(c.skipped for c in pruned.candidates)
+    assert "not partitioned" in pruned.table(rows=len(pruned.candidates))
+
+
+def test_a_meta_model_is_planned_with_its_blocks_stamped():
+    import torch
+
+    with torch.device("meta"):
+        model, inputs = _gpt_of(6)
+    stamped = plan(model, inputs, devices=2, profile="a100", schedules=("gpipe",),
+                   remats=("never",), check="shapes")
+    traced = plan(model, inputs, devices=2, profile="a100", schedules=("gpipe",),
+                  remats=("never",), check="shapes", stamp=False)
+    assert [_key(c) for c in stamped.candidates] == [_key(c) for c in traced.candidates]
+    assert [x for c in stamped.candidates if not c.skipped for x in (c.step_s, c.memory_bytes)] \
+        == pytest.approx([x for c in traced.candidates if not c.skipped
+                          for x in (c.step_s, c.memory_bytes)])

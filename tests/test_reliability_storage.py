@@ -27,11 +27,11 @@ import torch
 import fxpipe
 from fxpipe.cli import main
 from fxpipe.errors import CheckpointError, FxPipeError, ProgramFolderError, StorageError
-from fxpipe.files import TEMP_PREFIX
 from fxpipe.models import mlp
-from fxpipe.runtime.folder import check_program
-from fxpipe.savelock import hold_save_lock
-from fxpipe.weights import open_weights
+from fxpipe.runtime.program.folder import check_program
+from fxpipe.storage.files import TEMP_PREFIX
+from fxpipe.storage.savelock import hold_save_lock
+from fxpipe.storage.weights import open_weights
 
 # -- helpers -----------------------------------------------------------------------------------
 

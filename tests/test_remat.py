@@ -154,3 +154,27 @@ def test_auto_fits_each_stage_of_a_rank_to_its_share_of_the_rank_memory_limit(mo
     fxpipe.compile(model, (x,), stages=4, chunks=4, profile="a100", remat="auto",
                    schedule="interleaved-1f1b", memory_limit=2**30)
     assert limits == [2**29] * 4
+
+
+def test_auto_is_charged_a_tied_weight_in_every_stage_that_holds_it(monkeypatch):
+    """remat="auto" fits what a stage holds: a weight tied across stages is held (with its
+    gradient and Adam's two moments) by each of them, while the partition's held_bytes
+    counts it once, in the stage that first uses it."""
+    from fxpipe import pipeline
+
+    charged: dict[int, float] = {}
+    mark = pipeline.mark_remat
+
+    def spy(gm, *args, fixed_bytes, **kwargs):
+        charged[len(charged)] = fixed_bytes
+        return mark(gm, *args, fixed_bytes=fixed_bytes, **kwargs)
+
+    monkeypatch.setattr(pipeline, "mark_remat", spy)
+    torch.manual_seed(0)
+    model = gpt.GPT(100, 16, 32, 2, 2, 0.0)
+    x = torch.randint(0, 100, (8, 16))
+    program = fxpipe.compile(model, (x,), stages=3, chunks=2, remat="auto", memory_limit=2**40)
+    tied = model.wte.weight
+    assert program.built.spec.shared == {"wte.weight": [0, 2]}
+    extra = [charged[s] - program.plan.stages[s].held_bytes for s in range(3)]
+    assert extra == [0.0, 0.0, 4.0 * tied.numel() * tied.element_size()]

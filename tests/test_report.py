@@ -22,8 +22,8 @@ from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
 from fxpipe.remat_policy import remat_policy
 from fxpipe.report import SCHEDULE_TITLES, human_bytes, human_flops, human_time
-from fxpipe.runtime.schedule import SCHEDULES
-from fxpipe.runtime.timeline import chrome_trace, predicted_events, predicted_step
+from fxpipe.runtime.planning.schedule import SCHEDULES
+from fxpipe.runtime.planning.timeline import chrome_trace, predicted_events, predicted_step
 
 STAGES, CHUNKS = 3, 4
 

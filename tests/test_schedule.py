@@ -1,5 +1,6 @@
-"""Tests for fxpipe.runtime.schedule (schedule shapes, placement), fxpipe.runtime.grid (the tick
-grid, rendering, activations in flight) and fxpipe.runtime.simulate (timing)."""
+"""Tests for fxpipe.runtime.planning.schedule (schedule shapes, placement),
+fxpipe.runtime.planning.grid (the tick grid, rendering, activations in flight) and
+fxpipe.runtime.planning.simulate (timing)."""
 from __future__ import annotations
 
 import itertools
@@ -10,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.grid import bubble_fraction, clock_cycles, peak_inflight, render_grid
-from fxpipe.runtime.schedule import (
+from fxpipe.runtime.planning.grid import bubble_fraction, clock_cycles, peak_inflight, render_grid
+from fxpipe.runtime.planning.schedule import (
     LOOPED,
     SCHEDULES,
     Action,
@@ -27,7 +28,7 @@ from fxpipe.runtime.schedule import (
     zb_h1,
     zb_v,
 )
-from fxpipe.runtime.simulate import TimedEvent, simulate
+from fxpipe.runtime.planning.simulate import TimedEvent, simulate
 
 ALL_SIZES = list(itertools.product(range(1, 9), range(1, 6)))  # (M, K)
 
@@ -715,7 +716,7 @@ def test_a_looped_grid_has_a_column_per_rank_and_names_the_stage_in_each_cell():
 def test_a_stage_whose_compute_rounds_a_hair_below_its_forward_simulates():
     from types import SimpleNamespace
 
-    from fxpipe.runtime.timeline import predicted_step
+    from fxpipe.runtime.planning.timeline import predicted_step
     stage = SimpleNamespace(forward_time=1e-3, compute_time=1e-3 - 3.4e-21, comm_time=0.0,
                             recompute_time=0.0, weight_time=0.0)
     plan = SimpleNamespace(stages=[stage, stage], chunks=2, microbatch_overhead=0.0,

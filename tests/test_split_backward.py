@@ -1,5 +1,5 @@
-"""The split backward (fxpipe.runtime.split_backward): I then W equals one full backward, and W
-runs only the weights' part of the graph.
+"""The split backward (fxpipe.runtime.execution.split_backward): I then W equals one full backward,
+and W runs only the weights' part of the graph.
 
 Each test builds a small stage-like computation by hand (received leaves that require grad,
 parameters, outputs with the gradients the next stage would send, or a loss), runs
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from fxpipe.errors import PipelineRuntimeError
-from fxpipe.runtime import split_backward
-from fxpipe.runtime.split_backward import SplitPlans, WeightPass, input_backward
+from fxpipe.runtime.execution import split_backward
+from fxpipe.runtime.execution.split_backward import SplitPlans, WeightPass, input_backward
 from fxpipe.runtime.stage import checkpoint
 from fxpipe.testing.engine_calls import EngineCalls
 

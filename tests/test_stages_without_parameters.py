@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import fxpipe
-from fxpipe.checkpoint import load_checkpoint
 from fxpipe.errors import PartitionError
+from fxpipe.storage.checkpoint import load_checkpoint
 from fxpipe.testing.reference_step import reference_step
 from tests.skip_cnn import build, target
 

@@ -1,9 +1,9 @@
-"""fxpipe.runtime.torchrun: a failed run told in one line, from the ranks' log files."""
+"""fxpipe.runtime.program.torchrun: a failed run told in one line, from the ranks' log files."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from fxpipe.runtime.torchrun import rank_failure
+from fxpipe.runtime.program.torchrun import rank_failure
 
 
 def _log(logs: Path, rank: int, text: str) -> Path:

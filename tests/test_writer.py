@@ -1,5 +1,5 @@
-"""fxpipe.writer and fxpipe.files.replace_folder: a written folder holds one whole program, never
-files of an earlier one, and never replaces what is not a program."""
+"""fxpipe.writer and fxpipe.storage.files.replace_folder: a written folder holds one whole program,
+never files of an earlier one, and never replaces what is not a program."""
 from __future__ import annotations
 
 import os
@@ -14,9 +14,9 @@ import pytest
 
 import fxpipe
 from fxpipe.errors import ProgramFolderError
-from fxpipe.files import TEMP_PREFIX, replace_folder
 from fxpipe.models import mlp
-from fxpipe.runtime.folder import check_program
+from fxpipe.runtime.program.folder import check_program
+from fxpipe.storage.files import TEMP_PREFIX, replace_folder
 
 
 def _program(stages: int):
@@ -135,7 +135,7 @@ def test_a_program_swapped_in_meanwhile_does_not_make_the_old_ones_files_the_use
     rename another program in between. Both reads come from the one folder opened first."""
     import json
 
-    from fxpipe.userfiles import user_files
+    from fxpipe.storage.userfiles import user_files
 
     def program(folder, stages):
         folder.mkdir()

@@ -28,7 +28,7 @@ from fxpipe.errors import CaptureError
 from fxpipe.frontend import branches
 from fxpipe.frontend.batching import BatchLayout
 from fxpipe.frontend.regions import ModeWatch
-from fxpipe.runtime.batchnorm import cumulative_batch_norm
+from fxpipe.runtime.execution.batchnorm import cumulative_batch_norm
 from fxpipe.signature import Signature
 
 __all__ = ["trace_fx", "export", "LeafModule"]

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from fxpipe.errors import ConfigError
-from fxpipe.files import atomic_write
 from fxpipe.profile.checks import implausible
 from fxpipe.profile.device import DeviceProfile
 from fxpipe.profile.measure import measure
 from fxpipe.profile.presets import PRECISIONS, compute_precision, preset
+from fxpipe.storage.files import atomic_write
 
 __all__ = ["cache_dir", "profile_key", "profile_path", "cached_profile", "get_profile",
            "select_profile", "model_dtype", "locked", "clear_memory", "clear_cache",

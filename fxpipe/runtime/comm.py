@@ -7,9 +7,9 @@ its activations and `comm.device` where the stage runs.
 NOTE [Gradients across stages]
 LocalComm hands the producer's tensor to the consumer with a differentiable `.to(device)`, so the
 whole pipeline is one autograd graph and `loss.backward()` reaches every stage, as in torchgpipe.
-DistComm (fxpipe/runtime/dist_comm.py) cannot: the receiver gets a fresh leaf. It records, per
-stage and micro-batch, the leaves it received and the tensors it sent; the backward of a
-micro-batch receives the gradient of every sent tensor, runs autograd on them, and sends the
+DistComm (fxpipe/runtime/communication/dist_comm.py) cannot: the receiver gets a fresh leaf. It
+records, per stage and micro-batch, the leaves it received and the tensors it sent; the backward of
+a micro-batch receives the gradient of every sent tensor, runs autograd on them, and sends the
 gradient of every received leaf back:
 
     stage s                          stage s+1

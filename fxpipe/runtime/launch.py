@@ -16,27 +16,28 @@ from typing import TypeAlias
 import torch
 import torch.distributed as dist
 
-from fxpipe.checkpoint import META, load_checkpoint, save_shard
 from fxpipe.errors import CheckpointError, FxPipeError, PeerLostError, ProgramFolderError
 from fxpipe.losses import LossFn
-from fxpipe.resume import fit_state, restore_optimizer
-from fxpipe.runtime.amp import ScaleFollower, compiled_autocast
-from fxpipe.runtime.arguments import parse_program_args
-from fxpipe.runtime.backend import choose_backend
-from fxpipe.runtime.data import user_batches
-from fxpipe.runtime.folder import check_program
-from fxpipe.runtime.hold import RunSettings, hold_stages, local_loss
-from fxpipe.runtime.imports import code_of_launcher, import_folders, program_loss
-from fxpipe.runtime.mesh import GroupCache, limit_waits, make_groups
-from fxpipe.runtime.rank import mesh_of_world, rank_device
-from fxpipe.runtime.schedule import stages_on
-from fxpipe.runtime.spec import REWRITE_HINT, ProgramSpec
+from fxpipe.runtime.communication.backend import choose_backend
+from fxpipe.runtime.communication.mesh import GroupCache, limit_waits, make_groups
+from fxpipe.runtime.execution.amp import ScaleFollower, compiled_autocast
+from fxpipe.runtime.execution.hold import RunSettings, hold_stages, local_loss
+from fxpipe.runtime.execution.rank import mesh_of_world, rank_device
+from fxpipe.runtime.planning.schedule import stages_on
+from fxpipe.runtime.planning.timeline import Event, write_chrome_trace
+from fxpipe.runtime.program.arguments import parse_program_args
+from fxpipe.runtime.program.data import user_batches
+from fxpipe.runtime.program.folder import check_program
+from fxpipe.runtime.program.imports import code_of_launcher, import_folders, program_loss
+from fxpipe.runtime.program.spec import ProgramSpec
+from fxpipe.runtime.program.spec_json import REWRITE_HINT
+from fxpipe.runtime.program.written import check_written, stage_tensors
 from fxpipe.runtime.stage import StageModule
-from fxpipe.runtime.timeline import Event, write_chrome_trace
-from fxpipe.runtime.written import check_written, stage_tensors
 from fxpipe.sharding import make_optimizer
-from fxpipe.state import StateNames
-from fxpipe.structure import Structure
+from fxpipe.storage.checkpoint import META, load_checkpoint, save_shard
+from fxpipe.storage.resume import fit_state, restore_optimizer
+from fxpipe.storage.state import StateNames
+from fxpipe.storage.structure import Structure
 
 __all__ = ["main", "build_stage", "load_spec", "rank_stages"]
 
@@ -50,8 +51,8 @@ Replicas: TypeAlias = tuple[object, int]
 
 
 def load_spec(folder: Path) -> ProgramSpec:
-    """The program in `folder`, checked (fxpipe.runtime.folder), with the folders of the user's
-    modules on sys.path, since reading the spec imports its outputs' types."""
+    """The program in `folder`, checked (fxpipe.runtime.program.folder), with the folders of the
+    user's modules on sys.path, since reading the spec imports its outputs' types."""
     checked = check_program(folder, contents=False)
     for entry in import_folders(checked.code, Path(folder)):
         if entry not in sys.path:
@@ -134,7 +135,8 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     # A rank whose stages hold no parameters (an activation, a skip's addition) has nothing to
     # update: no optimizer, and its loss scale follows the ranks that step. Under
-    # shard="optimizer" the replicas of a stage share one (fxpipe.sharding).
+    # shard="optimizer" the replicas of a stage share one, under shard="full" it steps FSDP2's
+    # shards of the parameters (fxpipe.sharding).
     optimizer = make_optimizer(params, torch.optim.SGD, shard=spec.shard, group=group,
                                replicas=replicas, lr=args.lr, momentum=0.9)
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range

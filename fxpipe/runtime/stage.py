@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from fxpipe.errors import CodegenError
-from fxpipe.runtime.memory import active_tracker
+from fxpipe.runtime.execution.memory import active_tracker
 
 __all__ = ["StageModule", "checkpoint", "share_tied"]
 

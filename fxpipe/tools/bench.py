@@ -4,11 +4,11 @@ One invocation runs, on the same model, data, seed and micro-batches, one gloo p
 (one thread each), every variant of fxpipe.tools.bench_worker step by step, in an order rotated
 from step to step, so that drifts of the machine hit them alike: the plain model in one process
 (accumulating the micro-batches, and at full batch), fxpipe with each of its
-schedules (fxpipe.runtime.schedule.SCHEDULES) and remat modes, and torch.distributed.pipelining
-with both its frontends, at its natural cut and at fxpipe's, with each of its schedules
-(fxpipe.tools.bench_torch). fxpipe balances by measurement (balance="dynamic") unless told
-otherwise; its cut for the torch variants with two stages per rank is fxpipe's own balanced cut
-into that many stages, made in this process first.
+schedules (fxpipe.runtime.planning.schedule.SCHEDULES) and remat modes, and
+torch.distributed.pipelining with both its frontends, at its natural cut and at fxpipe's, with each
+of its schedules (fxpipe.tools.bench_torch). fxpipe balances by measurement (balance="dynamic")
+unless told otherwise; its cut for the torch variants with two stages per rank is fxpipe's own
+balanced cut into that many stages, made in this process first.
 
 It reports median step times and CPU seconds, speedups against each schedule's bound, fxpipe's
 best schedule against the fastest torch variant as a paired ratio with its 95% interval

@@ -11,8 +11,8 @@ from tabulate import tabulate
 
 from fxpipe import figures
 from fxpipe.report import human_bytes
-from fxpipe.runtime.schedule import default_stages_per_rank
-from fxpipe.runtime.timeline import Event, write_chrome_trace
+from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, default_stages_per_rank
+from fxpipe.runtime.planning.timeline import Event, write_chrome_trace
 from fxpipe.tools.bench_stats import paired_ratio, schedule_bound
 from fxpipe.tools.bench_worker import REMAT_COMPARED
 from fxpipe.tools.core_speed import imbalance_at_equal_speed, speed_spread
@@ -189,8 +189,8 @@ def _same_schedule(steps: dict[str, list[float]],
 
 
 def _schedule(variant: str) -> str:
-    """The schedule of an fxpipe variant's name ("fxpipe" runs GPipe)."""
-    return "gpipe" if variant == "fxpipe" else variant.removeprefix("fxpipe_")
+    """The schedule of an fxpipe variant's name ("fxpipe" runs the default, GPipe)."""
+    return DEFAULT_SCHEDULE.name if variant == "fxpipe" else variant.removeprefix("fxpipe_")
 
 
 def _percent(value: float | None) -> str:

@@ -13,8 +13,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpipe.runtime.schedule import make_schedule
-from fxpipe.runtime.simulate import simulate
+from fxpipe.runtime.planning.schedule import make_schedule
+from fxpipe.runtime.planning.simulate import simulate
 
 __all__ = ["PairedRatio", "paired_ratio", "bootstrap_interval", "rotated", "schedule_bound"]
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpipe.losses import default_loss
-from fxpipe.runtime.mesh import group_over
+from fxpipe.runtime.communication.mesh import group_over
 
 __all__ = ["TorchVariant", "SCHEDULES", "plan_variants", "build_torch_step", "natural_points",
            "units_of", "rank_stages"]
@@ -265,7 +265,7 @@ def _tie_groups(ties: list[dict[int, str]], modules: list[nn.Module], mine: list
                 made: dict[tuple[int, ...], Any]) -> list[tuple[list[nn.Parameter], Any]]:
     """Per tied weight: this rank's copies and the group of ranks that hold one (None: alone).
     A tie over every rank uses the variant's `group`; others a group of their ranks, made once
-    per set of ranks and kept in `made` (fxpipe.runtime.mesh.group_over)."""
+    per set of ranks and kept in `made` (fxpipe.runtime.communication.mesh.group_over)."""
     out = []
     for tie in ties:
         ranks = sorted({placement(s) for s in tie})

@@ -4,8 +4,8 @@ step, so that drifts of the machine hit them alike (fxpipe.tools.bench_stats).
 
 Variants: the plain model in one process (rank 0; gradient accumulation over the same
 micro-batches, and one step at full batch), fxpipe with every schedule of
-fxpipe.runtime.schedule.SCHEDULES (remat as asked) and with the other remat modes (GPipe), and
-the torch.distributed.pipelining variants of fxpipe.tools.bench_torch. fxpipe's steps also
+fxpipe.runtime.planning.schedule.SCHEDULES (remat as asked) and with the other remat modes (GPipe),
+and the torch.distributed.pipelining variants of fxpipe.tools.bench_torch. fxpipe's steps also
 record, per stage, the compute (forward, backward, recompute; waits excluded) and the time spent
 waiting for receives, and around each of their steps every rank times the same reference work
 at once (fxpipe.tools.core_speed), so that the report can tell the partition's imbalance from
@@ -34,8 +34,8 @@ from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
 from fxpipe.passes.partition import PartitionPlan, best_round
 from fxpipe.program import Program
-from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
-from fxpipe.runtime.timeline import Event, busy_time, predicted_events, predicted_step
+from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES, default_stages_per_rank
+from fxpipe.runtime.planning.timeline import Event, busy_time, predicted_events, predicted_step
 from fxpipe.tools.bench_stats import rotated
 from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
 from fxpipe.tools.core_speed import CoreProbe
@@ -138,8 +138,8 @@ def _single(model: Any, inputs: tuple[Any, ...], target: Any, chunks: int) -> St
 def _build_fxpipe(rank: int, world: int, model: Any, inputs: tuple[Any, ...], target: Any,
                   args: dict[str, Any], skipped: list[str]) -> dict[str, _FxpipeVariant]:
     out: dict[str, _FxpipeVariant] = {}
-    for schedule in SCHEDULES:
-        name = "fxpipe" if schedule == "gpipe" else f"fxpipe_{schedule}"
+    for schedule, kind in SCHEDULES.items():
+        name = "fxpipe" if kind is DEFAULT_SCHEDULE else f"fxpipe_{schedule}"
         _say(rank, f"compiling {name} (balance={args['balance']}, remat={args['remat']}) ...")
         start = time.perf_counter()
         try:
@@ -154,7 +154,8 @@ def _build_fxpipe(rank: int, world: int, model: Any, inputs: tuple[Any, ...], ta
         if remat != args["remat"]:
             _say(rank, f"compiling fxpipe_remat_{remat} ...")
             out[f"fxpipe_remat_{remat}"] = _FxpipeVariant(
-                _compile(model, inputs, world, args, remat, "gpipe"), inputs, target)
+                _compile(model, inputs, world, args, remat, DEFAULT_SCHEDULE.name),
+                inputs, target)
     return out
 
 

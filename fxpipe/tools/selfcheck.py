@@ -45,7 +45,7 @@ from fxpipe.losses import default_loss
 from fxpipe.models import MODELS, gpt, load
 from fxpipe.profile import PRESETS, DeviceProfile, measure
 from fxpipe.profile.presets import spec_of_device
-from fxpipe.runtime.schedule import SCHEDULES, default_stages_per_rank
+from fxpipe.runtime.planning.schedule import SCHEDULES, default_stages_per_rank
 from fxpipe.testing.host_syncs import HostSyncs
 from fxpipe.testing.reference_step import reference_step
 

@@ -11,7 +11,8 @@ seconds (time.process_time, one thread), with autograd engine calls and Python c
   time (waits for messages included) and engine calls per step.
 
 `--also FILE` races another implementation of `input_backward` (a module file with the same
-function, e.g. an earlier version of fxpipe/runtime/split_backward.py) beside the current one.
+function, e.g. an earlier version of fxpipe/runtime/execution/split_backward.py) beside the current
+one.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from torch import nn
 
 import fxpipe
 from fxpipe.models import gpt
-from fxpipe.runtime import dist_comm, split_backward
+from fxpipe.runtime.communication import dist_comm
+from fxpipe.runtime.execution import split_backward
 from fxpipe.testing.engine_calls import EngineCalls
 
 __all__ = ["main"]

@@ -2,8 +2,8 @@
 model, in one process (program.step) and under `fxpipe run` on two ranks.
 
 The prediction is what the report prints: in one process every stage's compute one after
-another (fxpipe.runtime.timeline.predicted_local_step), on two ranks the schedule played with the
-stage costs (predicted_step); both include what a step pays beyond kernels (the profile's
+another (fxpipe.runtime.planning.timeline.predicted_local_step), on two ranks the schedule played
+with the stage costs (predicted_step); both include what a step pays beyond kernels (the profile's
 overheads). Measured are the fastest and the median of a few steps after warm-up, and in one
 process the CPU time the step used: the profile holds the fastest of short runs, the machine's
 own speed, and on a machine other processes load a step's wall time grows by the share of the
@@ -26,7 +26,7 @@ import torch
 
 import fxpipe
 from fxpipe.models import MODELS, load
-from fxpipe.runtime.timeline import predicted_local_step, predicted_step
+from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
 
 __all__ = ["check_model", "main"]
 

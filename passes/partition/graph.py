@@ -37,12 +37,12 @@ from fxpipe.passes.partition.problem import (
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
 from fxpipe.remat_policy import RematPolicy, remat_policy
-from fxpipe.runtime.grid import peak_inflight
-from fxpipe.runtime.schedule import ScheduleKind, schedule_kind
-from fxpipe.runtime.timeline import predicted_step
+from fxpipe.runtime.planning.grid import peak_inflight
+from fxpipe.runtime.planning.schedule import ScheduleKind, schedule_kind
+from fxpipe.runtime.planning.timeline import predicted_step
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "AtomsCache", "atoms_of",
-           "measure_atoms", "BALANCE_MODES", "WEIGHT_GRAD_SHARE"]
+           "measure_atoms", "node_facts", "NodeFacts", "BALANCE_MODES", "WEIGHT_GRAD_SHARE"]
 
 
 
@@ -124,6 +124,8 @@ AtomsKey = tuple[str, int, RematPolicy, int, tuple[tuple[str, float], ...], Opti
 costed by, the micro-batch size, remat, chunks, the corrections (sorted) and what the optimizer
 holds per parameter."""
 
+FactsKey = tuple[str, int, tuple[tuple[str, float], ...]]
+
 
 @dataclass
 class AtomsCache:
@@ -136,6 +138,18 @@ class AtomsCache:
     """The graph's atoms (compute nodes per atom), the same for every measurement."""
     measured: dict[AtomsKey, Atoms] = field(default_factory=dict)
     """Atoms measured, by what they depend on."""
+    facts: dict[FactsKey, NodeFacts] = field(default_factory=dict)
+    """What the atoms are made of, by (balance, micro-batch size, corrections): shared by the
+    atoms of every remat, chunks and optimizer at that size."""
+
+    def facts_for(self, gm: GraphModule, groups: list[list[Node]], *, balance: str,
+                  profile: DeviceProfile, b: int,
+                  corrections: Mapping[str, float]) -> NodeFacts:
+        key: FactsKey = (balance, b, tuple(sorted(corrections.items())))
+        if key not in self.facts:
+            self.facts[key] = node_facts(gm, groups, balance=balance, profile=profile, b=b,
+                                         corrections=corrections)
+        return self.facts[key]
 
 
 def _is_glue(node: Node) -> bool:
@@ -255,51 +269,45 @@ def _value_bytes(node: Node, b: int) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
-                  profile: DeviceProfile, b: int, remat: RematPolicy | str, chunks: int,
-                  corrections: Mapping[str, float] | None = None,
-                  optimizer: OptimizerMemory = ADAM) -> Atoms:
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the atoms' costs are made of at one micro-batch size, before remat, chunks and the
+    optimizer enter: per atom its kernels' seconds and bytes, per cut what crosses it."""
+
+    fwd: list[float]  # seconds of the atom's forward kernels
+    bwd: list[float]  # seconds of its backward kernels
+    ops: list[int]  # operations paying the per-operation overhead (balance "cost" only)
+    weight: list[float]  # seconds of its backward's weight gradients
+    params: list[float]  # bytes of its weights and buffers
+    grads: list[float]  # bytes of its trainable weights' gradients
+    elements: list[float]  # elements of its trainable weights
+    saved: list[float]  # bytes it saves for the backward
+    cut_f: list[float]  # forward bytes crossing each cut position 0..n
+    cut_b: list[float]  # backward bytes crossing each cut
+    cut_m: list[int]  # values crossing each cut
+
+
+def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
+               profile: DeviceProfile, b: int,
+               corrections: Mapping[str, float] | None = None) -> NodeFacts:
     index = _atom_index(groups)
     n = len(groups)
-    policy = remat_policy(remat)
-    recompute = policy.recomputed_share(chunks)
-    compute: list[float] = []
-    mem_fixed: list[float] = []
-    mem_act: list[float] = []
-    held: list[float] = []
-    saved: list[float] = []
-    forward: list[float] = []
-    recomputed: list[float] = []
-    weight: list[float] = []
-    overhead: list[float] = []
     readers = _weight_readers(gm)
     corrections = corrections or {}
-    # what each operation pays beyond its kernels, half in its forward and half in its backward
-    # (measured per-node times and parameter bytes include or need none); a recomputed
-    # operation pays its forward's share again and the checkpoint's bookkeeping
     costed = balance == "cost"
+    facts = NodeFacts([], [], [], [], [], [], [], [], [0.0], [0.0], [0])
     for group in groups:
         times = [_node_time(x, balance, profile, b, corrections) for x in group]
-        ops = sum(1 for x in group if not _is_glue(x)) if costed else 0
-        paid = ops * profile.op_overhead / 2
-        fwd = sum(t[0] for t in times) + paid
-        bwd = sum(t[1] for t in times) + paid
-        again = recompute * (fwd + ops * profile.region_overhead)
-        overhead.append(2 * paid + recompute * (paid + ops * profile.region_overhead))
-        compute.append(fwd + bwd + again)
-        forward.append(fwd)
-        recomputed.append(again)
-        weight.append(sum(WEIGHT_GRAD_SHARE * t[1] for x, t in zip(group, times)
-                          if x in readers))
+        facts.ops.append(sum(1 for x in group if not _is_glue(x)) if costed else 0)
+        facts.fwd.append(sum(t[0] for t in times))
+        facts.bwd.append(sum(t[1] for t in times))
+        facts.weight.append(sum(WEIGHT_GRAD_SHARE * t[1] for x, t in zip(group, times)
+                                if x in readers))
         costs = [ir.cost(x) for x in group]
-        params = sum(float(ir.evaluate(c.param_bytes, b)) for c in costs)
-        grads = sum(float(ir.evaluate(c.grad_param_bytes, b)) for c in costs)
-        elements = sum(float(ir.evaluate(c.grad_param_elements, b)) for c in costs)
-        act = sum(float(ir.evaluate(c.saved_bytes, b)) for c in costs)
-        saved.append(act)
-        held.append(params + optimizer.held_bytes(grads, elements))
-        mem_fixed.append(held[-1] + (act if policy.recomputes_any else 0))
-        mem_act.append(0.0 if policy.recomputes_any else act)
+        facts.params.append(sum(float(ir.evaluate(c.param_bytes, b)) for c in costs))
+        facts.grads.append(sum(float(ir.evaluate(c.grad_param_bytes, b)) for c in costs))
+        facts.elements.append(sum(float(ir.evaluate(c.grad_param_elements, b)) for c in costs))
+        facts.saved.append(sum(float(ir.evaluate(c.saved_bytes, b)) for c in costs))
     # values crossing each cut: produced in atom i, last used in atom j > i -> cuts i+1 .. j
     diff_f = [0.0] * (n + 2)
     diff_b = [0.0] * (n + 2)
@@ -316,19 +324,58 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
                 diff_b[last + 1] -= bwd
                 messages[index[node] + 1] += 1
                 messages[last + 1] -= 1
-    cut_f, cut_b, cut_m = [0.0], [0.0], [0]
     for c in range(1, n + 1):
-        cut_f.append(cut_f[-1] + diff_f[c])
-        cut_b.append(cut_b[-1] + diff_b[c])
-        cut_m.append(cut_m[-1] + messages[c])
+        facts.cut_f.append(facts.cut_f[-1] + diff_f[c])
+        facts.cut_b.append(facts.cut_b[-1] + diff_b[c])
+        facts.cut_m.append(facts.cut_m[-1] + messages[c])
+    return facts
+
+
+def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
+                  profile: DeviceProfile, b: int, remat: RematPolicy | str, chunks: int,
+                  corrections: Mapping[str, float] | None = None,
+                  optimizer: OptimizerMemory = ADAM, facts: NodeFacts | None = None) -> Atoms:
+    """The atoms' costs; `facts`: node_facts of the same graph, balance, profile, b and
+    corrections, measured before (they do not depend on remat, chunks or the optimizer)."""
+    if facts is None:
+        facts = node_facts(gm, groups, balance=balance, profile=profile, b=b,
+                           corrections=corrections)
+    n = len(groups)
+    policy = remat_policy(remat)
+    recompute = policy.recomputed_share(chunks)
+    compute: list[float] = []
+    mem_fixed: list[float] = []
+    mem_act: list[float] = []
+    held: list[float] = []
+    forward: list[float] = []
+    recomputed: list[float] = []
+    overhead: list[float] = []
+    # what each operation pays beyond its kernels, half in its forward and half in its backward
+    # (measured per-node times and parameter bytes include or need none); a recomputed
+    # operation pays its forward's share again and the checkpoint's bookkeeping
+    for a in range(n):
+        ops = facts.ops[a]
+        paid = ops * profile.op_overhead / 2
+        fwd = facts.fwd[a] + paid
+        bwd = facts.bwd[a] + paid
+        again = recompute * (fwd + ops * profile.region_overhead)
+        overhead.append(2 * paid + recompute * (paid + ops * profile.region_overhead))
+        compute.append(fwd + bwd + again)
+        forward.append(fwd)
+        recomputed.append(again)
+        act = facts.saved[a]
+        held.append(optimizer.weight_bytes(facts.params[a])
+                    + optimizer.held_bytes(facts.grads[a], facts.elements[a]))
+        mem_fixed.append(held[-1] + (act if policy.recomputes_any else 0))
+        mem_act.append(0.0 if policy.recomputes_any else act)
     if balance == "params":
         comm = [0.0] * (n + 1)
     else:
         comm = [profile.comm_time(f, m) + profile.comm_time(bw, m if bw else 0)
-                for f, bw, m in zip(cut_f, cut_b, cut_m)]
+                for f, bw, m in zip(facts.cut_f, facts.cut_b, facts.cut_m)]
     comm[0] = comm[n] = 0.0
-    return Atoms(groups, compute, comm, cut_f, mem_fixed, mem_act, saved, forward, recomputed,
-                 weight, overhead, held)
+    return Atoms(groups, compute, comm, list(facts.cut_f), mem_fixed, mem_act,
+                 list(facts.saved), forward, recomputed, list(facts.weight), overhead, held)
 
 
 def partition(
@@ -392,8 +439,12 @@ def partition(
     if reuse is not None and mode != "explicit" and key in reuse.measured:
         atoms = reuse.measured[key]
     else:
+        facts = reuse.facts_for(gm, groups, balance=costed, profile=profile, b=b,
+                                corrections=corrections) \
+            if reuse is not None and mode != "explicit" else None
         atoms = measure_atoms(gm, groups, balance=costed, profile=profile, b=b, remat=policy,
-                              chunks=chunks, corrections=corrections, optimizer=optimizer)
+                              chunks=chunks, corrections=corrections, optimizer=optimizer,
+                              facts=facts)
         if reuse is not None and mode != "explicit":
             reuse.measured[key] = atoms
             reuse.groups = atoms.groups
@@ -453,18 +504,20 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
         for node in members:
             node.meta[ir.STAGE] = s
         comm = atoms.cut_comm[cuts[s]] + atoms.cut_comm[cuts[s + 1]]
-        modules = [ir.module_path(n) for n in members if ir.module_path(n)] or ["(top level)"]
+        # the first and last named modules, found from the ends (a stage holds many nodes)
+        first = next((m for m in map(ir.module_path, members) if m), "(top level)")
+        last = next((m for m in map(ir.module_path, reversed(members)) if m), "(top level)")
         compute = evaluated.stage_times[s] - comm + fixed
         forward = sum(atoms.forward[cuts[s]:cuts[s + 1]]) + fixed / 2
         recompute = sum(atoms.recompute[cuts[s]:cuts[s + 1]])
         # the first stage receives no gradient-carrying value: its split backward's W is the
-        # whole backward (NOTE [Split backward] in fxpipe/runtime/dist_comm.py)
+        # whole backward (NOTE [Split backward] in fxpipe/runtime/communication/dist_comm.py)
         weight = compute - forward - recompute if s == 0 else \
             sum(atoms.weight[cuts[s]:cuts[s + 1]])
         stages.append(StagePlan(
             s, tuple(n.name for n in members), evaluated.stage_times[s] + fixed, compute, comm,
             evaluated.stage_memory[s] if evaluated.stage_memory else None,
-            modules[0], modules[-1], forward, recompute, weight,
+            first, last, forward, recompute, weight,
             sum(atoms.overhead[cuts[s]:cuts[s + 1]]) + fixed if atoms.overhead else fixed,
             sum(atoms.held[cuts[s]:cuts[s + 1]])))
     bottleneck = max(st.time for st in stages)

@@ -1,0 +1,535 @@
+"""The distributed executor: one process per pipeline rank, torch.distributed point-to-point.
+
+Every rank calls `step(inputs, target)` with the whole batch; each runs its own stages' actions
+(one stage, or several under a looped schedule) in schedule order (GPipe: all forwards, then all
+backwards; 1F1B interleaves them; ZB-H1 and ZB-V split each backward into its input and weight
+gradients, NOTE [Split backward] in dist_comm.py), exchanging
+activations and gradients with its peers (fxpipe.runtime.communication.dist_comm.DistComm). The
+actions run on the ticks of a clock all ranks share (fxpipe.runtime.planning.plan), and each tick's
+sends and receives are posted together, in one agreed order, so no schedule can deadlock under NCCL.
+Each micro-batch's loss starts its backward weighted as a mean or a sum over examples, whichever the
+loss of the joined outputs shows it is (fxpipe.runtime.execution.loss_split), so the accumulated
+gradients equal those of the loss on the whole batch; a loss that is neither, or that data-parallel
+replicas find of different kinds, is refused. Parameters that several stages hold (tied weights)
+have their gradients summed across the ranks that hold them (stages of one rank share the Parameter
+itself); with data parallelism, gradients are then averaged across replicas (under
+shard="full" by FSDP2's reduce-scatter after the step's last backward,
+fxpipe.runtime.execution.fsdp).
+
+Mixed precision: the caller's `torch.autocast` applies to the stage (it runs in the caller's
+thread), values cross stages in the dtype they have, and a GradScaler passed to `step` scales
+the backward, with all ranks agreeing on skipping a step (fxpipe.runtime.execution.amp).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError, RuntimeInputError
+from fxpipe.remat_policy import RematPolicy, remat_policy
+from fxpipe.runtime.communication.dist_comm import DistComm, TagTable, messages_of
+from fxpipe.runtime.communication.mesh import Mesh
+from fxpipe.runtime.communication.overlap import ReplicaAverager
+from fxpipe.runtime.communication.strict import make_transport
+from fxpipe.runtime.communication.transport import Transport
+from fxpipe.runtime.execution.amp import AutocastState, agree_on_overflow, loss_scale
+from fxpipe.runtime.execution.batchnorm import commit_batch_norms, discard_batch_norms
+from fxpipe.runtime.execution.devices import make_timeline, pin_for, stage_devices, to_device
+from fxpipe.runtime.execution.forward import run_forward
+from fxpipe.runtime.execution.fsdp import FullShard
+from fxpipe.runtime.execution.loss_split import (
+    KINDS,
+    MEAN,
+    MIXED,
+    NEITHER,
+    SUM,
+    UNDECIDED,
+    agreed,
+    changed,
+    disagreement,
+    known_kind,
+    loss_key,
+    refusal,
+    split_kind,
+    undecidable,
+    weight_of,
+)
+from fxpipe.runtime.execution.memory import KeptMemory
+from fxpipe.runtime.execution.split_backward import SplitPlans
+from fxpipe.runtime.execution.stagespec import HeldStage
+from fxpipe.runtime.planning.plan import Tick, plan_rank
+from fxpipe.runtime.planning.schedule import (
+    ActionKind,
+    ScheduleKind,
+    schedule_kind,
+    stage_ranks,
+)
+from fxpipe.runtime.planning.timeline import Event
+from fxpipe.runtime.program.arguments import DEFAULT_DP_BUCKET_BYTES
+from fxpipe.sharding import local_part
+from fxpipe.signature import Signature
+from fxpipe.untouched import untouched
+
+__all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "split_target"]
+
+
+@dataclass
+class StepResult:
+    loss: float
+    events: Sequence[Event] = ()  # on CUDA, read from the device when first looked at
+    kept_bytes: int = 0  # peak activation bytes held for backward on this rank
+    sends_held: int = 0  # most sent tensors held at once, waiting for their sends to complete
+    overflow: bool = False  # with a scaler: some rank's gradients were not finite (all skip)
+
+
+def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
+                 batch: int) -> list[torch.Tensor | None]:
+    if target is None:
+        return [None] * chunks
+    if target.dim() <= batch_dim or target.shape[batch_dim] != batch:
+        raise RuntimeInputError(
+            f"target shape {tuple(target.shape)} has no batch dimension {batch_dim} of size "
+            f"{batch}",
+            hint="give the target the same batch size as the inputs, along the batch dimension "
+                 "of the model's first output")
+    return list(target.tensor_split(chunks, dim=batch_dim))
+
+
+class DistributedExecutor:
+    """Runs this rank's stages of the program (one, or several under a looped schedule)."""
+
+    def __init__(self, *, units: Sequence[HeldStage], mesh: Mesh, signature: Signature,
+                 edges: Sequence[tuple[str, int, int]], device: torch.device,
+                 pp_group: Any = None, shared: dict[str, list[int]] | None = None,
+                 shared_groups: dict[str, Any] | None = None,
+                 dp_group: Any = None, check_finite: bool = False,
+                 dp_bucket_bytes: int = DEFAULT_DP_BUCKET_BYTES, p2p: str | None = None,
+                 full_shard: FullShard | None = None) -> None:
+        self.units = {u.index: u for u in units}
+        self.mesh = mesh
+        self.signature = signature
+        self.comm_info = {k: v for u in units for k, v in u.spec.messages.items()}
+        self.written = frozenset().union(*(u.spec.written_recvs for u in units))
+        self.edges = list(edges)  # every (tag, src, dst) of the program: the same tags on all ranks
+        self.random = any(u.random for u in units)
+        self.device = device
+        self.pp_group = pp_group
+        self.dp_group = dp_group
+        self.shared = shared or {}
+        self.shared_groups = shared_groups or {}
+        self.check_finite = check_finite
+        # shard="full": FSDP2 holds the stages' parameters and averages their gradients
+        self.full_shard = full_shard
+        self.timeline = make_timeline(device)
+        self.record_memory = False
+        # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
+        # None reads FXPIPE_P2P (fxpipe/runtime/communication/transport.py)
+        self.transport: Transport = make_transport(p2p, pp_group)
+        self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
+        # dtypes of received values under each autocast state, learned on its first step
+        self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
+        self.split_plans: dict[int, SplitPlans] = {}  # read once per stage (split_backward.py)
+        self.warm = False
+        self.last: StepResult | None = None  # the latest step's result
+        # how each loss splits over micro-batches, found on a step that only finds it, for a
+        # schedule whose last stage starts a backward before every forward is done
+        self.loss_kinds: dict[Any, str] = {}
+        self.loss_first: dict[tuple[ScheduleKind, int], bool] = {}
+        # Replica averaging of untied gradients overlaps the last backward (0: after it).
+        # Tied parameters wait for their sum over stages, which needs every stage's backward.
+        self.averager = None
+        if dp_group is not None and mesh.replicas > 1 and dp_bucket_bytes > 0 and \
+                full_shard is None:
+            tied = {id(t) for name, t in self.named_tensors().items() if name in self.shared}
+            self.averager = ReplicaAverager((p for p in self.parameters() if id(p) not in tied),
+                                            dp_group, mesh.replicas, dp_bucket_bytes)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once (stages of one rank share a tied one)."""
+        return list({id(p): p for u in self.units.values() for p in u.module.parameters()}
+                    .values())
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by the model's qualified names."""
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units.values():
+            for name, tensor in u.module.named_model_tensors().items():
+                out.setdefault(name, tensor)
+        return out
+
+    def is_last(self, stage: int) -> bool:
+        return stage == self.mesh.stages - 1
+
+    def step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
+             loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: RematPolicy | str,
+             schedule: ScheduleKind | str = "gpipe", scaler: Any = None) -> StepResult:
+        """One training step of this rank's stages: forwards and backwards of every micro-batch.
+
+        scaler: a torch.amp.GradScaler; the backward runs on the scaled loss (the returned loss
+        is not scaled) and all ranks agree on skipping the step (NOTE [Loss scaling across
+        ranks] in fxpipe/runtime/execution/amp.py).
+
+        The loss is computed per micro-batch and once on the joined outputs: the step returns the
+        latter, and weights each micro-batch's backward as the comparison shows (NOTE in
+        fxpipe.runtime.execution.loss_split). Raises LossError on every rank for a loss that is
+        neither a mean nor a sum over examples, or whose kind the replicas cannot find or agree on.
+        """
+        key = loss_key(loss_fn, target is not None)
+        kind = schedule_kind(schedule)
+        run = dict(chunks=chunks, remat=remat_policy(remat), schedule=kind, scaler=scaler)
+        if self._loss_first(kind, chunks):  # judged on each step before its backward
+            return self._step(tensors, target, loss_fn, key, None, **run)
+        if key not in self.loss_kinds:  # a step that only judges the loss, then the step
+            buffers = list({id(b): b for u in self.units.values()
+                            for b in u.module.buffers()}.values())
+            with untouched(self.parameters(), buffers):
+                self._step(tensors, target, loss_fn, key, None, probe=True, **run)
+        return self._step(tensors, target, loss_fn, key, self.loss_kinds[key], **run)
+
+    def _loss_first(self, schedule: ScheduleKind, chunks: int) -> bool:
+        """Whether the last stage runs every forward before its first backward (GPipe), so it
+        knows the batch's loss before any backward."""
+        if (schedule, chunks) not in self.loss_first:
+            last = self.mesh.stages - 1
+            actions = schedule.build(chunks, self.mesh.stages, self.mesh.ranks)
+            kinds = [a.kind for a in actions[self.mesh.placement[last]] if a.stage == last]
+            backward = next((i for i, k in enumerate(kinds) if k != ActionKind.FORWARD),
+                            len(kinds))
+            self.loss_first[(schedule, chunks)] = ActionKind.FORWARD not in kinds[backward:]
+        return self.loss_first[(schedule, chunks)]
+
+    def _step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
+              loss_fn: Callable[..., torch.Tensor], key: Any, assumed: str | None, *,
+              chunks: int, remat: RematPolicy, schedule: ScheduleKind, scaler: Any,
+              probe: bool = False) -> StepResult:
+        """The step, its backward weighted as `assumed` (None: as the last stage finds before
+        its first backward; `probe`: by 0, only to find the kind, recorded in loss_kinds)."""
+        tensors = list(tensors)
+        read = sorted({i for u in self.units.values() for i in u.inputs})
+        for i, t in zip(read, pin_for([tensors[i] for i in read], self.device)):
+            tensors[i] = t  # the inputs these stages read, pinned once for async copies
+        batch = self.signature.batch_size(tensors)
+        micro = self.signature.split_inputs(tensors, chunks)
+        out_dim = next((d for d in self.signature.out_batch_dims if d is not None), 0)
+        targets = split_target(target, chunks, out_dim, batch)
+        last_stage = self.mesh.stages - 1
+        if last_stage in self.units and target is not None:
+            targets = pin_for(targets, self.device)
+        self._warm_up()
+        comm = self._comm(batch // chunks, chunks)
+        # a step that learns dtypes waits for each header at its tick: every message in its
+        # tick's batch on both ends
+        ticks = self._plan(schedule, chunks, early=self.transport.by_tag and not comm.learn)
+        memory = KeptMemory(self.parameters()) if self.record_memory else None
+        base = int(torch.randint(0, 2**62, (1,)).item()) if self.random else None
+        devices = {s: stage_devices(self.device, [*u.module.parameters(), *u.module.buffers()])
+                   for s, u in self.units.items()}
+        scale = loss_scale(scaler, self.device)
+        self.timeline.reset()
+        if self.averager:
+            self.averager.armed = False  # armed only during the last backward
+        if self.full_shard is not None:
+            self._refuse_split_backward(ticks)
+            self.full_shard.accumulate()
+        discard_batch_norms()
+        losses: dict[int, torch.Tensor] = {}
+        outputs: dict[int, list[Any]] = {}  # the last stage's, detached: the batch's loss
+        values: dict[int, torch.Tensor] = {}  # each micro-batch's loss, detached
+        replicas = self.mesh.replicas
+        weight = 0.0 if probe else None if assumed is None else \
+            weight_of(assumed, chunks, replicas)
+        # one micro-batch per replica: its halves show the kind (one replica takes any loss)
+        halves = chunks == 1 and replicas > 1
+        known = known_kind(loss_fn) or self.loss_kinds.get(key)
+        judged: tuple[float, list[float], str | None, list[int]] | None = None
+
+        def judge() -> tuple[float, list[float], str | None, list[int]]:
+            return self._judge(outputs, values, target, loss_fn, halves, known)
+
+        def decided() -> float:
+            """The weight of the last stage's losses, judged on this step before its first
+            backward unless given."""
+            nonlocal judged, weight
+            if weight is None:  # every forward of the last stage is done (_loss_first)
+                judged = judge()
+                weight = weight_of(judged[2] or self.loss_kinds.get(key, MEAN), chunks, replicas)
+            return weight
+        # the last action that accumulates gradients (B, or W of a split backward)
+        last_backward = max(t.index for t in ticks
+                            if t.action is not None and t.action.kind.accumulates_weight_grad)
+        weights = {s: [p for p in u.module.parameters() if p.requires_grad]
+                   for s, u in self.units.items()}
+        for tick in ticks:
+            comm.begin_tick(tick)
+            action = tick.action
+            if action is None:
+                continue
+            stage, mb = action.stage, action.microbatch
+            unit = self.units[stage]
+            try:
+                if action.kind == ActionKind.FORWARD:
+                    last = self.is_last(stage)
+
+                    def keep(out: Any, mb: int = mb) -> None:  # the last stage's loss
+                        losses[mb] = self._loss(out, to_device(targets[mb], self.device),
+                                                loss_fn)
+                        values[mb] = losses[mb].detach()
+                        outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
+                                       for o in out]
+                    run_forward(unit, comm, mb, micro[mb], recompute=remat.recomputes(mb, chunks),
+                                seed_base=base, rng_devices=devices[stage],
+                                check=self.check_finite, check_outputs=last,
+                                modes=self.timeline.span("forward", stage, mb),
+                                track=memory.forward((stage, mb)) if memory else None,
+                                then=keep if last else None)  # the comm keeps what backward needs
+                elif action.kind == ActionKind.INPUT_GRAD:
+                    with self.timeline.span("backward", stage, mb, detail=str(action.kind)):
+                        comm.backward_input(stage, mb, self._weighted(losses, mb, decided(), scale)
+                                            if self.is_last(stage) else None, weights[stage])
+                else:
+                    if self.averager and tick.index == last_backward:
+                        self.averager.arm()
+                    split = action.kind == ActionKind.WEIGHT_GRAD
+                    with self.timeline.span("backward", stage, mb,
+                                            detail=str(action.kind) if split else ""):
+                        if split:
+                            comm.backward_weight(stage, mb, weights[stage])
+                        else:
+                            comm.backward(stage, mb, self._weighted(losses, mb, decided(), scale)
+                                          if self.is_last(stage) else None)
+                    if memory:
+                        memory.release((stage, mb))
+            except PipelineRuntimeError:
+                raise
+            except Exception as e:
+                raise PipelineRuntimeError(
+                    f"stage {stage} (rank {self.mesh.rank}) failed in {action.kind}{mb}: "
+                    f"{type(e).__name__}: {e}",
+                    hint="the other ranks stop when this one exits") from e
+        comm.finish()
+        self._learned(comm)
+        commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
+        # what the last stage found of the loss: [loss, kind, replicas finding each kind...,
+        # its parts' losses...]
+        # (read on the host once per step: by the judge on the last stage, from the broadcast
+        # on the others)
+        width = len(KINDS) + 1
+        size = 2 + width + (2 if halves else chunks)
+        numbers: list[float] | None = None
+        if last_stage in self.units:
+            if judged is None:
+                judged = judge()
+            numbers = [judged[0], KINDS.index(judged[2]) if judged[2] is not None else -1,
+                       *judged[3], *judged[1]]
+            numbers += [0.0] * (size - len(numbers))
+            verdict = to_device(pin_for([torch.tensor(numbers, dtype=torch.float64)],
+                                        self.device)[0], self.device)
+        else:
+            verdict = torch.zeros(size, dtype=torch.float64, device=self.device)
+        overflow = False
+        first = min(self.units)
+        try:
+            with self.timeline.span("reduce", first, -1):
+                if self.full_shard is not None:
+                    self.full_shard.reduce()
+                self._reduce_gradients()
+            dist.broadcast(verdict, src=self.mesh.rank_of(last_stage), group=self.pp_group)
+            if scale is not None:
+                overflow = agree_on_overflow(self.parameters(), self.device)
+        except RuntimeError as e:
+            raise PeerLostError(f"stage {first} (rank {self.mesh.rank}): a collective with the "
+                                f"other ranks failed: {str(e).splitlines()[0]}",
+                                hint="another rank failed or exited; its error says why") from e
+        if numbers is None:
+            numbers = verdict.tolist()
+        used = self._settle(numbers, loss_fn, key, assumed, probe, halves)
+        sends_held = self.transport.peak
+        self.transport.reset_peak()
+        # the replicas' losses are averaged (fxpipe.runtime.communication.mesh): a sum's is their
+        # sum
+        self.last = StepResult(numbers[0] * (replicas if used == SUM else 1),
+                               self.timeline.take(),
+                               memory.peak if memory else 0, sends_held, overflow)
+        return self.last
+
+    def _warm_up(self) -> None:
+        """A collective on the pipeline group before its first batched point-to-point: NCCL
+        requires every rank of a group in the group's first batch_isend_irecv."""
+        if self.warm:
+            return
+        self.warm = True
+        if self.device.type == "cuda":
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
+
+    def _plan(self, schedule: ScheduleKind, chunks: int, early: bool) -> list[Tick]:
+        """This rank's ticks (fxpipe.runtime.planning.plan): the same clock on every rank; `early`
+        posts receives some actions before their consumer (NOTE [Early receives] there)."""
+        key = (schedule, chunks, early)
+        if key not in self.plans:
+            mesh = self.mesh
+            actions_by_rank = schedule.build(chunks, mesh.stages, mesh.ranks)
+            if stage_ranks(actions_by_rank) != list(mesh.placement):
+                raise PipelineRuntimeError(
+                    f"schedule {schedule.name!r} places the stages on ranks "
+                    f"{stage_ranks(actions_by_rank)}, but this program runs them on "
+                    f"{list(mesh.placement)}", hint="compile the program for this schedule")
+            edges = {(src, dst) for _, src, dst in self.edges}
+            messages = messages_of(self.comm_info, chunks, mesh.placement)
+            self.plans[key] = plan_rank(mesh.pipe_rank, actions_by_rank, edges, messages,
+                                        early_receives=early)
+        return self.plans[key]
+
+    def _comm(self, b: int, chunks: int) -> DistComm:
+        """The step's communication. Under autocast, boundary dtypes are learned on the first
+        step for each autocast dtype and micro-batch size (every rank runs the same step)."""
+        autocast = AutocastState.capture().dtype(self.device.type)
+        known = self.boundary_dtypes.get((autocast, b)) if autocast is not None else {}
+        return DistComm(rank=self.mesh.pipe_rank,
+                        global_ranks=[self.mesh.global_rank(r) for r in range(self.mesh.ranks)],
+                        placement=list(self.mesh.placement), info=self.comm_info,
+                        microbatch_size=b, device=self.device, transport=self.transport,
+                        tags=TagTable(self.edges, chunks), dtypes=dict(known or {}),
+                        learn=known is None, timeline=self.timeline, written=self.written,
+                        split_plans=self.split_plans)
+
+    def _learned(self, comm: DistComm) -> None:
+        if comm.learn:
+            autocast = AutocastState.capture().dtype(self.device.type)
+            self.boundary_dtypes[(autocast, comm.b)] = comm.dtypes
+
+    def _loss(self, out: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        structured = self.signature.unflatten_outputs(list(out))
+        return loss_fn(structured, target) if target is not None else loss_fn(structured)
+
+    def close(self) -> None:
+        """Removes the hooks this executor put on its parameters (a program that installs a
+        new cut builds a new executor over the same parameters)."""
+        if self.averager is not None:
+            self.averager.close()
+            self.averager = None
+
+    def _judge(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
+               target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor],
+               halves: bool, known: str | None
+               ) -> tuple[float, list[float], str | None, list[int]]:
+        """The loss of the whole batch (its outputs joined, as in one process), its parts'
+        losses, the kind the replicas agree on (fxpipe.runtime.execution.loss_split), and how many
+        found each kind. The parts are the micro-batches, or with `halves` the two halves of the one
+        micro-batch; a micro-batch of one example has none and takes the `known` kind."""
+        if halves:
+            full = float(values[0])
+            parts, sizes = self._halves(outputs[0], target, loss_fn)
+            kind = split_kind(full, parts, values[0].dtype, sizes) if parts else \
+                known or UNDECIDED
+        else:
+            joined = self.signature.join_outputs([outputs[m] for m in sorted(outputs)])
+            with torch.no_grad():
+                loss = self._loss(joined, to_device(target, self.device) if target is not None
+                                  else None, loss_fn)
+            # one host read for all of them
+            full, *parts = torch.stack([t.detach().reshape(()).to(torch.float64) for t in (
+                loss, *(values[m] for m in sorted(values)))]).tolist()
+            kind = split_kind(full, parts, loss.dtype)
+        found = [0] * (len(KINDS) + 1)
+        found[KINDS.index(kind) if kind is not None else len(KINDS)] = 1
+        if self.dp_group is not None and self.mesh.replicas > 1:
+            counts = torch.tensor(found, dtype=torch.float64, device=self.device)
+            try:  # the last stage of every replica
+                dist.all_reduce(counts, group=self.dp_group)
+            except RuntimeError as e:
+                raise PeerLostError(f"rank {self.mesh.rank}: agreeing on the loss's kind with "
+                                    f"the other replicas failed: {str(e).splitlines()[0]}",
+                                    hint="another rank failed or exited; its error says why"
+                                    ) from e
+            found = [int(n) for n in counts.tolist()]
+        return full, parts, agreed(found), found
+
+    def _halves(self, out: list[Any], target: torch.Tensor | None,
+                loss_fn: Callable[..., torch.Tensor]) -> tuple[list[float], list[int]]:
+        """The losses of the two halves of one micro-batch's outputs (and target, split as the
+        step splits it) along the batch, and their sizes; none for one example."""
+        dims = self.signature.out_batch_dims
+        size = next((o.shape[d] for o, d in zip(out, dims)
+                     if d is not None and isinstance(o, torch.Tensor)), 1)
+        if size < 2:
+            return [], []
+        halves = [[o.tensor_split(2, d)[h] if d is not None and isinstance(o, torch.Tensor)
+                   else o for o, d in zip(out, dims)] for h in (0, 1)]
+        out_dim = next((d for d in dims if d is not None), 0)
+        targets = split_target(target, 2, out_dim, size)
+        with torch.no_grad():
+            parts = [float(self._loss(h, to_device(t, self.device) if t is not None else None,
+                                      loss_fn)) for h, t in zip(halves, targets)]
+        return parts, [size - size // 2, size // 2]
+
+    def _weighted(self, losses: dict[int, torch.Tensor], mb: int, weight: float,
+                  scale: Any) -> torch.Tensor:
+        loss = losses.pop(mb) * weight
+        return loss if scale is None else loss * scale
+
+    def _settle(self, verdict: list[float], loss_fn: Callable[..., torch.Tensor], key: Any,
+                assumed: str | None, probe: bool, halves: bool) -> str:
+        """Every rank alike: remembers what a judging step found, refuses a loss that does not
+        split over micro-batches, whose kind the replicas could not find or disagree on, or
+        that changed kind after its backward was scaled; returns the kind the backward was
+        weighted as."""
+        width = len(KINDS) + 1
+        full, code, parts = verdict[0], int(verdict[1]), verdict[2 + width:]
+        kind = KINDS[code] if code >= 0 else None
+        if kind == UNDECIDED:
+            raise undecidable(loss_fn, self.mesh.replicas)
+        if kind == MIXED:
+            counts = [int(n) for n in verdict[2:2 + width]]
+            raise disagreement(loss_fn, counts, None if probe else assumed)
+        if probe:
+            self.loss_kinds[key] = kind if kind is not None else MEAN
+        elif assumed is None and kind in (MEAN, SUM):  # for a later step that cannot judge
+            self.loss_kinds[key] = kind
+        if kind == NEITHER and (probe or assumed is None):
+            raise refusal(loss_fn, full, parts, None, halves)
+        if assumed is not None and not probe and changed(kind, assumed):
+            raise refusal(loss_fn, full, parts, assumed, halves)
+        return assumed or kind or self.loss_kinds.get(key, MEAN)
+
+    def _refuse_split_backward(self, ticks: Sequence[Tick]) -> None:
+        split = sorted({str(t.action.kind) for t in ticks if t.action is not None
+                        and t.action.kind in (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD)})
+        if split:
+            raise ConfigError(f"shard='full' cannot run a schedule that splits the backward "
+                              f"(this one has {' and '.join(split)} actions): FSDP2 reduces "
+                              "the gradients of whole backward passes",
+                              hint="use schedule='gpipe', '1f1b' or 'interleaved-1f1b', or "
+                                   "shard='optimizer'")
+
+    def _reduce_gradients(self) -> None:
+        """Sums tied parameters' gradients over the ranks that hold them, then averages every
+        gradient over data-parallel replicas."""
+        named = self.named_tensors()
+        for name in sorted(self.shared):
+            group = self.shared_groups.get(name)
+            param = named.get(name)
+            if group is None or param is None:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            # under shard="full" each holder's shard of it: the same part of the same shape
+            dist.all_reduce(local_part(param.grad), group=group)
+        if self.dp_group is None or self.mesh.replicas == 1 or self.full_shard is not None:
+            return
+        tied = set()
+        if self.averager is not None:
+            self.averager.finish()
+            tied = {id(t) for name, t in named.items() if name in self.shared}
+        for param in self.parameters():
+            if self.averager is None or id(param) in tied:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad, group=self.dp_group)
+                param.grad /= self.mesh.replicas
+
+

@@ -1,0 +1,122 @@
+"""The local executor: every stage in one process, one worker thread per device (as torchgpipe).
+
+The forwards run in the order of the schedule the executor is given, played on the one clock
+(fxpipe.runtime.planning.grid.play; under GPipe micro-batch m enters stage s at tick m + s), so at
+each tick the stages work on different micro-batches at once; the backwards are one autograd
+backward of the joined outputs, whatever the schedule. Values move between devices with a
+differentiable copy, so the outputs belong to one autograd graph and `loss.backward()` reaches
+every parameter of the model; remat regions recompute during that backward.
+
+The caller's autocast state is captured when `run` is called and re-entered in every worker
+thread (autocast is per thread), so `with torch.autocast(...): program(x)` takes effect in every
+stage. Each micro-batch draws random numbers from its own stream, which continues from stage to
+stage as through one forward of the plain model, on every device the stage uses.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from fxpipe.errors import FxPipeError, PipelineRuntimeError
+from fxpipe.remat_policy import RematPolicy, remat_policy
+from fxpipe.runtime.comm import LocalComm
+from fxpipe.runtime.execution.amp import AutocastState
+from fxpipe.runtime.execution.batchnorm import commit_batch_norms, discard_batch_norms
+from fxpipe.runtime.execution.devices import pin_for, stage_devices
+from fxpipe.runtime.execution.forward import draw_base, run_forward
+from fxpipe.runtime.execution.memory import KeptMemory
+from fxpipe.runtime.execution.stagespec import HeldStage
+from fxpipe.runtime.planning.grid import chain, play
+from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind, schedule_kind
+from fxpipe.signature import Signature
+
+__all__ = ["LocalExecutor"]
+
+
+class LocalExecutor:
+    def __init__(self, stages: Sequence[HeldStage], signature: Signature, chunks: int,
+                 remat: RematPolicy | str, check_finite: bool = False, *,
+                 schedule: ScheduleKind | str = "gpipe", ranks: int | None = None) -> None:
+        self.stages = list(stages)
+        self.check_finite = check_finite
+        self.signature = signature
+        self.chunks = chunks
+        self.remat = remat_policy(remat)
+        # the forwards of the schedule, tick by tick (the backward is one autograd call)
+        grid = play(schedule_kind(schedule).build(chunks, len(self.stages), ranks),
+                    chain(len(self.stages)))
+        self.forward_ticks = [tick for tick in (
+            [(a.stage, a.microbatch) for a in row if a is not None
+             and a.kind == ActionKind.FORWARD] for row in grid) if tick]
+        devices = sorted({str(s.device) for s in self.stages})
+        self.workers = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxpipe-{d}")
+                        for d in devices}
+        self.workers_by_stage = [self.workers[str(s.device)] for s in self.stages]
+
+    def run(self, tensors: Sequence[torch.Tensor],
+            trackers: Sequence[KeptMemory] | None = None) -> list[Any]:
+        """Flat tensor inputs in, flat outputs (joined over micro-batches) out.
+
+        trackers: one fxpipe.runtime.execution.memory.KeptMemory per stage, to measure kept
+        activations.
+        """
+        if any(st.device.type == "cuda" for st in self.stages):
+            tensors = pin_for(tensors, torch.device("cuda"))
+        micro = self.signature.split_inputs(tensors, self.chunks)
+        autocast = AutocastState.capture()
+        discard_batch_norms()
+        comm = LocalComm()
+        outputs: list[Any] = [None] * self.chunks
+        base = draw_base() if any(s.random for s in self.stages) else None
+        grad = torch.is_grad_enabled()
+        k = len(self.stages)
+        for tasks in self.forward_ticks:
+            futures = [(s, mb, self.workers_by_stage[s].submit(
+                self._task, comm, s, mb, micro[mb], base, grad, autocast,
+                trackers[s] if trackers else None)) for s, mb in tasks]
+            for s, mb, future in futures:
+                try:
+                    result = future.result()
+                except FxPipeError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - add the stage and micro-batch
+                    raise PipelineRuntimeError(
+                        f"stage {s} failed on micro-batch {mb}: {type(e).__name__}: {e}",
+                        hint="run the stage alone (program.stages[i]) to debug it") from e
+                if s == k - 1:
+                    outputs[mb] = result
+        commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
+        return self.signature.join_outputs([list(o) for o in outputs])
+
+    def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
+              base: int | None, grad: bool, autocast: AutocastState, tracker: Any) -> Any:
+        """The forward in this stage's worker thread, under the caller's grad mode and
+        autocast (both per thread) and on the stage's device."""
+        stage = self.stages[s]
+        devices = stage_devices(stage.device, [*stage.module.parameters(),
+                                               *stage.module.buffers()]) if stage.random else []
+        recompute = self.remat.recomputes(mb, self.chunks)
+        return run_forward(stage, comm, mb, inputs, recompute=recompute, seed_base=base,
+                           rng_devices=devices, check=self.check_finite, check_outputs=True,
+                           modes=_thread_modes(grad, autocast, stage.device),
+                           track=tracker.forward(mb) if tracker is not None else None).out
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.shutdown(wait=False)
+
+
+@contextlib.contextmanager
+def _thread_modes(grad: bool, autocast: AutocastState, device: torch.device) -> Iterator[None]:
+    """The caller's grad mode and autocast, and the stage's device, in a worker thread."""
+    with torch.set_grad_enabled(grad), autocast.enter(), _on(device):
+        yield
+
+
+def _on(device: torch.device) -> Any:
+    """Makes a CUDA stage's device current in its worker thread (a thread starts on cuda:0)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -1,0 +1,297 @@
+"""A backward split into an input pass and a later weight pass that walks only the weights' part.
+
+Zero-bubble schedules send the input gradients of a micro-batch back at once (I) and compute the
+weight gradients later (W). A second full backward for W would redo I's work. The graph is read
+instead (fxpipe/runtime/execution/backward_graph.py) so that W runs only the nodes that lead to
+weights, starting from the intermediates, the nodes where a weight's path leaves the input closure.
+
+The reading runs once per stage and graph shape (`SplitPlan`, kept in the `plans` a caller
+passes): every micro-batch of a stage runs the same operations, so later micro-batches only
+follow the plan's route to their intermediates and check the nodes' kinds there. I is one
+autograd call that asks, beside the received leaves' gradients, for the gradient entering each
+intermediate (a `GradientEdge` input, which autograd captures on its way through that node,
+with no Python hook); W starts from those edges with those gradients. A gradient captured so
+is taken before the node's tensor hooks (a hook registered on the tensor the node made), which
+then run again when W starts there, so such a hook applies once to each half. The intermediates
+of a call whose paths cross (see backward_graph) are clamped in W to what entered them in I, so
+there node prehooks keep the gradients, after the tensor hooks; so do those of a call with a
+node whose number of inputs the installed torch does not expose.
+
+Exactness needs every output to lie in C or to reach no weight. An output outside C reaches no
+received leaf, so its paths never meet an intermediate (the first stage, whose outputs depend on
+no received leaf; `w * x_model_input` sent beside `f(received)`). Then the whole micro-batch
+falls back: I takes the leaves' gradients with the graph retained, and W runs a full backward
+from the outputs, as an unsplit backward would.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from fxpipe.errors import PipelineRuntimeError
+from fxpipe.runtime.execution.backward_graph import Graph, Route, plan_calls
+
+__all__ = ["SplitPlan", "SplitPlans", "WeightPass", "input_backward"]
+
+Grads = tuple[torch.Tensor | None, ...]
+
+
+@dataclass(frozen=True)
+class _PlannedCall:
+    """One autograd call of W: the captured edges it starts from (indices into the plan's
+    `captured`), the slots of the clamped intermediates of a crossed call, its weights."""
+
+    captured: tuple[int, ...]
+    clamped: tuple[int, ...]
+    weights: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """What reading one stage's backward graph found, in terms that hold for every micro-batch.
+
+    route: finds the intermediates (their slots) from the roots; captured: (slot, input) of
+    each gradient I asks for; kept: slots whose gradients node prehooks keep (crossed calls);
+    fallback: W is a full backward (see the module docstring); weights: the tensors W serves.
+    """
+
+    route: Route
+    captured: tuple[tuple[int, int], ...]
+    kept: tuple[int, ...]
+    calls: tuple[_PlannedCall, ...]
+    fallback: bool
+    weights: tuple[torch.Tensor, ...]
+
+
+SplitPlans = dict[Hashable, SplitPlan]  # per stage: a plan for each graph shape met
+
+
+def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   leaves: Sequence[torch.Tensor],
+                   weights: Sequence[torch.Tensor] | None = None,
+                   plans: SplitPlans | None = None
+                   ) -> tuple[list[torch.Tensor | None], WeightPass]:
+    """The input half of a backward: the gradients of `leaves`, and the pass for the weights.
+
+    Args:
+        outputs: where the backward starts (sent values, a loss); those that do not require
+            grad are skipped.
+        grads: their gradients (None for a scalar loss).
+        leaves: the received leaf tensors whose gradients are wanted now.
+        weights: the tensors W may accumulate into; by default every other leaf of the graph
+            that requires grad.
+        plans: where the plans of this stage's graphs are kept from one micro-batch to the next
+            (one dict per stage); None reads every graph anew.
+
+    Returns:
+        The gradient of each leaf (None where it has none), and a WeightPass to run later. Where
+        W does not fall back, outputs that nothing else holds are detached in place, so that the
+        graph above what W needs is freed.
+    """
+    for t in [*leaves, *(weights or ())]:
+        if t.grad_fn is not None:
+            raise PipelineRuntimeError(f"input_backward takes leaf tensors as leaves and weights, "
+                                       f"got one computed by {t.grad_fn.name()}",
+                                       hint="pass the received tensors and the parameters")
+    pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad]
+    wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+    served = None if weights is None else frozenset(id(w) for w in weights)
+    got: list[torch.Tensor | None] = [None] * len(leaves)
+    if not pairs:
+        return got, WeightPass(None, {}, (), {}, served)
+    tensors, gradients = [t for t, _ in pairs], [g for _, g in pairs]
+    roots = [get_gradient_edge(t).node for t in tensors]
+    key = (tuple(r.name() for r in roots), tuple(wanted), len(leaves), served,
+           torch.is_autocast_enabled())
+    plan = plans.get(key) if plans is not None else None
+    nodes = plan.route.follow(roots) if plan is not None else None
+    if plan is None or nodes is None:
+        plan, nodes = _read(roots, [leaves[i] for i in wanted], weights)
+        if plans is not None:
+            plans[key] = plan
+    wanted_leaves = [leaves[i] for i in wanted]
+    if plan.fallback:
+        if wanted:
+            leaf_grads = torch.autograd.grad(tensors, wanted_leaves, gradients,
+                                             retain_graph=bool(plan.weights), allow_unused=True)
+            for i, grad in zip(wanted, leaf_grads):
+                got[i] = grad
+        return got, WeightPass(plan, {}, (), {}, served, full=(tensors, gradients))
+    edges = [GradientEdge(nodes[slot], i) for slot, i in plan.captured]
+    kept: dict[int, Grads] = {}
+    handles = [nodes[slot].register_prehook(_keeper(kept, slot)) for slot in plan.kept]
+    try:
+        found: Sequence[torch.Tensor | None] = ()
+        if wanted_leaves or edges:
+            asked: list[Any] = [*wanted_leaves, *edges]  # autograd takes tensors and edges mixed
+            found = torch.autograd.grad(tensors, asked, gradients,
+                                        retain_graph=bool(plan.weights), allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for i, found_grad in zip(wanted, found):
+        got[i] = found_grad
+    _release(tensors)
+    clamped = {slot: nodes[slot] for slot in plan.kept}  # not the nodes above: they are freed
+    return got, WeightPass(plan, clamped, tuple(zip(edges, found[len(wanted):])), kept, served)
+
+
+def _read(roots: list[Node], leaves: list[torch.Tensor],
+          weights: Sequence[torch.Tensor] | None) -> tuple[SplitPlan, list[Node]]:
+    """Reads the graph below `roots` into a plan, and the nodes at its route's slots."""
+    graph = Graph(roots)
+    leaf_nodes = {get_gradient_edge(leaf).node for leaf in leaves}
+    closure = graph.reaching(leaf_nodes & graph.nodes)
+    targets = graph.weight_nodes(leaf_nodes, None if weights is None else
+                                 [get_gradient_edge(w).node for w in weights if w.requires_grad])
+    calls = plan_calls(graph, closure, targets) if targets else []
+    served = tuple(_variable(n) for n in targets)
+    if calls is None:
+        route, _ = Route.to(graph, [])
+        return SplitPlan(route, (), (), (), True, served), []
+    route, slot = Route.to(graph, [n for call in calls for n in call.intermediates])
+    captured: list[tuple[int, int]] = []
+    kept: list[int] = []
+    planned = []
+    for call in calls:
+        slots = [slot[n] for n in call.intermediates]
+        start = len(captured)
+        counts = [_inputs(n) for n in call.intermediates]
+        clamp = call.crossed or None in counts  # crossed, or a node that does not say its inputs
+        if clamp:
+            kept += slots
+        else:
+            captured += [(s, i) for s, count in zip(slots, counts) for i in range(count or 0)]
+        planned.append(_PlannedCall(tuple(range(start, len(captured))),
+                                    tuple(slots) if clamp else (),
+                                    tuple(_variable(w) for w in call.weights)))
+    nodes: list[Node] = [None] * len(slot)  # type: ignore[list-item]  # all filled below
+    for node, k in slot.items():
+        nodes[k] = node
+    return SplitPlan(route, tuple(captured), tuple(kept), tuple(planned), False, served), nodes
+
+
+def _release(outputs: list[torch.Tensor]) -> None:
+    """Detaches in place the outputs that only their Python objects hold, so that the graph above
+    the intermediates is freed even while the caller keeps them. An output that a node saved
+    for backward is held by that node too (it keeps the graph below it anyway), and detaching
+    a saved tensor in place would break its unpacking in W; a view cannot be detached in place.
+    """
+    for t in outputs:
+        holders = getattr(t, "_use_count", None)  # untyped; C++ references to the tensor
+        if t.grad_fn is not None and not t._is_view() and holders is not None and holders() == 1:
+            t.detach_()
+
+
+class WeightPass:
+    """The weight half of a split backward, ready to run once.
+
+    `fallback` says whether it is a full backward from the outputs (see the module docstring).
+    """
+
+    def __init__(self, plan: SplitPlan | None, clamped: dict[int, Node],
+                 captured: tuple[tuple[GradientEdge, torch.Tensor | None], ...],
+                 kept: dict[int, Grads], served: frozenset[int] | None,
+                 full: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
+                 ) -> None:
+        self.fallback = full is not None
+        self._plan = plan
+        self._clamped = clamped  # slot -> intermediate of a crossed call
+        self._captured = captured
+        self._kept = kept
+        self._served = served  # ids of the weights input_backward was given, if any
+        self._full = full
+        self._done = False
+
+    def run(self, weights: Sequence[torch.Tensor] | None = None) -> None:
+        """Accumulates into the .grad of `weights` (default: every weight the input pass served)
+        and frees what the pass kept."""
+        if self._done:
+            raise PipelineRuntimeError("this weight pass has already run",
+                                       hint="run each split backward's W exactly once")
+        self._done = True
+        if weights is not None and self._served is not None and \
+                any(id(w) not in self._served for w in weights):
+            raise PipelineRuntimeError("the weight pass was asked for a weight that "
+                                       "input_backward was not given",
+                                       hint="give input_backward every weight, or none")
+        plan = self._plan
+        try:
+            if plan is None:
+                return
+            chosen = None if weights is None else {id(w) for w in weights}
+            if self._full is not None:
+                outputs, grads = self._full
+                inputs = [w for w in plan.weights if chosen is None or id(w) in chosen]
+                if inputs:
+                    torch.autograd.backward(outputs, grads, inputs=inputs)
+                return
+            with _one_recompute(len(plan.calls)):
+                for call in plan.calls:
+                    self._run(call, chosen)
+        finally:
+            self._plan, self._clamped, self._captured, self._kept = None, {}, (), {}
+            self._full = None
+
+    def _run(self, call: _PlannedCall, chosen: set[int] | None) -> None:
+        inputs = [w for w in call.weights
+                  if w.requires_grad and (chosen is None or id(w) in chosen)]
+        edges, grads = [], []
+        for k in call.captured:
+            edge, grad = self._captured[k]
+            if grad is not None:
+                edges.append(edge)
+                grads.append(grad)
+        for slot in call.clamped:
+            for i, grad in enumerate(self._kept.get(slot, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(self._clamped[slot], i))
+                    grads.append(grad)
+        if not inputs or not edges:
+            return
+        handles = [self._clamped[slot].register_prehook(_clamp(self._kept[slot]))
+                   for slot in call.clamped if slot in self._kept]
+        try:
+            torch.autograd.backward(edges, grads, inputs=inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _inputs(node: Node) -> int | None:
+    """How many gradients enter `node` (one per output of the forward op that made it), where
+    this torch says it; else a prehook keeps what enters."""
+    metadata = getattr(node, "_input_metadata", None)  # untyped
+    return len(metadata) if metadata is not None else None
+
+
+def _variable(node: Node) -> torch.Tensor:
+    variable: torch.Tensor = getattr(node, "variable")  # noqa: B009 (untyped attribute)
+    return variable
+
+
+def _keeper(kept: dict[int, Grads], slot: int) -> Callable[[Grads], None]:
+    def keep(grads: Grads) -> None:
+        kept[slot] = grads
+
+    return keep
+
+
+def _clamp(grads: Grads) -> Callable[[Grads], Grads]:
+    return lambda _flowing: grads
+
+
+def _one_recompute(calls: int) -> contextlib.AbstractContextManager[object]:
+    """Makes a remat region recompute once across W's calls (they run disjoint nodes)."""
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    current = getattr(torch._C, "_get_graph_exec_group", None)
+    if calls < 2 or group is None or current is None or current() is not None:
+        return contextlib.nullcontext()
+    context: contextlib.AbstractContextManager[object] = group()
+    return context

@@ -1,0 +1,249 @@
+"""Timelines of pipeline runs, measured or predicted, as Chrome trace JSON (Perfetto)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias, TypedDict
+
+from fxpipe.figures import idle_share
+from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind, schedule_kind
+from fxpipe.runtime.planning.simulate import TimedEvent, simulate
+
+__all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
+           "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step",
+           "predicted_local_step", "SPLIT_BACKWARD"]
+
+
+class EventJSON(TypedDict):
+    """An Event as JSON carries it (bench results, program.json): Event(**data) reads it."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # forward, backward, recompute, send, recv, send_grad, recv_grad, optimizer ...
+    stage: int
+    microbatch: int
+    start: float  # seconds since the timeline started
+    end: float
+    detail: str = ""
+
+    def to_json(self) -> EventJSON:
+        return {"kind": self.kind, "stage": self.stage, "microbatch": self.microbatch,
+                "start": self.start, "end": self.end, "detail": self.detail}
+
+
+class Timeline:
+    """Collects events of one process; `span` times a block."""
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        self.events: list[Event] = []
+
+    def reset(self) -> None:
+        self.origin = time.perf_counter()
+        self.events.clear()
+
+    @contextlib.contextmanager
+    def span(self, kind: str, stage: int, microbatch: int, detail: str = "") -> Iterator[None]:
+        start = time.perf_counter() - self.origin
+        try:
+            yield
+        finally:
+            self.events.append(Event(kind, stage, microbatch, start,
+                                     time.perf_counter() - self.origin, detail))
+
+
+_COMPUTE = ("forward", "backward", "recompute")
+# the detail of a backward span: the input or the weight gradients
+SPLIT_BACKWARD = (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD)
+_WAITS = ("recv", "recv_grad")
+
+
+def busy_time(events: Sequence[Event], stage: int | None = None) -> float:
+    """Seconds a stage computed: its forward, backward and recompute spans, less the receives
+    nested in them (a forward that waits for its input is idle, not busy, while it waits)."""
+    mine = [e for e in events if stage is None or e.stage == stage]
+    compute = [e for e in mine if e.kind in _COMPUTE]
+    total = sum(e.end - e.start for e in compute)
+    for wait in (e for e in mine if e.kind in _WAITS):
+        for span in compute:
+            overlap = min(span.end, wait.end) - max(span.start, wait.start)
+            if overlap > 0:
+                total -= overlap
+                break
+    return total
+
+
+class _NameArgs(TypedDict):
+    name: str
+
+
+class _MetadataEvent(TypedDict):
+    name: str  # "process_name" or "thread_name"
+    ph: str  # "M"
+    pid: int
+    args: _NameArgs
+
+
+class MetadataEvent(_MetadataEvent, total=False):
+    """A Chrome trace metadata event: names a process (pid) or a track (pid, tid)."""
+
+    tid: int
+
+
+class _SpanArgs(TypedDict):
+    microbatch: int
+    detail: str
+
+
+class SpanEvent(TypedDict):
+    """A Chrome trace complete event ("X"): one span, times in microseconds."""
+
+    name: str
+    cat: str
+    ph: str
+    pid: int
+    tid: int
+    ts: float
+    dur: float
+    args: _SpanArgs
+
+
+TraceEvent: TypeAlias = MetadataEvent | SpanEvent
+"""One entry of a Chrome trace's traceEvents."""
+
+
+_STEP_EVENTS = {"reduce": "gradient all-reduce (tied weights across stages, data-parallel "
+                           "replicas)"}
+
+
+def chrome_trace(events: Sequence[Event], *, name: str = "fxpipe",
+                 pid: int = 0) -> list[TraceEvent]:
+    """Trace events: one process `name`, one track (thread) per stage, times in microseconds."""
+    out: list[TraceEvent] = [{"name": "process_name", "ph": "M", "pid": pid,
+                              "args": {"name": name}}]
+    for stage in sorted({e.stage for e in events}):
+        out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": stage,
+                    "args": {"name": f"stage {stage}"}})
+    for e in events:
+        label = {"forward": "F", "backward": "B", "recompute": "R"}.get(e.kind, e.kind)
+        if e.kind == "backward" and e.detail in SPLIT_BACKWARD:  # a split backward's I or W
+            label = e.detail
+        # an event of the whole step (micro-batch -1) is named for what it does, not "reduce-1"
+        title = f"{label}{e.microbatch}" if e.microbatch >= 0 else _STEP_EVENTS.get(e.kind, e.kind)
+        out.append({"name": title, "cat": e.kind, "ph": "X", "pid": pid,
+                    "tid": e.stage, "ts": round(e.start * 1e6, 3),
+                    "dur": round(max(e.end - e.start, 0.0) * 1e6, 3),
+                    "args": {"microbatch": e.microbatch, "detail": e.detail}})
+    return out
+
+
+def write_chrome_trace(path: str, runs: dict[str, Sequence[Event]]) -> None:
+    """Writes several runs (e.g. "measured" and "predicted") into one trace, one process each."""
+    events: list[TraceEvent] = []
+    for pid, (name, run) in enumerate(runs.items()):
+        events += chrome_trace(run, name=name, pid=pid)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f, indent=None)
+
+
+class StageTimes(Protocol):
+    """The per-micro-batch times of one stage that predicted_events reads (a StagePlan)."""
+
+    @property
+    def forward_time(self) -> float: ...
+
+    @property
+    def compute_time(self) -> float: ...
+
+    @property
+    def comm_time(self) -> float: ...
+
+    @property
+    def recompute_time(self) -> float: ...
+
+    @property
+    def weight_time(self) -> float: ...
+
+
+class PlanTimes(Protocol):
+    """What predicted_events reads of a partition plan (a PartitionPlan, from a layer above)."""
+
+    @property
+    def stages(self) -> Sequence[StageTimes]: ...
+
+    @property
+    def chunks(self) -> int: ...
+
+    @property
+    def step_overhead(self) -> float: ...
+
+
+def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None
+               ) -> tuple[list[TimedEvent], float]:
+    """The schedule played with the plan's stage times as the executors run it. A split
+    backward's W costs the stage's weight time and I the rest of the backward; under remat,
+    W recomputes the regions again (their recomputed values live for one autograd call;
+    NOTE [Split backward] in fxpipe/runtime/communication/dist_comm.py), so a split backward costs
+    one recomputation more than a whole one, except where W is the whole backward (the first
+    stage: I has nothing to compute)."""
+    k, m = len(plan.stages), plan.chunks
+    fwd = [s.forward_time for s in plan.stages]
+    # recompute included; a difference of sums can round a hair below zero
+    bwd = [max(s.compute_time - s.forward_time, 0.0) for s in plan.stages]
+    comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
+    actions = schedule.build(m, k, ranks)
+    if not schedule.splits_backward:
+        return simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm)
+    inputs, weights = [], []
+    for s, backward in zip(plan.stages, bwd):
+        pure = backward - s.recompute_time
+        if s.weight_time >= pure * (1 - 1e-9):  # W is the whole backward
+            inputs.append(0.0)
+            weights.append(backward)
+        else:
+            inputs.append(max(s.recompute_time + pure - s.weight_time, 0.0))
+            weights.append(s.recompute_time + s.weight_time)
+    return simulate(actions, forward_time=fwd, weight_time=weights,
+                    backward_time=[i + w for i, w in zip(inputs, weights)], comm_time=comm)
+
+
+def predicted_step(plan: PlanTimes, schedule: ScheduleKind | str, ranks: int | None = None
+                   ) -> tuple[float, float]:
+    """(step time, bubble) of `schedule` on `ranks` ranks (default: the schedule's stages per
+    rank) simulated with the plan's stage times, plus what a step pays once; the bubble is the
+    ranks' idle share of the step (fxpipe.figures.idle_share), the one bubble every report
+    prints."""
+    kind = schedule_kind(schedule)
+    ranks = ranks or kind.ranks_for(len(plan.stages))
+    events, makespan = _simulated(plan, kind, ranks)
+    work = sum(e.end - e.start for e in events if e.kind != "send")
+    step = makespan + plan.step_overhead
+    return step, idle_share(work, ranks, step)
+
+
+def predicted_local_step(plan: PlanTimes) -> float:
+    """One step of the plan in one process (program.step without torchrun): every stage's
+    compute of every micro-batch one after another, no messages, and the per-step cost."""
+    return plan.chunks * sum(s.compute_time for s in plan.stages) + plan.step_overhead
+
+
+def predicted_events(plan: PlanTimes, schedule: ScheduleKind | str = "gpipe",
+                     ranks: int | None = None) -> list[Event]:
+    """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
+    events, _ = _simulated(plan, schedule_kind(schedule), ranks)
+    kinds: dict[str, str] = {ActionKind.FORWARD: "forward", ActionKind.BACKWARD: "backward",
+                             ActionKind.INPUT_GRAD: "backward", ActionKind.WEIGHT_GRAD: "backward"}
+    return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
+                  str(e.kind) if e.kind in SPLIT_BACKWARD else "")
+            for e in events]
