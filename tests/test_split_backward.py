@@ -4,13 +4,16 @@ and W runs only the weights' part of the graph.
 Each test builds a small stage-like computation by hand (received leaves that require grad,
 parameters, outputs with the gradients the next stage would send, or a loss), runs
 `input_backward` and later `WeightPass.run`, and compares the leaves' gradients and every
-parameter's .grad with a plain `torch.autograd.backward` on an identical copy. Counting autograd
-Functions show which nodes ran in which half.
+parameter's .grad with a plain `torch.autograd.backward` on an identical copy. `check` runs two
+micro-batches, the second following the plan the first one's graph was read into. Counting
+autograd Functions show which nodes ran in which half; counting engine calls and Python calls
+show what a micro-batch costs once its stage's plan is read.
 """
 from __future__ import annotations
 
 import copy
 import gc
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -20,8 +23,10 @@ import torch
 from torch import nn
 
 from fxpipe.errors import PipelineRuntimeError
-from fxpipe.runtime.execution.split_backward import WeightPass, input_backward
+from fxpipe.runtime.execution import split_backward
+from fxpipe.runtime.execution.split_backward import SplitPlans, WeightPass, input_backward
 from fxpipe.runtime.stage import checkpoint
+from fxpipe.testing.engine_calls import EngineCalls
 
 Outputs = list[torch.Tensor]
 
@@ -50,10 +55,12 @@ def params(module: nn.Module) -> list[torch.Tensor]:
 
 def run_split(module: nn.Module, received: Sequence[torch.Tensor],
               grads: Sequence[torch.Tensor | None] | None = None,
+              plans: SplitPlans | None = None,
               ) -> tuple[list[torch.Tensor | None], WeightPass]:
     leaves = [r.clone().requires_grad_() for r in received]
     outputs = module(*leaves)
-    got, weight_pass = input_backward(outputs, grads or [None] * len(outputs), leaves)
+    got, weight_pass = input_backward(outputs, grads or [None] * len(outputs), leaves,
+                                      plans=plans)
     return got, weight_pass
 
 
@@ -76,19 +83,23 @@ def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
 
 def check(module: nn.Module, received: Sequence[torch.Tensor],
           grads: Sequence[torch.Tensor | None] | None = None, *, fallback: bool) -> None:
-    """Split on `module`, full backward on a copy: same leaf gradients, same .grad."""
+    """Split on `module`, full backward on a copy: same leaf gradients, same .grad, for two
+    micro-batches (the second follows the first one's plan)."""
     reference = copy.deepcopy(module)
-    got, weight_pass = run_split(module, received, grads)
-    assert weight_pass.fallback == fallback
-    weight_pass.run(params(module))
-    expected = run_full(reference, received, grads)
-    for g, e in zip(got, expected):
-        if e is None:
-            assert g is None
-        else:
-            assert g is not None
-            torch.testing.assert_close(g, e)
-    assert_same_grads(module, reference)
+    plans: SplitPlans = {}
+    for _ in range(2):
+        got, weight_pass = run_split(module, received, grads, plans)
+        assert weight_pass.fallback == fallback
+        weight_pass.run(params(module))
+        expected = run_full(reference, received, grads)
+        for g, e in zip(got, expected):
+            if e is None:
+                assert g is None
+            else:
+                assert g is not None
+                torch.testing.assert_close(g, e)
+        assert_same_grads(module, reference)
+    assert len(plans) == 1
 
 
 # -- stages ---------------------------------------------------------------------------------------
@@ -172,7 +183,7 @@ def test_weight_pass_does_not_walk_the_input_path_between_layers() -> None:
             return [x]
 
     check(Deep(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
-    assert between.calls == 4 + 4  # once in I of the split, once in the reference; none in W
+    assert between.calls == 2 * (4 + 4)  # per micro-batch: in I and in the reference, not W
 
 
 def test_first_stage_without_received_leaves_falls_back_to_a_full_weight_pass() -> None:
@@ -525,3 +536,160 @@ def test_a_weight_pass_runs_only_once() -> None:
     weight_pass.run()
     with pytest.raises(PipelineRuntimeError, match="already run"):
         weight_pass.run()
+
+
+# -- reading a stage's graph once -----------------------------------------------------------------
+
+
+class Chain(nn.Module):
+    """`depth` layers one after another: each Linear's node is an intermediate, and a path
+    through the input closure leads from each to the ones below."""
+
+    def __init__(self, depth: int, extra_after: int | None = None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(depth))
+        self.extra_after = extra_after  # a layer after which one more op runs (another shape)
+
+    def forward(self, x: torch.Tensor) -> Outputs:
+        for k, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if k == self.extra_after:
+                x = x * 2
+        return [x]
+
+
+def test_later_micro_batches_follow_the_plan_without_reading_the_graph(monkeypatch) -> None:
+    reads: list[int] = []
+    read = split_backward.Graph
+
+    def counted(roots: Any) -> Any:
+        reads.append(1)
+        return read(roots)
+
+    monkeypatch.setattr(split_backward, "Graph", counted)
+    stage = Chain(4)
+    reference = copy.deepcopy(stage)
+    plans: SplitPlans = {}
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(3)]
+    passes = [run_split(stage, [x], [g], plans) for x, g in batches]
+    assert len(reads) == 1 and len(plans) == 1
+    for k in (2, 0, 1):
+        passes[k][1].run(params(stage))
+    for (x, g), (got, _) in zip(batches, passes):
+        torch.testing.assert_close(got[0], run_full(reference, [x], [g])[0])
+    assert_same_grads(stage, reference)
+
+
+def test_a_graph_of_another_shape_is_read_anew_and_stays_exact(monkeypatch) -> None:
+    reads: list[int] = []
+    read = split_backward.Graph
+
+    def counted(roots: Any) -> Any:
+        reads.append(1)
+        return read(roots)
+
+    monkeypatch.setattr(split_backward, "Graph", counted)
+    stage = Chain(4)
+    reference = copy.deepcopy(stage)
+    plans: SplitPlans = {}
+    shapes = [None, 1, 1, None]  # the same roots (tanh), another node on the way in between
+    for extra in shapes:
+        stage.extra_after = reference.extra_after = extra
+        x, g = torch.randn(4, 8), torch.randn(4, 8)
+        got, weight_pass = run_split(stage, [x], [g], plans)
+        weight_pass.run(params(stage))
+        torch.testing.assert_close(got[0], run_full(reference, [x], [g])[0])
+    assert_same_grads(stage, reference)
+    assert len(reads) == 3  # the third micro-batch followed the second one's plan
+
+
+def _python_calls_in_fxpipe(run: Any, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+    """How many Python functions of fxpipe's files (helpers, hooks) `run(*args, **kwargs)`
+    calls, and what it returns."""
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and "/fxpipe/" in frame.f_code.co_filename:
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        result = run(*args, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return calls, result
+
+
+def test_after_the_first_micro_batch_i_is_one_engine_call_with_python_work_not_per_layer() -> None:
+    costs = {}
+    for depth in (2, 8):
+        stage = Chain(depth)
+        plans: SplitPlans = {}
+        x, g = torch.randn(4, 8), torch.randn(4, 8)
+        run_split(stage, [x], [g], plans)[1].run()  # reads the stage's plan
+        leaf = x.clone().requires_grad_()
+        outputs = stage(leaf)
+        with EngineCalls() as input_calls:
+            python, (_, weight_pass) = _python_calls_in_fxpipe(input_backward, outputs, [g],
+                                                               [leaf], plans=plans)
+        with EngineCalls() as weight_calls:
+            weight_pass.run()
+        costs[depth] = (input_calls.count, python, weight_calls.count)
+    assert costs[2][0] == costs[8][0] == 1
+    assert costs[2][1] == costs[8][1]  # no hook, no graph walk per intermediate
+    # W: one call per layer's weights (a path through C joins the layers: backward_graph.py)
+    assert (costs[2][2], costs[8][2]) == (2, 8)
+
+
+def test_dropout_and_batchnorm_stages_follow_their_plan_exactly() -> None:
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+            self.drop = nn.Dropout(0.3)
+            self.head = nn.Linear(4 * 5 * 5, 6)
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            h = self.drop(torch.relu(self.bn(self.conv(x))))
+            return [self.head(h.flatten(1))]
+
+    stage = Noisy().train()
+    reference = copy.deepcopy(stage)
+    plans: SplitPlans = {}
+    passes, expected = [], []
+    for mb in range(3):
+        x, g = torch.randn(4, 3, 5, 5), torch.randn(4, 6)
+        torch.manual_seed(mb)  # the same dropout masks in both
+        got, weight_pass = run_split(stage, [x], [g], plans)
+        passes.append((got, weight_pass))
+        torch.manual_seed(mb)
+        expected.append(run_full(reference, [x], [g]))
+    for k in (1, 2, 0):
+        passes[k][1].run(params(stage))
+    for (got, _), want in zip(passes, expected):
+        torch.testing.assert_close(got[0], want[0])
+    assert len(plans) == 1
+    assert_same_grads(stage, reference)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(stage.state_dict()[key], value, msg=key)
+
+
+def test_nodes_that_do_not_list_their_inputs_keep_their_gradients_by_prehook(monkeypatch) -> None:
+    monkeypatch.setattr(split_backward, "_inputs", lambda node: None)
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.w = nn.Parameter(torch.randn(4))
+            self.block = Block()
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            h = self.lin(x)
+            h.register_hook(lambda grad: grad * 2)
+            a, b = self.block(h).chunk(2, dim=-1)  # one node with two outputs
+            return [a * self.w, b]
+
+    check(Both(), [torch.randn(4, 8)], [torch.randn(4, 4), torch.randn(4, 4)], fallback=False)

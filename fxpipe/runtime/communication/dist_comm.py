@@ -7,16 +7,18 @@ Zero-bubble schedules split a micro-batch's backward in two
 (fxpipe/runtime/execution/split_backward.py). I (`backward_input`) runs autograd from the loss or
 the sent values to the received leaves only: it walks the input closure, the nodes from which a
 received leaf is reachable, and sends the leaves' gradients back at once, since the previous stage
-waits for them. Prehooks keep, on the way, the incoming gradient of each intermediate: a node of the
-closure with an edge toward a weight. W (`backward_weight`) later starts autograd at the
-intermediates with those gradients and walks only what lies between them and the weights: it reruns
-each intermediate for its weight-side outputs (a Linear's dW and db; a custom autograd Function
-computes all of its outputs again) and the nodes that lead only to weights, never the input-only
-nodes I ran. Each weight's gradient reaches its .grad through AccumulateGrad once, so
-post-accumulate hooks fire as in a plain backward. Between I and W the rank keeps the intermediates,
-the graph below them (input-only nodes there keep their saved tensors until W frees everything) and
-the kept gradients; the sent values are detached where nothing else holds them, which frees the
-graph above the intermediates.
+waits for them. The same autograd call captures, on the way, the incoming gradient of each
+intermediate: a node of the closure with an edge toward a weight (which nodes these are is read from
+the stage's first graph and kept in `split_plans`, fxpipe/runtime/execution/backward_graph.py). W
+(`backward_weight`) later starts autograd at the intermediates with those gradients
+and walks only what lies between them and the weights: it reruns each intermediate for its
+weight-side outputs (a Linear's dW and db; a custom autograd Function computes all of its
+outputs again) and the nodes that lead only to weights, never the input-only nodes I ran. Each
+weight's gradient reaches its .grad through AccumulateGrad once, so post-accumulate hooks fire
+as in a plain backward. Between I and W the rank keeps the intermediates, the graph below them
+(input-only nodes there keep their saved tensors until W frees everything) and the kept
+gradients; the sent values are detached where nothing else holds them, which frees the graph
+above the intermediates.
 
 A micro-batch with an output that depends on no received leaf but reaches a weight (every
 micro-batch of a first stage; `w * x_input` sent beside `f(received)`) falls back: I takes the
@@ -56,7 +58,7 @@ import torch.utils._pytree as pytree
 from fxpipe import ir
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.communication.transport import Handle, Op, Transport
-from fxpipe.runtime.execution.split_backward import WeightPass, input_backward
+from fxpipe.runtime.execution.split_backward import SplitPlans, WeightPass, input_backward
 from fxpipe.runtime.planning.plan import Message, Tick
 
 __all__ = ["DistComm", "TagTable", "DTYPE_CODES", "messages_of"]
@@ -146,7 +148,8 @@ class DistComm:
                  transport: Transport, tags: TagTable | None = None,
                  dtypes: dict[tuple[str, int, int, int], torch.dtype] | None = None,
                  learn: bool = False, timeline: Any = None,
-                 written: frozenset[Edge] = frozenset()) -> None:
+                 written: frozenset[Edge] = frozenset(),
+                 split_plans: dict[int, SplitPlans] | None = None) -> None:
         self.rank = rank
         self.global_ranks = list(global_ranks)
         self.placement = list(placement)
@@ -164,6 +167,8 @@ class DistComm:
         self.inbox: dict[Message, tuple[Handle | None, torch.Tensor]] = {}  # posted receives
         self.sent_values: dict[Message, torch.Tensor] = {}  # grad buffers take their shape
         self.retained: dict[tuple[int, int], WeightPass] = {}  # (stage, mb): I done, W to run
+        # per stage, what reading its backward graph found (kept across steps by the caller)
+        self.split_plans = split_plans if split_plans is not None else {}
 
     def carries_host_tensors(self, src: int, dst: int) -> bool:
         """Whether a host tensor stage `src` sends to stage `dst` arrives as it is: on a CPU
@@ -350,14 +355,16 @@ class DistComm:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             self.outbox[_gradient(msg)] = grad.detach().contiguous()
 
-    def backward_input(self, stage: int, mb: int, loss: torch.Tensor | None = None) -> None:
+    def backward_input(self, stage: int, mb: int, loss: torch.Tensor | None = None,
+                       weights: Sequence[torch.Tensor] | None = None) -> None:
         """The input-gradient half of a split backward (NOTE [Split backward]): gradients in,
-        the received leaves' gradients out; what the weight half needs stays for
-        `backward_weight`."""
+        the received leaves' gradients out; what the weight half needs (for `weights`, by
+        default every parameter in the graph) stays for `backward_weight`."""
         record = self.records.pop((stage, mb), _Record())
         tensors, grads = self._output_grads(record, stage, mb, loss)
         got, self.retained[(stage, mb)] = input_backward(
-            tensors, grads, [leaf for leaf, _ in record.received])
+            tensors, grads, [leaf for leaf, _ in record.received], weights,
+            self.split_plans.setdefault(stage, {}))
         for (leaf, msg), grad in zip(record.received, got):
             grad = grad if grad is not None else torch.zeros_like(leaf)
             self.outbox[_gradient(msg)] = grad.detach().contiguous()

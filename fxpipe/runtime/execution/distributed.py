@@ -60,6 +60,7 @@ from fxpipe.runtime.execution.loss_split import (
     weight_of,
 )
 from fxpipe.runtime.execution.memory import KeptMemory
+from fxpipe.runtime.execution.split_backward import SplitPlans
 from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.runtime.planning.plan import Tick, plan_rank
 from fxpipe.runtime.planning.schedule import (
@@ -132,6 +133,7 @@ class DistributedExecutor:
         self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
         # dtypes of received values under each autocast state, learned on its first step
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
+        self.split_plans: dict[int, SplitPlans] = {}  # read once per stage (split_backward.py)
         self.warm = False
         self.last: StepResult | None = None  # the latest step's result
         # how each loss splits over micro-batches, found on a step that only finds it, for a
@@ -288,7 +290,7 @@ class DistributedExecutor:
                 elif action.kind == ActionKind.INPUT_GRAD:
                     with self.timeline.span("backward", stage, mb, detail=str(action.kind)):
                         comm.backward_input(stage, mb, self._weighted(losses, mb, decided(), scale)
-                                            if self.is_last(stage) else None)
+                                            if self.is_last(stage) else None, weights[stage])
                 else:
                     if self.averager and tick.index == last_backward:
                         self.averager.arm()
@@ -392,7 +394,8 @@ class DistributedExecutor:
                         placement=list(self.mesh.placement), info=self.comm_info,
                         microbatch_size=b, device=self.device, transport=self.transport,
                         tags=TagTable(self.edges, chunks), dtypes=dict(known or {}),
-                        learn=known is None, timeline=self.timeline, written=self.written)
+                        learn=known is None, timeline=self.timeline, written=self.written,
+                        split_plans=self.split_plans)
 
     def _learned(self, comm: DistComm) -> None:
         if comm.learn:

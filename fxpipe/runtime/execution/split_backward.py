@@ -1,31 +1,21 @@
 """A backward split into an input pass and a later weight pass that walks only the weights' part.
 
 Zero-bubble schedules send the input gradients of a micro-batch back at once (I) and compute the
-weight gradients later (W). A second full backward for W would redo I's work. This module reads
-the autograd graph instead, so that W runs only the nodes that lead to weights:
+weight gradients later (W). A second full backward for W would redo I's work. The graph is read
+instead (fxpipe/runtime/execution/backward_graph.py) so that W runs only the nodes that lead to
+weights, starting from the intermediates, the nodes where a weight's path leaves the input closure.
 
-    outputs ─┐                        C, the input closure: every node from which a received
-             ▼                          leaf is reachable (what I runs anyway)
-      [ C  C  C ]──▶ R ──▶ AccumulateGrad(w)
-      [ C  C  C ]                     R: nodes outside C on a path to a weight
-             ▼                        intermediate: a node of C with an edge into R or into a
-       received leaves                  weight's AccumulateGrad (it computes both gradients)
-
-Every path from an output in C to a weight leaves C for the last time at an intermediate, so
-the weight's gradient is what flows out of the intermediates. I runs with prehooks on them that
-keep their incoming gradients (complete: all their parents are in C and ran in I); W starts from
-`GradientEdge(intermediate, i)` with those gradients and reaches only R and the weights.
-
-W runs one autograd call per group of weights that share intermediates (a Linear's weight and
-bias), so that no call needs the input-gradient edges of another group's intermediates: from a
-lone group's intermediates the edges back into C lead to none of its weights, and autograd skips
-them. A group whose intermediates are joined by a path through C (a weight used twice, one use
-above the other) would run that path; such groups, and every group with an intermediate on such
-a path, become one call. W clamps every intermediate to its kept gradient (a node prehook, which
-runs last), so neither what flows into it down such a path nor a tensor hook on its output, run
-again, is counted twice. The calls run disjoint sets of nodes, which lets them share one
-`torch.utils.checkpoint.GraphExecGroup`: a remat region is recomputed once in W, not once per
-call.
+The reading runs once per stage and graph shape (`SplitPlan`, kept in the `plans` a caller
+passes): every micro-batch of a stage runs the same operations, so later micro-batches only
+follow the plan's route to their intermediates and check the nodes' kinds there. I is one
+autograd call that asks, beside the received leaves' gradients, for the gradient entering each
+intermediate (a `GradientEdge` input, which autograd captures on its way through that node,
+with no Python hook); W starts from those edges with those gradients. A gradient captured so
+is taken before the node's tensor hooks (a hook registered on the tensor the node made), which
+then run again when W starts there, so such a hook applies once to each half. The intermediates
+of a call whose paths cross (see backward_graph) are clamped in W to what entered them in I, so
+there node prehooks keep the gradients, after the tensor hooks; so do those of a call with a
+node whose number of inputs the installed torch does not expose.
 
 Exactness needs every output to lie in C or to reach no weight. An output outside C reaches no
 received leaf, so its paths never meet an intermediate (the first stage, whose outputs depend on
@@ -36,24 +26,56 @@ from the outputs, as an unsplit backward would.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from fxpipe.errors import PipelineRuntimeError
+from fxpipe.runtime.execution.backward_graph import Graph, Route, plan_calls
 
-__all__ = ["input_backward", "WeightPass"]
+__all__ = ["SplitPlan", "SplitPlans", "WeightPass", "input_backward"]
 
 Grads = tuple[torch.Tensor | None, ...]
-_ACCUMULATE = "torch::autograd::AccumulateGrad"
+
+
+@dataclass(frozen=True)
+class _PlannedCall:
+    """One autograd call of W: the captured edges it starts from (indices into the plan's
+    `captured`), the slots of the clamped intermediates of a crossed call, its weights."""
+
+    captured: tuple[int, ...]
+    clamped: tuple[int, ...]
+    weights: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """What reading one stage's backward graph found, in terms that hold for every micro-batch.
+
+    route: finds the intermediates (their slots) from the roots; captured: (slot, input) of
+    each gradient I asks for; kept: slots whose gradients node prehooks keep (crossed calls);
+    fallback: W is a full backward (see the module docstring); weights: the tensors W serves.
+    """
+
+    route: Route
+    captured: tuple[tuple[int, int], ...]
+    kept: tuple[int, ...]
+    calls: tuple[_PlannedCall, ...]
+    fallback: bool
+    weights: tuple[torch.Tensor, ...]
+
+
+SplitPlans = dict[Hashable, SplitPlan]  # per stage: a plan for each graph shape met
 
 
 def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                    leaves: Sequence[torch.Tensor],
-                   weights: Sequence[torch.Tensor] | None = None
+                   weights: Sequence[torch.Tensor] | None = None,
+                   plans: SplitPlans | None = None
                    ) -> tuple[list[torch.Tensor | None], WeightPass]:
     """The input half of a backward: the gradients of `leaves`, and the pass for the weights.
 
@@ -64,6 +86,8 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         leaves: the received leaf tensors whose gradients are wanted now.
         weights: the tensors W may accumulate into; by default every other leaf of the graph
             that requires grad.
+        plans: where the plans of this stage's graphs are kept from one micro-batch to the next
+            (one dict per stage); None reads every graph anew.
 
     Returns:
         The gradient of each leaf (None where it has none), and a WeightPass to run later. Where
@@ -77,33 +101,80 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                                        hint="pass the received tensors and the parameters")
     pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad]
     wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
-    served = None if weights is None else {id(w) for w in weights}
+    served = None if weights is None else frozenset(id(w) for w in weights)
     got: list[torch.Tensor | None] = [None] * len(leaves)
     if not pairs:
-        return got, WeightPass([], {}, [], served)
+        return got, WeightPass(None, {}, (), {}, served)
     tensors, gradients = [t for t, _ in pairs], [g for _, g in pairs]
     roots = [get_gradient_edge(t).node for t in tensors]
-    graph = _Graph(roots)
-    leaf_nodes = {get_gradient_edge(leaves[i]).node for i in wanted}
-    closure = graph.reaching(leaf_nodes & graph.nodes)
-    targets = _weight_nodes(graph, leaf_nodes, weights)
-    calls = _plan(set(roots), graph, closure, targets) if targets else []
-    kept: dict[Node, Grads] = {}
-    handles = [] if calls is None else [
-        node.register_prehook(_keeper(kept, node)) for call in calls for node in call.intermediates]
-    try:
+    key = (tuple(r.name() for r in roots), tuple(wanted), len(leaves), served,
+           torch.is_autocast_enabled())
+    plan = plans.get(key) if plans is not None else None
+    nodes = plan.route.follow(roots) if plan is not None else None
+    if plan is None or nodes is None:
+        plan, nodes = _read(roots, [leaves[i] for i in wanted], weights)
+        if plans is not None:
+            plans[key] = plan
+    wanted_leaves = [leaves[i] for i in wanted]
+    if plan.fallback:
         if wanted:
-            found = torch.autograd.grad(tensors, [leaves[i] for i in wanted], gradients,
-                                        retain_graph=bool(targets), allow_unused=True)
-            for i, grad in zip(wanted, found):
+            leaf_grads = torch.autograd.grad(tensors, wanted_leaves, gradients,
+                                             retain_graph=bool(plan.weights), allow_unused=True)
+            for i, grad in zip(wanted, leaf_grads):
                 got[i] = grad
+        return got, WeightPass(plan, {}, (), {}, served, full=(tensors, gradients))
+    edges = [GradientEdge(nodes[slot], i) for slot, i in plan.captured]
+    kept: dict[int, Grads] = {}
+    handles = [nodes[slot].register_prehook(_keeper(kept, slot)) for slot in plan.kept]
+    try:
+        found: Sequence[torch.Tensor | None] = ()
+        if wanted_leaves or edges:
+            asked: list[Any] = [*wanted_leaves, *edges]  # autograd takes tensors and edges mixed
+            found = torch.autograd.grad(tensors, asked, gradients,
+                                        retain_graph=bool(plan.weights), allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
-    if calls is None:
-        return got, WeightPass([], kept, targets, served, full=(tensors, gradients))
+    for i, found_grad in zip(wanted, found):
+        got[i] = found_grad
     _release(tensors)
-    return got, WeightPass(calls, kept, targets, served)
+    clamped = {slot: nodes[slot] for slot in plan.kept}  # not the nodes above: they are freed
+    return got, WeightPass(plan, clamped, tuple(zip(edges, found[len(wanted):])), kept, served)
+
+
+def _read(roots: list[Node], leaves: list[torch.Tensor],
+          weights: Sequence[torch.Tensor] | None) -> tuple[SplitPlan, list[Node]]:
+    """Reads the graph below `roots` into a plan, and the nodes at its route's slots."""
+    graph = Graph(roots)
+    leaf_nodes = {get_gradient_edge(leaf).node for leaf in leaves}
+    closure = graph.reaching(leaf_nodes & graph.nodes)
+    targets = graph.weight_nodes(leaf_nodes, None if weights is None else
+                                 [get_gradient_edge(w).node for w in weights if w.requires_grad])
+    calls = plan_calls(graph, closure, targets) if targets else []
+    served = tuple(_variable(n) for n in targets)
+    if calls is None:
+        route, _ = Route.to(graph, [])
+        return SplitPlan(route, (), (), (), True, served), []
+    route, slot = Route.to(graph, [n for call in calls for n in call.intermediates])
+    captured: list[tuple[int, int]] = []
+    kept: list[int] = []
+    planned = []
+    for call in calls:
+        slots = [slot[n] for n in call.intermediates]
+        start = len(captured)
+        counts = [_inputs(n) for n in call.intermediates]
+        clamp = call.crossed or None in counts  # crossed, or a node that does not say its inputs
+        if clamp:
+            kept += slots
+        else:
+            captured += [(s, i) for s, count in zip(slots, counts) for i in range(count or 0)]
+        planned.append(_PlannedCall(tuple(range(start, len(captured))),
+                                    tuple(slots) if clamp else (),
+                                    tuple(_variable(w) for w in call.weights)))
+    nodes: list[Node] = [None] * len(slot)  # type: ignore[list-item]  # all filled below
+    for node, k in slot.items():
+        nodes[k] = node
+    return SplitPlan(route, tuple(captured), tuple(kept), tuple(planned), False, served), nodes
 
 
 def _release(outputs: list[torch.Tensor]) -> None:
@@ -124,14 +195,16 @@ class WeightPass:
     `fallback` says whether it is a full backward from the outputs (see the module docstring).
     """
 
-    def __init__(self, calls: list[_Call], kept: dict[Node, Grads], weights: list[Node],
-                 served: set[int] | None,
+    def __init__(self, plan: SplitPlan | None, clamped: dict[int, Node],
+                 captured: tuple[tuple[GradientEdge, torch.Tensor | None], ...],
+                 kept: dict[int, Grads], served: frozenset[int] | None,
                  full: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
                  ) -> None:
         self.fallback = full is not None
-        self._calls = calls
+        self._plan = plan
+        self._clamped = clamped  # slot -> intermediate of a crossed call
+        self._captured = captured
         self._kept = kept
-        self._weights = weights  # AccumulateGrad nodes
         self._served = served  # ids of the weights input_backward was given, if any
         self._full = full
         self._done = False
@@ -148,41 +221,42 @@ class WeightPass:
             raise PipelineRuntimeError("the weight pass was asked for a weight that "
                                        "input_backward was not given",
                                        hint="give input_backward every weight, or none")
-        chosen = [w for w in (map(_variable, self._weights) if weights is None else weights)
-                  if w.requires_grad]
+        plan = self._plan
         try:
+            if plan is None:
+                return
+            chosen = None if weights is None else {id(w) for w in weights}
             if self._full is not None:
                 outputs, grads = self._full
-                if chosen:
-                    torch.autograd.backward(outputs, grads, inputs=chosen)
-            else:
-                ids = {id(w) for w in chosen}
-                with _one_recompute(len(self._calls)):
-                    for call in self._calls:
-                        call.run(self._kept, ids)
+                inputs = [w for w in plan.weights if chosen is None or id(w) in chosen]
+                if inputs:
+                    torch.autograd.backward(outputs, grads, inputs=inputs)
+                return
+            with _one_recompute(len(plan.calls)):
+                for call in plan.calls:
+                    self._run(call, chosen)
         finally:
-            self._calls, self._kept, self._weights, self._full = [], {}, [], None
+            self._plan, self._clamped, self._captured, self._kept = None, {}, (), {}
+            self._full = None
 
-
-@dataclass
-class _Call:
-    """One autograd call of W: from `intermediates` to the AccumulateGrad nodes `weights`."""
-
-    intermediates: list[Node]
-    weights: list[Node]
-
-    def run(self, kept: dict[Node, Grads], chosen: set[int]) -> None:
-        inputs = [w for w in map(_variable, self.weights) if id(w) in chosen]
+    def _run(self, call: _PlannedCall, chosen: set[int] | None) -> None:
+        inputs = [w for w in call.weights
+                  if w.requires_grad and (chosen is None or id(w) in chosen)]
         edges, grads = [], []
-        for node in self.intermediates:
-            for i, grad in enumerate(kept.get(node, ())):
+        for k in call.captured:
+            edge, grad = self._captured[k]
+            if grad is not None:
+                edges.append(edge)
+                grads.append(grad)
+        for slot in call.clamped:
+            for i, grad in enumerate(self._kept.get(slot, ())):
                 if grad is not None:
-                    edges.append(GradientEdge(node, i))
+                    edges.append(GradientEdge(self._clamped[slot], i))
                     grads.append(grad)
         if not inputs or not edges:
             return
-        handles = [node.register_prehook(_clamp(kept[node])) for node in self.intermediates
-                   if node in kept]
+        handles = [self._clamped[slot].register_prehook(_clamp(self._kept[slot]))
+                   for slot in call.clamped if slot in self._kept]
         try:
             torch.autograd.backward(edges, grads, inputs=inputs)
         finally:
@@ -190,154 +264,11 @@ class _Call:
                 handle.remove()
 
 
-@dataclass
-class _Graph:
-    """The autograd graph below `roots`: children as autograd lists them, and parents."""
-
-    roots: list[Node]
-    children: dict[Node, list[Node]] = field(default_factory=dict)
-    parents: dict[Node, list[Node]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        todo = list(dict.fromkeys(self.roots))
-        for node in todo:
-            self.children[node] = []
-        while todo:
-            node = todo.pop()
-            for child, _ in node.next_functions:
-                if child is None:
-                    continue
-                if child not in self.children:
-                    self.children[child] = []
-                    todo.append(child)
-                self.children[node].append(child)
-                self.parents.setdefault(child, []).append(node)
-
-    @property
-    def nodes(self) -> set[Node]:
-        return set(self.children)
-
-    def reaching(self, targets: Iterable[Node], within: set[Node] | None = None) -> set[Node]:
-        """The nodes (of `within`) from which one of `targets` is reachable, targets included."""
-        return _closure(targets, self.parents, within)
-
-    def reached(self, starts: Iterable[Node], within: set[Node]) -> set[Node]:
-        """The nodes of `within` reachable from `starts`, starts included."""
-        return _closure(starts, self.children, within)
-
-
-def _closure(starts: Iterable[Node], edges: dict[Node, list[Node]],
-             within: set[Node] | None) -> set[Node]:
-    seen = set(starts)
-    todo = list(seen)
-    while todo:
-        for nxt in edges.get(todo.pop(), ()):
-            if nxt not in seen and (within is None or nxt in within):
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
-
-
-def _weight_nodes(graph: _Graph, leaf_nodes: set[Node],
-                  weights: Sequence[torch.Tensor] | None) -> list[Node]:
-    """The AccumulateGrad nodes of the graph that W serves."""
-    if weights is not None:
-        nodes = [get_gradient_edge(w).node for w in weights if w.requires_grad]
-        return [n for n in dict.fromkeys(nodes) if n in graph.children and n not in leaf_nodes]
-    return [n for n, kids in graph.children.items()
-            if not kids and n not in leaf_nodes and n.name() == _ACCUMULATE]
-
-
-def _plan(roots: set[Node], graph: _Graph, closure: set[Node],
-          weights: list[Node]) -> list[_Call] | None:
-    """W's autograd calls, or None when an output outside the closure reaches a weight."""
-    groups = _UnionFind(weights)
-    region: dict[Node, Node] = {}  # node of R -> a weight it leads to
-    first: dict[Node, Node] = {}  # intermediate -> a weight it leads to
-    for weight in weights:
-        region[weight] = weight
-        todo = [weight]
-        while todo:
-            node = todo.pop()
-            if node in roots:
-                return None
-            for parent in graph.parents.get(node, ()):
-                if parent in closure:
-                    groups.union(first.setdefault(parent, weight), weight)
-                elif parent in region:
-                    groups.union(region[parent], weight)
-                else:
-                    region[parent] = weight
-                    todo.append(parent)
-    members: dict[Node, _Call] = {}
-    for weight in weights:
-        members.setdefault(groups.find(weight), _Call([], [])).weights.append(weight)
-    for node, weight in first.items():
-        members[groups.find(weight)].intermediates.append(node)
-    calls = list(members.values())
-    return _join_crossed(calls, graph, closure)
-
-
-def _join_crossed(calls: list[_Call], graph: _Graph, closure: set[Node]) -> list[_Call]:
-    """Merges the calls whose intermediates a path through the closure joins (see the module
-    docstring), so that no two calls run the same node."""
-    index = {node: k for k, call in enumerate(calls) for node in call.intermediates}
-    below: dict[Node, int] = {}  # bit k: an intermediate of call k lies strictly below
-    crossed: set[int] = set()
-    for node in _children_first(graph, closure):
-        bits = 0
-        for child in graph.children[node]:
-            if child in closure:
-                bits |= below[child] | (1 << index[child] if child in index else 0)
-        below[node] = bits
-        if node in index and bits >> index[node] & 1:
-            crossed.add(index[node])
-    if not crossed:
-        return calls
-    joined = [node for k in crossed for node in calls[k].intermediates]
-    path = graph.reached(joined, closure) & graph.reaching(joined, closure)
-    merged = crossed | {index[node] for node in path if node in index}
-    call = _Call([n for k in sorted(merged) for n in calls[k].intermediates],
-                 [w for k in sorted(merged) for w in calls[k].weights])
-    return [call] + [c for k, c in enumerate(calls) if k not in merged]
-
-
-def _children_first(graph: _Graph, within: set[Node]) -> list[Node]:
-    """The nodes of `within` in an order that puts every node after its children."""
-    order: list[Node] = []
-    done: set[Node] = set()
-    for start in within:
-        if start in done:
-            continue
-        done.add(start)
-        stack = [(start, iter(graph.children[start]))]
-        while stack:
-            node, rest = stack[-1]
-            for child in rest:
-                if child in within and child not in done:
-                    done.add(child)
-                    stack.append((child, iter(graph.children[child])))
-                    break
-            else:
-                stack.pop()
-                order.append(node)
-    return order
-
-
-class _UnionFind:
-    def __init__(self, items: Iterable[Node]) -> None:
-        self.parent = {item: item for item in items}
-
-    def find(self, item: Node) -> Node:
-        root = item
-        while self.parent[root] is not root:
-            root = self.parent[root]
-        while self.parent[item] is not root:
-            self.parent[item], item = root, self.parent[item]
-        return root
-
-    def union(self, a: Node, b: Node) -> None:
-        self.parent[self.find(a)] = self.find(b)
+def _inputs(node: Node) -> int | None:
+    """How many gradients enter `node` (one per output of the forward op that made it), where
+    this torch says it; else a prehook keeps what enters."""
+    metadata = getattr(node, "_input_metadata", None)  # untyped
+    return len(metadata) if metadata is not None else None
 
 
 def _variable(node: Node) -> torch.Tensor:
@@ -345,9 +276,9 @@ def _variable(node: Node) -> torch.Tensor:
     return variable
 
 
-def _keeper(kept: dict[Node, Grads], node: Node) -> Callable[[Grads], None]:
+def _keeper(kept: dict[int, Grads], slot: int) -> Callable[[Grads], None]:
     def keep(grads: Grads) -> None:
-        kept[node] = grads
+        kept[slot] = grads
 
     return keep
 

@@ -1,0 +1,226 @@
+"""`python -m fxpipe.tools.split_cost`: what the split backward costs against a plain backward.
+
+Two measurements, each interleaving its variants step by step and repeating them, in CPU
+seconds (time.process_time, one thread), with autograd engine calls and Python calls counted:
+
+* `stage`: one micro-batch of the bench GPT's last stage (4 blocks, the final norm, the head
+  and the loss, received activations that require grad): a plain backward against I + W, with
+  the stage's plan read once as the executor keeps it.
+* `ranks`: the tiny GPT (fxpipe.models.gpt defaults, batch 16) on 2 gloo ranks x 8 micro-batches,
+  1F1B against ZB-H1 (remat "never" unless --remat says otherwise); each rank reports its CPU
+  time (waits for messages included) and engine calls per step.
+
+`--also FILE` races another implementation of `input_backward` (a module file with the same
+function, e.g. an earlier version of fxpipe/runtime/execution/split_backward.py) beside the current
+one.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fxpipe
+from fxpipe.models import gpt
+from fxpipe.runtime.communication import dist_comm
+from fxpipe.runtime.execution import split_backward
+from fxpipe.testing.engine_calls import EngineCalls
+
+__all__ = ["main"]
+
+Split = Callable[..., Any]
+
+
+def _load(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("split_backward_also", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--also {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _variants(also: str | None) -> dict[str, Split | None]:
+    """name -> input_backward (None: a plain backward)."""
+    found: dict[str, Split | None] = {"split": split_backward.input_backward}
+    if also:
+        other = _load(also).input_backward
+
+        def without_plans(outputs: Any, grads: Any, leaves: Any, weights: Any = None,
+                          plans: Any = None) -> Any:
+            return other(outputs, grads, leaves, weights)
+
+        found["also"] = without_plans
+    return found
+
+
+def _summary(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    median = statistics.median(values)
+    return f"median {median * 1e3:7.2f} ms [IQR {q[0] * 1e3:.2f}-{q[2] * 1e3:.2f}]"
+
+
+class _LastStage(nn.Module):
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        half = len(model.blocks) // 2
+        self.blocks = nn.Sequential(*model.blocks[half:])
+        self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.ln_f(self.blocks(x)))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def measure_stage(repeats: int, also: str | None) -> None:
+    """Plain backward against I + W on the bench GPT's last stage, one micro-batch (see the module
+    docstring)."""
+    from fxpipe.tools.bench import BENCH_GPT
+    settings: dict[str, Any] = {**BENCH_GPT, "batch": int(BENCH_GPT["batch"]) // 8}  # of 8
+    model, (idx,) = gpt.build(**settings)
+    stage = _LastStage(model)
+    x = torch.randn(idx.shape[0], idx.shape[1], int(settings["d_model"]))
+    target = gpt.target((idx,), vocab_size=int(settings["vocab_size"]))
+    weights = [p for p in stage.parameters() if p.requires_grad]
+    variants: dict[str, Split | None] = {"plain": None, **_variants(also)}
+    plans: dict[str, Any] = {name: {} for name in variants}
+
+    def once(name: str) -> tuple[float, float, int]:
+        split = variants[name]
+        leaf = x.clone().requires_grad_()
+        loss = stage(leaf, target)
+        with EngineCalls() as calls:
+            start = time.process_time()
+            if split is None:
+                loss.backward()
+                forward_done = time.process_time()
+            else:
+                _, weight_pass = split([loss], [None], [leaf], weights, plans[name])
+                forward_done = time.process_time()
+                weight_pass.run(weights)
+            end = time.process_time()
+        return end - start, forward_done - start, calls.count
+
+    for name in variants:  # warm up, and read each split's plan
+        for _ in range(3):
+            once(name)
+    times: dict[str, list[float]] = {n: [] for n in variants}
+    inputs: dict[str, list[float]] = {n: [] for n in variants}
+    engine: dict[str, int] = {}
+    order = list(variants)
+    for r in range(repeats):
+        for name in order[r % len(order):] + order[:r % len(order)]:  # rotated each round
+            total, first, calls = once(name)
+            times[name].append(total)
+            inputs[name].append(first)
+            engine[name] = calls
+    plain = statistics.median(times["plain"])
+    print(f"stage: bench GPT last stage, one micro-batch {tuple(x.shape)}, {repeats} rounds, "
+          f"CPU time per micro-batch")
+    for name in variants:
+        ratios = sorted(t / p for t, p in zip(times[name], times["plain"]))
+        q = statistics.quantiles(ratios, n=4)
+        first = statistics.median(inputs[name])
+        print(f"  {name:6s} {_summary(times[name])}  I part {first * 1e3:7.2f} ms"
+              f"  engine calls {engine[name]:3d}  / plain: median {statistics.median(ratios):.3f} "
+              f"[IQR {q[0]:.3f}-{q[2]:.3f}] (medians {statistics.median(times[name]) / plain:.3f})")
+
+
+def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, remat: str,
+          out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        splits = _variants(also)
+        programs: dict[str, Any] = {}
+        model, (idx,) = gpt.build(batch=16, dropout=0.0)
+        y = gpt.target((idx,))
+        for schedule in ("1f1b", "zb-h1"):
+            programs[schedule] = fxpipe.compile(model, (idx,), stages=world, chunks=8,
+                                                profile="a100", schedule=schedule, remat=remat)
+        variants = [("1f1b", "split")] + [("zb-h1", name) for name in splits]
+        cpu: dict[str, list[float]] = {}
+        engine: dict[str, list[int]] = {}
+        for r in range(repeats + 2):
+            for schedule, name in variants[r % len(variants):] + variants[:r % len(variants)]:
+                setattr(dist_comm, "input_backward", splits[name])  # noqa: B010 (the variant)
+                program = programs[schedule]
+                program.zero_grad()
+                with EngineCalls() as calls:
+                    start = time.process_time()
+                    program.step(idx, target=y)
+                    used = time.process_time() - start
+                if r >= 2:  # after two warm-up rounds
+                    label = schedule if schedule == "1f1b" else f"{schedule} {name}"
+                    cpu.setdefault(label, []).append(used)
+                    engine.setdefault(label, []).append(calls.count)
+        out.put((rank, cpu, engine))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_ranks(repeats: int, also: str | None, remat: str) -> None:
+    """1F1B against ZB-H1 on 2 ranks, per step, on the last stage's rank (module docstring)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, repeats, also, remat, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, cpu, engine = out.get(timeout=1800)
+        results[rank] = (cpu, engine)
+    for p in procs:
+        p.join()
+    print(f"ranks: tiny GPT, 2 ranks x 8 micro-batches, remat={remat}, {repeats} steps per "
+          f"variant, interleaved; CPU time per step (waits included)")
+    for rank in sorted(results):
+        cpu, engine = results[rank]
+        base = statistics.median(cpu["1f1b"])
+        for label in cpu:
+            print(f"  rank {rank} {label:14s} {_summary(cpu[label])}  x1F1B "
+                  f"{statistics.median(cpu[label]) / base:.2f}  engine calls per step "
+                  f"{statistics.median(engine[label]):.0f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fxpipe.tools.split_cost",
+                                     description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("what", nargs="*", help="stage, ranks or both (the default)")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--also", help="another split_backward.py to race beside this one")
+    parser.add_argument("--remat", default="never",
+                        help="the ranks' remat (under remat W recomputes a region once more)")
+    ns = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    what = ns.what or ["stage", "ranks"]
+    if set(what) - {"stage", "ranks"}:
+        parser.error(f"what to measure is 'stage' or 'ranks', got {' '.join(what)}")
+    if "stage" in what:
+        measure_stage(ns.repeats, ns.also)
+    if "ranks" in what:
+        measure_ranks(ns.repeats, ns.also, ns.remat)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

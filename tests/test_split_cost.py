@@ -1,0 +1,16 @@
+"""`python -m fxpipe.tools.split_cost stage`: runs, and counts the engine calls a split backward
+of the bench GPT's last stage makes (one for I, one per weight group for W)."""
+from __future__ import annotations
+
+import re
+
+from fxpipe.tools.split_cost import main
+
+
+def test_the_stage_measurement_counts_one_call_for_i_and_one_per_weight_group(capsys) -> None:
+    assert main(["stage", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    calls = {m.group(1): int(m.group(2))
+             for m in re.finditer(r"^\s+(\w+) .*engine calls\s+(\d+)", out, re.MULTILINE)}
+    # 4 blocks x (2 norms, qkv, projection, 2 MLP layers) + final norm + head, and I
+    assert calls == {"plain": 1, "split": 1 + 4 * 6 + 2}
