@@ -29,6 +29,7 @@ from typing import Any
 import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fxpipe import ir
 from fxpipe.errors import SplitError
@@ -281,7 +282,9 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
             builder.graph.output(None)
         recvs = _mark_written_recvs(builder.graph, builder.recvs)
         root = {t: _attr(gm, t) for t in builder.attrs}
-        stage_gm = GraphModule(root, builder.graph, class_name=f"Stage{s}")
+        # its Python code is generated when first called or read (fxpipe.codegen writes the
+        # stage's own): at 128 stages, generating and compiling each at once took seconds
+        stage_gm = _LazyGraphModule(root, builder.graph, class_name=f"Stage{s}")
         names = gm.meta.get(ir.QUALNAMES, {})
         stage_gm.meta[ir.QUALNAMES] = {t: names[t] for t in builder.attrs if t in names}
         stages.append(StageGraph(s, stage_gm, tuple(builder.inputs), recvs,
