@@ -44,7 +44,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     stages_per_rank: int | None = None,
     optimizer: Any = "adam",
     master_weights: bool = False,
-    stamp: bool = False,
+    stamp: bool = True,
     shard: str = "none",
     replicas: int | None = None,
 ) -> Program:
@@ -123,8 +123,9 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             state, 1/R of each on each). The memory model charges each rank its share.
         replicas: the data-parallel replicas the memory model shards over (default: under
             torchrun, the world size over the pipeline ranks; else 1).
-        stamp: trace a run of alike blocks (the layers of a ModuleList: same class, weight
-            shapes and attributes, no hooks) as three and stamp out the others, which makes the
+        stamp: trace each run of alike blocks (the layers of a ModuleList: same class, weight
+            shapes and attributes, no hooks) as three and stamp out the others (on by default;
+            False traces every block), which makes the
             capture of a deep model about as fast as a shallow one's. The graph is the one a
             full capture gives, checked against the whole model; where the blocks differ it
             falls back to the full capture, and the report says why.

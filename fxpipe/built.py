@@ -29,7 +29,12 @@ class Snapshot:
     """The graph after one pass, as fx prints its code (cf. thunder.last_traces)."""
 
     after: str
-    text: str
+    source: str | GraphModule  # the code, or a stage graph (left unchanged) whose code fx
+    # writes when first read: a build of 128 stages need not generate them all
+
+    @property
+    def text(self) -> str:
+        return self.source if isinstance(self.source, str) else self.source.code
 
 
 @dataclass

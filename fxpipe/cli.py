@@ -123,9 +123,10 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                         "optimizer's state (ZeRO-1); the written program honours it")
     p.add_argument("--replicas", type=int, default=None,
                    help="data-parallel replicas the memory model shards over (default: 1)")
-    p.add_argument("--stamp", action="store_true",
-                   help="trace a run of alike blocks (the layers of a ModuleList) once and stamp "
-                        "out the rest; checked against the whole model")
+    p.add_argument("--no-stamp", dest="stamp", action="store_false",
+                   help="trace every block of a run of alike blocks (the layers of a ModuleList) "
+                        "instead of tracing one and stamping out the rest (the default, checked "
+                        "against the whole model)")
 
 
 def _add_optimizer(p: argparse.ArgumentParser) -> None:
@@ -181,8 +182,8 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--optimizer", args.optimizer]
     if args.master_weights:
         words += ["--master-weights"]
-    if args.stamp:
-        words += ["--stamp"]
+    if not args.stamp:
+        words += ["--no-stamp"]
     if args.shard != "none":
         words += ["--shard", args.shard]
     if args.replicas is not None:

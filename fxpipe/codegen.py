@@ -10,6 +10,7 @@ and numbers are written with repr().
 from __future__ import annotations
 
 import builtins
+import functools
 import keyword
 import linecache
 import math
@@ -280,13 +281,25 @@ def _annotation(node: Node) -> str:
     info = node.meta.get(ir.TENSOR)
     if isinstance(info, ir.TensorInfo) or (isinstance(info, tuple) and info and all(
             isinstance(i, ir.TensorInfo) for i in info)):
-        return f': "{ir.format_shape(info)}"'
+        return f': "{_shape_text(info)}"'
     return ""
+
+
+# Stamped blocks (fxpipe.frontend.stamp) share their shapes and stack traces with the block they
+# copy: each distinct one is formatted once, not once per node of 1,000 blocks.
+_shape_text = functools.lru_cache(maxsize=4096)(ir.format_shape)
 
 
 def _where(node: Node) -> str | None:
     """The user's source line the node came from, as a comment that fits the width."""
-    line = source.from_stack_trace(node.meta.get("stack_trace"))
+    return _source_comment(node.meta.get("stack_trace"), len(sys.modules))
+
+
+@functools.lru_cache(maxsize=4096)
+def _source_comment(stack_trace: str | None, _modules: int) -> str | None:
+    """Keyed on the number of modules too: source.display_path's answer may change with an
+    import (a file imported under a more qualified name)."""
+    line = source.from_stack_trace(stack_trace)
     return _comment(str(line)) if line else None
 
 

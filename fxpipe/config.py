@@ -43,7 +43,7 @@ class CompileConfig:
     batch_dims: tuple[int | None, ...] | None = None  # per tensor input; None: inferred
     stages_per_rank: int | None = None  # None: the schedule's (2 for the looped ones, else 1)
     optimizer: OptimizerMemory = ADAM  # what training holds per parameter (fxpipe.optimizers)
-    stamp: bool = False  # repeated blocks traced once, the rest stamped (fxpipe.frontend.stamp)
+    stamp: bool = True  # repeated blocks traced once, the rest stamped (fxpipe.frontend.stamp)
     shard: str = "none"  # what data-parallel replicas split (fxpipe.choices.SHARD_MODES)
     replicas: int | None = None  # replicas the memory model shards over; None: from torchrun
 

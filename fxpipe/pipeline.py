@@ -170,7 +170,8 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
                                  memory_limit=share,
                                  fixed_bytes=_fixed_bytes(g, config.optimizer))
             ir.verify(g.graph_module, after="remat")
-        _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module)
+        _snapshot(history, f"split_stages + mark_remat: stage {g.index}", g.graph_module,
+                  lazy=True)
         ran = (*(name for name in timings if name != "codegen"), "codegen")
         with _timed(timings, cpu, "codegen"):
             stages.append(_generate(g, regions, plan, config, model_name, gm, shared, ran))
@@ -204,8 +205,9 @@ def _measure_where_stages_run(gm: GraphModule, flat: list[torch.Tensor], device:
         node.meta[ir.TIME] = times[node.name]
 
 
-def _snapshot(history: list[Snapshot], after: str, gm: GraphModule) -> None:
-    history.append(Snapshot(after, gm.code))  # fx wrote it at recompile: no extra work
+def _snapshot(history: list[Snapshot], after: str, gm: GraphModule, lazy: bool = False) -> None:
+    """`lazy`: the graph is not changed afterwards, so its code can be read when asked for."""
+    history.append(Snapshot(after, gm if lazy else gm.code))
     level = _debug_level()
     if level:
         print(f"[fxpipe] {after}: {len(gm.graph.nodes)} nodes")

@@ -218,15 +218,26 @@ class Report:
     remat: RematPolicy = RematPolicy.NEVER
     optimizer: str = ADAM.describe()  # what each stage's memory counts per parameter
     stamping: str | None = None  # capture(stamp=True): the blocks stamped, or why none
+    # (schedule, ranks) -> predicted_step of the plan: a simulation of every action of a step
+    # (128 stages x 32 micro-batches: 8k actions), asked for by summary(), text() and json_text()
+    _steps: dict[tuple[str, int], tuple[float, float]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def ranks(self) -> int:
         return len(self.plan.stages) // self.stages_per_rank
 
+    def step(self, schedule: ScheduleKind, ranks: int) -> tuple[float, float]:
+        """(step time, bubble) of the plan under `schedule` on `ranks` ranks, simulated once."""
+        key = (schedule.name, ranks)
+        if key not in self._steps:
+            self._steps[key] = predicted_step(self.plan, schedule, ranks)
+        return self._steps[key]
+
     def summary(self) -> dict[str, Any]:
         plan = self.plan
         k, m = len(plan.stages), plan.chunks
-        step, simulated_bubble = predicted_step(plan, self.schedule, self.ranks)
+        step, simulated_bubble = self.step(self.schedule, self.ranks)
         return {
             "stages": k, "ranks": self.ranks, "stages_per_rank": self.stages_per_rank,
             "chunks": m, "microbatch_size": plan.microbatch_size,
@@ -244,7 +255,7 @@ class Report:
             "schedules": [{"schedule": kind.name, "ranks": r, "step_time_s": t, "bubble": b,
                            "kept_bytes": self.kept(kind, r)}
                           for kind, r in self._layouts()
-                          for t, b in [predicted_step(plan, kind, r)]],
+                          for t, b in [self.step(kind, r)]],
         }
 
     def kept(self, schedule: ScheduleKind, ranks: int) -> float:

@@ -46,16 +46,25 @@ def _is_library(path: str) -> bool:
     return "<" in path  # <string>, <eval_with_key>, <frozen ...>
 
 
-@functools.lru_cache(maxsize=4096)
 def display_path(path: str) -> str:
-    """A path that does not depend on where things are installed: module path if importable."""
-    absolute = os.path.abspath(path)
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if file and os.path.abspath(file) == absolute and not name.startswith("__"):
-            parts = name.split(".")
-            stem = "__init__.py" if absolute.endswith("__init__.py") else None
-            return "/".join(parts) + ("/" + stem if stem else ".py")
+    """A path that does not depend on where things are installed: module path if importable.
+
+    A file imported under two names (the bundled models are `fxpipe.models.gpt`, and `models.gpt`
+    where the repository root is on sys.path) takes its most qualified one, whichever was
+    imported first; the answer is cached per state of sys.modules, so an import between two
+    calls is seen."""
+    return _display_path(os.path.abspath(path), len(sys.modules))
+
+
+@functools.lru_cache(maxsize=4096)
+def _display_path(absolute: str, _modules: int) -> str:
+    names = [name for name, module in list(sys.modules.items())
+             if not name.startswith("__") and (file := getattr(module, "__file__", None))
+             and os.path.abspath(file) == absolute]
+    if names:
+        name = max(names, key=lambda n: (n.count("."), n))
+        stem = "__init__.py" if absolute.endswith("__init__.py") else None
+        return "/".join(name.split(".")) + ("/" + stem if stem else ".py")
     try:
         rel = os.path.relpath(absolute)
         if not rel.startswith(".."):
@@ -65,9 +74,13 @@ def display_path(path: str) -> str:
     return os.path.basename(absolute)
 
 
-@functools.lru_cache(maxsize=65536)
 def from_stack_trace(stack_trace: str | None) -> SourceLine | None:
     """The innermost user frame of an fx `stack_trace` string (outermost frame first)."""
+    return _from_stack_trace(stack_trace, len(sys.modules))
+
+
+@functools.lru_cache(maxsize=65536)
+def _from_stack_trace(stack_trace: str | None, _modules: int) -> SourceLine | None:
     if not stack_trace:
         return None
     frames = [m.groupdict() for m in _FRAME.finditer(stack_trace)]

@@ -186,7 +186,11 @@ def _program_code(built: Built, files: ProgramFiles, target: str) -> ProgramCode
     modules = list(signature_to_json(built.signature)["pytree_modules"])
     imported = [files.loss.partition(":")[0]] if ":" in files.loss else []
     for st in built.stages:
-        for node in ast.walk(ast.parse(st.source)):
+        # fxpipe.codegen writes each import as one top-level line: parsing those lines alone
+        # finds them all, without parsing (and walking) stages of thousands of statements
+        lines = "\n".join(line for line in st.source.splitlines()
+                          if line.startswith(("import ", "from ")))
+        for node in ast.walk(ast.parse(lines)):
             if isinstance(node, ast.Import):
                 imported += [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:

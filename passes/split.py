@@ -29,6 +29,7 @@ from typing import Any
 import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fxpipe import ir
 from fxpipe.errors import SplitError
@@ -242,13 +243,22 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
     consumers = _consumers(gm, num_stages)
     memo: dict[Node, bool] = {}
     last_random = _last_random_stage(compute)
+    position = {n: i for i, n in enumerate(nodes)}
+    by_stage: list[list[Node]] = [[] for _ in range(num_stages)]
+    for n in compute:  # one pass, not one per stage: 50k nodes x 512 stages would be quadratic
+        stage = _stage_of(n)
+        if stage is None or not 0 <= stage < num_stages:
+            raise SplitError(f"{n.name} is in stage {stage}, not one of 0..{num_stages - 1}",
+                             hint="split with the number of stages the partition made")
+        by_stage[stage].append(n)
     stages = []
     for s in range(num_stages):
         builder = _StageBuilder(gm, s, num_stages)
-        own = [n for n in compute if _stage_of(n) == s]
+        own = by_stage[s]
         readers = own + ([output] if builder.last else [])
         direct = {a for n in readers for a in n.all_input_nodes}
-        foreign = [a for a in nodes if a in direct and _stage_of(a) not in (None, s)]
+        foreign = sorted((a for a in direct if _stage_of(a) not in (None, s)),
+                         key=position.__getitem__)
         needed_inputs = {a for a in direct if a.op == "placeholder"}
         needed_inputs |= _closure_inputs([a for a in foreign if not _needs_recv(a, s, memo)], memo)
         builder.add_inputs(placeholders, needed_inputs)
@@ -272,7 +282,9 @@ def split_stages(gm: GraphModule, num_stages: int) -> list[StageGraph]:
             builder.graph.output(None)
         recvs = _mark_written_recvs(builder.graph, builder.recvs)
         root = {t: _attr(gm, t) for t in builder.attrs}
-        stage_gm = GraphModule(root, builder.graph, class_name=f"Stage{s}")
+        # its Python code is generated when first called or read (fxpipe.codegen writes the
+        # stage's own): at 128 stages, generating and compiling each at once took seconds
+        stage_gm = _LazyGraphModule(root, builder.graph, class_name=f"Stage{s}")
         names = gm.meta.get(ir.QUALNAMES, {})
         stage_gm.meta[ir.QUALNAMES] = {t: names[t] for t in builder.attrs if t in names}
         stages.append(StageGraph(s, stage_gm, tuple(builder.inputs), recvs,

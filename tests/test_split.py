@@ -342,3 +342,18 @@ def test_split_stages_leaves_the_input_graph_untouched():
     assert gm.code == before_code
     assert {n.name: dict(n.meta) for n in gm.graph.nodes} == before_meta
     gm.graph.lint()
+
+
+def test_stage_graphs_write_their_code_when_read_and_the_history_shows_it() -> None:
+    """Stage modules generate their Python code lazily (128 stages need not all be compiled at
+    once); called or read, they are the GraphModules fx makes, and the build's history shows
+    each stage's code."""
+    model, inputs, kwargs = load_model("mlp")
+    program = fxpipe.compile(model, inputs, example_kwargs=kwargs, stages=2, chunks=2,
+                             profile="a100")
+    stages = [s for s in program.history if s.after.startswith("split_stages")]
+    assert [s.after for s in stages] == [f"split_stages + mark_remat: stage {i}" for i in (0, 1)]
+    for snapshot, stage in zip(stages, program.built.stages):
+        assert isinstance(stage.graph_module, GraphModule)
+        assert "def forward(self, comm" in snapshot.text
+        assert snapshot.text == stage.graph_module.code

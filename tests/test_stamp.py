@@ -379,6 +379,8 @@ def test_a_model_of_hundreds_of_layers_on_meta_is_stamped_and_pipelined() -> Non
                              profile="h100", stamp=True)
     info = program.built.capture_info
     assert info.stamped == layers - 3, info.stamp_note
+    # never run whole: the stamped graph's shape propagation stands for the 300 layers
+    assert "derived from the stamped graph" in info.checked, info.checked
     assert len(program.built.stages) == stages
     names = set(model.state_dict())
     weights = {n for n, _ in model.named_parameters()}  # lm_head.weight is wte.weight, tied
@@ -415,23 +417,25 @@ def test_modules_held_in_a_plain_attribute_compare_by_class_and_layout() -> None
     assert isinstance(differ, str) and "_kernel_funcs" in differ and "block 3" in differ
 
 
-def test_a_stamped_meta_model_runs_whole_once() -> None:
-    # Whole: the eager run on the example batch (its output structure and the shape check's
-    # reference), plus for fx one propagation of the stamped graph's shapes. Cut to three blocks:
-    # the example batch (to see that it has the whole model's output shapes), its half (the
+def test_a_stamped_meta_model_never_runs_whole() -> None:
+    # Whole: for fx one propagation of the stamped graph's shapes (the check), nothing for
+    # export. Cut to three blocks: the example batch (the output structure and the shape
+    # check's reference, derived for the whole model from the stamped graph), its half (the
     # batch layout) and export's trace.
     with torch.device("meta"):
         llama = _llama()[0]
         model, inputs = gpt.build(n_layer=7, dropout=0.0, batch=4)
     ids = torch.zeros(4, 16, dtype=torch.long)
-    cases = [(llama.eval(), (ids,), {"use_cache": False}, "export", 1, 3),
-             (model.eval(), inputs, {}, "fx", 2, 2)]
+    cases = [(llama.eval(), (ids,), {"use_cache": False}, "export", 0, 3),
+             (model.eval(), inputs, {}, "fx", 1, 2)]
     for net, inputs, kwargs, method, whole, cut in cases:
         full = capture(net, inputs, kwargs, check="shapes", inline_modules=True)
         stamped = capture(net, inputs, kwargs, check="shapes", inline_modules=True, stamp=True)
         info = stamped.meta[ir.CAPTURE]
         assert info.method == method and info.stamped == 4, info.stamp_note
         assert (info.fake_runs, info.cut_runs) == (whole, cut)
+        assert "derived from the stamped graph" in info.checked
+        assert "derived" not in full.meta[ir.CAPTURE].checked
         assert full.meta[ir.CAPTURE].cut_runs == 0
         assert full.meta[ir.CAPTURE].fake_runs > whole
         assert info.signature.input_batch_dims == full.meta[ir.CAPTURE].signature.input_batch_dims
@@ -460,5 +464,10 @@ def test_a_meta_model_whose_outputs_grow_with_its_blocks_is_laid_out_whole() -> 
     gm = capture(net, (x,), check="shapes", inline_modules=True, stamp=True)
     info = gm.meta[ir.CAPTURE]
     assert info.stamped == 0, info.stamp_note
+    # the cut model stood for the whole one only if stamped: here it ran whole after all
+    assert "derived" not in info.checked and info.fake_runs >= 1
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    stacked = fx.node.map_aggregate(output.args[0], lambda a: a)[0]
+    assert stacked.meta[ir.TENSOR].concrete_shape(4) == (4, 6, 8)  # all six blocks' states
     assert info.signature.out_batch_dims == (0,)
     assert tuple(info.signature.out_is_tensor) == (True,)

@@ -5,10 +5,11 @@ and concatenating the results reproduces the whole-batch result. That is what mi
 relies on, so it is checked rather than assumed to be dim 0 (an LSTM with batch_first=False has
 its batch in dim 1; a causal model is not separable along time).
 
-A meta model with a list of alike blocks (fxpipe.frontend.stamp) runs whole once, on the example
-batch; the trials on halves run the model cut to three blocks when that cut model's outputs have
-the whole one's shapes and dtypes on the example batch (on meta, shapes are all there is to
-compare), so that no trial pays for every layer.
+A meta model with a list of alike blocks (fxpipe.frontend.stamp) runs whole at most once, on the
+example batch; the trials on halves run the model cut to three blocks when that cut model's
+outputs have the whole one's shapes and dtypes on the example batch (on meta, shapes are all
+there is to compare), so that no trial pays for every layer. With `derive`, the example batch
+runs cut too, and capture derives the whole model's outputs from the stamped graph.
 """
 from __future__ import annotations
 
@@ -116,19 +117,22 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                        leaves: Sequence[Any],
                        batch_dims: Sequence[int | None] | None,
                        before: StateSnapshot | None = None,
-                       cut: Callable[[], AbstractContextManager[None]] | None = None
-                       ) -> BatchLayout:
+                       cut: Callable[[], AbstractContextManager[None]] | None = None,
+                       derive: bool = False) -> BatchLayout:
     """Finds (or checks the given) batch dims; runs the model in eval mode, without grad.
 
     The first run, in the model's own mode, is checked against `before` (state and inputs
     written in place are refused: fxpipe.frontend.mutation). The caller restores the model's
     training flags and buffers afterwards. `cut`, for a model on meta: a context in which the
-    model is cut short, for the trial runs (see the module's docstring).
+    model is cut short, for the trial runs (see the module's docstring); with `derive`, every
+    run is of the cut model, the example batch's too: the whole model's outputs are then derived
+    from the stamped graph, which the caller must check (fxpipe.frontend.capture).
     """
     tensors = [x for x in leaves if is_tensor(x)]
     training = model.training
     any_training = any(m.training for m in model.modules())
-    with torch.no_grad(), seeded(0):
+    whole: Callable[[], AbstractContextManager[None]] = cut if derive and cut else nullcontext
+    with torch.no_grad(), seeded(0), whole():
         out = model(*args, **kwargs)
     if before is not None:
         check_unchanged(model, before)
@@ -143,9 +147,11 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
     try:
         with torch.no_grad():
             # In eval mode the seeded run above is already the eval-mode result.
-            full = out_leaves if not any_training else \
-                pytree.tree_leaves(model(*args, **kwargs))
-            trials, trial_full = _trial_model(model, args, kwargs, full, cut)
+            with whole():
+                full = out_leaves if not any_training else \
+                    pytree.tree_leaves(model(*args, **kwargs))
+            trials, trial_full = (whole, full) if whole is not nullcontext else \
+                _trial_model(model, args, kwargs, full, cut)
             for dims in candidates:
                 tried.append(dims)
                 with trials():

@@ -37,7 +37,7 @@ from fxpipe.frontend.meta import (
     validate_check,
 )
 from fxpipe.frontend.mutation import StateSnapshot, restore_values, snapshot_state
-from fxpipe.frontend.stamp import Stamper
+from fxpipe.frontend.stamp import UNCOMPILED, Stamper
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
@@ -174,39 +174,89 @@ def capture(
     meta = check is not None  # every run of the model is on fake tensors
     stamper = Stamper(model) if stamp else None
     runs = _Runs(stamper=stamper)
-    # a meta model's trial batches run on the model cut to three blocks (fxpipe.frontend.batching)
-    cut = stamper.cut if stamper is not None and stamper.runs and meta else None
+    # A meta model with lists of alike blocks runs cut to three blocks a list only: the whole
+    # model's outputs are derived from the stamped graph (see _derived_capture).
     with preserved_state(model, before), runs.calls(model, meta):
-        with eager_runs(model):
-            try:
-                layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims, before, cut)
-            except CaptureError:
-                raise
-            except Exception as error:  # noqa: BLE001 - the first run: on meta, what needs data
-                if not meta:
-                    raise
-                raise meta_run_error(model, error) from error
-        signature = _signature(leaves, in_spec, names, layout)
-        if stamper is not None:
-            stamper.outputs = len(signature.out_is_tensor)
-        layout_s = lap()
-        gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
-                                         leaf_modules, inline_modules, args, kwargs, runs,
-                                         stamper)
+        found = _derived_capture(method, model, args, kwargs, leaves, in_spec, names, tensors,
+                                 batch_dims, before, leaf_modules, inline_modules, runs,
+                                 stamper, lap) \
+            if stamper is not None and stamper.runs and meta else None
+        if found is None:
+            cut = stamper.cut if stamper is not None and stamper.runs and meta else None
+            layout, signature, layout_s = _laid_out(model, args, kwargs, leaves, in_spec, names,
+                                                    batch_dims, before, cut, False, stamper, lap)
+            gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
+                                             leaf_modules, inline_modules, args, kwargs, runs,
+                                             stamper)
+        else:
+            layout, signature, layout_s, gm, used, reason = found
         regions.inline_regions(gm)  # no_grad / autocast regions: marked operations
         front_s = lap()
         _annotate_shapes(gm, used, tensors, signature, runs)
     name_nodes_after_modules(gm)
     gm.meta.setdefault(ir.QUALNAMES, {})
     phases = (("batch_layout", layout_s), (f"{used}+check", front_s), ("shapes", lap()))
+    checked = check_name(check) + (_DERIVED if found is not None else "")
     gm.meta[ir.CAPTURE] = CaptureInfo(used, method, reason, model.training, signature,
                                       layout.batch_size, inline_modules,
                                       tuple((k, wall) for k, (wall, _) in phases),
-                                      check_name(check), runs.fake,
+                                      checked, runs.fake,
                                       tuple((k, cpu) for k, (_, cpu) in phases),
                                       stamper.stamped if stamper else 0,
                                       stamper.note if stamper else None, runs.cut)
     return gm
+
+
+_DERIVED = ("; the whole model's output shapes derived from the stamped graph, the model run "
+            "cut to three blocks a list")
+
+
+def _laid_out(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs, leaves: Sequence[Any],
+              in_spec: pytree.TreeSpec, names: Sequence[str],
+              batch_dims: Sequence[int | None] | None, before: StateSnapshot,
+              cut: Callable[[], contextlib.AbstractContextManager[None]] | None, derive: bool,
+              stamper: Stamper | None, lap: Callable[[], tuple[float, float]]
+              ) -> tuple[BatchLayout, Signature, tuple[float, float]]:
+    """The batch layout (fxpipe.frontend.batching), the signature, and the seconds they took."""
+    with eager_runs(model):
+        try:
+            layout = infer_batch_layout(model, args, kwargs, leaves, batch_dims, before, cut,
+                                        derive)
+        except CaptureError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the first run: on meta, what needs data
+            if not is_meta_model(model):
+                raise
+            raise meta_run_error(model, error) from error
+    signature = _signature(leaves, in_spec, names, layout)
+    if stamper is not None:
+        stamper.outputs = len(signature.out_is_tensor)
+    return layout, signature, lap()
+
+
+def _derived_capture(method: str, model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
+                     leaves: Sequence[Any], in_spec: pytree.TreeSpec, names: Sequence[str],
+                     tensors: Sequence[torch.Tensor], batch_dims: Sequence[int | None] | None,
+                     before: StateSnapshot, leaf_modules: Sequence[LeafModule], inline: bool,
+                     runs: _Runs, stamper: Stamper, lap: Callable[[], tuple[float, float]]
+                     ) -> tuple[BatchLayout, Signature, tuple[float, float], fx.GraphModule, str,
+                                str | None] | None:
+    """A meta model's capture without running it whole: the layout and the shape check's
+    reference come from the model cut to three blocks a list. The stamped graph holds every
+    block (each a copy of one traced block, which the last block's trace matched), and shape
+    propagation through all of them must give those outputs' shapes; so when every list was
+    stamped, the whole model's output shapes are the cut one's. None when a list was left whole
+    or the capture failed: then the caller lays the whole model out as before."""
+    layout, signature, layout_s = _laid_out(model, args, kwargs, leaves, in_spec, names,
+                                            batch_dims, before, stamper.cut, True, stamper, lap)
+    try:
+        gm, used, reason = _capture_with(method, model, signature, leaves, tensors, layout,
+                                         leaf_modules, inline, args, kwargs, runs, stamper)
+    except CaptureError:
+        return None
+    if not stamper.stamped_every_list:
+        return None
+    return layout, signature, layout_s, gm, used, reason
 
 
 _SHAPED = "fxpipe_shaped_by_check"  # gm.meta: ir.TENSOR written by _check_by_shapes
@@ -443,6 +493,8 @@ def run_flat(gm: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> tuple[Any, 
 def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, signature: Signature,
                         args: ModelArgs, kwargs: ModelKwargs, layout: BatchLayout) -> str | None:
     """None if the graph matches the model on the example batch and on a smaller batch."""
+    if gm.meta.pop(UNCOMPILED, False):
+        gm.recompile()
     known = _known_outputs(model, layout)
     for trial, (batch_args, batch_kwargs) in enumerate(layout.trial_batches(args, kwargs)):
         try:
@@ -549,6 +601,7 @@ def name_nodes_after_modules(gm: fx.GraphModule) -> None:
             better = _derived_name(node, node in prefixed)
             if better is not None and better != node.name:
                 node._rename(better)
+    gm.meta.pop(UNCOMPILED, None)
     gm.recompile()
 
 

@@ -20,6 +20,7 @@ forward branches on its own index in a way the first blocks do not show.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import operator
 import re
@@ -33,12 +34,16 @@ from torch import nn
 
 from fxpipe import ir
 
-__all__ = ["BLOCKS", "BlockRun", "StampedBlocks", "Stamper", "find_blocks", "find_runs",
-           "reduced"]
+__all__ = ["BLOCKS", "UNCOMPILED", "BlockRun", "StampedBlocks", "Stamper", "find_blocks",
+           "find_runs", "reduced"]
 
 BLOCKS = "fxpipe_stamped_blocks"
 """GraphModule.meta key: a tuple of StampedBlocks, one per list, its blocks node for node
 (passes.cost hands the costs of one block over to its copies)."""
+
+UNCOMPILED = "fxpipe_stamped_uncompiled"
+"""GraphModule.meta key: the graph was stamped and its code not generated yet (recompile() before
+calling the module)."""
 
 MIN_BLOCKS = 4  # three are traced; below four nothing is left to stamp
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -236,9 +241,17 @@ class Stamper:
         self.outputs = outputs  # tensor and constant leaves of the model's output (set later)
         found = find_runs(model)
         self.runs: list[BlockRun] = found if isinstance(found, list) else []
+        self.found = len(self.runs)
         self.stamped = 0
         self.note = "" if self.runs else f"not stamped: {found}"
         self.cutting = False  # the model is cut to three blocks a list now
+        self.refused: list[str] = []  # why lists were left whole, kept across captures
+
+    @property
+    def stamped_every_list(self) -> bool:
+        """Whether every list found was stamped: then the model cut to three blocks a list,
+        with the stamped graph, stands for the whole model (fxpipe.frontend.capture)."""
+        return self.stamped > 0 and len(self.runs) == self.found
 
     @contextlib.contextmanager
     def cut(self) -> Iterator[None]:
@@ -258,7 +271,7 @@ class Stamper:
         traced again without it), and the model is traced whole when none is left."""
         if not self.runs:
             return front()
-        refused: list[str] = []
+        refused = self.refused
         while self.runs:
             try:
                 with self.cut():
@@ -362,7 +375,9 @@ def stamp(gm: fx.GraphModule, run: BlockRun, model: nn.Module, outputs: int) -> 
     _bind(gm, model, run, template)
     gm.meta[BLOCKS] = (*gm.meta.get(BLOCKS, ()), StampedBlocks(run.path, tuple(aligned)))
     graph.lint()
-    gm.recompile()
+    # Not recompiled here: generating the code of 50k nodes takes seconds, and capture names
+    # the nodes afterwards and recompiles then; what calls the module first recompiles it.
+    gm.meta[UNCOMPILED] = True
     return gm
 
 
@@ -476,7 +491,13 @@ def _same_value(a: fx.Node, b: fx.Node) -> bool:
 
 
 def _renamed(text: str, path: str, k: int) -> str:
-    return re.sub(rf"(?<![A-Za-z0-9]){re.escape(path)}\.2(?=$|\.)", f"{path}.{k}", text)
+    return _block_two(path).sub(lambda _: f"{path}.{k}", text)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_two(path: str) -> re.Pattern[str]:
+    """`path.2` as a whole name part (compiled once: it renames every node of every copy)."""
+    return re.compile(rf"(?<![A-Za-z0-9]){re.escape(path)}\.2(?=$|\.)")
 
 
 def _copy_name(node: fx.Node, path: str, k: int) -> str:
