@@ -357,6 +357,20 @@ def test_simulate_gpipe_makespan_is_dominated_by_the_slowest_stage(num_microbatc
     assert makespan >= equal
 
 
+def test_simulate_refuses_a_schedule_that_waits_forever_and_names_the_stuck_actions():
+    # stage 0 runs B0 before F0 could ever reach stage 1; stage 1 waits for that F0
+    with pytest.raises(ConfigError, match="deadlocks on the given edges"):
+        simulate(parse(["B0 F0", "F0 B0"]), forward_time=[1, 1], backward_time=[2, 2])
+
+
+def test_simulate_places_every_action_whatever_order_the_ranks_unblock_in():
+    # stage 0 finishes long before stage 1 and 2 can start their backwards: each rank is
+    # woken by the action it waits on, and the times are those of the dependencies
+    events, makespan = simulate(gpipe(3, 3), forward_time=[1, 5, 1], backward_time=[1, 1, 9])
+    assert len([e for e in events if e.kind != "send"]) == 3 * 3 * 2
+    assert makespan == pytest.approx(1 + 5 * 3 + 1 + 9 * 3 + 1 + 1)
+
+
 def test_simulate_one_slow_stage_lengthens_gpipe():
     _, fast = simulate(gpipe(4, 3), forward_time=[1, 1, 1], backward_time=[2, 2, 2])
     _, slow = simulate(gpipe(4, 3), forward_time=[1, 3, 1], backward_time=[2, 6, 2])

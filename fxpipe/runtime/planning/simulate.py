@@ -7,6 +7,7 @@ Nothing here imports torch.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -159,36 +160,39 @@ def simulate(
     events: list[TimedEvent] = []
     position = [0] * len(schedule)
     free = [0.0] * len(schedule)
-    remaining = sum(len(acts) for acts in schedule)
-    while remaining:
-        progressed = False
-        for r, actions in enumerate(schedule):
-            while position[r] < len(actions):
-                a = actions[position[r]]
-                needs = inputs(a)
-                if any(dep not in end for dep, _ in needs):
-                    break
-                start = max([free[r]] + [end[dep] + c for dep, c in needs])
-                end[a] = free[r] = start + duration_of[a.kind][a.stage]
-                events.append(TimedEvent(a.stage, a.kind, a.microbatch, start, end[a]))
-                for dep, c in needs:
-                    if c > 0:  # the message that brought this input
-                        sent = end[dep]
-                        events.append(TimedEvent(dep.stage, "send", a.microbatch, sent,
-                                                 sent + c, peer=a.stage))
-                position[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = waiting(schedule, position)
-            raise ConfigError(
-                f"schedule deadlocks on the given edges; next actions wait forever ({stuck})",
-                hint="F(s, m) needs its producers' F(m) first; "
-                "B(s, m) needs its consumers' B(m) and F(s, m) first",
-            )
+    blocked: dict[Action, list[int]] = {}  # an action not yet placed -> the ranks waiting on it
+    ready = deque(range(len(schedule)))  # ranks whose next action may be placeable
+    while ready:
+        r = ready.popleft()
+        actions = schedule[r]
+        while position[r] < len(actions):
+            a = actions[position[r]]
+            needs = inputs(a)
+            missing = next((dep for dep, _ in needs if dep not in end), None)
+            if missing is not None:  # woken when it is placed
+                blocked.setdefault(missing, []).append(r)
+                break
+            start = max([free[r]] + [end[dep] + c for dep, c in needs])
+            end[a] = free[r] = start + duration_of[a.kind][a.stage]
+            events.append(TimedEvent(a.stage, a.kind, a.microbatch, start, end[a]))
+            for dep, c in needs:
+                if c > 0:  # the message that brought this input
+                    sent = end[dep]
+                    events.append(TimedEvent(dep.stage, "send", a.microbatch, sent,
+                                             sent + c, peer=a.stage))
+            position[r] += 1
+            ready.extend(blocked.pop(a, ()))
+    if any(p < len(acts) for p, acts in zip(position, schedule)):
+        stuck = waiting(schedule, position)
+        raise ConfigError(
+            f"schedule deadlocks on the given edges; next actions wait forever ({stuck})",
+            hint="F(s, m) needs its producers' F(m) first; "
+            "B(s, m) needs its consumers' B(m) and F(s, m) first",
+        )
 
     order = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 1, ActionKind.INPUT_GRAD: 1,
              ActionKind.WEIGHT_GRAD: 2, "send": 3}
-    events.sort(key=lambda e: (e.start, e.stage, order[e.kind], e.microbatch))
+    events.sort(key=lambda e: (e.start, e.stage, order[e.kind], e.microbatch,
+                               -1 if e.peer is None else e.peer))
     makespan = max(e.end for e in events if e.kind != "send")
     return events, makespan
