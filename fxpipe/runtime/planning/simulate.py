@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.planning.schedule import (
-    Action,
     ActionKind,
     Schedule,
     stage_ranks,
@@ -146,42 +145,46 @@ def simulate(
         producers[dst].append(src)
         consumers[src].append(dst)
 
-    def inputs(a: Action) -> list[tuple[Action, float]]:
-        s, m = a.stage, a.microbatch
-        if a.kind == ActionKind.FORWARD:
-            return [(Action(ActionKind.FORWARD, p, m), edge_comm[(p, s)])
-                    for p in producers[s]]
-        if a.kind == ActionKind.WEIGHT_GRAD:
-            return [(Action(ActionKind.INPUT_GRAD, s, m), 0.0)]
-        return [(Action(ActionKind.FORWARD, s, m), 0.0)] + \
-            [(Action(a.kind, d, m), edge_comm[(s, d)]) for d in consumers[s]]
+    Key = tuple[str, int, int]  # (kind, stage, micro-batch): an action, cheaper to hash
 
-    end: dict[Action, float] = {}
+    def inputs(kind: str, s: int, m: int) -> list[tuple[Key, float]]:
+        if kind == ActionKind.FORWARD:
+            return [((ActionKind.FORWARD, p, m), edge_comm[(p, s)]) for p in producers[s]]
+        if kind == ActionKind.WEIGHT_GRAD:
+            return [((ActionKind.INPUT_GRAD, s, m), 0.0)]
+        return [((ActionKind.FORWARD, s, m), 0.0)] + \
+            [((kind, d, m), edge_comm[(s, d)]) for d in consumers[s]]
+
+    end: dict[Key, float] = {}
     events: list[TimedEvent] = []
     position = [0] * len(schedule)
     free = [0.0] * len(schedule)
-    blocked: dict[Action, list[int]] = {}  # an action not yet placed -> the ranks waiting on it
+    blocked: dict[Key, list[int]] = {}  # an action not yet placed -> the ranks waiting on it
     ready = deque(range(len(schedule)))  # ranks whose next action may be placeable
     while ready:
         r = ready.popleft()
         actions = schedule[r]
         while position[r] < len(actions):
             a = actions[position[r]]
-            needs = inputs(a)
+            kind, stage, m = a.kind, a.stage, a.microbatch
+            needs = inputs(kind, stage, m)
             missing = next((dep for dep, _ in needs if dep not in end), None)
             if missing is not None:  # woken when it is placed
                 blocked.setdefault(missing, []).append(r)
                 break
-            start = max([free[r]] + [end[dep] + c for dep, c in needs])
-            end[a] = free[r] = start + duration_of[a.kind][a.stage]
-            events.append(TimedEvent(a.stage, a.kind, a.microbatch, start, end[a]))
+            start = free[r]
+            for dep, c in needs:
+                start = max(start, end[dep] + c)
+            key = (kind, stage, m)
+            end[key] = free[r] = start + duration_of[kind][stage]
+            events.append(TimedEvent(stage, kind, m, start, end[key]))
             for dep, c in needs:
                 if c > 0:  # the message that brought this input
                     sent = end[dep]
-                    events.append(TimedEvent(dep.stage, "send", a.microbatch, sent,
-                                             sent + c, peer=a.stage))
+                    events.append(TimedEvent(dep[1], "send", m, sent, sent + c, peer=stage))
             position[r] += 1
-            ready.extend(blocked.pop(a, ()))
+            if key in blocked:
+                ready.extend(blocked.pop(key))
     if any(p < len(acts) for p, acts in zip(position, schedule)):
         stuck = waiting(schedule, position)
         raise ConfigError(
