@@ -51,8 +51,16 @@ class BuiltStage:
         return self.graph.index
 
     @property
-    def graph_module(self) -> GraphModule:
+    def graph_module(self) -> GraphModule:  # with explicit send/recv nodes
         return self.graph.graph_module
+
+    @property
+    def recvs(self) -> tuple[ir.CommInfo, ...]:
+        return self.graph.recvs
+
+    @property
+    def sends(self) -> tuple[ir.CommInfo, ...]:
+        return self.graph.sends
 
 
 @dataclass

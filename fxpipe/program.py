@@ -20,7 +20,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from fxpipe import codegen, ir
-from fxpipe.built import Built, Snapshot
+from fxpipe.built import Built, BuiltStage, Snapshot
 from fxpipe.config import CompileConfig
 from fxpipe.costs import cost_table
 from fxpipe.errors import (
@@ -31,7 +31,7 @@ from fxpipe.errors import (
     RuntimeInputError,
 )
 from fxpipe.frontend.meta import is_meta_model
-from fxpipe.held import Stage, held_tensors, hold_built, stage_views
+from fxpipe.held import held_tensors, hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, resolve_loss
 from fxpipe.passes.partition import BalanceRound, PartitionPlan
 from fxpipe.pipeline import build, rebuild
@@ -59,7 +59,7 @@ from fxpipe.runtime.execution.amp import compiled_autocast
 from fxpipe.runtime.execution.hold import HeldStages, RunSettings, local_loss
 from fxpipe.runtime.execution.local import LocalExecutor
 from fxpipe.runtime.execution.memory import KeptMemory
-from fxpipe.runtime.execution.rank import RankStage, mesh_of_world, rank_device
+from fxpipe.runtime.execution.rank import RankPipeline, mesh_of_world, rank_device
 from fxpipe.runtime.program.loading import load_named
 from fxpipe.runtime.program.materialize import initialize
 from fxpipe.runtime.stage import StageModule
@@ -73,7 +73,7 @@ from fxpipe.storage.weights import WeightsSource, open_weights
 from fxpipe.untouched import untouched
 from fxpipe.writer import ProgramFiles, write_program
 
-__all__ = ["Program", "Stage"]
+__all__ = ["Program"]
 
 
 class Program(nn.Module):
@@ -88,7 +88,7 @@ class Program(nn.Module):
         self._names: StateNames | None = None
         self._example: list[torch.Tensor] = []
         self._local: LocalExecutor | None = None
-        self._rank: RankStage | None = None
+        self._rank: RankPipeline | None = None
         self._groups = GroupCache()  # the process groups of every cut installed, made once
         self._mesh: Mesh | None = None  # this rank's place, under torchrun
         self._device: torch.device | None = None  # this rank's device, under torchrun
@@ -96,7 +96,6 @@ class Program(nn.Module):
         self._meta: list[str] = []  # tensors of this process's stages without weights yet
         self._held: HeldStages | None = None
         self.stage_modules = nn.ModuleList()
-        self._stage_views: list[Stage] = []
         self.measured: dict[str, Any] = {}
         self._last_batch: tuple[list[torch.Tensor], torch.Tensor | None, LossFn] | None = None
 
@@ -263,7 +262,6 @@ class Program(nn.Module):
                           self._groups)
         self._held = held
         self.stage_modules = nn.ModuleList(held.modules)
-        self._stage_views = stage_views(built, held)
         self._local, self._rank, self._meta = held.local, held.rank, held.meta
 
     def _require_built(self, what: str) -> Built:
@@ -448,9 +446,17 @@ class Program(nn.Module):
         return list(self._held.devices)
 
     @property
-    def stages(self) -> list[Stage]:
-        self._require_built("stages")
-        return self._stage_views
+    def stages(self) -> list[BuiltStage]:
+        """Every stage as the compiler made it: its graph, messages, remat regions and
+        generated source (`module_of(i)` is its module where this process holds it)."""
+        return self._require_built("stages").stages
+
+    def module_of(self, stage: int) -> StageModule | None:
+        """Stage `stage`'s module where this process holds it (every stage in one process,
+        this rank's under torchrun), else None."""
+        self._require_built("stage modules")
+        assert self._held is not None  # built with the plan
+        return next((st.module for st in self._held.stages if st.spec.index == stage), None)
 
     @property
     def history(self) -> list[Snapshot]:

@@ -43,7 +43,7 @@ from fxpipe.profile.cache import check_against_run
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.execution.local import LocalExecutor
-from fxpipe.runtime.execution.rank import RankStage
+from fxpipe.runtime.execution.rank import RankPipeline
 from fxpipe.runtime.execution.stagetime import time_stages
 from fxpipe.runtime.planning.timeline import busy_time
 from fxpipe.signature import Signature
@@ -393,7 +393,7 @@ def robust_time(samples: Sequence[Sequence[float]], remat: RematPolicy | str) ->
     return sum(min(times) * counts[flag] for flag, times in groups.items()) / chunks
 
 
-def measure_ranks(rank: RankStage, flat: list[torch.Tensor], target: torch.Tensor | None,
+def measure_ranks(rank: RankPipeline, flat: list[torch.Tensor], target: torch.Tensor | None,
                   loss_fn: LossFn, steps: int) -> list[float]:
     """Seconds per micro-batch each stage computes in real pipeline steps (one warm-up, then
     the fastest of `steps`; waits excluded), the same list on every rank (averaged over

@@ -12,7 +12,7 @@ from torch.fx import Node
 
 from fxpipe import ir
 from fxpipe.built import Built
-from fxpipe.codegen import StageHeader
+from fxpipe.codegen import FileHeader
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
 from fxpipe.figures import against, remat_saving, stage_load
@@ -122,7 +122,7 @@ def compile_command(config: CompileConfig, model: str) -> tuple[str, bool]:
 
 def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: PartitionPlan,
                  config: CompileConfig, model: str, shared: dict[str, list[int]],
-                 passes: tuple[str, ...]) -> StageHeader:
+                 passes: tuple[str, ...]) -> FileHeader:
     """The facts at the top of a generated stage file: what the stage computes, holds and
     exchanges, the same on every machine. Nothing here comes from the device profile (predicted
     or measured times): the report says what was predicted, and with which profile."""
@@ -167,7 +167,7 @@ def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: Partit
                        f"in {plan.chunks} chunks)"))
     span = f"{stage_plan.first_module} -> {stage_plan.last_module} ({len(stage_plan.nodes)} ops)"
     command, runnable = compile_command(config, model)
-    return StageHeader(command, runnable, model, graph.index, k, span, tuple(lines), passes)
+    return FileHeader(command, runnable, model, graph.index, k, span, tuple(lines), passes)
 
 
 class StageRow(TypedDict, total=False):

@@ -168,3 +168,26 @@ def test_the_readme_tree_names_every_package_and_nothing_else():
                 if not (p.parent.relative_to(ROOT).parts[:1] == ("fxpipe",)
                         and p.parent.relative_to(ROOT).parts[1:2] in (("passes",), ("models",)))}
     assert _readme_tree() == packages
+
+
+def _dataclasses(path: Path) -> list[str]:
+    """The names of the classes decorated with @dataclass in the file at `path`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+            and any("dataclass" in ast.unparse(d) for d in node.decorator_list)]
+
+
+def test_a_stage_is_one_of_four_records() -> None:
+    """A stage passes the compiler/runtime wall as four records (README, "How it works"), each
+    named for what it is, beside the partition's prediction for it; another is a field copy
+    to review, not a type to add."""
+    found = {(name, module) for module, path in MODULES.items() if not _beside(module)
+             for name in _dataclasses(path) if "Stage" in name}
+    assert found == {
+        ("StageGraph", "fxpipe.passes.split"),  # the cut graph with its messages
+        ("BuiltStage", "fxpipe.built"),  # + its remat regions and code
+        ("StageSpec", "fxpipe.runtime.execution.stagespec"),  # what the runtime reads
+        ("HeldStage", "fxpipe.runtime.execution.stagespec"),  # its module on its device
+        ("HeldStages", "fxpipe.runtime.execution.hold"),  # a process's list of them, executors
+        ("StagePlan", "fxpipe.passes.partition.graph"),  # predicted: its nodes, times, bytes
+    }

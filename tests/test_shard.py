@@ -64,13 +64,13 @@ def _state_bytes(optimizer) -> int:
 
 def _held(program, optimizer) -> tuple[float, int]:
     """(predicted held bytes of this rank's stage, measured: weights, gradients, state)."""
-    (stage,) = [s for s in program.stages if s.module is not None]
-    module = stage.module
+    (index,) = [s.index for s in program.stages if program.module_of(s.index) is not None]
+    module = program.module_of(index)
     measured = sum(t.numel() * t.element_size() for t in [*module.parameters(),
                                                           *module.buffers()])
     measured += sum(p.grad.numel() * p.grad.element_size() for p in module.parameters()
                     if p.grad is not None)
-    return program.plan.stages[stage.index].held_bytes, measured + _state_bytes(optimizer)
+    return program.plan.stages[index].held_bytes, measured + _state_bytes(optimizer)
 
 
 def sharded_ranks(rank, world, resume_from, save_to):
@@ -221,8 +221,8 @@ def _local_bytes(tensors) -> int:
 def _held_full(program, optimizer) -> tuple[float, int]:
     """(predicted held bytes of this rank's stage, measured: its shards of the weights, of
     the gradients and of the optimizer's state)."""
-    (stage,) = [s for s in program.stages if s.module is not None]
-    module = stage.module
+    (index,) = [s.index for s in program.stages if program.module_of(s.index) is not None]
+    module = program.module_of(index)
     params = list(module.parameters())
     state = [v for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
@@ -452,8 +452,9 @@ def test_the_partition_charges_a_replica_its_share_of_everything_under_full():
     whole_ = fxpipe.compile(model, (x,), **{**options, "replicas": 1})
     full = fxpipe.compile(model, (x,), shard="full", **options)
     for a, b, stage in zip(whole_.plan.stages, full.plan.stages, whole_.stages):
-        assert stage.module is not None
-        weights = sum(p.numel() * p.element_size() for p in stage.module.parameters())
+        module = whole_.module_of(stage.index)
+        assert module is not None
+        weights = sum(p.numel() * p.element_size() for p in module.parameters())
         assert a.held_bytes == pytest.approx(4 * weights)  # weights, gradients, 2 moments
         # at the step's peak: weights and gradients gathered beside their halves, moments / 2
         assert b.held_bytes == pytest.approx(1.5 * weights + 1.5 * weights + 2 * weights / 2)
@@ -467,8 +468,9 @@ def test_the_partition_and_the_report_charge_a_replica_its_share():
     sharded = fxpipe.compile(model, (x,), stages=2, chunks=2, remat="never", profile="a100",
                              shard="optimizer", replicas=2)
     for a, b, stage in zip(whole.plan.stages, sharded.plan.stages, whole.stages):
-        assert stage.module is not None
-        state = 2 * sum(p.numel() * p.element_size() for p in stage.module.parameters())
+        module = whole.module_of(stage.index)
+        assert module is not None
+        state = 2 * sum(p.numel() * p.element_size() for p in module.parameters())
         assert a.held_bytes - b.held_bytes == pytest.approx(state / 2)  # Adam's moments / 2
     assert "adam: 2 state tensors in the parameters' dtype, sharded over 2 replicas" in \
         sharded.report().text()

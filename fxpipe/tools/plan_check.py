@@ -158,8 +158,9 @@ def measured_memory(model: nn.Module, inputs: tuple[Any, ...], target: Any, c: C
     inflight = peak_inflight(schedule_kind(c.schedule).build(c.chunks, c.stages, c.ranks))
     measured = []
     for stage, act, f in zip(program.stages, kept, inflight):
-        assert stage.module is not None
-        measured.append(_held_bytes(stage.module, optimizer)
+        module = program.module_of(stage.index)
+        assert module is not None
+        measured.append(_held_bytes(module, optimizer)
                         + act["measured_bytes"] * f / c.chunks)
     return measured, [s.memory or 0.0 for s in program.plan.stages]
 

@@ -27,7 +27,7 @@ from fxpipe.errors import PartitionError
 __all__ = [
     "Partition",
     "PartitionProblem",
-    "StageMemory",
+    "MemoryModel",
     "build_partition",
     "check_num_stages",
     "checked_vector",
@@ -48,7 +48,7 @@ Vector: TypeAlias = Sequence[float] | np.ndarray
 
 
 @dataclass(frozen=True)
-class StageMemory:
+class MemoryModel:
     """What each stage holds, Mem(s, i, j) = sum(fixed[i:j]) + inflight[s] *
     (sum(per_microbatch[i:j]) + at_cut[i]), and the limit it must stay within."""
 
@@ -100,7 +100,7 @@ class PartitionProblem:
     cut_comm: tuple[float, ...]
     """Seconds per cut position 0..n, paid by each of the two stages it separates (values
     forward, gradients backward); n + 1 entries, the ends (model input, output) 0."""
-    memory: StageMemory | None = None
+    memory: MemoryModel | None = None
     """The stages' memory and its limit; None: stages are costed in time only."""
 
     @property
@@ -228,7 +228,7 @@ def partition_problem(
     """The problem of cutting these atoms into num_stages stages, validated.
 
     compute: seconds per atom; cut_comm: seconds per cut position 0..n (default 0; the ends are
-    taken as 0). A memory model is given by mem_fixed (StageMemory.fixed) with, optionally,
+    taken as 0). A memory model is given by mem_fixed (MemoryModel.fixed) with, optionally,
     mem_act (per_microbatch, default 0), cut_mem (at_cut, default 0) and inflight (default 1
     per stage); memory_limit (bytes, or None or inf for none) needs one.
 
@@ -297,7 +297,7 @@ def partition_problem(
             else checked_vector("inflight", inflight, K, f"one per stage, {K} stages",
                                 positive=True)
         )
-        memory = StageMemory(fixed=tuple(mf.tolist()), per_microbatch=tuple(ma.tolist()),
+        memory = MemoryModel(fixed=tuple(mf.tolist()), per_microbatch=tuple(ma.tolist()),
                              at_cut=tuple(cm.tolist()), inflight=tuple(f.tolist()), limit=limit)
     return PartitionProblem(compute=tuple(comp.tolist()), num_stages=K,
                             cut_comm=tuple(comm.tolist()), memory=memory)

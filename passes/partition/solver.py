@@ -26,9 +26,9 @@ import numpy as np
 
 from fxpipe.errors import PartitionError
 from fxpipe.passes.partition.problem import (
+    MemoryModel,
     Partition,
     PartitionProblem,
-    StageMemory,
     build_partition,
     comm_sum,
     equal_count_cuts,
@@ -52,19 +52,19 @@ _INF = math.inf
 
 @dataclass(frozen=True)
 class _MemoryPrefix:
-    """A StageMemory as prefix sums, in the probe's notation."""
+    """A MemoryModel as prefix sums, in the probe's notation."""
 
     Fp: np.ndarray
-    """Prefix sums of StageMemory.fixed, n + 1 entries."""
+    """Prefix sums of MemoryModel.fixed, n + 1 entries."""
     Ap: np.ndarray
-    """Prefix sums of StageMemory.per_microbatch, n + 1 entries."""
+    """Prefix sums of MemoryModel.per_microbatch, n + 1 entries."""
     cm: np.ndarray
-    """StageMemory.at_cut, n + 1 entries."""
+    """MemoryModel.at_cut, n + 1 entries."""
     f: np.ndarray
-    """StageMemory.inflight, K entries."""
+    """MemoryModel.inflight, K entries."""
 
     @staticmethod
-    def of(memory: StageMemory) -> _MemoryPrefix:
+    def of(memory: MemoryModel) -> _MemoryPrefix:
         return _MemoryPrefix(
             Fp=np.concatenate(([0.0], np.cumsum(np.asarray(memory.fixed)))),
             Ap=np.concatenate(([0.0], np.cumsum(np.asarray(memory.per_microbatch)))),
@@ -77,7 +77,7 @@ class _MemoryPrefix:
 class _Bound:
     """A memory limit the probe enforces."""
 
-    memory: StageMemory
+    memory: MemoryModel
     """The memory model, exact."""
     mem: _MemoryPrefix
     """The memory model as prefix sums."""
@@ -405,7 +405,7 @@ def _balanced_cuts(P: np.ndarray, K: int) -> tuple[int, ...]:
     return tuple(int(v) for v in x)
 
 
-def _min_memory(search: _Search, memory: StageMemory) -> float:
+def _min_memory(search: _Search, memory: MemoryModel) -> float:
     """Smallest limit admitting a K-stage partition (memory only); memory.limit counts only in
     the slack, and the bottleneck is ignored."""
     n, K = search.n, search.K

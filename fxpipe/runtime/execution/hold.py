@@ -19,7 +19,7 @@ from fxpipe.losses import LossFn
 from fxpipe.runtime.communication.mesh import GroupCache, Mesh, make_groups
 from fxpipe.runtime.execution.devices import pin_for, to_device
 from fxpipe.runtime.execution.local import LocalExecutor
-from fxpipe.runtime.execution.rank import RankStage, devices_for_stages, setup_rank
+from fxpipe.runtime.execution.rank import RankPipeline, devices_for_stages, setup_rank
 from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.runtime.program.materialize import meta_names
 from fxpipe.runtime.program.spec import ProgramSpec
@@ -43,7 +43,7 @@ class HeldStages:
 
     stages: list[HeldStage]
     local: LocalExecutor | None  # every stage in this process, once they have weights
-    rank: RankStage | None  # this rank's stages under torchrun, once they have weights
+    rank: RankPipeline | None  # this rank's stages under torchrun, once they have weights
     meta: list[str]  # qualified names of the tensors that have no weights yet
 
     @property

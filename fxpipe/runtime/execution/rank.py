@@ -23,7 +23,7 @@ from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.runtime.program.spec import ProgramSpec
 from fxpipe.signature import Signature
 
-__all__ = ["RankStage", "setup_rank", "mesh_of_world",
+__all__ = ["RankPipeline", "setup_rank", "mesh_of_world",
            "rank_device", "devices_for_stages", "shard_batch"]
 
 
@@ -98,7 +98,7 @@ def shard_batch(signature: Signature, flat: list[torch.Tensor], target: torch.Te
 
 
 @dataclass
-class RankStage:
+class RankPipeline:
     """This rank's stages of a distributed pipeline, ready to step."""
 
     executor: DistributedExecutor
@@ -129,7 +129,7 @@ class RankStage:
 
 def setup_rank(stages: Sequence[HeldStage], spec: ProgramSpec, *, mesh: Mesh, groups: Groups,
                device: torch.device, check_finite: bool = False,
-               dp_bucket_mb: float = 25.0) -> RankStage:
+               dp_bucket_mb: float = 25.0) -> RankPipeline:
     """Builds the executor of this rank's stages of `spec`; their modules already sit on
     `device` and share their tied parameters. Under shard="full" with several replicas FSDP2
     shards them over the replicas first (fxpipe.runtime.execution.fsdp)."""
@@ -142,4 +142,4 @@ def setup_rank(stages: Sequence[HeldStage], spec: ProgramSpec, *, mesh: Mesh, gr
         pp_group=groups.pp, dp_group=groups.dp, shared=spec.shared, shared_groups=groups.shared,
         check_finite=check_finite, dp_bucket_bytes=int(dp_bucket_mb * 2**20),
         full_shard=full_shard)
-    return RankStage(executor, mesh, groups, spec)
+    return RankPipeline(executor, mesh, groups, spec)
