@@ -79,8 +79,17 @@ def _t5() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     return transformers.T5Model(cfg), (ids,), {"decoder_input_ids": ids, "use_cache": False}
 
 
+def _vit() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """A timm ViT: its blocks an nn.Sequential, read by a classification head after a norm."""
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                              embed_dim=32, num_heads=2, depth=6, num_classes=10)
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return model, (images,), {}
+
+
 MODELS = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2, "mistral": _mistral, "bert": _bert,
-          "t5": _t5}
+          "t5": _t5, "vit": _vit}
 
 
 def _both(build: Any, method: str = "auto", inline: bool = True
@@ -129,8 +138,10 @@ def test_the_bundled_gpt_stamped_under_fx_and_export(method: str, inline: bool) 
     torch.testing.assert_close(stamped(*inputs), model(*inputs))
 
 
-def _lists(model: nn.Module) -> dict[str, nn.ModuleList]:
-    return {p: m for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 4}
+def _lists(model: nn.Module) -> dict[str, nn.ModuleList | nn.Sequential]:
+    """The lists of blocks: ModuleLists, and Sequentials (timm's ViT blocks) of 4 or more."""
+    return {p: m for p, m in model.named_modules()
+            if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 4}
 
 
 def _block_index(node: fx.Node, path: str) -> int | None:
@@ -156,15 +167,25 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 # --- the pipelined model ----------------------------------------------------------------------
 
-def _llama_logits(output: Any, target: torch.Tensor) -> torch.Tensor:
+def _loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     keyed = isinstance(output, dict) or hasattr(output, "keys")
     if keyed and "logits" not in output:  # T5Model: its decoder's last hidden state
         return output["last_hidden_state"].float().pow(2).mean()
     logits = output["logits"] if keyed else output
+    if logits.dim() == 2:  # the ViT: a class per image
+        return nn.functional.cross_entropy(logits, target)
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "t5"])
+def _target(name: str, inputs: tuple[Any, ...]) -> torch.Tensor:
+    """A class per token (the language models), or per image (the ViT)."""
+    generator = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return torch.randint(0, 10, inputs[0].shape[:1], generator=generator)
+    return torch.randint(0, 128, inputs[0].shape, generator=generator)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "t5", "vit"])
 def test_the_pipelined_stamped_model_equals_the_eager_model(name: str) -> None:
     torch.manual_seed(0)
     model, inputs, kwargs = MODELS[name]()
@@ -181,8 +202,8 @@ def test_the_pipelined_stamped_model_equals_the_eager_model(name: str) -> None:
         expected = plain(*inputs, **kwargs)
     for e, g in zip(_tensors(expected), _tensors(got)):
         torch.testing.assert_close(g, e)
-    target = torch.randint(0, 128, inputs[0].shape, generator=torch.Generator().manual_seed(1))
-    loss_fn = _llama_logits
+    target = _target(name, inputs)
+    loss_fn = _loss
     with seeded(0):
         loss = program.step(*inputs, target=target, loss_fn=loss_fn, **kwargs)
     with seeded(0):
