@@ -150,13 +150,6 @@ def _block_index(node: fx.Node, path: str) -> int | None:
     return _block_of(node, path)
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 4:
-            return module
-    raise AssertionError("no list of blocks")
-
-
 def _tensors(value: Any) -> list[torch.Tensor]:
     import torch.utils._pytree as pytree
 
