@@ -538,7 +538,6 @@ class Program(nn.Module):
                              state=self._initialized(state, dict.fromkeys(state, cpu), 0)
                              if self._meta else {},
                              model=self.model if self._meta else None,
-                             state_keys=tuple(self.model.state_dict(keep_vars=True)),
                              structure=self._structure(),
                              replica_reference_losses={r: v for r, v in by_replicas.items() if v},
                              split_dependent=split_dependent)

@@ -97,7 +97,6 @@ class ProgramFiles:
     # program is written without weights.pt and trains with --weights PATH or --init.
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors no checkpoint holds
     model: nn.Module | None = None  # the model without data: its initializers serve --init
-    state_keys: tuple[str, ...] = ()  # every state_dict key of the model
     structure: Structure | None = None  # the model's, which the program's checkpoints record
     # replicas -> the plain model's losses as they compute them (a step that depends on how the
     # batch is split), for --verify with data-parallel replicas
@@ -203,8 +202,8 @@ def write_weights(directory: str, files: ProgramFiles) -> list[str]:
     """weights.pt when every tensor has values; otherwise (a model built on the meta device)
     state.pt with the tensors no checkpoint holds and model.pt, the model without data, whose
     initializers --init runs. weights.json says which, and lists every tensor the stages bind
-    (shape, dtype) and every state_dict key of the model, so --weights can check a checkpoint
-    against them without the model."""
+    (shape, dtype), so --weights can check a checkpoint against them (and program.json's
+    structure, the model's state_dict keys) without the model."""
     paths: dict[str, str | None] = {"weights": None, "state": None, "model": None}
     reason = None
     if not any(t.is_meta for t in files.tensors.values()):
@@ -222,7 +221,7 @@ def write_weights(directory: str, files: ProgramFiles) -> list[str]:
             raise
         except Exception as e:  # noqa: BLE001 - pickling fails in many ways; --weights still works
             reason = f"{type(e).__name__}: {e}"
-    info = {**paths, "model_error": reason, "state_keys": sorted(files.state_keys),
+    info = {**paths, "model_error": reason,
             "tensors": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                                "parameter": isinstance(t, nn.Parameter),
                                "requires_grad": t.requires_grad}
@@ -236,7 +235,7 @@ def _spec(built: Built, files: ProgramFiles) -> ProgramSpec:
     """The runtime plan with what this program records besides: program.json holds it."""
     return replace(
         built.spec, model=files.model_name, loss=files.loss, lr=files.lr,
-        reference_losses=tuple(files.reference_losses), aliases=files.names.to_json(),
+        reference_losses=tuple(files.reference_losses), aliases=files.names.exceptions(),
         structure=files.structure,
         replica_reference_losses={r: tuple(v) for r, v in files.replica_reference_losses.items()}
         if files.split_dependent else {},

@@ -274,9 +274,10 @@ def _edited(written: Path, tmp_path: Path, edit) -> Path:
 
 
 def _swap_aliases(data):
-    aliases = data["aliases"]
-    a, b = "blocks.0.attn.c_attn.weight", "blocks.1.attn.c_attn.weight"  # one shape
-    aliases[a], aliases[b] = aliases[b], aliases[a]
+    """Two tensors of one shape saved under each other's names (each names itself unless
+    listed)."""
+    a, b = "blocks.0.attn.c_attn.weight", "blocks.1.attn.c_attn.weight"
+    data["aliases"].update({a: [b], b: [a]})
 
 
 @pytest.mark.parametrize("edit,expected", [
@@ -325,7 +326,10 @@ def test_swapped_aliases_are_refused_before_a_save_could_swap_the_weights(writte
     (lambda d: d["signature"].update(out_batch_dims=[5]),
      "output 0 is a tensor of shape (2, 32, 512), but the program's signature says its batch "
      "dimension is 5"),
-    (lambda d: d["aliases"].pop("ln_f.weight"), "aliases lacks 'ln_f.weight'"),
+    (lambda d: d["aliases"].update({"ln_x.weight": ["ln_f.weight"]}),
+     "aliases names 'ln_x.weight', which no stage binds"),
+    (lambda d: d["aliases"].update({"ln_f.weight": ["ln_f.bias"]}),
+     "aliases['ln_f.weight'] is ['ln_f.bias'], without 'ln_f.weight'"),
 ])
 def test_a_program_json_the_stage_files_contradict_is_refused_before_it_trains(
         written, tmp_path, capsys, edit, expected):
@@ -351,7 +355,7 @@ def _tamperings(data: dict) -> list[tuple[str, object]]:
     fields += [("signature", k) for k in sorted(data["signature"])]
     edits = [(f"{'.'.join(map(str, f))}={b!r}", setter(f, b)) for f in fields for b in bad]
     edits += [("aliases swapped", _swap_aliases),
-              ("an alias dropped", lambda d: d["aliases"].pop("ln_f.weight")),
+              ("the tied weight's alias dropped", lambda d: d["aliases"].pop("wte.weight")),
               ("stages[1].file=stage_0.py", setter(("stages", 1, "file"), "stage_0.py")),
               ("stages swapped", lambda d: d["stages"].reverse())]
     return edits

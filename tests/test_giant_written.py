@@ -72,7 +72,8 @@ def test_the_program_is_written_without_weights_and_lists_what_it_needs(written)
     assert {"weights.json", "state.pt", "model.pt", "stage_0.py", "stage_1.py"} <= files
     info = json.loads((folder / "program" / "weights.json").read_text())
     assert info["weights"] is None and info["model"] == "model.pt"
-    assert set(info["state_keys"]) == set(plain.state_dict())
+    spec = json.loads((folder / "program" / "program.json").read_text())
+    assert set(spec["structure"]["tensors"]) == set(plain.state_dict())
     assert info["tensors"]["wte.weight"] == {"shape": [512, 64], "dtype": "float32",
                                              "parameter": True, "requires_grad": True}
     assert os.path.getsize(folder / "program" / "model.pt") < 64 * 1024  # no data in it

@@ -159,3 +159,26 @@ def test_a_program_swapped_in_meanwhile_does_not_make_the_old_ones_files_the_use
 
     monkeypatch.setattr(os, "listdir", listdir_then_swap)
     assert user_files(str(target)) == {"notes.txt"}  # not stage_2.py, which the old one lists
+
+
+def test_program_json_names_each_state_dict_key_once(tmp_path):
+    """The model's keys live in program.json's structure; aliases lists only the tensors not
+    named by their own key alone (the tied weight), and weights.json no copy of the keys. What
+    they give back is the map the program saves and resumes by."""
+    import json
+
+    from fxpipe.models import gpt
+    from fxpipe.runtime.launch import load_spec
+    from fxpipe.storage.state import StateNames
+
+    model, inputs = gpt.build()
+    program = fxpipe.compile(model, inputs, stages=2, chunks=2, profile="a100")
+    program.write(str(tmp_path / "prog"), reference_steps=0)
+    data = json.loads((tmp_path / "prog" / "program.json").read_text())
+    assert data["aliases"] == {"wte.weight": ["wte.weight", "lm_head.weight"]}
+    assert set(data["structure"]["tensors"]) == set(model.state_dict())
+    assert "state_keys" not in json.loads((tmp_path / "prog" / "weights.json").read_text())
+    names = load_spec(tmp_path / "prog").state_names()
+    bound = {q for module in program.stage_modules for q in module.named_model_tensors()}
+    full = StateNames.of_model(model, program.graph_module).keys  # what it was written from
+    assert {q: names.keys[q] for q in bound if q in names.keys} == dict(full)

@@ -36,7 +36,6 @@ from fxpipe.runtime.stage import StageModule
 from fxpipe.sharding import make_optimizer
 from fxpipe.storage.checkpoint import META, load_checkpoint, save_shard
 from fxpipe.storage.resume import fit_state, restore_optimizer
-from fxpipe.storage.state import StateNames
 from fxpipe.storage.structure import Structure
 
 __all__ = ["main", "build_stage", "load_spec", "rank_stages"]
@@ -83,7 +82,7 @@ def _tensors(folder: Path, spec: ProgramSpec, classes: list[type[StageModule]],
              device: torch.device,
              args: argparse.Namespace | None = None) -> dict[str, torch.Tensor]:
     """The tensors of these stages: weights.pt, or --weights PATH, or --init."""
-    return stage_tensors(folder, classes, StateNames.from_json(spec.aliases), device,
+    return stage_tensors(folder, classes, spec.state_names(), device,
                          weights=getattr(args, "weights", None), init=getattr(args, "init", False),
                          seed=getattr(args, "seed", 0))
 
@@ -184,7 +183,7 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
 def _save(directory: str, modules: list[StageModule],
           optimizer: torch.optim.Optimizer | None, spec: ProgramSpec, step: int) -> str:
     """Saves the checkpoint of `step` steps; returns the folder it was published as."""
-    names = StateNames.from_json(spec.aliases)
+    names = spec.state_names()
     save_shard(directory, names.state_dict(modules), optimizer, names.canonical(modules),
                step=step, structure=_structure(spec))
     with open(os.path.join(directory, META), encoding="utf-8") as f:
@@ -195,7 +194,7 @@ def _resume(directory: str, modules: list[StageModule],
             optimizer: torch.optim.Optimizer | None, spec: ProgramSpec) -> int:
     structure = _structure(spec)
     checkpoint = load_checkpoint(directory)
-    names = StateNames.from_json(spec.aliases)
+    names = spec.state_names()
     names.load(modules, fit_state(checkpoint, structure, names.state_dict(modules)))
     if optimizer is not None:  # None: this rank's stages hold no parameters
         restore_optimizer(optimizer, checkpoint, names.canonical(modules))

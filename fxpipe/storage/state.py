@@ -63,6 +63,20 @@ class StateNames:
     def to_json(self) -> dict[str, list[str]]:
         return {q: list(keys) for q, keys in sorted(self.keys.items())}
 
+    def exceptions(self) -> dict[str, list[str]]:
+        """The tensors not named by their own state_dict key alone (tied, or bound under
+        another name): what a written program records, the rest following from the model's
+        keys (`completed`)."""
+        return {q: list(keys) for q, keys in sorted(self.keys.items()) if keys != (q,)}
+
+    @staticmethod
+    def completed(exceptions: Mapping[str, Iterable[str]], state_keys: Iterable[str]
+                  ) -> StateNames:
+        """`exceptions` with every state_dict key that none of them takes naming itself."""
+        keys = {str(q): tuple(str(k) for k in ks) for q, ks in exceptions.items()}
+        taken = set(keys).union(*keys.values())
+        return StateNames({**{k: (k,) for k in state_keys if k not in taken}, **keys})
+
     def state_dict(self, modules: Iterable[HoldsModelTensors]) -> dict[str, torch.Tensor]:
         """Every state_dict key of the model that these stages hold, with the stage's tensor
         (whole: a shard="full" stage's parameters are gathered, collectively over its

@@ -33,6 +33,7 @@ from fxpipe.runtime.program.spec_json import (
     ValueJSON,
 )
 from fxpipe.signature import LeafSpec, Signature
+from fxpipe.storage.state import StateNames
 from fxpipe.storage.structure import Structure
 from fxpipe.version import __version__
 
@@ -201,7 +202,9 @@ class ProgramSpec:
     loss: str = ""
     lr: float = 0.0
     reference_losses: tuple[float, ...] = ()  # the plain model's, for --verify
-    aliases: dict[str, list[str]] = field(default_factory=dict)  # tensor -> state_dict names
+    # tensor -> its state_dict names, for the tensors not named by their own key alone (tied,
+    # renamed): the rest follow from the structure's keys (state_names)
+    aliases: dict[str, list[str]] = field(default_factory=dict)
     structure: Structure | None = None  # the model's state, which checkpoints record
     # replicas -> the plain model's losses as they compute them, for a step that depends on how
     # the batch is split (empty: it does not, or the program predates the record)
@@ -213,6 +216,13 @@ class ProgramSpec:
     def deterministic(self) -> bool:
         """No stage draws random numbers."""
         return not any(st.random for st in self.stages)
+
+    def state_names(self) -> StateNames:
+        """Each tensor the stages bind -> the model's state_dict keys for it: the aliases, and
+        every other key of the model naming itself (a program written before the structure was
+        recorded lists every tensor in its aliases)."""
+        return StateNames.completed(self.aliases, self.structure.tensors if self.structure
+                                    else ())
 
     @property
     def ranks(self) -> int:

@@ -7,14 +7,15 @@ checkpoint by the model's state_dict names, `--init` runs the model's initialize
 (model.pt is the model without data, pickled, so this imports the model's code). Tensors no
 checkpoint holds (non-persistent buffers, constants of the graph) come from state.pt, computed
 when the program was written. weights.json (fxpipe.writer.write_weights) says which files exist
-and lists every tensor's shape and dtype and the model's state_dict keys.
+and lists every tensor's shape and dtype; program.json's structure holds the model's state_dict
+keys.
 """
 from __future__ import annotations
 
 import ast
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def check_written(folder: Path, spec: ProgramSpec) -> None:
     """Checks what program.json says about the stages' tensors against the stage files and
     weights.json (both recorded by digest): the tensor names (check_names) and the tied
     parameters, whose gradients the ranks that hold them must add up."""
-    check_names(folder, StateNames.from_json(spec.aliases), spec.structure)
+    check_names(folder, spec.aliases, spec.structure)
     holders: dict[str, list[int]] = {}
     for stage in spec.stages:
         for qualname in sorted(set(_parameters(folder / stage.file, stage.class_name))):
@@ -130,21 +131,28 @@ def _parameters(path: Path, class_name: str) -> list[str]:
     return []
 
 
-def check_names(folder: Path, names: StateNames, structure: Structure | None = None, *,
+def check_names(folder: Path, aliases: Mapping[str, Sequence[str]],
+                structure: Structure | None = None, *,
                 info: dict[str, Any] | None = None) -> None:
-    """Checks program.json's aliases (each tensor a stage binds -> the model's state_dict keys
-    for it) against weights.json and the model's structure. --save and --resume write and read
-    every tensor under these keys, so an edited map would swap weights without a word."""
+    """Checks program.json's aliases (a tensor a stage binds -> the model's state_dict keys for
+    it, where they are not its own name alone) against weights.json and the model's structure.
+    --save and --resume write and read every tensor under these keys, so an edited map would
+    swap weights without a word."""
     info = _info(folder) if info is None else info
-    tensors, state_keys = info.get("tensors"), info.get("state_keys")
+    tensors = info.get("tensors")
+    # the model's keys: program.json's structure (weights.json listed them before it was kept)
+    state_keys = list(structure.tensors) if structure is not None else info.get("state_keys")
     if not isinstance(tensors, dict) or not isinstance(state_keys, list):
         return  # written before weights.json listed them: nothing to check against
     known = set(state_keys)
+    names = StateNames.completed(aliases, state_keys)
     problems: list[str] = []
     owner: dict[str, str] = {}
+    problems += [f"aliases names {q!r}, which no stage binds" for q in sorted(aliases)
+                 if q not in tensors]
     for q, keys in sorted(names.keys.items()):
-        if q not in tensors:
-            problems.append(f"aliases names {q!r}, which no stage binds")
+        if q not in tensors and q not in aliases:
+            continue  # a key of the model that no stage binds
         if q in known and q not in keys:
             problems.append(f"aliases[{q!r}] is {list(keys)}, without {q!r}: the model's own "
                             "name for that tensor")
