@@ -23,6 +23,7 @@ from fxpipe.runtime.planning.schedule import (
     make_schedule,
     one_f_one_b,
     placement,
+    schedule_kind,
     stage_ranks,
     validate,
     zb_h1,
@@ -369,6 +370,21 @@ def test_simulate_places_every_action_whatever_order_the_ranks_unblock_in():
     events, makespan = simulate(gpipe(3, 3), forward_time=[1, 5, 1], backward_time=[1, 1, 9])
     assert len([e for e in events if e.kind != "send"]) == 3 * 3 * 2
     assert makespan == pytest.approx(1 + 5 * 3 + 1 + 9 * 3 + 1 + 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 6), st.integers(1, 3),
+       st.lists(st.floats(0.1, 5.0), min_size=12, max_size=12), st.floats(0.0, 2.0))
+def test_simulate_without_events_places_the_actions_as_with_them(name, m, ranks, times, comm):
+    """record=False (the planner's makespan alone) ends where the recorded events end."""
+    kind = schedule_kind(name)
+    stages = ranks * kind.default_stages_per_rank
+    actions = kind.build(m, stages, ranks)
+    run = dict(forward_time=times[:stages], backward_time=times[6:6 + stages],
+               weight_time=[t / 3 for t in times[6:6 + stages]], comm_time=comm)
+    events, makespan = simulate(actions, **run)
+    nothing, alone = simulate(actions, **run, record=False)
+    assert nothing == [] and alone == makespan == max(e.end for e in events if e.kind != "send")
 
 
 def test_simulate_one_slow_stage_lengthens_gpipe():

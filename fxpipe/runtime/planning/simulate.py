@@ -102,6 +102,7 @@ def simulate(
     comm_time: Sequence[float] | float | Mapping[tuple[int, int], float] = 0.0,
     edges: Sequence[tuple[int, int]] | None = None,
     weight_time: Sequence[float] | None = None,
+    record: bool = True,
 ) -> tuple[list[TimedEvent], float]:
     """Place every action of `schedule` in time; return (events sorted by start, makespan).
 
@@ -122,6 +123,9 @@ def simulate(
     A split backward (I and W) costs the backward in all: W takes weight_time[s] (default half
     the backward, as a linear layer's two matmuls), I the rest; I(s, m) waits for I of the
     consumers, W(s, m) for I(s, m).
+
+    record=False places the actions the same way but keeps no events (returns an empty list):
+    the makespan alone, as a planner comparing hundreds of candidates needs it.
     """
     _, num_stages = validate(schedule)
     rank_of = stage_ranks(schedule)
@@ -147,13 +151,17 @@ def simulate(
 
     Key = tuple[str, int, int]  # (kind, stage, micro-batch): an action, cheaper to hash
 
-    def inputs(kind: str, s: int, m: int) -> list[tuple[Key, float]]:
+    def inputs(kind: str, s: int) -> list[tuple[str, int, float]]:
+        """What an action of `kind` on stage s waits for, of its own micro-batch: (kind,
+        stage, message time)."""
         if kind == ActionKind.FORWARD:
-            return [((ActionKind.FORWARD, p, m), edge_comm[(p, s)]) for p in producers[s]]
+            return [(ActionKind.FORWARD, p, edge_comm[(p, s)]) for p in producers[s]]
         if kind == ActionKind.WEIGHT_GRAD:
-            return [((ActionKind.INPUT_GRAD, s, m), 0.0)]
-        return [((ActionKind.FORWARD, s, m), 0.0)] + \
-            [((kind, d, m), edge_comm[(s, d)]) for d in consumers[s]]
+            return [(ActionKind.INPUT_GRAD, s, 0.0)]
+        return [(ActionKind.FORWARD, s, 0.0)] + \
+            [(kind, d, edge_comm[(s, d)]) for d in consumers[s]]
+
+    waits_for = {(kind, s): inputs(kind, s) for kind in duration_of for s in range(num_stages)}
 
     end: dict[Key, float] = {}
     events: list[TimedEvent] = []
@@ -167,7 +175,7 @@ def simulate(
         while position[r] < len(actions):
             a = actions[position[r]]
             kind, stage, m = a.kind, a.stage, a.microbatch
-            needs = inputs(kind, stage, m)
+            needs = [((k, s, m), c) for k, s, c in waits_for[(kind, stage)]]
             missing = next((dep for dep, _ in needs if dep not in end), None)
             if missing is not None:  # woken when it is placed
                 blocked.setdefault(missing, []).append(r)
@@ -177,11 +185,13 @@ def simulate(
                 start = max(start, end[dep] + c)
             key = (kind, stage, m)
             end[key] = free[r] = start + duration_of[kind][stage]
-            events.append(TimedEvent(stage, kind, m, start, end[key]))
-            for dep, c in needs:
-                if c > 0:  # the message that brought this input
-                    sent = end[dep]
-                    events.append(TimedEvent(dep[1], "send", m, sent, sent + c, peer=stage))
+            if record:
+                events.append(TimedEvent(stage, kind, m, start, end[key]))
+                for dep, c in needs:
+                    if c > 0:  # the message that brought this input
+                        sent = end[dep]
+                        events.append(TimedEvent(dep[1], "send", m, sent, sent + c,
+                                                 peer=stage))
             position[r] += 1
             if key in blocked:
                 ready.extend(blocked.pop(key))
@@ -193,6 +203,8 @@ def simulate(
             "B(s, m) needs its consumers' B(m) and F(s, m) first",
         )
 
+    if not record:
+        return events, max(free)
     order = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 1, ActionKind.INPUT_GRAD: 1,
              ActionKind.WEIGHT_GRAD: 2, "send": 3}
     events.sort(key=lambda e: (e.start, e.stage, order[e.kind], e.microbatch,

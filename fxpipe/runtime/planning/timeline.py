@@ -189,14 +189,15 @@ class PlanTimes(Protocol):
     def step_overhead(self) -> float: ...
 
 
-def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None
-               ) -> tuple[list[TimedEvent], float]:
+def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, record: bool = True
+               ) -> tuple[list[TimedEvent], float, float]:
     """The schedule played with the plan's stage times as the executors run it. A split
     backward's W costs the stage's weight time and I the rest of the backward; under remat,
     W recomputes the regions again (their recomputed values live for one autograd call;
     NOTE [Split backward] in fxpipe/runtime/communication/dist_comm.py), so a split backward costs
     one recomputation more than a whole one, except where W is the whole backward (the first
-    stage: I has nothing to compute)."""
+    stage: I has nothing to compute). Returns the events (none unless `record`), the makespan
+    and the ranks' work: every action's time, added up."""
     k, m = len(plan.stages), plan.chunks
     fwd = [s.forward_time for s in plan.stages]
     # recompute included; a difference of sums can round a hair below zero
@@ -204,7 +205,9 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
     actions = schedule.build(m, k, ranks)
     if not schedule.splits_backward:
-        return simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm)
+        events, makespan = simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm,
+                                    record=record)
+        return events, makespan, m * sum(f + b for f, b in zip(fwd, bwd))
     inputs, weights = [], []
     for s, backward in zip(plan.stages, bwd):
         pure = backward - s.recompute_time
@@ -214,8 +217,10 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None
         else:
             inputs.append(max(s.recompute_time + pure - s.weight_time, 0.0))
             weights.append(s.recompute_time + s.weight_time)
-    return simulate(actions, forward_time=fwd, weight_time=weights,
-                    backward_time=[i + w for i, w in zip(inputs, weights)], comm_time=comm)
+    whole = [i + w for i, w in zip(inputs, weights)]
+    events, makespan = simulate(actions, forward_time=fwd, weight_time=weights,
+                                backward_time=whole, comm_time=comm, record=record)
+    return events, makespan, m * sum(f + b for f, b in zip(fwd, whole))
 
 
 def predicted_step(plan: PlanTimes, schedule: ScheduleKind | str, ranks: int | None = None
@@ -226,8 +231,7 @@ def predicted_step(plan: PlanTimes, schedule: ScheduleKind | str, ranks: int | N
     prints."""
     kind = schedule_kind(schedule)
     ranks = ranks or kind.ranks_for(len(plan.stages))
-    events, makespan = _simulated(plan, kind, ranks)
-    work = sum(e.end - e.start for e in events if e.kind != "send")
+    _, makespan, work = _simulated(plan, kind, ranks, record=False)
     step = makespan + plan.step_overhead
     return step, idle_share(work, ranks, step)
 
@@ -241,7 +245,7 @@ def predicted_local_step(plan: PlanTimes) -> float:
 def predicted_events(plan: PlanTimes, schedule: ScheduleKind | str = "gpipe",
                      ranks: int | None = None) -> list[Event]:
     """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
-    events, _ = _simulated(plan, schedule_kind(schedule), ranks)
+    events, _, _ = _simulated(plan, schedule_kind(schedule), ranks)
     kinds: dict[str, str] = {ActionKind.FORWARD: "forward", ActionKind.BACKWARD: "backward",
                              ActionKind.INPUT_GRAD: "backward", ActionKind.WEIGHT_GRAD: "backward"}
     return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
