@@ -416,7 +416,8 @@ class Partitions:
                              profile=self.profile, remat=c.remat, memory_limit=limit,
                              schedule=self.kind(c.schedule), ranks=c.ranks,
                              loss_time=loss_time(self.gm, b, self.profile, False),
-                             reuse=self.reuse, optimizer=optimizer, starts=starts)
+                             reuse=self.reuse, optimizer=optimizer, starts=starts,
+                             least_memory=False)  # a cut that does not fit is told otherwise
 
         if key in self.fastest:
             fastest = cut(None, self.fastest[key])

@@ -313,6 +313,25 @@ def test_a_memory_limit_below_the_minimum_names_the_minimum():
         brute_force_partition(partition_problem([1.0] * 4, 2, memory_limit=10.0, **mem))
 
 
+def test_a_caller_asking_only_whether_one_fits_is_not_told_the_minimum(monkeypatch):
+    """least_memory=False (the planner, trying hundreds of candidates) skips the bisection that
+    finds the least limit: the error says only that none fits."""
+    import fxpipe.passes.partition.solver as solver
+
+    def searched(*_: object) -> float:
+        raise AssertionError("the least limit was searched")
+
+    mem = dict(mem_fixed=[4.0, 4.0, 4.0, 4.0], mem_act=[1.0] * 4, inflight=[2, 1])
+    problem = partition_problem([1.0] * 4, 2, memory_limit=10.0, **mem)
+    monkeypatch.setattr(solver, "_min_memory", searched)
+    with pytest.raises(PartitionError, match=r"no 2-stage partition fits the memory limit "
+                                             r"\(10 bytes\)") as info:
+        solve_partition(problem, least_memory=False)
+    assert "minimum" not in str(info.value)
+    with pytest.raises(AssertionError, match="searched"):
+        solve_partition(problem)
+
+
 def test_length_mismatches_name_the_lengths():
     with pytest.raises(PartitionError, match=r"cut_comm has 3 entries but needs 4"):
         solve_partition(partition_problem([1.0, 2.0, 3.0], 2, cut_comm=[0.0, 1.0, 0.0]))

@@ -396,6 +396,7 @@ def partition(
     starts: Sequence[str] | None = None,
     reuse: AtomsCache | None = None,
     optimizer: OptimizerMemory = ADAM,
+    least_memory: bool = True,
 ) -> PartitionPlan:
     """Assigns a stage to every compute node; returns the plan with predicted times.
 
@@ -412,6 +413,8 @@ def partition(
         remat and chunks (fxpipe.planner partitions one graph many ways); filled as it goes.
     optimizer: what training holds per trainable parameter beyond the weight (gradients,
         optimizer state, master weights), charged to each stage's fixed memory.
+    least_memory: when no partition fits the limit, name the least limit that would (a search
+        of its own; False for a caller that only asks whether one fits).
 
     Raises:
         PartitionError: more stages than operations that can start one, or no partition
@@ -479,7 +482,7 @@ def partition(
 
     problem = problem_of(atoms)
     if cuts is None:
-        cuts = solve_partition(problem).cuts
+        cuts = solve_partition(problem, least_memory=least_memory).cuts
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
         atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=policy,
                                chunks=chunks, optimizer=optimizer)

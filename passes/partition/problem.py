@@ -336,8 +336,14 @@ def equal_count_cuts(n: int, num_stages: int) -> tuple[int, ...]:
     return tuple((s * int(n)) // K for s in range(K + 1))
 
 
-def memory_error(num_stages: int, limit: float, minimum: float) -> PartitionError:
-    """The error for a limit below the least memory any num_stages-stage partition needs."""
+def memory_error(num_stages: int, limit: float, minimum: float | None) -> PartitionError:
+    """The error for a limit below the least memory any num_stages-stage partition needs
+    (None: not computed, for a caller that only asks whether one fits)."""
+    if minimum is None:
+        return PartitionError(
+            f"no {num_stages}-stage partition fits the memory limit ({limit:.0f} bytes)",
+            hint="raise the memory limit, use more stages, or keep less per micro-batch in "
+            "flight (fewer micro-batches, activation recomputation)")
     least = math.ceil(minimum)  # whole bytes, rounded up: the hint's value is always enough
     return PartitionError(
         f"no {num_stages}-stage partition fits the memory limit "

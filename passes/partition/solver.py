@@ -459,9 +459,13 @@ def min_memory_limit(problem: PartitionProblem) -> float:
     return _min_memory(_Search.of(problem), replace(problem.memory, limit=None))
 
 
-def solve_partition(problem: PartitionProblem, *, rel_tol: float = 1e-9) -> Partition:
+def solve_partition(problem: PartitionProblem, *, rel_tol: float = 1e-9,
+                    least_memory: bool = True) -> Partition:
     """The K-stage partition minimising the bottleneck stage time within rel_tol (relative),
-    subject to the memory limit; among such partitions, the least interior communication."""
+    subject to the memory limit; among such partitions, the least interior communication.
+    When none fits the limit, the PartitionError names the least limit that would fit (a
+    bisection of its own), unless `least_memory` is False (a caller asking only whether one
+    fits)."""
     rel_tol = float(rel_tol)
     if not rel_tol >= 0 or math.isinf(rel_tol):
         raise PartitionError(
@@ -478,7 +482,8 @@ def solve_partition(problem: PartitionProblem, *, rel_tol: float = 1e-9) -> Part
     if bound is not None:
         mem_layers = _probe(search, _INF)
         if mem_layers is None:
-            raise memory_error(K, bound.limit, _min_memory(search, bound.memory))
+            raise memory_error(K, bound.limit, _min_memory(search, bound.memory)
+                               if least_memory else None)
     if K == 1 or K == n:
         return build_partition(problem, (0, n) if K == 1 else tuple(range(n + 1)))
 
