@@ -76,6 +76,25 @@ def test_the_memory_measured_is_the_storage_a_step_leaves_and_the_kept_activatio
     assert _held_bytes(layer, optimizer) == 4 * 4 * (3 * 2 + 2)  # weight, grad, 2 moments
 
 
+def test_a_candidate_sharding_the_optimizer_is_compiled_and_measured_with_its_share():
+    """shard="optimizer" reaches fxpipe.compile, and one process counts a replica's 1/R of the
+    state it holds whole, as the memory model charges it."""
+    model, (x,) = mlp.build(depth=4)
+    y = mlp.target((x,))
+    whole, sharded = (Candidate(2, 1, 2, 2, "1f1b", "never", shard=mode)
+                      for mode in ("none", "optimizer"))
+    assert options_of(sharded) == {**options_of(whole), "shard": "optimizer"}
+    held, predicted = measured_memory(model, (x,), y, whole, "a100")
+    held_sharded, predicted_sharded = measured_memory(model, (x,), y, sharded, "a100")
+    for m, p in zip(held_sharded, predicted_sharded):
+        assert m == pytest.approx(p, rel=0.10)
+    # Adam's two moments, halved: a stage's own weights' worth less
+    for a, b in zip(held, held_sharded):
+        assert a - b > 0
+    assert sum(held) - sum(held_sharded) == pytest.approx(
+        sum(p.numel() * 4 for p in model.parameters()), rel=1e-6)
+
+
 def test_candidates_predicted_alike_are_measured_once():
     a, b, c = _candidate(0.01, 2), _candidate(0.01, 2), _candidate(0.02, 1)
     b = Candidate(2, 1, 1, 2, "gpipe", "never", pipeline_s=0.01, memory_bytes=1e6)

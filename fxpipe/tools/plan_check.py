@@ -129,17 +129,25 @@ def options_of(c: Candidate) -> dict[str, Any]:
                            "remat": c.remat}
     if c.stages_per_rank != default_stages_per_rank(c.schedule):
         out["stages_per_rank"] = c.stages_per_rank
+    if c.shard != "none":
+        out["shard"] = c.shard
     return out
 
 
-def _held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+def _held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer,
+                state_share: float = 1.0) -> float:
     """Allocated storage of a stage's weights, buffers, gradients and optimizer state (its
-    0-dim step counters aside)."""
-    tensors = [*module.parameters(), *module.buffers()]
-    tensors += [p.grad for p in module.parameters() if p.grad is not None]
-    tensors += [v for p in module.parameters() for v in optimizer.state.get(p, {}).values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return float(sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values()))
+    0-dim step counters aside), the state counted at `state_share` (a replica's part of it
+    under shard="optimizer")."""
+    def nbytes(tensors: list[torch.Tensor]) -> float:
+        return float(sum(t.untyped_storage().nbytes()
+                         for t in {id(t): t for t in tensors}.values()))
+
+    held = [*module.parameters(), *module.buffers()]
+    held += [p.grad for p in module.parameters() if p.grad is not None]
+    state = [v for p in module.parameters() for v in optimizer.state.get(p, {}).values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return nbytes(held) + state_share * nbytes(state)
 
 
 def measured_memory(model: nn.Module, inputs: tuple[Any, ...], target: Any, c: Candidate,
@@ -147,10 +155,15 @@ def measured_memory(model: nn.Module, inputs: tuple[Any, ...], target: Any, c: C
     """(measured, predicted) bytes per stage of the candidate, in this process, on one
     replica's share of the batch: after one step with Adam, what each stage holds plus the
     activations it keeps at its schedule's peak (Program.measure_activations keeps every
-    micro-batch's; each stage keeps its schedule's in-flight share of them)."""
+    micro-batch's; each stage keeps its schedule's in-flight share of them). Under
+    shard="optimizer" a replica holds 1/R of the state (ZeroRedundancyOptimizer, measured on
+    gloo ranks by tests/test_shard.py); one process holds it whole, so it counts 1/R here."""
     inputs = tuple(x[:len(x) // c.replicas] for x in inputs)
     target = target[:len(target) // c.replicas]
-    program = fxpipe.compile(model, inputs, profile=profile, **options_of(c))
+    options = options_of(c)
+    if c.shard != "none":
+        options["replicas"] = c.replicas  # the memory model's share, in one process
+    program = fxpipe.compile(model, inputs, profile=profile, **options)
     optimizer = torch.optim.Adam(program.parameters(), lr=1e-4)
     kept = program.measure_activations(*inputs)
     program.step(*inputs, target=target)
@@ -160,7 +173,8 @@ def measured_memory(model: nn.Module, inputs: tuple[Any, ...], target: Any, c: C
     for stage, act, f in zip(program.stages, kept, inflight):
         module = program.module_of(stage.index)
         assert module is not None
-        measured.append(_held_bytes(module, optimizer)
+        measured.append(_held_bytes(module, optimizer,
+                                    1 / c.replicas if c.shard == "optimizer" else 1.0)
                         + act["measured_bytes"] * f / c.chunks)
     return measured, [s.memory or 0.0 for s in program.plan.stages]
 
@@ -200,7 +214,8 @@ def _time_candidates(rank: int, world: int, port: int, args: dict[str, Any]
     steps = []
     for options in args["candidates"]:
         program = fxpipe.compile(model, inputs, profile=args["profile"], **options)
-        optimizer = torch.optim.Adam(program.parameters(), lr=1e-4)
+        optimizer = program.optimizer(torch.optim.Adam, lr=1e-4)  # ZeRO-1 under a shard
+        assert optimizer is not None  # every stage of the bench GPT holds parameters
 
         def step(program: Any = program, optimizer: Any = optimizer) -> None:
             program.step(*inputs, target=target)
