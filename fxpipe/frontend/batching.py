@@ -37,8 +37,9 @@ class BatchLayout:
     output_is_tensor: tuple[bool, ...]
     out_spec: pytree.TreeSpec
     batch_size: int
-    # The eager model's flat outputs on trial_batches(), kept when the model ran in eval mode
-    # (the outputs the capture check would compute again); empty otherwise.
+    # The eager model's flat outputs on trial_batches(), kept when the capture check would
+    # compute them again: a model in eval mode, or a meta model (shapes only) run in its own
+    # mode; empty otherwise.
     eager_outputs: tuple[list[Any], ...] = ()
 
     def slice_inputs(self, args: ModelArgs, kwargs: ModelKwargs, start: int,
@@ -130,7 +131,8 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
     """
     tensors = [x for x in leaves if is_tensor(x)]
     training = model.training
-    any_training = any(m.training for m in model.modules())
+    modes = [m.training for m in model.modules()]
+    any_training = any(modes)
     whole: Callable[[], AbstractContextManager[None]] = cut if derive and cut else nullcontext
     with torch.no_grad(), seeded(0), whole():
         out = model(*args, **kwargs)
@@ -159,11 +161,31 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                                   tensors)
                 if layout is not None:
                     _check_numbers(model, out, full, layout)
-                    return replace(layout, eager_outputs=(full, layout.eager_outputs[0])) \
-                        if not any_training else replace(layout, eager_outputs=())
+                    if not any_training:
+                        return replace(layout, eager_outputs=(full, layout.eager_outputs[0]))
+                    if any(is_tensor(x) for x in out_leaves) and \
+                            all(x.is_meta for x in out_leaves if is_tensor(x)):
+                        return replace(layout, eager_outputs=_own_mode_outputs(
+                            model, modes, args, kwargs, out_leaves, layout, whole))
+                    return replace(layout, eager_outputs=())
     finally:
         model.train(training)
     raise _no_batch_dim(model, tensors, batch_dims, tried)
+
+
+def _own_mode_outputs(model: nn.Module, modes: Sequence[bool], args: ModelArgs,
+                      kwargs: ModelKwargs, out_leaves: list[Any], layout: BatchLayout,
+                      whole: Callable[[], AbstractContextManager[None]]
+                      ) -> tuple[list[Any], ...]:
+    """A meta model's outputs on trial_batches() in its own (training) mode: what the capture
+    check compares the graph's shapes and dtypes with, instead of running model and graph twice
+    more. The example batch's is the first run's; the smaller batch's is one run more."""
+    for module, mode in zip(model.modules(), modes):
+        module.training = mode
+    small_args, small_kwargs = layout.trial_batches(args, kwargs)[1]
+    with torch.no_grad(), seeded(0), whole():
+        small = pytree.tree_leaves(model(*small_args, **small_kwargs))
+    return (out_leaves, small)
 
 
 def _trial_model(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs, full: Sequence[Any],

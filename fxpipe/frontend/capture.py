@@ -527,8 +527,11 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, signature: Signatu
 
 
 def _known_outputs(model: nn.Module, layout: BatchLayout) -> tuple[list[Any], ...]:
-    """The eager outputs on the trial batches that the batch layout computed (eval mode)."""
-    return () if any(m.training for m in model.modules()) else layout.eager_outputs
+    """The eager outputs on the trial batches that the batch layout computed: in eval mode, or
+    of a meta model in any mode (shapes and dtypes are all a meta model's check compares)."""
+    if is_meta_model(model) or not any(m.training for m in model.modules()):
+        return layout.eager_outputs
+    return ()
 
 
 def _compare_shapes(gm: fx.GraphModule, infos: dict[fx.Node, ir.ValueInfo],
