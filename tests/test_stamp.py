@@ -435,13 +435,15 @@ def test_a_stamped_meta_model_never_runs_whole() -> None:
     # Whole: for fx one propagation of the stamped graph's shapes (the check), nothing for
     # export. Cut to three blocks: the example batch (the output structure and the shape
     # check's reference, derived for the whole model from the stamped graph), its half (the
-    # batch layout) and export's trace.
+    # batch layout) and export's trace. In training mode, the half batch once more in that mode
+    # (the eval-mode trials are not the shape check's reference there).
     with torch.device("meta"):
         llama = _llama()[0]
         model, inputs = gpt.build(n_layer=7, dropout=0.0, batch=4)
+        trained = gpt.build(n_layer=7, dropout=0.1, batch=4)[0]
     ids = torch.zeros(4, 16, dtype=torch.long)
     cases = [(llama.eval(), (ids,), {"use_cache": False}, "export", 0, 3),
-             (model.eval(), inputs, {}, "fx", 1, 2)]
+             (model.eval(), inputs, {}, "fx", 1, 2), (trained.train(), inputs, {}, "fx", 1, 4)]
     for net, inputs, kwargs, method, whole, cut in cases:
         full = capture(net, inputs, kwargs, check="shapes", inline_modules=True)
         stamped = capture(net, inputs, kwargs, check="shapes", inline_modules=True, stamp=True)
@@ -485,3 +487,58 @@ def test_a_meta_model_whose_outputs_grow_with_its_blocks_is_laid_out_whole() -> 
     assert stacked.meta[ir.TENSOR].concrete_shape(4) == (4, 6, 8)  # all six blocks' states
     assert info.signature.out_batch_dims == (0,)
     assert tuple(info.signature.out_is_tensor) == (True,)
+
+
+def test_shape_propagation_runs_two_blocks_and_copies_the_rest() -> None:
+    # The bundled GPT's blocks map a (b, t, d) stream to one like it: blocks 3..N-1 take block
+    # 2's fake values (the same objects), and the shapes are those of every block run.
+    from fxpipe.frontend import shapes
+    from fxpipe.frontend.stamp import BLOCKS
+
+    model, inputs = gpt.build(n_layer=7, dropout=0.0, batch=4)
+    gm = capture(model, inputs, inline_modules=True, stamp=True)
+    run = gm.meta[BLOCKS][0]
+    dims = gm.meta[ir.CAPTURE].signature.input_batch_dims
+    values = shapes.propagate_shapes(gm, list(inputs), dims)
+    copied = [(c, t) for block in run.blocks[2:] for c, t in zip(block, run.blocks[1])
+              if c.op.startswith("call_")]
+    assert copied and all(values[c] is values[t] for c, t in copied)
+    stamped = canonical(gm)
+    gm.meta[BLOCKS] = ()  # every block run
+    values = shapes.propagate_shapes(gm, list(inputs), dims)
+    assert not any(values[c] is values[t] for c, t in copied
+                   if isinstance(values[t], torch.Tensor))
+    assert canonical(gm) == stamped
+
+
+def test_blocks_that_grow_their_input_are_all_run_by_shape_propagation() -> None:
+    class Growing(nn.Module):  # each block appends a token: block 2 sees a longer input than 1
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.fc = nn.Linear(width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, torch.tanh(self.fc(x[:, -1:]))], dim=1)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Growing(8) for _ in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    x = torch.randn(4, 3, 8)
+    stamped = capture(net, (x,), inline_modules=True, stamp=True)
+    assert stamped.meta[ir.CAPTURE].stamped == 3, stamped.meta[ir.CAPTURE].stamp_note
+    full = capture(net, (x,), inline_modules=True)
+    assert canonical(stamped) == canonical(full)
+    output = next(n for n in stamped.graph.nodes if n.op == "output")
+    last = fx.node.map_aggregate(output.args[0], lambda a: a)
+    last = last[0] if isinstance(last, (tuple, list)) else last
+    assert last.meta[ir.TENSOR].concrete_shape(4) == (4, 9, 8)
+    torch.testing.assert_close(stamped(x), net(x))

@@ -10,6 +10,12 @@ nothing raises, and every later size is the constant 4, so a size computed in on
 frozen at the full batch in the next. After each node the batch symbol is checked; when an
 operation specialised it, propagation starts again with that operation run on static fakes at a
 few batch sizes and its output sizes interpolated (a ShapeEnv cannot be rolled back).
+
+A stamped graph (fxpipe.frontend.stamp) runs its blocks 1 and 2 only: when every value of block
+2 has the shape, strides, dtype and flags of its counterpart in block 1, block 3 reads what block
+2 read, so it computes what block 2 computed, and so on down the list; the copies take block 2's
+values. Anything else (a block that changes its input's shape) runs every block. A block's
+parameters laid out as their twins in block 2 take their twins' fakes (one conversion each).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from typing import Any, TypeAlias
 
 import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
 import torch
+import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
@@ -26,6 +33,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from fxpipe import ir, source
 from fxpipe.errors import CaptureError
+from fxpipe.frontend.stamp import BLOCKS, StampedBlocks
 
 __all__ = ["propagate_shapes", "symbolic_inputs", "op_key", "specialised", "OpKey",
            "Specialised", "known_specialising", "SAMPLE_SIZES", "plain_containers",
@@ -107,6 +115,13 @@ class _FakeInterpreter(Interpreter):
         self.sym = sym
         self.values: dict[Node, Any] = {}
         self._fakes: dict[int, torch.Tensor] = {}
+        # each operation of a stamped block 3..N-1 -> (its twin in block 2, the list)
+        self._twins: dict[Node, tuple[Node, StampedBlocks]] = {
+            copy: (twin, run) for run in gm.meta.get(BLOCKS, ()) for block in run.blocks[2:]
+            for copy, twin in zip(block, run.blocks[1])
+            if copy.op.startswith("call_") or copy.op == "get_attr"}
+        self._repeating: dict[str, bool] = {}
+        self.copied: dict[Node, Node] = {}  # a node whose value is its twin's -> the twin
 
     def _fake(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor):
@@ -125,6 +140,12 @@ class _FakeInterpreter(Interpreter):
         return plain_containers(args), plain_containers(kwargs)
 
     def run_node(self, n: Node) -> Any:
+        twin = self._twins.get(n)
+        if twin is not None and (self._alike_attribute(n, twin[0]) if n.op == "get_attr"
+                                 else self._repeats(twin[1])):
+            self.copied[n] = twin[0]
+            result = self.values[n] = self.values[twin[0]]
+            return result
         key = op_key(self.module, n) if n.op.startswith("call_") else None
         try:
             if key is not None and key in self.sampled:
@@ -156,6 +177,26 @@ class _FakeInterpreter(Interpreter):
         self.values[n] = result
         return result
 
+    def _alike_attribute(self, n: Node, twin: Node) -> bool:
+        """Whether a parameter or buffer of a stamped block is laid out as its twin's in
+        block 2, which then stands for it (its fake is made once)."""
+        if twin not in self.values:
+            return False
+        mine, theirs = super().fetch_attr(str(n.target)), super().fetch_attr(str(twin.target))
+        return isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and \
+            type(mine) is type(theirs) and _layout_of(mine) == _layout_of(theirs)
+
+    def _repeats(self, run: StampedBlocks) -> bool:
+        """Whether block 2 of `run` maps values like block 1's to values like them (then
+        every later block computes what block 2 computed)."""
+        if run.path not in self._repeating:
+            one, two = run.blocks[0], run.blocks[1]
+            self._repeating[run.path] = all(
+                a in self.values and b in self.values and
+                _layout_of(self.values[a]) == _layout_of(self.values[b])
+                for a, b in zip(one, two))
+        return self._repeating[run.path]
+
     def _interpolated(self, n: Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         samples: dict[int, Any] = {}
@@ -165,6 +206,29 @@ class _FakeInterpreter(Interpreter):
             with static:
                 samples[b] = call_node(self.module, n, a, k)
         return symbolic_like(samples, self.shape_env, self.sym)
+
+
+def _layout_of(value: Any) -> object:
+    """What a value's shape propagation depends on, comparable between values: each tensor's
+    sizes, strides, dtype, device and flags; numbers and symbols as such. Another kind of value
+    compares unequal to everything (its blocks then all run)."""
+    def one(x: Any) -> object:
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(map(_symbolic, x.shape)), tuple(map(_symbolic, x.stride())),
+                    x.dtype, x.device, x.requires_grad, x.is_leaf)
+        if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+            return ("symbol", _symbolic(x))
+        if x is None or isinstance(x, bool | int | float | str | torch.dtype | torch.device):
+            return ("value", type(x), x)
+        return object()
+
+    leaves, spec = pytree.tree_flatten(value)
+    return (str(spec), tuple(one(x) for x in leaves))
+
+
+def _symbolic(value: Any) -> Any:
+    return value.node.expr if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool) \
+        else value
 
 
 def call_node(module: torch.nn.Module, n: Node, args: Sequence[Any],
@@ -303,7 +367,9 @@ def _propagate(gm: GraphModule, tensors: Sequence[torch.Tensor],
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        node.meta[ir.TENSOR] = _info(interp.values.get(node), substitution)
+        twin = interp.copied.get(node)
+        node.meta[ir.TENSOR] = twin.meta[ir.TENSOR] if twin is not None else \
+            _info(interp.values.get(node), substitution)
     return interp.values
 
 
