@@ -15,6 +15,7 @@ passes.partition.solver minimises the slowest stage, within a memory limit.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -42,7 +43,8 @@ from fxpipe.runtime.planning.schedule import ScheduleKind, schedule_kind
 from fxpipe.runtime.planning.timeline import predicted_step
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "Atoms", "AtomsCache", "atoms_of",
-           "measure_atoms", "node_facts", "NodeFacts", "BALANCE_MODES", "WEIGHT_GRAD_SHARE"]
+           "measure_atoms", "node_facts", "NodeFacts", "BALANCE_MODES", "WEIGHT_GRAD_SHARE",
+           "is_glue"]
 
 
 
@@ -141,18 +143,22 @@ class AtomsCache:
     facts: dict[FactsKey, NodeFacts] = field(default_factory=dict)
     """What the atoms are made of, by (balance, micro-batch size, corrections): shared by the
     atoms of every remat, chunks and optimizer at that size."""
+    readers: set[Node] | None = None
+    """The nodes whose backward has a weight-gradient part (_weight_readers), found once."""
 
     def facts_for(self, gm: GraphModule, groups: list[list[Node]], *, balance: str,
                   profile: DeviceProfile, b: int,
                   corrections: Mapping[str, float]) -> NodeFacts:
         key: FactsKey = (balance, b, tuple(sorted(corrections.items())))
         if key not in self.facts:
+            if self.readers is None:
+                self.readers = _weight_readers(gm)
             self.facts[key] = node_facts(gm, groups, balance=balance, profile=profile, b=b,
-                                         corrections=corrections)
+                                         corrections=corrections, readers=self.readers)
         return self.facts[key]
 
 
-def _is_glue(node: Node) -> bool:
+def is_glue(node: Node) -> bool:
     """Launches no kernel (views, getitem, sizes) or produces no tensor without computing."""
     cost: ir.Cost | None = node.meta.get(ir.COST)
     if cost is not None:
@@ -163,7 +169,7 @@ def _is_glue(node: Node) -> bool:
 def _has_work(node: Node) -> bool:
     """Computes a floating-point value. Integer and boolean results (a counter's add_(1), a
     mask, indices) are bookkeeping: a stage holding only those would compute nothing."""
-    if _is_glue(node):
+    if is_glue(node):
         return False
     info = node.meta.get(ir.TENSOR)
     if isinstance(info, ir.TensorInfo):
@@ -289,25 +295,60 @@ class NodeFacts:
 
 def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
                profile: DeviceProfile, b: int,
-               corrections: Mapping[str, float] | None = None) -> NodeFacts:
+               corrections: Mapping[str, float] | None = None,
+               readers: set[Node] | None = None) -> NodeFacts:
+    """`readers`: _weight_readers(gm), when the caller has it."""
     index = _atom_index(groups)
     n = len(groups)
-    readers = _weight_readers(gm)
+    readers = _weight_readers(gm) if readers is None else readers
     corrections = corrections or {}
     costed = balance == "cost"
     facts = NodeFacts([], [], [], [], [], [], [], [], [0.0], [0.0], [0])
+    # A deep model repeats a few costs thousands of times (its blocks): each distinct one is
+    # evaluated at b once.
+    timed: dict[object, tuple[float, float]] = {}
+    held: dict[object, tuple[float, float, float, float]] = {}
+
+    def node_time(x: Node) -> tuple[float, float]:
+        if not costed or x.name in corrections:
+            return _node_time(x, balance, profile, b, corrections)
+        cost = ir.cost(x)
+        key = id(cost.work) if cost.work else (  # a block's copies share their twin's work
+            cost.fwd_flops, cost.fwd_bytes, cost.fwd_kernels, cost.bwd_flops, cost.bwd_bytes,
+            cost.bwd_kernels)
+        if key not in timed:
+            timed[key] = estimate_time(cost, profile, b)
+        return timed[key]
+
+    def amounts(cost: ir.Cost) -> tuple[float, float, float, float]:
+        exprs = (cost.param_bytes, cost.grad_param_bytes, cost.grad_param_elements,
+                 cost.saved_bytes)
+        key = tuple(map(id, exprs))  # alive in the graph's costs while this runs
+        if key not in held:
+            p, g, e, saved = (float(ir.evaluate(x, b)) for x in exprs)
+            held[key] = (p, g, e, saved)
+        return held[key]
+
+    sized: dict[int, tuple[float, float]] = {}
+
+    def value_bytes(node: Node) -> tuple[float, float]:
+        key = id(node.meta.get(ir.TENSOR))  # a block's copies share their twin's shapes
+        if key not in sized:
+            sized[key] = _value_bytes(node, b)
+        return sized[key]
+
     for group in groups:
-        times = [_node_time(x, balance, profile, b, corrections) for x in group]
-        facts.ops.append(sum(1 for x in group if not _is_glue(x)) if costed else 0)
+        times = [node_time(x) for x in group]
+        facts.ops.append(sum(1 for x in group if not is_glue(x)) if costed else 0)
         facts.fwd.append(sum(t[0] for t in times))
         facts.bwd.append(sum(t[1] for t in times))
         facts.weight.append(sum(WEIGHT_GRAD_SHARE * t[1] for x, t in zip(group, times)
                                 if x in readers))
-        costs = [ir.cost(x) for x in group]
-        facts.params.append(sum(float(ir.evaluate(c.param_bytes, b)) for c in costs))
-        facts.grads.append(sum(float(ir.evaluate(c.grad_param_bytes, b)) for c in costs))
-        facts.elements.append(sum(float(ir.evaluate(c.grad_param_elements, b)) for c in costs))
-        facts.saved.append(sum(float(ir.evaluate(c.saved_bytes, b)) for c in costs))
+        each = [amounts(ir.cost(x)) for x in group]
+        facts.params.append(sum(a[0] for a in each))
+        facts.grads.append(sum(a[1] for a in each))
+        facts.elements.append(sum(a[2] for a in each))
+        facts.saved.append(sum(a[3] for a in each))
     # values crossing each cut: produced in atom i, last used in atom j > i -> cuts i+1 .. j
     diff_f = [0.0] * (n + 2)
     diff_b = [0.0] * (n + 2)
@@ -317,7 +358,7 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
             users = [index.get(u, n) for u in node.users]  # the output node counts as atom n
             last = max(users, default=index[node])
             if last > index[node]:
-                fwd, bwd = _value_bytes(node, b)
+                fwd, bwd = value_bytes(node)
                 diff_f[index[node] + 1] += fwd
                 diff_f[last + 1] -= fwd
                 diff_b[index[node] + 1] += bwd
@@ -454,7 +495,7 @@ def partition(
     if mode != "params":  # the last atom is always in the last stage
         atoms = replace(atoms, compute=[*atoms.compute[:-1], atoms.compute[-1] + loss_time])
     schedule = schedule_kind(schedule)
-    inflight = peak_inflight(schedule.build(chunks, num_stages, ranks))
+    inflight = list(_peak_inflight(schedule, chunks, num_stages, ranks))
     if starts is not None:
         cuts = _cuts_from_starts(groups, starts, num_stages)
     if split_points is not None:
@@ -494,6 +535,14 @@ def partition(
     plan = replace(plan, step_overhead=0.0 if mode == "params" else profile.step_overhead)
     # the step as the schedule plays it: the one figure reports and chunks="auto" judge by
     return replace(plan, predicted_step_time=predicted_step(plan, schedule, ranks)[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def _peak_inflight(schedule: ScheduleKind, chunks: int, num_stages: int,
+                   ranks: int | None) -> tuple[int, ...]:
+    """peak_inflight of the schedule's order, once per shape (a planner partitions for
+    hundreds of candidates that share a few)."""
+    return tuple(peak_inflight(schedule.build(chunks, num_stages, ranks)))
 
 
 def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,

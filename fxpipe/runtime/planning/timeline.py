@@ -206,7 +206,7 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, recor
     actions = schedule.build(m, k, ranks)
     if not schedule.splits_backward:
         events, makespan = simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm,
-                                    record=record)
+                                    record=record, checked=True)
         return events, makespan, m * sum(f + b for f, b in zip(fwd, bwd))
     inputs, weights = [], []
     for s, backward in zip(plan.stages, bwd):
@@ -219,7 +219,7 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, recor
             weights.append(s.recompute_time + s.weight_time)
     whole = [i + w for i, w in zip(inputs, weights)]
     events, makespan = simulate(actions, forward_time=fwd, weight_time=weights,
-                                backward_time=whole, comm_time=comm, record=record)
+                                backward_time=whole, comm_time=comm, record=record, checked=True)
     return events, makespan, m * sum(f + b for f, b in zip(fwd, whole))
 
 
