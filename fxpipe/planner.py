@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from fxpipe import ir
 from fxpipe.built import Snapshot
@@ -44,7 +45,8 @@ from fxpipe.frontend.capture import CaptureInfo
 from fxpipe.losses import loss_time
 from fxpipe.optimizers import ADAM, OptimizerMemory, optimizer_memory
 from fxpipe.passes.partition import PartitionPlan, partition
-from fxpipe.passes.partition.graph import Atoms, AtomsCache, AtomsKey, atoms_of, measure_atoms
+from fxpipe.passes.partition.graph import AtomsCache, atoms_of
+from fxpipe.passes.partition.totals import GraphTotals
 from fxpipe.pipeline import capture_and_cost
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.remat_policy import remat_policy
@@ -216,6 +218,27 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
     Raises:
         PlanError: no candidate fits (the message names the smallest memory that would).
     """
+    return planning(model, example_inputs, example_kwargs, devices=devices,
+                    memory_per_device=memory_per_device, profile=profile,
+                    devices_per_node=devices_per_node,
+                    inter_node_bandwidth=inter_node_bandwidth, schedules=schedules,
+                    remats=remats, max_chunks=max_chunks, capture=capture, check=check,
+                    optimizer=optimizer, master_weights=master_weights, shards=shards,
+                    stamp=stamp, prune=prune).plan(any_fit)
+
+
+def planning(model: nn.Module, example_inputs: Any,
+             example_kwargs: dict[str, Any] | None = None, *, devices: int,
+             memory_per_device: float | None = None,
+             profile: DeviceProfile | str | None = None, devices_per_node: int | None = None,
+             inter_node_bandwidth: float | None = None,
+             schedules: Sequence[str] = tuple(SCHEDULES), remats: Sequence[str] = REMATS,
+             max_chunks: int = 64, capture: str = "auto", check: Any = None,
+             optimizer: Any = "adam", master_weights: bool = False,
+             shards: Sequence[str] = SHARDS, stamp: bool | None = None,
+             prune: bool = True) -> Planning:
+    """The model captured and costed once for plan (its arguments), to be planned one or more
+    ways (Planning.plan)."""
     if not isinstance(devices, int) or devices < 1:
         raise ConfigError(f"devices must be a positive integer (got {devices!r})",
                           hint="pass the number of devices the run has, e.g. devices=8")
@@ -241,64 +264,98 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
                            stamp=stamp)
     gm = capture_and_cost(model, args, dict(example_kwargs or {}), config, list[Snapshot](),
                           {}, {})
-    info: CaptureInfo = gm.meta[ir.CAPTURE]
-    chosen_profile = select_profile(profile, model, "cpu")  # as compile on CPU processes
-    grads = _grad_bytes(gm)
-    reuse = AtomsCache(groups=atoms_of(gm))  # every candidate partitions the same graph
-    bounds = Bounds(gm, chosen_profile, reuse, held, sum(grads.values()),
-                    Link(devices_per_node, inter_node_bandwidth, chosen_profile))
-    partitions = Partitions(gm, chosen_profile, held, reuse)
-    listed: list[tuple[Candidate, float, float]] = []  # with its step's and memory's bounds
-    found: list[Candidate] = []
-    for ranks, replicas in _splits(devices):
-        if info.batch_size % replicas:
-            continue  # the replicas take equal shares of the batch
-        share = info.batch_size // replicas
-        for chunks in (m for m in range(1, min(share, max_chunks) + 1) if share % m == 0):
-            for schedule in schedules:
+    return Planning(gm, select_profile(profile, model, "cpu"),  # as compile on CPU processes
+                    held, devices, memory_per_device, devices_per_node, inter_node_bandwidth,
+                    tuple(schedules), tuple(remats), max_chunks, tuple(shards), prune)
+
+
+class Planning:
+    """One captured, costed graph and the candidates of `devices` devices: planned once or
+    more (largest_that_fits asks first whether any fits, then for the plan), sharing the
+    atoms, the fastest cuts and the schedules' orders between the runs."""
+
+    def __init__(self, gm: GraphModule, profile: DeviceProfile, held: OptimizerMemory,
+                 devices: int, memory_per_device: float | None, devices_per_node: int | None,
+                 inter_node_bandwidth: float | None, schedules: tuple[str, ...],
+                 remats: tuple[str, ...], max_chunks: int, shards: tuple[str, ...],
+                 prune: bool) -> None:
+        self.gm, self.profile, self.held, self.devices = gm, profile, held, devices
+        self.memory_per_device, self.schedules, self.remats = memory_per_device, schedules, remats
+        self.max_chunks, self.shards, self.prune = max_chunks, shards, prune
+        self.info: CaptureInfo = gm.meta[ir.CAPTURE]
+        self.grads = _grad_bytes(gm)
+        groups = atoms_of(gm)
+        reuse = AtomsCache(groups=groups)  # every candidate partitions the same graph
+        self.bounds = Bounds(gm, profile, groups, held, sum(self.grads.values()),
+                             Link(devices_per_node, inter_node_bandwidth, profile))
+        self.partitions = Partitions(gm, profile, held, reuse)
+
+    def _bounded(self) -> tuple[list[Candidate], list[tuple[Candidate, float, float]]]:
+        """Every candidate: those whose memory bound exceeds the devices' (with the reason),
+        and the others with the bounds of their step and memory."""
+        info, bounds, memory = self.info, self.bounds, self.memory_per_device
+        out: list[Candidate] = []
+        listed: list[tuple[Candidate, float, float]] = []
+        for ranks, replicas in _splits(self.devices):
+            if info.batch_size % replicas:
+                continue  # the replicas take equal shares of the batch
+            share = info.batch_size // replicas
+            for chunks, schedule, remat, shard in itertools.product(
+                    [m for m in range(1, min(share, self.max_chunks) + 1) if share % m == 0],
+                    self.schedules, self.remats, self.shards if replicas > 1 else ("none",)):
                 per_rank = default_stages_per_rank(schedule)
-                for remat in remats:
-                    for shard in shards if replicas > 1 else ("none",):
-                        c = Candidate(ranks * per_rank, per_rank, replicas, chunks, schedule,
-                                      remat, shard)
-                        least = bounds.memory(c, share // chunks)
-                        if prune and memory_per_device is not None \
-                                and least > memory_per_device * (1 + 1e-9):
-                            found.append(replace(c, memory_bytes=least, problem="holds at "
-                                                 f"least {human_bytes(least)} per device"))
-                        else:
-                            listed.append((c, bounds.step(c, share // chunks), least))
-    best = math.inf  # the fastest that fits so far: a candidate that cannot beat it is skipped
-    # the likeliest to win first; to find any that fits, the likeliest to fit
-    for c, least, _ in sorted(listed, key=lambda x: x[2] if any_fit else x[1]):
-        if any_fit and best < math.inf:
-            break
-        if prune and least >= best:
-            found.append(replace(c, bound_s=least))
-            continue
-        predicted = _predict(c, info.batch_size // c.replicas // c.chunks, memory_per_device,
-                             grads, bounds.link, partitions)
-        found.append(replace(predicted, bound_s=least))
-        if predicted.fits:
-            best = min(best, predicted.step_s)
-    for node in ir.compute_nodes(gm.graph):  # the last partition tried wrote its stages
-        node.meta.pop(ir.STAGE, None)
-    if not found:
-        raise PlanError(f"no way to share a batch of {info.batch_size} among replicas on "
-                        f"{devices} devices", hint="use a batch that a divisor of the device "
-                        "count divides")
-    found.sort(key=lambda c: (not c.fits, c.step_s, c.memory_bytes))
-    result = Plan(devices, info.batch_size, memory_per_device, tuple(found),
-                  (f"profile: {chosen_profile.name}", f"optimizer: {held.describe()}"), held)
-    if not result.choice.fits:
-        needs = [c.memory_bytes for c in found if c.memory_bytes]
-        smallest = f" (the least a candidate's fastest cut holds: at least " \
-            f"{human_bytes(min(needs))})" if needs else ""
-        raise PlanError(f"none of {len(found)} candidates fits "
-                        f"{human_bytes(memory_per_device or 0)} per device{smallest}: "
-                        f"{found[0].problem}",
-                        hint="use more devices, a smaller batch, or a model that fits")
-    return result
+                c = Candidate(ranks * per_rank, per_rank, replicas, chunks, schedule, remat,
+                              shard)
+                least = bounds.memory(c, share // chunks)
+                if self.prune and memory is not None and least > memory * (1 + 1e-9):
+                    out.append(replace(c, memory_bytes=least, problem="holds at least "
+                                       f"{human_bytes(least)} per device"))
+                else:
+                    listed.append((c, bounds.step(c, share // chunks), least))
+        return out, listed
+
+    def plan(self, any_fit: bool = False) -> Plan:
+        """The candidates, fastest first (with `any_fit`, up to the first that fits).
+
+        Raises:
+            PlanError: no candidate fits.
+        """
+        gm, info, devices, memory_per_device = self.gm, self.info, self.devices, \
+            self.memory_per_device
+        pruned, listed = self._bounded()
+        found = list(pruned)
+        best = math.inf  # the fastest that fits so far: a candidate that cannot beat it is skipped
+        # the likeliest to win first; to find any that fits, the likeliest to fit
+        for c, least, _ in sorted(listed, key=lambda x: x[2] if any_fit else x[1]):
+            if any_fit and best < math.inf:
+                break
+            if self.prune and least >= best:
+                found.append(replace(c, bound_s=least))
+                continue
+            predicted = _predict(c, info.batch_size // c.replicas // c.chunks, memory_per_device,
+                                 self.grads, self.bounds.link, self.partitions, any_fit)
+            found.append(replace(predicted, bound_s=least))
+            if predicted.fits:
+                best = min(best, predicted.step_s)
+        for node in ir.compute_nodes(gm.graph):  # the last partition tried wrote its stages
+            node.meta.pop(ir.STAGE, None)
+        if not found:
+            raise PlanError(f"no way to share a batch of {info.batch_size} among replicas on "
+                            f"{devices} devices", hint="use a batch that a divisor of the device "
+                            "count divides")
+        found.sort(key=lambda c: (not c.fits, c.step_s, c.memory_bytes))
+        result = Plan(devices, info.batch_size, memory_per_device, tuple(found),
+                      (f"profile: {self.profile.name}", f"optimizer: {self.held.describe()}"),
+                      self.held)
+        if not result.choice.fits:
+            needs = [c.memory_bytes for c in found if c.memory_bytes]
+            smallest = f" (the least a candidate's fastest cut holds: at least " \
+                f"{human_bytes(min(needs))})" if needs else ""
+            raise PlanError(f"none of {len(found)} candidates fits "
+                            f"{human_bytes(memory_per_device or 0)} per device{smallest}: "
+                            f"{found[0].problem}",
+                            hint="use more devices, a smaller batch, or a model that fits")
+        return result
 
 
 Build = Callable[[int], tuple[Any, ...]]
@@ -306,22 +363,25 @@ Build = Callable[[int], tuple[Any, ...]]
 
 
 def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
-                      low: int = 1, high: int = 1 << 16, on_meta: bool = True,
-                      say: Callable[[str], None] | None = None,
+                      low: int = 1, high: int = 1 << 16, guess: int | None = None,
+                      on_meta: bool = True, say: Callable[[str], None] | None = None,
                       **plan_kwargs: Any) -> tuple[int, Plan]:
     """The largest size (a factory parameter that grows the model, such as its number of
     layers) whose model fits `devices` devices of `memory_per_device`, and its plan.
 
-    Sizes are tried doubling from `low`, then by bisection between the last that fit and the
-    first that did not (what fits is taken as monotone in the size). With `on_meta` each model
-    is built on the meta device and checked by shapes, so no size needs its weights in memory.
-    Each size is asked only whether some candidate fits (plan(any_fit=True)); the largest is
-    then planned in full.
+    What fits is taken as monotone in the size. Without a `guess`, sizes are tried doubling
+    from `low`; with one (say, the answer for fewer devices scaled by the devices), from the
+    guess up or down in steps that double from a 128th of it. Then bisection between the
+    largest that fit and the smallest that did not. With `on_meta` each model is built on the
+    meta device and checked by shapes, so no size needs its weights in memory. Each size is
+    asked only whether some candidate fits (Planning.plan(any_fit=True)); the largest is then
+    planned in full on the graph its question captured.
 
     Raises:
         PlanError: not even `low` fits.
     """
-    tried: dict[int, Plan | None] = {}
+    tried: dict[int, bool] = {}
+    kept: dict[int, Planning] = {}  # the largest size that fit, captured
 
     def fits(size: int) -> bool:
         if size not in tried:
@@ -329,37 +389,67 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
                 made = build(size)
             model, inputs = made[0], made[1]
             kwargs = made[2] if len(made) > 2 else None
+            graph = planning(model, inputs, kwargs, devices=devices,
+                             memory_per_device=memory_per_device,
+                             check="shapes" if on_meta else None, **plan_kwargs)
             try:
-                tried[size] = plan(model, inputs, kwargs, devices=devices,
-                                   memory_per_device=memory_per_device, any_fit=True,
-                                   check="shapes" if on_meta else None, **plan_kwargs)
+                result: Plan | None = graph.plan(any_fit=True)
             except PlanError:
-                tried[size] = None
+                result = None
+            tried[size] = result is not None
+            if result is not None and all(size > s for s in kept):
+                kept.clear()
+                kept[size] = graph
             if say is not None:
-                result = tried[size]
                 say(f"size {size}: " + (f"fits ({_key(result.choice)})"
                                         if result is not None else "does not fit"))
-        return tried[size] is not None
+        return tried[size]
 
-    if not fits(low):
-        raise PlanError(f"size {low} does not fit {devices} devices of "
-                        f"{human_bytes(memory_per_device)}", hint="use more devices, or a "
-                        "smaller starting size (low=...)")
-    good, bad = low, None
-    while bad is None and good < high:
-        nxt = min(2 * good, high)
-        if fits(nxt):
-            good = nxt
-        else:
-            bad = nxt
+    low_too_large = PlanError(f"size {low} does not fit {devices} devices of "
+                              f"{human_bytes(memory_per_device)}", hint="use more devices, or "
+                              "a smaller starting size (low=...)")
+    good, bad = _bracket(fits, low, high, guess, low_too_large)
     while bad is not None and bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
-    with torch.device("meta") if on_meta else contextlib.nullcontext():
-        made = build(good)
-    return good, plan(made[0], made[1], made[2] if len(made) > 2 else None, devices=devices,
-                      memory_per_device=memory_per_device,
-                      check="shapes" if on_meta else None, **plan_kwargs)
+    return good, kept[good].plan()
+
+
+def _bracket(fits: Callable[[int], bool], low: int, high: int, guess: int | None,
+             low_too_large: PlanError) -> tuple[int, int | None]:
+    """(a size that fits, the next larger size tried that does not, or None up to `high`).
+
+    Raises:
+        low_too_large: `low` does not fit.
+    """
+    def at_least_low() -> int:
+        if not fits(low):
+            raise low_too_large
+        return low
+
+    if guess is None or not low < guess <= high:
+        good, bad = at_least_low(), None
+        while bad is None and good < high:
+            nxt = min(2 * good, high)
+            good, bad = (nxt, None) if fits(nxt) else (good, nxt)
+        return good, bad
+    step = max(1, guess // 128)
+    if fits(guess):
+        good = guess
+        while good < high:
+            nxt = min(good + step, high)
+            if not fits(nxt):
+                return good, nxt
+            good, step = nxt, 2 * step
+        return good, None
+    bad = guess
+    while True:
+        nxt = bad - step
+        if nxt <= low:
+            return at_least_low(), bad
+        if fits(nxt):
+            return nxt, bad
+        bad, step = nxt, 2 * step
 
 
 def _key(c: Candidate) -> str:
@@ -395,7 +485,8 @@ class Partitions:
     profile: DeviceProfile
     optimizer: OptimizerMemory
     reuse: AtomsCache
-    fastest: dict[CutKey, tuple[str, ...]] = field(default_factory=dict)  # first node per stage
+    fastest_starts: dict[CutKey, tuple[str, ...]] = field(default_factory=dict)
+    """Each key's fastest cut, as the first node of each stage."""
     kinds: dict[str, ScheduleKind] = field(default_factory=dict)
 
     def kind(self, name: str) -> ScheduleKind:
@@ -406,32 +497,35 @@ class Partitions:
             self.kinds[name] = replace(base, order=functools.lru_cache(maxsize=None)(base.order))
         return self.kinds[name]
 
-    def __call__(self, c: Candidate, b: int, limit: float | None) -> PartitionPlan:
+    def _cut(self, c: Candidate, b: int, limit: float | None,
+             starts: tuple[str, ...] | None = None) -> PartitionPlan:
+        return partition(self.gm, c.stages, microbatch_size=b, chunks=c.chunks,
+                         profile=self.profile, remat=c.remat, memory_limit=limit,
+                         schedule=self.kind(c.schedule), ranks=c.ranks,
+                         loss_time=loss_time(self.gm, b, self.profile, False),
+                         reuse=self.reuse, optimizer=self.optimizer.sharded(c.shard, c.replicas),
+                         starts=starts, least_memory=False)  # a cut that does not fit is told
+
+    def fastest(self, c: Candidate, b: int) -> PartitionPlan:
+        """The candidate's fastest cut, whatever it holds (PartitionError: none)."""
+        key: CutKey = (b, c.remat, c.chunks, c.stages,
+                       self.optimizer.sharded(c.shard, c.replicas))
+        if key in self.fastest_starts:
+            return self._cut(c, b, None, self.fastest_starts[key])
+        fastest = self._cut(c, b, None)
+        self.fastest_starts[key] = tuple(stage.nodes[0] for stage in fastest.stages)
+        return fastest
+
+    def within(self, c: Candidate, b: int, limit: float) -> PartitionPlan:
         """The candidate's fastest cut within `limit` bytes per stage (PartitionError: none)."""
-        optimizer = self.optimizer.sharded(c.shard, c.replicas)
-        key: CutKey = (b, c.remat, c.chunks, c.stages, optimizer)
-
-        def cut(limit: float | None, starts: tuple[str, ...] | None = None) -> PartitionPlan:
-            return partition(self.gm, c.stages, microbatch_size=b, chunks=c.chunks,
-                             profile=self.profile, remat=c.remat, memory_limit=limit,
-                             schedule=self.kind(c.schedule), ranks=c.ranks,
-                             loss_time=loss_time(self.gm, b, self.profile, False),
-                             reuse=self.reuse, optimizer=optimizer, starts=starts,
-                             least_memory=False)  # a cut that does not fit is told otherwise
-
-        if key in self.fastest:
-            fastest = cut(None, self.fastest[key])
-        else:
-            fastest = cut(None)
-            self.fastest[key] = tuple(stage.nodes[0] for stage in fastest.stages)
-        if limit is None or all((stage.memory or 0.0) <= limit for stage in fastest.stages):
-            return fastest
-        return cut(limit)
+        return self._cut(c, b, limit)
 
 
 def _predict(c: Candidate, b: int, memory: float | None, grads: dict[str, float], link: Link,
-             partitions: Partitions) -> Candidate:
-    """The candidate with its predicted step and memory, or the reason it cannot run."""
+             partitions: Partitions, any_fit: bool = False) -> Candidate:
+    """The candidate with its predicted step and memory, or the reason it cannot run. With
+    `any_fit` only a cut within the memory is sought (one solve; a candidate that fits none is
+    not told what its fastest cut would hold)."""
     limit = memory / c.stages_per_rank if memory is not None else None
 
     def per_device(p: PartitionPlan) -> float:
@@ -440,17 +534,24 @@ def _predict(c: Candidate, b: int, memory: float | None, grads: dict[str, float]
             held[rank] = held.get(rank, 0.0) + (stage.memory or 0.0)
         return max(held.values(), default=0.0)
 
+    def fits(p: PartitionPlan) -> bool:
+        return limit is None or all((stage.memory or 0.0) <= limit for stage in p.stages)
+
     try:
-        p = partitions(c, b, limit)
+        if any_fit and limit is not None:
+            p = partitions.within(c, b, limit)
+        else:
+            p = partitions.fastest(c, b)
+            if limit is not None and not fits(p):
+                fastest = p
+                try:
+                    p = partitions.within(c, b, limit)
+                except PartitionError:  # what its fastest cut would hold, for the table
+                    needs = per_device(fastest)
+                    return replace(c, memory_bytes=needs, problem="no cut fits; the fastest "
+                                   f"holds {human_bytes(needs)} per device")
     except PartitionError as e:
-        if limit is None:
-            return replace(c, problem=str(e).splitlines()[0][:90])
-        try:  # what its fastest cut would hold, for the table
-            needs = per_device(partitions(c, b, None))
-        except PartitionError as again:
-            return replace(c, problem=str(again).splitlines()[0][:90])
-        return replace(c, memory_bytes=needs, problem="no cut fits; the fastest holds "
-                       f"{human_bytes(needs)} per device")
+        return replace(c, problem=str(e).splitlines()[0][:90])
     slowest = max(sum(grads.get(n, 0.0) for n in stage.nodes) for stage in p.stages) \
         * c.stages_per_rank
     return replace(c, pipeline_s=p.predicted_step_time, allreduce_s=link.all_reduce(c, slowest),
@@ -487,33 +588,35 @@ class Bounds:
     state and one micro-batch's activations, and computes at least its share of the
     micro-batches' work; the slowest stage's gradients are at least a rank's share."""
 
-    def __init__(self, gm: GraphModule, profile: DeviceProfile, reuse: AtomsCache,
+    def __init__(self, gm: GraphModule, profile: DeviceProfile, groups: list[list[Node]],
                  optimizer: OptimizerMemory, grad_bytes: float, link: Link) -> None:
-        self.gm, self.profile, self.reuse, self.optimizer = gm, profile, reuse, optimizer
+        self.gm, self.profile, self.optimizer = gm, profile, optimizer
         self.grad_bytes, self.link = grad_bytes, link
-
-    def _atoms(self, c: Candidate, b: int) -> Atoms:
-        """The atoms partition measures for this candidate, measured once and kept where it
-        will find them."""
-        policy = remat_policy(c.remat)
-        optimizer = self.optimizer.sharded(c.shard, c.replicas)
-        key: AtomsKey = ("cost", b, policy, c.chunks, (), optimizer)
-        if key not in self.reuse.measured:
-            assert self.reuse.groups is not None
-            groups = self.reuse.groups
-            self.reuse.measured[key] = measure_atoms(
-                self.gm, groups, balance="cost", profile=self.profile, b=b, remat=policy,
-                chunks=c.chunks, optimizer=optimizer,
-                facts=self.reuse.facts_for(self.gm, groups, balance="cost",
-                                           profile=self.profile, b=b, corrections={}))
-        return self.reuse.measured[key]
+        self.totals = GraphTotals.of(groups)
+        self._held: dict[OptimizerMemory, float] = {}
+        self._saved: dict[int, float] = {}
+        self._time: dict[int, tuple[float, float]] = {}
 
     def memory(self, c: Candidate, b: int) -> float:
-        atoms = self._atoms(c, b)
-        return (math.fsum(atoms.mem_fixed) + math.fsum(atoms.mem_act)) / c.ranks
+        """The graph's weights, gradients, optimizer state (as sharded) and one micro-batch's
+        saved activations, a rank's share: what the atoms of any remat and chunks sum to."""
+        optimizer = self.optimizer.sharded(c.shard, c.replicas)
+        if optimizer not in self._held:
+            self._held[optimizer] = self.totals.held(optimizer)
+        if b not in self._saved:
+            self._saved[b] = self.totals.saved_bytes(b)
+        return (self._held[optimizer] + self._saved[b]) / c.ranks
 
     def step(self, c: Candidate, b: int) -> float:
-        atoms = self._atoms(c, b)
-        work = (math.fsum(atoms.compute) + loss_time(self.gm, b, self.profile, False)) * c.chunks
+        """A rank's share of the micro-batches' work (what measure_atoms' compute sums to: each
+        operation's kernels and overhead, and what remat recomputes), the step's overhead and
+        the all-reduce of a rank's share of the gradients."""
+        if b not in self._time:
+            self._time[b] = self.totals.kernel_time(self.profile, b)
+        fwd, bwd = self._time[b]
+        paid = self.totals.ops * self.profile.op_overhead
+        recompute = remat_policy(c.remat).recomputed_share(c.chunks)
+        again = recompute * (fwd + paid / 2 + self.totals.ops * self.profile.region_overhead)
+        work = (fwd + bwd + paid + again + loss_time(self.gm, b, self.profile, False)) * c.chunks
         return work / c.ranks + self.profile.step_overhead \
             + self.link.all_reduce(c, self.grad_bytes / c.ranks)

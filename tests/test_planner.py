@@ -135,6 +135,22 @@ def test_the_largest_that_fits_fits_and_one_more_layer_does_not():
         largest_that_fits(_gpt_of, **{**options, "memory_per_device": 1e5})
 
 
+def test_the_largest_that_fits_is_found_from_a_guess_above_or_below_it():
+    from fxpipe.planner import largest_that_fits
+
+    options = {"devices": 2, "memory_per_device": 12e6, "profile": "a100",
+               "schedules": ("gpipe",), "remats": ("except_last",)}
+    layers, _ = largest_that_fits(_gpt_of, **options)
+    for guess in sorted({max(2, layers - 3), layers, layers + 1, layers + 6}):
+        said: list[str] = []
+        found, plan_of = largest_that_fits(_gpt_of, guess=guess, say=said.append, **options)
+        assert found == layers, (guess, said)
+        assert said[0].startswith(f"size {guess}: ")  # the guess is tried first
+        assert any(line.startswith(f"size {layers}: fits") for line in said)
+        assert f"size {layers + 1}: does not fit" in said
+        assert plan_of.choice.fits
+
+
 def test_fxpipe_plan_largest_prints_the_size_and_its_plan(capsys):
     assert main(["plan", "fxpipe.models.gpt:build", "--set", "d_model=64", "--set", "n_head=2",
                  "--set", "vocab_size=256", "--set", "seq_len=16", "--set", "batch=4",
@@ -194,3 +210,32 @@ def test_a_meta_model_is_planned_with_its_blocks_stamped():
     assert [x for c in stamped.candidates if not c.skipped for x in (c.step_s, c.memory_bytes)] \
         == pytest.approx([x for c in traced.candidates if not c.skipped
                           for x in (c.step_s, c.memory_bytes)])
+
+
+def test_the_bounds_are_what_the_measured_atoms_add_up_to():
+    # Bounds sums the graph once (GraphTotals); partition measures atoms per candidate: the
+    # same totals, so a bound never prunes a candidate that could fit or win.
+    import math
+
+    from fxpipe.losses import loss_time
+    from fxpipe.optimizers import optimizer_memory
+    from fxpipe.passes.partition.graph import measure_atoms
+    from fxpipe.planner import Candidate, planning
+
+    model, inputs = _gpt_of(3)
+    held = optimizer_memory("adam", False)
+    graph = planning(model, inputs, devices=4, profile="a100")
+    gm, bounds = graph.gm, graph.bounds
+    groups = graph.partitions.reuse.groups
+    for b, remat, chunks, shard, replicas in [(1, "never", 4, "none", 1),
+                                              (2, "always", 2, "optimizer", 2),
+                                              (4, "except_last", 1, "none", 1)]:
+        c = Candidate(4 // replicas, 1, replicas, chunks, "gpipe", remat, shard)
+        atoms = measure_atoms(gm, groups, balance="cost", profile=bounds.profile, b=b,
+                              remat=remat, chunks=chunks, optimizer=held.sharded(shard, replicas))
+        memory = (math.fsum(atoms.mem_fixed) + math.fsum(atoms.mem_act)) / c.ranks
+        assert bounds.memory(c, b) == pytest.approx(memory, rel=1e-12)
+        work = (math.fsum(atoms.compute) + loss_time(gm, b, bounds.profile, False)) * chunks
+        step = work / c.ranks + bounds.profile.step_overhead + \
+            bounds.link.all_reduce(c, bounds.grad_bytes / c.ranks)
+        assert bounds.step(c, b) == pytest.approx(step, rel=1e-12)

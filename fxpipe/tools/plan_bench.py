@@ -86,14 +86,16 @@ def largest_table(build: Callable[[int], tuple[Any, ...]], devices: Sequence[int
                   memory: float, say: Callable[[str], None] | None = None,
                   **plan_kwargs: Any) -> list[LargestRow]:
     """One row per device count (ascending): the most layers `build` may have to fit, and its
-    plan. Each search starts from the row before's layers (more devices fit at least as
-    many)."""
+    plan. Each search after the first starts from a guess, the row before's layers per device
+    times the devices, and never goes below the row before's layers."""
     rows: list[LargestRow] = []
     for n in sorted(devices):
         used = time.process_time()
+        before = rows[-1] if rows else None  # more devices fit at least as many, about
+        guess = before.layers * n // before.devices if before else None  # as many per device
         layers, found = largest_that_fits(build, devices=n, memory_per_device=memory,
-                                          low=rows[-1].layers if rows else 1, say=say,
-                                          **plan_kwargs)
+                                          low=before.layers if before else 1, guess=guess,
+                                          say=say, **plan_kwargs)
         cpu = time.process_time() - used
         with torch.device("meta"):
             model = build(layers)[0]
