@@ -211,7 +211,8 @@ def cmd_costs(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from fxpipe.models import load_factory
-    from fxpipe.planner import largest_that_fits, plan
+    from fxpipe.planner import plan
+    from fxpipe.sizing import largest_that_fits
 
     if args.largest:
         if args.memory_per_device is None:

@@ -111,7 +111,7 @@ def _gpt_of(layers):
 
 
 def test_the_largest_that_fits_fits_and_one_more_layer_does_not():
-    from fxpipe.planner import largest_that_fits
+    from fxpipe.sizing import largest_that_fits
 
     options = {"devices": 2, "memory_per_device": 12e6, "profile": "a100",
                "schedules": ("gpipe",), "remats": ("except_last",)}
@@ -136,7 +136,7 @@ def test_the_largest_that_fits_fits_and_one_more_layer_does_not():
 
 
 def test_the_largest_that_fits_is_found_from_a_guess_above_or_below_it():
-    from fxpipe.planner import largest_that_fits
+    from fxpipe.sizing import largest_that_fits
 
     options = {"devices": 2, "memory_per_device": 12e6, "profile": "a100",
                "schedules": ("gpipe",), "remats": ("except_last",)}

@@ -21,8 +21,9 @@ import torch
 from tabulate import tabulate
 
 from fxpipe.models import gpt
-from fxpipe.planner import Plan, largest_that_fits, plan
+from fxpipe.planner import Plan, plan
 from fxpipe.report import human_bytes
+from fxpipe.sizing import largest_that_fits
 
 __all__ = ["llama", "gpt_family", "LargestRow", "largest_table", "main"]
 
