@@ -391,6 +391,8 @@ def export_infos(gm: GraphModule,
         return None
     substitution = {sym: ir.BATCH}
     infos: dict[Node, ir.ValueInfo] = {}
+    # a stamped block's nodes share their twin's value (fxpipe.frontend.stamp): one info each
+    made: dict[tuple[int, tuple[bool, ...]], ir.ValueInfo] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -399,9 +401,13 @@ def export_infos(gm: GraphModule,
         grads = _recorded_grads(node)
         if grads is None:
             return None
-        info = _info(node.meta["val"], substitution, grads)
-        if not _symbols(info) <= {ir.BATCH}:
-            return None
+        key = (id(node.meta["val"]), tuple(grads))
+        info = made.get(key)
+        if info is None:
+            info = _info(node.meta["val"], substitution, grads)
+            if not _symbols(info) <= {ir.BATCH}:
+                return None
+            made[key] = info
         infos[node] = info
     return infos
 
