@@ -433,15 +433,15 @@ def _predict(c: Candidate, b: int, memory: float | None, grads: dict[str, float]
             held[rank] = held.get(rank, 0.0) + (stage.memory or 0.0)
         return max(held.values(), default=0.0)
 
-    def fits(p: PartitionPlan) -> bool:
-        return limit is None or all((stage.memory or 0.0) <= limit for stage in p.stages)
+    def over(p: PartitionPlan, limit: float) -> bool:
+        return any((stage.memory or 0.0) > limit for stage in p.stages)
 
     try:
         if any_fit and limit is not None:
             p = partitions.within(c, b, limit)
         else:
             p = partitions.fastest(c, b)
-            if limit is not None and not fits(p):
+            if limit is not None and over(p, limit):
                 fastest = p
                 try:
                     p = partitions.within(c, b, limit)

@@ -710,6 +710,15 @@ def _class_work(raw: _NodeCost) -> tuple[ir.ClassWork, ...]:
                  for cls, (flops, nbytes, kernels) in work.items())
 
 
+def time_key(cost: ir.Cost) -> object:
+    """What estimate_time reads of a cost, as a dict key: a stamped block's copies share their
+    twin's `work` (the same object), so a deep model's nodes fall into a few keys."""
+    if cost.work:
+        return id(cost.work)  # alive in the graph's costs while a caller keys by it
+    return (cost.fwd_flops, cost.fwd_bytes, cost.fwd_kernels, cost.bwd_flops, cost.bwd_bytes,
+            cost.bwd_kernels)
+
+
 def estimate_time(cost: ir.Cost, profile: DeviceProfile, b: int) -> tuple[float, float]:
     """Forward and backward seconds of one node at micro-batch size b: each op class's work at
     that class's rate (a roofline per class, fxpipe.profile.device)."""

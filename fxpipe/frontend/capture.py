@@ -322,7 +322,7 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
                 return gm
 
             def fx_check(gm: fx.GraphModule) -> str | None:
-                if meta and len(_known_outputs(model, layout)) == 2:
+                if meta and len(layout.eager_outputs) == 2:
                     return _check_by_shapes(gm, tensors, signature, layout, runs)
                 with runs.calls(gm, meta):
                     return _compare_with_eager(gm, model, signature, args, kwargs, layout)
@@ -349,7 +349,7 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
 
     def export_check(gm: fx.GraphModule) -> str | None:
         infos = shapes.export_infos(gm, signature.input_batch_dims) \
-            if meta and len(_known_outputs(model, layout)) == 2 else None
+            if meta and len(layout.eager_outputs) == 2 else None
         if infos is not None:
             return _compare_shapes(gm, infos, layout)
         with runs.calls(gm, meta):
@@ -495,7 +495,7 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, signature: Signatu
     """None if the graph matches the model on the example batch and on a smaller batch."""
     if gm.meta.pop(UNCOMPILED, False):
         gm.recompile()
-    known = _known_outputs(model, layout)
+    known = layout.eager_outputs  # kept where they are what this check compares
     for trial, (batch_args, batch_kwargs) in enumerate(layout.trial_batches(args, kwargs)):
         try:
             if trial < len(known):  # computed by the layout inference (eval mode)
@@ -524,14 +524,6 @@ def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, signature: Signatu
                     diff = (e.double() - g.double()).abs().max().item()
                     return f"output {i} differs by up to {diff:.3g}"
     return regions.gradient_difference(gm, model, signature, args, kwargs)
-
-
-def _known_outputs(model: nn.Module, layout: BatchLayout) -> tuple[list[Any], ...]:
-    """The eager outputs on the trial batches that the batch layout computed: in eval mode, or
-    of a meta model in any mode (shapes and dtypes are all a meta model's check compares)."""
-    if is_meta_model(model) or not any(m.training for m in model.modules()):
-        return layout.eager_outputs
-    return ()
 
 
 def _compare_shapes(gm: fx.GraphModule, infos: dict[fx.Node, ir.ValueInfo],

@@ -27,7 +27,7 @@ from fxpipe.choices import BALANCE_MODES
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.figures import imbalance, stage_load
 from fxpipe.optimizers import ADAM, OptimizerMemory
-from fxpipe.passes.cost import estimate_time
+from fxpipe.passes.cost import estimate_time, time_key
 from fxpipe.passes.partition.correct import LOSS
 from fxpipe.passes.partition.problem import (
     Partition,
@@ -313,9 +313,7 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         if not costed or x.name in corrections:
             return _node_time(x, balance, profile, b, corrections)
         cost = ir.cost(x)
-        key = id(cost.work) if cost.work else (  # a block's copies share their twin's work
-            cost.fwd_flops, cost.fwd_bytes, cost.fwd_kernels, cost.bwd_flops, cost.bwd_bytes,
-            cost.bwd_kernels)
+        key = time_key(cost)
         if key not in timed:
             timed[key] = estimate_time(cost, profile, b)
         return timed[key]
@@ -495,7 +493,7 @@ def partition(
     if mode != "params":  # the last atom is always in the last stage
         atoms = replace(atoms, compute=[*atoms.compute[:-1], atoms.compute[-1] + loss_time])
     schedule = schedule_kind(schedule)
-    inflight = list(_peak_inflight(schedule, chunks, num_stages, ranks))
+    inflight = list(_peak_inflight(schedule.name, chunks, num_stages, ranks))
     if starts is not None:
         cuts = _cuts_from_starts(groups, starts, num_stages)
     if split_points is not None:
@@ -538,11 +536,12 @@ def partition(
 
 
 @functools.lru_cache(maxsize=1024)
-def _peak_inflight(schedule: ScheduleKind, chunks: int, num_stages: int,
+def _peak_inflight(schedule: str, chunks: int, num_stages: int,
                    ranks: int | None) -> tuple[int, ...]:
-    """peak_inflight of the schedule's order, once per shape (a planner partitions for
-    hundreds of candidates that share a few)."""
-    return tuple(peak_inflight(schedule.build(chunks, num_stages, ranks)))
+    """peak_inflight of the named schedule's order, once per shape (a planner partitions for
+    hundreds of candidates that share a few); keyed by name, so that the cache holds no
+    caller's kind and the schedules it memoises."""
+    return tuple(peak_inflight(schedule_kind(schedule).build(chunks, num_stages, ranks)))
 
 
 def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,

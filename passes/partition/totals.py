@@ -17,7 +17,7 @@ from torch.fx import Node
 
 from fxpipe import ir
 from fxpipe.optimizers import OptimizerMemory
-from fxpipe.passes.cost import estimate_time
+from fxpipe.passes.cost import estimate_time, time_key
 from fxpipe.passes.partition.graph import is_glue
 from fxpipe.profile import DeviceProfile
 
@@ -50,8 +50,7 @@ class GraphTotals:
                 math.fsum(float(ir.evaluate(c.grad_param_elements, 1)) for c in costs)))
             for x, c in zip(group, costs):
                 ops += not is_glue(x)
-                key = id(c.work) if c.work else (c.fwd_flops, c.fwd_bytes, c.fwd_kernels,
-                                                 c.bwd_flops, c.bwd_bytes, c.bwd_kernels)
+                key = time_key(c)
                 works.setdefault(key, c)
                 counts[key] += 1
                 saved.setdefault(id(c.saved_bytes), c.saved_bytes)

@@ -130,12 +130,10 @@ def simulate(
     skips checking the schedule's content (validate): one a ScheduleKind built, whose orders
     the tests check, played many times with other stage times.
     """
-    if checked:
-        rank_of = stage_ranks(schedule)
-        num_stages = len(rank_of)
-    else:
-        _, num_stages = validate(schedule)
-        rank_of = stage_ranks(schedule)
+    if not checked:
+        validate(schedule)
+    rank_of = stage_ranks(schedule)
+    num_stages = len(rank_of)
     fwd = _per_stage(forward_time, "forward_time", num_stages)
     bwd = _per_stage(backward_time, "backward_time", num_stages)
     wgt = [b / 2 for b in bwd] if weight_time is None else \
