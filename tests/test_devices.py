@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from torch import nn
 import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import load as load_model
+from fxpipe.runtime.execution.amp import AutocastState
 from fxpipe.runtime.execution.devices import (
     CudaTimeline,
     WallTimeline,
@@ -25,6 +29,7 @@ from fxpipe.runtime.execution.devices import (
     to_device,
 )
 from fxpipe.runtime.execution.forward import seeded_forward
+from fxpipe.runtime.execution.local import _thread_modes
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -186,3 +191,38 @@ def test_a_weight_tied_across_two_gpus_in_one_process_trains_like_the_plain_mode
     assert model.wte.weight.device == torch.device("cuda", 0)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def _openmp_max_threads() -> Callable[[], int] | None:
+    """OpenMP's omp_get_max_threads of the library torch loaded (per thread), if it is one."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    for path in sorted(paths):
+        function = getattr(ctypes.CDLL(path), "omp_get_max_threads", None)
+        if function is not None:
+            return lambda: int(function())
+    return None
+
+
+def test_stage_threads_run_with_the_callers_number_of_cpu_threads():
+    # OpenMP keeps the thread count per thread; a fresh worker starts at OpenMP's default (every
+    # core) until torch's first parallel loop there, and the small matmuls before it run on a
+    # team whose idle members then spin, taking cores from the other stages
+    max_threads = _openmp_max_threads()
+    if max_threads is None:
+        pytest.skip("torch is not built with a known OpenMP library")
+    wanted = (os.cpu_count() or 1) + 1  # never OpenMP's default
+
+    def in_a_stage_thread() -> int:
+        with _thread_modes(True, AutocastState.capture(), wanted, torch.device("cpu")):
+            return max_threads()
+
+    previous = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as fresh:
+            assert fresh.submit(max_threads).result() != wanted
+            assert fresh.submit(in_a_stage_thread).result() == wanted
+    finally:
+        torch.set_num_threads(previous)

@@ -9,8 +9,11 @@ every parameter of the model; remat regions recompute during that backward.
 
 The caller's autocast state is captured when `run` is called and re-entered in every worker
 thread (autocast is per thread), so `with torch.autocast(...): program(x)` takes effect in every
-stage. Each micro-batch draws random numbers from its own stream, which continues from stage to
-stage as through one forward of the plain model, on every device the stage uses.
+stage. So is the caller's number of CPU threads: OpenMP keeps it per thread, and a worker left at
+OpenMP's default (every core) runs small kernels on a team whose idle members spin, taking a
+core from the other stages. Each micro-batch draws random numbers from its own stream, which
+continues from stage to stage as through one forward of the plain model, on every device the
+stage uses.
 """
 from __future__ import annotations
 
@@ -73,10 +76,11 @@ class LocalExecutor:
         outputs: list[Any] = [None] * self.chunks
         base = draw_base() if any(s.random for s in self.stages) else None
         grad = torch.is_grad_enabled()
+        threads = torch.get_num_threads()
         k = len(self.stages)
         for tasks in self.forward_ticks:
             futures = [(s, mb, self.workers_by_stage[s].submit(
-                self._task, comm, s, mb, micro[mb], base, grad, autocast,
+                self._task, comm, s, mb, micro[mb], base, grad, autocast, threads,
                 trackers[s] if trackers else None)) for s, mb in tasks]
             for s, mb, future in futures:
                 try:
@@ -93,16 +97,17 @@ class LocalExecutor:
         return self.signature.join_outputs([list(o) for o in outputs])
 
     def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
-              base: int | None, grad: bool, autocast: AutocastState, tracker: Any) -> Any:
-        """The forward in this stage's worker thread, under the caller's grad mode and
-        autocast (both per thread) and on the stage's device."""
+              base: int | None, grad: bool, autocast: AutocastState, threads: int,
+              tracker: Any) -> Any:
+        """The forward in this stage's worker thread, under the caller's grad mode, autocast
+        and CPU threads (each per thread) and on the stage's device."""
         stage = self.stages[s]
         devices = stage_devices(stage.device, [*stage.module.parameters(),
                                                *stage.module.buffers()]) if stage.random else []
         recompute = self.remat.recomputes(mb, self.chunks)
         return run_forward(stage, comm, mb, inputs, recompute=recompute, seed_base=base,
                            rng_devices=devices, check=self.check_finite, check_outputs=True,
-                           modes=_thread_modes(grad, autocast, stage.device),
+                           modes=_thread_modes(grad, autocast, threads, stage.device),
                            track=tracker.forward(mb) if tracker is not None else None).out
 
     def close(self) -> None:
@@ -111,8 +116,11 @@ class LocalExecutor:
 
 
 @contextlib.contextmanager
-def _thread_modes(grad: bool, autocast: AutocastState, device: torch.device) -> Iterator[None]:
-    """The caller's grad mode and autocast, and the stage's device, in a worker thread."""
+def _thread_modes(grad: bool, autocast: AutocastState, threads: int,
+                  device: torch.device) -> Iterator[None]:
+    """The caller's grad mode, autocast and CPU threads, and the stage's device, in a worker
+    thread."""
+    torch.set_num_threads(threads)  # this thread's OpenMP team, as the caller's
     with torch.set_grad_enabled(grad), autocast.enter(), _on(device):
         yield
 
