@@ -498,11 +498,29 @@ def test_the_predicted_step_pays_per_operation_micro_batch_and_step_beyond_kerne
     assert parts["kernels"] + parts["overhead"] == pytest.approx(
         4 * sum(s.compute_time for s in plan.stages))
     assert parts["kernels"] == pytest.approx(4 * sum(s.compute_time for s in bare.plan.stages))
+    assert parts["ranks"] == 0.0  # the profile says nothing of ranks
     text = paid.report().text()
     assert ("predicted work per step, all stages together: kernels "
             f"{human_time(parts['kernels'])}, per-operation and per-micro-batch overhead "
             f"{human_time(parts['overhead'])}, messages {human_time(parts['messages'])}, "
-            f"per-step {human_time(5e-3)}") in text
+            f"per-step {human_time(5e-3)}") in text  # nothing of ranks where nothing is known
+
+
+def test_a_rank_pays_per_action_and_per_message_in_the_predicted_step_only():
+    from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
+
+    bare = _step_costs()
+    ranked = _step_costs(action_overhead=1e-3, message_overhead=2e-3)
+    plan = ranked.plan
+    # the cut after blocks.1 carries one value forward and its gradient back
+    assert [(s.forward_messages, s.backward_messages) for s in plan.stages] == [(1, 1), (1, 1)]
+    assert predicted_local_step(plan) == pytest.approx(predicted_local_step(bare.plan))
+    # GPipe, 2 stages x 4 micro-batches: every action of the critical path is 3 ms longer;
+    # the two stages are alike, so the path has M + K - 1 forwards and as many backwards
+    slower = predicted_step(plan, "gpipe")[0] - predicted_step(bare.plan, "gpipe")[0]
+    assert slower == pytest.approx((4 + 2 - 1) * 2 * 3e-3, rel=0.15)
+    assert plan.breakdown()["ranks"] == pytest.approx(4 * 2 * (2 * 1e-3 + 2 * 2e-3))
+    assert "ranks' handling of actions and messages 48.00 ms" in ranked.report().text()
 
 
 def test_a_recomputed_operation_pays_the_checkpoint_again():

@@ -232,6 +232,64 @@ def test_what_a_step_pays_beyond_kernels_is_part_of_the_cached_profile(cache_fol
     assert len(counted_measure) == 1 and "overheads" in json.loads(path.read_text())
 
 
+def test_a_cached_profile_without_what_ranks_pay_is_measured_again(cache_folder, counted_measure):
+    ranked = dataclasses.replace(preset("a100"), action_overhead=1e-4, message_overhead=2e-5)
+    assert DeviceProfile.from_json(json.loads(json.dumps(ranked.to_json()))) == ranked
+    assert ranked.scaled(2.0).message_overhead == pytest.approx(4e-5)
+    key = cache.profile_key("cpu", torch.float32)
+    path = cache.profile_path(key)
+    path.parent.mkdir(parents=True)
+    old = dataclasses.replace(measured_like(FRESH_LINK), key=key).to_json()
+    for name in ("action_overhead", "message_overhead"):
+        del old["overheads"][name]
+    path.write_text(json.dumps(old))
+    cache.cached_profile("cpu")
+    assert len(counted_measure) == 1
+    assert "message_overhead" in json.loads(path.read_text())["overheads"]
+
+
+def test_rank_overheads_are_fitted_from_how_steps_grow_with_micro_batches():
+    from fxpipe.profile.ranks import CHUNKS, VALUES, fit_rank_overheads
+
+    # predicted steps as the simulator gives them: linear in the two overheads, each probe's
+    # growth from 1 to 8 micro-batches paying actions and messages in its own proportion
+    def steps(action: float, message: float) -> dict[tuple[int, int], float]:
+        return {(v, c): 1e-3 * c + (c + 1) * 2 * (action + v * message)
+                for v in VALUES for c in CHUNKS}
+
+    predicted = {(0.0, 0.0): steps(0, 0), (1.0, 0.0): steps(1, 0), (0.0, 1.0): steps(0, 1)}
+    action, message = fit_rank_overheads(steps(2e-4, 5e-5), predicted)
+    assert (action, message) == (pytest.approx(2e-4), pytest.approx(5e-5))
+    # a machine running faster than the rest of its profile says pays nothing more
+    assert fit_rank_overheads(steps(0, 0), predicted) == (0.0, 0.0)
+    assert fit_rank_overheads({k: t - 1e-4 * k[1] for k, t in steps(0, 0).items()},
+                              predicted) == (0.0, 0.0)
+    # all of it per message
+    action, message = fit_rank_overheads(steps(0, 1e-4), predicted)
+    assert action == pytest.approx(0.0, abs=1e-12) and message == pytest.approx(1e-4)
+
+
+def test_two_processes_measure_what_a_rank_pays():
+    import warnings
+
+    from fxpipe.profile.ranks import measure_rank_overheads
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the probe's processes ran and reported
+        action, message = measure_rank_overheads(preset("a100"))
+    assert 0 <= action < 0.1 and 0 <= message < 0.1
+
+
+def test_a_rank_probe_that_cannot_start_says_so_and_leaves_ranks_out(monkeypatch):
+    import sys
+
+    from fxpipe.profile.ranks import measure_rank_overheads
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.warns(UserWarning, match="what a pipeline rank pays"):
+        assert measure_rank_overheads(preset("a100")) == (0.0, 0.0)
+
+
 def test_the_second_compile_uses_the_cached_profile_and_cuts_alike(cache_folder,
                                                                    counted_measure):
     model, inputs = gpt.build(dropout=0.0)

@@ -25,7 +25,7 @@ from torch import nn
 
 from fxpipe.errors import ConfigError
 from fxpipe.profile.checks import implausible
-from fxpipe.profile.device import DeviceProfile
+from fxpipe.profile.device import OVERHEADS, DeviceProfile
 from fxpipe.profile.measure import measure
 from fxpipe.profile.presets import PRECISIONS, compute_precision, preset
 from fxpipe.storage.files import atomic_write
@@ -95,8 +95,8 @@ def locked(name: str) -> Iterator[None]:
 def _read(path: Path) -> DeviceProfile | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if "overheads" not in data:  # measured before steps' overheads were: measure again
-            return None
+        if not set(OVERHEADS) <= set(data.get("overheads", ())):
+            return None  # measured before some of a step's overheads were: measure again
         return DeviceProfile.from_json(data)
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None  # missing or from another version: measure again

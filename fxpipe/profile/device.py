@@ -11,7 +11,9 @@ A rate is a `Curve` of (size, rate) points, interpolated log-log and flat beyond
 measured rate includes launching the kernel, a datasheet preset has one point per curve. A
 kernel too small for either rate to matter costs its launch (the overhead). Messages between
 stages take size / link(size) plus a latency per message. A real step also pays per operation,
-per remat region, per micro-batch and per step (fxpipe.profile.overheads), beyond its kernels.
+per remat region, per micro-batch and per step (fxpipe.profile.overheads), beyond its kernels;
+a pipeline rank, per forward or backward it runs and per message it sends or receives
+(fxpipe.profile.ranks).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from fxpipe.errors import ConfigError
 
 __all__ = ["Curve", "ClassRate", "DeviceProfile", "OP_CLASSES", "OVERHEADS"]
 
-OVERHEADS = ("op_overhead", "region_overhead", "microbatch_overhead", "step_overhead")
+OVERHEADS = ("op_overhead", "region_overhead", "microbatch_overhead", "step_overhead",
+             "action_overhead", "message_overhead")
 """The DeviceProfile fields of what a real step pays beyond its kernels."""
 
 OP_CLASSES = ("matmul", "attention", "convolution", "embedding", "reduction", "elementwise")
@@ -108,6 +111,11 @@ class DeviceProfile:
     region_overhead: float = 0.0
     microbatch_overhead: float = 0.0
     step_overhead: float = 0.0
+    # what a rank of a multi-process pipeline pays beyond that: per forward or backward of a
+    # stage and micro-batch, and per message it posts and completes (a send or a receive);
+    # measured with two processes on CPUs, 0 in datasheet presets
+    action_overhead: float = 0.0
+    message_overhead: float = 0.0
 
     def rate(self, op_class: str) -> ClassRate:
         for name, rate in self.rates:
@@ -161,6 +169,8 @@ class DeviceProfile:
                        region_overhead=self.region_overhead * factor,
                        microbatch_overhead=self.microbatch_overhead * factor,
                        step_overhead=self.step_overhead * factor,
+                       action_overhead=self.action_overhead * factor,
+                       message_overhead=self.message_overhead * factor,
                        source=f"{self.source}, scaled x{factor:.3g}")
 
     def to_json(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from fxpipe.profile.device import OP_CLASSES, ClassRate, Curve, DeviceProfile
 from fxpipe.profile.kernels import KernelCounter
 from fxpipe.profile.overheads import measure_overheads
 from fxpipe.profile.presets import SPECS, compute_precision, spec_of_device
+from fxpipe.profile.ranks import measure_rank_overheads
 
 __all__ = ["measure", "min_time", "median_time", "MESSAGE_SIZES"]
 
@@ -322,7 +323,8 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
             a pipeline runs one stage per process, one thread each.
         link: measure the link between stages too (else a constant for loopback gloo).
         budget: seconds of round-robin sampling of the op classes (at least 6 rounds).
-        overheads: measure what a step pays beyond kernels (fxpipe.profile.overheads; CPU).
+        overheads: measure what a step pays beyond kernels (fxpipe.profile.overheads; CPU),
+            and with `link` what a pipeline rank pays (fxpipe.profile.ranks: two processes).
     """
     device = torch.device(device)
     previous = torch.get_num_threads()
@@ -370,6 +372,9 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
             torch.set_num_threads(previous)
         profile = replace(profile, op_overhead=paid.op, region_overhead=paid.region,
                           microbatch_overhead=paid.microbatch, step_overhead=paid.step)
+        if link:  # and what a rank of a multi-process pipeline pays beyond that
+            action, message = measure_rank_overheads(profile)
+            profile = replace(profile, action_overhead=action, message_overhead=message)
     problems = implausible(profile)
     if problems:
         warnings.warn(f"the device profile of {device} contradicts itself after measuring "

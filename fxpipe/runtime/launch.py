@@ -165,7 +165,7 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
             follower.update(scaler, overflow)
         losses.append(loss)
         if rank == 0:
-            print(f"step {i} loss {loss:.6f} ({time.perf_counter() - start:.3f} s)", flush=True)
+            print(f"step {i} loss {loss:.6f} ({time.perf_counter() - start:.4f} s)", flush=True)
     if args.save:
         done = first + len(losses)
         folder_name = _save(args.save, modules, optimizer, spec, done)

@@ -40,4 +40,6 @@ def show_profile(*, clear: bool = False, preset: str | None = None, device: str 
           f"{profile.region_overhead * 1e6:.1f} us per recomputed operation, "
           f"{profile.microbatch_overhead * 1e6:.1f} us per stage and micro-batch, "
           f"{profile.step_overhead * 1e6:.1f} us per step")
+    print(f"on a pipeline rank: {profile.action_overhead * 1e6:.1f} us per forward or backward, "
+          f"{profile.message_overhead * 1e6:.1f} us per message sent or received")
     return 0

@@ -68,6 +68,10 @@ class StagePlan:
     # bytes held whatever the schedule: weights and buffers, and for the trainable weights their
     # gradients and the optimizer's state (fxpipe.optimizers); part of `memory`
     held_bytes: float = 0.0
+    # messages a rank running the stage sends or receives per micro-batch: in its forward (the
+    # values crossing its boundaries) and in its backward (their gradients)
+    forward_messages: int = 0
+    backward_messages: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,17 +87,24 @@ class PartitionPlan:
     schedules: tuple[tuple[str, float | None], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
     step_overhead: float = 0.0  # seconds each step pays once, beyond its micro-batches
+    # seconds a pipeline rank pays beyond one process: per forward or backward of a stage and
+    # micro-batch, and per message sent or received (fxpipe.profile.ranks)
+    action_overhead: float = 0.0
+    message_overhead: float = 0.0
 
     def breakdown(self) -> dict[str, float]:
         """Seconds of one step's work, all stages together (not its critical path): kernels,
         per-operation overhead, per-micro-batch overhead (both in compute_time), messages
-        (each boundary once, forward and backward), and the per-step overhead."""
+        (each boundary once, forward and backward), what ranks pay to run each forward and
+        backward and to send and receive each message, and the per-step overhead."""
         m = self.chunks
         overhead = sum(s.overhead_time for s in self.stages) * m
         kernels = sum(s.compute_time for s in self.stages) * m - overhead
+        ranks = sum(2 * self.action_overhead + self.message_overhead
+                    * (s.forward_messages + s.backward_messages) for s in self.stages) * m
         return {"kernels": kernels, "overhead": overhead,
                 "messages": sum(s.comm_time for s in self.stages) / 2 * m,
-                "step": self.step_overhead}
+                "ranks": ranks, "step": self.step_overhead}
 
     @property
     def imbalance(self) -> float:
@@ -119,6 +130,9 @@ class Atoms:
     # seconds per atom of per-operation overhead beyond kernels (in compute; recompute included)
     overhead: list[float] = field(default_factory=list)
     held: list[float] = field(default_factory=list)  # StagePlan.held_bytes, per atom
+    # values crossing each cut position (len n + 1), and those whose gradients cross it back
+    cut_messages: list[int] = field(default_factory=list)
+    cut_gradients: list[int] = field(default_factory=list)
 
 
 AtomsKey = tuple[str, int, RematPolicy, int, tuple[tuple[str, float], ...], OptimizerMemory]
@@ -291,6 +305,7 @@ class NodeFacts:
     cut_f: list[float]  # forward bytes crossing each cut position 0..n
     cut_b: list[float]  # backward bytes crossing each cut
     cut_m: list[int]  # values crossing each cut
+    cut_g: list[int]  # values crossing each cut whose gradients cross it back
 
 
 def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
@@ -303,7 +318,7 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     readers = _weight_readers(gm) if readers is None else readers
     corrections = corrections or {}
     costed = balance == "cost"
-    facts = NodeFacts([], [], [], [], [], [], [], [], [0.0], [0.0], [0])
+    facts = NodeFacts([], [], [], [], [], [], [], [], [0.0], [0.0], [0], [0])
     # A deep model repeats a few costs thousands of times (its blocks): each distinct one is
     # evaluated at b once.
     timed: dict[object, tuple[float, float]] = {}
@@ -351,6 +366,7 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     diff_f = [0.0] * (n + 2)
     diff_b = [0.0] * (n + 2)
     messages = [0] * (n + 2)
+    gradients = [0] * (n + 2)
     for group in groups:
         for node in group:
             users = [index.get(u, n) for u in node.users]  # the output node counts as atom n
@@ -363,10 +379,14 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
                 diff_b[last + 1] -= bwd
                 messages[index[node] + 1] += 1
                 messages[last + 1] -= 1
+                if bwd:
+                    gradients[index[node] + 1] += 1
+                    gradients[last + 1] -= 1
     for c in range(1, n + 1):
         facts.cut_f.append(facts.cut_f[-1] + diff_f[c])
         facts.cut_b.append(facts.cut_b[-1] + diff_b[c])
         facts.cut_m.append(facts.cut_m[-1] + messages[c])
+        facts.cut_g.append(facts.cut_g[-1] + gradients[c])
     return facts
 
 
@@ -413,8 +433,11 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         comm = [profile.comm_time(f, m) + profile.comm_time(bw, m if bw else 0)
                 for f, bw, m in zip(facts.cut_f, facts.cut_b, facts.cut_m)]
     comm[0] = comm[n] = 0.0
+    inner = [0] + [1] * (n - 1) + [0]  # no messages before the first atom or after the last
     return Atoms(groups, compute, comm, list(facts.cut_f), mem_fixed, mem_act,
-                 list(facts.saved), forward, recomputed, list(facts.weight), overhead, held)
+                 list(facts.saved), forward, recomputed, list(facts.weight), overhead, held,
+                 [m * i for m, i in zip(facts.cut_m, inner)],
+                 [g * i for g, i in zip(facts.cut_g, inner)])
 
 
 def partition(
@@ -530,7 +553,10 @@ def partition(
     evaluated = evaluate(problem, cuts)
     fixed = 0.0 if mode == "params" else profile.microbatch_overhead
     plan = _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages, fixed)
-    plan = replace(plan, step_overhead=0.0 if mode == "params" else profile.step_overhead)
+    if mode != "params":
+        plan = replace(plan, step_overhead=profile.step_overhead,
+                       action_overhead=profile.action_overhead,
+                       message_overhead=profile.message_overhead)
     # the step as the schedule plays it: the one figure reports and chunks="auto" judge by
     return replace(plan, predicted_step_time=predicted_step(plan, schedule, ranks)[0])
 
@@ -570,9 +596,18 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
             evaluated.stage_memory[s] if evaluated.stage_memory else None,
             first, last, forward, recompute, weight,
             sum(atoms.overhead[cuts[s]:cuts[s + 1]]) + fixed if atoms.overhead else fixed,
-            sum(atoms.held[cuts[s]:cuts[s + 1]])))
+            sum(atoms.held[cuts[s]:cuts[s + 1]]),
+            *_messages(atoms, cuts[s], cuts[s + 1])))
     bottleneck = max(st.time for st in stages)
     return PartitionPlan(tuple(stages), b, chunks, mode, bottleneck, (chunks + k - 1) * bottleneck)
+
+
+def _messages(atoms: Atoms, first: int, end: int) -> tuple[int, int]:
+    """(forward, backward) messages per micro-batch of the stage of atoms first..end-1."""
+    if not atoms.cut_messages:
+        return 0, 0
+    return (atoms.cut_messages[first] + atoms.cut_messages[end],
+            atoms.cut_gradients[first] + atoms.cut_gradients[end])
 
 
 def _cuts_from_counts(gm: GraphModule, counts: list[int], k: int) -> tuple[int, ...]:

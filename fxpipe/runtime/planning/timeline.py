@@ -175,6 +175,12 @@ class StageTimes(Protocol):
     @property
     def weight_time(self) -> float: ...
 
+    @property
+    def forward_messages(self) -> int: ...
+
+    @property
+    def backward_messages(self) -> int: ...
+
 
 class PlanTimes(Protocol):
     """What predicted_events reads of a partition plan (a PartitionPlan, from a layer above)."""
@@ -188,6 +194,12 @@ class PlanTimes(Protocol):
     @property
     def step_overhead(self) -> float: ...
 
+    @property
+    def action_overhead(self) -> float: ...
+
+    @property
+    def message_overhead(self) -> float: ...
+
 
 def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, record: bool = True
                ) -> tuple[list[TimedEvent], float, float]:
@@ -197,11 +209,15 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, recor
     NOTE [Split backward] in fxpipe/runtime/communication/dist_comm.py), so a split backward costs
     one recomputation more than a whole one, except where W is the whole backward (the first
     stage: I has nothing to compute). Returns the events (none unless `record`), the makespan
-    and the ranks' work: every action's time, added up."""
+    and the ranks' work: every action's time, added up. Each action also pays what a rank pays
+    for running one (the plan's action_overhead) and for each message it sends or receives
+    (message_overhead)."""
     k, m = len(plan.stages), plan.chunks
-    fwd = [s.forward_time for s in plan.stages]
+    action, message = plan.action_overhead, plan.message_overhead
+    fwd = [s.forward_time + action + message * s.forward_messages for s in plan.stages]
     # recompute included; a difference of sums can round a hair below zero
-    bwd = [max(s.compute_time - s.forward_time, 0.0) for s in plan.stages]
+    bwd = [max(s.compute_time - s.forward_time, 0.0) + action + message * s.backward_messages
+           for s in plan.stages]
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
     actions = schedule.build(m, k, ranks)
     if not schedule.splits_backward:
@@ -210,13 +226,14 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, recor
         return events, makespan, m * sum(f + b for f, b in zip(fwd, bwd))
     inputs, weights = [], []
     for s, backward in zip(plan.stages, bwd):
-        pure = backward - s.recompute_time
+        handling = action + message * s.backward_messages  # I sends the gradients
+        pure = backward - handling - s.recompute_time
         if s.weight_time >= pure * (1 - 1e-9):  # W is the whole backward
-            inputs.append(0.0)
-            weights.append(backward)
+            inputs.append(handling)
+            weights.append(backward - handling + action)
         else:
-            inputs.append(max(s.recompute_time + pure - s.weight_time, 0.0))
-            weights.append(s.recompute_time + s.weight_time)
+            inputs.append(max(s.recompute_time + pure - s.weight_time, 0.0) + handling)
+            weights.append(s.recompute_time + s.weight_time + action)
     whole = [i + w for i, w in zip(inputs, weights)]
     events, makespan = simulate(actions, forward_time=fwd, weight_time=weights,
                                 backward_time=whole, comm_time=comm, record=record, checked=True)
