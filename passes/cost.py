@@ -360,7 +360,7 @@ class _CostRunner(Interpreter):
         return out, cost
 
     def _work(self, counter: KernelCounter) -> _Work:
-        return {c: (self._sum(flops), self._sum(nbytes), len(flops))
+        return {c: (self._sum(flops), self._sum(nbytes), counter.launches[c])
                 for c, (flops, nbytes) in sorted(counter.by_class.items())}
 
     def _interpolated(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any],

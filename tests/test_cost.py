@@ -539,3 +539,18 @@ def test_a_recomputed_operation_pays_the_checkpoint_again():
         assert with_.recompute_time > without.recompute_time
         assert with_.compute_time - without.compute_time == pytest.approx(
             with_.recompute_time - without.recompute_time)
+
+
+def test_an_lstm_layer_is_costed_as_its_time_steps_in_the_recurrent_class():
+    # the layer runs one small matmul and its gates per time step, one after another, each
+    # paying a launch: as many kernels as steps, at the recurrent class's measured rate
+    from fxpipe.models import recurrent
+
+    model, inputs = recurrent.build(seq_len=7)
+    program = fxpipe.compile(model, inputs, stages=2, chunks=4, profile="a100")
+    lstm = [n for n in ir.compute_nodes(program.graph_module.graph)
+            if "lstm" in str(n.target)]
+    assert len(lstm) == 1
+    work = {(w.op_class, w.backward): w.kernels for w in ir.cost(lstm[0]).work}
+    assert work[("recurrent", False)] == 7 and work[("recurrent", True)] == 7
+    assert not any(c == "matmul" for c, _ in work)

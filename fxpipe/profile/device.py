@@ -31,7 +31,8 @@ OVERHEADS = ("op_overhead", "region_overhead", "microbatch_overhead", "step_over
              "action_overhead", "message_overhead")
 """The DeviceProfile fields of what a real step pays beyond its kernels."""
 
-OP_CLASSES = ("matmul", "attention", "convolution", "embedding", "reduction", "elementwise")
+OP_CLASSES = ("matmul", "attention", "convolution", "recurrent", "embedding", "reduction",
+              "elementwise")
 """Classes of aten kernels that run at different rates (fxpipe.profile.kernels.op_class)."""
 
 

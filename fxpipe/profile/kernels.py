@@ -43,8 +43,12 @@ _FREE_OPS = {torch.ops.aten.detach, torch.ops.aten.sym_size, torch.ops.aten.sym_
              torch.ops.aten._assert_tensor_metadata}
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_addmm_activation",
-           "addmv", "mv", "dot", "vdot", "_int_mm", "_scaled_mm", "mkldnn_rnn_layer",
-           "mkldnn_rnn_layer_backward", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell"}
+           "addmv", "mv", "dot", "vdot", "_int_mm", "_scaled_mm"}
+# recurrent layers: a small matmul and the gates per time step, one step after another
+_RECURRENT = {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "_thnn_fused_lstm_cell",
+              "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_gru_cell",
+              "_thnn_fused_gru_cell_backward", "_cudnn_rnn", "_cudnn_rnn_backward", "miopen_rnn",
+              "miopen_rnn_backward"}
 _EMBEDDING = {"embedding", "embedding_dense_backward", "embedding_backward", "_embedding_bag",
               "_embedding_bag_backward", "_embedding_bag_dense_backward", "index_select",
               "gather", "scatter_add", "index_add", "index_put", "index", "_index_put_impl"}
@@ -66,6 +70,8 @@ def op_class(func: _Op) -> str:
     name = func._overloadpacket.__name__
     if name in _MATMUL:
         return "matmul"
+    if name in _RECURRENT:
+        return "recurrent"
     if "scaled_dot_product" in name or "_attention" in name:
         return "attention"
     if "convolution" in name or name.startswith(("conv", "_slow_conv", "slow_conv")):
@@ -132,6 +138,18 @@ def _hint(x: Count) -> int:
     return int(x)
 
 
+def sequential_kernels(func: _Op, args: tuple[Any, ...]) -> int:
+    """Kernels one call runs one after another: an LSTM layer, one per time step (each a
+    small matmul and its element-wise gates, each paying a launch); 1 for everything else."""
+    name = func._overloadpacket.__name__
+    if name not in ("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"):
+        return 1
+    x: torch.Tensor = args[0]
+    batch_first = bool(args[21] if name.endswith("backward") else args[14])
+    steps = x.shape[1] if batch_first else x.shape[0]
+    return steps if isinstance(steps, int) and steps > 0 else 1
+
+
 def _lstm_layer_flops(args: tuple[Any, ...], backward: bool) -> Count:
     """One LSTM layer over a sequence: the four gate matmuls per step (2*T*B*4H*(I+H)) plus
     about ten element-wise operations per hidden unit and step; backward is twice the matmuls
@@ -170,8 +188,10 @@ class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        # op class -> ([FLOPs], [bytes]) of its kernels, in the order they ran
+        # op class -> ([FLOPs], [bytes]) of its calls, in the order they ran
         self.by_class: dict[str, tuple[list[Count], list[Count]]] = {}
+        # op class -> kernels its calls ran (more than calls where one call runs a sequence)
+        self.launches: dict[str, int] = {}
         self.random = False  # a kernel drew random numbers (dropout, rand, bernoulli ...)
 
     def __torch_dispatch__(self, func: _Op, types: Sequence[type], args: tuple[Any, ...] = (),
@@ -180,9 +200,11 @@ class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **kwargs)
         self.random = self.random or draws_random(func, args, kwargs)
         if not is_free(func):
-            flops, nbytes = self.by_class.setdefault(op_class(func), ([], []))
+            name = op_class(func)
+            flops, nbytes = self.by_class.setdefault(name, ([], []))
             flops.append(kernel_flops(func, args, kwargs, out))
             nbytes.append(kernel_bytes(func, args, kwargs, out))
+            self.launches[name] = self.launches.get(name, 0) + sequential_kernels(func, args)
         return out
 
     @property
@@ -195,9 +217,9 @@ class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     @property
     def kernels(self) -> int:
-        return sum(len(flops) for flops, _ in self.by_class.values())
+        return sum(self.launches.values())
 
     def totals(self, op_class: str) -> tuple[float, float, int]:
         """(FLOPs, bytes, kernels) of one op class, summed (real tensors only)."""
         flops, nbytes = self.by_class.get(op_class, ([], []))
-        return float(sum(flops)), float(sum(nbytes)), len(flops)
+        return float(sum(flops)), float(sum(nbytes)), self.launches.get(op_class, 0)

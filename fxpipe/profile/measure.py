@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fxpipe.profile.checks import dips, disagreeing, implausible
 from fxpipe.profile.device import OP_CLASSES, ClassRate, Curve, DeviceProfile
@@ -207,6 +208,10 @@ def _add_points(suite: _Suite) -> None:
     convs = [(t(batch, c, side, side, grad=True), t(c, c, 3, 3, grad=True))
              for c in ([64, 128, 256] if gpu else [16, 32, 64])]
     suite.add("convolution", "flops", [_fwd_bwd(F.conv2d, x, w, padding=1) for x, w in convs])
+    # recurrent: an LSTM layer over a sequence (a small matmul and its gates per time step)
+    lstms = [(nn.LSTM(h, h).to(suite.device, suite.dtype), t(16, 32 if gpu else 2, h, grad=True))
+             for h in ([256, 512, 1024] if gpu else [32, 64, 128])]
+    suite.add("recurrent", "flops", [_fwd_bwd(_lstm_output, lstm, x) for lstm, x in lstms])
     # embedding: a gather forward, a scatter into the table's gradient backward
     table = t(4096, 256, grad=True)
     ids = [torch.randint(4096, (r,), device=suite.device)
@@ -214,11 +219,17 @@ def _add_points(suite: _Suite) -> None:
     suite.add("embedding", "bytes", [_fwd_bwd(F.embedding, i, table) for i in ids])
 
 
+def _lstm_output(lstm: nn.LSTM, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = lstm(x)[0]
+    return out
+
+
 def _class_rates(suite: _Suite) -> dict[str, ClassRate]:
     memory = suite.curve("elementwise.bytes")
     return {"matmul": ClassRate(memory, suite.curve("matmul.flops")),
             "attention": ClassRate(memory, suite.curve("attention.flops")),
             "convolution": ClassRate(memory, suite.curve("convolution.flops")),
+            "recurrent": ClassRate(memory, suite.curve("recurrent.flops")),
             "embedding": ClassRate(suite.curve("embedding.bytes")),
             "reduction": ClassRate(suite.curve("reduction.bytes"),
                                    suite.curve("reduction.flops")),

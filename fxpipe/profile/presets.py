@@ -68,7 +68,7 @@ SPECS: dict[str, GpuSpec] = {
                        82.6e12, 1008e9, "GDDR6X", _PCIE4, "PCIe 4.0 x16", 15e-6, 5e-6),
 }
 
-_TENSOR_CLASSES = ("matmul", "attention", "convolution")
+_TENSOR_CLASSES = ("matmul", "attention", "convolution", "recurrent")
 
 
 def spec_of_device(name: str) -> str | None:

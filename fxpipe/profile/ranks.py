@@ -88,18 +88,10 @@ def fit_rank_overheads(measured: Mapping[Key, float],
     return action, message
 
 
-def _rank_main(profile_path: str) -> None:
-    """One rank: compiles each probe, steps them interleaved, and rank 0 prints the fastest
-    step of each and the predictions fit_rank_overheads needs, as one line of JSON."""
-    import torch.distributed as dist
-
+def _programs(profile: DeviceProfile) -> dict[Key, tuple[Any, torch.Tensor]]:
+    """Each probe at each chunks, compiled with `profile`, and its batch."""
     import fxpipe
-    from fxpipe.runtime.planning.timeline import predicted_step
 
-    torch.set_num_threads(1)
-    with open(profile_path, encoding="utf-8") as f:
-        profile = DeviceProfile.from_json(json.load(f))
-    dist.init_process_group("gloo")
     programs = {}
     for values in VALUES:
         torch.manual_seed(0)
@@ -108,6 +100,20 @@ def _rank_main(profile_path: str) -> None:
             programs[(values, chunks)] = (fxpipe.compile(
                 model, (x,), stages=2, chunks=chunks, remat="never", schedule="gpipe",
                 split_points=["out"], profile=profile), x)
+    return programs
+
+
+def _rank_main(profile_path: str, rendezvous: str, rank: int) -> None:
+    """One rank: steps each probe, interleaved; rank 0 prints the fastest step of each as one
+    line of JSON."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    with open(profile_path, encoding="utf-8") as f:
+        profile = DeviceProfile.from_json(json.load(f))
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=2)
+    programs = _programs(profile)
     for program, x in programs.values():
         program.step(x)
     fastest = {key: float("inf") for key in programs}
@@ -118,16 +124,8 @@ def _rank_main(profile_path: str) -> None:
                 start = time.perf_counter()
                 program.step(x)
                 fastest[key] = min(fastest[key], time.perf_counter() - start)
-    if dist.get_rank() == 0:
-        predicted = {}
-        for action, message in ((0, 0), (1, 0), (0, 1)):
-            predicted[f"{action},{message}"] = {
-                f"{v},{c}": predicted_step(dataclasses.replace(
-                    program.plan, action_overhead=float(action),
-                    message_overhead=float(message)), "gpipe")[0]
-                for (v, c), (program, _) in programs.items()}
-        print(json.dumps({"measured": {f"{v},{c}": t for (v, c), t in fastest.items()},
-                          "predicted": predicted}), flush=True)
+    if rank == 0:
+        print(json.dumps({f"{v},{c}": t for (v, c), t in fastest.items()}), flush=True)
     dist.destroy_process_group()
 
 
@@ -136,41 +134,37 @@ def _pair(key: str) -> tuple[int, int]:
     return int(first), int(second)
 
 
-def _parse(line: str) -> tuple[dict[Key, float], dict[tuple[float, float], dict[Key, float]]]:
-    """What rank 0 printed, keyed as fit_rank_overheads reads it."""
-    data: dict[str, Any] = json.loads(line)
-
-    def keyed(steps: Mapping[str, float]) -> dict[Key, float]:
-        return {_pair(k): float(v) for k, v in steps.items()}
-
+def _predicted(profile: DeviceProfile) -> dict[tuple[float, float], dict[Key, float]]:
+    """The predicted step of each probe at (action, message) overheads of (0, 0), (1, 0) and
+    (0, 1), in this process."""
     predicted = {}
-    for k, steps in data["predicted"].items():
-        action, message = _pair(k)
-        predicted[(float(action), float(message))] = keyed(steps)
-    return keyed(data["measured"]), predicted
+    for overheads in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):
+        variant = dataclasses.replace(profile, action_overhead=overheads[0],
+                                      message_overhead=overheads[1])
+        predicted[overheads] = {key: program.plan.predicted_step_time
+                                for key, (program, _) in _programs(variant).items()}
+    return predicted
 
 
 def measure_rank_overheads(profile: DeviceProfile, *, timeout: float = 180.0
                            ) -> tuple[float, float]:
     """(action_overhead, message_overhead) of this machine's CPU ranks over gloo, measured
     with two processes and the rest of `profile`; (0, 0) with a warning where they fail."""
-    from fxpipe.runtime.program.torchrun import free_port
-
+    predicted = _predicted(profile)
     with tempfile.TemporaryDirectory(prefix="fxpipe-ranks-") as folder:
         path = os.path.join(folder, "profile.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(profile.to_json(), f)
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "fxpipe.profile.ranks", path]
+        command = [sys.executable, "-m", "fxpipe.profile.ranks", path,
+                   os.path.join(folder, "rendezvous")]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         ranks: list[subprocess.Popen[str]] = []
         outputs: list[tuple[str, str]] = []
         why = f"no result within {timeout:.0f} s"
         try:
             for r in (0, 1):
-                ranks.append(subprocess.Popen(
-                    command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                ranks.append(subprocess.Popen([*command, str(r)], env=env, text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE))
             outputs = [rank.communicate(timeout=timeout) for rank in ranks]
         except OSError as e:
             why = f"{type(e).__name__}: {e}"
@@ -188,12 +182,13 @@ def measure_rank_overheads(profile: DeviceProfile, *, timeout: float = 180.0
         warnings.warn(f"could not measure what a pipeline rank pays per action and message "
                       f"({why}); predicted multi-process steps leave it out", stacklevel=2)
         return 0.0, 0.0
-    measured, predicted = _parse(outputs[0][0].strip().splitlines()[-1])
+    measured = {_pair(k): float(v)
+                for k, v in json.loads(outputs[0][0].strip().splitlines()[-1]).items()}
     return fit_rank_overheads(measured, predicted)
 
 
 def _main(argv: Sequence[str]) -> int:
-    _rank_main(argv[0])
+    _rank_main(argv[0], argv[1], int(argv[2]))
     return 0
 
 

@@ -8,6 +8,11 @@ overheads). Measured are the fastest and the median of a few steps after warm-up
 process the CPU time the step used: the profile holds the fastest of short runs, the machine's
 own speed, and on a machine other processes load a step's wall time grows by the share of the
 cores they take, its CPU time does not.
+
+A virtual machine's speed drifts by tens of percent within minutes, so the profile is measured
+again first (unless --keep-profile), a fixed mix of work is timed right after it and again around
+each model's runs, and each ratio is also given at the profile's speed: the prediction scaled
+by how much slower that mix ran then ("speed" column).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 
 import fxpipe
 from fxpipe.models import MODELS, load
+from fxpipe.profile import cached_profile
 from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
 
 __all__ = ["check_model", "main"]
@@ -43,9 +49,32 @@ def _ranks(folder: str, steps: int) -> list[float]:
     return [float(t) for t in _STEP.findall(result.stdout)]
 
 
+def machine_time() -> float:
+    """Seconds of a fixed mix of work (matrix products, element-wise kernels, a small
+    backward), the fastest of a few runs: how fast the machine runs now."""
+    a, x = torch.randn(64, 64), torch.randn(8192)
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def mix() -> None:
+        for _ in range(20):
+            a @ a
+            torch.tanh(x)
+            torch.autograd.backward(torch.tanh(w @ w).sum())
+
+    mix()
+    best = float("inf")
+    for _ in range(7):
+        start = time.perf_counter()
+        mix()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def check_model(name: str, *, stages: int = 2, chunks: int = 4, steps: int = 8,
                 ranks: bool = True) -> dict[str, float]:
-    """Predicted and measured step times (seconds) of one bundled model."""
+    """Predicted and measured step times (seconds) of one bundled model, and how much slower
+    than now the machine ran around them ("slower")."""
+    before = machine_time()
     model, inputs, named = load(name, deterministic=True)
     kwargs: dict[str, Any] = dict(named)
     program = fxpipe.compile(model, inputs, stages=stages, chunks=chunks, example_kwargs=kwargs)
@@ -66,6 +95,7 @@ def check_model(name: str, *, stages: int = 2, chunks: int = 4, steps: int = 8,
             program.write(folder)
             printed = _ranks(folder, steps + 2)[2:]  # the first steps warm up
         out["ranks_min_s"], out["ranks_median_s"] = min(printed), statistics.median(printed)
+    out["machine_s"] = (before + machine_time()) / 2
     return out
 
 
@@ -75,27 +105,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("models", nargs="*", default=list(MODELS))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-ranks", action="store_true", help="only in one process")
+    parser.add_argument("--keep-profile", action="store_true",
+                        help="predict with the cached profile as it is (default: measure it "
+                             "again first)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print("one process: program.step, wall time (min, median) and the process's CPU time "
-          "(median; what a loaded machine does not inflate); 2 ranks: the steps fxpipe run "
-          "prints (wall)")
-    print(f"{'model':10} {'one process: predicted':>24} {'min':>9} {'median':>9} {'CPU':>9}"
-          f" {'pred/CPU':>9} {'2 ranks: predicted':>20} {'min':>9} {'median':>9}"
-          f" {'pred/min':>9}")
+    if not args.keep_profile:
+        cached_profile("cpu", torch.float32, refresh=True)
+    profiled = machine_time()
+    print("one process: program.step; 2 ranks: the steps fxpipe run prints; wall times (min, "
+          "median) in ms; pred/min: the predicted over the fastest step; at speed: the same "
+          "with the prediction scaled by how much slower the machine ran around the model's "
+          "runs than right after the profile (speed)")
+    print(f"{'model':10} {'speed':>6} | {'1 process: pred':>15} {'min':>7} {'median':>7}"
+          f" {'pred/min':>8} {'at speed':>8} | {'2 ranks: pred':>13} {'min':>7} {'median':>7}"
+          f" {'pred/min':>8} {'at speed':>8}")
     for name in args.models:
         try:
             r = check_model(name, steps=args.steps, ranks=not args.no_ranks)
         except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end
             print(f"{name:10} failed: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
-        row = (f"{name:10} {r['predicted_local_s'] * 1e3:21.2f} ms {r['local_min_s'] * 1e3:9.2f}"
-               f" {r['local_median_s'] * 1e3:9.2f} {r['local_cpu_s'] * 1e3:9.2f}"
-               f" {r['predicted_local_s'] / r['local_cpu_s']:9.2f}"
-               f" {r['predicted_ranks_s'] * 1e3:17.2f} ms")
-        if "ranks_min_s" in r:
-            row += (f" {r['ranks_min_s'] * 1e3:9.2f} {r['ranks_median_s'] * 1e3:9.2f}"
-                    f" {r['predicted_ranks_s'] / r['ranks_min_s']:9.2f}")
+        slower = r["machine_s"] / profiled
+        row = f"{name:10} {slower:6.2f}"
+        for where in ("local", "ranks"):
+            if f"{where}_min_s" not in r:
+                continue
+            predicted, fastest = r[f"predicted_{where}_s"], r[f"{where}_min_s"]
+            row += (f" | {predicted * 1e3:15.2f} {fastest * 1e3:7.2f}"
+                    f" {r[f'{where}_median_s'] * 1e3:7.2f} {predicted / fastest:8.2f}"
+                    f" {predicted * slower / fastest:8.2f}")
         print(row, flush=True)
     return 0
 
