@@ -157,7 +157,10 @@ def measure_rank_overheads(profile: DeviceProfile, *, timeout: float = 180.0
             json.dump(profile.to_json(), f)
         command = [sys.executable, "-m", "fxpipe.profile.ranks", path,
                    os.path.join(folder, "rendezvous")]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # the processes import this fxpipe, wherever it was imported from
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
         ranks: list[subprocess.Popen[str]] = []
         outputs: list[tuple[str, str]] = []
         why = f"no result within {timeout:.0f} s"
