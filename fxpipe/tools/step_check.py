@@ -1,5 +1,6 @@
 """`python -m fxpipe.tools.step_check`: predicted against measured step time of every bundled
-model, in one process (program.step) and under `fxpipe run` on two ranks.
+model and of two of the kinds users bring (fxpipe.testing.user_models), in one process
+(program.step) and under `fxpipe run` on two ranks.
 
 The prediction is what the report prints: in one process every stage's compute one after
 another (fxpipe.runtime.planning.timeline.predicted_local_step), on two ranks the schedule played
@@ -33,6 +34,7 @@ import fxpipe
 from fxpipe.models import MODELS, load
 from fxpipe.profile import cached_profile
 from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
+from fxpipe.testing.user_models import USER_MODELS, load_user_model
 
 __all__ = ["check_model", "main"]
 
@@ -72,10 +74,11 @@ def machine_time() -> float:
 
 def check_model(name: str, *, stages: int = 2, chunks: int = 4, steps: int = 8,
                 ranks: bool = True) -> dict[str, float]:
-    """Predicted and measured step times (seconds) of one bundled model, and how much slower
-    than now the machine ran around them ("slower")."""
+    """Predicted and measured step times (seconds) of one bundled or user model, and how fast
+    the machine ran around them ("machine_s")."""
     before = machine_time()
-    model, inputs, named = load(name, deterministic=True)
+    model, inputs, named = load_user_model(name) if name in USER_MODELS else \
+        load(name, deterministic=True)
     kwargs: dict[str, Any] = dict(named)
     program = fxpipe.compile(model, inputs, stages=stages, chunks=chunks, example_kwargs=kwargs)
     plan = program.plan
@@ -102,7 +105,7 @@ def check_model(name: str, *, stages: int = 2, chunks: int = 4, steps: int = 8,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxpipe.tools.step_check",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("models", nargs="*", default=list(MODELS))
+    parser.add_argument("models", nargs="*", default=[*MODELS, *USER_MODELS])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-ranks", action="store_true", help="only in one process")
     parser.add_argument("--keep-profile", action="store_true",

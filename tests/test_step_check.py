@@ -1,0 +1,27 @@
+"""fxpipe.tools.step_check: what its figures are computed from (the figures themselves are
+benchmark output, never asserted)."""
+from __future__ import annotations
+
+import torch
+
+import fxpipe
+from fxpipe.testing.user_models import USER_MODELS, load_user_model
+from fxpipe.tools.step_check import check_model, machine_time
+
+
+def test_the_user_models_pipeline_like_the_plain_model_in_eval():
+    for name in USER_MODELS:
+        model, inputs, kwargs = load_user_model(name)
+        model.eval()
+        program = fxpipe.compile(model, inputs, stages=2, chunks=2, example_kwargs=kwargs)
+        expected, got = model(*inputs, **kwargs), program(*inputs, **kwargs)
+        if isinstance(expected, dict):
+            expected, got = expected["logits"], got["logits"]
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_model_is_predicted_and_measured_in_one_process():
+    row = check_model("skipnet", steps=2, ranks=False)
+    assert row["predicted_local_s"] > 0 and row["predicted_ranks_s"] > 0
+    assert 0 < row["local_min_s"] <= row["local_median_s"]
+    assert row["machine_s"] > 0 and machine_time() > 0
