@@ -6,6 +6,8 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -222,27 +224,32 @@ def test_what_a_step_pays_beyond_kernels_is_part_of_the_cached_profile(cache_fol
     assert DeviceProfile.from_json(json.loads(json.dumps(paid.to_json()))) == paid
     assert paid.scaled(2.0).microbatch_overhead == pytest.approx(6e-4)
     # a profile cached before the overheads were measured is measured again
+    path = _cache_old_profile(lambda old: old.pop("overheads"))
+    cache.cached_profile("cpu")
+    assert len(counted_measure) == 1 and "overheads" in json.loads(path.read_text())
+
+
+def _cache_old_profile(edit: Any) -> Path:
+    """Caches this machine's profile as an earlier version wrote it: `edit` changes its JSON."""
     key = cache.profile_key("cpu", torch.float32)
     path = cache.profile_path(key)
     path.parent.mkdir(parents=True)
     old = dataclasses.replace(measured_like(FRESH_LINK), key=key).to_json()
-    del old["overheads"]
+    edit(old)
     path.write_text(json.dumps(old))
-    cache.cached_profile("cpu")
-    assert len(counted_measure) == 1 and "overheads" in json.loads(path.read_text())
+    return path
 
 
 def test_a_cached_profile_without_what_ranks_pay_is_measured_again(cache_folder, counted_measure):
     ranked = dataclasses.replace(preset("a100"), action_overhead=1e-4, message_overhead=2e-5)
     assert DeviceProfile.from_json(json.loads(json.dumps(ranked.to_json()))) == ranked
     assert ranked.scaled(2.0).message_overhead == pytest.approx(4e-5)
-    key = cache.profile_key("cpu", torch.float32)
-    path = cache.profile_path(key)
-    path.parent.mkdir(parents=True)
-    old = dataclasses.replace(measured_like(FRESH_LINK), key=key).to_json()
-    for name in ("action_overhead", "message_overhead"):
-        del old["overheads"][name]
-    path.write_text(json.dumps(old))
+
+    def drop_ranks(old: dict[str, Any]) -> None:
+        for name in ("action_overhead", "message_overhead"):
+            del old["overheads"][name]
+
+    path = _cache_old_profile(drop_ranks)
     cache.cached_profile("cpu")
     assert len(counted_measure) == 1
     assert "message_overhead" in json.loads(path.read_text())["overheads"]

@@ -604,8 +604,6 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
 
 def _messages(atoms: Atoms, first: int, end: int) -> tuple[int, int]:
     """(forward, backward) messages per micro-batch of the stage of atoms first..end-1."""
-    if not atoms.cut_messages:
-        return 0, 0
     return (atoms.cut_messages[first] + atoms.cut_messages[end],
             atoms.cut_gradients[first] + atoms.cut_gradients[end])
 
