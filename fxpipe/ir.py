@@ -146,6 +146,7 @@ class Cost:
     bwd_bytes: sympy.Expr
     grad_param_bytes: sympy.Expr = field(default=sympy.Integer(0))  # params that need grads
     grad_param_elements: sympy.Expr = field(default=sympy.Integer(0))
+    grad_params: int = 0  # tensors among them (each micro-batch's gradient is added into one)
     fwd_kernels: int = 0  # aten kernels launched by the forward (per-kernel overhead)
     bwd_kernels: int = 0
     # What saved_bytes is made of, for per-stage accounting: bytes of buffers the node allocates

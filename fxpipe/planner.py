@@ -495,6 +495,8 @@ class Bounds:
         self._held: dict[OptimizerMemory, float] = {}
         self._saved: dict[int, float] = {}
         self._time: dict[int, tuple[float, float]] = {}
+        self._accumulate = self.totals.accumulation(self.profile)
+        self._paid = self.totals.paid(self.profile)
 
     def memory(self, c: Candidate, b: int) -> float:
         """The graph's weights, gradients, optimizer state (as sharded) and one micro-batch's
@@ -513,9 +515,10 @@ class Bounds:
         if b not in self._time:
             self._time[b] = self.totals.kernel_time(self.profile, b)
         fwd, bwd = self._time[b]
-        paid = self.totals.ops * self.profile.op_overhead
+        paid, paid_forward = self._paid
         recompute = remat_policy(c.remat).recomputed_share(c.chunks)
-        again = recompute * (fwd + paid / 2 + self.totals.ops * self.profile.region_overhead)
-        work = (fwd + bwd + paid + again + loss_time(self.gm, b, self.profile, False)) * c.chunks
+        again = recompute * (fwd + paid_forward + self.totals.ops * self.profile.region_overhead)
+        work = (fwd + bwd + paid + again + loss_time(self.gm, b, self.profile, False)) * c.chunks \
+            + (c.chunks - 1) * self._accumulate
         return work / c.ranks + self.profile.step_overhead \
             + self.link.all_reduce(c, self.grad_bytes / c.ranks)

@@ -518,7 +518,7 @@ class _CostRunner(Interpreter):
                 totals["saved"].append(cost.saved_bytes)
                 continue
             raw = self.raw[node]
-            params, grad_params, grad_elements = self._param_bytes(node)
+            params, grad_params, grad_elements, grad_tensors = self._param_bytes(node)
             internal = sympy.expand(sympy.Add(*self.internal.get(node, [])))
             saved = sympy.expand(sympy.Add(*kept_by_owner.get(node, []), internal))
             info = node.meta.get(ir.TENSOR)
@@ -526,7 +526,7 @@ class _CostRunner(Interpreter):
                 fwd_flops=raw.fwd_flops, bwd_flops=raw.bwd_flops, param_bytes=params,
                 output_bytes=_value_bytes(info), saved_bytes=saved, fwd_bytes=raw.fwd_bytes,
                 bwd_bytes=raw.bwd_bytes, grad_param_bytes=grad_params,
-                grad_param_elements=grad_elements,
+                grad_param_elements=grad_elements, grad_params=grad_tensors,
                 fwd_kernels=raw.fwd_kernels, bwd_kernels=raw.bwd_kernels,
                 internal_saved_bytes=internal,
                 saves=self._saves(node), random=raw.random, work=_class_work(raw))
@@ -552,10 +552,10 @@ class _CostRunner(Interpreter):
             saves = self.handover.saves(node, saves)
         return tuple(sorted(saves.items()))
 
-    def _param_bytes(self, node: Node) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    def _param_bytes(self, node: Node) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, int]:
         """Bytes of parameters and buffers this node is the first to use (tied ones once), the
-        bytes of those needing gradients, and their elements."""
-        total, grad, elements = 0, 0, 0
+        bytes of those needing gradients, their elements and how many tensors they are."""
+        total, grad, elements, tensors = 0, 0, 0, 0
         for arg in node.all_input_nodes:
             if arg.op != "get_attr":
                 continue
@@ -567,6 +567,7 @@ class _CostRunner(Interpreter):
             if real.requires_grad:
                 grad += real.numel() * real.element_size()
                 elements += real.numel()
+                tensors += 1
         if node.op == "call_module":
             sub = self.fetch_attr(str(node.target))
             for p in [*sub.parameters(), *sub.buffers()]:
@@ -575,7 +576,8 @@ class _CostRunner(Interpreter):
                     total += p.numel() * p.element_size()
                     grad += p.numel() * p.element_size() if p.requires_grad else 0
                     elements += p.numel() if p.requires_grad else 0
-        return sympy.Integer(total), sympy.Integer(grad), sympy.Integer(elements)
+                    tensors += p.requires_grad
+        return sympy.Integer(total), sympy.Integer(grad), sympy.Integer(elements), tensors
 
 
 class _Handover:

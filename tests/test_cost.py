@@ -2,6 +2,7 @@
 per-node times), checked against closed forms and against direct counts of real runs."""
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import os
@@ -554,3 +555,74 @@ def test_an_lstm_layer_is_costed_as_its_time_steps_in_the_recurrent_class():
     work = {(w.op_class, w.backward): w.kernels for w in ir.cost(lstm[0]).work}
     assert work[("recurrent", False)] == 7 and work[("recurrent", True)] == 7
     assert not any(c == "matmul" for c, _ in work)
+
+
+class _Kinds(nn.Module):
+    """One operation of each kind that pays its own overhead: a linear (matmul), a norm and a
+    sum (reduction), an activation (elementwise), a view; and glue that makes no tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.ln(self.fc(x)))
+        return h.view(h.shape[0], 2, 4).sum(-1)
+
+
+def test_each_kind_of_operation_pays_its_own_overhead_in_forward_and_backward():
+    import dataclasses
+
+    from fxpipe.profile import get_profile
+    from fxpipe.profile.kinds import VIEW, overhead_kind
+
+    model, x = _Kinds(), torch.randn(4, 8)
+    kinds = {"matmul": 1e-3, "reduction": 2e-3, "elementwise": 3e-3, VIEW: 4e-3}
+    profile = dataclasses.replace(get_profile("a100"), op_overhead=1.0,
+                                  op_overheads=tuple(kinds.items()),
+                                  op_forward_overheads=(("matmul", 1e-4),))
+    bare = fxpipe.compile(model, (x,), stages=1, chunks=2, remat="never", profile="a100")
+    paid = fxpipe.compile(model, (x,), stages=1, chunks=2, remat="never", profile=profile)
+    found = collections.Counter(overhead_kind(n) for n in ir.compute_nodes(
+        paid.graph_module.graph))
+    assert {k: found[k] for k in kinds} == {"matmul": 1, "reduction": 2, "elementwise": 1,
+                                            VIEW: 1}
+    assert found[None] >= 1  # h.shape[0] makes no tensor and pays nothing
+    (stage,), (without,) = paid.plan.stages, bare.plan.stages
+    assert stage.overhead_time == pytest.approx(1e-3 + 2 * 2e-3 + 3e-3 + 4e-3)
+    # the forward pays the measured part of a matmul's, half of the others' (not measured)
+    assert stage.forward_time - without.forward_time == pytest.approx(
+        1e-4 + (2 * 2e-3 + 3e-3 + 4e-3) / 2)
+    # a recomputed operation pays its forward's part again
+    remat = fxpipe.compile(model, (x,), stages=1, chunks=2, remat="always", profile=profile)
+    bare_remat = fxpipe.compile(model, (x,), stages=1, chunks=2, remat="always",
+                                profile="a100")
+    assert remat.plan.stages[0].recompute_time - bare_remat.plan.stages[0].recompute_time \
+        == pytest.approx(1e-4 + (2 * 2e-3 + 3e-3 + 4e-3) / 2)
+
+
+def test_every_micro_batch_after_the_first_adds_its_weight_gradients_into_the_earlier():
+    from fxpipe.passes.partition.graph import accumulation, atoms_of, measure_atoms, node_facts
+    from fxpipe.profile import get_profile
+
+    model, x = _Kinds(), torch.randn(4, 8)
+    gm = fxpipe.capture(model, (x,))
+    annotate_costs(gm)
+    nodes = {str(n.target): n for n in ir.compute_nodes(gm.graph)}
+    assert [ir.cost(nodes[name]).grad_params for name in ("fc", "ln")] == [2, 2]
+    profile = get_profile("a100")
+    groups = atoms_of(gm)
+    facts = node_facts(gm, groups, balance="cost", profile=profile, b=2)
+    # the linear's weight (64 elements) and bias (8): an element-wise add each, reading the
+    # gradient so far and this micro-batch's and writing the sum
+    fc = next(a for a, group in enumerate(groups) if nodes["fc"] in group)
+    assert facts.accumulate[fc] == pytest.approx(
+        accumulation(profile, 72 * 4, 72, 2)
+        + (accumulation(profile, 16 * 4, 16, 2) if nodes["ln"] in groups[fc] else 0.0))
+    assert accumulation(profile, 72 * 4, 72, 2) == pytest.approx(
+        profile.class_time("elementwise", 72, 3 * 72 * 4, 2))
+    one, four = (measure_atoms(gm, groups, balance="cost", profile=profile, b=2,
+                               remat="never", chunks=chunks, facts=facts) for chunks in (1, 4))
+    for a in range(len(groups)):
+        assert four.compute[a] - one.compute[a] == pytest.approx(3 / 4 * facts.accumulate[a])
+        assert four.weight[a] - one.weight[a] == pytest.approx(3 / 4 * facts.accumulate[a])

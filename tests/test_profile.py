@@ -220,20 +220,36 @@ def test_a_run_measuring_far_from_the_profile_drops_the_cached_one(cache_folder,
 def test_what_a_step_pays_beyond_kernels_is_part_of_the_cached_profile(cache_folder,
                                                                        counted_measure):
     paid = dataclasses.replace(preset("a100"), op_overhead=1e-5, region_overhead=2e-5,
-                               microbatch_overhead=3e-4, step_overhead=4e-4)
+                               microbatch_overhead=3e-4, step_overhead=4e-4,
+                               op_overheads=(("matmul", 5e-5), ("view", 1e-6)),
+                               op_forward_overheads=(("matmul", 1e-5),))
     assert DeviceProfile.from_json(json.loads(json.dumps(paid.to_json()))) == paid
     assert paid.scaled(2.0).microbatch_overhead == pytest.approx(6e-4)
-    # a profile cached before the overheads were measured is measured again
+    assert paid.scaled(2.0).operation_overhead("matmul") == pytest.approx(1e-4)
+    assert paid.scaled(2.0).operation_forward_overhead("matmul") == pytest.approx(2e-5)
+    # a kind without a figure of its own pays op_overhead, half of it in the forward
+    assert paid.operation_overhead("convolution") == 1e-5
+    assert paid.operation_forward_overhead("view") == 5e-7
+    # a profile cached before the overheads were measured is measured again, and one cached
+    # before they were measured per kind of operation
     path = _cache_old_profile(lambda old: old.pop("overheads"))
     cache.cached_profile("cpu")
     assert len(counted_measure) == 1 and "overheads" in json.loads(path.read_text())
+    path.unlink()
+    path = _cache_old_profile(lambda old: (old.pop("op_overheads"),
+                                           old.pop("op_forward_overheads")), fresh=True)
+    cache.cached_profile("cpu")
+    assert len(counted_measure) == 2 and "op_forward_overheads" in json.loads(path.read_text())
 
 
-def _cache_old_profile(edit: Any) -> Path:
-    """Caches this machine's profile as an earlier version wrote it: `edit` changes its JSON."""
+def _cache_old_profile(edit: Any, fresh: bool = False) -> Path:
+    """Caches this machine's profile as an earlier version wrote it: `edit` changes its JSON
+    (`fresh`: forgetting the profile this process measured before)."""
     key = cache.profile_key("cpu", torch.float32)
     path = cache.profile_path(key)
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        cache._MEMORY.pop(key, None)
     old = dataclasses.replace(measured_like(FRESH_LINK), key=key).to_json()
     edit(old)
     path.write_text(json.dumps(old))

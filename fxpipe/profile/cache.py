@@ -95,7 +95,8 @@ def locked(name: str) -> Iterator[None]:
 def _read(path: Path) -> DeviceProfile | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if not set(OVERHEADS) <= set(data.get("overheads", ())):
+        if not set(OVERHEADS) <= set(data.get("overheads", ())) or \
+                "op_forward_overheads" not in data:
             return None  # measured before some of a step's overheads were: measure again
         return DeviceProfile.from_json(data)
     except (OSError, ValueError, KeyError, TypeError, ConfigError):

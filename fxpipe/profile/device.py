@@ -108,7 +108,7 @@ class DeviceProfile:
     # what a real step pays beyond kernels (fxpipe.profile.overheads), in seconds: per graph
     # operation per micro-batch (forward and backward), per remat region recomputed, per stage
     # and micro-batch, per step; measured on CPUs, 0 in datasheet presets
-    op_overhead: float = 0.0
+    op_overhead: float = 0.0  # of an operation whose class has no figure in op_overheads
     region_overhead: float = 0.0
     microbatch_overhead: float = 0.0
     step_overhead: float = 0.0
@@ -117,6 +117,20 @@ class DeviceProfile:
     # measured with two processes on CPUs, 0 in datasheet presets
     action_overhead: float = 0.0
     message_overhead: float = 0.0
+    # per operation by its op class (a linear pays more than a ReLU) or "view" (glue that
+    # makes a tensor without a kernel), forward and backward, and of that its forward's part:
+    # (kind, seconds) pairs; measured on CPUs
+    op_overheads: tuple[tuple[str, float], ...] = ()
+    op_forward_overheads: tuple[tuple[str, float], ...] = ()
+
+    def operation_overhead(self, kind: str) -> float:
+        """Seconds an operation of `kind` (an op class or "view") pays beyond its kernels per
+        micro-batch, forward and backward."""
+        return dict(self.op_overheads).get(kind, self.op_overhead)
+
+    def operation_forward_overhead(self, kind: str) -> float:
+        """The forward's part of operation_overhead (half where not measured)."""
+        return dict(self.op_forward_overheads).get(kind, self.operation_overhead(kind) / 2)
 
     def rate(self, op_class: str) -> ClassRate:
         for name, rate in self.rates:
@@ -172,6 +186,9 @@ class DeviceProfile:
                        step_overhead=self.step_overhead * factor,
                        action_overhead=self.action_overhead * factor,
                        message_overhead=self.message_overhead * factor,
+                       op_overheads=tuple((c, t * factor) for c, t in self.op_overheads),
+                       op_forward_overheads=tuple((c, t * factor)
+                                                  for c, t in self.op_forward_overheads),
                        source=f"{self.source}, scaled x{factor:.3g}")
 
     def to_json(self) -> dict[str, Any]:
@@ -179,6 +196,8 @@ class DeviceProfile:
                 "link": [list(p) for p in self.link.points], "link_latency": self.link_latency,
                 "source": self.source, "precision": self.precision, "key": self.key,
                 "overheads": {name: getattr(self, name) for name in OVERHEADS},
+                "op_overheads": dict(self.op_overheads),
+                "op_forward_overheads": dict(self.op_forward_overheads),
                 "rates": {name: {"bandwidth": [list(p) for p in r.bandwidth.points],
                                  "flops": [list(p) for p in r.flops.points] if r.flops else None}
                           for name, r in self.rates}}
@@ -201,7 +220,9 @@ class DeviceProfile:
                              str(data["source"]),
                              _DTYPE_NAMES.get(str(data["precision"]), str(data["precision"])),
                              str(data["key"]),
-                             **{name: float(overheads.get(name, 0.0)) for name in OVERHEADS})
+                             **{name: float(overheads.get(name, 0.0)) for name in OVERHEADS},
+                             op_overheads=_pairs(data.get("op_overheads", {})),
+                             op_forward_overheads=_pairs(data.get("op_forward_overheads", {})))
 
     def describe(self) -> list[list[str]]:
         """Rows (class, FLOP/s at small and large kernels, bytes/s likewise) for a table."""
@@ -215,3 +236,7 @@ class DeviceProfile:
         rows.append(["link", "-", f"{self.link.points[0][1] / 1e9:.3g} .. "
                                   f"{self.link.points[-1][1] / 1e9:.3g}"])
         return rows
+
+
+def _pairs(data: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+    return tuple((str(key), float(value)) for key, value in data.items())

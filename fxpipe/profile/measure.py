@@ -189,7 +189,7 @@ def _add_points(suite: _Suite) -> None:
     numels = [2**i for i in (range(16, 29, 2) if gpu else range(10, 23, 2))]
     pairs = [(t(n), t(n)) for n in numels]
     rows = [x.view(-1, 256) for x, _ in pairs]
-    big = [x for x in rows if 2**14 <= x.numel() <= (2**24 if gpu else 2**20)]
+    big = [x for x in rows if (2**14 if gpu else 2**10) <= x.numel() <= (2**24 if gpu else 2**20)]
     suite.add("elementwise", "bytes", [partial(torch.add, x, y) for x, y in pairs])
     suite.add("elementwise", "flops", [partial(F.gelu, x) for x in big])
     suite.add("reduction", "bytes", [partial(torch.sum, x, -1) for x in rows])
@@ -197,16 +197,16 @@ def _add_points(suite: _Suite) -> None:
     # compute-bound classes at their own FLOP/s (the memory's bandwidth for skinny shapes):
     # the products of linear layers, with an output 4x wider as in an MLP
     linear = [(t(n, n), t(4 * n, n), t(n, 4 * n))
-              for n in ([1024, 2048, 4096] if gpu else [32, 64, 128, 256])]
+              for n in ([1024, 2048, 4096] if gpu else [4, 8, 16, 32, 64, 128, 256])]
     suite.add("matmul", "flops", [partial(_linear_products, *xwg) for xwg in linear])
     heads = 16 if gpu else 4
     qkv = [[t(1, heads, s, 64, grad=True) for _ in range(3)]
-           for s in ([512, 1024, 2048] if gpu else [32, 64, 128])]
+           for s in ([512, 1024, 2048] if gpu else [8, 16, 32, 64, 128])]
     suite.add("attention", "flops", [_fwd_bwd(F.scaled_dot_product_attention, *q, is_causal=True)
                                      for q in qkv])
     side, batch = (32, 8) if gpu else (16, 2)
     convs = [(t(batch, c, side, side, grad=True), t(c, c, 3, 3, grad=True))
-             for c in ([64, 128, 256] if gpu else [16, 32, 64])]
+             for c in ([64, 128, 256] if gpu else [2, 4, 8, 16, 32, 64])]
     suite.add("convolution", "flops", [_fwd_bwd(F.conv2d, x, w, padding=1) for x, w in convs])
     # recurrent: an LSTM layer over a sequence (a small matmul and its gates per time step)
     lstms = [(nn.LSTM(h, h).to(suite.device, suite.dtype), t(16, 32 if gpu else 2, h, grad=True))
@@ -378,11 +378,9 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
         previous = torch.get_num_threads()
         torch.set_num_threads(threads or previous)
         try:
-            paid = measure_overheads(profile)
+            profile = measure_overheads(profile)
         finally:
             torch.set_num_threads(previous)
-        profile = replace(profile, op_overhead=paid.op, region_overhead=paid.region,
-                          microbatch_overhead=paid.microbatch, step_overhead=paid.step)
         if link:  # and what a rank of a multi-process pipeline pays beyond that
             action, message = measure_rank_overheads(profile)
             profile = replace(profile, action_overhead=action, message_overhead=message)

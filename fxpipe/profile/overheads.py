@@ -7,20 +7,28 @@ micro-batch and step the executor's own work (hand-offs between stage threads, s
 joining the batch, the loss). Each is timed here as the fastest of repeated runs of tiny work,
 where nothing but the overhead takes time:
 
-    op_overhead          a small model's forward and backward (convolution, norms, linears),
-                         less what the kernel rates predict for it, per operation it adds
-                         from one to three blocks
-    region_overhead      a chain of tiny operations under the stages' checkpoint, less the same
-                         without it and its recomputation, per operation
+    op_overheads         per op class, a chain of tiny units of that class (linears; norms
+                         and softmax; activations and adds; convolutions; ...), and per view
+                         (glue that makes a tensor without a kernel), forward and backward,
+                         less what the kernel rates predict for it, per operation it adds from
+                         one to four units; op_overhead is their median
+    op_forward_overheads the same of the forward alone (a recomputed operation pays it again)
+    region_overhead      a chain of typical blocks (linear, norm, activation, add) under the
+                         stages' checkpoint, less the same without it and its recomputation,
+                         per operation
     microbatch_overhead  a compiled two-stage program of two tiny layers at 1 and 8 micro-batches:
     step_overhead        the slope per stage and micro-batch and the intercept, less what the
                          above already predict for its operations
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -28,18 +36,9 @@ from torch import nn
 
 from fxpipe import ir
 from fxpipe.profile.device import DeviceProfile
+from fxpipe.profile.kinds import is_glue, overhead_kind
 
-__all__ = ["Overheads", "measure_overheads"]
-
-
-@dataclass(frozen=True)
-class Overheads:
-    """Seconds a real step pays beyond kernels (fxpipe.profile.device.DeviceProfile)."""
-
-    op: float = 0.0  # per operation (graph node) per micro-batch, forward and backward
-    region: float = 0.0  # per operation of a remat region per micro-batch it recomputes
-    microbatch: float = 0.0  # per stage per micro-batch
-    step: float = 0.0  # per training step
+__all__ = ["measure_overheads"]
 
 
 def _fastest(fn: Callable[[], object], repeat: int = 25, budget: float = 1.0) -> float:
@@ -55,59 +54,163 @@ def _fastest(fn: Callable[[], object], repeat: int = 25, budget: float = 1.0) ->
     return best
 
 
-class _Mixed(nn.Module):
-    """A small model of the common operations, `blocks` times: convolution, norm and
-    activation on an image, then residual linear, norm and activation blocks."""
+class _Chain(nn.Module):
+    """`units` copies of one unit of work, each giving what it takes."""
 
-    def __init__(self, blocks: int) -> None:
+    def __init__(self, unit: Callable[[], nn.Module], units: int) -> None:
         super().__init__()
-        self.convs = nn.ModuleList(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1),
-                                                 nn.BatchNorm2d(4), nn.ReLU())
-                                   for _ in range(blocks))
-        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(256, 64), nn.LayerNorm(64),
-                                                nn.GELU(), nn.Linear(64, 256))
-                                  for _ in range(blocks))
+        self.units = nn.ModuleList(unit() for _ in range(units))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for conv in self.convs:
-            x = conv(x)
-        y = x.flatten(1)
-        for mlp in self.mlps:
-            y = y + mlp(y)
-        return y
+        for unit in self.units:
+            x = unit(x)
+        return x
 
 
-def _op_overhead(kernels: DeviceProfile) -> float:
-    """Per operation: what a forward and backward of the small model takes beyond what
-    `kernels` (a profile of kernel rates alone) predicts for it, per operation it adds: the
-    slope from 1 to 3 blocks, so that what a step pays once (starting the backward, the loss)
-    is left to the step's own overheads. This is what each operation pays beyond its kernels
-    in a real backward: the Python call, the autograd node, allocations, gradient
-    accumulation."""
-    import fxpipe
+class _Pointwise(nn.Module):
+    """The common element-wise operations: activations, a residual add, a scaling."""
 
-    runs, paid = {}, {}
-    for blocks in (1, 3):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(x)
+        x = nn.functional.gelu(x)
+        return (x + x) * 0.5
+
+
+class _Norms(nn.Module):
+    """The common reductions: layer and batch norm, softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.batch = nn.LayerNorm(16), nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.batch(self.layer(x)), dim=-1)
+
+
+class _Attention(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(x, x, x)
+
+
+class _Lookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(32, 16)
+        self.rows: torch.Tensor
+        self.register_buffer("rows", torch.arange(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        looked_up: torch.Tensor = self.table(self.rows)
+        return x + looked_up.unsqueeze(0)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lstm(x)[0]
+        return out
+
+
+class _Views(nn.Module):
+    """Glue that makes tensors without kernels: views and transposes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], 4, 4).transpose(1, 2).transpose(1, 2).flatten(1)
+
+
+class _Block(nn.Module):
+    """A remat region's typical operations: linear, norm, activation, residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.gelu(self.norm(self.linear(x)))
+
+
+# each kind's unit of work and its input, element-wise first: the other units' figures
+# subtract what their element-wise operations (an embedding's add, a norm's counter) pay
+_UNITS: tuple[tuple[str, Callable[[], nn.Module], tuple[int, ...]], ...] = (
+    ("elementwise", _Pointwise, (4, 16)),
+    ("view", _Views, (4, 16)),
+    ("matmul", lambda: nn.Linear(16, 16), (4, 16)),
+    ("reduction", _Norms, (4, 16)),
+    ("convolution", lambda: nn.Conv2d(4, 4, 3, padding=1), (2, 4, 8, 8)),
+    ("attention", _Attention, (2, 2, 4, 8)),
+    ("embedding", _Lookup, (2, 4, 16)),
+    ("recurrent", _Recurrent, (2, 4, 8)),
+)
+
+
+@dataclass(frozen=True)
+class _Chained:
+    """A chain of units, compiled to count its operations and predict its kernels."""
+
+    model: nn.Module
+    x: torch.Tensor
+    kinds: Counter[str]  # its operations by overhead kind
+    ops: int  # its operations that launch kernels
+    kernels: tuple[float, float]  # predicted seconds of its kernels: in all, in the forward
+
+    @staticmethod
+    def of(unit: Callable[[], nn.Module], count: int, shape: tuple[int, ...],
+           kernels: DeviceProfile) -> _Chained:
+        import fxpipe
+
         torch.manual_seed(0)
-        model, x = _Mixed(blocks).eval(), torch.randn(2, 4, 8, 8)
+        model, x = _Chain(unit, count).train(), torch.randn(shape)
         program = fxpipe.compile(model, (x,), stages=1, chunks=1, remat="never",
                                  profile=kernels)
-        predicted = sum(s.compute_time for s in program.plan.stages)
-        ops = sum(1 for n in ir.compute_nodes(program.graph_module.graph)
-                  if ir.COST in n.meta and ir.cost(n).fwd_kernels)
+        nodes = [n for n in ir.compute_nodes(program.graph_module.graph) if ir.COST in n.meta]
+        kinds = Counter(k for k in map(overhead_kind, nodes) if k is not None)
+        stages = program.plan.stages
+        return _Chained(model, x.requires_grad_(), kinds, sum(not is_glue(n) for n in nodes),
+                        (sum(s.compute_time for s in stages), sum(s.forward_time for s in stages)))
 
-        def run(model: nn.Module = model, x: torch.Tensor = x) -> None:
-            torch.autograd.backward(model(x).sum())
+    def step(self) -> None:
+        self.model.zero_grad(set_to_none=True)  # as a training step starts
+        torch.autograd.backward(self.model(self.x).sum())
 
-        runs[blocks], paid[blocks] = run, (predicted, ops)
-    fastest = _interleaved(runs)
-    (kernels_one, ops_one), (kernels_three, ops_three) = paid[1], paid[3]
-    grown = (fastest[3] - kernels_three) - (fastest[1] - kernels_one)
-    return max(grown / max(ops_three - ops_one, 1), 0.0)
+    def forward(self) -> None:
+        self.model(self.x)
 
 
-def _interleaved(runs: Mapping[int, Callable[[], object]], rounds: int = 60,
-                 budget: float = 2.0) -> dict[int, float]:
+def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
+                  budget: float = 1.0) -> dict[str, tuple[float, float]]:
+    """Per operation of each kind (op class, or view): (in all, in the forward) what forward
+    and backward of a chain of tiny units of that kind take beyond what `kernels` (a profile
+    of kernel rates alone) predicts for them, per operation the longer chain adds (a slope, so
+    that what a step pays once is left to the step's own overheads), less what the other
+    kinds' operations among them pay. This is what an operation pays beyond its kernels in a
+    real step: the Python call, the autograd node, allocations, and a kernel's fixed costs
+    that its rate leaves out."""
+    found: dict[str, tuple[float, float]] = {}
+    for kind, unit, shape in _UNITS:
+        few, many = (_Chained.of(unit, count, shape, kernels) for count in units)
+        fastest = _interleaved({"few": few.step, "many": many.step,
+                                "few forward": few.forward, "many forward": many.forward},
+                               budget=budget)
+        added = many.kinds - few.kinds
+        figures = []
+        for part, suffix in ((0, ""), (1, " forward")):
+            grown = (fastest["many" + suffix] - many.kernels[part]) \
+                - (fastest["few" + suffix] - few.kernels[part])
+            grown -= sum(n * found[k][part] for k, n in added.items() if k != kind)
+            figures.append(max(grown / max(added[kind], 1), 0.0))
+        total, forward = figures
+        found[kind] = (total, min(forward, total))
+    return found
+
+
+_Key = TypeVar("_Key")
+
+
+def _interleaved(runs: Mapping[_Key, Callable[[], object]], rounds: int = 60,
+                 budget: float = 2.0) -> dict[_Key, float]:
     """The fastest run of each, their runs taking turns (a burst of load slows all alike)."""
     fastest = {key: float("inf") for key in runs}
     for run in runs.values():
@@ -123,25 +226,22 @@ def _interleaved(runs: Mapping[int, Callable[[], object]], rounds: int = 60,
     return fastest
 
 
-def _region_overhead(ops: int = 20) -> float:
-    """Per operation of a remat region: a chain of `ops` tiny operations under the stages'
-    checkpoint (torch's non-reentrant one, keeping the RNG state, as stage code runs it),
-    forward and backward, less the same without it and its recomputation."""
-    x = torch.randn(8, 8, requires_grad=True)
+def _region_overhead(kernels: DeviceProfile, blocks: int = 4) -> float:
+    """Per operation of a remat region: a chain of `blocks` typical blocks (linear, norm,
+    activation, residual add) under the stages' checkpoint (torch's non-reentrant one, keeping
+    the RNG state, as stage code runs it), forward and backward, less the same without it and
+    its recomputation (its forward once more)."""
+    chain = _Chained.of(_Block, blocks, (4, 16), kernels)
+    model, x = chain.model, chain.x
 
-    def region(v: torch.Tensor) -> torch.Tensor:
-        for _ in range(ops):
-            v = torch.tanh(v)
-        return v
-
-    def run(enabled: bool) -> None:
+    def remat() -> None:
+        model.zero_grad(set_to_none=True)
         out: torch.Tensor = torch.utils.checkpoint.checkpoint(
-            region, x, use_reentrant=False, preserve_rng_state=True) if enabled else region(x)
+            model, x, use_reentrant=False, preserve_rng_state=True)
         torch.autograd.backward(out.sum())
 
-    with_remat, without = _fastest(lambda: run(True)), _fastest(lambda: run(False))
-    forward = _fastest(lambda: region(x))
-    return max((with_remat - without - forward) / ops, 0.0)
+    fastest = _interleaved({"remat": remat, "plain": chain.step, "forward": chain.forward})
+    return max((fastest["remat"] - fastest["plain"] - fastest["forward"]) / chain.ops, 0.0)
 
 
 class _Tiny(nn.Module):
@@ -154,9 +254,9 @@ class _Tiny(nn.Module):
         return out
 
 
-def _executor_overheads(kernels: DeviceProfile, op: float) -> tuple[float, float]:
+def _executor_overheads(kernels: DeviceProfile) -> tuple[float, float]:
     """(per stage and micro-batch, per step) of a compiled program run in this process, less
-    what its operations cost (`kernels` rates and `op` overhead each)."""
+    what its operations cost (`kernels`: the rates and the operations' overheads)."""
     import fxpipe
 
     torch.manual_seed(0)
@@ -164,18 +264,27 @@ def _executor_overheads(kernels: DeviceProfile, op: float) -> tuple[float, float
     times, predicted = {}, {}
     for chunks in (1, 8):
         program = fxpipe.compile(model, (x,), stages=2, chunks=chunks, remat="never",
-                                 profile=replace(kernels, op_overhead=op))
+                                 profile=kernels)
         predicted[chunks] = sum(s.compute_time for s in program.plan.stages)
-        times[chunks] = _fastest(lambda p=program: p.step(x), repeat=20)  # type: ignore[misc]
+        times[chunks] = _fastest(partial(_train_step, program, x), repeat=20)
     per_microbatch = max((times[8] - times[1] - 8 * predicted[8] + predicted[1]) / 7 / 2, 0.0)
     step = max(times[1] - predicted[1] - 2 * per_microbatch, 0.0)
     return per_microbatch, step
 
 
-def measure_overheads(kernels: DeviceProfile) -> Overheads:
-    """Every overhead of a real step on the CPU (one thread, as a pipeline rank runs), given
-    the profile of kernel rates measured (its overheads 0)."""
-    op = _op_overhead(kernels)
-    region = _region_overhead()
-    microbatch, step = _executor_overheads(kernels, op)
-    return Overheads(op, region, microbatch, step)
+def _train_step(program: nn.Module, x: torch.Tensor) -> None:
+    program.zero_grad(set_to_none=True)
+    program.step(x)  # type: ignore[operator]
+
+
+def measure_overheads(kernels: DeviceProfile) -> DeviceProfile:
+    """`kernels` (a profile of kernel rates alone, its overheads 0) with every overhead of a
+    real step on the CPU (one thread, as a pipeline rank runs)."""
+    found = _op_overheads(kernels)
+    totals = tuple((kind, total) for kind, (total, _) in found.items())
+    profile = replace(kernels, op_overhead=statistics.median(t for _, t in totals),
+                      op_overheads=totals,
+                      op_forward_overheads=tuple((k, f) for k, (_, f) in found.items()))
+    profile = replace(profile, region_overhead=_region_overhead(profile))
+    microbatch, step = _executor_overheads(profile)
+    return replace(profile, microbatch_overhead=microbatch, step_overhead=step)

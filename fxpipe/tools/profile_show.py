@@ -36,8 +36,12 @@ def show_profile(*, clear: bool = False, preset: str | None = None, device: str 
                                                 "GB/s (small .. large kernels)"]))
     print(f"\nkernel launch: {profile.kernel_overhead * 1e6:.2f} us; link latency "
           f"{profile.link_latency * 1e6:.1f} us per message")
-    print(f"beyond kernels: {profile.op_overhead * 1e6:.1f} us per operation, "
-          f"{profile.region_overhead * 1e6:.1f} us per recomputed operation, "
+    kinds = ", ".join(f"{kind} {seconds * 1e6:.1f} (forward "
+                      f"{profile.operation_forward_overhead(kind) * 1e6:.1f})"
+                      for kind, seconds in profile.op_overheads)
+    print(f"beyond kernels, in us per operation by kind: {kinds}" if kinds else
+          f"beyond kernels: {profile.op_overhead * 1e6:.1f} us per operation")
+    print(f"{profile.region_overhead * 1e6:.1f} us per recomputed operation, "
           f"{profile.microbatch_overhead * 1e6:.1f} us per stage and micro-batch, "
           f"{profile.step_overhead * 1e6:.1f} us per step")
     print(f"on a pipeline rank: {profile.action_overhead * 1e6:.1f} us per forward or backward, "

@@ -87,6 +87,7 @@ def check_model(name: str, *, stages: int = 2, chunks: int = 4, steps: int = 8,
     times, cpu = [], []
     for _ in range(steps):
         start, used = time.perf_counter(), time.process_time()
+        program.zero_grad(set_to_none=True)  # as a training loop's optimizer does
         program.step(*inputs, **kwargs)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - used)
@@ -116,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.keep_profile:
         cached_profile("cpu", torch.float32, refresh=True)
     profiled = machine_time()
-    print("one process: program.step; 2 ranks: the steps fxpipe run prints; wall times (min, "
-          "median) in ms; pred/min: the predicted over the fastest step; at speed: the same "
-          "with the prediction scaled by how much slower the machine ran around the model's "
-          "runs than right after the profile (speed)")
+    print("one process: zero_grad and program.step; 2 ranks: the steps fxpipe run prints; "
+          "wall times (min, median) in ms; pred/min: the predicted over the fastest step; at "
+          "speed: the same with the prediction scaled by how much slower the machine ran "
+          "around the model's runs than right after the profile (speed)")
     print(f"{'model':10} {'speed':>6} | {'1 process: pred':>15} {'min':>7} {'median':>7}"
           f" {'pred/min':>8} {'at speed':>8} | {'2 ranks: pred':>13} {'min':>7} {'median':>7}"
           f" {'pred/min':>8} {'at speed':>8}")

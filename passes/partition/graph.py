@@ -37,6 +37,7 @@ from fxpipe.passes.partition.problem import (
 )
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.profile import DeviceProfile
+from fxpipe.profile.kinds import is_glue, overhead_kind
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.planning.grid import peak_inflight
 from fxpipe.runtime.planning.schedule import ScheduleKind, schedule_kind
@@ -172,14 +173,6 @@ class AtomsCache:
         return self.facts[key]
 
 
-def is_glue(node: Node) -> bool:
-    """Launches no kernel (views, getitem, sizes) or produces no tensor without computing."""
-    cost: ir.Cost | None = node.meta.get(ir.COST)
-    if cost is not None:
-        return cost.fwd_kernels == 0
-    return not isinstance(node.meta.get(ir.TENSOR), ir.TensorInfo)
-
-
 def _has_work(node: Node) -> bool:
     """Computes a floating-point value. Integer and boolean results (a counter's add_(1), a
     mask, indices) are bookkeeping: a stage holding only those would compute nothing."""
@@ -297,6 +290,9 @@ class NodeFacts:
     fwd: list[float]  # seconds of the atom's forward kernels
     bwd: list[float]  # seconds of its backward kernels
     ops: list[int]  # operations paying the per-operation overhead (balance "cost" only)
+    paid: list[float]  # seconds its operations (and views) pay beyond kernels, fwd and bwd
+    paid_forward: list[float]  # the forward's part of that
+    accumulate: list[float]  # seconds adding a micro-batch's weight gradients to the earlier
     weight: list[float]  # seconds of its backward's weight gradients
     params: list[float]  # bytes of its weights and buffers
     grads: list[float]  # bytes of its trainable weights' gradients
@@ -318,7 +314,7 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     readers = _weight_readers(gm) if readers is None else readers
     corrections = corrections or {}
     costed = balance == "cost"
-    facts = NodeFacts([], [], [], [], [], [], [], [], [0.0], [0.0], [0], [0])
+    facts = NodeFacts([], [], [], [], [], [], [], [], [], [], [], [0.0], [0.0], [0], [0])
     # A deep model repeats a few costs thousands of times (its blocks): each distinct one is
     # evaluated at b once.
     timed: dict[object, tuple[float, float]] = {}
@@ -342,6 +338,12 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
             held[key] = (p, g, e, saved)
         return held[key]
 
+    def paid(x: Node) -> tuple[float, float]:
+        kind = overhead_kind(x)
+        if kind is None:
+            return 0.0, 0.0
+        return profile.operation_overhead(kind), profile.operation_forward_overhead(kind)
+
     sized: dict[int, tuple[float, float]] = {}
 
     def value_bytes(node: Node) -> tuple[float, float]:
@@ -353,6 +355,9 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     for group in groups:
         times = [node_time(x) for x in group]
         facts.ops.append(sum(1 for x in group if not is_glue(x)) if costed else 0)
+        pays = [paid(x) for x in group] if costed else []
+        facts.paid.append(sum(p[0] for p in pays))
+        facts.paid_forward.append(sum(p[1] for p in pays))
         facts.fwd.append(sum(t[0] for t in times))
         facts.bwd.append(sum(t[1] for t in times))
         facts.weight.append(sum(WEIGHT_GRAD_SHARE * t[1] for x, t in zip(group, times)
@@ -362,6 +367,10 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
         facts.grads.append(sum(a[1] for a in each))
         facts.elements.append(sum(a[2] for a in each))
         facts.saved.append(sum(a[3] for a in each))
+        # a kernel time like the node's own, corrected by what its stage measured
+        facts.accumulate.append(sum(accumulation(profile, g, e, ir.cost(x).grad_params)
+                                    * corrections.get(x.name, 1.0)
+                                    for x, (_, g, e, _) in zip(group, each)) if costed else 0.0)
     # values crossing each cut: produced in atom i, last used in atom j > i -> cuts i+1 .. j
     diff_f = [0.0] * (n + 2)
     diff_b = [0.0] * (n + 2)
@@ -390,6 +399,16 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     return facts
 
 
+def accumulation(profile: DeviceProfile, grad_bytes: float, elements: float,
+                 tensors: int) -> float:
+    """Seconds adding a micro-batch's gradients of `tensors` weights into the gradients of
+    the micro-batches before (autograd's AccumulateGrad): an element-wise add each, reading
+    two and writing one."""
+    if not tensors:
+        return 0.0
+    return profile.class_time("elementwise", elements, 3 * grad_bytes, tensors)
+
+
 def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
                   profile: DeviceProfile, b: int, remat: RematPolicy | str, chunks: int,
                   corrections: Mapping[str, float] | None = None,
@@ -409,16 +428,17 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     forward: list[float] = []
     recomputed: list[float] = []
     overhead: list[float] = []
-    # what each operation pays beyond its kernels, half in its forward and half in its backward
-    # (measured per-node times and parameter bytes include or need none); a recomputed
-    # operation pays its forward's share again and the checkpoint's bookkeeping
+    # what each operation pays beyond its kernels, in its forward and its backward (measured
+    # per-node times and parameter bytes include or need none); a recomputed
+    # operation pays its forward's share again and the checkpoint's bookkeeping; every
+    # micro-batch but the step's first adds its weight gradients into the earlier ones'
+    accumulated = (chunks - 1) / chunks
     for a in range(n):
-        ops = facts.ops[a]
-        paid = ops * profile.op_overhead / 2
+        ops, paid = facts.ops[a], facts.paid_forward[a]
         fwd = facts.fwd[a] + paid
-        bwd = facts.bwd[a] + paid
+        bwd = facts.bwd[a] + facts.paid[a] - paid + accumulated * facts.accumulate[a]
         again = recompute * (fwd + ops * profile.region_overhead)
-        overhead.append(2 * paid + recompute * (paid + ops * profile.region_overhead))
+        overhead.append(facts.paid[a] + recompute * (paid + ops * profile.region_overhead))
         compute.append(fwd + bwd + again)
         forward.append(fwd)
         recomputed.append(again)
@@ -435,7 +455,9 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     comm[0] = comm[n] = 0.0
     inner = [0] + [1] * (n - 1) + [0]  # no messages before the first atom or after the last
     return Atoms(groups, compute, comm, list(facts.cut_f), mem_fixed, mem_act,
-                 list(facts.saved), forward, recomputed, list(facts.weight), overhead, held,
+                 list(facts.saved), forward, recomputed,
+                 [w + accumulated * g for w, g in zip(facts.weight, facts.accumulate)],
+                 overhead, held,
                  [m * i for m, i in zip(facts.cut_m, inner)],
                  [g * i for g, i in zip(facts.cut_g, inner)])
 

@@ -18,8 +18,9 @@ from torch.fx import Node
 from fxpipe import ir
 from fxpipe.optimizers import OptimizerMemory
 from fxpipe.passes.cost import estimate_time, time_key
-from fxpipe.passes.partition.graph import is_glue
+from fxpipe.passes.partition.graph import accumulation
 from fxpipe.profile import DeviceProfile
+from fxpipe.profile.kinds import is_glue, overhead_kind
 
 __all__ = ["GraphTotals"]
 
@@ -29,7 +30,10 @@ class GraphTotals:
     """The sums node_facts' atoms add up to (balance="cost", no corrections)."""
 
     weights: list[tuple[float, float, float]]  # per atom: parameter bytes, gradient bytes, elements
-    ops: int  # operations that launch kernels (each pays the profile's op_overhead)
+    accumulate: list[tuple[float, float, int]]  # per weight-using node: gradient bytes, elements,
+    # tensors (what each micro-batch but the first adds into the gradients)
+    ops: int  # operations that launch kernels (each pays its class's overhead)
+    kinds: Counter[str]  # operations and views by what they pay beyond kernels (overhead_kind)
     costs: list[tuple[ir.Cost, int]]  # a cost of each distinct work, and how often it occurs
     saved: list[tuple[object, int]]  # each distinct saved-bytes expression, and how often
 
@@ -37,11 +41,13 @@ class GraphTotals:
     def of(cls, groups: list[list[Node]]) -> GraphTotals:
         """The totals of a graph's atoms (atoms_of)."""
         weights: list[tuple[float, float, float]] = []
+        accumulate: list[tuple[float, float, int]] = []
         works: dict[object, ir.Cost] = {}
         counts: Counter[object] = Counter()
         saved: dict[int, object] = {}
         saved_counts: Counter[int] = Counter()
         ops = 0
+        kinds: Counter[str] = Counter()
         for group in groups:
             costs = [ir.cost(x) for x in group]
             weights.append((
@@ -49,13 +55,20 @@ class GraphTotals:
                 math.fsum(float(ir.evaluate(c.grad_param_bytes, 1)) for c in costs),
                 math.fsum(float(ir.evaluate(c.grad_param_elements, 1)) for c in costs)))
             for x, c in zip(group, costs):
+                if c.grad_params:
+                    accumulate.append((float(ir.evaluate(c.grad_param_bytes, 1)),
+                                       float(ir.evaluate(c.grad_param_elements, 1)),
+                                       c.grad_params))
                 ops += not is_glue(x)
+                kind = overhead_kind(x)
+                if kind is not None:
+                    kinds[kind] += 1
                 key = time_key(c)
                 works.setdefault(key, c)
                 counts[key] += 1
                 saved.setdefault(id(c.saved_bytes), c.saved_bytes)
                 saved_counts[id(c.saved_bytes)] += 1
-        return cls(weights, ops, [(works[k], n) for k, n in counts.items()],
+        return cls(weights, accumulate, ops, kinds, [(works[k], n) for k, n in counts.items()],
                    [(saved[k], n) for k, n in saved_counts.items()])
 
     def held(self, optimizer: OptimizerMemory) -> float:
@@ -66,6 +79,17 @@ class GraphTotals:
     def saved_bytes(self, b: int) -> float:
         """Bytes one micro-batch of size b saves for its backward."""
         return math.fsum(float(ir.evaluate(e, b)) * n for e, n in self.saved)
+
+    def paid(self, profile: DeviceProfile) -> tuple[float, float]:
+        """Seconds the operations of one micro-batch pay beyond their kernels: in all, and in
+        the forward."""
+        return (math.fsum(n * profile.operation_overhead(k) for k, n in self.kinds.items()),
+                math.fsum(n * profile.operation_forward_overhead(k)
+                          for k, n in self.kinds.items()))
+
+    def accumulation(self, profile: DeviceProfile) -> float:
+        """Seconds a micro-batch after the step's first adds its weight gradients in."""
+        return math.fsum(accumulation(profile, g, e, t) for g, e, t in self.accumulate)
 
     def kernel_time(self, profile: DeviceProfile, b: int) -> tuple[float, float]:
         """Seconds of the kernels of one micro-batch of size b: forward, backward."""

@@ -2,12 +2,13 @@
 #   fxpipe.compile(Branchy(...), stages=3, chunks=4, remat='always', balance='cost',
 #     profile='a100')
 #
-# Stage 0 of 3 of Branchy: branch1.0 -> branch2.3 (6 ops)
-#   flops   10.43 KFLOP forward per micro-batch
-#   params  10.4 KiB; saved activations 448 B per micro-batch (192 B kept with remat)
+# Stage 0 of 3 of Branchy: branch1.0 -> branch3.1 (8 ops)
+#   flops   13.57 KFLOP forward per micro-batch
+#   params  13.5 KiB; saved activations 448 B per micro-batch (192 B kept with remat)
 #   send    branch1_1  f32[b, 32]  -> stage 1
 #   send    branch2_3  f32[b, 32]  -> stage 1
-#   remat   remat_0 = 6 ops (branch1_0 .. branch2_3), keeps 192 B instead of 448 B
+#   send    branch3_1  f32[b, 32]  -> stage 1
+#   remat   remat_0 = 8 ops (branch1_0 .. branch3_1), keeps 192 B instead of 448 B
 #   b       the micro-batch size, 2 at compile time (batch 8 in 4 chunks)
 #   passes  capture > annotate_costs > partition > split_stages > mark_remat > codegen
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fxpipe.runtime.stage import StageModule, checkpoint
 
 
 class Stage0(StageModule):
-    """Stage 0 of 3 of Branchy: branch1.0 -> branch2.3 (6 ops)."""
+    """Stage 0 of 3 of Branchy: branch1.0 -> branch3.1 (8 ops)."""
 
     STAGE = 0
     INPUTS = ('x',)
@@ -30,17 +31,21 @@ class Stage0(StageModule):
         'branch2_0_bias': 'branch2.0.bias',
         'branch2_2_weight': 'branch2.2.weight',
         'branch2_2_bias': 'branch2.2.bias',
+        'branch3_0_weight': 'branch3.0.weight',
+        'branch3_0_bias': 'branch3.0.bias',
     }
 
     def forward(self, comm: MicrobatchComm, x: "f32[b, 24]"):
 
-        # remat region remat_0: 6 operations, recomputed in backward instead of saved
-        branch1_1, branch2_3 = checkpoint(self.remat_0, x, enabled=comm.remat)
+        # remat region remat_0: 8 operations, recomputed in backward instead of saved
+        branch1_1, branch2_3, branch3_1 = checkpoint(self.remat_0, x, enabled=comm.remat)
         del x
         comm.send(branch1_1, 'branch1_1', dst=1)
         del branch1_1
         comm.send(branch2_3, 'branch2_3', dst=1)
         del branch2_3
+        comm.send(branch3_1, 'branch3_1', dst=1)
+        del branch3_1
         return None
 
     def remat_0(self, x: "f32[b, 24]"):
@@ -55,4 +60,7 @@ class Stage0(StageModule):
         branch2_2: "f32[b, 32]" = torch.nn.functional.linear(
             branch2_1, self.branch2_2_weight, self.branch2_2_bias)
         branch2_3: "f32[b, 32]" = torch.nn.functional.relu(branch2_2, inplace=False)
-        return branch1_1, branch2_3
+        branch3_0: "f32[b, 32]" = torch.nn.functional.linear(
+            x, self.branch3_0_weight, self.branch3_0_bias)
+        branch3_1: "f32[b, 32]" = torch.nn.functional.relu(branch3_0, inplace=False)
+        return branch1_1, branch2_3, branch3_1

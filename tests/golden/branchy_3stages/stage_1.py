@@ -2,14 +2,16 @@
 #   fxpipe.compile(Branchy(...), stages=3, chunks=4, remat='always', balance='cost',
 #     profile='a100')
 #
-# Stage 1 of 3 of Branchy: branch3.0 -> branch3.5 (7 ops)
-#   flops   11.65 KFLOP forward per micro-batch
-#   params  11.4 KiB; saved activations 512 B per micro-batch (512 B kept with remat)
+# Stage 1 of 3 of Branchy: branch3.2 -> y_branch.0 (6 ops)
+#   flops   11.58 KFLOP forward per micro-batch
+#   params  11.6 KiB; saved activations 576 B per micro-batch (576 B kept with remat)
 #   recv    branch1_1  f32[b, 32]  <- stage 0
 #   recv    branch2_3  f32[b, 32]  <- stage 0
+#   recv    branch3_1  f32[b, 32]  <- stage 0
 #   send    cat  f32[b, 96]  -> stage 2
-#   remat   remat_0 = 7 ops (branch3_0 .. cat), saves nothing: keeps 704 B (its inputs) where
-#             running it whole keeps 512 B
+#   send    y_branch_0  f32[b, 96]  -> stage 2
+#   remat   remat_0 = 6 ops (branch3_2 .. y_branch_0), saves nothing: keeps 832 B (its inputs) where
+#             running it whole keeps 576 B
 #   b       the micro-batch size, 2 at compile time (batch 8 in 4 chunks)
 #   passes  capture > annotate_costs > partition > split_stages > mark_remat > codegen
 from __future__ import annotations
@@ -21,36 +23,39 @@ from fxpipe.runtime.stage import StageModule, checkpoint
 
 
 class Stage1(StageModule):
-    """Stage 1 of 3 of Branchy: branch3.0 -> branch3.5 (7 ops)."""
+    """Stage 1 of 3 of Branchy: branch3.2 -> y_branch.0 (6 ops)."""
 
     STAGE = 1
-    INPUTS = ('x',)
+    INPUTS = ('y',)
     PARAMETERS = {  # attribute -> name in the model's state_dict
-        'branch3_0_weight': 'branch3.0.weight',
-        'branch3_0_bias': 'branch3.0.bias',
         'branch3_2_weight': 'branch3.2.weight',
         'branch3_2_bias': 'branch3.2.bias',
         'branch3_4_weight': 'branch3.4.weight',
         'branch3_4_bias': 'branch3.4.bias',
+        'y_branch_0_weight': 'y_branch.0.weight',
+        'y_branch_0_bias': 'y_branch.0.bias',
     }
 
-    def forward(self, comm: MicrobatchComm, x: "f32[b, 24]"):
+    def forward(self, comm: MicrobatchComm, y: "f32[b, 8]"):
         branch1_1: "f32[b, 32]" = comm.recv('branch1_1', src=0)
         branch2_3: "f32[b, 32]" = comm.recv('branch2_3', src=0)
+        branch3_1: "f32[b, 32]" = comm.recv('branch3_1', src=0)
 
-        # remat region remat_0: 7 operations, recomputed in backward instead of saved
-        cat: "f32[b, 96]" = checkpoint(self.remat_0, x, branch1_1, branch2_3, enabled=comm.remat)
-        del branch1_1, branch2_3, x
+        # remat region remat_0: 6 operations, recomputed in backward instead of saved
+        cat, y_branch_0 = checkpoint(
+            self.remat_0, branch3_1, branch1_1, branch2_3, y, enabled=comm.remat)
+        del branch1_1, branch2_3, branch3_1, y
         comm.send(cat, 'cat', dst=2)
         del cat
+        comm.send(y_branch_0, 'y_branch_0', dst=2)
+        del y_branch_0
         return None
 
-    def remat_0(self, x: "f32[b, 24]", branch1_1: "f32[b, 32]", branch2_3: "f32[b, 32]"):
+    def remat_0(
+        self, branch3_1: "f32[b, 32]", branch1_1: "f32[b, 32]", branch2_3: "f32[b, 32]",
+        y: "f32[b, 8]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/branchy.py:34 in forward: xs = torch.cat([self.branch1(x), self.branch2(x...
-        branch3_0: "f32[b, 32]" = torch.nn.functional.linear(
-            x, self.branch3_0_weight, self.branch3_0_bias)
-        branch3_1: "f32[b, 32]" = torch.nn.functional.relu(branch3_0, inplace=False)
         branch3_2: "f32[b, 32]" = torch.nn.functional.linear(
             branch3_1, self.branch3_2_weight, self.branch3_2_bias)
         branch3_3: "f32[b, 32]" = torch.nn.functional.relu(branch3_2, inplace=False)
@@ -58,4 +63,7 @@ class Stage1(StageModule):
             branch3_3, self.branch3_4_weight, self.branch3_4_bias)
         branch3_5: "f32[b, 32]" = torch.nn.functional.relu(branch3_4, inplace=False)
         cat: "f32[b, 96]" = torch.cat([branch1_1, branch2_3, branch3_5], dim=1)
-        return cat
+        # fxpipe/models/branchy.py:35 in forward: ys = self.y_branch(y)
+        y_branch_0: "f32[b, 96]" = torch.nn.functional.linear(
+            y, self.y_branch_0_weight, self.y_branch_0_bias)
+        return cat, y_branch_0

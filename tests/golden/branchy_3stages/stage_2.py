@@ -2,11 +2,12 @@
 #   fxpipe.compile(Branchy(...), stages=3, chunks=4, remat='always', balance='cost',
 #     profile='a100')
 #
-# Stage 2 of 3 of Branchy: y_branch.0 -> aux_head (10 ops)
-#   flops   19.59 KFLOP forward per micro-batch
-#   params  18.8 KiB; saved activations 2.1 KiB per micro-batch (840 B kept with remat)
+# Stage 2 of 3 of Branchy: y_branch.1 -> aux_head (9 ops)
+#   flops   16.52 KFLOP forward per micro-batch
+#   params  15.4 KiB; saved activations 2.0 KiB per micro-batch (1.5 KiB kept with remat)
 #   recv    cat  f32[b, 96]  <- stage 1
-#   remat   remat_0 = 10 ops (y_branch_0 .. aux_head), keeps 840 B instead of 2.1 KiB
+#   recv    y_branch_0  f32[b, 96]  <- stage 1
+#   remat   remat_0 = 9 ops (y_branch_1 .. aux_head), keeps 1.5 KiB instead of 2.0 KiB
 #   b       the micro-batch size, 2 at compile time (batch 8 in 4 chunks)
 #   passes  capture > annotate_costs > partition > split_stages > mark_remat > codegen
 from __future__ import annotations
@@ -18,13 +19,11 @@ from fxpipe.runtime.stage import StageModule, checkpoint
 
 
 class Stage2(StageModule):
-    """Stage 2 of 3 of Branchy: y_branch.0 -> aux_head (10 ops)."""
+    """Stage 2 of 3 of Branchy: y_branch.1 -> aux_head (9 ops)."""
 
     STAGE = 2
-    INPUTS = ('y', 'gate')
+    INPUTS = ('gate',)
     PARAMETERS = {  # attribute -> name in the model's state_dict
-        'y_branch_0_weight': 'y_branch.0.weight',
-        'y_branch_0_bias': 'y_branch.0.bias',
         'trunk_0_weight': 'trunk.0.weight',
         'trunk_0_bias': 'trunk.0.bias',
         'head_weight': 'head.weight',
@@ -33,19 +32,18 @@ class Stage2(StageModule):
         'aux_head_bias': 'aux_head.bias',
     }
 
-    def forward(self, comm: MicrobatchComm, y: "f32[b, 8]", gate: "f32[b, 1]"):
+    def forward(self, comm: MicrobatchComm, gate: "f32[b, 1]"):
         cat: "f32[b, 96]" = comm.recv('cat', src=1)
+        y_branch_0: "f32[b, 96]" = comm.recv('y_branch_0', src=1)
 
-        # remat region remat_0: 10 operations, recomputed in backward instead of saved
-        head, aux_head = checkpoint(self.remat_0, y, cat, gate, enabled=comm.remat)
-        del cat, gate, y
+        # remat region remat_0: 9 operations, recomputed in backward instead of saved
+        head, aux_head = checkpoint(self.remat_0, y_branch_0, cat, gate, enabled=comm.remat)
+        del cat, gate, y_branch_0
         return (head, aux_head)
 
-    def remat_0(self, y: "f32[b, 8]", cat: "f32[b, 96]", gate: "f32[b, 1]"):
+    def remat_0(self, y_branch_0: "f32[b, 96]", cat: "f32[b, 96]", gate: "f32[b, 1]"):
         """Remat region remat_0: recomputed in the backward pass instead of saved."""
         # fxpipe/models/branchy.py:35 in forward: ys = self.y_branch(y)
-        y_branch_0: "f32[b, 96]" = torch.nn.functional.linear(
-            y, self.y_branch_0_weight, self.y_branch_0_bias)
         y_branch_1: "f32[b, 96]" = torch.nn.functional.relu(y_branch_0, inplace=False)
         # fxpipe/models/branchy.py:36 in forward: merged = xs + ys  # add merge
         add: "f32[b, 96]" = cat + y_branch_1

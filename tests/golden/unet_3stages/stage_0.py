@@ -2,13 +2,13 @@
 #   fxpipe.compile(UNet(...), stages=3, chunks=4, remat='except_last', balance='cost',
 #     profile='a100')
 #
-# Stage 0 of 3 of UNet: enc1.block.net.0 -> enc3.block.net.4 (19 ops)
-#   flops   12.17 MFLOP forward per micro-batch
-#   params  83.2 KiB; saved activations 688.4 KiB per micro-batch (24.0 KiB kept with remat)
+# Stage 0 of 3 of UNet: enc1.block.net.0 -> enc3.block.net.3 (18 ops)
+#   flops   12.14 MFLOP forward per micro-batch
+#   params  83.0 KiB; saved activations 672.3 KiB per micro-batch (24.0 KiB kept with remat)
 #   send    enc1_block_net_5  f32[b, 8, 32, 32]  -> stage 2
 #   send    enc2_block_net_5  f32[b, 16, 16, 16]  -> stage 2
-#   send    enc3_block_net_4  f32[b, 32, 8, 8]  -> stage 1
-#   remat   remat_0 = 19 ops (enc1_block_net_0 .. enc3_block_net_4), keeps 24.0 KiB instead of 688.4
+#   send    enc3_block_net_3  f32[b, 32, 8, 8]  -> stage 1
+#   remat   remat_0 = 18 ops (enc1_block_net_0 .. enc3_block_net_3), keeps 24.0 KiB instead of 672.3
 #             KiB
 #   b       the micro-batch size, 2 at compile time (batch 8 in 4 chunks)
 #   passes  capture > annotate_costs > partition > split_stages > mark_remat > codegen
@@ -21,7 +21,7 @@ from fxpipe.runtime.stage import StageModule, checkpoint
 
 
 class Stage0(StageModule):
-    """Stage 0 of 3 of UNet: enc1.block.net.0 -> enc3.block.net.4 (19 ops)."""
+    """Stage 0 of 3 of UNet: enc1.block.net.0 -> enc3.block.net.3 (18 ops)."""
 
     STAGE = 0
     INPUTS = ('x',)
@@ -52,22 +52,20 @@ class Stage0(StageModule):
         'enc3_block_net_1_bias': 'enc3.block.net.1.bias',
         'enc3_block_net_3_weight': 'enc3.block.net.3.weight',
         'enc3_block_net_3_bias': 'enc3.block.net.3.bias',
-        'enc3_block_net_4_weight': 'enc3.block.net.4.weight',
-        'enc3_block_net_4_bias': 'enc3.block.net.4.bias',
     }
 
     def forward(self, comm: MicrobatchComm, x: "f32[b, 3, 32, 32]"):
 
-        # remat region remat_0: 19 operations, recomputed in backward instead of saved
-        enc1_block_net_5, enc2_block_net_5, enc3_block_net_4 = checkpoint(
+        # remat region remat_0: 18 operations, recomputed in backward instead of saved
+        enc1_block_net_5, enc2_block_net_5, enc3_block_net_3 = checkpoint(
             self.remat_0, x, enabled=comm.remat)
         del x
         comm.send(enc1_block_net_5, 'enc1_block_net_5', dst=2)
         del enc1_block_net_5
         comm.send(enc2_block_net_5, 'enc2_block_net_5', dst=2)
         del enc2_block_net_5
-        comm.send(enc3_block_net_4, 'enc3_block_net_4', dst=1)
-        del enc3_block_net_4
+        comm.send(enc3_block_net_3, 'enc3_block_net_3', dst=1)
+        del enc3_block_net_3
         return None
 
     def remat_0(self, x: "f32[b, 3, 32, 32]"):
@@ -123,7 +121,4 @@ class Stage0(StageModule):
         enc3_block_net_3: "f32[b, 32, 8, 8]" = torch.nn.functional.conv2d(
             enc3_block_net_2, self.enc3_block_net_3_weight, self.enc3_block_net_3_bias, (1, 1),
             (1, 1), (1, 1), 1)
-        enc3_block_net_4: "f32[b, 32, 8, 8]" = torch.nn.functional.group_norm(
-            enc3_block_net_3, 4, weight=self.enc3_block_net_4_weight,
-            bias=self.enc3_block_net_4_bias, eps=1e-05)
-        return enc1_block_net_5, enc2_block_net_5, enc3_block_net_4
+        return enc1_block_net_5, enc2_block_net_5, enc3_block_net_3
