@@ -515,9 +515,9 @@ class Bounds:
         if b not in self._time:
             self._time[b] = self.totals.kernel_time(self.profile, b)
         fwd, bwd = self._time[b]
-        paid, paid_forward = self._paid
+        paid, paid_forward, region = self._paid
         recompute = remat_policy(c.remat).recomputed_share(c.chunks)
-        again = recompute * (fwd + paid_forward + self.totals.ops * self.profile.region_overhead)
+        again = recompute * (fwd + paid_forward + region)
         work = (fwd + bwd + paid + again + loss_time(self.gm, b, self.profile, False)) * c.chunks \
             + (c.chunks - 1) * self._accumulate
         return work / c.ranks + self.profile.step_overhead \

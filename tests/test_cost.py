@@ -593,12 +593,51 @@ def test_each_kind_of_operation_pays_its_own_overhead_in_forward_and_backward():
     # the forward pays the measured part of a matmul's, half of the others' (not measured)
     assert stage.forward_time - without.forward_time == pytest.approx(
         1e-4 + (2 * 2e-3 + 3e-3 + 4e-3) / 2)
-    # a recomputed operation pays its forward's part again
+    # a recomputed operation pays its forward's part again and its kind's share of the
+    # checkpoint's bookkeeping (5e-5 where not measured), and the stage's one region its call
+    profile = dataclasses.replace(profile, region_overhead=5e-5, checkpoint_overhead=7e-4,
+                                  region_overheads=(("matmul", 2e-4), (VIEW, 0.0)))
     remat = fxpipe.compile(model, (x,), stages=1, chunks=2, remat="always", profile=profile)
     bare_remat = fxpipe.compile(model, (x,), stages=1, chunks=2, remat="always",
                                 profile="a100")
     assert remat.plan.stages[0].recompute_time - bare_remat.plan.stages[0].recompute_time \
-        == pytest.approx(1e-4 + (2 * 2e-3 + 3e-3 + 4e-3) / 2)
+        == pytest.approx(1e-4 + (2 * 2e-3 + 3e-3 + 4e-3) / 2 + 2e-4 + 3 * 5e-5 + 7e-4)
+
+
+def test_a_stage_pays_a_checkpoint_call_per_remat_region_it_recomputes():
+    import dataclasses
+
+    from fxpipe.passes.partition.graph import _regions
+    from fxpipe.profile import get_profile
+
+    # BatchNorm in training updates its statistics, which must not run twice: the regions end
+    # before it and resume after
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8),
+                          nn.BatchNorm1d(8), nn.Linear(8, 4)).train()
+    x = torch.randn(8, 8)
+    call = dataclasses.replace(get_profile("a100"), checkpoint_overhead=1e-3)
+    plans = {}
+    for remat in ("never", "always", "except_last"):
+        for profile in ("a100", call):
+            program = fxpipe.compile(model, (x,), stages=2, chunks=4, remat=remat,
+                                     profile=profile, split_points=["3"])
+            plans[remat, profile == call] = program
+    program = plans["always", True]
+    nodes = ir.compute_nodes(program.graph_module.graph)
+    assert [len(st.regions) for st in program.stages] == [2, 2]
+    for stage in program.plan.stages:
+        members = [n for n in nodes if n.name in stage.nodes]
+        marked = len(program.stages[stage.index].regions)  # what mark_remat made
+        assert _regions(members) == marked >= 1
+        paid = stage.compute_time - plans["always", False].plan.stages[stage.index].compute_time
+        assert paid == pytest.approx(marked * 1e-3)
+        # under except_last the last of 4 micro-batches does not recompute
+        paid = plans["except_last", True].plan.stages[stage.index].compute_time \
+            - plans["except_last", False].plan.stages[stage.index].compute_time
+        assert paid == pytest.approx(marked * 1e-3 * 3 / 4)
+    assert [s.compute_time for s in plans["never", True].plan.stages] == pytest.approx(
+        [s.compute_time for s in plans["never", False].plan.stages])
 
 
 def test_every_micro_batch_after_the_first_adds_its_weight_gradients_into_the_earlier():

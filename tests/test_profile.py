@@ -222,11 +222,15 @@ def test_what_a_step_pays_beyond_kernels_is_part_of_the_cached_profile(cache_fol
     paid = dataclasses.replace(preset("a100"), op_overhead=1e-5, region_overhead=2e-5,
                                microbatch_overhead=3e-4, step_overhead=4e-4,
                                op_overheads=(("matmul", 5e-5), ("view", 1e-6)),
-                               op_forward_overheads=(("matmul", 1e-5),))
+                               op_forward_overheads=(("matmul", 1e-5),),
+                               region_overheads=(("reduction", 3e-5),), checkpoint_overhead=1e-4)
     assert DeviceProfile.from_json(json.loads(json.dumps(paid.to_json()))) == paid
     assert paid.scaled(2.0).microbatch_overhead == pytest.approx(6e-4)
     assert paid.scaled(2.0).operation_overhead("matmul") == pytest.approx(1e-4)
     assert paid.scaled(2.0).operation_forward_overhead("matmul") == pytest.approx(2e-5)
+    assert paid.scaled(2.0).operation_region_overhead("reduction") == pytest.approx(6e-5)
+    assert paid.scaled(2.0).checkpoint_overhead == pytest.approx(2e-4)
+    assert paid.operation_region_overhead("matmul") == 2e-5  # region_overhead where unmeasured
     # a kind without a figure of its own pays op_overhead, half of it in the forward
     assert paid.operation_overhead("convolution") == 1e-5
     assert paid.operation_forward_overhead("view") == 5e-7
@@ -236,10 +240,10 @@ def test_what_a_step_pays_beyond_kernels_is_part_of_the_cached_profile(cache_fol
     cache.cached_profile("cpu")
     assert len(counted_measure) == 1 and "overheads" in json.loads(path.read_text())
     path.unlink()
-    path = _cache_old_profile(lambda old: (old.pop("op_overheads"),
-                                           old.pop("op_forward_overheads")), fresh=True)
+    path = _cache_old_profile(lambda old: (old.pop("op_forward_overheads"),
+                                           old.pop("region_overheads")), fresh=True)
     cache.cached_profile("cpu")
-    assert len(counted_measure) == 2 and "op_forward_overheads" in json.loads(path.read_text())
+    assert len(counted_measure) == 2 and "region_overheads" in json.loads(path.read_text())
 
 
 def _cache_old_profile(edit: Any, fresh: bool = False) -> Path:

@@ -96,7 +96,7 @@ def _read(path: Path) -> DeviceProfile | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if not set(OVERHEADS) <= set(data.get("overheads", ())) or \
-                "op_forward_overheads" not in data:
+                not {"op_forward_overheads", "region_overheads"} <= set(data):
             return None  # measured before some of a step's overheads were: measure again
         return DeviceProfile.from_json(data)
     except (OSError, ValueError, KeyError, TypeError, ConfigError):

@@ -27,8 +27,8 @@ from fxpipe.errors import ConfigError
 
 __all__ = ["Curve", "ClassRate", "DeviceProfile", "OP_CLASSES", "OVERHEADS"]
 
-OVERHEADS = ("op_overhead", "region_overhead", "microbatch_overhead", "step_overhead",
-             "action_overhead", "message_overhead")
+OVERHEADS = ("op_overhead", "region_overhead", "checkpoint_overhead", "microbatch_overhead",
+             "step_overhead", "action_overhead", "message_overhead")
 """The DeviceProfile fields of what a real step pays beyond its kernels."""
 
 OP_CLASSES = ("matmul", "attention", "convolution", "recurrent", "embedding", "reduction",
@@ -110,6 +110,7 @@ class DeviceProfile:
     # and micro-batch, per step; measured on CPUs, 0 in datasheet presets
     op_overhead: float = 0.0  # of an operation whose class has no figure in op_overheads
     region_overhead: float = 0.0
+    checkpoint_overhead: float = 0.0  # per remat region a micro-batch recomputes: the call
     microbatch_overhead: float = 0.0
     step_overhead: float = 0.0
     # what a rank of a multi-process pipeline pays beyond that: per forward or backward of a
@@ -122,6 +123,9 @@ class DeviceProfile:
     # (kind, seconds) pairs; measured on CPUs
     op_overheads: tuple[tuple[str, float], ...] = ()
     op_forward_overheads: tuple[tuple[str, float], ...] = ()
+    # per operation of a remat region by its kind, what the checkpoint's bookkeeping costs
+    # (a linear or a norm saves several tensors, a view none)
+    region_overheads: tuple[tuple[str, float], ...] = ()
 
     def operation_overhead(self, kind: str) -> float:
         """Seconds an operation of `kind` (an op class or "view") pays beyond its kernels per
@@ -131,6 +135,11 @@ class DeviceProfile:
     def operation_forward_overhead(self, kind: str) -> float:
         """The forward's part of operation_overhead (half where not measured)."""
         return dict(self.op_forward_overheads).get(kind, self.operation_overhead(kind) / 2)
+
+    def operation_region_overhead(self, kind: str) -> float:
+        """Seconds an operation of `kind` pays a remat region's bookkeeping per micro-batch that
+        recomputes it (region_overhead where not measured)."""
+        return dict(self.region_overheads).get(kind, self.region_overhead)
 
     def rate(self, op_class: str) -> ClassRate:
         for name, rate in self.rates:
@@ -182,6 +191,7 @@ class DeviceProfile:
         return replace(self, rates=rates, kernel_overhead=self.kernel_overhead * factor,
                        op_overhead=self.op_overhead * factor,
                        region_overhead=self.region_overhead * factor,
+                       checkpoint_overhead=self.checkpoint_overhead * factor,
                        microbatch_overhead=self.microbatch_overhead * factor,
                        step_overhead=self.step_overhead * factor,
                        action_overhead=self.action_overhead * factor,
@@ -189,6 +199,7 @@ class DeviceProfile:
                        op_overheads=tuple((c, t * factor) for c, t in self.op_overheads),
                        op_forward_overheads=tuple((c, t * factor)
                                                   for c, t in self.op_forward_overheads),
+                       region_overheads=tuple((c, t * factor) for c, t in self.region_overheads),
                        source=f"{self.source}, scaled x{factor:.3g}")
 
     def to_json(self) -> dict[str, Any]:
@@ -198,6 +209,7 @@ class DeviceProfile:
                 "overheads": {name: getattr(self, name) for name in OVERHEADS},
                 "op_overheads": dict(self.op_overheads),
                 "op_forward_overheads": dict(self.op_forward_overheads),
+                "region_overheads": dict(self.region_overheads),
                 "rates": {name: {"bandwidth": [list(p) for p in r.bandwidth.points],
                                  "flops": [list(p) for p in r.flops.points] if r.flops else None}
                           for name, r in self.rates}}
@@ -222,7 +234,8 @@ class DeviceProfile:
                              str(data["key"]),
                              **{name: float(overheads.get(name, 0.0)) for name in OVERHEADS},
                              op_overheads=_pairs(data.get("op_overheads", {})),
-                             op_forward_overheads=_pairs(data.get("op_forward_overheads", {})))
+                             op_forward_overheads=_pairs(data.get("op_forward_overheads", {})),
+                             region_overheads=_pairs(data.get("region_overheads", {})))
 
     def describe(self) -> list[list[str]]:
         """Rows (class, FLOP/s at small and large kernels, bytes/s likewise) for a table."""

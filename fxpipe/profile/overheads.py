@@ -13,9 +13,11 @@ where nothing but the overhead takes time:
                          less what the kernel rates predict for it, per operation it adds from
                          one to four units; op_overhead is their median
     op_forward_overheads the same of the forward alone (a recomputed operation pays it again)
-    region_overhead      a chain of typical blocks (linear, norm, activation, add) under the
-                         stages' checkpoint, less the same without it and its recomputation,
-                         per operation
+    region_overheads     the same chains under the stages' checkpoint, less the same without
+                         it and its recomputation (the forward once more), per operation;
+                         region_overhead is their median
+    checkpoint_overhead  what a checkpoint call costs beyond its operations' bookkeeping: the
+                         shorter chains' bookkeeping less their operations', the median
     microbatch_overhead  a compiled two-stage program of two tiny layers at 1 and 8 micro-batches:
     step_overhead        the slope per stage and micro-batch and the intercept, less what the
                          above already predict for its operations
@@ -121,17 +123,6 @@ class _Views(nn.Module):
         return x.view(x.shape[0], 4, 4).transpose(1, 2).transpose(1, 2).flatten(1)
 
 
-class _Block(nn.Module):
-    """A remat region's typical operations: linear, norm, activation, residual add."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.gelu(self.norm(self.linear(x)))
-
-
 # each kind's unit of work and its input, element-wise first: the other units' figures
 # subtract what their element-wise operations (an embedding's add, a norm's counter) pay
 _UNITS: tuple[tuple[str, Callable[[], nn.Module], tuple[int, ...]], ...] = (
@@ -178,32 +169,45 @@ class _Chained:
     def forward(self) -> None:
         self.model(self.x)
 
+    def remat(self) -> None:
+        """A step with the chain under the stages' checkpoint (torch's non-reentrant one,
+        keeping the RNG state, as stage code runs it)."""
+        self.model.zero_grad(set_to_none=True)
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(
+            self.model, self.x, use_reentrant=False, preserve_rng_state=True)
+        torch.autograd.backward(out.sum())
+
 
 def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
-                  budget: float = 1.0) -> dict[str, tuple[float, float]]:
-    """Per operation of each kind (op class, or view): (in all, in the forward) what forward
-    and backward of a chain of tiny units of that kind take beyond what `kernels` (a profile
-    of kernel rates alone) predicts for them, per operation the longer chain adds (a slope, so
-    that what a step pays once is left to the step's own overheads), less what the other
-    kinds' operations among them pay. This is what an operation pays beyond its kernels in a
-    real step: the Python call, the autograd node, allocations, and a kernel's fixed costs
-    that its rate leaves out."""
-    found: dict[str, tuple[float, float]] = {}
+                  budget: float = 1.5) -> tuple[dict[str, tuple[float, float, float]], float]:
+    """Per operation of each kind (op class, or view): what a step of a chain of tiny units of
+    that kind takes beyond what `kernels` (a profile of kernel rates alone) predicts for it,
+    in all and in the forward, and what the chain under a checkpoint takes beyond that and its
+    forward once more (the region's bookkeeping); each per operation the longer chain adds (a
+    slope, so that what a step pays once is left to the step's own overheads), less what the
+    other kinds' operations among them pay. This is what an operation pays beyond its kernels
+    in a real step: the Python call, the autograd node, allocations, a kernel's fixed costs that
+    its rate leaves out, and in a remat region the saved-tensor hooks. Also returns what a
+    checkpoint call costs beyond its operations' bookkeeping (the median over the kinds of the
+    shorter chain's bookkeeping less its operations')."""
+    found: dict[str, tuple[float, float, float]] = {}
+    calls: list[float] = []
     for kind, unit, shape in _UNITS:
-        few, many = (_Chained.of(unit, count, shape, kernels) for count in units)
-        fastest = _interleaved({"few": few.step, "many": many.step,
-                                "few forward": few.forward, "many forward": many.forward},
-                               budget=budget)
-        added = many.kinds - few.kinds
-        figures = []
-        for part, suffix in ((0, ""), (1, " forward")):
-            grown = (fastest["many" + suffix] - many.kernels[part]) \
-                - (fastest["few" + suffix] - few.kernels[part])
-            grown -= sum(n * found[k][part] for k, n in added.items() if k != kind)
-            figures.append(max(grown / max(added[kind], 1), 0.0))
-        total, forward = figures
-        found[kind] = (total, min(forward, total))
-    return found
+        chains = [_Chained.of(unit, count, shape, kernels) for count in units]
+        fastest = _interleaved({(i, part): getattr(chain, part) for i, chain in enumerate(chains)
+                                for part in ("step", "forward", "remat")}, budget=budget)
+        # per chain: beyond its kernels in all and in the forward; the checkpoint's bookkeeping
+        paid = [(fastest[i, "step"] - chain.kernels[0], fastest[i, "forward"] - chain.kernels[1],
+                 fastest[i, "remat"] - fastest[i, "step"] - fastest[i, "forward"])
+                for i, chain in enumerate(chains)]
+        added = chains[1].kinds - chains[0].kinds
+        slopes = [(paid[1][f] - paid[0][f]
+                   - sum(n * found[k][f] for k, n in added.items() if k != kind))
+                  / max(added[kind], 1) for f in range(3)]
+        total, forward, region = (max(x, 0.0) for x in slopes)
+        found[kind] = (total, min(forward, total), region)
+        calls.append(paid[0][2] - sum(n * found[k][2] for k, n in chains[0].kinds.items()))
+    return found, max(statistics.median(calls), 0.0)
 
 
 _Key = TypeVar("_Key")
@@ -224,24 +228,6 @@ def _interleaved(runs: Mapping[_Key, Callable[[], object]], rounds: int = 60,
         if i >= 10 and time.perf_counter() - start > budget:
             break
     return fastest
-
-
-def _region_overhead(kernels: DeviceProfile, blocks: int = 4) -> float:
-    """Per operation of a remat region: a chain of `blocks` typical blocks (linear, norm,
-    activation, residual add) under the stages' checkpoint (torch's non-reentrant one, keeping
-    the RNG state, as stage code runs it), forward and backward, less the same without it and
-    its recomputation (its forward once more)."""
-    chain = _Chained.of(_Block, blocks, (4, 16), kernels)
-    model, x = chain.model, chain.x
-
-    def remat() -> None:
-        model.zero_grad(set_to_none=True)
-        out: torch.Tensor = torch.utils.checkpoint.checkpoint(
-            model, x, use_reentrant=False, preserve_rng_state=True)
-        torch.autograd.backward(out.sum())
-
-    fastest = _interleaved({"remat": remat, "plain": chain.step, "forward": chain.forward})
-    return max((fastest["remat"] - fastest["plain"] - fastest["forward"]) / chain.ops, 0.0)
 
 
 class _Tiny(nn.Module):
@@ -280,11 +266,15 @@ def _train_step(program: nn.Module, x: torch.Tensor) -> None:
 def measure_overheads(kernels: DeviceProfile) -> DeviceProfile:
     """`kernels` (a profile of kernel rates alone, its overheads 0) with every overhead of a
     real step on the CPU (one thread, as a pipeline rank runs)."""
-    found = _op_overheads(kernels)
-    totals = tuple((kind, total) for kind, (total, _) in found.items())
+    found, checkpoint = _op_overheads(kernels)
+
+    def figures(index: int) -> tuple[tuple[str, float], ...]:
+        return tuple((kind, values[index]) for kind, values in found.items())
+
+    totals, regions = figures(0), figures(2)
     profile = replace(kernels, op_overhead=statistics.median(t for _, t in totals),
-                      op_overheads=totals,
-                      op_forward_overheads=tuple((k, f) for k, (_, f) in found.items()))
-    profile = replace(profile, region_overhead=_region_overhead(profile))
+                      op_overheads=totals, op_forward_overheads=figures(1),
+                      region_overhead=statistics.median(t for _, t in regions),
+                      region_overheads=regions, checkpoint_overhead=checkpoint)
     microbatch, step = _executor_overheads(profile)
     return replace(profile, microbatch_overhead=microbatch, step_overhead=step)

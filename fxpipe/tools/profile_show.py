@@ -41,8 +41,13 @@ def show_profile(*, clear: bool = False, preset: str | None = None, device: str 
                       for kind, seconds in profile.op_overheads)
     print(f"beyond kernels, in us per operation by kind: {kinds}" if kinds else
           f"beyond kernels: {profile.op_overhead * 1e6:.1f} us per operation")
-    print(f"{profile.region_overhead * 1e6:.1f} us per recomputed operation, "
-          f"{profile.microbatch_overhead * 1e6:.1f} us per stage and micro-batch, "
+    regions = ", ".join(f"{kind} {seconds * 1e6:.1f}" for kind, seconds in
+                        profile.region_overheads)
+    print(f"remat, in us per recomputed operation by kind: {regions}; "
+          f"{profile.checkpoint_overhead * 1e6:.1f} us per region" if regions else
+          f"remat: {profile.region_overhead * 1e6:.1f} us per recomputed operation, "
+          f"{profile.checkpoint_overhead * 1e6:.1f} us per region")
+    print(f"executor: {profile.microbatch_overhead * 1e6:.1f} us per stage and micro-batch, "
           f"{profile.step_overhead * 1e6:.1f} us per step")
     print(f"on a pipeline rank: {profile.action_overhead * 1e6:.1f} us per forward or backward, "
           f"{profile.message_overhead * 1e6:.1f} us per message sent or received")

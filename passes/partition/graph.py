@@ -36,6 +36,7 @@ from fxpipe.passes.partition.problem import (
     partition_problem,
 )
 from fxpipe.passes.partition.solver import solve_partition
+from fxpipe.passes.remat import is_mutating
 from fxpipe.profile import DeviceProfile
 from fxpipe.profile.kinds import is_glue, overhead_kind
 from fxpipe.remat_policy import RematPolicy, remat_policy
@@ -289,7 +290,7 @@ class NodeFacts:
 
     fwd: list[float]  # seconds of the atom's forward kernels
     bwd: list[float]  # seconds of its backward kernels
-    ops: list[int]  # operations paying the per-operation overhead (balance "cost" only)
+    region: list[float]  # seconds a remat region's bookkeeping costs its recomputation
     paid: list[float]  # seconds its operations (and views) pay beyond kernels, fwd and bwd
     paid_forward: list[float]  # the forward's part of that
     accumulate: list[float]  # seconds adding a micro-batch's weight gradients to the earlier
@@ -338,11 +339,12 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
             held[key] = (p, g, e, saved)
         return held[key]
 
-    def paid(x: Node) -> tuple[float, float]:
+    def paid(x: Node) -> tuple[float, float, float]:
         kind = overhead_kind(x)
         if kind is None:
-            return 0.0, 0.0
-        return profile.operation_overhead(kind), profile.operation_forward_overhead(kind)
+            return 0.0, 0.0, 0.0
+        return (profile.operation_overhead(kind), profile.operation_forward_overhead(kind),
+                profile.operation_region_overhead(kind))
 
     sized: dict[int, tuple[float, float]] = {}
 
@@ -354,10 +356,10 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
 
     for group in groups:
         times = [node_time(x) for x in group]
-        facts.ops.append(sum(1 for x in group if not is_glue(x)) if costed else 0)
         pays = [paid(x) for x in group] if costed else []
         facts.paid.append(sum(p[0] for p in pays))
         facts.paid_forward.append(sum(p[1] for p in pays))
+        facts.region.append(sum(p[2] for p in pays))
         facts.fwd.append(sum(t[0] for t in times))
         facts.bwd.append(sum(t[1] for t in times))
         facts.weight.append(sum(WEIGHT_GRAD_SHARE * t[1] for x, t in zip(group, times)
@@ -434,11 +436,11 @@ def measure_atoms(gm: GraphModule, groups: list[list[Node]], *, balance: str,
     # micro-batch but the step's first adds its weight gradients into the earlier ones'
     accumulated = (chunks - 1) / chunks
     for a in range(n):
-        ops, paid = facts.ops[a], facts.paid_forward[a]
+        paid, region = facts.paid_forward[a], facts.region[a]
         fwd = facts.fwd[a] + paid
         bwd = facts.bwd[a] + facts.paid[a] - paid + accumulated * facts.accumulate[a]
-        again = recompute * (fwd + ops * profile.region_overhead)
-        overhead.append(facts.paid[a] + recompute * (paid + ops * profile.region_overhead))
+        again = recompute * (fwd + region)
+        overhead.append(facts.paid[a] + recompute * (paid + region))
         compute.append(fwd + bwd + again)
         forward.append(fwd)
         recomputed.append(again)
@@ -574,7 +576,11 @@ def partition(
         problem = problem_of(atoms)
     evaluated = evaluate(problem, cuts)
     fixed = 0.0 if mode == "params" else profile.microbatch_overhead
-    plan = _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages, fixed)
+    # what each remat region's checkpoint call costs where a micro-batch recomputes it
+    per_region = 0.0 if mode == "params" else \
+        policy.recomputed_share(chunks) * profile.checkpoint_overhead
+    plan = _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages, fixed,
+                         per_region)
     if mode != "params":
         plan = replace(plan, step_overhead=profile.step_overhead,
                        action_overhead=profile.action_overhead,
@@ -594,9 +600,10 @@ def _peak_inflight(schedule: str, chunks: int, num_stages: int,
 
 def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
                   evaluated: Partition, b: int, chunks: int, mode: str,
-                  k: int, fixed: float = 0.0) -> PartitionPlan:
+                  k: int, fixed: float = 0.0, per_region: float = 0.0) -> PartitionPlan:
     """The plan of these cuts; `fixed`: seconds every stage pays per micro-batch beyond its
-    operations (the executor's hand-offs), half of it in the forward."""
+    operations (the executor's hand-offs), half of it in the forward; `per_region`: seconds
+    per micro-batch each remat region's checkpoint call costs (its recomputed share)."""
     stages: list[StagePlan] = []
     for s in range(k):
         members = [n for g in groups[cuts[s]:cuts[s + 1]] for n in g]
@@ -606,22 +613,35 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
         # the first and last named modules, found from the ends (a stage holds many nodes)
         first = next((m for m in map(ir.module_path, members) if m), "(top level)")
         last = next((m for m in map(ir.module_path, reversed(members)) if m), "(top level)")
-        compute = evaluated.stage_times[s] - comm + fixed
+        calls = per_region * _regions(members) if per_region else 0.0
+        compute = evaluated.stage_times[s] - comm + fixed + calls
         forward = sum(atoms.forward[cuts[s]:cuts[s + 1]]) + fixed / 2
-        recompute = sum(atoms.recompute[cuts[s]:cuts[s + 1]])
+        recompute = sum(atoms.recompute[cuts[s]:cuts[s + 1]]) + calls
         # the first stage receives no gradient-carrying value: its split backward's W is the
         # whole backward (NOTE [Split backward] in fxpipe/runtime/communication/dist_comm.py)
         weight = compute - forward - recompute if s == 0 else \
             sum(atoms.weight[cuts[s]:cuts[s + 1]])
         stages.append(StagePlan(
-            s, tuple(n.name for n in members), evaluated.stage_times[s] + fixed, compute, comm,
-            evaluated.stage_memory[s] if evaluated.stage_memory else None,
+            s, tuple(n.name for n in members), evaluated.stage_times[s] + fixed + calls,
+            compute, comm, evaluated.stage_memory[s] if evaluated.stage_memory else None,
             first, last, forward, recompute, weight,
-            sum(atoms.overhead[cuts[s]:cuts[s + 1]]) + fixed if atoms.overhead else fixed,
+            sum(atoms.overhead[cuts[s]:cuts[s + 1]]) + fixed + calls,
             sum(atoms.held[cuts[s]:cuts[s + 1]]),
             *_messages(atoms, cuts[s], cuts[s + 1])))
     bottleneck = max(st.time for st in stages)
     return PartitionPlan(tuple(stages), b, chunks, mode, bottleneck, (chunks + k - 1) * bottleneck)
+
+
+def _regions(members: Sequence[Node]) -> int:
+    """How many remat regions mark_remat makes of a stage's nodes: runs of operations split at
+    the ones that must not run twice (fxpipe.passes.remat.is_mutating)."""
+    regions, open_run = 0, False
+    for node in members:
+        if is_mutating(node):
+            open_run = False
+        elif not is_glue(node) and not open_run:
+            regions, open_run = regions + 1, True
+    return regions
 
 
 def _messages(atoms: Atoms, first: int, end: int) -> tuple[int, int]:

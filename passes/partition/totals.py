@@ -20,7 +20,7 @@ from fxpipe.optimizers import OptimizerMemory
 from fxpipe.passes.cost import estimate_time, time_key
 from fxpipe.passes.partition.graph import accumulation
 from fxpipe.profile import DeviceProfile
-from fxpipe.profile.kinds import is_glue, overhead_kind
+from fxpipe.profile.kinds import overhead_kind
 
 __all__ = ["GraphTotals"]
 
@@ -32,7 +32,6 @@ class GraphTotals:
     weights: list[tuple[float, float, float]]  # per atom: parameter bytes, gradient bytes, elements
     accumulate: list[tuple[float, float, int]]  # per weight-using node: gradient bytes, elements,
     # tensors (what each micro-batch but the first adds into the gradients)
-    ops: int  # operations that launch kernels (each pays its class's overhead)
     kinds: Counter[str]  # operations and views by what they pay beyond kernels (overhead_kind)
     costs: list[tuple[ir.Cost, int]]  # a cost of each distinct work, and how often it occurs
     saved: list[tuple[object, int]]  # each distinct saved-bytes expression, and how often
@@ -46,7 +45,6 @@ class GraphTotals:
         counts: Counter[object] = Counter()
         saved: dict[int, object] = {}
         saved_counts: Counter[int] = Counter()
-        ops = 0
         kinds: Counter[str] = Counter()
         for group in groups:
             costs = [ir.cost(x) for x in group]
@@ -59,7 +57,6 @@ class GraphTotals:
                     accumulate.append((float(ir.evaluate(c.grad_param_bytes, 1)),
                                        float(ir.evaluate(c.grad_param_elements, 1)),
                                        c.grad_params))
-                ops += not is_glue(x)
                 kind = overhead_kind(x)
                 if kind is not None:
                     kinds[kind] += 1
@@ -68,7 +65,7 @@ class GraphTotals:
                 counts[key] += 1
                 saved.setdefault(id(c.saved_bytes), c.saved_bytes)
                 saved_counts[id(c.saved_bytes)] += 1
-        return cls(weights, accumulate, ops, kinds, [(works[k], n) for k, n in counts.items()],
+        return cls(weights, accumulate, kinds, [(works[k], n) for k, n in counts.items()],
                    [(saved[k], n) for k, n in saved_counts.items()])
 
     def held(self, optimizer: OptimizerMemory) -> float:
@@ -80,11 +77,13 @@ class GraphTotals:
         """Bytes one micro-batch of size b saves for its backward."""
         return math.fsum(float(ir.evaluate(e, b)) * n for e, n in self.saved)
 
-    def paid(self, profile: DeviceProfile) -> tuple[float, float]:
-        """Seconds the operations of one micro-batch pay beyond their kernels: in all, and in
-        the forward."""
+    def paid(self, profile: DeviceProfile) -> tuple[float, float, float]:
+        """Seconds the operations of one micro-batch pay beyond their kernels: in all, in the
+        forward, and for a remat region's bookkeeping where it is recomputed."""
         return (math.fsum(n * profile.operation_overhead(k) for k, n in self.kinds.items()),
                 math.fsum(n * profile.operation_forward_overhead(k)
+                          for k, n in self.kinds.items()),
+                math.fsum(n * profile.operation_region_overhead(k)
                           for k, n in self.kinds.items()))
 
     def accumulation(self, profile: DeviceProfile) -> float:
