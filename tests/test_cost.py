@@ -665,3 +665,28 @@ def test_every_micro_batch_after_the_first_adds_its_weight_gradients_into_the_ea
     for a in range(len(groups)):
         assert four.compute[a] - one.compute[a] == pytest.approx(3 / 4 * facts.accumulate[a])
         assert four.weight[a] - one.weight[a] == pytest.approx(3 / 4 * facts.accumulate[a])
+
+
+def test_a_dropout_draws_its_mask_in_the_random_class_at_its_own_rate():
+    import dataclasses
+
+    from fxpipe.profile import get_profile
+
+    # wide enough that its bytes, not a kernel's launch, take the time
+    model, x = nn.Sequential(nn.Linear(64, 1024), nn.Dropout(0.1)).train(), torch.randn(4096, 64)
+    program = fxpipe.compile(model, (x,), stages=1, chunks=1, remat="never", profile="a100")
+    dropout = [n for n in ir.compute_nodes(program.graph_module.graph) if ir.cost(n).random]
+    assert len(dropout) == 1
+    classes = {(w.op_class, w.backward) for w in ir.cost(dropout[0]).work}
+    assert ("random", False) in classes and ("random", True) not in classes
+    # drawing is far slower than arithmetic on a CPU: a slower random rate slows only it
+    a100 = get_profile("a100")
+    slow = dataclasses.replace(a100, rates=tuple(
+        (c, dataclasses.replace(r, bandwidth=r.bandwidth.scaled(100.0)) if c == "random" else r)
+        for c, r in a100.rates))
+    times = {}
+    for name, profile in (("fast", a100), ("slow", slow)):
+        plan = fxpipe.compile(model, (x,), stages=1, chunks=1, remat="never",
+                              profile=profile).plan
+        times[name] = plan.stages[0].forward_time
+    assert times["slow"] > times["fast"]

@@ -32,7 +32,7 @@ OVERHEADS = ("op_overhead", "region_overhead", "checkpoint_overhead", "microbatc
 """The DeviceProfile fields of what a real step pays beyond its kernels."""
 
 OP_CLASSES = ("matmul", "attention", "convolution", "recurrent", "embedding", "reduction",
-              "elementwise")
+              "random", "elementwise")
 """Classes of aten kernels that run at different rates (fxpipe.profile.kernels.op_class)."""
 
 

@@ -4,9 +4,10 @@ The cost pass (fxpipe.passes.cost) counts every kernel of every node with these 
 the measured profile (fxpipe.profile.measure) counts its micro-benchmarks with the same ones, so a
 rate measured in "FLOPs as counted here per second" applies to the counts of any model.
 
-Op classes: matrix multiplications, attention, convolutions, embeddings and other gathers,
-reductions (including normalisations and softmax, which reduce along a dimension), and
-element-wise kernels (everything else: arithmetic, activations, copies, concatenation).
+Op classes: matrix multiplications, attention, convolutions, recurrent layers, embeddings and
+other gathers, reductions (including normalisations and softmax, which reduce along a
+dimension), kernels that draw random numbers (dropout's mask), and element-wise kernels
+(everything else: arithmetic, activations, copies, concatenation).
 """
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ _RECURRENT = {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "_thnn_fused_lstm
               "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_gru_cell",
               "_thnn_fused_gru_cell_backward", "_cudnn_rnn", "_cudnn_rnn_backward", "miopen_rnn",
               "miopen_rnn_backward"}
+# drawing random numbers: a generator step per element, far slower than arithmetic on a CPU
+_RANDOM = {"bernoulli", "native_dropout", "rand", "randn", "rand_like", "randn_like", "normal",
+           "uniform", "randint", "randint_like", "randperm", "multinomial", "exponential",
+           "geometric", "cauchy", "log_normal", "random"}
 _EMBEDDING = {"embedding", "embedding_dense_backward", "embedding_backward", "_embedding_bag",
               "_embedding_bag_backward", "_embedding_bag_dense_backward", "index_select",
               "gather", "scatter_add", "index_add", "index_put", "index", "_index_put_impl"}
@@ -68,6 +73,8 @@ _REDUCTION = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std",
 def op_class(func: _Op) -> str:
     """The class of an aten kernel (one of fxpipe.profile.device.OP_CLASSES)."""
     name = func._overloadpacket.__name__
+    if name.rstrip("_") in _RANDOM:
+        return "random"
     if name in _MATMUL:
         return "matmul"
     if name in _RECURRENT:

@@ -193,6 +193,8 @@ def _add_points(suite: _Suite) -> None:
     suite.add("elementwise", "bytes", [partial(torch.add, x, y) for x, y in pairs])
     suite.add("elementwise", "flops", [partial(F.gelu, x) for x in big])
     suite.add("reduction", "bytes", [partial(torch.sum, x, -1) for x in rows])
+    # random: a dropout's mask, drawn per element
+    suite.add("random", "bytes", [partial(torch.bernoulli, x, 0.9) for x, _ in pairs])
     suite.add("reduction", "flops", [partial(F.layer_norm, x, (256,)) for x in big])
     # compute-bound classes at their own FLOP/s (the memory's bandwidth for skinny shapes):
     # the products of linear layers, with an output 4x wider as in an MLP
@@ -233,6 +235,7 @@ def _class_rates(suite: _Suite) -> dict[str, ClassRate]:
             "embedding": ClassRate(suite.curve("embedding.bytes")),
             "reduction": ClassRate(suite.curve("reduction.bytes"),
                                    suite.curve("reduction.flops")),
+            "random": ClassRate(suite.curve("random.bytes")),
             "elementwise": ClassRate(memory, suite.curve("elementwise.flops"))}
 
 
