@@ -25,3 +25,13 @@ def test_a_model_is_predicted_and_measured_in_one_process():
     assert row["predicted_local_s"] > 0 and row["predicted_ranks_s"] > 0
     assert 0 < row["local_min_s"] <= row["local_median_s"]
     assert row["machine_s"] > 0 and machine_time() > 0
+
+
+def test_the_variants_of_a_model_are_predicted_and_measured_in_one_process():
+    from fxpipe.tools.step_check import VARIANTS, check_variants
+
+    rows = check_variants("branchy", rounds=2, budget=0.0)
+    assert list(rows) == list(VARIANTS)
+    assert all(predicted > 0 and measured > 0 for predicted, measured in rows.values())
+    # recomputing every micro-batch is predicted to cost more than recomputing none
+    assert rows[2, "always"][0] > rows[2, "except_last"][0] > rows[2, "never"][0]

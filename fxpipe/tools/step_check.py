@@ -14,10 +14,15 @@ A virtual machine's speed drifts by tens of percent within minutes, so the profi
 again first (unless --keep-profile), a fixed mix of work is timed right after it and again around
 each model's runs, and each ratio is also given at the profile's speed: the prediction scaled
 by how much slower that mix ran then, at its fastest ("speed" column).
+
+--variants compares instead one model's compiled forms in one process, their steps taking
+turns (drift slows all alike): 1 and 2 stages, remat never, except_last and always; which
+part of the cost model is off shows as the variant whose prediction is.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import statistics
@@ -36,7 +41,10 @@ from fxpipe.profile import cached_profile
 from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
 from fxpipe.testing.user_models import USER_MODELS, load_user_model
 
-__all__ = ["check_model", "main"]
+__all__ = ["check_model", "check_variants", "VARIANTS", "main"]
+
+VARIANTS = ((1, "never"), (2, "never"), (2, "except_last"), (2, "always"))
+"""(stages, remat) of the compiled forms --variants compares."""
 
 _STEP = re.compile(r"^step \d+ loss \S+ \((\d+\.\d+) s\)$", re.MULTILINE)
 
@@ -103,12 +111,56 @@ def check_model(name: str, *, stages: int = 2, chunks: int = 4, steps: int = 8,
     return out
 
 
+def check_variants(name: str, *, chunks: int = 4, rounds: int = 30,
+                   budget: float = 20.0) -> dict[tuple[int, str], tuple[float, float]]:
+    """(predicted, fastest measured) seconds of one step (zero_grad and program.step) of each
+    of VARIANTS of one model, their steps taking turns for `rounds` rounds or `budget` s."""
+    model, inputs, named = load_user_model(name) if name in USER_MODELS else \
+        load(name, deterministic=True)
+    kwargs: dict[str, Any] = dict(named)
+    programs = {(stages, remat): fxpipe.compile(copy.deepcopy(model), inputs, stages=stages,
+                                                chunks=chunks, remat=remat,
+                                                example_kwargs=kwargs)
+                for stages, remat in VARIANTS}
+
+    def step(program: fxpipe.Program) -> None:
+        program.zero_grad(set_to_none=True)
+        program.step(*inputs, **kwargs)
+
+    fastest = dict.fromkeys(programs, float("inf"))
+    for program in programs.values():
+        step(program)
+    start = time.perf_counter()
+    for i in range(rounds):
+        for key, program in programs.items():
+            t0 = time.perf_counter()
+            step(program)
+            fastest[key] = min(fastest[key], time.perf_counter() - t0)
+        if i >= 3 and time.perf_counter() - start > budget:
+            break
+    return {key: (predicted_local_step(program.plan), fastest[key])
+            for key, program in programs.items()}
+
+
+def _print_variants(names: Sequence[str]) -> None:
+    print("one process, zero_grad and program.step, the variants' steps taking turns; "
+          "predicted / fastest measured in ms, and their ratio")
+    print(f"{'model':10}" + "".join(f" | {f'{s} stage(s), {r}':>27}" for s, r in VARIANTS))
+    for name in names:
+        rows = check_variants(name)
+        print(f"{name:10}" + "".join(
+            f" | {p * 1e3:8.2f} /{m * 1e3:8.2f} ({p / m:5.2f})" for p, m in rows.values()),
+            flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxpipe.tools.step_check",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("models", nargs="*", default=[*MODELS, *USER_MODELS])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-ranks", action="store_true", help="only in one process")
+    parser.add_argument("--variants", action="store_true",
+                        help="compare each model's compiled forms in one process instead")
     parser.add_argument("--keep-profile", action="store_true",
                         help="predict with the cached profile as it is (default: measure it "
                              "again first)")
@@ -116,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     if not args.keep_profile:
         cached_profile("cpu", torch.float32, refresh=True)
+    if args.variants:
+        _print_variants(args.models)
+        return 0
     profiled = machine_time()
     print("one process: zero_grad and program.step; 2 ranks: the steps fxpipe run prints; "
           "wall times (min, median) in ms; pred/min: the predicted over the fastest step; at "
