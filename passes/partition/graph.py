@@ -339,12 +339,17 @@ def node_facts(gm: GraphModule, groups: list[list[Node]], *, balance: str,
             held[key] = (p, g, e, saved)
         return held[key]
 
+    by_kind: dict[str, tuple[float, float, float]] = {}
+
     def paid(x: Node) -> tuple[float, float, float]:
         kind = overhead_kind(x)
         if kind is None:
             return 0.0, 0.0, 0.0
-        return (profile.operation_overhead(kind), profile.operation_forward_overhead(kind),
-                profile.operation_region_overhead(kind))
+        if kind not in by_kind:
+            by_kind[kind] = (profile.operation_overhead(kind),
+                             profile.operation_forward_overhead(kind),
+                             profile.operation_region_overhead(kind))
+        return by_kind[kind]
 
     sized: dict[int, tuple[float, float]] = {}
 
