@@ -38,9 +38,9 @@ from torch import nn
 
 from fxpipe import ir
 from fxpipe.profile.device import DeviceProfile
-from fxpipe.profile.kinds import is_glue, overhead_kind
+from fxpipe.profile.kinds import overhead_kind
 
-__all__ = ["measure_overheads"]
+__all__ = ["interleaved", "measure_overheads"]
 
 
 def _fastest(fn: Callable[[], object], repeat: int = 25, budget: float = 1.0) -> float:
@@ -144,7 +144,6 @@ class _Chained:
     model: nn.Module
     x: torch.Tensor
     kinds: Counter[str]  # its operations by overhead kind
-    ops: int  # its operations that launch kernels
     kernels: tuple[float, float]  # predicted seconds of its kernels: in all, in the forward
 
     @staticmethod
@@ -159,7 +158,7 @@ class _Chained:
         nodes = [n for n in ir.compute_nodes(program.graph_module.graph) if ir.COST in n.meta]
         kinds = Counter(k for k in map(overhead_kind, nodes) if k is not None)
         stages = program.plan.stages
-        return _Chained(model, x.requires_grad_(), kinds, sum(not is_glue(n) for n in nodes),
+        return _Chained(model, x.requires_grad_(), kinds,
                         (sum(s.compute_time for s in stages), sum(s.forward_time for s in stages)))
 
     def step(self) -> None:
@@ -194,7 +193,7 @@ def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
     calls: list[float] = []
     for kind, unit, shape in _UNITS:
         chains = [_Chained.of(unit, count, shape, kernels) for count in units]
-        fastest = _interleaved({(i, part): getattr(chain, part) for i, chain in enumerate(chains)
+        fastest = interleaved({(i, part): getattr(chain, part) for i, chain in enumerate(chains)
                                 for part in ("step", "forward", "remat")}, budget=budget)
         # per chain: beyond its kernels in all and in the forward; the checkpoint's bookkeeping
         paid = [(fastest[i, "step"] - chain.kernels[0], fastest[i, "forward"] - chain.kernels[1],
@@ -213,9 +212,10 @@ def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
 _Key = TypeVar("_Key")
 
 
-def _interleaved(runs: Mapping[_Key, Callable[[], object]], rounds: int = 60,
-                 budget: float = 2.0) -> dict[_Key, float]:
-    """The fastest run of each, their runs taking turns (a burst of load slows all alike)."""
+def interleaved(runs: Mapping[_Key, Callable[[], object]], rounds: int = 60,
+                budget: float = 2.0, least: int = 11) -> dict[_Key, float]:
+    """The fastest run of each, their runs taking turns (a burst of load slows all alike):
+    `rounds` rounds, or fewer (at least `least`) once `budget` seconds have passed."""
     fastest = {key: float("inf") for key in runs}
     for run in runs.values():
         run()
@@ -225,7 +225,7 @@ def _interleaved(runs: Mapping[_Key, Callable[[], object]], rounds: int = 60,
             t0 = time.perf_counter()
             run()
             fastest[key] = min(fastest[key], time.perf_counter() - t0)
-        if i >= 10 and time.perf_counter() - start > budget:
+        if i + 1 >= least and time.perf_counter() - start > budget:
             break
     return fastest
 

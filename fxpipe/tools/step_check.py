@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ import torch
 import fxpipe
 from fxpipe.models import MODELS, load
 from fxpipe.profile import cached_profile
+from fxpipe.profile.overheads import interleaved
 from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
 from fxpipe.testing.user_models import USER_MODELS, load_user_model
 
@@ -127,17 +129,8 @@ def check_variants(name: str, *, chunks: int = 4, rounds: int = 30,
         program.zero_grad(set_to_none=True)
         program.step(*inputs, **kwargs)
 
-    fastest = dict.fromkeys(programs, float("inf"))
-    for program in programs.values():
-        step(program)
-    start = time.perf_counter()
-    for i in range(rounds):
-        for key, program in programs.items():
-            t0 = time.perf_counter()
-            step(program)
-            fastest[key] = min(fastest[key], time.perf_counter() - t0)
-        if i >= 3 and time.perf_counter() - start > budget:
-            break
+    fastest = interleaved({key: partial(step, program) for key, program in programs.items()},
+                          rounds=rounds, budget=budget, least=4)
     return {key: (predicted_local_step(program.plan), fastest[key])
             for key, program in programs.items()}
 
