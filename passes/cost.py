@@ -367,7 +367,9 @@ class _CostRunner(Interpreter):
                       real: bool = False) -> tuple[Any, _NodeCost]:
         """Costs from static runs at a few batch sizes, interpolated (exact for polynomials):
         on fake tensors for ops without symbolic-shape support, on real ones for ops whose
-        fake kernels under-report (recurrent layers keep a workspace for backward)."""
+        fake kernels under-report (recurrent layers keep a workspace for backward). A real
+        run's sizes are padded, not polynomial: they are fitted with a line."""
+        fit_points = shapes.fit_line if real else shapes.interpolate
         samples: dict[int, tuple[Any, _NodeCost]] = {}
         for b in shapes.SAMPLE_SIZES:
             if real:
@@ -383,8 +385,7 @@ class _CostRunner(Interpreter):
                 samples[b] = self._run_counted(n, leaves, spec, params)
 
         def fit(name: str) -> sympy.Expr:
-            return shapes.interpolate([(b, int(getattr(c, name))) for b, (_, c) in
-                                       samples.items()])
+            return fit_points([(b, int(getattr(c, name))) for b, (_, c) in samples.items()])
 
         def fit_saved(i: int) -> sympy.Expr:
             """The bytes of saved entry i, a buffer the node allocates (a "new" entry)."""
@@ -393,15 +394,15 @@ class _CostRunner(Interpreter):
                 nbytes = c.saved[i][2]
                 assert nbytes is not None, "a new buffer's entry carries its size"
                 points.append((b, int(nbytes)))
-            return shapes.interpolate(points)
+            return fit_points(points)
 
         def fit_work(phase: str) -> _Work:
             """Each op class's FLOPs and bytes, fitted like the totals."""
             works = {b: getattr(c, phase) for b, (_, c) in samples.items()}
 
             def fit_part(cls: str, part: int) -> sympy.Expr:
-                return shapes.interpolate([(b, int(w[cls][part]) if cls in w else 0)
-                                           for b, w in works.items()])
+                return fit_points([(b, int(w[cls][part]) if cls in w else 0)
+                                   for b, w in works.items()])
 
             first_work: _Work = works[shapes.SAMPLE_SIZES[0]]
             return {cls: (fit_part(cls, 0), fit_part(cls, 1), kernels)

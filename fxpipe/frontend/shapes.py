@@ -37,7 +37,7 @@ from fxpipe.frontend.stamp import BLOCKS, StampedBlocks
 
 __all__ = ["propagate_shapes", "symbolic_inputs", "op_key", "specialised", "OpKey",
            "Specialised", "known_specialising", "SAMPLE_SIZES", "plain_containers",
-           "export_infos", "write_infos", "known_sampled"]
+           "export_infos", "write_infos", "known_sampled", "interpolate", "fit_line"]
 
 OpKey: TypeAlias = object
 """What identifies an operation across nodes: a function or aten overload, ("method", name), or
@@ -309,6 +309,20 @@ SAMPLE_SIZES = (2, 3, 5)
 def interpolate(points: list[tuple[int, int | float]]) -> sympy.Expr:
     """The polynomial in b (degree < len(points)) through `points`: exact for polynomial sizes."""
     return sympy.expand(sympy.interpolate([(b, sympy.nsimplify(v)) for b, v in points], ir.BATCH))
+
+
+def fit_line(points: list[tuple[int, int | float]]) -> sympy.Expr:
+    """The least-squares line in b through `points`, exact in rationals. For sizes measured on
+    real runs, which are near linear but not polynomial: a recurrent layer's workspace is padded
+    to blocks of the batch, and the polynomial through three such points bends, negative beyond
+    a few dozen samples."""
+    n = len(points)
+    xs = [sympy.Integer(b) for b, _ in points]
+    ys = [sympy.nsimplify(v) for _, v in points]
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0
+    return sympy.expand(slope * ir.BATCH + mean_y - slope * mean_x)
 
 
 def symbolic_inputs(
