@@ -10,7 +10,6 @@ import importlib
 import io
 import os
 import queue as queue_module
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -20,13 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fxpipe.runtime.program.torchrun import free_port
+
 __all__ = ["spawn"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dumps(obj: Any) -> bytes:
@@ -71,7 +66,7 @@ def spawn(world: int, module: str, fn: str, *args: Any, env: dict | None = None,
     than `bound` seconds together."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, daemon=True,
                          args=(r, world, port, module, fn, args, env or {}, timeout, backend,
                                results))

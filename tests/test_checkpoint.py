@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import fxpipe
 from fxpipe.errors import CheckpointError
 from fxpipe.models import gpt, mlp
+from fxpipe.runtime.program.torchrun import free_port
 from fxpipe.storage.checkpoint import save_shard
 from fxpipe.storage.structure import Structure
 
@@ -124,12 +124,6 @@ def test_an_incomplete_checkpoint_is_refused(tmp_path):
         fxpipe.load_checkpoint(str(tmp_path / "ckpt2"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _losses(result: subprocess.CompletedProcess) -> list[str]:
     assert result.returncode == 0, result.stdout + result.stderr
     return [line.split(" (")[0] for line in result.stdout.splitlines() if line.startswith("step ")]
@@ -144,7 +138,7 @@ def test_distributed_resume_gives_exactly_the_losses_of_an_uninterrupted_run(tmp
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                               "2", "--master-port", str(_free_port()), script, *args],
+                               "2", "--master-port", str(free_port()), script, *args],
                               capture_output=True, text=True, timeout=600,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
 

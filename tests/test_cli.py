@@ -26,13 +26,7 @@ from fxpipe.errors import ConfigError, PipelineRuntimeError, ProgramFolderError
 from fxpipe.runtime import launch
 from fxpipe.runtime.planning.timeline import Event, chrome_trace
 from fxpipe.runtime.program.spec import ProgramSpec
-from fxpipe.runtime.program.torchrun import rank_failure
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fxpipe.runtime.program.torchrun import free_port, rank_failure
 
 
 def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -151,7 +145,7 @@ def test_report_reads_a_written_program(written, capsys):
 
 def test_run_trains_a_written_program_on_two_processes_and_writes_a_chrome_trace(written):
     trace = written / "trace.json"
-    result = _run("run", str(written), "--nproc", "2", "--port", str(_free_port()), "--steps", "2",
+    result = _run("run", str(written), "--nproc", "2", "--port", str(free_port()), "--steps", "2",
                   "--verify", "--timeline", str(trace))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verify: OK" in result.stdout

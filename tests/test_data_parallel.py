@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 import io
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 import fxpipe
 from fxpipe.errors import ConfigError
 from fxpipe.losses import default_loss
+from fxpipe.runtime.program.torchrun import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -32,12 +32,6 @@ LR = 0.05
 # the last weight-gradient pass
 BUCKET_MB = {"overlapped": (4 / 1024, "gpipe"), "after_backward": (0, "gpipe"),
              "overlapped_zb-h1": (4 / 1024, "zb-h1")}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(name: str):
@@ -90,7 +84,7 @@ def two_by_two():
     world = 4
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
@@ -183,7 +177,7 @@ def _bad_world(rank: int, world: int, port: int, queue) -> None:
 def test_world_size_that_is_not_a_multiple_of_the_stages_is_a_clear_error():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_bad_world, args=(r, 3, port, queue)) for r in range(3)]
     for p in procs:
         p.start()
@@ -212,7 +206,7 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_written_program_runs_as_two_by_two_under_fxpipe_run(written_gpt):
     result = _run([sys.executable, "-m", "fxpipe", "run", str(written_gpt), "--nproc", "4",
-                   "--port", str(_free_port()), "--steps", "3", "--verify"])
+                   "--port", str(free_port()), "--steps", "3", "--verify"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verify: OK" in result.stdout
 
@@ -220,7 +214,7 @@ def test_written_program_runs_as_two_by_two_under_fxpipe_run(written_gpt):
 @pytest.mark.slow
 def test_written_program_runs_under_torchrun_with_four_processes(written_gpt):
     result = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                   "--master-port", str(_free_port()), str(written_gpt / "program.py"),
+                   "--master-port", str(free_port()), str(written_gpt / "program.py"),
                    "--steps", "2", "--verify"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "step 1 loss" in result.stdout and "verify: OK" in result.stdout
@@ -278,6 +272,6 @@ def test_a_split_dependent_program_records_what_replicas_compute(written_split_d
 @pytest.mark.slow
 def test_verify_with_replicas_compares_with_what_the_replicas_compute(written_split_dependent):
     result = _run([sys.executable, "-m", "fxpipe", "run", str(written_split_dependent),
-                   "--nproc", "4", "--port", str(_free_port()), "--steps", "3", "--verify"])
+                   "--nproc", "4", "--port", str(free_port()), "--steps", "3", "--verify"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verify: OK" in result.stdout and "2 replicas' shares" in result.stdout

@@ -18,7 +18,6 @@ import importlib
 import io
 import os
 import queue as queue_module
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -34,6 +33,7 @@ from fxpipe.losses import default_loss
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
 from fxpipe.runtime.planning.schedule import default_stages_per_rank
+from fxpipe.runtime.program.torchrun import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -141,12 +141,6 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], results: Any) -> 
 # -- the parent: start one group per world size, collect, compare ------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class WorldResults:
     """Per configuration, what each rank sent back; or why nothing came."""
 
@@ -167,7 +161,7 @@ class WorldResults:
 def _run_world(world: int, jobs: list[Job]) -> WorldResults:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(rank, world, port, jobs, results), daemon=True)
              for rank in range(world)]
     for p in procs:

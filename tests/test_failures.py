@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ import torch
 import fxpipe
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.models import gpt, mlp
+from fxpipe.runtime.program.torchrun import free_port
 
 pytestmark = pytest.mark.distributed
 
 BOUND_S = 60  # the promise: peers stop within this many seconds
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +31,7 @@ def written(tmp_path_factory) -> Path:
 
 
 def _start(folder: Path, world: int, *args: str) -> list[tuple[subprocess.Popen, Path, Path]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         out, err = folder / f"rank{rank}.out", folder / f"rank{rank}.err"

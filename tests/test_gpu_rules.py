@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ from fxpipe.rebalance import placed_state
 from fxpipe.reference import copy_to, microbatched_forward, reference_device
 from fxpipe.runtime.communication import backend
 from fxpipe.runtime.execution import rank
+from fxpipe.runtime.program.torchrun import free_port
 from tests.ranks import spawn
 
 # --- backend and device ------------------------------------------------------------------------
@@ -283,12 +283,6 @@ def test_the_profile_cache_key_tells_tf32_from_full_fp32_on_a_gpu(monkeypatch):
 # --- written programs under torchrun, on an emulated node ---------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def written_mlp(tmp_path_factory):
     folder = tmp_path_factory.mktemp("program")
@@ -303,7 +297,7 @@ def _torchrun(folder, startup: str, tmp_path, *args: str) -> subprocess.Complete
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--master-port", str(_free_port()), str(folder / "program.py"),
+                           "2", "--master-port", str(free_port()), str(folder / "program.py"),
                            "--steps", "2", "--verify", *args],
                           capture_output=True, text=True, timeout=300, env=env)
 
@@ -413,7 +407,7 @@ def test_a_rank_whose_peer_stops_gives_up_within_the_timeout(written_mlp, tmp_pa
     out = tmp_path / "out.txt"
     with open(out, "w") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
-                                 "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                                 "--nproc-per-node", "2", "--master-port", str(free_port()),
                                  str(written_mlp / "program.py"), "--steps", "100000",
                                  "--timeout", "5"], stdout=sink, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})

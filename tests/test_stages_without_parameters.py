@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,18 +14,12 @@ import torch
 
 import fxpipe
 from fxpipe.errors import PartitionError
+from fxpipe.runtime.program.torchrun import free_port
 from fxpipe.storage.checkpoint import load_checkpoint
 from fxpipe.testing.reference_step import reference_step
 from tests.skip_cnn import build, target
 
 LR = 0.05
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _parameterless(program: fxpipe.Program) -> list[int]:
@@ -69,7 +62,7 @@ def written(tmp_path_factory):
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "fxpipe", "run", *args, "--port",
-                           str(_free_port())], capture_output=True, text=True, timeout=600,
+                           str(free_port())], capture_output=True, text=True, timeout=600,
                           env=env)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -23,6 +22,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.losses import default_loss
+from fxpipe.runtime.program.torchrun import free_port
 from fxpipe.testing.reference_step import reference_forward, reference_step
 
 
@@ -183,13 +183,6 @@ def test_written_program_verifies_against_the_microbatched_reference(tmp_path, c
     assert "verify: OK" in proc.stdout
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_written_program_with_dropout_verifies_under_torchrun(tmp_path):
@@ -199,7 +192,7 @@ def test_written_program_with_dropout_verifies_under_torchrun(tmp_path):
     program.step(x, target=y)  # builds it
     program.write(str(tmp_path), target=y, reference_steps=2)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--master-port", str(_free_port()), str(tmp_path / "program.py"),
+                           "2", "--master-port", str(free_port()), str(tmp_path / "program.py"),
                            "--steps", "2", "--verify"], capture_output=True, text=True,
                           timeout=600, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from tabulate import tabulate
 import fxpipe
 from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.models import gpt, load_factory
+from fxpipe.runtime.program.torchrun import free_port
 from fxpipe.tools.bench_report import summarise, write
 from fxpipe.tools.bench_torch import SCHEDULES as TORCH_SCHEDULES
 from fxpipe.tools.bench_worker import REMAT_COMPARED, worker
@@ -59,13 +59,6 @@ class BenchOptions:
 
 BENCH_GPT = {"d_model": 256, "n_layer": 8, "n_head": 4, "seq_len": 128, "vocab_size": 4096,
              "batch": 16, "dropout": 0.0}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _factory(model: str, settings: list[str]) -> tuple[str, list[str]]:
@@ -99,7 +92,7 @@ def _local_cuts(args: dict[str, Any], stages: int) -> list[str]:
 def _run_ranks(ns: BenchOptions, args: dict[str, Any]) -> dict[int, dict[str, Any]] | None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = ns.port or _free_port()
+    port = ns.port or free_port()
     procs = [ctx.Process(target=worker, args=(r, ns.stages, port, args, queue))
              for r in range(ns.stages)]
     for p in procs:

@@ -2,21 +2,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import fxpipe
 from fxpipe.models import gpt
+from fxpipe.runtime.program.torchrun import free_port
 
 __all__ = ["run_demo"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]  # (host, port) of an AF_INET socket
-        return port
 
 
 def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
@@ -36,7 +29,7 @@ def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
     print(f"\ntraining {steps} steps on {nproc} processes (torchrun), verifying against the "
           "plain model ...", flush=True)
     code = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                            str(nproc), "--master-port", str(_free_port()),
+                            str(nproc), "--master-port", str(free_port()),
                             os.path.join(out, "program.py"), "--steps", str(steps), "--verify",
                             "--timeline", timeline],
                            env={**os.environ, "OMP_NUM_THREADS": "1",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from fxpipe.planner import Candidate, Plan, plan
 from fxpipe.report import human_bytes
 from fxpipe.runtime.planning.grid import peak_inflight
 from fxpipe.runtime.planning.schedule import default_stages_per_rank, placement, schedule_kind
+from fxpipe.runtime.program.torchrun import free_port
 from fxpipe.tools.bench import BENCH_GPT
 from fxpipe.tools.bench_stats import bootstrap_interval, rotated
 
@@ -187,13 +187,6 @@ def per_device(c: Candidate, per_stage: Sequence[float]) -> float:
     return max(held.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
     try:
         queue.put((rank, _time_candidates(rank, world, port, args)))
@@ -250,7 +243,7 @@ def measure(found: Plan, top: int, steps: int, warmup: int, factory: str,
             "warmup": warmup, "candidates": [options_of(c) for c in chosen]}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, found.devices, port, args, queue))
              for r in range(found.devices)]
     for p in procs:

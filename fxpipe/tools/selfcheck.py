@@ -25,7 +25,6 @@ import copy
 import functools
 import importlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from fxpipe.models import MODELS, gpt, load
 from fxpipe.profile import PRESETS, DeviceProfile, measure
 from fxpipe.profile.presets import spec_of_device
 from fxpipe.runtime.planning.schedule import SCHEDULES, default_stages_per_rank
+from fxpipe.runtime.program.torchrun import free_port
 from fxpipe.testing.host_syncs import HostSyncs
 from fxpipe.testing.reference_step import reference_step
 
@@ -280,7 +280,7 @@ def _written_torchrun(schedule: str, nccl: bool) -> str:
         _write(folder, schedule)
         env = {} if nccl else {"FXPIPE_P2P": "strict", "CUDA_VISIBLE_DEVICES": ""}
         return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                     "--master-port", str(_free_port()), os.path.join(folder, "program.py"),
+                     "--master-port", str(free_port()), os.path.join(folder, "program.py"),
                      "--steps", "2", "--verify"], env)
 
 
@@ -290,7 +290,7 @@ def _more_ranks_than_gpus() -> str:
     with _folder() as folder:
         _write(folder, "gpipe")
         return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                     "--master-port", str(_free_port()), os.path.join(folder, "program.py"),
+                     "--master-port", str(free_port()), os.path.join(folder, "program.py"),
                      "--steps", "2", "--verify"], {"CUDA_VISIBLE_DEVICES": "0"},
                     expect="2 ranks on this node but 1 GPU")
 
@@ -393,8 +393,3 @@ def _folder() -> Iterator[str]:
         yield os.path.join(root, "program")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
