@@ -43,7 +43,7 @@ from fxpipe.frontend.capture import CaptureInfo
 from fxpipe.losses import loss_time
 from fxpipe.optimizers import ADAM, OptimizerMemory, optimizer_memory
 from fxpipe.passes.partition import PartitionPlan, partition
-from fxpipe.passes.partition.graph import AtomsCache, atoms_of
+from fxpipe.passes.partition.atoms import AtomsCache, atoms_of
 from fxpipe.passes.partition.totals import GraphTotals
 from fxpipe.pipeline import capture_and_cost
 from fxpipe.profile import DeviceProfile, select_profile

@@ -641,7 +641,7 @@ def test_a_stage_pays_a_checkpoint_call_per_remat_region_it_recomputes():
 
 
 def test_every_micro_batch_after_the_first_adds_its_weight_gradients_into_the_earlier():
-    from fxpipe.passes.partition.graph import accumulation, atoms_of, measure_atoms, node_facts
+    from fxpipe.passes.partition.atoms import accumulation, atoms_of, measure_atoms, node_facts
     from fxpipe.profile import get_profile
 
     model, x = _Kinds(), torch.randn(4, 8)

@@ -219,7 +219,7 @@ def test_the_bounds_are_what_the_measured_atoms_add_up_to():
 
     from fxpipe.losses import loss_time
     from fxpipe.optimizers import optimizer_memory
-    from fxpipe.passes.partition.graph import measure_atoms
+    from fxpipe.passes.partition.atoms import measure_atoms
     from fxpipe.planner import Candidate, planning
 
     model, inputs = _gpt_of(3)

@@ -37,7 +37,7 @@ from tabulate import tabulate
 import fxpipe
 from fxpipe.models import MODELS
 from fxpipe.passes.cost import annotate_costs
-from fxpipe.passes.partition.graph import atoms_of, measure_atoms
+from fxpipe.passes.partition.atoms import atoms_of, measure_atoms
 from fxpipe.passes.partition.problem import (
     Partition,
     PartitionProblem,
