@@ -39,7 +39,7 @@ from fxpipe.passes.partition import PartitionPlan, choose_chunks, partition
 from fxpipe.passes.remat import RematRegion, mark_remat
 from fxpipe.passes.split import StageGraph, shared_parameters, split_stages
 from fxpipe.passes.timing import measure_times
-from fxpipe.passes.unroll_rnn import unroll_rnns
+from fxpipe.passes.unroll_rnn import has_stacked_rnns, unroll_rnns
 from fxpipe.profile import DeviceProfile, select_profile
 from fxpipe.report import stage_header
 from fxpipe.runtime.execution.amp import compiled_autocast
@@ -104,7 +104,10 @@ def capture_and_cost(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                      leaf_modules=config.leaf_modules, inline_modules=True, check=config.check,
                      batch_dims=config.batch_dims, stamp=config.stamp)
         ir.verify(gm, after="capture")
-    _snapshot(history, "capture", gm)
+    # the captured code is generated when first read (fxpipe.frontend.lazy_code), unless a
+    # pass below is about to rewrite the graph
+    changes = config.deferred_batch_norm or has_stacked_rnns(gm)
+    _snapshot(history, "capture", gm, lazy=not changes)
     # Before costs and cuts: a stacked RNN is one node, which no cut could enter.
     with _timed(timings, cpu, "unroll_rnns"):
         unrolled = unroll_rnns(gm)

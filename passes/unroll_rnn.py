@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 from fxpipe import ir
 
-__all__ = ["unroll_rnns"]
+__all__ = ["unroll_rnns", "has_stacked_rnns"]
 
 _aten = torch.ops.aten
 _RNNS = {_aten.lstm.input: 2, _aten.gru.input: 1, _aten.rnn_tanh.input: 1,
@@ -66,6 +66,11 @@ def _stacked(node: Node) -> _Stacked | None:
     if len(call.params) != per_layer * layers:  # projections (proj_size) are left alone
         return None
     return call
+
+
+def has_stacked_rnns(gm: GraphModule) -> bool:
+    """Whether unroll_rnns may rewrite `gm` (it rewrites no other graph)."""
+    return any(_stacked(node) is not None for node in gm.graph.nodes)
 
 
 def unroll_rnns(gm: GraphModule) -> int:

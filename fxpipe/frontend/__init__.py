@@ -6,4 +6,5 @@
     shapes.py     TensorInfo on every node, symbolic in the micro-batch size
     meta.py       models on the meta device: the check on a twin or by shapes, ops that need data
     branches.py   capture="follow_branches": an `if` on a tensor's value takes the example's way
+    lazy_code.py  the captured graph's Python generated when first used, not after capture
 """

@@ -27,6 +27,7 @@ from fxpipe import ir
 from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import lazy, regions, shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout
+from fxpipe.frontend.lazy_code import recompile_lazily
 from fxpipe.frontend.meta import (
     Check,
     check_name,
@@ -37,7 +38,7 @@ from fxpipe.frontend.meta import (
     validate_check,
 )
 from fxpipe.frontend.mutation import StateSnapshot, restore_values, snapshot_state
-from fxpipe.frontend.stamp import UNCOMPILED, Stamper
+from fxpipe.frontend.stamp import Stamper
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
@@ -493,8 +494,6 @@ def run_flat(gm: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> tuple[Any, 
 def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, signature: Signature,
                         args: ModelArgs, kwargs: ModelKwargs, layout: BatchLayout) -> str | None:
     """None if the graph matches the model on the example batch and on a smaller batch."""
-    if gm.meta.pop(UNCOMPILED, False):
-        gm.recompile()
     known = layout.eager_outputs  # kept where they are what this check compares
     for trial, (batch_args, batch_kwargs) in enumerate(layout.trial_batches(args, kwargs)):
         try:
@@ -596,8 +595,7 @@ def name_nodes_after_modules(gm: fx.GraphModule) -> None:
             better = _derived_name(node, node in prefixed)
             if better is not None and better != node.name:
                 node._rename(better)
-    gm.meta.pop(UNCOMPILED, None)
-    gm.recompile()
+    recompile_lazily(gm)  # the code is generated where it is used (fxpipe.frontend.lazy_code)
 
 
 _COUNTER = re.compile(r"_\d+$")

@@ -33,17 +33,14 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe import ir
+from fxpipe.frontend.lazy_code import recompile_lazily
 
-__all__ = ["BLOCKS", "UNCOMPILED", "BlockRun", "StampedBlocks", "Stamper", "find_blocks",
+__all__ = ["BLOCKS", "BlockRun", "StampedBlocks", "Stamper", "find_blocks",
            "find_runs", "reduced"]
 
 BLOCKS = "fxpipe_stamped_blocks"
 """GraphModule.meta key: a tuple of StampedBlocks, one per list, its blocks node for node
 (passes.cost hands the costs of one block over to its copies)."""
-
-UNCOMPILED = "fxpipe_stamped_uncompiled"
-"""GraphModule.meta key: the graph was stamped and its code not generated yet (recompile() before
-calling the module)."""
 
 MIN_BLOCKS = 4  # three are traced; below four nothing is left to stamp
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -375,9 +372,8 @@ def stamp(gm: fx.GraphModule, run: BlockRun, model: nn.Module, outputs: int) -> 
     _bind(gm, model, run, template)
     gm.meta[BLOCKS] = (*gm.meta.get(BLOCKS, ()), StampedBlocks(run.path, tuple(aligned)))
     graph.lint()
-    # Not recompiled here: generating the code of 50k nodes takes seconds, and capture names
-    # the nodes afterwards and recompiles then; what calls the module first recompiles it.
-    gm.meta[UNCOMPILED] = True
+    # generating the code of 50k nodes takes seconds: what calls the module first generates it
+    recompile_lazily(gm)
     return gm
 
 
