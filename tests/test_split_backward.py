@@ -133,6 +133,13 @@ def test_split_backward_of_a_middle_stage_equals_a_full_backward() -> None:
     check(Middle(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
 
 
+def test_the_weight_pass_is_exact_where_torch_has_no_engine_entry_to_call(monkeypatch) -> None:
+    # W calls the engine as torch.autograd.backward does, without its checks; a torch without
+    # that entry point takes torch.autograd.backward itself
+    monkeypatch.delattr(torch.autograd.graph, "_engine_run_backward")
+    check(Middle(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
+
+
 def test_the_last_stage_loss_starts_from_a_none_gradient() -> None:
     class Last(nn.Module):
         def __init__(self) -> None:
