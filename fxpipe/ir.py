@@ -94,7 +94,13 @@ class TensorInfo:
         return sympy.expand(self.numel * _itemsize(self.dtype))
 
     def concrete_shape(self, b: int) -> tuple[int, ...]:
-        return tuple(int(evaluate(d, b)) for d in self.shape)
+        # a rank allocates each received tensor at the same few sizes every step: remembered
+        # beside the (frozen) fields, which alone compare and hash
+        known: dict[int, tuple[int, ...]] = self.__dict__.setdefault("_concrete", {})
+        shape = known.get(b)
+        if shape is None:
+            shape = known[b] = tuple(int(evaluate(d, b)) for d in self.shape)
+        return shape
 
     @property
     def is_float(self) -> bool:

@@ -362,3 +362,40 @@ def test_the_first_step_under_autocast_learns_the_dtype_it_sends():
     comm = _comm(dtypes={}, learn=True)
     comm.send(torch.zeros(4, 16, dtype=torch.bfloat16), "h", 0, 1, 0)
     assert comm.dtypes == {("h", 0, 1, 0): torch.bfloat16}
+
+
+# -- the transport over gloo --------------------------------------------------------------------
+
+
+def _transport_exchange(rank: int, world: int) -> list:
+    """Rank 0 sends a real and a complex tensor on a subgroup and the world, with
+    torch.distributed's own isend/irecv made to fail: the transport posts to the process
+    groups itself."""
+    import torch.distributed as dist
+
+    from fxpipe.runtime.communication.transport import Op, TorchTransport
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("posted through dist.isend/irecv")
+
+    dist.isend = dist.irecv = dist.batch_isend_irecv = refused  # type: ignore[assignment]
+    got = []
+    for group in (None, dist.new_group([0, 1])):
+        transport = TorchTransport(group)
+        real = torch.arange(6.0).reshape(2, 3) if rank == 0 else torch.empty(2, 3)
+        cplx = torch.tensor([1 + 2j, 3 - 4j]) if rank == 0 else torch.empty(2, dtype=torch.cfloat)
+        kind, peer = ("send", 1) if rank == 0 else ("recv", 0)
+        handles = transport.post([Op(kind, real, peer, tag=7), Op(kind, cplx, peer, tag=8)])
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+        transport.flush()
+        got.append((real.tolist(), cplx.tolist()))
+    return got
+
+
+def test_the_gloo_transport_posts_to_the_process_group_and_delivers_each_tensor():
+    sent, received = spawn(2, __name__, "_transport_exchange")
+    assert received == sent
+    assert received[0][0] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert received[0][1] == [1 + 2j, 3 - 4j]

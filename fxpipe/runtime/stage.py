@@ -128,6 +128,11 @@ class StageModule(nn.Module):
         return sorted(foreign)
 
     def __getattr__(self, name: str) -> Any:
+        # the stage code reads its parameters as attributes, dozens per micro-batch: found
+        # here first, as nn.Module.__getattr__ would, without a second call
+        params = self.__dict__.get("_parameters")
+        if params is not None and name in params:
+            return params[name]
         foreign = self.__dict__.get("_foreign")
         if foreign is not None and name in foreign:
             param, device = foreign[name]

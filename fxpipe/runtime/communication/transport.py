@@ -4,9 +4,9 @@
 the transport holds each send's tensor until that send completes (not until the step ends), and
 `flush()` waits for them all. fxpipe/runtime/planning/plan.py says in what order batches are posted.
 
-* `TorchTransport` calls `dist.batch_isend_irecv`: one NCCL group under nccl, one isend/irecv
-  per operation under gloo (with a tag per message, so a wrong order hangs instead of
-  delivering the wrong tensor).
+* `TorchTransport` calls `dist.batch_isend_irecv`: one NCCL group under nccl; under gloo one
+  send or receive per operation, as isend/irecv post it, with a tag per message, so a wrong
+  order hangs instead of delivering the wrong tensor.
 * `StrictTransport` (fxpipe/runtime/communication/strict.py) runs on gloo and behaves like NCCL, to
 test
   schedules on CPU: FXPIPE_P2P=strict, or `p2p="strict"` in the executor.
@@ -198,10 +198,13 @@ class TorchTransport:
         self.group = group
         self.tags = not carries_cuda(dist.get_backend(group))  # gloo matches by tag
         self.sends = SendReaper(poll=not self.tags)
+        self._peers: dict[int, int] = {}  # global rank -> its rank in the group
 
     def post(self, ops: Sequence[Op]) -> list[Handle | None]:
         if not ops:
             return []
+        if self.tags:  # gloo: batch_isend_irecv runs one isend or irecv per operation
+            return [self._post_one(op) for op in ops]
         p2p = [dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, op.peer,
                           self.group, tag=op.tag if self.tags else 0) for op in ops]
         try:
@@ -209,7 +212,7 @@ class TorchTransport:
         except RuntimeError as e:
             raise _lost(ops[0].peer, e) from e
         sends = [op for op in ops if op.kind == "send"]
-        if len(works) == len(ops):  # one work per operation (gloo)
+        if len(works) == len(ops):  # one work per operation
             for work, op in zip(works, ops):
                 if op.kind == "send":
                     self.sends.add([work], [op.tensor], op.peer)
@@ -218,6 +221,28 @@ class TorchTransport:
         if sends:  # one group (NCCL): its sends are done when all of it is
             self.sends.add(list(works), [op.tensor for op in sends], sends[0].peer)
         return [_Works(list(works), op.peer) if op.kind == "recv" else None for op in ops]
+
+    def _post_one(self, op: Op) -> Handle | None:
+        """One operation as dist.isend or dist.irecv posts it, to the process group itself:
+        their checks and group lookups, repeated for every message, were a fifth of a rank's
+        Python calls per step."""
+        group: Any = self.group if self.group is not None else dist.group.WORLD
+        peer = self._peers.get(op.peer)
+        if peer is None:
+            peer = self._peers[op.peer] = op.peer if self.group is None else \
+                dist.get_group_rank(self.group, op.peer)
+        tensor = torch.view_as_real(op.tensor) if op.tensor.is_complex() else op.tensor
+        try:
+            if op.kind == "send":
+                work = group.send([tensor], peer, op.tag)
+            else:
+                work = group.recv([tensor], peer, op.tag)
+        except RuntimeError as e:
+            raise _lost(op.peer, e) from e
+        if op.kind == "send":
+            self.sends.add([work], [op.tensor], op.peer)
+            return None
+        return _Works([work], op.peer, self.sends.timeout)
 
     def flush(self) -> None:
         self.sends.flush()
