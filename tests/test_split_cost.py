@@ -14,3 +14,16 @@ def test_the_stage_measurement_counts_one_call_for_i_and_one_per_weight_group(ca
              for m in re.finditer(r"^\s+(\w+) .*engine calls\s+(\d+)", out, re.MULTILINE)}
     # 4 blocks x (2 norms, qkv, projection, 2 MLP layers) + final norm + head, and I
     assert calls == {"plain": 1, "split": 1 + 4 * 6 + 2}
+
+
+def test_a_steps_python_calls_are_counted_and_grow_with_the_micro_batches() -> None:
+    import fxpipe
+    from fxpipe.models import gpt
+    from fxpipe.tools.split_cost import _python_calls
+
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    y = gpt.target((idx,))
+    calls = {chunks: _python_calls(fxpipe.compile(model, (idx,), stages=2, chunks=chunks,
+                                                  profile="a100", remat="never"), idx, y)
+             for chunks in (2, 8)}
+    assert 0 < calls[2] < calls[8]

@@ -8,7 +8,8 @@ seconds (time.process_time, one thread), with autograd engine calls and Python c
   the stage's plan read once as the executor keeps it.
 * `ranks`: the tiny GPT (fxpipe.models.gpt defaults, batch 16) on 2 gloo ranks x 8 micro-batches,
   1F1B against ZB-H1 (remat "never" unless --remat says otherwise); each rank reports its CPU
-  time (waits for messages included) and engine calls per step.
+  time (waits for messages included), engine calls per step, and the Python calls of a step
+  (cProfile's count, builtins included; profiled apart from the timed steps).
 
 `--also FILE` races another implementation of `input_backward` (a module file with the same
 function, e.g. an earlier version of fxpipe/runtime/execution/split_backward.py) beside the current
@@ -17,8 +18,10 @@ one.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib.util
 import os
+import pstats
 import socket
 import statistics
 import sys
@@ -168,9 +171,25 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, rema
                     label = schedule if schedule == "1f1b" else f"{schedule} {name}"
                     cpu.setdefault(label, []).append(used)
                     engine.setdefault(label, []).append(calls.count)
-        out.put((rank, cpu, engine))
+        out.put((rank, cpu, engine, {label: _python_calls(programs[schedule], idx, y)
+                                     for schedule, label in (("1f1b", "1f1b"),
+                                                             ("zb-h1", "zb-h1 split"))}))
     finally:
         dist.destroy_process_group()
+
+
+def _python_calls(program: Any, idx: torch.Tensor, y: torch.Tensor) -> float:
+    """Python function calls (builtins included, as cProfile counts them) of one program.step,
+    the median of three; both ranks step together."""
+    counts = []
+    for _ in range(3):
+        program.zero_grad()
+        profile = cProfile.Profile()
+        profile.enable()
+        program.step(idx, target=y)
+        profile.disable()
+        counts.append(pstats.Stats(profile).total_calls)  # type: ignore[attr-defined]
+    return float(statistics.median(counts))
 
 
 def measure_ranks(repeats: int, also: str | None, remat: str) -> None:
@@ -186,19 +205,20 @@ def measure_ranks(repeats: int, also: str | None, remat: str) -> None:
         p.start()
     results = {}
     for _ in procs:
-        rank, cpu, engine = out.get(timeout=1800)
-        results[rank] = (cpu, engine)
+        rank, cpu, engine, python = out.get(timeout=1800)
+        results[rank] = (cpu, engine, python)
     for p in procs:
         p.join()
     print(f"ranks: tiny GPT, 2 ranks x 8 micro-batches, remat={remat}, {repeats} steps per "
           f"variant, interleaved; CPU time per step (waits included)")
     for rank in sorted(results):
-        cpu, engine = results[rank]
+        cpu, engine, python = results[rank]
         base = statistics.median(cpu["1f1b"])
         for label in cpu:
+            calls = f"  Python calls per step {python[label]:.0f}" if label in python else ""
             print(f"  rank {rank} {label:14s} {_summary(cpu[label])}  x1F1B "
                   f"{statistics.median(cpu[label]) / base:.2f}  engine calls per step "
-                  f"{statistics.median(engine[label]):.0f}")
+                  f"{statistics.median(engine[label]):.0f}{calls}")
 
 
 def main(argv: list[str] | None = None) -> int:
