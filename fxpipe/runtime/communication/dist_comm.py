@@ -50,7 +50,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -58,7 +58,12 @@ import torch.utils._pytree as pytree
 from fxpipe import ir
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.communication.transport import Handle, Op, Transport
-from fxpipe.runtime.execution.split_backward import SplitPlans, WeightPass, input_backward
+from fxpipe.runtime.execution.split_backward import (
+    SplitPlans,
+    WeightPass,
+    engine_backward,
+    input_backward,
+)
 from fxpipe.runtime.planning.plan import Message, Tick
 
 __all__ = ["DistComm", "TagTable", "DTYPE_CODES", "messages_of"]
@@ -349,8 +354,10 @@ class DistComm:
         """Backward of one micro-batch: gradients in, autograd, gradients out."""
         record = self.records.pop((stage, mb), _Record())
         tensors, grads = self._output_grads(record, stage, mb, loss)
-        if tensors:
+        if tensors and grads[0] is None:  # a loss that is not a scalar: autograd says so
             torch.autograd.backward(tensors, grads)
+        elif tensors:
+            engine_backward(tensors, cast(list[torch.Tensor], grads))
         for leaf, msg in record.received:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             self.outbox[_gradient(msg)] = grad.detach().contiguous()
@@ -382,7 +389,8 @@ class DistComm:
         grads: list[torch.Tensor | None] = []
         if loss is not None and loss.requires_grad:
             tensors.append(loss)
-            grads.append(None)
+            # a scalar starts from 1, as autograd would start it (None: autograd's error)
+            grads.append(torch.ones_like(loss) if loss.dim() == 0 else None)
         for value, msg in record.sent:
             with self._event("recv_grad", stage, mb, msg.value):
                 grad = self._wait(_gradient(msg))

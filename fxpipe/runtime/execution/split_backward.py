@@ -37,7 +37,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.execution.backward_graph import Graph, Route, plan_calls
 
-__all__ = ["SplitPlan", "SplitPlans", "WeightPass", "input_backward"]
+__all__ = ["SplitPlan", "SplitPlans", "WeightPass", "engine_backward", "input_backward"]
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -258,22 +258,24 @@ class WeightPass:
         handles = [self._clamped[slot].register_prehook(_clamp(self._kept[slot]))
                    for slot in call.clamped if slot in self._kept]
         try:
-            _backward_into(edges, grads, inputs)
+            engine_backward(edges, grads, inputs)
         finally:
             for handle in handles:
                 handle.remove()
 
 
-def _backward_into(edges: list[GradientEdge], grads: list[torch.Tensor],
-                   inputs: list[torch.Tensor]) -> None:
-    """torch.autograd.backward(edges, grads, inputs=inputs), without its Python checks of the
-    gradients: they are the ones I captured at these very edges. W makes one call per weight
-    group and micro-batch, and on a small stage those checks took a sixth of W's host time."""
+def engine_backward(tensors: Sequence[torch.Tensor] | Sequence[GradientEdge],
+                    grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor] = ()) -> None:
+    """torch.autograd.backward(tensors, grads, inputs=inputs or None), entering the engine as
+    it does, without its Python checks of the gradients: the executors call it for every
+    micro-batch (and W once per weight group), with gradients the engine checks against its
+    graph anyway (shape, dtype, device). A torch without that entry point takes
+    torch.autograd.backward itself."""
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)  # what backward calls
     if run is None:
-        torch.autograd.backward(edges, grads, inputs=inputs)
+        torch.autograd.backward(tensors, list(grads), inputs=list(inputs) or None)
         return
-    run(tuple(edges), tuple(grads), False, False, tuple(inputs),
+    run(tuple(tensors), tuple(grads), False, False, tuple(inputs),
         allow_unreachable=True, accumulate_grad=True)
 
 
