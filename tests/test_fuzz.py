@@ -37,7 +37,7 @@ _FUZZ = dict(deadline=None, derandomize=True, database=None,
              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(max_examples=30, **_FUZZ)
+@settings(max_examples=15, **_FUZZ)  # the slow tier runs 200 below
 @given(models_and_configs(avoid=KNOWN_BUGS, max_layers=14))
 def test_random_dag_models_compile_to_transparent_programs(example):
     example.check()

@@ -135,6 +135,7 @@ def test_the_largest_that_fits_fits_and_one_more_layer_does_not():
         largest_that_fits(_gpt_of, **{**options, "memory_per_device": 1e5})
 
 
+@pytest.mark.slow
 def test_the_largest_that_fits_is_found_from_a_guess_above_or_below_it():
     from fxpipe.sizing import largest_that_fits
 

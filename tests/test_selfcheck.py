@@ -12,6 +12,7 @@ from fxpipe.program import Program
 from fxpipe.tools import selfcheck
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
 def test_selfcheck_runs_the_cpu_checks_and_says_what_it_skipped():
     result = subprocess.run([sys.executable, "-m", "fxpipe", "selfcheck", "--models", "mlp",
