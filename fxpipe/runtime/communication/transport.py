@@ -206,7 +206,7 @@ class TorchTransport:
         if self.tags:  # gloo: batch_isend_irecv runs one isend or irecv per operation
             return [self._post_one(op) for op in ops]
         p2p = [dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, op.peer,
-                          self.group, tag=op.tag if self.tags else 0) for op in ops]
+                          self.group, tag=0) for op in ops]  # NCCL matches by order
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as e:
