@@ -130,11 +130,11 @@ class StageModule(nn.Module):
     def __getattr__(self, name: str) -> Any:
         # the stage code reads its parameters as attributes, dozens per micro-batch: found
         # here first, as nn.Module.__getattr__ would, without a second call
-        params = self.__dict__.get("_parameters")
-        if params is not None and name in params:
-            return params[name]
-        foreign = self.__dict__.get("_foreign")
-        if foreign is not None and name in foreign:
-            param, device = foreign[name]
+        # (subscripts, not dict.get: a call each, and this runs for every parameter read)
+        state = self.__dict__
+        if "_parameters" in state and name in state["_parameters"]:
+            return state["_parameters"][name]
+        if "_foreign" in state and name in state["_foreign"]:
+            param, device = state["_foreign"][name]
             return param.to(device)
         return super().__getattr__(name)

@@ -227,7 +227,8 @@ class DistributedExecutor:
         ticks = self._plan(schedule, chunks, early=self.transport.by_tag and not comm.learn)
         memory = KeptMemory(self.parameters()) if self.record_memory else None
         base = int(torch.randint(0, 2**62, (1,)).item()) if self.random else None
-        devices = {s: stage_devices(self.device, [*u.module.parameters(), *u.module.buffers()])
+        params = {s: list(u.module.parameters()) for s, u in self.units.items()}  # walked once
+        devices = {s: stage_devices(self.device, [*params[s], *u.module.buffers()])
                    for s, u in self.units.items()}
         scale = loss_scale(scaler, self.device)
         self.timeline.reset()
@@ -262,8 +263,7 @@ class DistributedExecutor:
         # the last action that accumulates gradients (B, or W of a split backward)
         last_backward = max(t.index for t in ticks
                             if t.action is not None and t.action.kind.accumulates_weight_grad)
-        weights = {s: [p for p in u.module.parameters() if p.requires_grad]
-                   for s, u in self.units.items()}
+        weights = {s: [p for p in params[s] if p.requires_grad] for s in self.units}
         for tick in ticks:
             comm.begin_tick(tick)
             action = tick.action

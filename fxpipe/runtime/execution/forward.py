@@ -93,13 +93,27 @@ def run_forward(stage: HeldStage, comm: Any, microbatch: int, inputs: Sequence[t
     """
     view = MicrobatchComm(comm, stage.index, microbatch, recompute, stage.device)
     args = [to_device(inputs[i], stage.device) for i in stage.inputs]
-    with modes or contextlib.nullcontext(), \
-            seeded_forward(seed_base if stage.random else None, microbatch, rng_devices), \
-            track or contextlib.nullcontext():
-        out = stage.module(view, *args)
-        if check:
-            check_finite(stage.index, microbatch, view.sent, out if check_outputs else None,
-                         view.received, args, stage.graph)
-        if then is not None:
-            then(out)
+    seeded = stage.random and seed_base is not None
+    # only the contexts that do something are entered: this runs for every micro-batch
+    with modes or _NOTHING:
+        if seeded or track is not None:
+            with seeded_forward(seed_base, microbatch, rng_devices) if seeded else _NOTHING, \
+                    track or _NOTHING:
+                out = _call(stage, view, microbatch, args, check, check_outputs, then)
+        else:
+            out = _call(stage, view, microbatch, args, check, check_outputs, then)
     return Forward(out, view)
+
+
+_NOTHING = contextlib.nullcontext()  # reusable: enters and exits doing nothing
+
+
+def _call(stage: HeldStage, view: MicrobatchComm, microbatch: int, args: list[Any],
+          check: bool, check_outputs: bool, then: Callable[[Any], None] | None) -> Any:
+    out = stage.module(view, *args)
+    if check:
+        check_finite(stage.index, microbatch, view.sent, out if check_outputs else None,
+                     view.received, args, stage.graph)
+    if then is not None:
+        then(out)
+    return out
