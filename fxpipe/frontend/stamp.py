@@ -522,7 +522,7 @@ def _renamed_meta(meta: dict[str, Any], path: str, k: int,
     stack = meta.get("nn_module_stack")
     if stack:
         try:
-            key = tuple(stack.items())
+            key: Any = tuple(stack.items())
             hash(key)
         except TypeError:  # an unhashable entry: this node's stack alone
             key = id(stack)
