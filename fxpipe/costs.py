@@ -8,7 +8,7 @@ from tabulate import tabulate
 from torch.fx import GraphModule
 
 from fxpipe import ir
-from fxpipe.passes.cost import estimate_time
+from fxpipe.passes.estimate import estimate_time
 from fxpipe.profile import DeviceProfile
 from fxpipe.report import human_bytes, human_flops, human_time
 

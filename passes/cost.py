@@ -13,16 +13,14 @@ saved-tensor hooks and are charged to the node whose output they keep alive, onc
 so their sum is what a real run keeps. Identical nodes (the blocks of a transformer) are
 annotated once and the result reused, their output included. A graph stamped from one block
 (fxpipe.frontend.stamp) is run through its first four blocks, its last and what follows; the
-blocks between take block 2's costs, which are theirs: the same nodes on the same shapes, read
-by a copy of themselves, and the storage accounting above only ever looks one block ahead.
-Operations whose fake kernels
-specialise the batch symbol (see NOTE [Specialising kernels] in fxpipe.frontend.shapes) are
+blocks between take block 2's costs (fxpipe/passes/cost_handover.py). Operations whose fake
+kernels specialise the batch symbol (see NOTE [Specialising kernels] in fxpipe.frontend.shapes) are
 costed on static samples and interpolated, so every cost stays a polynomial in b.
 """
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
@@ -30,19 +28,17 @@ import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.fx import Graph, GraphModule, Interpreter, Node
+from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import DimDynamic, GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.node import Argument, Target
 
 from fxpipe import ir, source
 from fxpipe.errors import CostError
 from fxpipe.frontend import shapes
-from fxpipe.frontend.stamp import BLOCKS, StampedBlocks
-from fxpipe.profile import DeviceProfile
+from fxpipe.passes.cost_handover import Handover
 from fxpipe.profile.kernels import ELEMENTWISE_FACTOR, Count, KernelCounter
 
-__all__ = ["annotate_costs", "CostSummary", "estimate_time", "ELEMENTWISE_FACTOR",
-           "writes_into_leaf"]
+__all__ = ["annotate_costs", "CostSummary", "ELEMENTWISE_FACTOR", "writes_into_leaf"]
 
 _Count: TypeAlias = Count
 _Saved: TypeAlias = tuple[Literal["arg", "out", "new"], int, sympy.Expr | None]
@@ -155,7 +151,7 @@ class _CostRunner(Interpreter):
         self.raw: dict[Node, _NodeCost] = {}
         self.cache: dict[tuple[Hashable, ...], _Cached] = {}
         self.cache_hits = 0
-        self.handover = _Handover.of(gm)
+        self.handover = Handover.of(gm)
         # Fake inputs live beside the parameters. A model built on the meta device is costed as
         # on the CPU: on meta, attention dispatches to its math kernel, which keeps the whole
         # attention matrix for backward, so the plan would differ from the one with weights.
@@ -581,74 +577,6 @@ class _CostRunner(Interpreter):
         return sympy.Integer(total), sympy.Integer(grad), sympy.Integer(elements), tensors
 
 
-class _Handover:
-    """Which nodes of a stamped graph take their costs from block 2's (see the module's
-    docstring): in each stamped list, blocks 3..N-2 (block 3 is run, so that block 2's outputs
-    are kept as a middle block's are, but costed as block 2), of which 4..N-2 are not run."""
-
-    def __init__(self, graph: Graph, lists: Sequence[tuple[tuple[Node, ...], ...]]) -> None:
-        self.alias: dict[Node, Node] = {}
-        self.source: dict[Node, tuple[Node, dict[str, str]]] = {}
-        # per list: the nodes after its skipped blocks, and the names of blocks 1..3 there
-        self.renamed_after: list[tuple[set[Node], dict[str, str]]] = []
-        order = {node: i for i, node in enumerate(graph.nodes)}
-        for blocks in lists:
-            self._add(blocks, order)
-
-    def _add(self, blocks: tuple[tuple[Node, ...], ...], order: dict[Node, int]) -> None:
-        n = len(blocks) + 1  # blocks[k - 1] is block k; block 0 may differ
-
-        def names(k: int) -> list[str]:
-            return [node.name for node in blocks[k - 1]]
-
-        self.alias.update({node: blocks[2][i] for k in range(4, n - 1)
-                           for i, node in enumerate(blocks[k - 1])})
-        for k in range(3, n - 1):
-            renamed = {**dict(zip(names(2), names(k))), **dict(zip(names(1), names(k - 1)))}
-            for i, node in enumerate(blocks[k - 1]):
-                self.source[node] = (blocks[1][i], renamed)
-        shift = n - 5  # block 3 stood for block N-2 in what the last block and later read
-        end = max(order[node] for node in blocks[n - 3])  # block N-2's last node
-        self.renamed_after.append((
-            {node for node, i in order.items() if i > end},
-            {a: b for k in (1, 2, 3) for a, b in zip(names(k), names(k + shift))}))
-
-    @classmethod
-    def of(cls, gm: GraphModule) -> _Handover | None:
-        """The hand-over for `gm`'s stamped lists of six blocks or more (fewer leave nothing to
-        skip); None when there are none, or a pass since capture changed a block so that it
-        no longer matches block 2."""
-        stamped = [s for s in gm.meta.get(BLOCKS, ())
-                   if isinstance(s, StampedBlocks) and len(s.blocks) + 1 >= 6]
-        if not stamped:
-            return None
-        alive = set(gm.graph.nodes)
-        for lists in stamped:
-            template = lists.blocks[1]
-            for block in lists.blocks:
-                if len(block) != len(template) or any(
-                        n not in alive or n.op != t.op or
-                        (n.op != "get_attr" and n.target != t.target)
-                        for n, t in zip(block, template)):
-                    return None
-        return cls(gm.graph, [s.blocks for s in stamped])
-
-    def saves(self, node: Node, saves: dict[str, sympy.Expr]) -> dict[str, sympy.Expr]:
-        """A run node's kept producers, those of a block 3 that stood for a skipped block
-        named as that block's."""
-        for after, renamed in self.renamed_after:
-            if node in after:
-                saves = {renamed.get(name, name): nbytes for name, nbytes in saves.items()}
-        return saves
-
-    def cost(self, node: Node) -> ir.Cost:
-        """Block 2's cost of the node's twin, with the producers it keeps named as the node's."""
-        source, renamed = self.source[node]
-        cost: ir.Cost = source.meta[ir.COST]
-        return replace(cost, saves=tuple(sorted((renamed.get(name, name), nbytes)
-                                                for name, nbytes in cost.saves)))
-
-
 _REAL_SAMPLED = ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn")
 
 
@@ -711,28 +639,3 @@ def _class_work(raw: _NodeCost) -> tuple[ir.ClassWork, ...]:
     return tuple(ir.ClassWork(cls, backward, flops, nbytes, kernels)
                  for backward, work in ((False, raw.fwd_work), (True, raw.bwd_work))
                  for cls, (flops, nbytes, kernels) in work.items())
-
-
-def time_key(cost: ir.Cost) -> object:
-    """What estimate_time reads of a cost, as a dict key: a stamped block's copies share their
-    twin's `work` (the same object), so a deep model's nodes fall into a few keys."""
-    if cost.work:
-        return id(cost.work)  # alive in the graph's costs while a caller keys by it
-    return (cost.fwd_flops, cost.fwd_bytes, cost.fwd_kernels, cost.bwd_flops, cost.bwd_bytes,
-            cost.bwd_kernels)
-
-
-def estimate_time(cost: ir.Cost, profile: DeviceProfile, b: int) -> tuple[float, float]:
-    """Forward and backward seconds of one node at micro-batch size b: each op class's work at
-    that class's rate (a roofline per class, fxpipe.profile.device)."""
-    if not cost.work:  # costed without op classes: one roofline over the totals
-        at = cost.at(b)
-        return (profile.compute_time(at["fwd_flops"], at["fwd_bytes"], cost.fwd_kernels,
-                                     op_class="matmul"),
-                profile.compute_time(at["bwd_flops"], at["bwd_bytes"], cost.bwd_kernels,
-                                     op_class="matmul"))
-    times = [0.0, 0.0]
-    for w in cost.work:
-        times[w.backward] += profile.class_time(w.op_class, float(ir.evaluate(w.flops, b)),
-                                                float(ir.evaluate(w.bytes, b)), w.kernels)
-    return times[0], times[1]

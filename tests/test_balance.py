@@ -19,7 +19,8 @@ from fxpipe import ir
 from fxpipe import program as program_module
 from fxpipe.losses import default_loss
 from fxpipe.models import gpt, mlp
-from fxpipe.passes.cost import annotate_costs, estimate_time
+from fxpipe.passes.cost import annotate_costs
+from fxpipe.passes.estimate import estimate_time
 from fxpipe.passes.partition import (
     LOSS,
     BalanceRound,

@@ -18,7 +18,8 @@ import fxpipe
 from fxpipe import ir
 from fxpipe.cli import main
 from fxpipe.models import gpt, load_factory
-from fxpipe.passes.cost import annotate_costs, estimate_time
+from fxpipe.passes.cost import annotate_costs
+from fxpipe.passes.estimate import estimate_time
 from fxpipe.profile import (
     OP_CLASSES,
     ClassRate,

@@ -15,7 +15,8 @@ import fxpipe
 from fxpipe import ir
 from fxpipe.losses import default_loss
 from fxpipe.models import gpt
-from fxpipe.passes.cost import annotate_costs, estimate_time
+from fxpipe.passes.cost import annotate_costs
+from fxpipe.passes.estimate import estimate_time
 from fxpipe.passes.timing import measure_times
 from fxpipe.profile import DeviceProfile, cached_profile, min_time
 

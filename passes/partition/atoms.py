@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Node
 
 from fxpipe import ir
 from fxpipe.optimizers import ADAM, OptimizerMemory
-from fxpipe.passes.cost import estimate_time, time_key
+from fxpipe.passes.estimate import estimate_time, time_key
 from fxpipe.profile import DeviceProfile
 from fxpipe.profile.kinds import is_glue, overhead_kind
 from fxpipe.remat_policy import RematPolicy, remat_policy

@@ -17,7 +17,7 @@ from torch.fx import Node
 
 from fxpipe import ir
 from fxpipe.optimizers import OptimizerMemory
-from fxpipe.passes.cost import estimate_time, time_key
+from fxpipe.passes.estimate import estimate_time, time_key
 from fxpipe.passes.partition.atoms import accumulation
 from fxpipe.profile import DeviceProfile
 from fxpipe.profile.kinds import overhead_kind
