@@ -4,7 +4,7 @@ step, which let it skip candidates that cannot win or cannot fit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch.fx import GraphModule, Node
 
@@ -14,10 +14,22 @@ from fxpipe.passes.partition.totals import GraphTotals
 from fxpipe.profile import DeviceProfile
 from fxpipe.remat_policy import remat_policy
 
-if TYPE_CHECKING:
-    from fxpipe.planner import Candidate
+__all__ = ["Bounds", "Link", "Layout"]
 
-__all__ = ["Bounds", "Link"]
+
+class Layout(Protocol):
+    """What the bounds read of a candidate (fxpipe.planner.Candidate)."""
+
+    @property
+    def ranks(self) -> int: ...  # one replica's
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def remat(self) -> str: ...
+    @property
+    def shard(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -29,7 +41,7 @@ class Link:
     inter_node: float | None
     profile: DeviceProfile
 
-    def all_reduce(self, c: Candidate, nbytes: float) -> float:
+    def all_reduce(self, c: Layout, nbytes: float) -> float:
         """Seconds of a ring all-reduce of `nbytes` over the candidate's replicas."""
         if c.replicas == 1:
             return 0.0
@@ -61,7 +73,7 @@ class Bounds:
         self._accumulate = self.totals.accumulation(self.profile)
         self._paid = self.totals.paid(self.profile)
 
-    def memory(self, c: Candidate, b: int) -> float:
+    def memory(self, c: Layout, b: int) -> float:
         """The graph's weights, gradients, optimizer state (as sharded) and one micro-batch's
         saved activations, a rank's share: what the atoms of any remat and chunks sum to."""
         optimizer = self.optimizer.sharded(c.shard, c.replicas)
@@ -71,7 +83,7 @@ class Bounds:
             self._saved[b] = self.totals.saved_bytes(b)
         return (self._held[optimizer] + self._saved[b]) / c.ranks
 
-    def step(self, c: Candidate, b: int) -> float:
+    def step(self, c: Layout, b: int) -> float:
         """A rank's share of the micro-batches' work (what measure_atoms' compute sums to: each
         operation's kernels and overhead, and what remat recomputes), the step's overhead and
         the all-reduce of a rank's share of the gradients."""
