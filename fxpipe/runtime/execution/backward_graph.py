@@ -140,13 +140,14 @@ class Route:
 
     def follow(self, roots: Sequence[Node]) -> list[Node] | None:
         """The nodes at every slot of the graph below `roots`, or None where its shape differs."""
-        nodes: list[Node | None] = list(dict.fromkeys(roots))
-        if len(nodes) != self.roots:
+        distinct: list[Node | None] = list(dict.fromkeys(roots))
+        if len(distinct) != self.roots:
             return None
+        nodes = distinct + [None] * len(self.steps)  # filled in place: no call per step
         try:
-            for source, position in self.steps:
+            for k, (source, position) in enumerate(self.steps, self.roots):
                 parent = nodes[source]
-                nodes.append(None if parent is None else parent.next_functions[position][0])
+                nodes[k] = None if parent is None else parent.next_functions[position][0]
         except IndexError:
             return None
         for k, name in self.names:

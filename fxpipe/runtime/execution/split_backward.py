@@ -37,7 +37,8 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.execution.backward_graph import Graph, Route, plan_calls
 
-__all__ = ["SplitPlan", "SplitPlans", "WeightPass", "engine_backward", "input_backward"]
+__all__ = ["SplitPlan", "SplitPlans", "WeightPass", "engine_backward", "engine_grad",
+           "input_backward"]
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -101,10 +102,10 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                                        hint="pass the received tensors and the parameters")
     pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad]
     wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
-    served = None if weights is None else frozenset(id(w) for w in weights)
+    served = None if weights is None else frozenset(map(id, weights))
     got: list[torch.Tensor | None] = [None] * len(leaves)
     if not pairs:
-        return got, WeightPass(None, {}, (), {}, served)
+        return got, WeightPass(None, {}, (), {}, served, weights)
     tensors, gradients = [t for t, _ in pairs], [g for _, g in pairs]
     roots = [get_gradient_edge(t).node for t in tensors]
     key = (tuple(r.name() for r in roots), tuple(wanted), len(leaves), served,
@@ -118,11 +119,11 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     wanted_leaves = [leaves[i] for i in wanted]
     if plan.fallback:
         if wanted:
-            leaf_grads = torch.autograd.grad(tensors, wanted_leaves, gradients,
-                                             retain_graph=bool(plan.weights), allow_unused=True)
+            leaf_grads = engine_grad(tensors, gradients, wanted_leaves,
+                                     retain_graph=bool(plan.weights))
             for i, grad in zip(wanted, leaf_grads):
                 got[i] = grad
-        return got, WeightPass(plan, {}, (), {}, served, full=(tensors, gradients))
+        return got, WeightPass(plan, {}, (), {}, served, weights, full=(tensors, gradients))
     edges = [GradientEdge(nodes[slot], i) for slot, i in plan.captured]
     kept: dict[int, Grads] = {}
     handles = [nodes[slot].register_prehook(_keeper(kept, slot)) for slot in plan.kept]
@@ -130,8 +131,7 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         found: Sequence[torch.Tensor | None] = ()
         if wanted_leaves or edges:
             asked: list[Any] = [*wanted_leaves, *edges]  # autograd takes tensors and edges mixed
-            found = torch.autograd.grad(tensors, asked, gradients,
-                                        retain_graph=bool(plan.weights), allow_unused=True)
+            found = engine_grad(tensors, gradients, asked, retain_graph=bool(plan.weights))
     finally:
         for handle in handles:
             handle.remove()
@@ -139,7 +139,8 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         got[i] = found_grad
     _release(tensors)
     clamped = {slot: nodes[slot] for slot in plan.kept}  # not the nodes above: they are freed
-    return got, WeightPass(plan, clamped, tuple(zip(edges, found[len(wanted):])), kept, served)
+    return got, WeightPass(plan, clamped, tuple(zip(edges, found[len(wanted):])), kept, served,
+                           weights)
 
 
 def _read(roots: list[Node], leaves: list[torch.Tensor],
@@ -198,6 +199,7 @@ class WeightPass:
     def __init__(self, plan: SplitPlan | None, clamped: dict[int, Node],
                  captured: tuple[tuple[GradientEdge, torch.Tensor | None], ...],
                  kept: dict[int, Grads], served: frozenset[int] | None,
+                 given: Sequence[torch.Tensor] | None,
                  full: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
                  ) -> None:
         self.fallback = full is not None
@@ -206,6 +208,7 @@ class WeightPass:
         self._captured = captured
         self._kept = kept
         self._served = served  # ids of the weights input_backward was given, if any
+        self._given = given  # those weights, as given: run() with the same list serves them all
         self._full = full
         self._done = False
 
@@ -216,6 +219,8 @@ class WeightPass:
             raise PipelineRuntimeError("this weight pass has already run",
                                        hint="run each split backward's W exactly once")
         self._done = True
+        if weights is self._given:
+            weights = None  # every weight served, without a check per weight per micro-batch
         if weights is not None and self._served is not None and \
                 any(id(w) not in self._served for w in weights):
             raise PipelineRuntimeError("the weight pass was asked for a weight that "
@@ -237,17 +242,14 @@ class WeightPass:
                     self._run(call, chosen)
         finally:
             self._plan, self._clamped, self._captured, self._kept = None, {}, (), {}
-            self._full = None
+            self._full = self._given = None
 
     def _run(self, call: _PlannedCall, chosen: set[int] | None) -> None:
         inputs = [w for w in call.weights
                   if w.requires_grad and (chosen is None or id(w) in chosen)]
-        edges, grads = [], []
-        for k in call.captured:
-            edge, grad = self._captured[k]
-            if grad is not None:
-                edges.append(edge)
-                grads.append(grad)
+        pairs = [self._captured[k] for k in call.captured]
+        edges = [edge for edge, grad in pairs if grad is not None]
+        grads = [grad for _, grad in pairs if grad is not None]
         for slot in call.clamped:
             for i, grad in enumerate(self._kept.get(slot, ())):
                 if grad is not None:
@@ -279,6 +281,26 @@ def engine_backward(tensors: Sequence[torch.Tensor] | Sequence[GradientEdge],
         allow_unreachable=True, accumulate_grad=True)
 
 
+def engine_grad(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                inputs: Sequence[Any], *, retain_graph: bool) -> Sequence[torch.Tensor | None]:
+    """torch.autograd.grad(tensors, inputs, grads, retain_graph=..., allow_unused=True), entering
+    the engine as it does where every gradient is given (I runs for every micro-batch; the
+    engine checks the gradients against its graph); a None gradient (a loss left for autograd
+    to start, or to refuse) takes torch.autograd.grad itself. `inputs` may hold tensors and
+    GradientEdges."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)  # what grad calls
+    given = run is not None
+    for grad in grads:  # a loop, not any(): no call per gradient
+        if grad is None:
+            given = False
+    if not given or run is None:
+        return torch.autograd.grad(tensors, inputs, grads, retain_graph=retain_graph,
+                                   allow_unused=True)
+    found: Sequence[torch.Tensor | None] = run(tuple(tensors), tuple(grads), retain_graph, False,
+                                               tuple(inputs), True, accumulate_grad=False)
+    return found
+
+
 def _inputs(node: Node) -> int | None:
     """How many gradients enter `node` (one per output of the forward op that made it), where
     this torch says it; else a prehook keeps what enters."""
@@ -304,9 +326,13 @@ def _clamp(grads: Grads) -> Callable[[Grads], Grads]:
 
 def _one_recompute(calls: int) -> contextlib.AbstractContextManager[object]:
     """Makes a remat region recompute once across W's calls (they run disjoint nodes)."""
-    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
-    current = getattr(torch._C, "_get_graph_exec_group", None)
+    group, current = _GRAPH_EXEC_GROUP, _CURRENT_GRAPH_EXEC_GROUP
     if calls < 2 or group is None or current is None or current() is not None:
         return contextlib.nullcontext()
     context: contextlib.AbstractContextManager[object] = group()
     return context
+
+
+# what _one_recompute uses, where this torch has it
+_GRAPH_EXEC_GROUP = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+_CURRENT_GRAPH_EXEC_GROUP = getattr(torch._C, "_get_graph_exec_group", None)
