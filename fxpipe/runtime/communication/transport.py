@@ -165,13 +165,21 @@ class SendReaper:
                         self.running = False
                         return
                 continue
-            try:
-                for work in entry[0]:
-                    _wait(work, self.timeout)
-            except RuntimeError as e:
-                self.error = self.error or _lost(entry[2], e)
-            self._release(entry)
+            self._settle(entry)
             del entry
+
+    def _settle(self, entry: tuple[list[Any], list[torch.Tensor], int]) -> None:
+        """Waits for an entry's sends, drops its works, then releases its tensors: no work
+        outlives the step whose flush waits for the release, so none is left for this thread
+        to destroy after the process group is gone."""
+        works = entry[0]
+        try:
+            for work in works:
+                _wait(work, self.timeout)
+        except RuntimeError as e:
+            self.error = self.error or _lost(entry[2], e)
+        works.clear()
+        self._release(entry)
 
     def flush(self) -> None:
         if self.poll:
