@@ -245,6 +245,11 @@ def test_what_a_step_pays_beyond_kernels_is_part_of_the_cached_profile(cache_fol
                                            old.pop("region_overheads")), fresh=True)
     cache.cached_profile("cpu")
     assert len(counted_measure) == 2 and "region_overheads" in json.loads(path.read_text())
+    # and one measured another way (its convolutions timed inside a backward pass)
+    path.unlink()
+    path = _cache_old_profile(lambda old: old.pop("measurement"), fresh=True)
+    cache.cached_profile("cpu")
+    assert len(counted_measure) == 3 and json.loads(path.read_text())["measurement"] == 2
 
 
 def _cache_old_profile(edit: Any, fresh: bool = False) -> Path:
@@ -368,3 +373,28 @@ def test_the_bundled_gpt_gets_one_cut_in_repeated_compiles_also_beside_a_busy_lo
         cuts.append([s.nodes for s in program.plan.stages])
     assert len(counted_measure) == 1  # measured once, beside the busy loop, then read back
     assert all(cut == cuts[0] for cut in cuts)
+
+
+def test_direct_kernels_count_what_a_backward_pass_counts():
+    """Convolutions and a CPU's attention are timed by calling their kernels directly (no
+    backward pass around them); their counted work must be what a model's forward and
+    backward count, so that the rates apply to a model's costs."""
+    from fxpipe.profile.measure import _attention_products, _conv_products
+
+    def counted(fn: Any, op_class: str) -> tuple[float, float, int]:
+        counter = KernelCounter()
+        with counter:
+            fn()
+        return counter.totals(op_class)
+
+    x, w, g = torch.randn(2, 4, 8, 8), torch.randn(4, 4, 3, 3), torch.randn(2, 4, 8, 8)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    through = counted(lambda: F.conv2d(xg, wg, padding=1).backward(g), "convolution")
+    assert counted(lambda: _conv_products(x, w, g), "convolution") == through
+    assert through[2] == 2  # the forward and one backward kernel
+    q, k, v, go = (torch.randn(1, 2, 8, 16) for _ in range(4))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    through = counted(lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+                      .backward(go), "attention")
+    assert counted(lambda: _attention_products(q, k, v, go), "attention") == through
+    assert through[2] == 2 and through[0] > 0

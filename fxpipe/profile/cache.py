@@ -25,7 +25,7 @@ from torch import nn
 
 from fxpipe.errors import ConfigError
 from fxpipe.profile.checks import implausible
-from fxpipe.profile.device import OVERHEADS, DeviceProfile
+from fxpipe.profile.device import MEASUREMENT, OVERHEADS, DeviceProfile
 from fxpipe.profile.measure import measure
 from fxpipe.profile.presets import PRECISIONS, compute_precision, preset
 from fxpipe.storage.files import atomic_write
@@ -98,6 +98,8 @@ def _read(path: Path) -> DeviceProfile | None:
         if not set(OVERHEADS) <= set(data.get("overheads", ())) or \
                 not {"op_forward_overheads", "region_overheads"} <= set(data):
             return None  # measured before some of a step's overheads were: measure again
+        if data.get("measurement") != MEASUREMENT:
+            return None  # measured another way (fxpipe.profile.device.MEASUREMENT): again
         return DeviceProfile.from_json(data)
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None  # missing or from another version: measure again

@@ -25,11 +25,17 @@ from typing import Any
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["Curve", "ClassRate", "DeviceProfile", "OP_CLASSES", "OVERHEADS"]
+__all__ = ["Curve", "ClassRate", "DeviceProfile", "MEASUREMENT", "OP_CLASSES",
+           "OVERHEADS"]
 
 OVERHEADS = ("op_overhead", "region_overhead", "checkpoint_overhead", "microbatch_overhead",
              "step_overhead", "action_overhead", "message_overhead")
 """The DeviceProfile fields of what a real step pays beyond its kernels."""
+
+MEASUREMENT = 2
+"""How measured profiles are measured (1: compute-bound kernels timed inside a backward pass;
+2: convolutions and a CPU's attention called directly, fxpipe.profile.measure): a cached profile
+of another measurement is measured again."""
 
 OP_CLASSES = ("matmul", "attention", "convolution", "recurrent", "embedding", "reduction",
               "random", "elementwise")
@@ -206,6 +212,7 @@ class DeviceProfile:
         return {"name": self.name, "kernel_overhead": self.kernel_overhead,
                 "link": [list(p) for p in self.link.points], "link_latency": self.link_latency,
                 "source": self.source, "precision": self.precision, "key": self.key,
+                "measurement": MEASUREMENT,
                 "overheads": {name: getattr(self, name) for name in OVERHEADS},
                 "op_overheads": dict(self.op_overheads),
                 "op_forward_overheads": dict(self.op_forward_overheads),
