@@ -55,12 +55,12 @@ def params(module: nn.Module) -> list[torch.Tensor]:
 
 def run_split(module: nn.Module, received: Sequence[torch.Tensor],
               grads: Sequence[torch.Tensor | None] | None = None,
-              plans: SplitPlans | None = None,
+              plans: SplitPlans | None = None, direct: bool = False,
               ) -> tuple[list[torch.Tensor | None], WeightPass]:
     leaves = [r.clone().requires_grad_() for r in received]
     outputs = module(*leaves)
     got, weight_pass = input_backward(outputs, grads or [None] * len(outputs), leaves,
-                                      plans=plans)
+                                      plans=plans, direct=direct)
     return got, weight_pass
 
 
@@ -82,13 +82,24 @@ def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
 
 
 def check(module: nn.Module, received: Sequence[torch.Tensor],
-          grads: Sequence[torch.Tensor | None] | None = None, *, fallback: bool) -> None:
+          grads: Sequence[torch.Tensor | None] | None = None, *, fallback: bool,
+          direct: bool | None = None) -> None:
     """Split on `module`, full backward on a copy: same leaf gradients, same .grad, for two
-    micro-batches (the second follows the first one's plan)."""
+    micro-batches (the second follows the first one's plan); with W computing linears' and
+    norms' weight gradients itself (`direct`, on `module`) and through the engine (on a copy),
+    or only as `direct` says."""
+    engine = copy.deepcopy(module) if direct is None else None
+    _check(module, received, grads, fallback, True if direct is None else direct)
+    if engine is not None:
+        _check(engine, received, grads, fallback, False)
+
+
+def _check(module: nn.Module, received: Sequence[torch.Tensor],
+           grads: Sequence[torch.Tensor | None] | None, fallback: bool, direct: bool) -> None:
     reference = copy.deepcopy(module)
     plans: SplitPlans = {}
     for _ in range(2):
-        got, weight_pass = run_split(module, received, grads, plans)
+        got, weight_pass = run_split(module, received, grads, plans, direct)
         assert weight_pass.fallback == fallback
         weight_pass.run(params(module))
         expected = run_full(reference, received, grads)
@@ -190,7 +201,8 @@ def test_weight_pass_does_not_walk_the_input_path_between_layers() -> None:
             return [x]
 
     check(Deep(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
-    assert between.calls == 2 * (4 + 4)  # per micro-batch: in I and in the reference, not W
+    # per micro-batch: in I and in the reference, not W; W through the engine and not
+    assert between.calls == 2 * 2 * (4 + 4)
 
 
 def test_first_stage_without_received_leaves_falls_back_to_a_full_weight_pass() -> None:
@@ -326,7 +338,9 @@ def test_a_tensor_hook_on_an_intermediate_output_applies_once() -> None:
             h.register_hook(lambda grad: grad * 2)  # runs before the node that made h
             return [self.b(torch.tanh(h))]
 
-    check(Hooked(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False)
+    # W through the engine: a caller that computes weight gradients itself (direct) vouches
+    # that no such hook exists, as generated stage code registers none
+    check(Hooked(), [torch.randn(4, 8)], [torch.randn(4, 8)], fallback=False, direct=False)
 
 
 def test_frozen_parameters_and_buffers_get_no_gradient() -> None:
@@ -454,13 +468,14 @@ class Remat(nn.Module):
         return [self.head(checkpoint(self.region, x, enabled=True))]
 
 
-def test_remat_is_exact_and_the_weight_pass_recomputes_a_region_once() -> None:
+@pytest.mark.parametrize("direct", [False, True])
+def test_remat_is_exact_and_the_weight_pass_recomputes_a_region_once(direct: bool) -> None:
     runs: list[int] = []
     stage = Remat(runs)
     reference = copy.deepcopy(stage)
     reference.runs = []
     x, grad = torch.randn(4, 8), torch.randn(4, 8)
-    got, weight_pass = run_split(stage, [x], [grad])
+    got, weight_pass = run_split(stage, [x], [grad], direct=direct)
     assert len(runs) == 2  # forward, and the recompute of I
     weight_pass.run(params(stage))
     assert len(runs) == 3  # the region holds three weight groups; W recomputes it once
@@ -700,3 +715,90 @@ def test_nodes_that_do_not_list_their_inputs_keep_their_gradients_by_prehook(mon
             return [a * self.w, b]
 
     check(Both(), [torch.randn(4, 8)], [torch.randn(4, 4), torch.randn(4, 4)], fallback=False)
+
+
+class Transformerish(nn.Module):
+    """What a transformer stage's weights hang on: norms, linears on 3-D activations with and
+    without a bias (addmm and mm behind views), a linear on 2-D rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8, bias=False)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Outputs:
+        h = x + self.down(torch.nn.functional.gelu(self.up(self.ln(x))))
+        return [self.head(h.flatten(0, 1))]
+
+
+def test_direct_weight_pass_computes_linears_and_norms_without_an_engine_call() -> None:
+    check(Transformerish(), [torch.randn(2, 3, 8)], [torch.randn(6, 8)], fallback=False,
+          direct=True)
+    for depth in (2, 8):
+        stage, plans = Chain(depth), {}
+        x, g = torch.randn(4, 8), torch.randn(4, 8)
+        reference = copy.deepcopy(stage)
+        for _ in range(2):  # the second follows the plan
+            _, weight_pass = run_split(stage, [x], [g], plans, direct=True)
+            with EngineCalls() as weight_calls:
+                weight_pass.run()
+            assert weight_calls.count == 0
+            run_full(reference, [x], [g])
+        assert_same_grads(stage, reference)
+
+
+def test_direct_weight_pass_under_autocast_casts_as_the_engine_does() -> None:
+    """bfloat16 autocast puts a cast between each weight and its layer: W computes in the
+    layer's dtype and casts, as the engine's W does."""
+    stage = Transformerish()
+    engine = copy.deepcopy(stage)
+    x, g = torch.randn(2, 3, 8), torch.randn(6, 8)
+    for module, direct in ((stage, True), (engine, False)):
+        plans: SplitPlans = {}
+        for _ in range(2):
+            leaf = x.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outputs = module(leaf)
+            _, weight_pass = input_backward(outputs, [g.bfloat16()], [leaf], plans=plans,
+                                            direct=direct)
+            with EngineCalls() as weight_calls:
+                weight_pass.run()
+            assert (weight_calls.count == 0) == direct
+    for (name, p), q in zip(stage.named_parameters(), engine.parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_direct_weight_pass_leaves_hooked_weights_to_the_engine() -> None:
+    """A hook on a weight (replica averaging's, after its gradient accumulates) runs only in
+    the engine: that layer's W takes the engine call, once per micro-batch."""
+    stage = Transformerish()
+    reference = copy.deepcopy(stage)
+    fired: list[str] = []
+    stage.up.weight.register_post_accumulate_grad_hook(lambda p: fired.append("up"))
+    x, g = torch.randn(2, 3, 8), torch.randn(6, 8)
+    plans: SplitPlans = {}
+    for _ in range(2):
+        _, weight_pass = run_split(stage, [x], [g], plans, direct=True)
+        with EngineCalls() as weight_calls:
+            weight_pass.run()
+        assert weight_calls.count == 1
+        run_full(reference, [x], [g])
+    assert fired == ["up", "up"]
+    assert_same_grads(stage, reference)
+
+
+def test_direct_weight_pass_leaves_a_layer_whose_input_reaches_its_weight_to_the_engine() -> None:
+    """A linear whose input is made from its own weight (not from what was received): the
+    weight's gradient also flows through the input, which only the engine's W follows."""
+    class OwnInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x: torch.Tensor) -> Outputs:
+            return [torch.addmm(x * 2, torch.tanh(self.w), self.w.t())]
+
+    check(OwnInput(), [torch.randn(8, 8)], [torch.randn(8, 8)], fallback=False, direct=True)

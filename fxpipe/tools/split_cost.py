@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -58,12 +59,17 @@ def _load(path: str) -> ModuleType:
 
 def _variants(also: str | None) -> dict[str, Split | None]:
     """name -> input_backward (None: a plain backward)."""
-    found: dict[str, Split | None] = {"split": split_backward.input_backward}
+    def through_engine(*args: Any, direct: bool = False, **kwargs: Any) -> Any:
+        return split_backward.input_backward(*args, **kwargs)  # W: an engine call per group
+
+    found: dict[str, Split | None] = {
+        "split": partial(split_backward.input_backward, direct=True),  # as the executor runs it
+        "engine": through_engine}
     if also:
         other = _load(also).input_backward
 
         def without_plans(outputs: Any, grads: Any, leaves: Any, weights: Any = None,
-                          plans: Any = None) -> Any:
+                          plans: Any = None, **_: Any) -> Any:
             return other(outputs, grads, leaves, weights)
 
         found["also"] = without_plans

@@ -369,9 +369,9 @@ class DistComm:
         default every parameter in the graph) stays for `backward_weight`."""
         record = self.records.pop((stage, mb), _Record())
         tensors, grads = self._output_grads(record, stage, mb, loss)
-        got, self.retained[(stage, mb)] = input_backward(
+        got, self.retained[(stage, mb)] = input_backward(  # generated code: no tensor hooks
             tensors, grads, [leaf for leaf, _ in record.received], weights,
-            self.split_plans.setdefault(stage, {}))
+            self.split_plans.setdefault(stage, {}), direct=True)
         for (leaf, msg), grad in zip(record.received, got):
             grad = grad if grad is not None else torch.zeros_like(leaf)
             self.outbox[_gradient(msg)] = grad.detach().contiguous()

@@ -17,6 +17,12 @@ of a call whose paths cross (see backward_graph) are clamped in W to what entere
 there node prehooks keep the gradients, after the tensor hooks; so do those of a call with a
 node whose number of inputs the installed torch does not expose.
 
+Where one call's weights hang on one node of a linear or a layer norm, with nothing but the
+layer's own transpose and cast between (weight_recipes.py), and the caller vouches that no
+tensor hook sits on the stage's values (`direct`: generated stage code registers none), W
+computes their gradients from that node's saved tensors and the captured gradient, with the
+kernel autograd would run, and no engine call.
+
 Exactness needs every output to lie in C or to reach no weight. An output outside C reaches no
 received leaf, so its paths never meet an intermediate (the first stage, whose outputs depend on
 no received leaf; `w * x_model_input` sent beside `f(received)`). Then the whole micro-batch
@@ -36,6 +42,13 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.execution.backward_graph import Graph, Route, plan_calls
+from fxpipe.runtime.execution.weight_recipes import (
+    Recipe,
+    accumulate,
+    hooked,
+    recipe_for,
+    weight_grads,
+)
 
 __all__ = ["SplitPlan", "SplitPlans", "WeightPass", "engine_backward", "engine_grad",
            "input_backward"]
@@ -46,11 +59,14 @@ Grads = tuple[torch.Tensor | None, ...]
 @dataclass(frozen=True)
 class _PlannedCall:
     """One autograd call of W: the captured edges it starts from (indices into the plan's
-    `captured`), the slots of the clamped intermediates of a crossed call, its weights."""
+    `captured`), the slots of the clamped intermediates of a crossed call, its weights; and
+    where one layer's node makes them all, how W computes them without the call
+    (fxpipe/runtime/execution/weight_recipes.py)."""
 
     captured: tuple[int, ...]
     clamped: tuple[int, ...]
     weights: tuple[torch.Tensor, ...]
+    recipe: Recipe | None = None
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,7 @@ SplitPlans = dict[Hashable, SplitPlan]  # per stage: a plan for each graph shape
 def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                    leaves: Sequence[torch.Tensor],
                    weights: Sequence[torch.Tensor] | None = None,
-                   plans: SplitPlans | None = None
+                   plans: SplitPlans | None = None, *, direct: bool = False
                    ) -> tuple[list[torch.Tensor | None], WeightPass]:
     """The input half of a backward: the gradients of `leaves`, and the pass for the weights.
 
@@ -89,6 +105,9 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             that requires grad.
         plans: where the plans of this stage's graphs are kept from one micro-batch to the next
             (one dict per stage); None reads every graph anew.
+        direct: W computes the weight gradients of linears and layer norms itself, from the
+            saved tensors (weight_recipes.py); the caller vouches that no tensor hook sits on
+            a value the stage computed (generated stage code registers none).
 
     Returns:
         The gradient of each leaf (None where it has none), and a WeightPass to run later. Where
@@ -109,11 +128,11 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     tensors, gradients = [t for t, _ in pairs], [g for _, g in pairs]
     roots = [get_gradient_edge(t).node for t in tensors]
     key = (tuple(r.name() for r in roots), tuple(wanted), len(leaves), served,
-           torch.is_autocast_enabled())
+           torch.is_autocast_enabled(), direct)
     plan = plans.get(key) if plans is not None else None
     nodes = plan.route.follow(roots) if plan is not None else None
     if plan is None or nodes is None:
-        plan, nodes = _read(roots, [leaves[i] for i in wanted], weights)
+        plan, nodes = _read(roots, [leaves[i] for i in wanted], weights, direct)
         if plans is not None:
             plans[key] = plan
     wanted_leaves = [leaves[i] for i in wanted]
@@ -144,8 +163,12 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
 
 
 def _read(roots: list[Node], leaves: list[torch.Tensor],
-          weights: Sequence[torch.Tensor] | None) -> tuple[SplitPlan, list[Node]]:
-    """Reads the graph below `roots` into a plan, and the nodes at its route's slots."""
+          weights: Sequence[torch.Tensor] | None, direct: bool
+          ) -> tuple[SplitPlan, list[Node]]:
+    """Reads the graph below `roots` into a plan, and the nodes at its route's slots. With
+    `direct`, a call whose one intermediate is a layer of weight_recipes gets its recipe, where
+    one group of graph execution can span W (a remat region recomputed once for all its
+    reads)."""
     graph = Graph(roots)
     leaf_nodes = {get_gradient_edge(leaf).node for leaf in leaves}
     closure = graph.reaching(leaf_nodes & graph.nodes)
@@ -169,9 +192,12 @@ def _read(roots: list[Node], leaves: list[torch.Tensor],
             kept += slots
         else:
             captured += [(s, i) for s, count in zip(slots, counts) for i in range(count or 0)]
+        recipe = recipe_for(call.intermediates[0], call.weights, closure) \
+            if direct and _GRAPH_EXEC_GROUP is not None and not clamp \
+            and len(call.intermediates) == 1 and counts == [1] else None
         planned.append(_PlannedCall(tuple(range(start, len(captured))),
                                     tuple(slots) if clamp else (),
-                                    tuple(_variable(w) for w in call.weights)))
+                                    tuple(_variable(w) for w in call.weights), recipe))
     nodes: list[Node] = [None] * len(slot)  # type: ignore[list-item]  # all filled below
     for node, k in slot.items():
         nodes[k] = node
@@ -237,7 +263,7 @@ class WeightPass:
                 if inputs:
                     torch.autograd.backward(outputs, grads, inputs=inputs)
                 return
-            with _one_recompute(len(plan.calls)):
+            with _one_recompute(plan.calls):
                 for call in plan.calls:
                     self._run(call, chosen)
         finally:
@@ -245,6 +271,9 @@ class WeightPass:
             self._full = self._given = None
 
     def _run(self, call: _PlannedCall, chosen: set[int] | None) -> None:
+        if call.recipe is not None and not any(hooked(w) for w in call.weights):
+            self._compute(call, call.recipe, chosen)
+            return
         inputs = [w for w in call.weights
                   if w.requires_grad and (chosen is None or id(w) in chosen)]
         pairs = [self._captured[k] for k in call.captured]
@@ -264,6 +293,17 @@ class WeightPass:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+    def _compute(self, call: _PlannedCall, recipe: Recipe, chosen: set[int] | None) -> None:
+        """W of one layer's weights without autograd's engine (weight_recipes.py)."""
+        edge, grad = self._captured[call.captured[0]]
+        if grad is None:
+            return  # no gradient reached the layer
+        grads = weight_grads(recipe, edge.node, grad, call.weights)
+        for weight, weight_grad in zip(call.weights, grads):
+            if weight.requires_grad and (chosen is None or id(weight) in chosen):
+                accumulate(weight, weight_grad)
 
 
 def engine_backward(tensors: Sequence[torch.Tensor] | Sequence[GradientEdge],
@@ -324,10 +364,16 @@ def _clamp(grads: Grads) -> Callable[[Grads], Grads]:
     return lambda _flowing: grads
 
 
-def _one_recompute(calls: int) -> contextlib.AbstractContextManager[object]:
-    """Makes a remat region recompute once across W's calls (they run disjoint nodes)."""
+def _one_recompute(calls: Sequence[_PlannedCall]) -> contextlib.AbstractContextManager[object]:
+    """Makes a remat region recompute once across W's calls (they run disjoint nodes) and its
+    reads of saved tensors (a read outside a backward would recompute the region each time)."""
     group, current = _GRAPH_EXEC_GROUP, _CURRENT_GRAPH_EXEC_GROUP
-    if calls < 2 or group is None or current is None or current() is not None:
+    recipes = False
+    for call in calls:  # a loop, not any(): no call per element
+        if call.recipe is not None:
+            recipes = True
+    if (len(calls) < 2 and not recipes) or group is None or current is None \
+            or current() is not None:
         return contextlib.nullcontext()
     context: contextlib.AbstractContextManager[object] = group()
     return context

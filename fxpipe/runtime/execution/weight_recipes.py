@@ -1,0 +1,145 @@
+"""Weight gradients a split backward's W computes itself, from one node's saved tensors and the
+gradient I captured entering it, instead of one autograd call per group of weights.
+
+W (fxpipe/runtime/execution/split_backward.py) would otherwise enter autograd's engine once per
+group of weights (a linear's weight and bias, a norm's): on the bench GPT's last stage 26 calls
+per micro-batch, each paying the engine's set-up for one or two small products. For the nodes
+that make most of a transformer's weights, the gradient is one kernel of what the node saved
+and the gradient entering it, the kernel autograd would run:
+
+    AddmmBackward0, MmBackward0 (a linear)   dW = g^T @ x        db = g summed to b's shape
+    NativeLayerNormBackward0                 aten.native_layer_norm_backward, weights only
+
+A recipe applies where the graph from the node to its weights is the layer's own: a transpose
+(TBackward0) or nothing, a dtype cast (autocast's ToCopyBackward0) or none, then the weight's
+AccumulateGrad, and no other weight on the way. The callers vouch that no tensor hook sits on
+the node's output (generated stage code registers none); hooks on the weights themselves
+(replica averaging's) make W take the engine, which runs them (`hooked`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import Node
+
+__all__ = ["Recipe", "accumulate", "hooked", "recipe_for", "weight_grads"]
+
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+_CAST = "ToCopyBackward0"
+_TRANSPOSE = "TBackward0"
+
+# node kind -> (input position of each weight role, and whether its path starts transposed)
+_ROLES: dict[str, dict[str, tuple[int, bool]]] = {
+    "AddmmBackward0": {"weight": (2, True), "bias": (0, False)},
+    "MmBackward0": {"weight": (1, True)},
+    "NativeLayerNormBackward0": {"weight": (1, False), "bias": (2, False)},
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How W computes the gradients of one group's weights from its node: the node's kind, and
+    per weight of the group (in the group's order) its role and whether a cast lies between."""
+
+    kind: str
+    roles: tuple[str, ...]
+    casts: tuple[bool, ...]
+
+
+def recipe_for(node: Node, weights: list[Node], closure: set[Node]) -> Recipe | None:
+    """The recipe of `node` for `weights` (AccumulateGrad nodes), or None where the graph
+    between them is not one of the layers above, or where another of the node's inputs leads
+    anywhere but into `closure` (the input gradient's part, which I runs: a path from there to
+    a weight would add to its gradient)."""
+    roles = _ROLES.get(node.name())
+    if roles is None or len(weights) > len(roles):
+        return None
+    if node.name() == "AddmmBackward0" and (getattr(node, "_saved_alpha", None) != 1
+                                            or getattr(node, "_saved_beta", None) != 1):
+        return None
+    found: dict[Node, tuple[str, bool]] = {}
+    edges = node.next_functions
+    positions = {position: (role, transposed) for role, (position, transposed) in roles.items()}
+    for position, (start, _) in enumerate(edges):
+        if start is None:
+            continue
+        end, cast = _weight_at(start, positions[position][1]) if position in positions \
+            else (None, False)
+        if end is None or end in found:
+            if start not in closure:
+                return None
+            continue
+        found[end] = (positions[position][0], cast)
+    if set(found) != set(weights):
+        return None
+    return Recipe(node.name(), tuple(found[w][0] for w in weights),
+                  tuple(found[w][1] for w in weights))
+
+
+def _weight_at(start: Node, transposed: bool) -> tuple[Node | None, bool]:
+    """The AccumulateGrad at the end of a layer's own path from `start` ([transpose,] [cast,]
+    accumulate, each node with one input), and whether a cast lies on it."""
+    node: Node | None = start
+    cast = False
+    if transposed:
+        if start.name() != _TRANSPOSE:
+            return None, False
+        node = _only_child(start)
+    if node is not None and node.name() == _CAST:
+        node, cast = _only_child(node), True
+    if node is None or node.name() != _ACCUMULATE:
+        return None, False
+    return node, cast
+
+
+def _only_child(node: Node) -> Node | None:
+    children = [c for c, _ in node.next_functions]
+    return children[0] if len(children) == 1 else None
+
+
+def weight_grads(recipe: Recipe, node: Node, grad: torch.Tensor,
+                 weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The gradient of each of `weights` (the group's, in its order) from `node`, given the
+    gradient that entered it. Reading a saved tensor of a remat region recomputes the region
+    (once per graph-execution group, see split_backward._one_recompute)."""
+    if recipe.kind == "NativeLayerNormBackward0":
+        want = [role in recipe.roles for role in ("weight", "bias")]
+        saved = [_saved(node, name) for name in ("input", "normalized_shape", "result1",
+                                                 "result2", "weight", "bias")]
+        _, dw, db = torch.ops.aten.native_layer_norm_backward(grad, *saved, [False, *want])
+        by_role = {"weight": dw, "bias": db}
+    else:
+        rows = _saved(node, "mat1" if recipe.kind == "AddmmBackward0" else "self")
+        assert isinstance(rows, torch.Tensor)
+        by_role = {"weight": grad.t().mm(rows)}  # (x^T g)^T: mat2's gradient, transposed
+        if "bias" in recipe.roles:  # the engine sums the gradient of a broadcast bias so
+            by_role["bias"] = grad
+    out = []
+    for role, cast, weight in zip(recipe.roles, recipe.casts, weights):
+        g = by_role[role]
+        if role == "bias" and recipe.kind != "NativeLayerNormBackward0":
+            g = g.sum_to_size(weight.shape)
+            g = g.clone() if g is grad else g  # never .grad aliasing the gradient given
+        out.append(g.to(weight.dtype) if cast else g)
+    return out
+
+
+def _saved(node: Node, name: str) -> object:
+    return getattr(node, f"_saved_{name}")  # untyped attributes of autograd's nodes
+
+
+def hooked(weight: torch.Tensor) -> bool:
+    """Whether accumulating into `weight` must run hooks (a tensor hook, or one after its
+    gradient accumulates: replica averaging's), which only the engine runs."""
+    return bool(weight._backward_hooks or weight._post_accumulate_grad_hooks)
+
+
+def accumulate(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    """Adds `grad` into weight.grad as AccumulateGrad does outside a differentiable backward:
+    the first gradient becomes .grad, later ones are added in place."""
+    if weight.grad is None:
+        weight.grad = grad if grad.stride() == weight.stride() else \
+            torch.empty_like(weight).copy_(grad)
+    else:
+        weight.grad.add_(grad)
