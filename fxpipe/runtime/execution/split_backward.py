@@ -271,7 +271,7 @@ class WeightPass:
             self._full = self._given = None
 
     def _run(self, call: _PlannedCall, chosen: set[int] | None) -> None:
-        if call.recipe is not None and not any(hooked(w) for w in call.weights):
+        if call.recipe is not None and not hooked(call.weights):
             self._compute(call, call.recipe, chosen)
             return
         inputs = [w for w in call.weights

@@ -18,6 +18,7 @@ the node's output (generated stage code registers none); hooks on the weights th
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,8 +111,7 @@ def weight_grads(recipe: Recipe, node: Node, grad: torch.Tensor,
         _, dw, db = torch.ops.aten.native_layer_norm_backward(grad, *saved, [False, *want])
         by_role = {"weight": dw, "bias": db}
     else:
-        rows = _saved(node, "mat1" if recipe.kind == "AddmmBackward0" else "self")
-        assert isinstance(rows, torch.Tensor)
+        rows: torch.Tensor = getattr(node, _ROWS[recipe.kind])  # the input x, as saved
         by_role = {"weight": grad.t().mm(rows)}  # (x^T g)^T: mat2's gradient, transposed
         if "bias" in recipe.roles:  # the engine sums the gradient of a broadcast bias so
             by_role["bias"] = grad
@@ -125,14 +125,20 @@ def weight_grads(recipe: Recipe, node: Node, grad: torch.Tensor,
     return out
 
 
+_ROWS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}
+
+
 def _saved(node: Node, name: str) -> object:
     return getattr(node, f"_saved_{name}")  # untyped attributes of autograd's nodes
 
 
-def hooked(weight: torch.Tensor) -> bool:
-    """Whether accumulating into `weight` must run hooks (a tensor hook, or one after its
-    gradient accumulates: replica averaging's), which only the engine runs."""
-    return bool(weight._backward_hooks or weight._post_accumulate_grad_hooks)
+def hooked(weights: Sequence[torch.Tensor]) -> bool:
+    """Whether accumulating into one of `weights` must run hooks (a tensor hook, or one after
+    its gradient accumulates: replica averaging's), which only the engine runs."""
+    for weight in weights:  # a loop, not any(): W checks every group of every micro-batch
+        if weight._backward_hooks or weight._post_accumulate_grad_hooks:
+            return True
+    return False
 
 
 def accumulate(weight: torch.Tensor, grad: torch.Tensor) -> None:
