@@ -802,3 +802,28 @@ def test_direct_weight_pass_leaves_a_layer_whose_input_reaches_its_weight_to_the
             return [torch.addmm(x * 2, torch.tanh(self.w), self.w.t())]
 
     check(OwnInput(), [torch.randn(8, 8)], [torch.randn(8, 8)], fallback=False, direct=True)
+
+
+class Convish(nn.Module):
+    """A conv net's stage: convolutions with and without a bias, a norm, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.grouped = nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=2, bias=False)
+        self.norm = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> Outputs:
+        h = torch.relu(self.norm(self.grouped(torch.relu(self.conv(x)))))
+        return [self.head(h.mean(dim=(2, 3)))]
+
+
+def test_direct_weight_pass_computes_convolutions_without_an_engine_call() -> None:
+    check(Convish(), [torch.randn(2, 4, 6, 6)], [torch.randn(2, 3)], fallback=False)
+    stage, plans = Convish(), {}
+    x, g = torch.randn(2, 4, 6, 6), torch.randn(2, 3)
+    _, weight_pass = run_split(stage, [x], [g], plans, direct=True)
+    with EngineCalls() as weight_calls:
+        weight_pass.run()
+    assert weight_calls.count == 1  # the batch norm's weights only: not a layer of a recipe

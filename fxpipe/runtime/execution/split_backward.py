@@ -17,11 +17,11 @@ of a call whose paths cross (see backward_graph) are clamped in W to what entere
 there node prehooks keep the gradients, after the tensor hooks; so do those of a call with a
 node whose number of inputs the installed torch does not expose.
 
-Where one call's weights hang on one node of a linear or a layer norm, with nothing but the
-layer's own transpose and cast between (weight_recipes.py), and the caller vouches that no
-tensor hook sits on the stage's values (`direct`: generated stage code registers none), W
-computes their gradients from that node's saved tensors and the captured gradient, with the
-kernel autograd would run, and no engine call.
+Where one call's weights hang on one node of a linear, a convolution or a layer norm, with
+nothing but the layer's own transpose and cast between (weight_recipes.py), and the caller
+vouches that no tensor hook sits on the stage's values (`direct`: generated stage code
+registers none), W computes their gradients from that node's saved tensors and the captured
+gradient, with the kernel autograd would run, and no engine call.
 
 Exactness needs every output to lie in C or to reach no weight. An output outside C reaches no
 received leaf, so its paths never meet an intermediate (the first stage, whose outputs depend on
@@ -105,9 +105,10 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             that requires grad.
         plans: where the plans of this stage's graphs are kept from one micro-batch to the next
             (one dict per stage); None reads every graph anew.
-        direct: W computes the weight gradients of linears and layer norms itself, from the
-            saved tensors (weight_recipes.py); the caller vouches that no tensor hook sits on
-            a value the stage computed (generated stage code registers none).
+        direct: W computes the weight gradients of linears, convolutions and layer norms
+            itself, from the saved tensors (weight_recipes.py); the caller vouches that no
+            tensor hook sits on a value the stage computed (generated stage code registers
+            none).
 
     Returns:
         The gradient of each leaf (None where it has none), and a WeightPass to run later. Where

@@ -9,6 +9,7 @@ and the gradient entering it, the kernel autograd would run:
 
     AddmmBackward0, MmBackward0 (a linear)   dW = g^T @ x        db = g summed to b's shape
     NativeLayerNormBackward0                 aten.native_layer_norm_backward, weights only
+    ConvolutionBackward0                     aten.convolution_backward, weights only
 
 A recipe applies where the graph from the node to its weights is the layer's own: a transpose
 (TBackward0) or nothing, a dtype cast (autocast's ToCopyBackward0) or none, then the weight's
@@ -35,6 +36,7 @@ _ROLES: dict[str, dict[str, tuple[int, bool]]] = {
     "AddmmBackward0": {"weight": (2, True), "bias": (0, False)},
     "MmBackward0": {"weight": (1, True)},
     "NativeLayerNormBackward0": {"weight": (1, False), "bias": (2, False)},
+    "ConvolutionBackward0": {"weight": (1, False), "bias": (2, False)},
 }
 
 
@@ -104,11 +106,17 @@ def weight_grads(recipe: Recipe, node: Node, grad: torch.Tensor,
     """The gradient of each of `weights` (the group's, in its order) from `node`, given the
     gradient that entered it. Reading a saved tensor of a remat region recomputes the region
     (once per graph-execution group, see split_backward._one_recompute)."""
+    want = [role in recipe.roles for role in ("weight", "bias")]
     if recipe.kind == "NativeLayerNormBackward0":
-        want = [role in recipe.roles for role in ("weight", "bias")]
         saved = [_saved(node, name) for name in ("input", "normalized_shape", "result1",
                                                  "result2", "weight", "bias")]
         _, dw, db = torch.ops.aten.native_layer_norm_backward(grad, *saved, [False, *want])
+        by_role = {"weight": dw, "bias": db}
+    elif recipe.kind == "ConvolutionBackward0":
+        saved = [_saved(node, name) for name in ("input", "weight", "bias_sym_sizes_opt",
+                                                 "stride", "padding", "dilation", "transposed",
+                                                 "output_padding", "groups")]
+        _, dw, db = torch.ops.aten.convolution_backward(grad, *saved, [False, *want])
         by_role = {"weight": dw, "bias": db}
     else:
         rows: torch.Tensor = getattr(node, _ROWS[recipe.kind])  # the input x, as saved
@@ -118,7 +126,7 @@ def weight_grads(recipe: Recipe, node: Node, grad: torch.Tensor,
     out = []
     for role, cast, weight in zip(recipe.roles, recipe.casts, weights):
         g = by_role[role]
-        if role == "bias" and recipe.kind != "NativeLayerNormBackward0":
+        if role == "bias" and recipe.kind in _ROWS:  # a linear's: summed here
             g = g.sum_to_size(weight.shape)
             g = g.clone() if g is grad else g  # never .grad aliasing the gradient given
         out.append(g.to(weight.dtype) if cast else g)
