@@ -75,7 +75,9 @@ class SplitPlan:
 
     route: finds the intermediates (their slots) from the roots; captured: (slot, input) of
     each gradient I asks for; kept: slots whose gradients node prehooks keep (crossed calls);
-    fallback: W is a full backward (see the module docstring); weights: the tensors W serves.
+    fallback: W is a full backward (see the module docstring); weights: the tensors W serves;
+    grouped: W runs in one group of graph execution (_one_recompute): it makes several calls, or
+    reads saved tensors for a recipe.
     """
 
     route: Route
@@ -84,6 +86,7 @@ class SplitPlan:
     calls: tuple[_PlannedCall, ...]
     fallback: bool
     weights: tuple[torch.Tensor, ...]
+    grouped: bool = False
 
 
 SplitPlans = dict[Hashable, SplitPlan]  # per stage: a plan for each graph shape met
@@ -202,7 +205,9 @@ def _read(roots: list[Node], leaves: list[torch.Tensor],
     nodes: list[Node] = [None] * len(slot)  # type: ignore[list-item]  # all filled below
     for node, k in slot.items():
         nodes[k] = node
-    return SplitPlan(route, tuple(captured), tuple(kept), tuple(planned), False, served), nodes
+    grouped = len(planned) > 1 or any(call.recipe is not None for call in planned)
+    return SplitPlan(route, tuple(captured), tuple(kept), tuple(planned), False, served,
+                     grouped), nodes
 
 
 def _release(outputs: list[torch.Tensor]) -> None:
@@ -264,7 +269,7 @@ class WeightPass:
                 if inputs:
                     torch.autograd.backward(outputs, grads, inputs=inputs)
                 return
-            with _one_recompute(plan.calls):
+            with _one_recompute(plan.grouped):
                 for call in plan.calls:
                     self._run(call, chosen)
         finally:
@@ -294,7 +299,6 @@ class WeightPass:
         finally:
             for handle in handles:
                 handle.remove()
-
 
     def _compute(self, call: _PlannedCall, recipe: Recipe, chosen: set[int] | None) -> None:
         """W of one layer's weights without autograd's engine (weight_recipes.py)."""
@@ -365,16 +369,12 @@ def _clamp(grads: Grads) -> Callable[[Grads], Grads]:
     return lambda _flowing: grads
 
 
-def _one_recompute(calls: Sequence[_PlannedCall]) -> contextlib.AbstractContextManager[object]:
+def _one_recompute(grouped: bool) -> contextlib.AbstractContextManager[object]:
     """Makes a remat region recompute once across W's calls (they run disjoint nodes) and its
-    reads of saved tensors (a read outside a backward would recompute the region each time)."""
+    reads of saved tensors (a read outside a backward would recompute the region each time),
+    where the plan says W needs it (SplitPlan.grouped)."""
     group, current = _GRAPH_EXEC_GROUP, _CURRENT_GRAPH_EXEC_GROUP
-    recipes = False
-    for call in calls:  # a loop, not any(): no call per element
-        if call.recipe is not None:
-            recipes = True
-    if (len(calls) < 2 and not recipes) or group is None or current is None \
-            or current() is not None:
+    if not grouped or group is None or current is None or current() is not None:
         return contextlib.nullcontext()
     context: contextlib.AbstractContextManager[object] = group()
     return context
