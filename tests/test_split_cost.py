@@ -30,3 +30,23 @@ def test_a_steps_python_calls_are_counted_and_grow_with_the_micro_batches() -> N
                                                   profile="a100", remat="never"), idx, y)
              for chunks in (2, 8)}
     assert 0 < calls[2] < calls[8]
+
+
+def test_the_one_process_baseline_is_the_full_batch_step() -> None:
+    """The ranks' summed CPU is compared with this step: it must do the whole model's work,
+    its accumulated gradients those of the batch's mean loss."""
+    import copy
+
+    import torch
+
+    from fxpipe.models import gpt
+    from fxpipe.tools.split_cost import _plain_step
+
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    y = gpt.target((idx,))
+    whole = copy.deepcopy(model)
+    _plain_step(model, idx, y, chunks=4)
+    logits = whole(idx)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

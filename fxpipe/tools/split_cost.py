@@ -9,7 +9,10 @@ seconds (time.process_time, one thread), with autograd engine calls and Python c
 * `ranks`: the tiny GPT (fxpipe.models.gpt defaults, batch 16) on 2 gloo ranks x 8 micro-batches,
   1F1B against ZB-H1 (remat "never" unless --remat says otherwise); each rank reports its CPU
   time (waits for messages included), engine calls per step, and the Python calls of a step
-  (cProfile's count, builtins included; profiled apart from the timed steps).
+  (cProfile's count, builtins included; profiled apart from the timed steps). Rank 0 also times,
+  in the same rotation while rank 1 waits, the plain model's step in one process (8 micro-batches
+  accumulated): the compute both ranks share, so that the ranks' summed CPU less it is the host
+  work the pipeline adds.
 
 `--also FILE` races another implementation of `input_backward` (a module file with the same
 function, e.g. an earlier version of fxpipe/runtime/execution/split_backward.py) beside the current
@@ -18,6 +21,7 @@ one.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import importlib.util
 import os
@@ -161,20 +165,30 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, rema
         for schedule in ("1f1b", "zb-h1"):
             programs[schedule] = fxpipe.compile(model, (idx,), stages=world, chunks=8,
                                                 profile="a100", schedule=schedule, remat=remat)
-        variants = [("1f1b", "split")] + [("zb-h1", name) for name in splits]
+        variants = [("1f1b", "split")] + [("zb-h1", name) for name in splits] + [("plain", "")]
+        plain = copy.deepcopy(model)
         cpu: dict[str, list[float]] = {}
         engine: dict[str, list[int]] = {}
         for r in range(repeats + 2):
             for schedule, name in variants[r % len(variants):] + variants[:r % len(variants)]:
-                setattr(dist_comm, "input_backward", splits[name])  # noqa: B010 (the variant)
-                program = programs[schedule]
-                program.zero_grad()
-                with EngineCalls() as calls:
-                    start = time.process_time()
-                    program.step(idx, target=y)
-                    used = time.process_time() - start
+                if schedule == "plain":
+                    if rank != 0:
+                        continue
+                    plain.zero_grad()
+                    with EngineCalls() as calls:
+                        start = time.process_time()
+                        _plain_step(plain, idx, y, chunks=8)
+                        used = time.process_time() - start
+                else:
+                    setattr(dist_comm, "input_backward", splits[name])  # noqa: B010 (the variant)
+                    program = programs[schedule]
+                    program.zero_grad()
+                    with EngineCalls() as calls:
+                        start = time.process_time()
+                        program.step(idx, target=y)
+                        used = time.process_time() - start
                 if r >= 2:  # after two warm-up rounds
-                    label = schedule if schedule == "1f1b" else f"{schedule} {name}"
+                    label = schedule if schedule in ("1f1b", "plain") else f"{schedule} {name}"
                     cpu.setdefault(label, []).append(used)
                     engine.setdefault(label, []).append(calls.count)
         out.put((rank, cpu, engine, {label: _python_calls(programs[schedule], idx, y)
@@ -182,6 +196,14 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, rema
                                                              ("zb-h1", "zb-h1 split"))}))
     finally:
         dist.destroy_process_group()
+
+
+def _plain_step(model: nn.Module, idx: torch.Tensor, y: torch.Tensor, chunks: int) -> None:
+    """The model's training step in one process, its micro-batches' gradients accumulated."""
+    for part, target in zip(idx.chunk(chunks), y.chunk(chunks)):
+        logits = model(part)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()) / chunks
+        torch.autograd.backward(loss)
 
 
 def _python_calls(program: Any, idx: torch.Tensor, y: torch.Tensor) -> float:
@@ -220,11 +242,18 @@ def measure_ranks(repeats: int, also: str | None, remat: str) -> None:
     for rank in sorted(results):
         cpu, engine, python = results[rank]
         base = statistics.median(cpu["1f1b"])
-        for label in cpu:
+        for label in [k for k in cpu if k != "plain"]:
             calls = f"  Python calls per step {python[label]:.0f}" if label in python else ""
             print(f"  rank {rank} {label:14s} {_summary(cpu[label])}  x1F1B "
                   f"{statistics.median(cpu[label]) / base:.2f}  engine calls per step "
                   f"{statistics.median(engine[label]):.0f}{calls}")
+    plain = results[0][0]["plain"]
+    print(f"  one process, the plain model, 8 micro-batches accumulated: {_summary(plain)}")
+    for label in results[0][0]:
+        if label != "plain":
+            summed = sum(statistics.median(results[r][0][label]) for r in results)
+            print(f"  {label:14s} both ranks' CPU summed {summed * 1e3:6.2f} ms: "
+                  f"{(summed - statistics.median(plain)) * 1e3:+6.2f} ms over one process")
 
 
 def main(argv: list[str] | None = None) -> int:
