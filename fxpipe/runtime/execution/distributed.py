@@ -8,7 +8,7 @@ activations and gradients with its peers (fxpipe.runtime.communication.dist_comm
 actions run on the ticks of a clock all ranks share (fxpipe.runtime.planning.plan), and each tick's
 sends and receives are posted together, in one agreed order, so no schedule can deadlock under NCCL.
 Each micro-batch's loss starts its backward weighted as a mean or a sum over examples, whichever the
-loss of the joined outputs shows it is (fxpipe.runtime.execution.loss_split), so the accumulated
+loss of the joined outputs shows it is (fxpipe.runtime.execution.loss_judge), so the accumulated
 gradients equal those of the loss on the whole batch; a loss that is neither, or that data-parallel
 replicas find of different kinds, is refused. Parameters that several stages hold (tied weights)
 have their gradients summed across the ranks that hold them (stages of one rank share the Parameter
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError, RuntimeInputError
+from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.communication.dist_comm import DistComm, TagTable, messages_of
 from fxpipe.runtime.communication.mesh import Mesh
@@ -42,23 +42,8 @@ from fxpipe.runtime.execution.batchnorm import commit_batch_norms, discard_batch
 from fxpipe.runtime.execution.devices import make_timeline, pin_for, stage_devices, to_device
 from fxpipe.runtime.execution.forward import run_forward
 from fxpipe.runtime.execution.fsdp import FullShard
-from fxpipe.runtime.execution.loss_split import (
-    KINDS,
-    MEAN,
-    MIXED,
-    NEITHER,
-    SUM,
-    UNDECIDED,
-    agreed,
-    changed,
-    disagreement,
-    known_kind,
-    loss_key,
-    refusal,
-    split_kind,
-    undecidable,
-    weight_of,
-)
+from fxpipe.runtime.execution.loss_judge import LossJudge, split_target
+from fxpipe.runtime.execution.loss_split import KINDS, MEAN, SUM, known_kind, loss_key, weight_of
 from fxpipe.runtime.execution.memory import KeptMemory
 from fxpipe.runtime.execution.split_backward import SplitPlans
 from fxpipe.runtime.execution.stagespec import HeldStage
@@ -85,19 +70,6 @@ class StepResult:
     kept_bytes: int = 0  # peak activation bytes held for backward on this rank
     sends_held: int = 0  # most sent tensors held at once, waiting for their sends to complete
     overflow: bool = False  # with a scaler: some rank's gradients were not finite (all skip)
-
-
-def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
-                 batch: int) -> list[torch.Tensor | None]:
-    if target is None:
-        return [None] * chunks
-    if target.dim() <= batch_dim or target.shape[batch_dim] != batch:
-        raise RuntimeInputError(
-            f"target shape {tuple(target.shape)} has no batch dimension {batch_dim} of size "
-            f"{batch}",
-            hint="give the target the same batch size as the inputs, along the batch dimension "
-                 "of the model's first output")
-    return list(target.tensor_split(chunks, dim=batch_dim))
 
 
 class DistributedExecutor:
@@ -136,9 +108,9 @@ class DistributedExecutor:
         self.split_plans: dict[int, SplitPlans] = {}  # read once per stage (split_backward.py)
         self.warm = False
         self.last: StepResult | None = None  # the latest step's result
-        # how each loss splits over micro-batches, found on a step that only finds it, for a
-        # schedule whose last stage starts a backward before every forward is done
-        self.loss_kinds: dict[Any, str] = {}
+        # how each loss splits over micro-batches (its kinds, found on a step that only finds
+        # it for a schedule whose last stage starts a backward before every forward is done)
+        self.loss_judge = LossJudge(signature, device, mesh, dp_group)
         self.loss_first: dict[tuple[ScheduleKind, int], bool] = {}
         # Replica averaging of untied gradients overlaps the last backward (0: after it).
         # Tied parameters wait for their sum over stages, which needs every stage's backward.
@@ -184,12 +156,12 @@ class DistributedExecutor:
         run = dict(chunks=chunks, remat=remat_policy(remat), schedule=kind, scaler=scaler)
         if self._loss_first(kind, chunks):  # judged on each step before its backward
             return self._step(tensors, target, loss_fn, key, None, **run)
-        if key not in self.loss_kinds:  # a step that only judges the loss, then the step
+        if key not in self.loss_judge.kinds:  # a step that only judges the loss, then the step
             buffers = list({id(b): b for u in self.units.values()
                             for b in u.module.buffers()}.values())
             with untouched(self.parameters(), buffers):
                 self._step(tensors, target, loss_fn, key, None, probe=True, **run)
-        return self._step(tensors, target, loss_fn, key, self.loss_kinds[key], **run)
+        return self._step(tensors, target, loss_fn, key, self.loss_judge.kinds[key], **run)
 
     def _loss_first(self, schedule: ScheduleKind, chunks: int) -> bool:
         """Whether the last stage runs every forward before its first backward (GPipe), so it
@@ -246,11 +218,11 @@ class DistributedExecutor:
             weight_of(assumed, chunks, replicas)
         # one micro-batch per replica: its halves show the kind (one replica takes any loss)
         halves = chunks == 1 and replicas > 1
-        known = known_kind(loss_fn) or self.loss_kinds.get(key)
+        known = known_kind(loss_fn) or self.loss_judge.kinds.get(key)
         judged: tuple[float, list[float], str | None, list[int]] | None = None
 
         def judge() -> tuple[float, list[float], str | None, list[int]]:
-            return self._judge(outputs, values, target, loss_fn, halves, known)
+            return self.loss_judge.judge(outputs, values, target, loss_fn, halves, known)
 
         def decided() -> float:
             """The weight of the last stage's losses, judged on this step before its first
@@ -258,7 +230,8 @@ class DistributedExecutor:
             nonlocal judged, weight
             if weight is None:  # every forward of the last stage is done (_loss_first)
                 judged = judge()
-                weight = weight_of(judged[2] or self.loss_kinds.get(key, MEAN), chunks, replicas)
+                kind = judged[2] or self.loss_judge.kinds.get(key, MEAN)
+                weight = weight_of(kind, chunks, replicas)
             return weight
         # the last action that accumulates gradients (B, or W of a split backward)
         last_backward = max(t.index for t in ticks
@@ -276,7 +249,7 @@ class DistributedExecutor:
                     last = self.is_last(stage)
 
                     def keep(out: Any, mb: int = mb) -> None:  # the last stage's loss
-                        losses[mb] = self._loss(out, to_device(targets[mb], self.device),
+                        losses[mb] = self.loss_judge.loss(out, to_device(targets[mb], self.device),
                                                 loss_fn)
                         values[mb] = losses[mb].detach()
                         outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
@@ -347,7 +320,7 @@ class DistributedExecutor:
                                 hint="another rank failed or exited; its error says why") from e
         if numbers is None:
             numbers = verdict.tolist()
-        used = self._settle(numbers, loss_fn, key, assumed, probe, halves)
+        used = self.loss_judge.settle(numbers, loss_fn, key, assumed, probe, halves)
         sends_held = self.transport.peak
         self.transport.reset_peak()
         # the replicas' losses are averaged (fxpipe.runtime.communication.mesh): a sum's is their
@@ -402,10 +375,6 @@ class DistributedExecutor:
             autocast = AutocastState.capture().dtype(self.device.type)
             self.boundary_dtypes[(autocast, comm.b)] = comm.dtypes
 
-    def _loss(self, out: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
-        structured = self.signature.unflatten_outputs(list(out))
-        return loss_fn(structured, target) if target is not None else loss_fn(structured)
-
     def close(self) -> None:
         """Removes the hooks this executor put on its parameters (a program that installs a
         new cut builds a new executor over the same parameters)."""
@@ -413,88 +382,10 @@ class DistributedExecutor:
             self.averager.close()
             self.averager = None
 
-    def _judge(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
-               target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor],
-               halves: bool, known: str | None
-               ) -> tuple[float, list[float], str | None, list[int]]:
-        """The loss of the whole batch (its outputs joined, as in one process), its parts'
-        losses, the kind the replicas agree on (fxpipe.runtime.execution.loss_split), and how many
-        found each kind. The parts are the micro-batches, or with `halves` the two halves of the one
-        micro-batch; a micro-batch of one example has none and takes the `known` kind."""
-        if halves:
-            full = float(values[0])
-            parts, sizes = self._halves(outputs[0], target, loss_fn)
-            kind = split_kind(full, parts, values[0].dtype, sizes) if parts else \
-                known or UNDECIDED
-        else:
-            joined = self.signature.join_outputs([outputs[m] for m in sorted(outputs)])
-            with torch.no_grad():
-                loss = self._loss(joined, to_device(target, self.device) if target is not None
-                                  else None, loss_fn)
-            # one host read for all of them
-            full, *parts = torch.stack([t.detach().reshape(()).to(torch.float64) for t in (
-                loss, *(values[m] for m in sorted(values)))]).tolist()
-            kind = split_kind(full, parts, loss.dtype)
-        found = [0] * (len(KINDS) + 1)
-        found[KINDS.index(kind) if kind is not None else len(KINDS)] = 1
-        if self.dp_group is not None and self.mesh.replicas > 1:
-            counts = torch.tensor(found, dtype=torch.float64, device=self.device)
-            try:  # the last stage of every replica
-                dist.all_reduce(counts, group=self.dp_group)
-            except RuntimeError as e:
-                raise PeerLostError(f"rank {self.mesh.rank}: agreeing on the loss's kind with "
-                                    f"the other replicas failed: {str(e).splitlines()[0]}",
-                                    hint="another rank failed or exited; its error says why"
-                                    ) from e
-            found = [int(n) for n in counts.tolist()]
-        return full, parts, agreed(found), found
-
-    def _halves(self, out: list[Any], target: torch.Tensor | None,
-                loss_fn: Callable[..., torch.Tensor]) -> tuple[list[float], list[int]]:
-        """The losses of the two halves of one micro-batch's outputs (and target, split as the
-        step splits it) along the batch, and their sizes; none for one example."""
-        dims = self.signature.out_batch_dims
-        size = next((o.shape[d] for o, d in zip(out, dims)
-                     if d is not None and isinstance(o, torch.Tensor)), 1)
-        if size < 2:
-            return [], []
-        halves = [[o.tensor_split(2, d)[h] if d is not None and isinstance(o, torch.Tensor)
-                   else o for o, d in zip(out, dims)] for h in (0, 1)]
-        out_dim = next((d for d in dims if d is not None), 0)
-        targets = split_target(target, 2, out_dim, size)
-        with torch.no_grad():
-            parts = [float(self._loss(h, to_device(t, self.device) if t is not None else None,
-                                      loss_fn)) for h, t in zip(halves, targets)]
-        return parts, [size - size // 2, size // 2]
-
     def _weighted(self, losses: dict[int, torch.Tensor], mb: int, weight: float,
                   scale: Any) -> torch.Tensor:
         loss = losses.pop(mb) * weight
         return loss if scale is None else loss * scale
-
-    def _settle(self, verdict: list[float], loss_fn: Callable[..., torch.Tensor], key: Any,
-                assumed: str | None, probe: bool, halves: bool) -> str:
-        """Every rank alike: remembers what a judging step found, refuses a loss that does not
-        split over micro-batches, whose kind the replicas could not find or disagree on, or
-        that changed kind after its backward was scaled; returns the kind the backward was
-        weighted as."""
-        width = len(KINDS) + 1
-        full, code, parts = verdict[0], int(verdict[1]), verdict[2 + width:]
-        kind = KINDS[code] if code >= 0 else None
-        if kind == UNDECIDED:
-            raise undecidable(loss_fn, self.mesh.replicas)
-        if kind == MIXED:
-            counts = [int(n) for n in verdict[2:2 + width]]
-            raise disagreement(loss_fn, counts, None if probe else assumed)
-        if probe:
-            self.loss_kinds[key] = kind if kind is not None else MEAN
-        elif assumed is None and kind in (MEAN, SUM):  # for a later step that cannot judge
-            self.loss_kinds[key] = kind
-        if kind == NEITHER and (probe or assumed is None):
-            raise refusal(loss_fn, full, parts, None, halves)
-        if assumed is not None and not probe and changed(kind, assumed):
-            raise refusal(loss_fn, full, parts, assumed, halves)
-        return assumed or kind or self.loss_kinds.get(key, MEAN)
 
     def _refuse_split_backward(self, ticks: Sequence[Tick]) -> None:
         split = sorted({str(t.action.kind) for t in ticks if t.action is not None

@@ -1,0 +1,142 @@
+"""How a distributed step learns its loss's kind: the last stage judges each step's loss (the
+joined outputs' loss against its micro-batches', or with one micro-batch per replica its two
+halves'), the replicas agree, and every rank settles the verdict the last stage broadcasts
+(the rules of a mean, a sum and neither: fxpipe.runtime.execution.loss_split)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import PeerLostError, RuntimeInputError
+from fxpipe.runtime.communication.mesh import Mesh
+from fxpipe.runtime.execution.devices import to_device
+from fxpipe.runtime.execution.loss_split import (
+    KINDS,
+    MEAN,
+    MIXED,
+    NEITHER,
+    SUM,
+    UNDECIDED,
+    agreed,
+    changed,
+    disagreement,
+    refusal,
+    split_kind,
+    undecidable,
+)
+from fxpipe.signature import Signature
+
+__all__ = ["LossJudge", "split_target"]
+
+
+def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
+                 batch: int) -> list[torch.Tensor | None]:
+    """The target's micro-batches along the outputs' batch dimension, as the inputs split."""
+    if target is None:
+        return [None] * chunks
+    if target.dim() <= batch_dim or target.shape[batch_dim] != batch:
+        raise RuntimeInputError(
+            f"target shape {tuple(target.shape)} has no batch dimension {batch_dim} of size "
+            f"{batch}",
+            hint="give the target the same batch size as the inputs, along the batch dimension "
+                 "of the model's first output")
+    return list(target.tensor_split(chunks, dim=batch_dim))
+
+
+class LossJudge:
+    """The loss's kind of each (loss function, with or without a target) this executor steps
+    with, and the judging and settling of a step's verdict."""
+
+    def __init__(self, signature: Signature, device: torch.device, mesh: Mesh,
+                 dp_group: Any) -> None:
+        self.signature = signature
+        self.device = device
+        self.mesh = mesh
+        self.dp_group = dp_group
+        self.kinds: dict[Any, str] = {}  # loss_key -> MEAN or SUM, once found
+
+    def loss(self, out: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """`loss_fn` on the last stage's flat outputs, structured as the model returns them."""
+        structured = self.signature.unflatten_outputs(list(out))
+        return loss_fn(structured, target) if target is not None else loss_fn(structured)
+
+    def judge(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
+              target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor],
+              halves: bool, known: str | None
+              ) -> tuple[float, list[float], str | None, list[int]]:
+        """The loss of the whole batch (its outputs joined, as in one process), its parts'
+        losses, the kind the replicas agree on (fxpipe.runtime.execution.loss_split), and how many
+        found each kind. The parts are the micro-batches, or with `halves` the two halves of the one
+        micro-batch; a micro-batch of one example has none and takes the `known` kind."""
+        if halves:
+            full = float(values[0])
+            parts, sizes = self._halves(outputs[0], target, loss_fn)
+            kind = split_kind(full, parts, values[0].dtype, sizes) if parts else \
+                known or UNDECIDED
+        else:
+            joined = self.signature.join_outputs([outputs[m] for m in sorted(outputs)])
+            with torch.no_grad():
+                loss = self.loss(joined, to_device(target, self.device) if target is not None
+                                  else None, loss_fn)
+            # one host read for all of them
+            full, *parts = torch.stack([t.detach().reshape(()).to(torch.float64) for t in (
+                loss, *(values[m] for m in sorted(values)))]).tolist()
+            kind = split_kind(full, parts, loss.dtype)
+        found = [0] * (len(KINDS) + 1)
+        found[KINDS.index(kind) if kind is not None else len(KINDS)] = 1
+        if self.dp_group is not None and self.mesh.replicas > 1:
+            counts = torch.tensor(found, dtype=torch.float64, device=self.device)
+            try:  # the last stage of every replica
+                dist.all_reduce(counts, group=self.dp_group)
+            except RuntimeError as e:
+                raise PeerLostError(f"rank {self.mesh.rank}: agreeing on the loss's kind with "
+                                    f"the other replicas failed: {str(e).splitlines()[0]}",
+                                    hint="another rank failed or exited; its error says why"
+                                    ) from e
+            found = [int(n) for n in counts.tolist()]
+        return full, parts, agreed(found), found
+
+    def _halves(self, out: list[Any], target: torch.Tensor | None,
+                loss_fn: Callable[..., torch.Tensor]) -> tuple[list[float], list[int]]:
+        """The losses of the two halves of one micro-batch's outputs (and target, split as the
+        step splits it) along the batch, and their sizes; none for one example."""
+        dims = self.signature.out_batch_dims
+        size = next((o.shape[d] for o, d in zip(out, dims)
+                     if d is not None and isinstance(o, torch.Tensor)), 1)
+        if size < 2:
+            return [], []
+        halves = [[o.tensor_split(2, d)[h] if d is not None and isinstance(o, torch.Tensor)
+                   else o for o, d in zip(out, dims)] for h in (0, 1)]
+        out_dim = next((d for d in dims if d is not None), 0)
+        targets = split_target(target, 2, out_dim, size)
+        with torch.no_grad():
+            parts = [float(self.loss(h, to_device(t, self.device) if t is not None else None,
+                                      loss_fn)) for h, t in zip(halves, targets)]
+        return parts, [size - size // 2, size // 2]
+
+    def settle(self, verdict: list[float], loss_fn: Callable[..., torch.Tensor], key: Any,
+               assumed: str | None, probe: bool, halves: bool) -> str:
+        """Every rank alike: remembers what a judging step found, refuses a loss that does not
+        split over micro-batches, whose kind the replicas could not find or disagree on, or
+        that changed kind after its backward was scaled; returns the kind the backward was
+        weighted as."""
+        width = len(KINDS) + 1
+        full, code, parts = verdict[0], int(verdict[1]), verdict[2 + width:]
+        kind = KINDS[code] if code >= 0 else None
+        if kind == UNDECIDED:
+            raise undecidable(loss_fn, self.mesh.replicas)
+        if kind == MIXED:
+            counts = [int(n) for n in verdict[2:2 + width]]
+            raise disagreement(loss_fn, counts, None if probe else assumed)
+        if probe:
+            self.kinds[key] = kind if kind is not None else MEAN
+        elif assumed is None and kind in (MEAN, SUM):  # for a later step that cannot judge
+            self.kinds[key] = kind
+        if kind == NEITHER and (probe or assumed is None):
+            raise refusal(loss_fn, full, parts, None, halves)
+        if assumed is not None and not probe and changed(kind, assumed):
+            raise refusal(loss_fn, full, parts, assumed, halves)
+        return assumed or kind or self.kinds.get(key, MEAN)
