@@ -32,6 +32,7 @@ from fxpipe.profile import (
     select_profile,
 )
 from fxpipe.profile.checks import disagreeing, implausible
+from fxpipe.profile.device import MEASUREMENT
 from fxpipe.profile.kernels import KernelCounter
 from fxpipe.tools.bench import BENCH_GPT
 
@@ -249,7 +250,8 @@ def test_what_a_step_pays_beyond_kernels_is_part_of_the_cached_profile(cache_fol
     path.unlink()
     path = _cache_old_profile(lambda old: old.pop("measurement"), fresh=True)
     cache.cached_profile("cpu")
-    assert len(counted_measure) == 3 and json.loads(path.read_text())["measurement"] == 2
+    assert len(counted_measure) == 3 and json.loads(path.read_text())["measurement"] == \
+        MEASUREMENT
 
 
 def _cache_old_profile(edit: Any, fresh: bool = False) -> Path:
@@ -398,3 +400,27 @@ def test_direct_kernels_count_what_a_backward_pass_counts():
                       .backward(go), "attention")
     assert counted(lambda: _attention_products(q, k, v, go), "attention") == through
     assert through[2] == 2 and through[0] > 0
+
+
+def test_remat_bookkeeping_is_measured_under_the_checkpoint_stage_code_runs(monkeypatch) -> None:
+    """The profile's region overheads time the stages' own checkpoint, so a change to how stage
+    code checkpoints (its determinism check, its RNG state) changes what the profile predicts."""
+    from collections import Counter
+
+    from fxpipe.profile.overheads import _Chained
+    from fxpipe.runtime import stage
+
+    called: list[dict[str, Any]] = []
+    torch_checkpoint = stage._torch_checkpoint
+
+    def recording(region: Any, *args: Any, **kwargs: Any) -> Any:
+        called.append(kwargs)
+        return torch_checkpoint(region, *args, **kwargs)
+
+    monkeypatch.setattr(stage, "_torch_checkpoint", recording)
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    chain = _Chained(model, torch.randn(2, 4, requires_grad=True), Counter(), (0.0, 0.0))
+    chain.remat()
+    assert called == [{"use_reentrant": False, "preserve_rng_state": True,
+                       "determinism_check": "none"}]
+    assert all(p.grad is not None for p in model.parameters())

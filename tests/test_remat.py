@@ -173,7 +173,8 @@ def test_auto_is_charged_a_tied_weight_in_every_stage_that_holds_it(monkeypatch)
     torch.manual_seed(0)
     model = gpt.GPT(100, 16, 32, 2, 2, 0.0)
     x = torch.randint(0, 100, (8, 16))
-    program = fxpipe.compile(model, (x,), stages=3, chunks=2, remat="auto", memory_limit=2**40)
+    program = fxpipe.compile(model, (x,), stages=3, chunks=2, remat="auto", memory_limit=2**40,
+                             profile="a100")  # a cut that does not follow this machine
     tied = model.wte.weight
     assert program.built.spec.shared == {"wte.weight": [0, 2]}
     extra = [charged[s] - program.plan.stages[s].held_bytes for s in range(3)]

@@ -32,10 +32,11 @@ OVERHEADS = ("op_overhead", "region_overhead", "checkpoint_overhead", "microbatc
              "step_overhead", "action_overhead", "message_overhead")
 """The DeviceProfile fields of what a real step pays beyond its kernels."""
 
-MEASUREMENT = 2
+MEASUREMENT = 3
 """How measured profiles are measured (1: compute-bound kernels timed inside a backward pass;
-2: convolutions and a CPU's attention called directly, fxpipe.profile.measure): a cached profile
-of another measurement is measured again."""
+2: convolutions and a CPU's attention called directly, fxpipe.profile.measure; 3: remat regions'
+bookkeeping under stage code's own checkpoint, without torch's determinism check): a cached
+profile of another measurement is measured again."""
 
 OP_CLASSES = ("matmul", "attention", "convolution", "recurrent", "embedding", "reduction",
               "random", "elementwise")

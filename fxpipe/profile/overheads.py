@@ -33,12 +33,12 @@ from functools import partial
 from typing import TypeVar
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from fxpipe import ir
 from fxpipe.profile.device import DeviceProfile
 from fxpipe.profile.kinds import overhead_kind
+from fxpipe.runtime import stage
 
 __all__ = ["interleaved", "measure_overheads"]
 
@@ -169,11 +169,10 @@ class _Chained:
         self.model(self.x)
 
     def remat(self) -> None:
-        """A step with the chain under the stages' checkpoint (torch's non-reentrant one,
-        keeping the RNG state, as stage code runs it)."""
+        """A step with the chain under the checkpoint stage code runs its remat regions with
+        (fxpipe.runtime.stage.checkpoint)."""
         self.model.zero_grad(set_to_none=True)
-        out: torch.Tensor = torch.utils.checkpoint.checkpoint(
-            self.model, self.x, use_reentrant=False, preserve_rng_state=True)
+        out: torch.Tensor = stage.checkpoint(self.model, self.x, enabled=True)
         torch.autograd.backward(out.sum())
 
 
