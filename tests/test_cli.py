@@ -664,3 +664,23 @@ def test_run_help_lists_the_options_of_program_py(capsys):
     for option in ("--data MODULE:FN", "--save DIR", "--resume DIR", "--weights PATH", "--init",
                    "--setup-timeout"):
         assert option in out, option
+
+
+def test_the_readme_shows_the_stage_the_demo_writes(tmp_path):
+    """The abridged stage under "What you get" is the demo's stage_1.py: each line it shows
+    is a line of that file, in the file's order ("..." marks what is left out)."""
+    from fxpipe.models import gpt
+    from fxpipe.tools import demo
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = readme.split("## What you get")[1].split("```python\n")[1].split("```")[0]
+    model, inputs = gpt.build(dropout=0.0)
+    fxpipe.compile(model, inputs, stages=2, chunks=4, command=demo.COMMAND,
+                   profile="a100").write(str(tmp_path / "demo"))  # not this machine's cut
+    written = (tmp_path / "demo" / "stage_1.py").read_text().splitlines()
+    at = 0
+    for line in shown.splitlines():
+        if line.strip() in ("", "..."):
+            continue
+        assert line in written[at:], f"README shows a line stage_1.py does not have: {line!r}"
+        at = written.index(line, at) + 1

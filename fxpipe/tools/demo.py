@@ -12,16 +12,19 @@ from fxpipe.runtime.program.torchrun import free_port
 __all__ = ["run_demo"]
 
 
+# what the stage files' headers say regenerates them
+COMMAND = ("fxpipe compile fxpipe.models.gpt:build --set dropout=0.0 --stages 2 --chunks 4 "
+           "--remat except_last")
+
+
 def run_demo(out: str, *, nproc: int = 2, steps: int = 3) -> int:
     """Compiles the bundled GPT into 2 stages, prints the report, writes the program to `out`,
     trains it on `nproc` processes (NCCL when each has a GPU of its own, else gloo on the CPU,
     said in one line) and checks the loss against the plain model."""
     model, inputs = gpt.build(dropout=0.0)  # so the pipeline's losses can equal the model's
     target = gpt.target(inputs)
-    command = ("fxpipe compile fxpipe.models.gpt:build --set dropout=0.0 --stages 2 --chunks 4 "
-               "--remat except_last")
     print("compiling the bundled GPT into 2 stages x 4 micro-batches ...", flush=True)
-    program = fxpipe.compile(model, inputs, stages=2, chunks=4, command=command)
+    program = fxpipe.compile(model, inputs, stages=2, chunks=4, command=COMMAND)
     print(program.report().text(), flush=True)
     files = program.write(out, target=target)
     print(f"\nwrote {len(files)} files to {out}/: " + ", ".join(os.path.basename(f) for f in files))
