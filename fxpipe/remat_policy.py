@@ -10,12 +10,26 @@ object (`comm.remat`).
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 from fxpipe.choices import REMAT_MODES  # the names, torch-free for the command line
 from fxpipe.errors import ConfigError
 from fxpipe.figures import kept_at_peak
 
-__all__ = ["RematPolicy", "REMAT_MODES", "remat_policy"]
+__all__ = ["CHECKPOINT_OPTIONS", "RematPolicy", "REMAT_MODES", "remat_policy"]
+
+CHECKPOINT_OPTIONS: dict[str, Any] = {
+    "use_reentrant": False,
+    # dropout inside a region draws the same mask when it is recomputed
+    "preserve_rng_state": True,
+    # torch's check compares the shape, dtype and device of every tensor the recomputation
+    # saves with the forward's (about 8% of a small region's recompute on a CPU); a region is
+    # traced code whose inputs fix its shapes, and autograd refuses a gradient of another shape
+    # all the same
+    "determinism_check": "none",
+}
+"""How a remat region is checkpointed: torch.utils.checkpoint's options as stage code runs it
+(fxpipe.runtime.stage.checkpoint) and as the profile times a region's bookkeeping."""
 
 
 class RematPolicy(Enum):

@@ -403,24 +403,30 @@ def test_direct_kernels_count_what_a_backward_pass_counts():
 
 
 def test_remat_bookkeeping_is_measured_under_the_checkpoint_stage_code_runs(monkeypatch) -> None:
-    """The profile's region overheads time the stages' own checkpoint, so a change to how stage
-    code checkpoints (its determinism check, its RNG state) changes what the profile predicts."""
+    """The profile's region overheads and stage code checkpoint with the same options, so a
+    change to how stage code checkpoints (its determinism check, its RNG state) changes what
+    the profile measures."""
     from collections import Counter
 
+    import torch.utils.checkpoint
+
     from fxpipe.profile.overheads import _Chained
+    from fxpipe.remat_policy import CHECKPOINT_OPTIONS
     from fxpipe.runtime import stage
 
     called: list[dict[str, Any]] = []
-    torch_checkpoint = stage._torch_checkpoint
+    torch_checkpoint = torch.utils.checkpoint.checkpoint
 
     def recording(region: Any, *args: Any, **kwargs: Any) -> Any:
         called.append(kwargs)
         return torch_checkpoint(region, *args, **kwargs)
 
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", recording)
     monkeypatch.setattr(stage, "_torch_checkpoint", recording)
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
-    chain = _Chained(model, torch.randn(2, 4, requires_grad=True), Counter(), (0.0, 0.0))
-    chain.remat()
-    assert called == [{"use_reentrant": False, "preserve_rng_state": True,
-                       "determinism_check": "none"}]
+    x = torch.randn(2, 4, requires_grad=True)
+    _Chained(model, x, Counter(), (0.0, 0.0)).remat()  # as the profile times it
+    stage.checkpoint(model, x, enabled=True).sum().backward()  # as stage code runs a region
+    assert called == [CHECKPOINT_OPTIONS, CHECKPOINT_OPTIONS]
+    assert CHECKPOINT_OPTIONS["determinism_check"] == "none"
     assert all(p.grad is not None for p in model.parameters())

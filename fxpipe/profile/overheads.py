@@ -33,12 +33,13 @@ from functools import partial
 from typing import TypeVar
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from fxpipe import ir
 from fxpipe.profile.device import DeviceProfile
 from fxpipe.profile.kinds import overhead_kind
-from fxpipe.runtime import stage
+from fxpipe.remat_policy import CHECKPOINT_OPTIONS
 
 __all__ = ["interleaved", "measure_overheads"]
 
@@ -170,9 +171,10 @@ class _Chained:
 
     def remat(self) -> None:
         """A step with the chain under the checkpoint stage code runs its remat regions with
-        (fxpipe.runtime.stage.checkpoint)."""
+        (fxpipe.remat_policy.CHECKPOINT_OPTIONS)."""
         self.model.zero_grad(set_to_none=True)
-        out: torch.Tensor = stage.checkpoint(self.model, self.x, enabled=True)
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(self.model, self.x,
+                                                              **CHECKPOINT_OPTIONS)
         torch.autograd.backward(out.sum())
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from fxpipe.errors import CodegenError
+from fxpipe.remat_policy import CHECKPOINT_OPTIONS
 from fxpipe.runtime.execution.memory import active_tracker
 
 __all__ = ["StageModule", "checkpoint", "share_tied"]
@@ -20,18 +21,14 @@ def checkpoint(region: Callable[..., Any], *args: Any, enabled: bool) -> Any:
     last one under remat="except_last").
 
     Non-reentrant checkpointing with the RNG state preserved, so dropout inside the region draws
-    the same mask when it is recomputed. Without torch's determinism check: it compares the
-    shape, dtype and device of every tensor the recomputation saves with the forward's (about
-    8% of a small region's recompute on a CPU), and the region is traced code whose shapes the
-    inputs fix; a gradient of another shape is refused by autograd all the same.
+    the same mask when it is recomputed (fxpipe.remat_policy.CHECKPOINT_OPTIONS).
     """
     if not enabled or not torch.is_grad_enabled():
         return region(*args)
     tracker = active_tracker()
     if tracker is not None:
         tracker.add_region_inputs(args)
-    return _torch_checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True,
-                             determinism_check="none")
+    return _torch_checkpoint(region, *args, **CHECKPOINT_OPTIONS)
 
 
 def share_tied(modules: Sequence[StageModule]) -> None:
