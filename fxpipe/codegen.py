@@ -9,7 +9,6 @@ and numbers are written with repr().
 """
 from __future__ import annotations
 
-import builtins
 import functools
 import keyword
 import linecache
@@ -27,6 +26,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from fxpipe import ir, source
+from fxpipe.callable_names import callable_name
 from fxpipe.errors import CodegenError
 from fxpipe.runtime import ops
 from fxpipe.runtime.stage import StageModule
@@ -43,7 +43,6 @@ _INFIX = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.true
           operator.rshift: ">>", operator.eq: "==", operator.ne: "!=", operator.lt: "<",
           operator.le: "<=", operator.gt: ">", operator.ge: ">="}
 _UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~", operator.not_: "not "}
-_PUBLIC_HOMES = ("torch.nn.functional", "torch", "torch.special", "torch.linalg", "torch.fft")
 
 
 _WIDTH = 100  # generated lines stay within this many characters
@@ -180,78 +179,6 @@ def _argument(arg: Any, ctx: _Context, node: Node) -> Expression:
     return _render(arg, ctx, node)
 
 
-def _function_name(target: Any, node: Node, ctx: _Context) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"torch.ops.{target.namespace}.{target._schema.name.split('::')[1]}." \
-               f"{target._overloadname}"
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return f"torch.ops.{target._qualified_op_name.replace('::', '.')}"
-    name: str | None = getattr(target, "__name__", None)
-    if name:
-        for home in _PUBLIC_HOMES:
-            namespace = _resolve(home)
-            if namespace is not None and getattr(namespace, name, None) is target:
-                return f"{home}.{name}"
-        if getattr(builtins, name, None) is target:
-            return name
-    module: str | None = getattr(target, "__module__", None)
-    qualname: str | None = getattr(target, "__qualname__", None)
-    if not module or not qualname or "<" in qualname or module == "__main__":
-        raise CodegenError(f"{node.name} calls {target!r}, which cannot be imported by name",
-                           hint="define the function at module level in an importable module")
-    return _importable_name(target, module, qualname, ctx)
-
-
-def _importable_name(target: Any, module: str, qualname: str, ctx: _Context) -> str:
-    """A spelling of `target` that resolves to `target` itself, with its import.
-
-    `module.qualname` is written when attribute access from the top-level package reaches the
-    target. It does not when a package re-exports a function under the name of the module that
-    defines it (torchvision.ops.stochastic_depth is the function, not its module): then the
-    shortest package attribute that holds the target, else a from-import, which loads the module
-    through sys.modules and never through attributes.
-    """
-    dotted = f"{module}.{qualname}"
-    if _resolves_to(dotted, target):
-        ctx.imports.add(module)
-        return dotted
-    name = qualname.split(".")[0]
-    parts = module.split(".")
-    for end in range(1, len(parts)):
-        package = ".".join(parts[:end])
-        spelled = f"{package}.{qualname}"
-        if "." not in qualname and _resolves_to(spelled, target):
-            ctx.imports.add(package)
-            return spelled
-    alias = "_".join([*parts, "", name])
-    ctx.from_imports.add(f"from {module} import {name} as {alias}")
-    rest = qualname[len(name):]
-    if not _resolves_to_object(getattr(sys.modules.get(module), name, None), rest, target):
-        raise CodegenError(f"{dotted} does not name the function the graph calls ({target!r})",
-                           hint="define the function at module level under its own name")
-    return alias + rest
-
-
-def _resolves_to(dotted: str, target: Any) -> bool:
-    """Whether `import <modules>; <dotted>` evaluates to `target` (by attribute access from the
-    top-level package, as the generated code will)."""
-    top, _, rest = dotted.partition(".")
-    return _resolves_to_object(sys.modules.get(top), "." + rest if rest else "", target)
-
-
-def _resolves_to_object(obj: Any, attributes: str, target: Any) -> bool:
-    for part in attributes.split(".")[1:]:
-        obj = getattr(obj, part, None)
-    return obj is target
-
-
-def _resolve(dotted: str) -> Any:
-    obj: Any = torch
-    for part in dotted.split(".")[1:]:
-        obj = getattr(obj, part, None)
-    return obj
-
-
 def _expression(node: Node, ctx: _Context) -> Expression:
     target = node.target
     if node.op == "call_module":
@@ -274,7 +201,8 @@ def _expression(node: Node, ctx: _Context) -> Expression:
         return f"{a} {_INFIX[target]} {b}"
     if target in _UNARY and len(node.args) == 1 and not node.kwargs:
         return f"{_UNARY[target]}{_render(node.args[0], ctx, node)}"
-    return _Call(_function_name(target, node, ctx), _call_args(node, ctx))
+    return _Call(callable_name(target, node.name, ctx.imports, ctx.from_imports),
+                 _call_args(node, ctx))
 
 
 def _annotation(node: Node) -> str:

@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, ...]] = [
      "fxpipe.optimizers", "fxpipe.sharding", "fxpipe.models",
      "fxpipe.remat_policy"),  # contracts: metadata, names, formats, policies
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
-    ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen"),  # the compiler's passes
+    ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen",
+     "fxpipe.callable_names"),  # the compiler's passes
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces
     ("fxpipe.report",),
     ("fxpipe.costs",),
