@@ -15,7 +15,8 @@ from fxpipe import ir
 from fxpipe.errors import ConfigError
 from fxpipe.profile import DeviceProfile, median_time
 
-__all__ = ["default_loss", "loss_name", "resolve_loss", "loss_time", "NAMED", "LossFn"]
+__all__ = ["default_loss", "loss_name", "resolve_loss", "loss_time", "loss_saved_bytes", "NAMED",
+           "LossFn"]
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -87,14 +88,42 @@ def resolve_loss(name: str) -> Any:
     return obj
 
 
+def _prediction(gm: GraphModule) -> ir.TensorInfo | None:
+    """The output the default loss reads: the first floating-point one."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    infos = [n.meta.get(ir.TENSOR) for n in outputs]
+    return next((i for i in infos if isinstance(i, ir.TensorInfo) and i.is_float), None)
+
+
+def loss_saved_bytes(gm: GraphModule, b: int) -> float:
+    """Bytes the default loss keeps for its backward per micro-batch of size b, as loss_time
+    assumes it (cross-entropy over the last dimension of the first floating output): the last
+    stage holds them from the micro-batch's forward to its backward, beside its activations.
+    Found on the meta device with autograd's saved-tensor hooks, each storage once."""
+    info = _prediction(gm)
+    if info is None:
+        return 0.0
+    shape = info.concrete_shape(b)
+    logits = torch.empty(shape, dtype=info.dtype, device="meta", requires_grad=True)
+    target = torch.zeros(shape[:-1], dtype=torch.long, device="meta") if len(shape) > 1 else None
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        saved[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        default_loss(logits, target)
+    return float(sum(saved.values()))
+
+
 def loss_time(gm: GraphModule, b: int, profile: DeviceProfile, measured: bool,
               device: torch.device | None = None) -> float:
     """Seconds per micro-batch of the default loss on the first floating output (forward and
     backward): the last stage runs it after the model, so the partition must count it.
     Measured on `device` (where the last stage runs; default the CPU) in the output's dtype."""
-    outputs = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
-    infos = [n.meta.get(ir.TENSOR) for n in outputs]
-    info = next((i for i in infos if isinstance(i, ir.TensorInfo) and i.is_float), None)
+    info = _prediction(gm)
     if info is None:
         return 0.0
     shape = info.concrete_shape(b)

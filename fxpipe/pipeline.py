@@ -31,7 +31,7 @@ from fxpipe.config import AUTO, CompileConfig, check_config
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.frontend.capture import CaptureInfo, capture
 from fxpipe.frontend.meta import is_meta_model
-from fxpipe.losses import loss_time
+from fxpipe.losses import loss_saved_bytes, loss_time
 from fxpipe.optimizers import OptimizerMemory
 from fxpipe.passes.batchnorm import defer_batch_norm
 from fxpipe.passes.cost import annotate_costs
@@ -249,6 +249,7 @@ def _partition(gm: GraphModule, config: CompileConfig, batch: int, profile: Devi
                              schedule=candidate.schedule_kind, ranks=candidate.ranks,
                              loss_time=loss_time(gm, b, profile, config.balance == "time",
                                                  _profile_device(config)),
+                             loss_bytes=loss_saved_bytes(gm, b),
                              corrections=corrections, starts=starts,
                              optimizer=config.optimizer)
         return choose_chunks(batch, config.chunks, for_chunks)

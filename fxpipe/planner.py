@@ -40,7 +40,7 @@ from fxpipe.built import Snapshot
 from fxpipe.config import CompileConfig, check_shard
 from fxpipe.errors import ConfigError, FxPipeError, PartitionError
 from fxpipe.frontend.capture import CaptureInfo
-from fxpipe.losses import loss_time
+from fxpipe.losses import loss_saved_bytes, loss_time
 from fxpipe.optimizers import ADAM, OptimizerMemory, optimizer_memory
 from fxpipe.passes.partition import PartitionPlan, partition
 from fxpipe.passes.partition.atoms import AtomsCache, atoms_of
@@ -386,6 +386,8 @@ class Partitions:
     fastest_starts: dict[CutKey, tuple[str, ...]] = field(default_factory=dict)
     """Each key's fastest cut, as the first node of each stage."""
     kinds: dict[str, ScheduleKind] = field(default_factory=dict)
+    loss_bytes: dict[int, float] = field(default_factory=dict)
+    """What the loss keeps per micro-batch, by micro-batch size."""
 
     def kind(self, name: str) -> ScheduleKind:
         """The schedule with its orders memoised (candidates differing only in remat play the
@@ -395,13 +397,19 @@ class Partitions:
             self.kinds[name] = replace(base, order=functools.lru_cache(maxsize=None)(base.order))
         return self.kinds[name]
 
+    def _loss_bytes(self, b: int) -> float:
+        if b not in self.loss_bytes:
+            self.loss_bytes[b] = loss_saved_bytes(self.gm, b)
+        return self.loss_bytes[b]
+
     def _cut(self, c: Candidate, b: int, limit: float | None,
              starts: tuple[str, ...] | None = None) -> PartitionPlan:
         return partition(self.gm, c.stages, microbatch_size=b, chunks=c.chunks,
                          profile=self.profile, remat=c.remat, memory_limit=limit,
                          schedule=self.kind(c.schedule), ranks=c.ranks,
                          loss_time=loss_time(self.gm, b, self.profile, False),
-                         reuse=self.reuse, optimizer=self.optimizer.sharded(c.shard, c.replicas),
+                         loss_bytes=self._loss_bytes(b), reuse=self.reuse,
+                         optimizer=self.optimizer.sharded(c.shard, c.replicas),
                          starts=starts, least_memory=False)  # a cut that does not fit is told
 
     def fastest(self, c: Candidate, b: int) -> PartitionPlan:

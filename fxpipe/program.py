@@ -370,7 +370,8 @@ class Program(nn.Module):
 
     def measure_activations(self, *args: Any, **kwargs: Any) -> list[dict[str, float]]:
         """Activation bytes each stage keeps for backward at the peak of a GPipe step (after all
-        forwards), measured with saved-tensor hooks on a real forward, next to the prediction."""
+        forwards), measured with saved-tensor hooks on a real forward, next to the prediction.
+        In one process, without a loss; under torchrun, measure_kept measures a whole step."""
         if self._built is None:
             self.build(*args, **kwargs)
         built = self._require_built("activations")
@@ -385,6 +386,29 @@ class Program(nn.Module):
                   for i, (t, p) in enumerate(zip(trackers, predicted_kept(built)))]
         self.measured["kept_activations"] = result
         return result
+
+    def measure_kept(self, *args: Any, target: torch.Tensor | None = None,
+                     loss_fn: LossFn | None = None, **kwargs: Any) -> dict[str, float]:
+        """Under torchrun: one training step (its gradients accumulate as any step's) with the
+        activation bytes this rank's stages keep for their backwards tracked by autograd's
+        saved-tensor hooks (the loss's included; each storage once, parameters never), their
+        peak beside the prediction for the program's schedule (Report.kept_by_rank): {"rank",
+        "loss", "measured_bytes", "predicted_bytes"}."""
+        if self._rank is None:
+            raise ConfigError("measure_kept measures one rank of a distributed pipeline, but "
+                              "this process runs every stage",
+                              hint="use program.measure_activations(x) in one process")
+        self._rank.executor.record_memory = True
+        try:
+            loss = self.step(*args, target=target, loss_fn=loss_fn, **kwargs)
+        finally:
+            self._rank.executor.record_memory = False
+        report = self.report()
+        mesh = self._rank.mesh  # replicas each take their share of the batch
+        predicted = report.kept_by_rank(report.schedule, report.ranks)[mesh.pipe_rank]
+        return {"rank": float(mesh.rank), "loss": loss,
+                "measured_bytes": float(self.measured["kept_bytes"]),
+                "predicted_bytes": predicted / mesh.replicas}
 
     def step(self, *args: Any, target: torch.Tensor | None = None,
              loss_fn: LossFn | None = None, scaler: torch.amp.GradScaler | None = None,

@@ -16,6 +16,7 @@ from fxpipe.codegen import FileHeader
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
 from fxpipe.figures import against, remat_saving, stage_load
+from fxpipe.losses import loss_saved_bytes
 from fxpipe.optimizers import ADAM, OptimizerMemory
 from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, kept_reason
 from fxpipe.passes.remat import RematRegion, kept_bytes
@@ -24,7 +25,7 @@ from fxpipe.profile import DeviceProfile
 from fxpipe.remat_policy import RematPolicy
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.planning.grid import peak_inflight, render_grid
-from fxpipe.runtime.planning.schedule import SCHEDULES, ScheduleKind, stages_on
+from fxpipe.runtime.planning.schedule import SCHEDULES, ActionKind, ScheduleKind, stages_on
 from fxpipe.runtime.planning.timeline import predicted_step
 
 __all__ = ["Report", "StageRow", "build_report", "stage_header", "compile_command",
@@ -185,6 +186,7 @@ class StageRow(TypedDict, total=False):
     params_bytes: float
     activations_bytes: float
     kept_with_remat_bytes: float
+    loss_bytes: float  # what the loss keeps per micro-batch in flight (the last stage's)
     recv_bytes: float
     send_bytes: float
     memory_model_bytes: float | None
@@ -261,10 +263,37 @@ class Report:
 
     def kept(self, schedule: ScheduleKind, ranks: int) -> float:
         """The most activation bytes a stage keeps at the peak of a step of `schedule`."""
+        return max(self.kept_by_stage(schedule, ranks))
+
+    def kept_by_stage(self, schedule: ScheduleKind, ranks: int) -> list[float]:
+        """Activation bytes each stage keeps at its peak in a step of `schedule`: the
+        micro-batches in flight there times what each keeps (the last stage's with what the
+        loss keeps)."""
         m = self.plan.chunks
         inflight = peak_inflight(schedule.build(m, len(self.plan.stages), ranks))
-        return max(self.remat.kept_at_peak(s["activations_bytes"], s["kept_with_remat_bytes"],
-                                           n, m) for s, n in zip(self.stages, inflight))
+        return [self.remat.kept_at_peak(s["activations_bytes"], s["kept_with_remat_bytes"], n, m)
+                + n * s["loss_bytes"] for s, n in zip(self.stages, inflight)]
+
+    def kept_by_rank(self, schedule: ScheduleKind, ranks: int) -> list[float]:
+        """Activation bytes each rank keeps at its peak in a step of `schedule`, its actions
+        played in order: a forward adds what its micro-batch keeps at that stage (every
+        activation, or its remat regions' inputs where it recomputes; the last stage's with
+        what the loss keeps), its backward (W, in a split backward) frees it. With one stage
+        per rank this is kept_by_stage; with several, their peaks need not coincide."""
+        m = self.plan.chunks
+        out = []
+        for actions in schedule.build(m, len(self.plan.stages), ranks):
+            live = peak = 0.0
+            for a in actions:
+                if a.kind == ActionKind.INPUT_GRAD:
+                    continue  # the activations stay for W
+                s = self.stages[a.stage]
+                keeps = s["kept_with_remat_bytes"] if self.remat.recomputes(a.microbatch, m) \
+                    else s["activations_bytes"]
+                live += (keeps + s["loss_bytes"]) * (1 if a.kind == ActionKind.FORWARD else -1)
+                peak = max(peak, live)
+            out.append(peak)
+        return out
 
     def _layouts(self) -> list[tuple[ScheduleKind, int]]:
         """Each schedule that runs these stages on this program's ranks, with that number: the
@@ -388,7 +417,8 @@ class Report:
         measured = [s for s in self.stages if "kept_measured_bytes" in s]
         if not measured:
             return []
-        return ["activations kept at the peak of a GPipe step (measured, all forwards done): "
+        return ["activations the stages keep at the peak of a GPipe step (measured, all forwards "
+                "done, the loss not run): "
                 + "; ".join(f"stage {s['stage']} {human_bytes(s['kept_measured_bytes'])}, "
                             f"predicted {human_bytes(s['kept_predicted_bytes'])}: "
                             + against(s["kept_measured_bytes"], s["kept_predicted_bytes"])
@@ -416,8 +446,9 @@ class Report:
 
 
 def predicted_kept(built: Built) -> list[float]:
-    """Activation bytes each stage holds after all forwards of a GPipe step (its peak; what
-    program.measure_activations measures), as the remat policy counts them."""
+    """Activation bytes each stage's forwards hold after all forwards of a GPipe step (its
+    peak; what program.measure_activations measures, which runs no loss), as the remat policy
+    counts them."""
     plan = built.plan
     m, b = built.spec.chunks, plan.microbatch_size
     out = []
@@ -469,6 +500,7 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
     plan = built.plan
     b = plan.microbatch_size
     kept = predicted_kept(built)
+    last = len(built.stages) - 1
     stages: list[StageRow] = []
     for st, sp in zip(built.stages, plan.stages):
         figures = _stage_figures(st.graph, st.regions, b)
@@ -480,6 +512,7 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
             "comm_s": sp.comm_time, "params_bytes": figures["params"],
             "activations_bytes": figures["saved"],
             "kept_with_remat_bytes": figures["kept_with_remat"],
+            "loss_bytes": loss_saved_bytes(built.captured, b) if st.index == last else 0.0,
             "recv_bytes": figures["recv_bytes"], "send_bytes": figures["send_bytes"],
             "memory_model_bytes": sp.memory,
             "kept_predicted_bytes": kept[st.index],

@@ -114,6 +114,13 @@ class PartitionPlan:
 
 
 
+def _with_loss(atoms: Atoms, loss_time: float, loss_bytes: float) -> Atoms:
+    """The atoms with the loss's time and kept bytes per micro-batch on the last one (the last
+    stage's; new lists: measured atoms are shared through the reuse cache)."""
+    return replace(atoms, compute=[*atoms.compute[:-1], atoms.compute[-1] + loss_time],
+                   mem_act=[*atoms.mem_act[:-1], atoms.mem_act[-1] + loss_bytes])
+
+
 def partition(
     gm: GraphModule,
     num_stages: int,
@@ -128,6 +135,7 @@ def partition(
     schedule: ScheduleKind | str = "gpipe",
     ranks: int | None = None,
     loss_time: float = 0.0,
+    loss_bytes: float = 0.0,
     corrections: Mapping[str, float] | None = None,
     starts: Sequence[str] | None = None,
     reuse: AtomsCache | None = None,
@@ -142,6 +150,8 @@ def partition(
     memory_limit: bytes per stage.
     loss_time: seconds per micro-batch of the training loss (forward and backward), which the
     last stage computes after the model's outputs.
+    loss_bytes: bytes the loss keeps for its backward per micro-batch in flight (never
+    recomputed), which the last stage holds beside its activations.
     corrections: node name -> factor on its estimated time, learned by measuring stages
     (passes.partition.correct; "(loss)" scales loss_time).
     starts: the first node of each stage: keeps a cut measured before instead of solving.
@@ -188,7 +198,7 @@ def partition(
             reuse.measured[key] = atoms
             reuse.groups = atoms.groups
     if mode != "params":  # the last atom is always in the last stage
-        atoms = replace(atoms, compute=[*atoms.compute[:-1], atoms.compute[-1] + loss_time])
+        atoms = _with_loss(atoms, loss_time, loss_bytes)
     schedule = schedule_kind(schedule)
     inflight = list(_peak_inflight(schedule.name, chunks, num_stages, ranks))
     if starts is not None:
@@ -220,9 +230,9 @@ def partition(
     if cuts is None:
         cuts = solve_partition(problem, least_memory=least_memory).cuts
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
-        atoms = measure_atoms(gm, groups, balance="cost", profile=profile, b=b, remat=policy,
-                               chunks=chunks, optimizer=optimizer)
-        atoms.compute[-1] += loss_time
+        atoms = _with_loss(measure_atoms(gm, groups, balance="cost", profile=profile, b=b,
+                                         remat=policy, chunks=chunks, optimizer=optimizer),
+                           loss_time, loss_bytes)
         problem = problem_of(atoms)
     evaluated = evaluate(problem, cuts)
     fixed = 0.0 if mode == "params" else profile.microbatch_overhead

@@ -1,0 +1,80 @@
+"""Activations kept for backward in a real distributed step, against the memory model.
+
+program.measure_kept steps with autograd's saved-tensor hooks on (the loss's saved tensors
+included) and reports this rank's peak beside Report.kept_by_rank, the rank's actions played
+in schedule order. Every schedule and remat mode must agree within 10% on 2 gloo ranks; what is
+left is an input batch counted as its whole storage where the model counts each micro-batch's
+slice (a few KiB here).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ranks import spawn
+
+import fxpipe
+from fxpipe.errors import ConfigError
+from fxpipe.losses import loss_saved_bytes
+from fxpipe.models import gpt
+
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2, "zb-v": 2}
+
+
+def _measure(rank: int, world: int, remat: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(batch=16, dropout=0.0)
+    y = gpt.target((idx,))
+    out = {}
+    for schedule, per_rank in SCHEDULES.items():
+        program = fxpipe.compile(model, (idx,), stages=world * per_rank, chunks=8,
+                                 profile="a100", schedule=schedule, remat=remat)
+        out[schedule] = program.measure_kept(idx, target=y)
+        program.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("remat", ["never", "except_last"])
+def test_kept_activations_match_the_prediction_for_every_schedule(remat: str) -> None:
+    for rank, found in enumerate(spawn(2, "test_kept_memory", "_measure", remat)):
+        for schedule, figures in found.items():
+            measured, predicted = figures["measured_bytes"], figures["predicted_bytes"]
+            assert measured > 0 and figures["rank"] == rank
+            assert abs(measured - predicted) <= 0.1 * predicted + 4096, \
+                (schedule, rank, measured, predicted)
+
+
+def test_the_last_stage_keeps_what_the_loss_saves() -> None:
+    """Cross-entropy keeps its log-softmax (the logits' size), the target and a scalar: the
+    partition and the report count them on the last stage, per micro-batch in flight."""
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
+    logits = model(idx[:2])
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    target = gpt.target((idx[:2],))
+    logits = logits.detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    expected = float(sum(saved.values()))
+    assert loss_saved_bytes(program.built.captured, 2) == expected
+    assert expected >= logits.numel() * logits.element_size()
+    report = program.report()
+    assert [s["loss_bytes"] for s in report.stages] == [0.0, expected]
+    last = report.stages[-1]
+    without_loss = report.remat.kept_at_peak(
+        last["activations_bytes"], last["kept_with_remat_bytes"], 4, 4)
+    assert report.kept_by_stage(report.schedule, 2)[-1] == without_loss + 4 * expected
+
+
+def test_measure_kept_in_one_process_points_to_measure_activations() -> None:
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
+    with pytest.raises(ConfigError, match="measure_activations"):
+        program.measure_kept(idx, target=gpt.target((idx,)))
