@@ -130,8 +130,18 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
         assert 0 <= stage["recv_wait_s"] <= result["pipeline_step_time_s"]
         assert stage["kept_bytes_remat_always"] < stage["kept_bytes_remat_never"]
         assert stage["kept_reductions"]["always"] > 1
+    # every fxpipe schedule's ranks keep for backward what the memory model predicts
+    kept = result["kept_activations_by_schedule"]
+    assert set(kept) == fxpipe_variants
+    for name, by_rank in kept.items():
+        assert [k["rank"] for k in by_rank] == [0, 1]
+        for k in by_rank:
+            assert k["measured_bytes"] > 0, name
+            assert abs(k["measured_bytes"] - k["predicted_bytes"]) \
+                <= 0.1 * k["predicted_bytes"] + 4096, (name, k)
     assert (tmp_path / "bench.md").exists() and (tmp_path / "bench_trace.json").exists()
     out = capsys.readouterr().out
+    assert "activations kept at the peak of a step" in out
     assert "speedup over one process" in out and "ran identical work" in out
     steps = ["fxpipe bench: ", "measuring kept activations", "starting 2 processes",
              "writing the results"]  # a line before each step that takes more than a second

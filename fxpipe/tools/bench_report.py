@@ -29,6 +29,12 @@ def _fastest(step: dict[str, float], prefix: str, exclude: tuple[str, ...] = ())
     return min(names, key=lambda n: step[n]) if names else None
 
 
+def _off(kept: dict[str, float]) -> str:
+    """A measurement's distance from its prediction, in percent."""
+    predicted = kept["predicted_bytes"]
+    return f"{kept['measured_bytes'] / predicted - 1:+.0%}" if predicted > 0 else "none predicted"
+
+
 def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[str, float]]],
               options: dict[str, Any]) -> dict[str, Any]:
     ranks = sorted(results)
@@ -152,6 +158,12 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         "remat_step_time_ratios": {m: by_mode[m] / by_mode["never"] for m in REMAT_COMPARED[1:]},
         "stages_detail": [],
         "kept_activations": memory,
+        # every fxpipe schedule's ranks at the peak of a step, against the memory model
+        "kept_activations_by_schedule": {
+            name: [{"rank": r, "measured_bytes": results[r]["kept"][name]["measured_bytes"],
+                    "predicted_bytes": results[r]["kept"][name]["predicted_bytes"]}
+                   for r in ranks]
+            for name in first["kept"]},
         "losses_first_step": first["losses"],
         "split_points": first["split_points"],
         "balance_rounds": first["balance_rounds"], "balance_source": first["balance"],
@@ -266,6 +278,10 @@ def _lines(summary: dict[str, Any]) -> list[str]:
               "schedule's model alone): " + ", ".join(
                   f"{name} {v:.3f}" for name, v in
                   summary["predicted_over_measured_at_measured_compute"].items()),
+              "- activations kept at the peak of a step, by rank (measured, and how far from "
+              "the prediction): " + "; ".join(f"{name} " + ", ".join(
+                  f"{human_bytes(k['measured_bytes'])} ({_off(k)})" for k in ranks_kept)
+                  for name, ranks_kept in summary["kept_activations_by_schedule"].items()),
               "- step time with remat on / off: " + ", ".join(
                   f"{m} {r:.3f}" for m, r in summary["remat_step_time_ratios"].items()),
               f"- fxpipe's cut (stages 1.. begin at): {summary['split_points']}; "

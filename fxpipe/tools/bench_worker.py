@@ -267,11 +267,19 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
                 timed.probes.append((before + probe.seconds()) / 2)
             _say(rank, f"  {label} {name}: {times[name][-1]:.2f} s")
     warm = args["warmup"]
+    # what each fxpipe variant's rank keeps for backward at the peak of one more step, against
+    # the memory model (Program.measure_kept; that step's gradients are dropped)
+    kept = {}
+    for name in names:
+        if name in fx:
+            dist.barrier()
+            kept[name] = fx[name].program.measure_kept(*fx[name].inputs, target=fx[name].target)
+            fx[name].optimizer.zero_grad(set_to_none=True)
     busy = {name: statistics.median(t[0] for t in v.stage[warm:]) for name, v in fx.items()}
     every_busy: list[Any] = [None] * world
     dist.all_gather_object(every_busy, busy)
     result = {
-        "times": {k: v[warm:] for k, v in times.items()}, "losses": losses,
+        "times": {k: v[warm:] for k, v in times.items()}, "losses": losses, "kept": kept,
         "cpu_times": {k: v[warm:] for k, v in cpu.items()}, "load": load[warm:],
         "skipped": skipped, "process_groups": groups,
         "pipeline": {k: v.pipeline[warm:] for k, v in fx.items()},
