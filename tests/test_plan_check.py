@@ -99,3 +99,20 @@ def test_candidates_predicted_alike_are_measured_once():
     a, b, c = _candidate(0.01, 2), _candidate(0.01, 2), _candidate(0.02, 1)
     b = Candidate(2, 1, 1, 2, "gpipe", "never", pipeline_s=0.01, memory_bytes=1e6)
     assert distinct([a, b, c]) == [a, c]
+
+
+def test_the_loss_kept_is_measured_on_the_programs_outputs_as_the_memory_model_counts_it():
+    """The last stage's memory holds what the loss keeps per micro-batch in flight: measured
+    here with autograd's hooks on a real cross-entropy, predicted on the meta device."""
+    import fxpipe
+    from fxpipe.losses import loss_saved_bytes
+    from fxpipe.models import gpt
+    from fxpipe.tools.plan_check import _loss_kept
+
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
+    measured = _loss_kept(program, (idx,), gpt.target((idx,)), 4)
+    # a micro-batch's share of the batch's log-softmax (2 x 32 x 512 floats each), of its
+    # target and of a scalar
+    assert measured == pytest.approx(loss_saved_bytes(program.built.captured, 2), rel=0.02)
+    assert measured >= 2 * 32 * 512 * 4

@@ -32,6 +32,7 @@ from tabulate import tabulate
 from torch import nn
 
 import fxpipe
+from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
 from fxpipe.planner import Candidate, Plan, plan
 from fxpipe.report import human_bytes
@@ -155,7 +156,8 @@ def measured_memory(model: nn.Module, inputs: tuple[Any, ...], target: Any, c: C
     """(measured, predicted) bytes per stage of the candidate, in this process, on one
     replica's share of the batch: after one step with Adam, what each stage holds plus the
     activations it keeps at its schedule's peak (Program.measure_activations keeps every
-    micro-batch's; each stage keeps its schedule's in-flight share of them). Under
+    micro-batch's; each stage keeps its schedule's in-flight share of them), the last stage
+    with what the loss keeps for each micro-batch in flight (_loss_kept). Under
     shard="optimizer" a replica holds 1/R of the state (ZeroRedundancyOptimizer, measured on
     gloo ranks by tests/test_shard.py); one process holds it whole, so it counts 1/R here."""
     inputs = tuple(x[:len(x) // c.replicas] for x in inputs)
@@ -169,14 +171,37 @@ def measured_memory(model: nn.Module, inputs: tuple[Any, ...], target: Any, c: C
     program.step(*inputs, target=target)
     optimizer.step()
     inflight = peak_inflight(schedule_kind(c.schedule).build(c.chunks, c.stages, c.ranks))
+    loss = _loss_kept(program, inputs, target, c.chunks)
     measured = []
     for stage, act, f in zip(program.stages, kept, inflight):
         module = program.module_of(stage.index)
         assert module is not None
+        last = stage.index == c.stages - 1
         measured.append(_held_bytes(module, optimizer,
                                     1 / c.replicas if c.shard == "optimizer" else 1.0)
-                        + act["measured_bytes"] * f / c.chunks)
+                        + act["measured_bytes"] * f / c.chunks + (loss * f if last else 0.0))
     return measured, [s.memory or 0.0 for s in program.plan.stages]
+
+
+def _loss_kept(program: fxpipe.Program, inputs: tuple[Any, ...], target: Any,
+               chunks: int) -> float:
+    """Bytes the default loss keeps for its backward per micro-batch: on the program's own
+    outputs for the batch (autograd's saved-tensor hooks, each storage once; the outputs
+    themselves only where the loss saves them), a `chunks`-th of it."""
+    with torch.no_grad():
+        out = program(*inputs)
+    out = torch.utils._pytree.tree_map(
+        lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor)
+        and t.is_floating_point() else t, out)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        default_loss(out, target)
+    return float(sum(saved.values())) / chunks
 
 
 def per_device(c: Candidate, per_stage: Sequence[float]) -> float:
