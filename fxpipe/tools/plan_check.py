@@ -36,6 +36,7 @@ from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
 from fxpipe.planner import Candidate, Plan, plan
 from fxpipe.report import human_bytes
+from fxpipe.runtime.execution.memory import KeptMemory
 from fxpipe.runtime.planning.grid import peak_inflight
 from fxpipe.runtime.planning.schedule import default_stages_per_rank, placement, schedule_kind
 from fxpipe.runtime.program.torchrun import free_port
@@ -193,15 +194,10 @@ def _loss_kept(program: fxpipe.Program, inputs: tuple[Any, ...], target: Any,
     out = torch.utils._pytree.tree_map(
         lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor)
         and t.is_floating_point() else t, out)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    tracker = KeptMemory()  # what the executors track a step's kept activations with
+    with tracker.forward("loss"):
         default_loss(out, target)
-    return float(sum(saved.values())) / chunks
+    return tracker.peak / chunks
 
 
 def per_device(c: Candidate, per_stage: Sequence[float]) -> float:
