@@ -40,12 +40,12 @@ def test_the_one_process_baseline_is_the_full_batch_step() -> None:
     import torch
 
     from fxpipe.models import gpt
-    from fxpipe.tools.split_cost import _plain_step
+    from fxpipe.tools.bench_worker import accumulate, micro_batches
 
     model, (idx,) = gpt.build(batch=8, dropout=0.0)
     y = gpt.target((idx,))
     whole = copy.deepcopy(model)
-    _plain_step(model, idx, y, chunks=4)
+    accumulate(model, micro_batches((idx,), y, 4))
     logits = whole(idx)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):

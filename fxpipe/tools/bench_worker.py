@@ -40,7 +40,7 @@ from fxpipe.tools.bench_stats import rotated
 from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
 from fxpipe.tools.core_speed import CoreProbe
 
-__all__ = ["worker", "REMAT_COMPARED"]
+__all__ = ["worker", "REMAT_COMPARED", "accumulate", "micro_batches"]
 
 # Remat modes measured side by side: off, the default (every micro-batch but the last, whose
 # backward follows at once), and every micro-batch.
@@ -117,17 +117,30 @@ def _compile(model: Any, inputs: tuple[Any, ...], world: int, args: dict[str, An
                           schedule=schedule)
 
 
+def micro_batches(inputs: tuple[Any, ...], target: Any,
+                  chunks: int) -> list[tuple[tuple[Any, ...], Any]]:
+    """The batch's (inputs, target) micro-batches along dimension 0, split once."""
+    return list(zip(zip(*[x.tensor_split(chunks, dim=0) for x in inputs]),
+                    target.tensor_split(chunks, dim=0)))
+
+
+def accumulate(model: Any, micro: list[tuple[tuple[Any, ...], Any]]) -> float:
+    """The plain model's forward and backward of each micro-batch in one process, their
+    gradients accumulated as the whole batch's mean loss; returns that loss."""
+    total = 0.0
+    for args, tgt in micro:
+        loss = default_loss(model(*args), tgt) / len(micro)
+        torch.autograd.backward(loss)
+        total += float(loss.detach())
+    return total
+
+
 def _single(model: Any, inputs: tuple[Any, ...], target: Any, chunks: int) -> Step:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    micro = list(zip(*[x.tensor_split(chunks, dim=0) for x in inputs]))
-    targets = target.tensor_split(chunks, dim=0)
+    micro = micro_batches(inputs, target, chunks)
 
     def step() -> float:
-        total = 0.0
-        for args, tgt in zip(micro, targets):
-            loss = default_loss(model(*args), tgt) / chunks
-            torch.autograd.backward(loss)
-            total += float(loss.detach())
+        total = accumulate(model, micro)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return total
@@ -270,11 +283,10 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
     # what each fxpipe variant's rank keeps for backward at the peak of one more step, against
     # the memory model (Program.measure_kept; that step's gradients are dropped)
     kept = {}
-    for name in names:
-        if name in fx:
-            dist.barrier()
-            kept[name] = fx[name].program.measure_kept(*fx[name].inputs, target=fx[name].target)
-            fx[name].optimizer.zero_grad(set_to_none=True)
+    for name, ours in fx.items():
+        dist.barrier()
+        kept[name] = ours.program.measure_kept(*ours.inputs, target=ours.target)
+        ours.optimizer.zero_grad(set_to_none=True)
     busy = {name: statistics.median(t[0] for t in v.stage[warm:]) for name, v in fx.items()}
     every_busy: list[Any] = [None] * world
     dist.all_gather_object(every_busy, busy)

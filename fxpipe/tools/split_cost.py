@@ -45,6 +45,7 @@ from fxpipe.models import gpt
 from fxpipe.runtime.communication import dist_comm
 from fxpipe.runtime.execution import split_backward
 from fxpipe.testing.engine_calls import EngineCalls
+from fxpipe.tools.bench_worker import accumulate, micro_batches
 
 __all__ = ["main"]
 
@@ -166,7 +167,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, rema
             programs[schedule] = fxpipe.compile(model, (idx,), stages=world, chunks=8,
                                                 profile="a100", schedule=schedule, remat=remat)
         variants = [("1f1b", "split")] + [("zb-h1", name) for name in splits] + [("plain", "")]
-        plain = copy.deepcopy(model)
+        plain, micro = copy.deepcopy(model), micro_batches((idx,), y, 8)
         cpu: dict[str, list[float]] = {}
         engine: dict[str, list[int]] = {}
         for r in range(repeats + 2):
@@ -177,7 +178,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, rema
                     plain.zero_grad()
                     with EngineCalls() as calls:
                         start = time.process_time()
-                        _plain_step(plain, idx, y, chunks=8)
+                        accumulate(plain, micro)
                         used = time.process_time() - start
                 else:
                     setattr(dist_comm, "input_backward", splits[name])  # noqa: B010 (the variant)
@@ -196,14 +197,6 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, rema
                                                              ("zb-h1", "zb-h1 split"))}))
     finally:
         dist.destroy_process_group()
-
-
-def _plain_step(model: nn.Module, idx: torch.Tensor, y: torch.Tensor, chunks: int) -> None:
-    """The model's training step in one process, its micro-batches' gradients accumulated."""
-    for part, target in zip(idx.chunk(chunks), y.chunk(chunks)):
-        logits = model(part)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()) / chunks
-        torch.autograd.backward(loss)
 
 
 def _python_calls(program: Any, idx: torch.Tensor, y: torch.Tensor) -> float:
