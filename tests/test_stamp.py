@@ -12,8 +12,8 @@ from torch import nn
 
 import fxpipe
 from fxpipe import ir
+from fxpipe.frontend.blocks import BlockRun, find_blocks, reduced
 from fxpipe.frontend.capture import capture
-from fxpipe.frontend.stamp import BlockRun, find_blocks, reduced
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.testing.reference_step import reference_step
 from fxpipe.untouched import seeded
