@@ -35,3 +35,16 @@ def test_the_variants_of_a_model_are_predicted_and_measured_in_one_process():
     assert all(predicted > 0 and measured > 0 for predicted, measured in rows.values())
     # recomputing every micro-batch is predicted to cost more than recomputing none
     assert rows[2, "always"][0] > rows[2, "except_last"][0] > rows[2, "never"][0]
+
+
+def test_reference_blocks_are_predicted_as_kernels_and_overheads_and_measured():
+    from fxpipe.tools.step_check import BLOCKS, check_blocks
+
+    rows = check_blocks(rounds=2, budget=0.0)
+    assert list(rows) == list(BLOCKS)
+    for measured, kernels, overheads in rows.values():
+        assert measured > 0 and kernels > 0 and overheads > 0
+    # the attention block runs more operations (a split, views and transposes per head) than
+    # the MLP block, so more per-operation overhead is predicted for it
+    assert rows["attention block (2 x 32 tokens of 64)"][2] > \
+        rows["mlp block (2 x 32 tokens of 64)"][2]

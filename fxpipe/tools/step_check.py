@@ -18,6 +18,13 @@ by how much slower that mix ran then, at its fastest ("speed" column).
 --variants compares instead one model's compiled forms in one process, their steps taking
 turns (drift slows all alike): 1 and 2 stages, remat never, except_last and always; which
 part of the cost model is off shows as the variant whose prediction is.
+
+--blocks times what one more block of each of a few reference blocks (a transformer's MLP and
+attention, a conv block, a linear layer with 256 KiB of weights) adds to a training step
+against what the profile predicts for it: kernels and overheads apart, and how much slower the
+kernels ran in the chain of blocks than the profile's rates say. The profile times each kernel
+on operands the call before left in the caches; in a model, a kernel's weights and inputs come
+partly from farther away, and by how much depends on the block.
 """
 from __future__ import annotations
 
@@ -31,19 +38,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import fxpipe
 from fxpipe.models import MODELS, load
-from fxpipe.profile import cached_profile
+from fxpipe.profile import DeviceProfile, cached_profile
+from fxpipe.profile.device import OVERHEADS
 from fxpipe.profile.overheads import interleaved
 from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
 from fxpipe.testing.user_models import USER_MODELS, load_user_model
 
-__all__ = ["check_model", "check_variants", "VARIANTS", "main"]
+__all__ = ["BLOCKS", "check_blocks", "check_model", "check_variants", "VARIANTS", "main"]
 
 VARIANTS = ((1, "never"), (2, "never"), (2, "except_last"), (2, "always"))
 """(stages, remat) of the compiled forms --variants compares."""
@@ -135,6 +146,124 @@ def check_variants(name: str, *, chunks: int = 4, rounds: int = 30,
             for key, program in programs.items()}
 
 
+class _MlpBlock(nn.Module):
+    """A transformer's MLP on tokens: norm, 4x wider linear, GELU, linear back, residual."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.down(F.gelu(self.up(self.norm(x))))
+        return out
+
+
+class _AttentionBlock(nn.Module):
+    """Causal self-attention on tokens: norm, one linear for q, k and v, heads, attention,
+    output linear, residual."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(width)
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2)
+                   for y in self.qkv(self.norm(x)).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: torch.Tensor = x + self.out(y.transpose(1, 2).reshape(b, t, c))
+        return out
+
+
+class _ConvBlock(nn.Module):
+    """A residual conv block: 3x3 convolution, batch norm, ReLU."""
+
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + F.relu(self.norm(self.conv(x)))
+        return out
+
+
+class _WideLinear(nn.Module):
+    """A linear layer whose weights (256 KiB) outgrow the fastest caches, and a ReLU."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = F.relu(self.linear(x))
+        return out
+
+
+BLOCKS: dict[str, tuple[type[nn.Module], tuple[int, ...]]] = {
+    "mlp block (2 x 32 tokens of 64)": (_MlpBlock, (2, 32, 64)),
+    "attention block (2 x 32 tokens of 64)": (_AttentionBlock, (2, 32, 64)),
+    "conv block (2 x 16 x 16 x 16)": (_ConvBlock, (2, 16, 16, 16)),
+    "linear 256 -> 256 (8 rows)": (_WideLinear, (8, 256)),
+}
+"""check_blocks' reference blocks and the input of each."""
+
+
+def _kernels_only(profile: DeviceProfile) -> DeviceProfile:
+    """The profile's kernel rates with none of a step's overheads."""
+    zeros: dict[str, Any] = {name: 0.0 for name in OVERHEADS}
+    return replace(profile, op_overheads=(), op_forward_overheads=(), region_overheads=(),
+                   **zeros)
+
+
+def check_blocks(*, profile: DeviceProfile | None = None, rounds: int = 80,
+                 budget: float = 20.0) -> dict[str, tuple[float, float, float]]:
+    """Per reference block (BLOCKS): the seconds one more block adds to a training step
+    (zero_grad, forward, backward; chains of 1 and 4 blocks, their steps taking turns), and
+    what the profile predicts for it: its kernels and its overheads."""
+    profile = profile or cached_profile("cpu", torch.float32)
+    bare = _kernels_only(profile)
+    chains: dict[tuple[str, int], tuple[nn.Module, torch.Tensor]] = {}
+    predicted: dict[tuple[str, int], tuple[float, float]] = {}
+    for name, (block, shape) in BLOCKS.items():
+        for count in (1, 4):
+            torch.manual_seed(0)
+            model = nn.Sequential(*(block() for _ in range(count))).train()
+            x = torch.randn(shape)
+            times = [sum(s.compute_time for s in fxpipe.compile(
+                model, (x,), stages=1, chunks=1, remat="never", profile=p).plan.stages)
+                for p in (bare, profile)]
+            chains[name, count] = (model, x.requires_grad_())
+            predicted[name, count] = (times[0], times[1] - times[0])
+
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=True)
+        torch.autograd.backward(model(x).sum())
+
+    fastest = interleaved({key: partial(step, *chain) for key, chain in chains.items()},
+                          rounds=rounds, budget=budget, least=4)
+    return {name: ((fastest[name, 4] - fastest[name, 1]) / 3,
+                   (predicted[name, 4][0] - predicted[name, 1][0]) / 3,
+                   (predicted[name, 4][1] - predicted[name, 1][1]) / 3)
+            for name in BLOCKS}
+
+
+def _print_blocks() -> None:
+    rows = check_blocks()
+    print("what one more block adds to a training step in one process (us): measured, and "
+          "predicted as kernels + overheads; in model / alone: how much slower the kernels ran "
+          "in the chain than the profile's rates say ((measured - overheads) / kernels)")
+    print(f"{'block':40} {'measured':>9} {'kernels':>8} {'overheads':>9} {'predicted':>9}"
+          f" {'pred/meas':>9} {'in model / alone':>16}")
+    for name, (measured, kernels, overheads) in rows.items():
+        print(f"{name:40} {measured * 1e6:9.1f} {kernels * 1e6:8.1f} {overheads * 1e6:9.1f}"
+              f" {(kernels + overheads) * 1e6:9.1f} {(kernels + overheads) / measured:9.2f}"
+              f" {(measured - overheads) / kernels:16.2f}")
+
+
 def _print_variants(names: Sequence[str]) -> None:
     print("one process, zero_grad and program.step, the variants' steps taking turns; "
           "predicted / fastest measured in ms, and their ratio")
@@ -154,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-ranks", action="store_true", help="only in one process")
     parser.add_argument("--variants", action="store_true",
                         help="compare each model's compiled forms in one process instead")
+    parser.add_argument("--blocks", action="store_true",
+                        help="time reference blocks against their predicted kernels and "
+                             "overheads instead")
     parser.add_argument("--keep-profile", action="store_true",
                         help="predict with the cached profile as it is (default: measure it "
                              "again first)")
@@ -163,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cached_profile("cpu", torch.float32, refresh=True)
     if args.variants:
         _print_variants(args.models)
+        return 0
+    if args.blocks:
+        _print_blocks()
         return 0
     profiled = machine_time()
     print("one process: zero_grad and program.step; 2 ranks: the steps fxpipe run prints; "
