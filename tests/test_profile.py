@@ -225,13 +225,15 @@ def test_what_a_step_pays_beyond_kernels_is_part_of_the_cached_profile(cache_fol
                                microbatch_overhead=3e-4, step_overhead=4e-4,
                                op_overheads=(("matmul", 5e-5), ("view", 1e-6)),
                                op_forward_overheads=(("matmul", 1e-5),),
-                               region_overheads=(("reduction", 3e-5),), checkpoint_overhead=1e-4)
+                               region_overheads=(("reduction", 3e-5),), checkpoint_overhead=1e-4,
+                               matmul_in_model=1.25)
     assert DeviceProfile.from_json(json.loads(json.dumps(paid.to_json()))) == paid
     assert paid.scaled(2.0).microbatch_overhead == pytest.approx(6e-4)
     assert paid.scaled(2.0).operation_overhead("matmul") == pytest.approx(1e-4)
     assert paid.scaled(2.0).operation_forward_overhead("matmul") == pytest.approx(2e-5)
     assert paid.scaled(2.0).operation_region_overhead("reduction") == pytest.approx(6e-5)
     assert paid.scaled(2.0).checkpoint_overhead == pytest.approx(2e-4)
+    assert paid.scaled(2.0).matmul_in_model == 1.25  # a ratio, whatever the machine's speed
     assert paid.operation_region_overhead("matmul") == 2e-5  # region_overhead where unmeasured
     # a kind without a figure of its own pays op_overhead, half of it in the forward
     assert paid.operation_overhead("convolution") == 1e-5
@@ -430,3 +432,54 @@ def test_remat_bookkeeping_is_measured_under_the_checkpoint_stage_code_runs(monk
     assert called == [CHECKPOINT_OPTIONS, CHECKPOINT_OPTIONS]
     assert CHECKPOINT_OPTIONS["determinism_check"] == "none"
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_matrix_products_take_their_in_model_factor_and_nothing_else_does():
+    alone = preset("a100")
+    inside = dataclasses.replace(alone, matmul_in_model=1.3)
+    work = (3e12, 4e9, 5)
+    assert inside.class_time("matmul", *work) == pytest.approx(1.3 * alone.class_time("matmul",
+                                                                                      *work))
+    for op_class in ("convolution", "attention", "elementwise", "reduction"):
+        assert inside.class_time(op_class, *work) == alone.class_time(op_class, *work)
+    # a profile cached before the factor was measured reads as 1 (and is measured again,
+    # being of an earlier MEASUREMENT)
+    old = inside.to_json()
+    old.pop("matmul_in_model")
+    assert DeviceProfile.from_json(old).matmul_in_model == 1.0
+
+
+def test_the_in_model_figures_come_from_chains_of_mlp_blocks(monkeypatch):
+    """The factor is measured steps over predicted products (within LIMITS), and the
+    checkpoint call what a chain of one block pays under the checkpoint beyond the
+    per-block slope; both from the chains' fastest steps."""
+    from fxpipe.profile import in_model
+
+    profile = measured_like(FRESH_LINK)
+    seen: dict[tuple[int, str], float] = {}
+
+    def fastest(runs: Any, **_: Any) -> dict[tuple[int, str], float]:
+        # products take the step's time, so the factor is what the steps say; the checkpoint
+        # adds 300 us per call and 100 us per block
+        products = {}
+        for count in (1, 4):
+            torch.manual_seed(0)
+            model = nn.Sequential(*(in_model.MlpBlock() for _ in range(count)))
+            program = fxpipe.compile(model, (torch.randn(2, 32, 64),), stages=1, chunks=1,
+                                     remat="never", profile=profile)
+            total = sum(s.compute_time for s in program.plan.stages)
+            products[count] = (total, in_model.matmul_time(program.graph_module, profile, 2))
+        for count, (total, matmul) in products.items():
+            seen[count, "step"] = total + 0.5 * matmul  # products 1.5x what the rates say
+            seen[count, "remat"] = seen[count, "step"] + 300e-6 + 100e-6 * count
+        assert set(runs) == set(seen)
+        return seen
+
+    monkeypatch.setattr(in_model, "fastest_in_bursts", fastest)
+    matmul, call = in_model.measure_in_model(profile)
+    assert matmul == pytest.approx(1.5)
+    assert call == pytest.approx(300e-6)
+    # a noisy measurement cannot make products faster than alone, nor absurdly slower
+    monkeypatch.setattr(in_model, "fastest_in_bursts",
+                        lambda runs, **_: {k: 1e-6 * k[0] for k in runs})
+    assert in_model.measure_in_model(profile)[0] == in_model.LIMITS[0]

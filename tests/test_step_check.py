@@ -40,7 +40,7 @@ def test_the_variants_of_a_model_are_predicted_and_measured_in_one_process():
 def test_reference_blocks_are_predicted_as_kernels_and_overheads_and_measured():
     from fxpipe.tools.step_check import BLOCKS, check_blocks
 
-    rows = check_blocks(rounds=2, budget=0.0)
+    rows = check_blocks(rounds=2, burst=2, budget=0.0)
     assert list(rows) == list(BLOCKS)
     for measured, kernels, overheads in rows.values():
         assert measured > 0 and kernels > 0 and overheads > 0

@@ -32,11 +32,12 @@ OVERHEADS = ("op_overhead", "region_overhead", "checkpoint_overhead", "microbatc
              "step_overhead", "action_overhead", "message_overhead")
 """The DeviceProfile fields of what a real step pays beyond its kernels."""
 
-MEASUREMENT = 3
+MEASUREMENT = 4
 """How measured profiles are measured (1: compute-bound kernels timed inside a backward pass;
 2: convolutions and a CPU's attention called directly, fxpipe.profile.measure; 3: remat regions'
-bookkeeping under stage code's own checkpoint, without torch's determinism check): a cached
-profile of another measurement is measured again."""
+bookkeeping under stage code's own checkpoint, without torch's determinism check; 4: matrix
+products inside a model, fxpipe.profile.in_model): a cached profile of another measurement is
+measured again."""
 
 OP_CLASSES = ("matmul", "attention", "convolution", "recurrent", "embedding", "reduction",
               "random", "elementwise")
@@ -133,6 +134,9 @@ class DeviceProfile:
     # per operation of a remat region by its kind, what the checkpoint's bookkeeping costs
     # (a linear or a norm saves several tensors, a view none)
     region_overheads: tuple[tuple[str, float], ...] = ()
+    # how much slower matrix products run inside a model's training step than alone, as the
+    # matmul rates were timed (fxpipe.profile.in_model); measured on CPUs, 1 in presets
+    matmul_in_model: float = 1.0
 
     def operation_overhead(self, kind: str) -> float:
         """Seconds an operation of `kind` (an op class or "view") pays beyond its kernels per
@@ -157,8 +161,10 @@ class DeviceProfile:
                                "(fxpipe profile --refresh)")
 
     def class_time(self, op_class: str, flops: float, nbytes: float, kernels: int) -> float:
-        """Seconds of `kernels` kernels of `op_class` doing `flops` and moving `nbytes`."""
-        return self.rate(op_class).seconds(flops, nbytes, kernels, self.kernel_overhead)
+        """Seconds of `kernels` kernels of `op_class` doing `flops` and moving `nbytes` in a
+        model's step (matrix products slower by matmul_in_model than their rates alone)."""
+        seconds = self.rate(op_class).seconds(flops, nbytes, kernels, self.kernel_overhead)
+        return seconds * self.matmul_in_model if op_class == "matmul" else seconds
 
     def compute_time(self, flops: float, nbytes: float, kernels: int = 0,
                      op_class: str = "elementwise") -> float:
@@ -218,6 +224,7 @@ class DeviceProfile:
                 "op_overheads": dict(self.op_overheads),
                 "op_forward_overheads": dict(self.op_forward_overheads),
                 "region_overheads": dict(self.region_overheads),
+                "matmul_in_model": self.matmul_in_model,
                 "rates": {name: {"bandwidth": [list(p) for p in r.bandwidth.points],
                                  "flops": [list(p) for p in r.flops.points] if r.flops else None}
                           for name, r in self.rates}}
@@ -243,7 +250,8 @@ class DeviceProfile:
                              **{name: float(overheads.get(name, 0.0)) for name in OVERHEADS},
                              op_overheads=_pairs(data.get("op_overheads", {})),
                              op_forward_overheads=_pairs(data.get("op_forward_overheads", {})),
-                             region_overheads=_pairs(data.get("region_overheads", {})))
+                             region_overheads=_pairs(data.get("region_overheads", {})),
+                             matmul_in_model=float(data.get("matmul_in_model", 1.0)))
 
     def describe(self) -> list[list[str]]:
         """Rows (class, FLOP/s at small and large kernels, bytes/s likewise) for a table."""

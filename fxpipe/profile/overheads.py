@@ -16,8 +16,9 @@ where nothing but the overhead takes time:
     region_overheads     the same chains under the stages' checkpoint, less the same without
                          it and its recomputation (the forward once more), per operation;
                          region_overhead is their median
-    checkpoint_overhead  what a checkpoint call costs beyond its operations' bookkeeping: the
-                         shorter chains' bookkeeping less their operations', the median
+    matmul_in_model      how much slower matrix products run in a model's step than alone,
+    checkpoint_overhead  and what a checkpoint call costs beyond its operations' bookkeeping,
+                         both on chains of a transformer's MLP blocks (fxpipe.profile.in_model)
     microbatch_overhead  a compiled two-stage program of two tiny layers at 1 and 8 micro-batches:
     step_overhead        the slope per stage and micro-batch and the intercept, less what the
                          above already predict for its operations
@@ -38,6 +39,7 @@ from torch import nn
 
 from fxpipe import ir
 from fxpipe.profile.device import DeviceProfile
+from fxpipe.profile.in_model import measure_in_model
 from fxpipe.profile.kinds import overhead_kind
 from fxpipe.remat_policy import CHECKPOINT_OPTIONS
 
@@ -179,7 +181,7 @@ class _Chained:
 
 
 def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
-                  budget: float = 1.5) -> tuple[dict[str, tuple[float, float, float]], float]:
+                  budget: float = 1.5) -> dict[str, tuple[float, float, float]]:
     """Per operation of each kind (op class, or view): what a step of a chain of tiny units of
     that kind takes beyond what `kernels` (a profile of kernel rates alone) predicts for it,
     in all and in the forward, and what the chain under a checkpoint takes beyond that and its
@@ -187,11 +189,8 @@ def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
     slope, so that what a step pays once is left to the step's own overheads), less what the
     other kinds' operations among them pay. This is what an operation pays beyond its kernels
     in a real step: the Python call, the autograd node, allocations, a kernel's fixed costs that
-    its rate leaves out, and in a remat region the saved-tensor hooks. Also returns what a
-    checkpoint call costs beyond its operations' bookkeeping (the median over the kinds of the
-    shorter chain's bookkeeping less its operations')."""
+    its rate leaves out, and in a remat region the saved-tensor hooks."""
     found: dict[str, tuple[float, float, float]] = {}
-    calls: list[float] = []
     for kind, unit, shape in _UNITS:
         chains = [_Chained.of(unit, count, shape, kernels) for count in units]
         fastest = interleaved({(i, part): getattr(chain, part) for i, chain in enumerate(chains)
@@ -206,8 +205,7 @@ def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
                   / max(added[kind], 1) for f in range(3)]
         total, forward, region = (max(x, 0.0) for x in slopes)
         found[kind] = (total, min(forward, total), region)
-        calls.append(paid[0][2] - sum(n * found[k][2] for k, n in chains[0].kinds.items()))
-    return found, max(statistics.median(calls), 0.0)
+    return found
 
 
 _Key = TypeVar("_Key")
@@ -267,7 +265,7 @@ def _train_step(program: nn.Module, x: torch.Tensor) -> None:
 def measure_overheads(kernels: DeviceProfile) -> DeviceProfile:
     """`kernels` (a profile of kernel rates alone, its overheads 0) with every overhead of a
     real step on the CPU (one thread, as a pipeline rank runs)."""
-    found, checkpoint = _op_overheads(kernels)
+    found = _op_overheads(kernels)
 
     def figures(index: int) -> tuple[tuple[str, float], ...]:
         return tuple((kind, values[index]) for kind, values in found.items())
@@ -276,6 +274,8 @@ def measure_overheads(kernels: DeviceProfile) -> DeviceProfile:
     profile = replace(kernels, op_overhead=statistics.median(t for _, t in totals),
                       op_overheads=totals, op_forward_overheads=figures(1),
                       region_overhead=statistics.median(t for _, t in regions),
-                      region_overheads=regions, checkpoint_overhead=checkpoint)
+                      region_overheads=regions)
+    matmul, checkpoint = measure_in_model(profile)
+    profile = replace(profile, matmul_in_model=matmul, checkpoint_overhead=checkpoint)
     microbatch, step = _executor_overheads(profile)
     return replace(profile, microbatch_overhead=microbatch, step_overhead=step)

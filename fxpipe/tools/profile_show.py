@@ -36,6 +36,9 @@ def show_profile(*, clear: bool = False, preset: str | None = None, device: str 
                                                 "GB/s (small .. large kernels)"]))
     print(f"\nkernel launch: {profile.kernel_overhead * 1e6:.2f} us; link latency "
           f"{profile.link_latency * 1e6:.1f} us per message")
+    if profile.matmul_in_model != 1.0:
+        print(f"matrix products inside a model's step: {profile.matmul_in_model:.2f}x their "
+              "time alone (the GFLOP/s above)")
     kinds = ", ".join(f"{kind} {seconds * 1e6:.1f} (forward "
                       f"{profile.operation_forward_overhead(kind) * 1e6:.1f})"
                       for kind, seconds in profile.op_overheads)

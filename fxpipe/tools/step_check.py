@@ -5,7 +5,8 @@ model and of two of the kinds users bring (fxpipe.testing.user_models), in one p
 The prediction is what the report prints: in one process every stage's compute one after
 another (fxpipe.runtime.planning.timeline.predicted_local_step), on two ranks the schedule played
 with the stage costs (predicted_step); both include what a step pays beyond kernels (the profile's
-overheads). Measured are the fastest and the median of a few steps after warm-up, and in one
+overheads). Measured are the fastest and the median of a few steps after warm-up (in one
+process the models taking turns, a warm-up step and a timed one each), and in one
 process the CPU time the step used: the profile holds the fastest of short runs, the machine's
 own speed, and on a machine other processes load a step's wall time grows by the share of the
 cores they take, its CPU time does not.
@@ -22,9 +23,10 @@ part of the cost model is off shows as the variant whose prediction is.
 --blocks times what one more block of each of a few reference blocks (a transformer's MLP and
 attention, a conv block, a linear layer with 256 KiB of weights) adds to a training step
 against what the profile predicts for it: kernels and overheads apart, and how much slower the
-kernels ran in the chain of blocks than the profile's rates say. The profile times each kernel
-on operands the call before left in the caches; in a model, a kernel's weights and inputs come
-partly from farther away, and by how much depends on the block.
+kernels ran in the chain of blocks than predicted. The profile times each kernel alone, on
+operands the call before left in the caches, and scales matrix products by how much slower
+they ran in a chain of the MLP block (fxpipe.profile.in_model); the other blocks show how well
+that carries over.
 """
 from __future__ import annotations
 
@@ -50,11 +52,13 @@ import fxpipe
 from fxpipe.models import MODELS, load
 from fxpipe.profile import DeviceProfile, cached_profile
 from fxpipe.profile.device import OVERHEADS
+from fxpipe.profile.in_model import MlpBlock, fastest_in_bursts, train_step
 from fxpipe.profile.overheads import interleaved
 from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
 from fxpipe.testing.user_models import USER_MODELS, load_user_model
 
-__all__ = ["BLOCKS", "check_blocks", "check_model", "check_variants", "VARIANTS", "main"]
+__all__ = ["BLOCKS", "check_blocks", "check_model", "check_models", "check_variants",
+           "compiled_model", "VARIANTS", "main"]
 
 VARIANTS = ((1, "never"), (2, "never"), (2, "except_last"), (2, "always"))
 """(stages, remat) of the compiled forms --variants compares."""
@@ -93,35 +97,63 @@ def machine_time() -> float:
     return best
 
 
-def check_model(name: str, *, stages: int = 2, chunks: int = 4, steps: int = 8,
-                ranks: bool = True) -> dict[str, float]:
-    """Predicted and measured step times (seconds) of one bundled or user model, and how fast
-    the machine ran around them ("machine_s")."""
-    before = machine_time()
+_Compiled = tuple[fxpipe.Program, tuple[Any, ...], dict[str, Any]]
+"""A compiled model, its inputs and its keyword inputs by name."""
+
+
+def compiled_model(name: str, *, stages: int = 2, chunks: int = 4) -> _Compiled:
+    """A bundled or user model compiled as step_check measures it, its inputs and keyword
+    inputs."""
     model, inputs, named = load_user_model(name) if name in USER_MODELS else \
         load(name, deterministic=True)
     kwargs: dict[str, Any] = dict(named)
     program = fxpipe.compile(model, inputs, stages=stages, chunks=chunks, example_kwargs=kwargs)
-    plan = program.plan
-    for _ in range(2):
-        program.step(*inputs, **kwargs)
-    times, cpu = [], []
+    return program, tuple(inputs), kwargs
+
+
+def check_models(compiled: dict[str, _Compiled], *, steps: int = 8,
+                 ranks: bool = True) -> dict[str, dict[str, float]]:
+    """Predicted and measured step times (seconds) of compiled models (program, inputs, keyword
+    inputs by name), and how fast the machine ran around them ("machine_s"). In one process
+    the models' steps take turns, each a step that warms the caches and a timed one, `steps`
+    rounds: a slow spell of the machine slows every model alike. Under `fxpipe run` each model
+    runs `steps` steps after two."""
+    before = machine_time()
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    cpu: dict[str, list[float]] = {name: [] for name in compiled}
     for _ in range(steps):
-        start, used = time.perf_counter(), time.process_time()
-        program.zero_grad(set_to_none=True)  # as a training loop's optimizer does
-        program.step(*inputs, **kwargs)
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - used)
-    out = {"predicted_local_s": predicted_local_step(plan), "local_min_s": min(times),
-           "local_median_s": statistics.median(times), "local_cpu_s": statistics.median(cpu),
-           "predicted_ranks_s": predicted_step(plan, program.built.spec.schedule)[0]}
-    if ranks:
-        with tempfile.TemporaryDirectory() as folder:
-            program.write(folder)
-            printed = _ranks(folder, steps + 2)[2:]  # the first steps warm up
-        out["ranks_min_s"], out["ranks_median_s"] = min(printed), statistics.median(printed)
-    out["machine_s"] = min(before, machine_time())
+        for name, (program, inputs, kwargs) in compiled.items():
+            for timed in (False, True):
+                start, used = time.perf_counter(), time.process_time()
+                program.zero_grad(set_to_none=True)  # as a training loop's optimizer does
+                program.step(*inputs, **kwargs)
+                if timed:
+                    times[name].append(time.perf_counter() - start)
+                    cpu[name].append(time.process_time() - used)
+    after = machine_time()
+    out: dict[str, dict[str, float]] = {}
+    for name, (program, _, _) in compiled.items():
+        plan = program.plan
+        row = {"predicted_local_s": predicted_local_step(plan),
+               "local_min_s": min(times[name]), "local_median_s": statistics.median(times[name]),
+               "local_cpu_s": statistics.median(cpu[name]),
+               "predicted_ranks_s": predicted_step(plan, program.built.spec.schedule)[0],
+               "machine_s": min(before, after)}
+        if ranks:
+            with tempfile.TemporaryDirectory() as folder:
+                program.write(folder)
+                printed = _ranks(folder, steps + 2)[2:]  # the first steps warm up
+            row["ranks_min_s"], row["ranks_median_s"] = min(printed), statistics.median(printed)
+            row["machine_s"] = min(row["machine_s"], machine_time())
+        out[name] = row
     return out
+
+
+def check_model(name: str, *, stages: int = 2, chunks: int = 4, steps: int = 8,
+                ranks: bool = True) -> dict[str, float]:
+    """check_models of one model."""
+    compiled = {name: compiled_model(name, stages=stages, chunks=chunks)}
+    return check_models(compiled, steps=steps, ranks=ranks)[name]
 
 
 def check_variants(name: str, *, chunks: int = 4, rounds: int = 30,
@@ -144,19 +176,6 @@ def check_variants(name: str, *, chunks: int = 4, rounds: int = 30,
                           rounds=rounds, budget=budget, least=4)
     return {key: (predicted_local_step(program.plan), fastest[key])
             for key, program in programs.items()}
-
-
-class _MlpBlock(nn.Module):
-    """A transformer's MLP on tokens: norm, 4x wider linear, GELU, linear back, residual."""
-
-    def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x + self.down(F.gelu(self.up(self.norm(x))))
-        return out
 
 
 class _AttentionBlock(nn.Module):
@@ -204,7 +223,7 @@ class _WideLinear(nn.Module):
 
 
 BLOCKS: dict[str, tuple[type[nn.Module], tuple[int, ...]]] = {
-    "mlp block (2 x 32 tokens of 64)": (_MlpBlock, (2, 32, 64)),
+    "mlp block (2 x 32 tokens of 64)": (MlpBlock, (2, 32, 64)),
     "attention block (2 x 32 tokens of 64)": (_AttentionBlock, (2, 32, 64)),
     "conv block (2 x 16 x 16 x 16)": (_ConvBlock, (2, 16, 16, 16)),
     "linear 256 -> 256 (8 rows)": (_WideLinear, (8, 256)),
@@ -213,17 +232,19 @@ BLOCKS: dict[str, tuple[type[nn.Module], tuple[int, ...]]] = {
 
 
 def _kernels_only(profile: DeviceProfile) -> DeviceProfile:
-    """The profile's kernel rates with none of a step's overheads."""
+    """The profile's kernels (matrix products as they run in a model) with none of a step's
+    overheads."""
     zeros: dict[str, Any] = {name: 0.0 for name in OVERHEADS}
     return replace(profile, op_overheads=(), op_forward_overheads=(), region_overheads=(),
                    **zeros)
 
 
-def check_blocks(*, profile: DeviceProfile | None = None, rounds: int = 80,
+def check_blocks(*, profile: DeviceProfile | None = None, rounds: int = 40, burst: int = 4,
                  budget: float = 20.0) -> dict[str, tuple[float, float, float]]:
     """Per reference block (BLOCKS): the seconds one more block adds to a training step
-    (zero_grad, forward, backward; chains of 1 and 4 blocks, their steps taking turns), and
-    what the profile predicts for it: its kernels and its overheads."""
+    (zero_grad, forward, backward; chains of 1 and 4 blocks taking turns in bursts of steps,
+    the fastest of each chain's steps that follow a step of its own, as in a training loop),
+    and what the profile predicts for it: its kernels and its overheads."""
     profile = profile or cached_profile("cpu", torch.float32)
     bare = _kernels_only(profile)
     chains: dict[tuple[str, int], tuple[nn.Module, torch.Tensor]] = {}
@@ -239,12 +260,8 @@ def check_blocks(*, profile: DeviceProfile | None = None, rounds: int = 80,
             chains[name, count] = (model, x.requires_grad_())
             predicted[name, count] = (times[0], times[1] - times[0])
 
-    def step(model: nn.Module, x: torch.Tensor) -> None:
-        model.zero_grad(set_to_none=True)
-        torch.autograd.backward(model(x).sum())
-
-    fastest = interleaved({key: partial(step, *chain) for key, chain in chains.items()},
-                          rounds=rounds, budget=budget, least=4)
+    fastest = fastest_in_bursts({key: partial(train_step, *chain) for key, chain in chains.items()},
+                                rounds=rounds, burst=burst, budget=budget)
     return {name: ((fastest[name, 4] - fastest[name, 1]) / 3,
                    (predicted[name, 4][0] - predicted[name, 1][0]) / 3,
                    (predicted[name, 4][1] - predicted[name, 1][1]) / 3)
@@ -254,14 +271,14 @@ def check_blocks(*, profile: DeviceProfile | None = None, rounds: int = 80,
 def _print_blocks() -> None:
     rows = check_blocks()
     print("what one more block adds to a training step in one process (us): measured, and "
-          "predicted as kernels + overheads; in model / alone: how much slower the kernels ran "
-          "in the chain than the profile's rates say ((measured - overheads) / kernels)")
+          "predicted as kernels + overheads; kernels meas/pred: how much slower the kernels ran "
+          "in the chain than predicted ((measured - overheads) / kernels)")
     print(f"{'block':40} {'measured':>9} {'kernels':>8} {'overheads':>9} {'predicted':>9}"
-          f" {'pred/meas':>9} {'in model / alone':>16}")
+          f" {'pred/meas':>9} {'kernels meas/pred':>17}")
     for name, (measured, kernels, overheads) in rows.items():
         print(f"{name:40} {measured * 1e6:9.1f} {kernels * 1e6:8.1f} {overheads * 1e6:9.1f}"
               f" {(kernels + overheads) * 1e6:9.1f} {(kernels + overheads) / measured:9.2f}"
-              f" {(measured - overheads) / kernels:16.2f}")
+              f" {(measured - overheads) / kernels:17.2f}")
 
 
 def _print_variants(names: Sequence[str]) -> None:
@@ -279,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxpipe.tools.step_check",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("models", nargs="*", default=[*MODELS, *USER_MODELS])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16,
+                        help="timed steps of each model in one process and on two ranks")
     parser.add_argument("--no-ranks", action="store_true", help="only in one process")
     parser.add_argument("--variants", action="store_true",
                         help="compare each model's compiled forms in one process instead")
@@ -307,12 +325,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'model':10} {'speed':>6} | {'1 process: pred':>15} {'min':>7} {'median':>7}"
           f" {'pred/min':>8} {'at speed':>8} | {'2 ranks: pred':>13} {'min':>7} {'median':>7}"
           f" {'pred/min':>8} {'at speed':>8}")
+    compiled = {}
     for name in args.models:
         try:
-            r = check_model(name, steps=args.steps, ranks=not args.no_ranks)
+            compiled[name] = compiled_model(name)
         except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end
             print(f"{name:10} failed: {type(e).__name__}: {str(e).splitlines()[0]}")
-            continue
+    for name, r in check_models(compiled, steps=args.steps, ranks=not args.no_ranks).items():
         slower = r["machine_s"] / profiled
         row = f"{name:10} {slower:6.2f}"
         for where in ("local", "ranks"):
