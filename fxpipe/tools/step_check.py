@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxpipe.tools.step_check",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("models", nargs="*", default=[*MODELS, *USER_MODELS])
-    parser.add_argument("--steps", type=int, default=16,
+    parser.add_argument("--steps", type=int, default=32,
                         help="timed steps of each model in one process and on two ranks")
     parser.add_argument("--no-ranks", action="store_true", help="only in one process")
     parser.add_argument("--variants", action="store_true",
