@@ -196,7 +196,7 @@ class StageRow(TypedDict, total=False):
 
 BREAKDOWN = {"kernels": "kernels", "overhead": "per-operation and per-micro-batch overhead",
              "messages": "messages", "ranks": "ranks' handling of actions and messages",
-             "step": "per-step"}
+             "reduce": "tied weights' gradient all-reduce", "step": "per-step"}
 """PartitionPlan.breakdown's parts as the report names them."""
 
 SCHEDULE_TITLES = {name: kind.title for name, kind in SCHEDULES.items()}
@@ -347,7 +347,8 @@ class Report:
                  "predicted work per step, all stages together: " + ", ".join(
                      f"{name} {human_time(s['breakdown_s'][key])}"
                      for key, name in BREAKDOWN.items()
-                     if s["breakdown_s"].get(key) or key != "ranks")]  # ranks': if measured
+                     # what ranks pay: if measured; the all-reduce: if weights are tied
+                     if s["breakdown_s"].get(key) or key not in ("ranks", "reduce"))]
         memory = [st.get("memory_model_bytes") for st in self.stages]
         if all(m is not None for m in memory):
             lines.append(f"memory per stage (weights, gradients, {self.optimizer}; and kept "

@@ -524,6 +524,34 @@ def test_a_rank_pays_per_action_and_per_message_in_the_predicted_step_only():
     assert "ranks' handling of actions and messages 48.00 ms" in ranked.report().text()
 
 
+def test_tied_weights_on_two_ranks_pay_their_gradient_all_reduce_in_the_predicted_step():
+    import dataclasses
+
+    from fxpipe.profile import get_profile
+    from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
+
+    model, inputs, _ = load_model("gpt", deterministic=True)  # wte is also the output layer
+    profile = dataclasses.replace(get_profile("a100"), message_overhead=1e-3)
+    program = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=profile)
+    plan, table = program.plan, model.wte.weight
+    assert program.built.shared == {"wte.weight": [0, 1]}
+    # a ring over 2 ranks: 2 steps of half the gradient, each a send and a receive per rank
+    nbytes = table.numel() * table.element_size()
+    assert plan.reduce_time == pytest.approx(profile.comm_time(nbytes, 2) + 4e-3)
+    assert plan.breakdown()["reduce"] == plan.reduce_time
+    untied = dataclasses.replace(plan, reduce_time=0.0)
+    assert plan.predicted_step_time == pytest.approx(predicted_step(untied, "gpipe")[0]
+                                                     + plan.reduce_time)
+    assert predicted_local_step(plan) == predicted_local_step(untied)  # one Parameter there
+    assert "tied weights' gradient all-reduce" in program.report().text()
+    # one stage, or weights no two ranks share, pay none
+    one = fxpipe.compile(model, inputs, stages=1, chunks=4, profile=profile)
+    assert one.plan.reduce_time == 0.0
+    assert "all-reduce" not in one.report().text().split("predicted work per step")[1] \
+        .splitlines()[0]
+    assert _step_costs(message_overhead=1e-3).plan.reduce_time == 0.0
+
+
 def test_a_recomputed_operation_pays_the_checkpoint_again():
     import dataclasses
 

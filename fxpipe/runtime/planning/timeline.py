@@ -216,6 +216,9 @@ class PlanTimes(Protocol):
     @property
     def message_overhead(self) -> float: ...
 
+    @property
+    def reduce_time(self) -> float: ...
+
 
 def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, record: bool = True
                ) -> tuple[list[TimedEvent], float, float]:
@@ -265,7 +268,7 @@ def predicted_step(plan: PlanTimes, schedule: ScheduleKind | str, ranks: int | N
     kind = schedule_kind(schedule)
     ranks = ranks or kind.ranks_for(len(plan.stages))
     _, makespan, work = _simulated(plan, kind, ranks, record=False)
-    step = makespan + plan.step_overhead
+    step = makespan + plan.reduce_time + plan.step_overhead
     return step, idle_share(work, ranks, step)
 
 
