@@ -528,7 +528,11 @@ def test_tied_weights_on_two_ranks_pay_their_gradient_all_reduce_in_the_predicte
     import dataclasses
 
     from fxpipe.profile import get_profile
-    from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
+    from fxpipe.runtime.planning.timeline import (
+        predicted_events,
+        predicted_local_step,
+        predicted_step,
+    )
 
     model, inputs, _ = load_model("gpt", deterministic=True)  # wte is also the output layer
     profile = dataclasses.replace(get_profile("a100"), message_overhead=1e-3)
@@ -538,7 +542,12 @@ def test_tied_weights_on_two_ranks_pay_their_gradient_all_reduce_in_the_predicte
     # a ring over 2 ranks: 2 steps of half the gradient, each a send and a receive per rank
     nbytes = table.numel() * table.element_size()
     assert plan.reduce_time == pytest.approx(profile.comm_time(nbytes, 2) + 4e-3)
-    assert plan.breakdown()["reduce"] == plan.reduce_time
+    assert plan.breakdown()["reduce"] == plan.reduce_time and plan.reduce_ranks == (0, 1)
+    # the predicted timeline ends with it on both ranks, as the executors record it
+    reduce = [e for e in predicted_events(plan, "gpipe") if e.kind == "reduce"]
+    assert [(e.stage, e.microbatch) for e in reduce] == [(0, -1), (1, -1)]
+    assert all(e.end - e.start == pytest.approx(plan.reduce_time) for e in reduce)
+    assert reduce[0].end == pytest.approx(plan.predicted_step_time - plan.step_overhead)
     untied = dataclasses.replace(plan, reduce_time=0.0)
     assert plan.predicted_step_time == pytest.approx(predicted_step(untied, "gpipe")[0]
                                                      + plan.reduce_time)

@@ -219,6 +219,9 @@ class PlanTimes(Protocol):
     @property
     def reduce_time(self) -> float: ...
 
+    @property
+    def reduce_ranks(self) -> Sequence[int]: ...
+
 
 def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, record: bool = True
                ) -> tuple[list[TimedEvent], float, float]:
@@ -280,10 +283,19 @@ def predicted_local_step(plan: PlanTimes) -> float:
 
 def predicted_events(plan: PlanTimes, schedule: ScheduleKind | str = "gpipe",
                      ranks: int | None = None) -> list[Event]:
-    """The schedule simulated with the plan's per-stage forward, backward and traffic times."""
-    events, _, _ = _simulated(plan, schedule_kind(schedule), ranks)
+    """The schedule simulated with the plan's per-stage forward, backward and traffic times,
+    then the tied weights' gradient all-reduce on the first stage of each rank taking part (as
+    the executors record it)."""
+    kind = schedule_kind(schedule)
+    events, makespan, _ = _simulated(plan, kind, ranks)
     kinds: dict[str, str] = {ActionKind.FORWARD: "forward", ActionKind.BACKWARD: "backward",
                              ActionKind.INPUT_GRAD: "backward", ActionKind.WEIGHT_GRAD: "backward"}
-    return [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
-                  str(e.kind) if e.kind in SPLIT_BACKWARD else "")
-            for e in events]
+    out = [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
+                 str(e.kind) if e.kind in SPLIT_BACKWARD else "")
+           for e in events]
+    if plan.reduce_time:
+        k = len(plan.stages)
+        rank_of = kind.placement(k, ranks or kind.ranks_for(k))
+        out += [Event("reduce", rank_of.index(r), -1, makespan, makespan + plan.reduce_time)
+                for r in plan.reduce_ranks if r in rank_of]
+    return out
