@@ -140,12 +140,22 @@ def _check_no_clash(directory: str, names: list[str]) -> None:
 
 
 def _check_replaceable(directory: str) -> None:
-    """Refuses to replace a file, or a folder holding anything but an fxpipe program."""
-    if os.path.isdir(directory) and (not os.listdir(directory) or is_program(directory)):
-        return
-    if not os.path.lexists(directory):
-        return
-    kind = "folder" if os.path.isdir(directory) else "file"
+    """Refuses to replace a file, or a folder holding anything but an fxpipe program. The folder
+    is opened once and read through that handle: another writer moving it away meanwhile leaves
+    this check reading the folder it opened, not a missing path or the next program's folder."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return  # absent, or moved away by another writer: nothing of the user's is replaced
+    except NotADirectoryError:
+        fd = -1
+    if fd >= 0:
+        try:
+            if not os.listdir(fd) or is_program(".", dir_fd=fd):
+                return
+        finally:
+            os.close(fd)
+    kind = "folder" if fd >= 0 else "file"
     raise ProgramFolderError(f"{directory} is a {kind} that holds no fxpipe program, and writing "
                              "the program would replace it", hint="write to a new or empty "
                              "folder, or to one that holds a program fxpipe wrote")

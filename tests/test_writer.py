@@ -129,6 +129,27 @@ def test_two_processes_writing_one_folder_at_once_leave_one_whole_program(tmp_pa
         assert not [n for n in os.listdir(tmp_path) if n.startswith(TEMP_PREFIX)]
 
 
+def test_the_replace_check_reads_the_folder_it_opened_though_another_writer_moves_it(
+        tmp_path, monkeypatch):
+    """Two writers of one folder: the other one renames the program's folder away between this
+    one's opening it and listing it. The check answers for the folder it opened (a program)."""
+    from fxpipe.writer import _check_replaceable
+
+    program, _ = _program(2)
+    target = tmp_path / "prog"
+    program.write(str(target), reference_steps=0)
+    listdir = os.listdir
+
+    def moved_away_then_listed(path):
+        monkeypatch.setattr(os, "listdir", listdir)
+        os.rename(target, tmp_path / "old")
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", moved_away_then_listed)
+    _check_replaceable(str(target))  # no FileNotFoundError, no "holds no fxpipe program"
+    assert not target.exists()
+
+
 def test_a_program_swapped_in_meanwhile_does_not_make_the_old_ones_files_the_users(
         tmp_path, monkeypatch):
     """The clash check lists one folder and reads its program.json; a concurrent writer may

@@ -15,6 +15,7 @@ import importlib.machinery
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,14 +41,17 @@ def file_digest(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def is_program(folder: str | os.PathLike[str]) -> bool:
-    """Whether `folder` holds a program fxpipe wrote (program.py and its program.json)."""
+def is_program(folder: str | os.PathLike[str], dir_fd: int | None = None) -> bool:
+    """Whether `folder` holds a program fxpipe wrote (program.py and its program.json); with
+    `dir_fd`, `folder` is relative to that open folder, wherever another writer has moved it."""
     try:
-        with open(Path(folder) / "program.json", encoding="utf-8") as f:
+        fd = os.open(os.path.join(folder, "program.json"), os.O_RDONLY, dir_fd=dir_fd)
+        with open(fd, encoding="utf-8") as f:
             data = json.load(f)
+        launcher = os.stat(os.path.join(folder, "program.py"), dir_fd=dir_fd)
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and "fxpipe" in data and (Path(folder) / "program.py").is_file()
+    return isinstance(data, dict) and "fxpipe" in data and stat.S_ISREG(launcher.st_mode)
 
 
 @dataclass(frozen=True)
