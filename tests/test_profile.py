@@ -475,11 +475,31 @@ def test_the_in_model_figures_come_from_chains_of_mlp_blocks(monkeypatch):
         assert set(runs) == set(seen)
         return seen
 
-    monkeypatch.setattr(in_model, "fastest_in_bursts", fastest)
+    monkeypatch.setattr(in_model, "interleaved", fastest)
     matmul, call = in_model.measure_in_model(profile)
     assert matmul == pytest.approx(1.5)
     assert call == pytest.approx(300e-6)
     # a noisy measurement cannot make products faster than alone, nor absurdly slower
-    monkeypatch.setattr(in_model, "fastest_in_bursts",
-                        lambda runs, **_: {k: 1e-6 * k[0] for k in runs})
+    monkeypatch.setattr(in_model, "interleaved", lambda runs, **_: {k: 1e-6 * k[0] for k in runs})
     assert in_model.measure_in_model(profile)[0] == in_model.LIMITS[0]
+
+
+def test_interleaved_runs_take_turns_and_a_burst_leaves_its_cold_first_run_untimed():
+    """A run after another one's is cold (here it sleeps 5 ms), after its own warm: taking
+    turns one at a time times only cold runs; in bursts of 2 the warm second run is timed."""
+    import time
+
+    from fxpipe.profile.timing import interleaved
+
+    last: list[str] = []
+
+    def run(key: str) -> None:
+        if last[-1:] != [key]:
+            time.sleep(0.005)
+        last.append(key)
+
+    runs = {key: (lambda key=key: run(key)) for key in "ab"}
+    one = interleaved(runs, rounds=3, least=3)
+    assert min(one.values()) >= 0.005
+    assert last[:2] == ["a", "b"] and len(last) == 2 + 3 * 2  # one untimed run each first
+    assert max(interleaved(runs, rounds=3, least=3, burst=2).values()) < 0.005

@@ -19,23 +19,19 @@ two thirds of what realistic blocks of every kind (MLP, attention, conv, linear)
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable
 from functools import partial
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 from torch.fx import GraphModule
 
 from fxpipe import ir
 from fxpipe.profile.device import DeviceProfile
-from fxpipe.remat_policy import CHECKPOINT_OPTIONS
+from fxpipe.profile.timing import interleaved, remat_step, train_step
 
-__all__ = ["MlpBlock", "fastest_in_bursts", "matmul_time", "measure_in_model", "remat_step",
-           "train_step"]
+__all__ = ["MlpBlock", "matmul_time", "measure_in_model"]
 
 LIMITS = (1.0, 2.0)
 """The factor's range: load only slows a measurement down (below 1 is noise), and beyond 2 the
@@ -55,28 +51,6 @@ class MlpBlock(nn.Module):
         return out
 
 
-_Key = TypeVar("_Key", bound=Hashable)
-
-
-def fastest_in_bursts(runs: Mapping[_Key, Callable[[], object]], *, rounds: int = 30,
-                      burst: int = 4, budget: float = 2.0) -> dict[_Key, float]:
-    """The fastest run of each, the runs taking turns in bursts of `burst` whose first is not
-    timed: it warms the caches the other runs left cold, as a training loop's steps follow one
-    another. `rounds` rounds, or fewer (at least 4) once `budget` seconds have passed."""
-    fastest = {key: float("inf") for key in runs}
-    start = time.perf_counter()
-    for i in range(rounds):
-        for key, run in runs.items():
-            for j in range(burst):
-                t0 = time.perf_counter()
-                run()
-                if j:
-                    fastest[key] = min(fastest[key], time.perf_counter() - t0)
-        if i >= 3 and time.perf_counter() - start > budget:
-            break
-    return fastest
-
-
 def matmul_time(gm: GraphModule, profile: DeviceProfile, b: int) -> float:
     """Seconds the matrix products of a costed graph take at micro-batch size b, forward and
     backward, at the profile's rates."""
@@ -84,19 +58,6 @@ def matmul_time(gm: GraphModule, profile: DeviceProfile, b: int) -> float:
                                   float(ir.evaluate(w.bytes, b)), w.kernels)
                for node in ir.compute_nodes(gm.graph) if ir.COST in node.meta
                for w in ir.cost(node).work if w.op_class == "matmul")
-
-
-def train_step(model: nn.Module, x: torch.Tensor) -> None:
-    """A training step of `model` on `x` without an optimizer: zero_grad, forward, backward."""
-    model.zero_grad(set_to_none=True)
-    torch.autograd.backward(model(x).sum())
-
-
-def remat_step(model: nn.Module, x: torch.Tensor) -> None:
-    """train_step with the model under the checkpoint the stages' remat regions run with."""
-    model.zero_grad(set_to_none=True)
-    out: torch.Tensor = torch.utils.checkpoint.checkpoint(model, x, **CHECKPOINT_OPTIONS)
-    torch.autograd.backward(out.sum())
 
 
 def measure_in_model(profile: DeviceProfile, *, budget: float = 2.0) -> tuple[float, float]:
@@ -118,7 +79,7 @@ def measure_in_model(profile: DeviceProfile, *, budget: float = 2.0) -> tuple[fl
         x.requires_grad_()
         runs[count, "step"] = partial(train_step, model, x)
         runs[count, "remat"] = partial(remat_step, model, x)
-    fastest = fastest_in_bursts(runs, budget=budget)
+    fastest = interleaved(runs, rounds=30, budget=budget, least=4, burst=4)
     block, products = ((fastest[4, "step"] - fastest[1, "step"]) / 3,
                        (predicted[4][1] - predicted[1][1]) / 3)
     rest = (predicted[4][0] - predicted[1][0]) / 3 - products

@@ -26,12 +26,10 @@ where nothing but the overhead takes time:
 from __future__ import annotations
 
 import statistics
-import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -41,22 +39,9 @@ from fxpipe import ir
 from fxpipe.profile.device import DeviceProfile
 from fxpipe.profile.in_model import measure_in_model
 from fxpipe.profile.kinds import overhead_kind
-from fxpipe.remat_policy import CHECKPOINT_OPTIONS
+from fxpipe.profile.timing import fastest, interleaved, remat_step, train_step
 
-__all__ = ["interleaved", "measure_overheads"]
-
-
-def _fastest(fn: Callable[[], object], repeat: int = 25, budget: float = 1.0) -> float:
-    fn()
-    best = float("inf")
-    start = time.perf_counter()
-    for i in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if i >= 5 and time.perf_counter() - start > budget:
-            break
-    return best
+__all__ = ["measure_overheads"]
 
 
 class _Chain(nn.Module):
@@ -165,8 +150,7 @@ class _Chained:
                         (sum(s.compute_time for s in stages), sum(s.forward_time for s in stages)))
 
     def step(self) -> None:
-        self.model.zero_grad(set_to_none=True)  # as a training step starts
-        torch.autograd.backward(self.model(self.x).sum())
+        train_step(self.model, self.x)
 
     def forward(self) -> None:
         self.model(self.x)
@@ -174,10 +158,7 @@ class _Chained:
     def remat(self) -> None:
         """A step with the chain under the checkpoint stage code runs its remat regions with
         (fxpipe.remat_policy.CHECKPOINT_OPTIONS)."""
-        self.model.zero_grad(set_to_none=True)
-        out: torch.Tensor = torch.utils.checkpoint.checkpoint(self.model, self.x,
-                                                              **CHECKPOINT_OPTIONS)
-        torch.autograd.backward(out.sum())
+        remat_step(self.model, self.x)
 
 
 def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
@@ -208,27 +189,6 @@ def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
     return found
 
 
-_Key = TypeVar("_Key")
-
-
-def interleaved(runs: Mapping[_Key, Callable[[], object]], rounds: int = 60,
-                budget: float = 2.0, least: int = 11) -> dict[_Key, float]:
-    """The fastest run of each, their runs taking turns (a burst of load slows all alike):
-    `rounds` rounds, or fewer (at least `least`) once `budget` seconds have passed."""
-    fastest = {key: float("inf") for key in runs}
-    for run in runs.values():
-        run()
-    start = time.perf_counter()
-    for i in range(rounds):
-        for key, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            fastest[key] = min(fastest[key], time.perf_counter() - t0)
-        if i + 1 >= least and time.perf_counter() - start > budget:
-            break
-    return fastest
-
-
 class _Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -251,7 +211,7 @@ def _executor_overheads(kernels: DeviceProfile) -> tuple[float, float]:
         program = fxpipe.compile(model, (x,), stages=2, chunks=chunks, remat="never",
                                  profile=kernels)
         predicted[chunks] = sum(s.compute_time for s in program.plan.stages)
-        times[chunks] = _fastest(partial(_train_step, program, x), repeat=20)
+        times[chunks] = fastest(partial(_train_step, program, x), repeat=20)
     per_microbatch = max((times[8] - times[1] - 8 * predicted[8] + predicted[1]) / 7 / 2, 0.0)
     step = max(times[1] - predicted[1] - 2 * per_microbatch, 0.0)
     return per_microbatch, step

@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -51,9 +50,8 @@ from torch import nn
 import fxpipe
 from fxpipe.models import MODELS, load
 from fxpipe.profile import DeviceProfile, cached_profile
-from fxpipe.profile.device import OVERHEADS
-from fxpipe.profile.in_model import MlpBlock, fastest_in_bursts, train_step
-from fxpipe.profile.overheads import interleaved
+from fxpipe.profile.in_model import MlpBlock
+from fxpipe.profile.timing import interleaved, train_step
 from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
 from fxpipe.testing.user_models import USER_MODELS, load_user_model
 
@@ -231,14 +229,6 @@ BLOCKS: dict[str, tuple[type[nn.Module], tuple[int, ...]]] = {
 """check_blocks' reference blocks and the input of each."""
 
 
-def _kernels_only(profile: DeviceProfile) -> DeviceProfile:
-    """The profile's kernels (matrix products as they run in a model) with none of a step's
-    overheads."""
-    zeros: dict[str, Any] = {name: 0.0 for name in OVERHEADS}
-    return replace(profile, op_overheads=(), op_forward_overheads=(), region_overheads=(),
-                   **zeros)
-
-
 def check_blocks(*, profile: DeviceProfile | None = None, rounds: int = 40, burst: int = 4,
                  budget: float = 20.0) -> dict[str, tuple[float, float, float]]:
     """Per reference block (BLOCKS): the seconds one more block adds to a training step
@@ -246,22 +236,21 @@ def check_blocks(*, profile: DeviceProfile | None = None, rounds: int = 40, burs
     the fastest of each chain's steps that follow a step of its own, as in a training loop),
     and what the profile predicts for it: its kernels and its overheads."""
     profile = profile or cached_profile("cpu", torch.float32)
-    bare = _kernels_only(profile)
     chains: dict[tuple[str, int], tuple[nn.Module, torch.Tensor]] = {}
-    predicted: dict[tuple[str, int], tuple[float, float]] = {}
+    predicted: dict[tuple[str, int], tuple[float, float]] = {}  # (kernels, overheads)
     for name, (block, shape) in BLOCKS.items():
         for count in (1, 4):
             torch.manual_seed(0)
             model = nn.Sequential(*(block() for _ in range(count))).train()
             x = torch.randn(shape)
-            times = [sum(s.compute_time for s in fxpipe.compile(
-                model, (x,), stages=1, chunks=1, remat="never", profile=p).plan.stages)
-                for p in (bare, profile)]
+            stages = fxpipe.compile(model, (x,), stages=1, chunks=1, remat="never",
+                                    profile=profile).plan.stages
+            overheads = sum(s.overhead_time for s in stages)
             chains[name, count] = (model, x.requires_grad_())
-            predicted[name, count] = (times[0], times[1] - times[0])
+            predicted[name, count] = (sum(s.compute_time for s in stages) - overheads, overheads)
 
-    fastest = fastest_in_bursts({key: partial(train_step, *chain) for key, chain in chains.items()},
-                                rounds=rounds, burst=burst, budget=budget)
+    fastest = interleaved({key: partial(train_step, *chain) for key, chain in chains.items()},
+                          rounds=rounds, budget=budget, least=4, burst=burst)
     return {name: ((fastest[name, 4] - fastest[name, 1]) / 3,
                    (predicted[name, 4][0] - predicted[name, 1][0]) / 3,
                    (predicted[name, 4][1] - predicted[name, 1][1]) / 3)
