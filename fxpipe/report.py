@@ -249,7 +249,7 @@ class Report:
             "bubble": simulated_bubble,
             "predicted_step_time_s": step,  # the one predicted step (simulated)
             "simulated_step_time_s": step,
-            "breakdown_s": plan.breakdown(),
+            "breakdown_s": plan.breakdown(self.schedule, self.ranks),
             "optimizer": self.optimizer,
             "chunk_candidates": [{"chunks": c, "predicted_step_time_s": t}
                                  for c, t in plan.candidates],

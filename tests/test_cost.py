@@ -493,7 +493,7 @@ def test_the_predicted_step_pays_per_operation_micro_batch_and_step_beyond_kerne
     assert predicted_step(plan, "gpipe")[0] == pytest.approx(predicted_step(once, "gpipe")[0]
                                                              + 5e-3)
     assert plan.predicted_step_time == pytest.approx(predicted_step(plan, "gpipe")[0])
-    parts = plan.breakdown()
+    parts = plan.breakdown("gpipe")
     assert parts["step"] == 5e-3
     assert parts["overhead"] == pytest.approx(4 * sum(s.overhead_time for s in plan.stages))
     assert parts["kernels"] + parts["overhead"] == pytest.approx(
@@ -520,7 +520,7 @@ def test_a_rank_pays_per_action_and_per_message_in_the_predicted_step_only():
     # the two stages are alike, so the path has M + K - 1 forwards and as many backwards
     slower = predicted_step(plan, "gpipe")[0] - predicted_step(bare.plan, "gpipe")[0]
     assert slower == pytest.approx((4 + 2 - 1) * 2 * 3e-3, rel=0.15)
-    assert plan.breakdown()["ranks"] == pytest.approx(4 * 2 * (2 * 1e-3 + 2 * 2e-3))
+    assert plan.breakdown("gpipe")["ranks"] == pytest.approx(4 * 2 * (2 * 1e-3 + 2 * 2e-3))
     assert "ranks' handling of actions and messages 48.00 ms" in ranked.report().text()
 
 
@@ -532,6 +532,7 @@ def test_tied_weights_on_two_ranks_pay_their_gradient_all_reduce_in_the_predicte
         predicted_events,
         predicted_local_step,
         predicted_step,
+        tied_reduce,
     )
 
     model, inputs, _ = load_model("gpt", deterministic=True)  # wte is also the output layer
@@ -541,24 +542,50 @@ def test_tied_weights_on_two_ranks_pay_their_gradient_all_reduce_in_the_predicte
     assert program.built.shared == {"wte.weight": [0, 1]}
     # a ring over 2 ranks: 2 steps of half the gradient, each a send and a receive per rank
     nbytes = table.numel() * table.element_size()
-    assert plan.reduce_time == pytest.approx(profile.comm_time(nbytes, 2) + 4e-3)
-    assert plan.breakdown()["reduce"] == plan.reduce_time and plan.reduce_ranks == (0, 1)
+    ring = profile.comm_time(nbytes, 2) + 4e-3
+    assert [(w.stages, w.seconds) for w in plan.shared] == [((0, 1), (pytest.approx(ring),))]
+    assert tied_reduce(plan, [0, 1]) == (pytest.approx(ring), (0, 1))
+    assert plan.breakdown("gpipe")["reduce"] == pytest.approx(ring)
     # the predicted timeline ends with it on both ranks, as the executors record it
     reduce = [e for e in predicted_events(plan, "gpipe") if e.kind == "reduce"]
     assert [(e.stage, e.microbatch) for e in reduce] == [(0, -1), (1, -1)]
-    assert all(e.end - e.start == pytest.approx(plan.reduce_time) for e in reduce)
+    assert all(e.end - e.start == pytest.approx(ring) for e in reduce)
     assert reduce[0].end == pytest.approx(plan.predicted_step_time - plan.step_overhead)
-    untied = dataclasses.replace(plan, reduce_time=0.0)
-    assert plan.predicted_step_time == pytest.approx(predicted_step(untied, "gpipe")[0]
-                                                     + plan.reduce_time)
+    untied = dataclasses.replace(plan, shared=())
+    assert plan.predicted_step_time == pytest.approx(predicted_step(untied, "gpipe")[0] + ring)
     assert predicted_local_step(plan) == predicted_local_step(untied)  # one Parameter there
     assert "tied weights' gradient all-reduce" in program.report().text()
     # one stage, or weights no two ranks share, pay none
     one = fxpipe.compile(model, inputs, stages=1, chunks=4, profile=profile)
-    assert one.plan.reduce_time == 0.0
+    assert one.plan.shared == () and one.plan.breakdown("gpipe")["reduce"] == 0.0
     assert "all-reduce" not in one.report().text().split("predicted work per step")[1] \
         .splitlines()[0]
-    assert _step_costs(message_overhead=1e-3).plan.reduce_time == 0.0
+    assert _step_costs(message_overhead=1e-3).plan.shared == ()
+
+
+def test_a_tied_weight_whose_stages_one_schedule_puts_on_one_rank_pays_no_all_reduce_there():
+    """The all-reduce is placed by the schedule a step is predicted for, not the plan's own:
+    4 stages with the embedding on the first and the output layer on the last are 4 ranks under
+    GPipe, and 2 ranks under ZB-V, whose V puts the first and last stages on rank 0."""
+    import dataclasses
+
+    from fxpipe.profile import get_profile
+    from fxpipe.runtime.planning.timeline import predicted_events, predicted_step
+
+    model, inputs, _ = load_model("gpt", deterministic=True)
+    profile = dataclasses.replace(get_profile("a100"), message_overhead=1e-3)
+    plan = fxpipe.compile(model, inputs, stages=4, chunks=4, profile=profile).plan
+    (weight,) = plan.shared
+    assert weight.stages == (0, 3) and len(weight.seconds) == 1  # at most 2 ranks share it
+    assert plan.breakdown("gpipe")["reduce"] == pytest.approx(weight.seconds[0])
+    assert plan.breakdown("zb-v", 2)["reduce"] == 0.0
+    untied = dataclasses.replace(plan, shared=())
+    assert predicted_step(plan, "gpipe")[0] == pytest.approx(
+        predicted_step(untied, "gpipe")[0] + weight.seconds[0])
+    assert predicted_step(plan, "zb-v", 2) == predicted_step(untied, "zb-v", 2)
+    assert not [e for e in predicted_events(plan, "zb-v", 2) if e.kind == "reduce"]
+    gpipe = [e.stage for e in predicted_events(plan, "gpipe") if e.kind == "reduce"]
+    assert gpipe == [0, 3]
 
 
 def test_a_recomputed_operation_pays_the_checkpoint_again():

@@ -72,6 +72,9 @@ class AtomsCache:
     atoms of every remat, chunks and optimizer at that size."""
     readers: set[Node] | None = None
     """The nodes whose backward has a weight-gradient part (_weight_readers), found once."""
+    shareable: list[tuple[list[Node], int]] | None = None
+    """The trainable weights more than one operation uses, and their bytes
+    (passes.partition.graph.shareable_weights), found once."""
 
     def facts_for(self, gm: GraphModule, groups: list[list[Node]], *, balance: str,
                   profile: DeviceProfile, b: int,

@@ -20,7 +20,6 @@ import functools
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -44,8 +43,8 @@ from fxpipe.profile import DeviceProfile
 from fxpipe.profile.kinds import is_glue
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.planning.grid import peak_inflight
-from fxpipe.runtime.planning.schedule import ScheduleKind, placement, schedule_kind
-from fxpipe.runtime.planning.timeline import predicted_step
+from fxpipe.runtime.planning.schedule import ScheduleKind, schedule_kind
+from fxpipe.runtime.planning.timeline import SharedWeight, predicted_step, tied_reduce
 
 __all__ = ["partition", "StagePlan", "PartitionPlan", "BALANCE_MODES"]
 
@@ -93,26 +92,27 @@ class PartitionPlan:
     # micro-batch, and per message sent or received (fxpipe.profile.ranks)
     action_overhead: float = 0.0
     message_overhead: float = 0.0
-    # seconds per step of the all-reduce that sums the gradients of weights used on several
-    # ranks (tied weights: an embedding and its output layer), after the last backward, and
-    # the ranks that take part
-    reduce_time: float = 0.0
-    reduce_ranks: tuple[int, ...] = ()
+    # trainable weights several stages use (tied weights: an embedding and its output layer),
+    # whose gradients an all-reduce sums where a schedule places those stages on several ranks
+    shared: tuple[SharedWeight, ...] = ()
 
-    def breakdown(self) -> dict[str, float]:
-        """Seconds of one step's work, all stages together (not its critical path): kernels,
-        per-operation overhead, per-micro-batch overhead (both in compute_time), messages
-        (each boundary once, forward and backward), what ranks pay to run each forward and
-        backward and to send and receive each message, the tied weights' gradient all-reduce
-        and the per-step overhead."""
+    def breakdown(self, schedule: ScheduleKind | str, ranks: int | None = None
+                  ) -> dict[str, float]:
+        """Seconds of one step's work under `schedule` on `ranks` ranks, all stages together
+        (not its critical path): kernels, per-operation overhead, per-micro-batch overhead
+        (both in compute_time), messages (each boundary once, forward and backward), what
+        ranks pay to run each forward and backward and to send and receive each message, the
+        tied weights' gradient all-reduce and the per-step overhead."""
+        kind = schedule_kind(schedule)
+        rank_of = kind.placement(len(self.stages), ranks or kind.ranks_for(len(self.stages)))
         m = self.chunks
         overhead = sum(s.overhead_time for s in self.stages) * m
         kernels = sum(s.compute_time for s in self.stages) * m - overhead
-        ranks = sum(2 * self.action_overhead + self.message_overhead
-                    * (s.forward_messages + s.backward_messages) for s in self.stages) * m
+        work = sum(2 * self.action_overhead + self.message_overhead
+                   * (s.forward_messages + s.backward_messages) for s in self.stages) * m
         return {"kernels": kernels, "overhead": overhead,
                 "messages": sum(s.comm_time for s in self.stages) / 2 * m,
-                "ranks": ranks, "reduce": self.reduce_time, "step": self.step_overhead}
+                "ranks": work, "reduce": tied_reduce(self, rank_of)[0], "step": self.step_overhead}
 
     @property
     def imbalance(self) -> float:
@@ -251,11 +251,15 @@ def partition(
     plan = _write_stages(groups, cuts, atoms, evaluated, b, chunks, mode, num_stages, fixed,
                          per_region)
     if mode != "params":
-        rank_of = placement(schedule, num_stages, ranks or schedule.ranks_for(num_stages))
+        shareable = reuse.shareable if reuse is not None else None
+        if shareable is None:
+            shareable = shareable_weights(gm)
+            if reuse is not None:
+                reuse.shareable = shareable
         plan = replace(plan, step_overhead=profile.step_overhead,
                        action_overhead=profile.action_overhead,
                        message_overhead=profile.message_overhead,
-                       **tied_reduce(gm, rank_of, profile))
+                       shared=shared_weights(shareable, profile))
     # the step as the schedule plays it: the one figure reports and chunks="auto" judge by
     return replace(plan, predicted_step_time=predicted_step(plan, schedule, ranks)[0])
 
@@ -303,32 +307,39 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
     return PartitionPlan(tuple(stages), b, chunks, mode, bottleneck, (chunks + k - 1) * bottleneck)
 
 
-def tied_reduce(gm: GraphModule, rank_of: Sequence[int], profile: DeviceProfile
-                ) -> dict[str, Any]:
-    """The seconds per step of the all-reduces that sum the gradients of parameters used by
-    stages of more than one rank (ir.STAGE on the nodes; `rank_of`: each stage's rank), and
-    those ranks (PartitionPlan's reduce_time and reduce_ranks): a ring over the ranks sharing
-    each, 2(R-1) steps each moving 1/R of the gradient, each step a send and a receive on every
-    rank."""
-    ranks_of: dict[str, set[int]] = {}
+def shareable_weights(gm: GraphModule) -> list[tuple[list[Node], int]]:
+    """The trainable weights that more than one operation uses, as (those operations, the
+    weight's bytes): the ones a cut can leave on several stages."""
+    users: dict[str, list[Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            stages = {u.meta.get(ir.STAGE) for u in node.users}
-            ranks_of.setdefault(str(node.target), set()).update(
-                rank_of[s] for s in stages if isinstance(s, int))
-    total, taking_part = 0.0, set()
-    for target, ranks in ranks_of.items():
-        if len(ranks) < 2:
+            users.setdefault(str(node.target), []).extend(node.users)
+    found = []
+    for target, nodes in users.items():
+        if len(nodes) < 2:
             continue
         value = operator.attrgetter(target)(gm)
-        if not isinstance(value, nn.Parameter) or not value.requires_grad:
+        if isinstance(value, nn.Parameter) and value.requires_grad:
+            found.append((nodes, value.numel() * value.element_size()))
+    return found
+
+
+def shared_weights(shareable: Sequence[tuple[Sequence[Node], int]], profile: DeviceProfile
+                   ) -> tuple[SharedWeight, ...]:
+    """Those of the shareable weights whose users the partition put on more than one stage
+    (ir.STAGE), each with the seconds of its gradient's all-reduce over 2, 3, ... ranks: a
+    ring over R ranks, 2(R-1) steps each moving 1/R of the gradient, each step a send and a
+    receive on every rank."""
+    found = []
+    for users, nbytes in shareable:
+        stages = sorted({s for s in (u.meta.get(ir.STAGE) for u in users) if isinstance(s, int)})
+        if len(stages) < 2:
             continue
-        hops = 2 * (len(ranks) - 1)
-        nbytes = value.numel() * value.element_size()
-        total += profile.comm_time(hops * nbytes / len(ranks), hops) \
-            + 2 * hops * profile.message_overhead
-        taking_part |= ranks
-    return {"reduce_time": total, "reduce_ranks": tuple(sorted(taking_part))}
+        hops = [2 * (r - 1) for r in range(2, len(stages) + 1)]
+        found.append(SharedWeight(tuple(stages), tuple(
+            profile.comm_time(h * nbytes / (h // 2 + 1), h) + 2 * h * profile.message_overhead
+            for h in hops)))
+    return tuple(found)
 
 
 def _regions(members: Sequence[Node]) -> int:

@@ -14,7 +14,7 @@ from fxpipe.runtime.planning.simulate import TimedEvent, simulate
 
 __all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
            "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step",
-           "predicted_local_step", "SPLIT_BACKWARD"]
+           "predicted_local_step", "SPLIT_BACKWARD", "SharedWeight", "tied_reduce"]
 
 
 class EventJSON(TypedDict):
@@ -217,10 +217,29 @@ class PlanTimes(Protocol):
     def message_overhead(self) -> float: ...
 
     @property
-    def reduce_time(self) -> float: ...
+    def shared(self) -> Sequence[SharedWeight]: ...
 
-    @property
-    def reduce_ranks(self) -> Sequence[int]: ...
+
+@dataclass(frozen=True)
+class SharedWeight:
+    """A trainable weight that several stages use (an embedding and its output layer). Where
+    the schedule places those stages on several ranks, an all-reduce sums its gradient across
+    them after the last backward; where on one rank, autograd sums it there."""
+
+    stages: tuple[int, ...]
+    seconds: tuple[float, ...]  # the all-reduce over 2, 3, ... ranks (up to len(stages))
+
+
+def tied_reduce(plan: PlanTimes, rank_of: Sequence[int]) -> tuple[float, tuple[int, ...]]:
+    """Seconds per step of the plan's shared weights' all-reduces with stage s on rank
+    rank_of[s], and the ranks that take part."""
+    total, taking_part = 0.0, set()
+    for weight in plan.shared:
+        ranks = {rank_of[s] for s in weight.stages}
+        if len(ranks) > 1:
+            total += weight.seconds[len(ranks) - 2]
+            taking_part |= ranks
+    return total, tuple(sorted(taking_part))
 
 
 def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, record: bool = True
@@ -271,7 +290,8 @@ def predicted_step(plan: PlanTimes, schedule: ScheduleKind | str, ranks: int | N
     kind = schedule_kind(schedule)
     ranks = ranks or kind.ranks_for(len(plan.stages))
     _, makespan, work = _simulated(plan, kind, ranks, record=False)
-    step = makespan + plan.reduce_time + plan.step_overhead
+    reduce, _ = tied_reduce(plan, kind.placement(len(plan.stages), ranks))
+    step = makespan + reduce + plan.step_overhead
     return step, idle_share(work, ranks, step)
 
 
@@ -293,9 +313,8 @@ def predicted_events(plan: PlanTimes, schedule: ScheduleKind | str = "gpipe",
     out = [Event(kinds.get(e.kind, e.kind), e.stage, e.microbatch, e.start, e.end,
                  str(e.kind) if e.kind in SPLIT_BACKWARD else "")
            for e in events]
-    if plan.reduce_time:
-        k = len(plan.stages)
-        rank_of = kind.placement(k, ranks or kind.ranks_for(k))
-        out += [Event("reduce", rank_of.index(r), -1, makespan, makespan + plan.reduce_time)
-                for r in plan.reduce_ranks if r in rank_of]
-    return out
+    k = len(plan.stages)
+    rank_of = kind.placement(k, ranks or kind.ranks_for(k))
+    reduce, taking_part = tied_reduce(plan, rank_of)
+    return out + [Event("reduce", rank_of.index(r), -1, makespan, makespan + reduce)
+                  for r in taking_part]
