@@ -544,11 +544,27 @@ def _uses_device(node: Node) -> bool:
     return bool(found)
 
 
+class _StageSource:
+    """A stage module's loader as linecache reads it: the source's lines are made when a
+    traceback (or inspect) first asks for them, not kept as lines for every stage of a deep
+    model at compile time."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def get_source(self, name: str) -> str:
+        return self.text
+
+
 def load_stage_class(text: str, filename: str, class_name: str) -> type[StageModule]:
-    """Executes generated stage source (fxpipe's own output) and returns its class."""
+    """Executes generated stage source (fxpipe's own output) and returns its class. Its lines
+    show in tracebacks under `filename` (not of the form "<...>", which linecache reads from
+    no loader), the latest stage loaded under that name winning."""
     module = types.ModuleType(filename.rsplit("/", 1)[-1].removesuffix(".py"))
     module.__file__ = filename
-    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    module.__loader__ = _StageSource(text)
+    linecache.cache.pop(filename, None)
+    linecache.lazycache(filename, module.__dict__)
     exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - generated code
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, StageModule)):

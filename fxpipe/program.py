@@ -127,7 +127,7 @@ class Program(nn.Module):
         if self._local is not None:
             self._local.close()
             self._local = None
-        self._classes = [codegen.load_stage_class(s.source, f"<fxpipe stage {s.index}>",
+        self._classes = [codegen.load_stage_class(s.source, f"<fxpipe stage {s.index}>.py",
                                                   runs.class_name)
                          for s, runs in zip(built.stages, built.spec.stages)]
         self._mesh = mesh_of_world(built.spec.placement) if device is not None else None

@@ -230,3 +230,26 @@ def test_hostile_class_and_parameter_names_give_a_launcher_and_stages_that_compi
             assert f"for {name.strip()}\\n." in ast.get_docstring(tree)  # reads as the name
     stage = build_stage(tmp_path / "prog", 0)
     assert list(stage.PARAMETERS.values()) == ["a\\x00'''.weight", "a\\x00'''.bias"]
+
+
+
+def test_a_stage_error_shows_the_stage_line_though_its_lines_are_read_only_when_asked():
+    """Stage modules register their source with linecache lazily (a deep model's stages would
+    otherwise keep every line twice); a traceback through a stage still shows its code."""
+    import linecache
+    import traceback
+
+    model, inputs = load_model("mlp", deterministic=True)[:2]
+    program = fxpipe.compile(model, inputs, stages=2, chunks=2, profile=preset("a100"))
+    filename = "<fxpipe stage 1>.py"
+    assert len(linecache.cache[filename]) == 1  # a loader, no lines yet
+
+    class Failing:
+        def recv(self, *args, **kwargs):
+            raise RuntimeError("no message")
+
+    with pytest.raises(RuntimeError) as failed:
+        program.stage_modules[1](Failing())
+    text = "".join(traceback.format_exception(failed.value))
+    (line,) = [line for line in program.built.stages[1].source.splitlines() if "comm.recv(" in line]
+    assert f'File "{filename}"' in text and line.strip() in text
