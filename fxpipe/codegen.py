@@ -562,9 +562,8 @@ def load_stage_class(text: str, filename: str, class_name: str) -> type[StageMod
     no loader), the latest stage loaded under that name winning."""
     module = types.ModuleType(filename.rsplit("/", 1)[-1].removesuffix(".py"))
     module.__file__ = filename
-    module.__loader__ = _StageSource(text)
     linecache.cache.pop(filename, None)
-    linecache.lazycache(filename, module.__dict__)
+    linecache.lazycache(filename, {"__name__": module.__name__, "__loader__": _StageSource(text)})
     exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - generated code
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, StageModule)):

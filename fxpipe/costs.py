@@ -10,7 +10,7 @@ from torch.fx import GraphModule
 from fxpipe import ir
 from fxpipe.passes.estimate import estimate_time
 from fxpipe.profile import DeviceProfile
-from fxpipe.report import human_bytes, human_flops, human_time
+from fxpipe.units import human_bytes, human_flops, human_time
 
 __all__ = ["cost_table"]
 

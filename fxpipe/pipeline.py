@@ -41,13 +41,13 @@ from fxpipe.passes.split import StageGraph, shared_parameters, split_stages
 from fxpipe.passes.timing import measure_times
 from fxpipe.passes.unroll_rnn import has_stacked_rnns, unroll_rnns
 from fxpipe.profile import DeviceProfile, select_profile
-from fxpipe.report import stage_header
 from fxpipe.runtime.execution.amp import compiled_autocast
 from fxpipe.runtime.execution.rank import devices_for_stages
 from fxpipe.runtime.execution.stagespec import StageSpec
 from fxpipe.runtime.planning.schedule import SCHEDULES
 from fxpipe.runtime.planning.timeline import predicted_events, predicted_step
 from fxpipe.runtime.program.spec import ProgramSpec
+from fxpipe.stage_header import stage_header
 
 __all__ = ["build", "rebuild", "PlanAgreement"]
 

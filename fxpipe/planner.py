@@ -47,13 +47,13 @@ from fxpipe.passes.partition.atoms import AtomsCache, atoms_of
 from fxpipe.pipeline import capture_and_cost
 from fxpipe.planner_bounds import Bounds, Link
 from fxpipe.profile import DeviceProfile, select_profile
-from fxpipe.report import human_bytes
 from fxpipe.runtime.planning.schedule import (
     SCHEDULES,
     ScheduleKind,
     default_stages_per_rank,
     placement,
 )
+from fxpipe.units import human_bytes
 
 __all__ = ["plan", "planning", "Planning", "Plan", "Candidate", "PlanError"]
 

@@ -53,7 +53,7 @@ from fxpipe.reference import (
     reference_losses,
     replica_counts,
 )
-from fxpipe.report import Report, build_report, predicted_kept
+from fxpipe.report import Report, build_report
 from fxpipe.runtime.communication.mesh import GroupCache, Mesh
 from fxpipe.runtime.execution.amp import compiled_autocast
 from fxpipe.runtime.execution.hold import HeldStages, RunSettings, local_loss
@@ -65,6 +65,7 @@ from fxpipe.runtime.program.materialize import initialize
 from fxpipe.runtime.stage import StageModule
 from fxpipe.sharding import is_sharded, make_optimizer
 from fxpipe.signature import copy_inputs
+from fxpipe.stage_facts import predicted_kept
 from fxpipe.storage.checkpoint import load_checkpoint, save_shard
 from fxpipe.storage.resume import fit_state, restore_optimizer
 from fxpipe.storage.state import StateNames, graph_tensors

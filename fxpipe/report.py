@@ -1,174 +1,28 @@
-"""Partition reports, stage headers and cost tables (text, markdown, JSON)."""
+"""The partition report of a built program (text, markdown, JSON): its stages, the predicted
+step and its breakdown, the schedules compared, balancing rounds and kept memory."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from tabulate import tabulate
-from torch import nn
-from torch.fx import Node
 
-from fxpipe import ir
 from fxpipe.built import Built
-from fxpipe.codegen import FileHeader
-from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError
-from fxpipe.figures import against, remat_saving, stage_load
+from fxpipe.figures import against, stage_load
 from fxpipe.losses import loss_saved_bytes
-from fxpipe.optimizers import ADAM, OptimizerMemory
+from fxpipe.optimizers import ADAM
 from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, kept_reason
-from fxpipe.passes.remat import RematRegion, kept_bytes
-from fxpipe.passes.split import StageGraph
-from fxpipe.profile import DeviceProfile
 from fxpipe.remat_policy import RematPolicy
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.planning.grid import peak_inflight, render_grid
-from fxpipe.runtime.planning.schedule import SCHEDULES, ActionKind, ScheduleKind, stages_on
+from fxpipe.runtime.planning.schedule import SCHEDULES, ActionKind, ScheduleKind
 from fxpipe.runtime.planning.timeline import predicted_step
+from fxpipe.stage_facts import communication, predicted_kept, stage_figures
+from fxpipe.units import human_bytes, human_flops, human_time
 
-__all__ = ["Report", "StageRow", "build_report", "stage_header", "compile_command",
-           "predicted_kept", "communication", "human_bytes", "human_flops",
-           "human_time", "SCHEDULE_TITLES"]
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def human_flops(n: float) -> str:
-    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} FLOP"
-
-
-def human_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
-
-
-def _at(expr: ir.Expr, b: int) -> float:
-    return float(ir.evaluate(expr, b))
-
-
-def _value_bytes(info: ir.ValueInfo, b: int) -> float:
-    if isinstance(info, ir.TensorInfo):
-        return _at(info.nbytes, b)
-    if isinstance(info, tuple):
-        return sum(_value_bytes(i, b) for i in info)
-    return 8.0
-
-
-def _stage_nodes(graph: StageGraph) -> list[Node]:
-    return [n for n in ir.compute_nodes(graph.graph_module.graph) if ir.COST in n.meta]
-
-
-def _stage_figures(graph: StageGraph, regions: Sequence[RematRegion], b: int) -> dict[str, float]:
-    nodes = _stage_nodes(graph)
-    saved = kept_bytes(nodes, b)
-    in_region = {name for r in regions for name in r.nodes}
-    outside = kept_bytes([n for n in nodes if n.name not in in_region], b)
-    kept = outside + sum(r.kept_bytes for r in regions)
-    params = sum(p.numel() * p.element_size() for p in graph.graph_module.parameters())
-    return {
-        "fwd_flops": sum(_at(ir.cost(n).fwd_flops, b) for n in nodes),
-        "params": float(params),
-        "param_count": float(sum(p.numel() for p in graph.graph_module.parameters())),
-        "saved": saved,
-        "kept_with_remat": min(kept, saved) if regions else saved,
-        "recv_bytes": sum(_value_bytes(c.value, b) for c in graph.recvs),
-        "send_bytes": sum(_value_bytes(c.value, b) for c in graph.sends),
-    }
-
-
-def compile_command(config: CompileConfig, model: str) -> tuple[str, bool]:
-    """How the program was compiled, and whether that is a command that regenerates it: the
-    command line when it came from `fxpipe compile`, else the fxpipe.compile call with every
-    option that differs from its default."""
-    if config.command:
-        return config.command, True
-    defaults = CompileConfig()
-    options = []
-    for f in fields(CompileConfig):
-        value = getattr(config, f.name)
-        always = f.name in ("stages", "chunks", "remat", "balance")
-        if f.name == "command" or (not always and value == getattr(defaults, f.name)):
-            continue
-        if f.name == "stages_per_rank" and config.schedule in SCHEDULES \
-                and value == config.schedule_kind.default_stages_per_rank:
-            continue  # what the schedule places anyway
-        if isinstance(value, DeviceProfile):
-            value = value.name
-        if isinstance(value, OptimizerMemory):
-            if value.master_weights:
-                options.append("master_weights=True")
-            value = value.extra_bytes if value.extra_bytes is not None else value.name
-        if isinstance(value, nn.Module):  # a twin that checked a meta model's capture
-            options.append(f"{f.name}={type(value).__name__}(...)")
-            continue
-        if f.name == "leaf_modules":
-            value = tuple(v if isinstance(v, str) else getattr(v, "__name__", type(v).__name__)
-                          for v in value)
-        options.append(f"{f.name}={value!r}")
-    return f"fxpipe.compile({model}(...), {', '.join(options)})", False
-
-
-def stage_header(graph: StageGraph, regions: Sequence[RematRegion], plan: PartitionPlan,
-                 config: CompileConfig, model: str, shared: dict[str, list[int]],
-                 passes: tuple[str, ...]) -> FileHeader:
-    """The facts at the top of a generated stage file: what the stage computes, holds and
-    exchanges, the same on every machine. Nothing here comes from the device profile (predicted
-    or measured times): the report says what was predicted, and with which profile."""
-    b, k = plan.microbatch_size, len(plan.stages)
-    figures = _stage_figures(graph, regions, b)
-    stage_plan = plan.stages[graph.index]
-    lines: list[tuple[str, str]] = []
-    rank_of = config.placement
-    if config.per_rank > 1:
-        mine = map(str, stages_on(rank_of, rank_of[graph.index]))
-        lines.append(("rank", f"{rank_of[graph.index]} of {config.ranks} ({config.schedule}: "
-                              f"stages {', '.join(mine)} run on it)"))
-    lines.append(("flops", f"{human_flops(figures['fwd_flops'])} forward per micro-batch"))
-    lines.append(("params", f"{human_bytes(figures['params'])}; saved activations "
-                            f"{human_bytes(figures['saved'])} per micro-batch"
-                  + (f" ({human_bytes(figures['kept_with_remat'])} kept with remat)"
-                     if regions else "")))
-    def local(peer: int) -> str:
-        same = config.per_rank > 1 and rank_of[peer] == rank_of[graph.index]
-        return " (same rank: handed over in the process)" if same else ""
-
-    for c in graph.recvs:
-        lines.append(("recv", f"{c.tag}  {ir.format_shape(c.value)}  <- stage {c.peer}"
-                              + local(c.peer)))
-    for c in graph.sends:
-        lines.append(("send", f"{c.tag}  {ir.format_shape(c.value)}  -> stage {c.peer}"
-                              + local(c.peer)))
-    for name, holders in sorted(shared.items()):
-        if graph.index in holders:
-            others = ", ".join(str(s) for s in holders if s != graph.index)
-            if len({rank_of[s] for s in holders}) == 1:
-                lines.append(("tied", f"{name} is also held by stage {others} on this rank: "
-                                      "one Parameter, whose gradient both accumulate"))
-                continue
-            lines.append(("tied", f"{name} is also held by stage {others}; its gradient is "
-                                  f"summed over stages {', '.join(map(str, holders))} after the "
-                                  "backward, so every copy takes the same step"))
-    for r in regions:
-        lines.append(("remat", f"{r.name} = {len(r.nodes)} ops ({r.nodes[0]} .. {r.nodes[-1]}), "
-                               + remat_saving(r.kept_bytes, r.saved_bytes, human_bytes)))
-    lines.append(("b", f"the micro-batch size, {b} at compile time (batch {b * plan.chunks} "
-                       f"in {plan.chunks} chunks)"))
-    span = f"{stage_plan.first_module} -> {stage_plan.last_module} ({len(stage_plan.nodes)} ops)"
-    command, runnable = compile_command(config, model)
-    return FileHeader(command, runnable, model, graph.index, k, span, tuple(lines), passes)
+__all__ = ["Report", "StageRow", "build_report", "SCHEDULE_TITLES"]
 
 
 class StageRow(TypedDict, total=False):
@@ -446,56 +300,6 @@ class Report:
         return self.text()
 
 
-def predicted_kept(built: Built) -> list[float]:
-    """Activation bytes each stage's forwards hold after all forwards of a GPipe step (its
-    peak; what program.measure_activations measures, which runs no loss), as the remat policy
-    counts them."""
-    plan = built.plan
-    m, b = built.spec.chunks, plan.microbatch_size
-    out = []
-    for st in built.stages:
-        figures = _stage_figures(st.graph, st.regions, b)
-        out.append(built.config.remat_policy.kept_at_peak(figures["saved"],
-                                                          figures["kept_with_remat"], m, m))
-    return out
-
-
-def communication(built: Built, replicas: int = 1) -> dict[str, float]:
-    """Bytes moved per training step: point-to-point (activations forward, gradients back) in
-    one pipeline, the data-parallel gradient all-reduce per replica (ring: 2(R-1)/R of each
-    stage's gradients) and the tied-weight gradient all-reduce."""
-    plan = built.plan
-    m = built.spec.chunks
-    b = max(1, plan.microbatch_size // replicas)  # each replica pipelines its share of the batch
-    rank_of = built.spec.placement
-    p2p = 0.0
-    for st in built.stages:
-        for c in st.graph.sends:
-            if rank_of[st.index] == rank_of[c.peer]:
-                continue  # two stages of one rank: handed over in the process
-            size = _value_bytes(c.value, b)
-            grads = size if isinstance(c.value, ir.TensorInfo) and c.value.is_float \
-                and c.value.requires_grad else 0.0
-            p2p += m * (size + grads)
-    grads = sum(float(p.numel() * p.element_size()) for st in built.stages
-                for p in st.graph_module.parameters() if p.requires_grad)
-    tied = sum(float(p.numel() * p.element_size()) * (len({rank_of[s] for s in stages}) - 1)
-               for name, stages in built.shared.items()
-               for p in [_tied_param(built, name)] if p is not None)
-    out = {"point-to-point": p2p, "tied-weight all-reduce": tied}
-    if replicas > 1:
-        out["data-parallel all-reduce"] = 2 * (replicas - 1) / replicas * grads
-    return out
-
-
-def _tied_param(built: Built, name: str) -> nn.Parameter | None:
-    for st in built.stages:
-        for target, value in st.graph_module.named_parameters(remove_duplicate=False):
-            if target == name:
-                return value
-    return None
-
-
 def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
     """The report of a built program (`mesh`: where its ranks run, under torchrun)."""
     plan = built.plan
@@ -504,7 +308,7 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
     last = len(built.stages) - 1
     stages: list[StageRow] = []
     for st, sp in zip(built.stages, plan.stages):
-        figures = _stage_figures(st.graph, st.regions, b)
+        figures = stage_figures(st.graph, st.regions, b)
         stages.append({
             "stage": st.index, "first_module": sp.first_module, "last_module": sp.last_module,
             "nodes": len(sp.nodes), "param_count": figures["param_count"],

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fxpipe.planner import Candidate, Plan, PlanError, Planning, planning
-from fxpipe.report import human_bytes
+from fxpipe.units import human_bytes
 
 __all__ = ["Build", "largest_that_fits"]
 

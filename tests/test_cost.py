@@ -475,8 +475,8 @@ def _step_costs(**overheads: float) -> Any:
 def test_the_predicted_step_pays_per_operation_micro_batch_and_step_beyond_kernels():
     import dataclasses
 
-    from fxpipe.report import human_time
     from fxpipe.runtime.planning.timeline import predicted_local_step, predicted_step
+    from fxpipe.units import human_time
 
     bare = _step_costs()
     paid = _step_costs(op_overhead=1e-3, microbatch_overhead=2e-3, step_overhead=5e-3)

@@ -13,7 +13,8 @@ PACKAGES = {"fxpipe": ROOT / "fxpipe", "fxpipe.passes": ROOT / "passes",
 
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: list[tuple[str, ...]] = [
-    ("fxpipe.errors", "fxpipe.version", "fxpipe.source", "fxpipe.figures", "fxpipe.choices",
+    ("fxpipe.errors", "fxpipe.version", "fxpipe.source", "fxpipe.figures", "fxpipe.units",
+     "fxpipe.choices",
      "fxpipe.storage", "fxpipe.storage.files", "fxpipe.storage.savelock",
      "fxpipe.storage.userfiles"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.untouched",
@@ -25,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen",
      "fxpipe.callable_names"),  # the compiler's passes
     ("fxpipe.config", "fxpipe.built"),  # the options and what a compile produces
-    ("fxpipe.report",),
+    ("fxpipe.stage_facts", "fxpipe.stage_header", "fxpipe.report"),
     ("fxpipe.costs",),
     ("fxpipe.pipeline",),  # build(): the passes in order
     # take the built plan

@@ -26,8 +26,8 @@ from fxpipe.models import load as load_model
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import PartitionPlan, atoms_of, partition
 from fxpipe.profile import get_profile
-from fxpipe.report import human_time
 from fxpipe.runtime.planning.timeline import predicted_step
+from fxpipe.units import human_time
 
 PROFILE = get_profile("a100")  # a datasheet preset: deterministic, no CPU micro-benchmark
 

@@ -21,9 +21,10 @@ from fxpipe.figures import remat_saving, stage_load
 from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
 from fxpipe.remat_policy import remat_policy
-from fxpipe.report import SCHEDULE_TITLES, human_bytes, human_flops, human_time
+from fxpipe.report import SCHEDULE_TITLES
 from fxpipe.runtime.planning.schedule import SCHEDULES
 from fxpipe.runtime.planning.timeline import chrome_trace, predicted_events, predicted_step
+from fxpipe.units import human_bytes, human_flops, human_time
 
 STAGES, CHUNKS = 3, 4
 

@@ -10,12 +10,12 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe import figures
-from fxpipe.report import human_bytes
 from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, default_stages_per_rank
 from fxpipe.runtime.planning.timeline import Event, write_chrome_trace
 from fxpipe.tools.bench_stats import paired_ratio, schedule_bound
 from fxpipe.tools.bench_worker import REMAT_COMPARED
 from fxpipe.tools.core_speed import imbalance_at_equal_speed, speed_spread
+from fxpipe.units import human_bytes
 
 __all__ = ["summarise", "write"]
 

@@ -22,8 +22,8 @@ from tabulate import tabulate
 
 from fxpipe.models import gpt
 from fxpipe.planner import Plan, plan
-from fxpipe.report import human_bytes
 from fxpipe.sizing import largest_that_fits
+from fxpipe.units import human_bytes
 
 __all__ = ["llama", "gpt_family", "LargestRow", "largest_table", "main"]
 

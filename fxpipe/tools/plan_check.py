@@ -35,13 +35,13 @@ import fxpipe
 from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
 from fxpipe.planner import Candidate, Plan, plan
-from fxpipe.report import human_bytes
 from fxpipe.runtime.execution.memory import KeptMemory
 from fxpipe.runtime.planning.grid import peak_inflight
 from fxpipe.runtime.planning.schedule import default_stages_per_rank, placement, schedule_kind
 from fxpipe.runtime.program.torchrun import free_port
 from fxpipe.tools.bench import BENCH_GPT
 from fxpipe.tools.bench_stats import bootstrap_interval, rotated
+from fxpipe.units import human_bytes
 
 __all__ = ["CheckRow", "competition_ranks", "check_rows", "render", "measured_memory",
            "options_of", "distinct", "main"]
