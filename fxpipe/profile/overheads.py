@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from fxpipe import ir
