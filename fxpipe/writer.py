@@ -148,6 +148,13 @@ def _check_replaceable(directory: str) -> None:
     except FileNotFoundError:
         return  # absent, or moved away by another writer: nothing of the user's is replaced
     except NotADirectoryError:
+        if not os.path.lexists(directory):  # a file where one of its parent folders should be
+            parent = os.path.dirname(directory)
+            while not os.path.lexists(parent):
+                parent = os.path.dirname(parent)
+            raise ProgramFolderError(f"{parent} is a file, so the folder {directory} cannot be "
+                                     "made in it", hint="write to a folder whose parents are "
+                                     "folders") from None
         fd = -1
     if fd >= 0:
         try:

@@ -67,6 +67,14 @@ def test_a_folder_that_holds_no_program_is_never_replaced(tmp_path):
     assert check_program(tmp_path / "empty").stages == 2
 
 
+def test_a_folder_under_a_file_is_refused_naming_the_file(tmp_path):
+    program, _ = _program(2)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ProgramFolderError, match=r"notes\.txt is a file, so the folder .*prog"):
+        program.write(str(tmp_path / "notes.txt" / "sub" / "prog"), reference_steps=0)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_a_writer_that_finishes_last_wins_whole(tmp_path):
     """Two writers interleaved by hand: B swaps its folder in while A is still filling its own."""
     target = str(tmp_path / "out")
