@@ -316,6 +316,21 @@ def test_a_full_disk_during_save_is_a_storage_error_and_keeps_the_checkpoint(tmp
     assert fxpipe.load_checkpoint(str(target))["step"] == 1
 
 
+def test_a_write_refused_for_permission_says_so_and_not_that_the_disk_is_full(tmp_path):
+    import errno
+
+    from fxpipe.storage.files import write_failed
+
+    path = str(tmp_path / "prog" / "weights.pt")
+    refused = write_failed(path, PermissionError(errno.EACCES, "Permission denied", path))
+    assert "may not write there" in refused.message and "disk is full" not in refused.message
+    assert "permission" in refused.hint
+    read_only = write_failed(path, OSError(errno.EROFS, "Read-only file system", path))
+    assert "read-only" in read_only.message
+    full = write_failed(path, OSError(errno.ENOSPC, "No space left on device", path))
+    assert "bytes free" in full.message and "the disk is full" in full.message
+
+
 # -- damaged weight files ----------------------------------------------------------------------
 
 

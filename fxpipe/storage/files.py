@@ -67,12 +67,21 @@ def _torch_write_failed(error: BaseException) -> bool:
 
 def write_failed(path: str, error: BaseException) -> StorageError:
     """The error for a write of `path` that failed: the cause, and how much room its disk has
-    (torch.save's own message, "unexpected pos", says neither)."""
+    (torch.save's own message, "unexpected pos", says neither); a write refused for want of
+    permission says that instead."""
+    cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if getattr(error, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StorageError(f"writing {path} failed ({type(error).__name__}: {cause}): this "
+                            "process may not write there, or its file system is read-only",
+                            hint="write to a folder this user can write to (or give it that "
+                            "permission); the files there before are unchanged")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # the disk of the nearest folder there is
     try:
-        free = f"{shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free} bytes free"
+        free = f"{shutil.disk_usage(folder).free} bytes free"
     except OSError:
         free = "free space unknown"
-    cause = str(error).splitlines()[0] if str(error) else type(error).__name__
     return StorageError(f"writing {path} failed ({type(error).__name__}: {cause}; {free} on its "
                         "disk): the disk is full, a file size limit was reached, or the file "
                         "cannot be written", hint="free space on the disk (or raise the limit) and "
