@@ -798,3 +798,25 @@ def test_a_recurrent_layers_workspace_is_costed_as_a_line_that_holds_at_large_ba
     for b in (32, 64):
         real = _saved_workspace(model.lstm, torch.randn(b, 10, 16))
         assert ir.evaluate(cost.internal_saved_bytes, b) == pytest.approx(real, rel=0.15)
+
+
+def test_a_weight_read_under_two_names_is_one_shared_weight():
+    """Tied weights are one Parameter, whichever names the graph reads it by (as the stages
+    that hold it are found): its users on two stages make one all-reduce of its bytes."""
+    import operator
+
+    import torch.fx
+
+    from fxpipe.passes.partition.graph import shareable_weights
+
+    root = nn.Module()
+    root.embed = nn.Parameter(torch.ones(4, 2))
+    root.head = root.embed  # the same Parameter under a second name
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(operator.mul, (x, graph.get_attr("embed")))
+    graph.output(graph.call_function(operator.mul, (y, graph.get_attr("head"))))
+    gm = torch.fx.GraphModule(root, graph)
+    assert gm.embed is gm.head
+    ((users, nbytes),) = shareable_weights(gm)
+    assert sorted(n.name for n in users) == ["mul", "mul_1"] and nbytes == 4 * 2 * 4

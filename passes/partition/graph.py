@@ -309,19 +309,17 @@ def _write_stages(groups: list[list[Node]], cuts: Sequence[int], atoms: Atoms,
 
 def shareable_weights(gm: GraphModule) -> list[tuple[list[Node], int]]:
     """The trainable weights that more than one operation uses, as (those operations, the
-    weight's bytes): the ones a cut can leave on several stages."""
-    users: dict[str, list[Node]] = {}
+    weight's bytes): the ones a cut can leave on several stages. A weight is one Parameter
+    under whichever names the graph reads it by, as passes.split.shared_parameters finds the
+    stages that hold it."""
+    users: dict[int, tuple[nn.Parameter, list[Node]]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            users.setdefault(str(node.target), []).extend(node.users)
-    found = []
-    for target, nodes in users.items():
-        if len(nodes) < 2:
-            continue
-        value = operator.attrgetter(target)(gm)
-        if isinstance(value, nn.Parameter) and value.requires_grad:
-            found.append((nodes, value.numel() * value.element_size()))
-    return found
+            value = operator.attrgetter(str(node.target))(gm)
+            if isinstance(value, nn.Parameter) and value.requires_grad:
+                users.setdefault(id(value), (value, []))[1].extend(node.users)
+    return [(nodes, value.numel() * value.element_size())
+            for value, nodes in users.values() if len(nodes) > 1]
 
 
 def shared_weights(shareable: Sequence[tuple[Sequence[Node], int]], profile: DeviceProfile
@@ -335,10 +333,12 @@ def shared_weights(shareable: Sequence[tuple[Sequence[Node], int]], profile: Dev
         stages = sorted({s for s in (u.meta.get(ir.STAGE) for u in users) if isinstance(s, int)})
         if len(stages) < 2:
             continue
-        hops = [2 * (r - 1) for r in range(2, len(stages) + 1)]
-        found.append(SharedWeight(tuple(stages), tuple(
-            profile.comm_time(h * nbytes / (h // 2 + 1), h) + 2 * h * profile.message_overhead
-            for h in hops)))
+        seconds = []
+        for ranks in range(2, len(stages) + 1):
+            hops = 2 * (ranks - 1)
+            seconds.append(profile.comm_time(hops * nbytes / ranks, hops)
+                           + 2 * hops * profile.message_overhead)
+        found.append(SharedWeight(tuple(stages), tuple(seconds)))
     return tuple(found)
 
 
