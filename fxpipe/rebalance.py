@@ -68,7 +68,8 @@ def _round(built: Built, measured: Sequence[float]) -> BalanceRound:
     plan = built.plan
     return BalanceRound(cut_of(built), tuple(s.first_module for s in plan.stages),
                         tuple(s.compute_time for s in plan.stages), tuple(measured),
-                        tuple(built.config.placement))
+                        tuple(built.config.placement),
+                        messages=tuple(plan.message_time(s) for s in plan.stages))
 
 
 def balance_by_measurement(built: Built, *, measure: Measure, install: Callable[[Built], None],
@@ -151,7 +152,7 @@ def _ms(times: Sequence[float]) -> str:
 
 # --- remembering balanced cuts -----------------------------------------------------------------
 
-_KEPT_BY = "busiest rank over the mean, the next cut tried"
+_KEPT_BY = "busiest rank with its messages over the mean compute, the next cut tried"
 """How the kept cut is chosen among the rounds (passes.partition.best_round); part of the key,
 so cuts kept by an earlier rule are measured again."""
 
@@ -183,7 +184,8 @@ def load_balance(key: str
         data = json.loads(text)
         rounds = [BalanceRound(tuple(r["starts"]), tuple(r["modules"]),
                                tuple(r["predicted_s"]), tuple(r["measured_s"]),
-                               tuple(int(x) for x in r.get("ranks", ())), str(r.get("note", "")))
+                               tuple(int(x) for x in r.get("ranks", ())), str(r.get("note", "")),
+                               tuple(float(x) for x in r.get("messages_s", ())))
                   for r in data["rounds"]]
         corrections = {str(k): float(v) for k, v in data["corrections"].items()}
         if not all(math.isfinite(v) and v > 0 for v in corrections.values()):

@@ -110,6 +110,26 @@ def test_rounds_measured_at_different_machine_speeds_are_compared_relative_to_th
     assert slower.relative_bottleneck == pytest.approx(gelu.relative_bottleneck, rel=1e-3)
 
 
+def test_a_cut_that_sends_more_messages_pays_for_them_when_rounds_are_compared():
+    # The bundled MLP on 2 gloo ranks (ms per micro-batch): the cut at a block's end measured
+    # 0.91 / 1.18, the cut inside the next block 0.83 / 0.78, but the latter sends the residual
+    # and the hidden value each way, and stepped slower (about 10 ms against 8). Each message
+    # costs its rank about 0.1 ms of link latency and host work.
+    one = BalanceRound(("ln",), ("blocks.4.ln",), (1.0,) * 2, (0.91, 1.18), (0, 1),
+                       messages=(0.208, 0.208))
+    two = BalanceRound(("fc1",), ("blocks.4",), (1.0,) * 2, (0.83, 0.78), (0, 1),
+                       messages=(0.416, 0.416))
+    assert best_round([two, one]) is one
+    assert one.bottleneck == pytest.approx(1.388)
+    assert one.relative_bottleneck == pytest.approx(1.388 / 1.045)
+    assert one.rank_loads == (0.91, 1.18)  # compute alone, as measured
+    # without the messages, the closer measured compute would win
+    bare = [dataclasses.replace(r, messages=()) for r in (two, one)]
+    assert best_round(bare) is bare[0]
+    assert one.to_json()["messages_s"] == [0.208, 0.208]
+    assert "its messages included" in kept_reason([two, one])
+
+
 def test_robust_time_takes_the_fastest_sample_of_alike_micro_batches():
     # except_last: micro-batches 0-2 recompute, 3 does not
     samples = [[5.0, 2.0, 9.0, 1.0], [2.5, 3.0, 2.0, 1.5]]

@@ -7,6 +7,7 @@ exact numbers matter; the GPT benchmark uses the measured CPU profile, as the pr
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import operator
 import re
@@ -21,7 +22,7 @@ from torch.fx import GraphModule, Node
 import fxpipe
 from fxpipe import ir
 from fxpipe.errors import FxPipeError, PartitionError
-from fxpipe.models import MODELS, gpt
+from fxpipe.models import MODELS, gpt, mlp
 from fxpipe.models import load as load_model
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import PartitionPlan, atoms_of, partition
@@ -411,3 +412,26 @@ def test_cost_balance_beats_equal_blocks_on_the_benchmark_gpt(num_stages):
           f"({[len(s.nodes) for s in cost.stages]} nodes), equal blocks "
           f"{equal.bottleneck * 1e3:.3f} ms ({[len(s.nodes) for s in equal.stages]} nodes)")
     assert cost.bottleneck < equal.bottleneck
+
+
+def test_the_solver_counts_each_message_s_host_work_so_a_cut_sends_one_value_not_two():
+    # Three residual MLP blocks on two stages: the compute is balanced by cutting inside the
+    # middle block, which sends its input (the residual) and its hidden value, two messages
+    # each way. Where every message costs its two ends host work (gloo on a CPU: tens of us),
+    # a cut at a block's end sends one and steps faster.
+    model, inputs = mlp.build(depth=3, batch=8)
+    gm = fxpipe.capture(model, inputs, inline_modules=True)
+    annotate_costs(gm)
+    options = {"microbatch_size": 2, "chunks": 4}
+    free = partition(gm, 2, profile=PROFILE, **options)
+    assert free.stages[0].forward_messages == 2  # without host work: inside the middle block
+    hosts = dataclasses.replace(PROFILE, message_overhead=free.stages[0].compute_time)
+    plan = partition(gm, 2, profile=hosts, **options)
+    assert [s.forward_messages for s in plan.stages] == [1, 1]
+    assert [s.backward_messages for s in plan.stages] == [1, 1]
+    # the stages' own times leave the host work to the schedule's simulation, as before
+    at_same_cut = partition(gm, 2, profile=PROFILE, starts=[s.nodes[0] for s in plan.stages],
+                            **options)
+    assert [s.time for s in plan.stages] == pytest.approx([s.time for s in at_same_cut.stages])
+    assert plan.message_time(plan.stages[0]) == pytest.approx(
+        plan.stages[0].comm_time + 2 * hosts.message_overhead)

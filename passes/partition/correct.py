@@ -6,12 +6,18 @@ predicts exactly what was measured for this cut, and the partition is solved aga
 change stage carry the correction of the stage they were measured in. Rounds repeat until the
 measured stages are within a tolerance of each other or the cut stops moving (it comes back to
 one already measured); the best cut measured wins: the one whose busiest rank is least above the
-ranks' mean. Under a looped schedule a rank holds several stages, and what its step waits on is
-their sum, so a cut of equal stage maxima can still leave one rank far busier than the other.
+ranks' mean. A rank's load is its measured compute plus what its stages' messages cost it, as
+predicted (the links' time and each end's host work per message): measuring times compute only,
+and a cut through a residual block, which sends two values where the block's end sends one, can
+measure a little better balanced yet step slower (the bundled MLP, 4 micro-batches of 2 rows on
+gloo: 10 ms a step at such a cut, 8 ms at the block's end). Under a looped schedule a rank
+holds several stages, and what its step waits on is their sum, so a cut of equal stage maxima
+can still leave one rank far busier than the other.
 Rounds are compared relative to their own mean because each is measured at another moment: every
 cut of a model computes the same work, so the mean is how fast the machine ran that round, and it
 drifts by more than good cuts differ (a GPipe GPT round measured 93.9 / 110.2 ms at one cut and
-89.1 / 108.4 at a worse one, which five benches then measured 12-16% apart).
+89.1 / 108.4 at a worse one, which five benches then measured 12-16% apart). The messages are
+not in that mean: a cut that adds them adds work the other cuts do not do.
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ class BalanceRound:
     measured: tuple[float, ...]  # compute time measured (forward, backward, recompute)
     ranks: tuple[int, ...] = ()  # the pipeline rank of each stage; () is one stage per rank
     note: str = ""  # why balancing went on from this round, or why it stopped
+    # what each stage's messages cost its rank beyond compute, predicted; () is none
+    messages: tuple[float, ...] = ()
 
     @property
     def spread(self) -> float:
@@ -47,10 +55,21 @@ class BalanceRound:
     @property
     def rank_loads(self) -> tuple[float, ...]:
         """Measured compute of each rank: the sum of its stages."""
+        return self._by_rank(self.measured)
+
+    @property
+    def rank_busy(self) -> tuple[float, ...]:
+        """Each rank's measured compute and its stages' predicted message costs."""
+        if not self.messages:
+            return self.rank_loads
+        return self._by_rank(tuple(c + m for c, m in zip(self.measured, self.messages,
+                                                         strict=True)))
+
+    def _by_rank(self, per_stage: tuple[float, ...]) -> tuple[float, ...]:
         if not self.ranks:
-            return self.measured
+            return per_stage
         loads = [0.0] * (max(self.ranks) + 1)
-        for rank, seconds in zip(self.ranks, self.measured, strict=True):
+        for rank, seconds in zip(self.ranks, per_stage, strict=True):
             loads[rank] += seconds
         return tuple(loads)
 
@@ -61,19 +80,23 @@ class BalanceRound:
 
     @property
     def bottleneck(self) -> float:
-        """The busiest rank's measured compute: what bounds the step."""
-        return max(self.rank_loads)
+        """The busiest rank's measured compute and messages: what bounds the step."""
+        return max(self.rank_busy)
 
     @property
     def relative_bottleneck(self) -> float:
-        """The busiest rank over the ranks' mean (1 when balanced): the bottleneck with the
-        machine's speed during this round taken out."""
-        return _over_mean(self.rank_loads)
+        """The busiest rank, its messages included, over the ranks' mean compute (1 when
+        balanced and nothing crosses): the bottleneck with the machine's speed during this
+        round taken out."""
+        loads = self.rank_loads
+        mean = sum(loads) / len(loads)
+        return max(self.rank_busy) / mean if mean > 0 else float("inf")
 
     def to_json(self) -> dict[str, object]:
         return {"starts": list(self.starts), "modules": list(self.modules),
                 "predicted_s": list(self.predicted), "measured_s": list(self.measured),
-                "ranks": list(self.ranks), "spread": self.spread,
+                "ranks": list(self.ranks), "messages_s": list(self.messages),
+                "spread": self.spread,
                 "rank_spread": self.rank_spread, "note": self.note}
 
 
@@ -107,8 +130,8 @@ def corrected(corrections: Mapping[str, float], stages: Sequence[Sequence[str]],
 
 
 def best_round(rounds: Sequence[BalanceRound]) -> BalanceRound:
-    """The round whose busiest rank is least above the ranks' mean, then whose slowest stage is
-    least above the stages' mean (the first of equals)."""
+    """The round whose busiest rank (its messages included) is least above the ranks' mean
+    compute, then whose slowest stage is least above the stages' mean (the first of equals)."""
     if not rounds:
         raise ConfigError("no balancing round was measured", hint="run at least one round")
     return min(rounds, key=lambda r: (r.relative_bottleneck, _over_mean(r.measured)))
@@ -152,6 +175,6 @@ def kept_reason(rounds: Sequence[BalanceRound], tolerance: float = TOLERANCE) ->
     if kept.spread <= tolerance:
         return f"{which}: its stages measured within {tolerance:.0%} of each other"
     why = rounds[-1].note or "no further cut was tried"
-    return (f"{which}: the least imbalanced of {len(rounds)} cut(s) measured (busiest rank "
-            f"{kept.relative_bottleneck - 1:.1%} over the mean), still {kept.spread:.1%} apart: "
-            f"{why}")
+    return (f"{which}: the least imbalanced of {len(rounds)} cut(s) measured (busiest rank, "
+            f"its messages included, {kept.relative_bottleneck - 1:.1%} over the mean compute), "
+            f"still {kept.spread:.1%} apart: {why}")

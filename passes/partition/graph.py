@@ -120,6 +120,12 @@ class PartitionPlan:
         (fxpipe.figures: the one imbalance reports print)."""
         return imbalance([stage_load(s.compute_time, s.comm_time) for s in self.stages])
 
+    def message_time(self, stage: StagePlan) -> float:
+        """Seconds per micro-batch the stage's messages cost its rank beyond compute: its
+        boundaries' link time and the host work of each message it sends or receives."""
+        return stage.comm_time + self.message_overhead * (stage.forward_messages
+                                                          + stage.backward_messages)
+
 
 
 
@@ -227,17 +233,24 @@ def partition(
                 "indexing and integer bookkeeping such as BatchNorm's batch counter go with it",
                 hint=f"use at most {len(groups)} stages{_more_operations(gm)}")
 
-    def problem_of(atoms: Atoms) -> PartitionProblem:
-        """The one problem the solver and the exact costs read."""
+    def problem_of(atoms: Atoms, hosts: bool = False) -> PartitionProblem:
+        """The one problem the exact costs read; `hosts`: the one the solver reads, whose cuts
+        also cost each of their ends the host work of every message crossing them
+        (profile.message_overhead), which a stage's times leave to the schedule's
+        simulation."""
+        cut_comm = atoms.cut_comm
+        if hosts and mode != "params" and profile.message_overhead:
+            cut_comm = [c + profile.message_overhead * (m + g) for c, m, g in
+                        zip(atoms.cut_comm, atoms.cut_messages, atoms.cut_gradients)]
         return partition_problem(
-            atoms.compute, num_stages, cut_comm=atoms.cut_comm, memory_limit=memory_limit,
+            atoms.compute, num_stages, cut_comm=cut_comm, memory_limit=memory_limit,
             mem_fixed=atoms.mem_fixed, mem_act=atoms.mem_act,
             cut_mem=atoms.cut_bytes if policy.recomputes_any else None,
             inflight=inflight)
 
     problem = problem_of(atoms)
     if cuts is None:
-        cuts = solve_partition(problem, least_memory=least_memory).cuts
+        cuts = solve_partition(problem_of(atoms, hosts=True), least_memory=least_memory).cuts
     if mode == "params":  # balanced on bytes; report the stages in seconds like the others
         atoms = _with_loss(measure_atoms(gm, groups, balance="cost", profile=profile, b=b,
                                          remat=policy, chunks=chunks, optimizer=optimizer),
