@@ -8,6 +8,7 @@ import torch
 
 from fxpipe.cli import main
 from fxpipe.runtime.planning.timeline import Event, busy_time
+from fxpipe.tools.bench_worker import time_variants
 
 
 def test_busy_time_excludes_receive_waits_inside_compute_spans():
@@ -209,3 +210,40 @@ def test_a_torch_variant_failing_on_one_rank_releases_the_others_at_once():
     notes = spawn(2, __name__, "_fails_on_one_rank", timeout=120, bound=60)
     assert "torch cannot run this variant" in notes[1][0]
     assert "Timed out" not in notes[0][0] and "closed by peer" in notes[0][0], notes[0]
+
+
+def test_every_timed_step_follows_the_same_reference_work():
+    # The reference work that times the cores leaves colder caches: run before fxpipe's steps
+    # alone, it slowed them against torch's. Each step must follow it, whichever variant.
+    log: list[str] = []
+
+    def probe() -> float:
+        log.append("probe")
+        return 1.0 + 0.1 * log.count("probe")
+
+    def step(name: str):
+        def run() -> float:
+            log.append(name)
+            return float(len(name))
+        return run
+
+    names = ["single", "fxpipe", "torch"]
+    steps = {name: step(name) for name in names}
+    losses: dict[str, float] = {}
+    times, cpu, around, load = time_variants(
+        names, steps, 3, warmup=1, probe=probe, barrier=lambda: log.append("barrier"),
+        alone=("single",), losses=losses, say=lambda _: None)
+    ran = [i for i, entry in enumerate(log) if entry in names]
+    assert len(ran) == 9 and all(len(times[n]) == len(cpu[n]) == 3 for n in names)
+    for i in ran:  # the entry before each step's barrier is the reference work
+        assert log[i - 1] == "barrier" and log[i - 2] == "probe", log[:i + 1]
+        assert log[i + 1] == ("probe" if log[i] == "single" else "barrier")
+    # each variant's reference seconds: the mean of the runs just before and after it
+    assert around["fxpipe"][0] == pytest.approx((1.2 + 1.3) / 2)
+    assert losses == {"single": 6.0, "fxpipe": 6.0, "torch": 5.0} and len(load) == 3
+    # a rank that does not run a variant skips it, its barriers and its reference work alone
+    log.clear()
+    time_variants(names, {n: steps[n] for n in ("fxpipe", "torch")}, 1, warmup=0, probe=probe,
+                  barrier=lambda: log.append("barrier"), alone=("single",), say=lambda _: None)
+    assert log == ["probe", "barrier", "barrier", "fxpipe", "barrier", "probe",
+                   "barrier", "torch", "barrier", "probe"]

@@ -7,9 +7,9 @@ micro-batches, and one step at full batch), fxpipe with every schedule of
 fxpipe.runtime.planning.schedule.SCHEDULES (remat as asked) and with the other remat modes (GPipe),
 and the torch.distributed.pipelining variants of fxpipe.tools.bench_torch. fxpipe's steps also
 record, per stage, the compute (forward, backward, recompute; waits excluded) and the time spent
-waiting for receives, and around each of their steps every rank times the same reference work
-at once (fxpipe.tools.core_speed), so that the report can tell the partition's imbalance from
-the cores' own drift.
+waiting for receives, and around every step every rank times the same reference work at once
+(fxpipe.tools.core_speed), so that the report can tell the partition's imbalance from the cores'
+own drift.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from fxpipe.tools.bench_stats import rotated
 from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
 from fxpipe.tools.core_speed import CoreProbe
 
-__all__ = ["worker", "REMAT_COMPARED", "accumulate", "micro_batches"]
+__all__ = ["worker", "REMAT_COMPARED", "accumulate", "micro_batches", "time_variants"]
 
 # Remat modes measured side by side: off, the default (every micro-batch but the last, whose
 # backward follows at once), and every micro-batch.
@@ -49,6 +49,7 @@ _WAITS = ("recv", "recv_grad")
 TRY_TIMEOUT_S = 60  # the first step of a torch variant, on every rank
 
 Step = Callable[[], float]
+Seconds = dict[str, list[float]]  # variant -> seconds of each of its steps
 
 
 def worker(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
@@ -83,6 +84,49 @@ class _FxpipeVariant:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+
+def time_variants(names: list[str], steps: dict[str, Step], rounds: int, *, warmup: int,
+                  probe: Callable[[], float], barrier: Callable[[], None],
+                  alone: tuple[str, ...] = (), losses: dict[str, float] | None = None,
+                  say: Callable[[str], None] = print) -> tuple[Seconds, Seconds, Seconds,
+                                                                list[float]]:
+    """Times every variant of `names` that this rank runs (`steps`) once per round, in an
+    order rotated from round to round, so that drifts of the machine hit them alike; returns
+    the wall and CPU seconds of each step, the reference work's seconds around each (their
+    mean), and the load average of each round; `losses` gets each variant's first loss.
+
+    Every step follows the same reference work (`probe`, which times the cores for fxpipe's
+    imbalance figure): run before fxpipe's steps alone, it left them colder caches than
+    torch's (the bundled MLP's torch 1F1B step took 7.7 ms after another step, 11.8 ms after
+    the reference work). Every rank runs each step and its reference work at once (`barrier`)
+    but for the variants one rank runs `alone`.
+    """
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    around: dict[str, list[float]] = {name: [] for name in names}
+    load: list[float] = []
+    before = probe()
+    for i in range(rounds):
+        label = f"step {i + 1}/{rounds}" + (" (warm-up)" if i < warmup else "")
+        load.append(os.getloadavg()[0])
+        for name in rotated(names, i):  # every variant first in turn
+            barrier()
+            if name not in steps:  # a variant another rank runs alone
+                continue
+            start, used = time.perf_counter(), time.process_time()
+            loss = steps[name]()
+            times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - used)
+            if name not in alone:
+                barrier()  # every rank times the reference work at once
+            after = probe()
+            around[name].append((before + after) / 2)
+            before = after
+            if losses is not None:
+                losses.setdefault(name, loss)
+            say(f"  {label} {name}: {times[name][-1]:.2f} s")
+    return times, cpu, around, load
 
 
 def _at_compute(program: Program, busy: list[float]) -> PartitionPlan:
@@ -254,31 +298,14 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
                  **steps}
     singles = ("single_process", "single_process_full_batch")
     names = [*singles, *(n for n in steps if n not in singles)]  # the same list on every rank
-    times: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [] for name in names}
-    load: list[float] = []
     groups = _process_groups()
     probe = CoreProbe()
-    total = args["warmup"] + args["steps"]
-    for i in range(total):
-        label = f"step {i + 1}/{total}" + (" (warm-up)" if i < args["warmup"] else "")
-        load.append(os.getloadavg()[0])
-        for name in rotated(names, i):  # every variant first in turn: drifts hit them alike
-            dist.barrier()
-            if name not in steps:  # the plain model runs on rank 0 alone
-                continue
-            timed = fx.get(name)
-            if timed is not None:  # every rank times the reference work at once
-                before = probe.seconds()
-                dist.barrier()
-            start, used = time.perf_counter(), time.process_time()
-            losses.setdefault(name, steps[name]())
-            times[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - used)
-            if timed is not None:
-                dist.barrier()
-                timed.probes.append((before + probe.seconds()) / 2)
-            _say(rank, f"  {label} {name}: {times[name][-1]:.2f} s")
+    times, cpu, probes, load = time_variants(
+        names, steps, args["warmup"] + args["steps"], warmup=args["warmup"],
+        probe=probe.seconds, barrier=dist.barrier, alone=singles, losses=losses,
+        say=lambda text: _say(rank, text))
+    for name, ours in fx.items():
+        ours.probes.extend(probes[name])
     warm = args["warmup"]
     # what each fxpipe variant's rank keeps for backward at the peak of one more step, against
     # the memory model (Program.measure_kept; that step's gradients are dropped)
