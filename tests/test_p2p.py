@@ -286,13 +286,34 @@ def _check_cases(ranks: list[dict], world: int, cases: list[tuple[str, int, str]
                                        msg=lambda m, k=key, c=case: f"{c} {k}: {m}")
 
 
-def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float]:
+def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float, list[str], int]:
+    """The most sent tensors held at once, the loss, how each send was held ("parked" until
+    its gradient arrives, or "thread": the reaper's) and the sends still parked after the
+    step."""
+    from fxpipe.runtime.communication.transport import SendReaper
+
     model, x, y = _chain_case()
     x, y = x[:16], y[:16]
     program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule="1f1b",
                              split_points=["blocks.2"], profile="a100")
-    loss = program.step(x, target=y)
-    return program._rank.executor.last.sends_held, loss
+    kinds: list[str] = []
+    park, add = SendReaper.park, SendReaper.add
+
+    def parked(self: SendReaper, *args: object) -> None:
+        kinds.append("parked")
+        park(self, *args)  # type: ignore[arg-type]
+
+    def threaded(self: SendReaper, *args: object) -> None:
+        kinds.append("thread")
+        add(self, *args)  # type: ignore[arg-type]
+
+    SendReaper.park, SendReaper.add = parked, threaded  # type: ignore[method-assign]
+    try:
+        loss = program.step(x, target=y)
+    finally:
+        SendReaper.park, SendReaper.add = park, add  # type: ignore[method-assign]
+    left = len(program._rank.executor.transport.sends.parked)
+    return program._rank.executor.last.sends_held, loss, kinds, left
 
 
 def test_sent_tensors_are_released_as_their_sends_complete_not_at_the_end_of_the_step(two_ranks):
@@ -301,6 +322,42 @@ def test_sent_tensors_are_released_as_their_sends_complete_not_at_the_end_of_the
     # once its receive, posted at the same tick by the peer, has taken it
     assert max(held) < 8, held
     assert min(held) >= 1
+
+
+def test_an_activation_send_is_dropped_when_its_gradient_arrives_not_by_the_thread(two_ranks):
+    # rank 0 sends activations (8 a step), each answered by its gradient: the reply proves the
+    # send complete, so no thread waits for it; rank 1's gradients get no reply
+    kinds = [r["sends_held"][2] for r in two_ranks]
+    assert set(kinds[0]) == {"parked"} and len(kinds[0]) >= 8, kinds[0]
+    assert set(kinds[1]) == {"thread"} and len(kinds[1]) >= 8, kinds[1]
+    assert [r["sends_held"][3] for r in two_ranks] == [0, 0]  # every one dropped
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self, timeout: object = None) -> None:
+        self.waits += 1
+
+
+def test_a_parked_send_is_waited_for_when_its_reply_arrives_or_at_the_flush():
+    from fxpipe.runtime.communication.transport import SendReaper
+
+    reaper = SendReaper(poll=False)
+    work, tensor = _Work(), torch.ones(2)
+    reaper.park("grad of a, mb 0", [work], [tensor], 1)
+    assert reaper.count == 1 and not reaper.running and work.waits == 0
+    reaper.settle("grad of a, mb 0")
+    assert work.waits == 1 and reaper.count == 0 and not reaper.parked
+    reaper.settle("grad of b, mb 0")  # the reply of a send not parked: nothing to drop
+    never = _Work()
+    reaper.park("grad of a, mb 1", [never], [tensor], 1)
+    reaper.flush()  # its reply never came: the flush waits for the send itself
+    assert never.waits == 1 and reaper.count == 0 and not reaper.parked and not reaper.running
+    polled = SendReaper(poll=True)  # NCCL: polled as every send is
+    polled.park("grad of a, mb 0", [], [tensor], 1)
+    assert not polled.parked and polled.count == 0
 
 
 def _mismatch(rank: int, world: int) -> str:

@@ -171,6 +171,8 @@ class DistComm:
         self.outbox: dict[Message, torch.Tensor] = {}  # produced, posted at its tick
         self.inbox: dict[Message, tuple[Handle | None, torch.Tensor]] = {}  # posted receives
         self.sent_values: dict[Message, torch.Tensor] = {}  # grad buffers take their shape
+        # sends whose gradient comes back: the transport drops them when it arrives
+        self.answered: set[Message] = set()
         self.retained: dict[tuple[int, int], WeightPass] = {}  # (stage, mb): I done, W to run
         # per stage, what reading its backward graph found (kept across steps by the caller)
         self.split_plans = split_plans if split_plans is not None else {}
@@ -188,6 +190,7 @@ class DistComm:
         for msg in tick.post:
             if msg.src_rank == msg.dst_rank:  # two stages of this rank: hand it over
                 value = self._take(msg)  # a copy only for a stage that writes into it
+                self.answered.discard(msg)
                 written = not msg.grad and (msg.value, msg.sender, msg.receiver) in self.written
                 self.inbox[msg] = (None, value.clone() if written else value)
                 if msg.grad:  # its value's gradient is here: the value need not be held on
@@ -208,8 +211,10 @@ class DistComm:
 
     def _op(self, msg: Message) -> Op:
         if msg.src_rank == self.rank:
+            answered = _gradient(msg) if msg in self.answered else None
+            self.answered.discard(msg)
             return Op("send", self._take(msg), self.global_ranks[msg.dst_rank],
-                      self._tag(msg), str(msg))
+                      self._tag(msg), str(msg), answered)
         return Op("recv", self._buffer(msg), self.global_ranks[msg.src_rank], self._tag(msg),
                   str(msg))
 
@@ -325,6 +330,10 @@ class DistComm:
             if _needs_grad(leaf_info):
                 record.sent.append((leaf, msg))
                 self.sent_values[msg] = leaf
+                if isinstance(leaf, torch.Tensor) and leaf.is_contiguous():
+                    # the send holds the value backward keeps anyway, until its gradient
+                    # proves it received
+                    self.answered.add(msg)
 
     def _check(self, value: torch.Tensor, info: ir.ValueInfo, msg: Message) -> None:
         """The sent tensor must be what the receiver allocates for it."""
@@ -394,6 +403,7 @@ class DistComm:
         for value, msg in record.sent:
             with self._event("recv_grad", stage, mb, msg.value):
                 grad = self._wait(_gradient(msg))
+            self.transport.settle(_gradient(msg))
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 tensors.append(value)
                 grads.append(grad)
@@ -409,6 +419,7 @@ class DistComm:
         self.inbox.clear()
         self.records.clear()
         self.sent_values.clear()
+        self.answered.clear()
         if left:
             raise PipelineRuntimeError(f"{len(left)} messages were never sent or never used, "
                                        f"e.g. {left[0]}", hint="this is a scheduling bug; please "

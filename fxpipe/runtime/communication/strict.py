@@ -152,6 +152,9 @@ class StrictTransport:
             self.last = None
         self.eager.flush()
 
+    def settle(self, answered: Any) -> None:
+        """Nothing to do: a batch's sends are dropped when its stream completes it."""
+
     @property
     def by_tag(self) -> bool:
         return False  # NCCL's order-based matching
