@@ -171,17 +171,11 @@ class SendReaper:
         self.parked[answered] = (works, tensors, peer)
 
     def settle(self, answered: Any) -> None:
-        """The reply of a parked send arrived: its wait() returns at once; drop it."""
+        """The reply of a parked send arrived: its wait() returns at once; drop it (a failed
+        wait is raised by `flush`, as the thread's are)."""
         entry = self.parked.pop(answered, None)
-        if entry is None:
-            return
-        try:
-            for work in entry[0]:
-                _wait(work, self.timeout)
-        except RuntimeError as e:
-            raise _lost(entry[2], e) from e
-        entry[0].clear()
-        self._release(entry)
+        if entry is not None:
+            self._settle(entry)
 
     def _done_polled(self, entry: tuple[list[Any], list[torch.Tensor], int]) -> bool:
         if not all(w.is_completed() for w in entry[0]):
@@ -209,8 +203,9 @@ class SendReaper:
 
     def _settle(self, entry: tuple[list[Any], list[torch.Tensor], int]) -> None:
         """Waits for an entry's sends, drops its works, then releases its tensors: no work
-        outlives the step whose flush waits for the release, so none is left for this thread
-        to destroy after the process group is gone."""
+        outlives the step whose flush waits for the release, so none is left for the thread
+        to destroy after the process group is gone. Runs on the thread, or on the caller's
+        for a parked send."""
         works = entry[0]
         try:
             for work in works:
