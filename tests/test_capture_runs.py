@@ -102,23 +102,23 @@ def test_meta_model_checked_by_shapes_runs_a_pinned_number_of_times() -> None:
 
 
 def test_meta_shape_check_still_refuses_a_wrong_output_shape() -> None:
-    from fxpipe.frontend import capture as capture_module
-    from fxpipe.frontend.batching import BatchLayout
+    from fxpipe.frontend.batching import BatchLayout, infer_batch_layout
+    from fxpipe.frontend.check import compare_shapes
 
     gm = capture(_meta_gpt().eval(), (torch.zeros(8, 32, dtype=torch.long),), method="export",
                  check="shapes", inline_modules=True)
-    layout: BatchLayout = capture_module.infer_batch_layout(
+    layout: BatchLayout = infer_batch_layout(
         _meta_gpt().eval(), (torch.zeros(8, 32, dtype=torch.long, device="meta"),), {},
         [torch.zeros(8, 32, dtype=torch.long, device="meta")], [0])
     infos = {n: n.meta[ir.TENSOR] for n in gm.graph.nodes if n.op != "output"}
-    assert capture_module._compare_shapes(gm, infos, layout) is None
+    assert compare_shapes(gm, infos, layout) is None
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
     info = infos[out]
     infos[out] = ir.TensorInfo((info.shape[0], info.shape[1], info.shape[2] + 1), info.dtype,
                                info.batch_dim)
-    assert "has shape" in str(capture_module._compare_shapes(gm, infos, layout))
+    assert "has shape" in str(compare_shapes(gm, infos, layout))
     infos[out] = ir.TensorInfo(info.shape, torch.float16, info.batch_dim)
-    assert "dtype" in str(capture_module._compare_shapes(gm, infos, layout))
+    assert "dtype" in str(compare_shapes(gm, infos, layout))
 
 
 def test_meta_model_traced_by_fx_is_checked_by_its_propagated_shapes() -> None:

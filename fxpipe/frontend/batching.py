@@ -27,7 +27,7 @@ from fxpipe.frontend.mutation import StateSnapshot, check_unchanged
 from fxpipe.signature import ModelArgs, ModelKwargs, is_tensor
 from fxpipe.untouched import seeded
 
-__all__ = ["BatchLayout", "infer_batch_layout"]
+__all__ = ["BatchLayout", "infer_batch_layout", "finite_scale"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def _output_dims(full: Sequence[Any], first: Sequence[Any],
 def _allclose(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.is_floating_point():
         return bool(torch.equal(a, b))
-    scale = _finite_scale(a)
+    scale = finite_scale(a)
     return bool(torch.allclose(a, b, rtol=1e-3, atol=1e-5 + 1e-4 * scale, equal_nan=True))
 
 
@@ -329,7 +329,7 @@ def _try(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs, dims: tuple[int
     return BatchLayout(dims, out_dims, out_is_tensor, out_spec, size, (first,))
 
 
-def _finite_scale(a: torch.Tensor) -> float:
+def finite_scale(a: torch.Tensor) -> float:
     """Largest finite magnitude (NaN and inf outputs are compared with equal_nan, not scaled)."""
     finite = a.detach()[torch.isfinite(a.detach())]
     return float(finite.abs().max()) if finite.numel() else 0.0

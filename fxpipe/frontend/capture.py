@@ -25,6 +25,7 @@ from fxpipe import ir
 from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import lazy, regions, shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout
+from fxpipe.frontend.check import compare_shapes, compare_with_eager
 from fxpipe.frontend.meta import (
     Check,
     check_name,
@@ -40,7 +41,6 @@ from fxpipe.frontend.stamp import Stamper
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
-from fxpipe.untouched import seeded
 
 __all__ = ["capture", "CaptureInfo", "METHODS"]
 
@@ -264,7 +264,7 @@ _SHAPED = "fxpipe_shaped_by_check"  # gm.meta: ir.TENSOR written by _check_by_sh
 def _check_by_shapes(gm: fx.GraphModule, tensors: Sequence[torch.Tensor], signature: Signature,
                      layout: BatchLayout, runs: _Runs) -> str | None:
     """A meta model's fx graph checked by the shapes it propagates (which capture keeps), not by
-    two runs more: what _compare_with_eager compares on meta tensors, shapes and dtypes."""
+    two runs more: what compare_with_eager compares on meta tensors, shapes and dtypes."""
     try:
         shapes.propagate_shapes(gm, tensors, signature.input_batch_dims)
     except Exception as error:  # noqa: BLE001 - a wrong trace may crash on other shapes
@@ -273,7 +273,7 @@ def _check_by_shapes(gm: fx.GraphModule, tensors: Sequence[torch.Tensor], signat
     runs.fake += 1 + len(gm.meta[ir.SAMPLED]) - len(shapes.known_sampled(gm))
     gm.meta[_SHAPED] = True
     infos = {n: n.meta[ir.TENSOR] for n in gm.graph.nodes if n.op != "output"}
-    return _compare_shapes(gm, infos, layout)
+    return compare_shapes(gm, infos, layout)
 
 
 def _annotate_shapes(gm: fx.GraphModule, used: str, tensors: Sequence[torch.Tensor],
@@ -324,7 +324,7 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
                 if meta and len(layout.eager_outputs) == 2:
                     return _check_by_shapes(gm, tensors, signature, layout, runs)
                 with runs.calls(gm, meta):
-                    return _compare_with_eager(gm, model, signature, args, kwargs, layout)
+                    return compare_with_eager(gm, model, signature, args, kwargs, layout)
 
             gm, problem = _stamped_or_whole(traced, fx_check, stamper)
             if problem is None:
@@ -350,9 +350,9 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
         infos = shapes.export_infos(gm, signature.input_batch_dims) \
             if meta and len(layout.eager_outputs) == 2 else None
         if infos is not None:
-            return _compare_shapes(gm, infos, layout)
+            return compare_shapes(gm, infos, layout)
         with runs.calls(gm, meta):
-            return _compare_with_eager(gm, model, signature, args, kwargs, layout)
+            return compare_with_eager(gm, model, signature, args, kwargs, layout)
 
     gm, problem = _stamped_or_whole(exported, export_check, stamper)
     if problem is not None:
@@ -485,78 +485,3 @@ def _set_signature_codegen(gm: fx.GraphModule, signature: Signature) -> None:
 def run_flat(gm: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
     """Runs a captured graph on its flat tensor leaves, returning the flat output leaves."""
     return tuple(fx.Interpreter(gm).run(*tensors, enable_io_processing=False))
-
-
-# --- the check against eager ----------------------------------------------------------------------
-
-def _compare_with_eager(gm: fx.GraphModule, model: nn.Module, signature: Signature,
-                        args: ModelArgs, kwargs: ModelKwargs, layout: BatchLayout) -> str | None:
-    """None if the graph matches the model on the example batch and on a smaller batch."""
-    known = layout.eager_outputs  # kept where they are what this check compares
-    for trial, (batch_args, batch_kwargs) in enumerate(layout.trial_batches(args, kwargs)):
-        try:
-            if trial < len(known):  # computed by the layout inference (eval mode)
-                expected = known[trial]
-            else:
-                with seeded(0), eager_runs(model):
-                    expected = pytree.tree_leaves(model(*batch_args, **batch_kwargs))
-            with seeded(0), eager_runs(model):
-                got = pytree.tree_leaves(regions.call(gm, signature, batch_args, batch_kwargs))
-        except Exception as error:  # noqa: BLE001 - a wrong trace may crash on other shapes
-            first_line = str(error).splitlines()[0] if str(error) else ""
-            return f"running it raised {type(error).__name__}: {first_line}"
-        if len(expected) != len(got):
-            return f"{len(got)} outputs instead of {len(expected)}"
-        for i, (e, g) in enumerate(zip(expected, got)):
-            if is_tensor(e) != is_tensor(g):
-                return f"output {i} is {type(g).__name__}, expected {type(e).__name__}"
-            if is_tensor(e):
-                if e.shape != g.shape:
-                    return f"output {i} has shape {tuple(g.shape)}, expected {tuple(e.shape)}"
-                if e.is_meta or g.is_meta:  # no values: shapes (above) and dtypes are checked
-                    if e.dtype != g.dtype:
-                        return f"output {i} has dtype {g.dtype}, expected {e.dtype}"
-                    continue
-                if not _close(e, g):
-                    diff = (e.double() - g.double()).abs().max().item()
-                    return f"output {i} differs by up to {diff:.3g}"
-    return regions.gradient_difference(gm, model, signature, args, kwargs)
-
-
-def _compare_shapes(gm: fx.GraphModule, infos: dict[fx.Node, ir.ValueInfo],
-                    layout: BatchLayout) -> str | None:
-    """A meta model's check without running the graph again: its outputs' shapes, symbolic in
-    the batch as export recorded them, and dtypes against the eager outputs on the trial batches
-    (what _compare_with_eager compares on meta tensors)."""
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    got = pytree.tree_leaves(output.args[0])
-    sizes = (layout.batch_size, max(1, layout.batch_size // 2))  # as trial_batches()
-    for b, expected in zip(sizes, layout.eager_outputs):
-        if len(expected) != len(got):
-            return f"{len(got)} outputs instead of {len(expected)}"
-        for i, (e, g) in enumerate(zip(expected, got)):
-            info = infos.get(g) if isinstance(g, fx.Node) else None
-            if is_tensor(e) != isinstance(info, ir.TensorInfo):
-                return f"output {i} is {'not ' if is_tensor(e) else ''}a tensor, expected " \
-                       f"{type(e).__name__}"
-            if isinstance(info, ir.TensorInfo):
-                shape = info.concrete_shape(b)
-                if tuple(e.shape) != shape:
-                    return f"output {i} has shape {shape}, expected {tuple(e.shape)}"
-                if e.dtype != info.dtype:
-                    return f"output {i} has dtype {info.dtype}, expected {e.dtype}"
-    return None
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not a.is_floating_point():
-        return bool(torch.equal(a, b))
-    scale = _finite_scale(a)
-    return bool(torch.allclose(a.detach(), b.detach(), rtol=1e-4, atol=1e-5 + 1e-5 * scale,
-                               equal_nan=True))
-
-
-def _finite_scale(a: torch.Tensor) -> float:
-    """Largest finite magnitude (NaN and inf outputs are compared with equal_nan, not scaled)."""
-    finite = a.detach()[torch.isfinite(a.detach())]
-    return float(finite.abs().max()) if finite.numel() else 0.0
