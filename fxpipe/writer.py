@@ -23,7 +23,13 @@ from fxpipe.runtime.program.folder import file_digest, is_program
 from fxpipe.runtime.program.imports import ProgramCode, source_folders
 from fxpipe.runtime.program.spec import ProgramSpec, signature_to_json
 from fxpipe.source import safe_docstring
-from fxpipe.storage.files import atomic_save, atomic_write, replace_folder, write_failed
+from fxpipe.storage.files import (
+    atomic_save,
+    atomic_write,
+    nearest_existing,
+    replace_folder,
+    write_failed,
+)
 from fxpipe.storage.state import StateNames
 from fxpipe.storage.structure import Structure
 from fxpipe.storage.userfiles import carry_user_files, user_files
@@ -149,9 +155,7 @@ def _check_replaceable(directory: str) -> None:
         return  # absent, or moved away by another writer: nothing of the user's is replaced
     except NotADirectoryError:
         if not os.path.lexists(directory):  # a file where one of its parent folders should be
-            parent = os.path.dirname(directory)
-            while not os.path.lexists(parent):
-                parent = os.path.dirname(parent)
+            parent = nearest_existing(directory)
             raise ProgramFolderError(f"{parent} is a file, so the folder {directory} cannot be "
                                      "made in it", hint="write to a folder whose parents are "
                                      "folders") from None

@@ -28,7 +28,7 @@ import torch
 from fxpipe.errors import StorageError
 
 __all__ = ["atomic_write", "atomic_save", "fsync_folder", "replace_folder", "recover_folder",
-           "write_failed", "TEMP_PREFIX", "TORCH_WRITE_FAILURES"]
+           "nearest_existing", "write_failed", "TEMP_PREFIX", "TORCH_WRITE_FAILURES"]
 
 TEMP_PREFIX = ".fxpipe-"
 
@@ -65,6 +65,14 @@ def _torch_write_failed(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(m in str(error) for m in TORCH_WRITE_FAILURES)
 
 
+def nearest_existing(path: str) -> str:
+    """`path`'s nearest ancestor that exists, spelled as `path` is (the root or "" at most)."""
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    return parent
+
+
 def write_failed(path: str, error: BaseException) -> StorageError:
     """The error for a write of `path` that failed: the cause, and how much room its disk has
     (torch.save's own message, "unexpected pos", says neither); a write refused for want of
@@ -75,11 +83,8 @@ def write_failed(path: str, error: BaseException) -> StorageError:
                             "process may not write there, or its file system is read-only",
                             hint="write to a folder this user can write to (or give it that "
                             "permission); the files there before are unchanged")
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
-        folder = os.path.dirname(folder)  # the disk of the nearest folder there is
-    try:
-        free = f"{shutil.disk_usage(folder).free} bytes free"
+    try:  # the disk of the nearest path there is (a folder, or a file where one should be)
+        free = f"{shutil.disk_usage(nearest_existing(os.path.abspath(path))).free} bytes free"
     except OSError:
         free = "free space unknown"
     return StorageError(f"writing {path} failed ({type(error).__name__}: {cause}; {free} on its "
