@@ -77,15 +77,16 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             weight gradients, stage s deferring its weight gradients by s micro-batches into the
             bubble; each stage holds what 1F1B's first stage holds), and the looped schedules,
             which place several stages on each rank: "interleaved-1f1b" (stage s on rank
-            s mod ranks; the bubble shrinks by stages_per_rank) and "zb-v" (two stages per
-            rank in a V, split backward: near zero bubble with 1F1B's memory); or "auto" (the
+            s mod ranks; the bubble shrinks by stages_per_rank), "zb-v" (two stages per
+            rank in a V, split backward: near zero bubble with 1F1B's memory) and "dualpipev"
+            (ZB-V's V and bubble, the backward split only at the step's ends); or "auto" (the
             fastest schedule by the stages' simulated costs that fits memory_limit, on the
             same number of ranks: a looped one cuts the model into stages_per_rank (2) times
             more stages; the report lists each one's time). The distributed executor runs
             every schedule; the local executor (one process) runs the schedule's forwards
             in its order and one autograd backward of the joined outputs.
         stages_per_rank: stages each rank holds: 1 for the flat schedules, 2 (the default) or
-            more for "interleaved-1f1b", exactly 2 for "zb-v".
+            more for "interleaved-1f1b", exactly 2 for "zb-v" and "dualpipev".
         profile: a DeviceProfile, a preset name ("a100", "h100", or "h100:bf16" with its
             precision; else the model's dtype, autocast and allow_tf32 choose it), or None for
             the profile measured on this machine (cached in the user's cache folder).

@@ -108,12 +108,12 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                         "(plain numbers are bytes); a rank holding several stages gives each an "
                         "equal share (default: no limit)")
     p.add_argument("--schedule", default=DEFAULT_SCHEDULE.name, choices=(*SCHEDULES, "auto"),
-                   help="pipeline schedule; interleaved-1f1b and zb-v place several stages "
-                        "on each rank; auto: the fastest predicted one that fits, on the same "
-                        "number of ranks")
+                   help="pipeline schedule; interleaved-1f1b, zb-v and dualpipev place several "
+                        "stages on each rank; auto: the fastest predicted one that fits, on "
+                        "the same number of ranks")
     p.add_argument("--stages-per-rank", type=int, default=None,
-                   help="stages each rank holds (default: 2 for interleaved-1f1b and zb-v, "
-                        "1 for the others)")
+                   help="stages each rank holds (default: 2 for interleaved-1f1b, zb-v and "
+                        "dualpipev, 1 for the others)")
     p.add_argument("--profile", default=None,
                    help="device profile preset (a100, h100, h100:bf16, ...); default: measured "
                         "on this machine")

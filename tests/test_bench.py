@@ -66,7 +66,7 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     assert rc == 0
     result = json.loads((tmp_path / "bench.json").read_text())
     variants = {"single_process", "fxpipe", "fxpipe_1f1b", "fxpipe_zb-h1",
-                "fxpipe_interleaved-1f1b", "fxpipe_zb-v",
+                "fxpipe_interleaved-1f1b", "fxpipe_zb-v", "fxpipe_dualpipev",
                 "fxpipe_remat_except_last", "fxpipe_remat_always"}
     torch_variants = {f"torch_{frontend}_{cut}_{schedule}" for frontend in ("traced", "manual")
                       for cut in ("natural", "fxpipe")
@@ -78,7 +78,7 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     losses = result["losses_first_step"]
     for name in variants | torch_variants:
         assert losses[name] == pytest.approx(losses["single_process"], rel=1e-5), name
-    schedules = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+    schedules = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipev")
     assert result["best_schedule"] in schedules
     assert result["predicted_best_schedule"] in schedules
     assert result["torch_pipelining_best"] in torch_variants

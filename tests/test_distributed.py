@@ -65,7 +65,8 @@ JOBS: dict[int, list[Job]] = {
        Job("unet", "except_last", "zb-v")],
     3: [Job(m, r) for m in ("gpt", "unet", "branchy") for r in REMATS]
     + [Job("gpt", "except_last", "1f1b"), Job("gpt", "always", "zb-h1"),
-       Job("gpt", "always", "zb-v"), Job("branchy", "except_last", "interleaved-1f1b")],
+       Job("gpt", "always", "zb-v"), Job("branchy", "except_last", "interleaved-1f1b"),
+       Job("gpt", "except_last", "dualpipev")],
 }
 # Three ranks (skips across two boundaries, the tied embedding on the first and last rank) are
 # the slow tier: one more group of processes.

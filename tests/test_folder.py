@@ -64,7 +64,7 @@ def _claim_three_stages(data):
      "remat is 'bogus' (allowed: never, always, except_last, auto)"),
     (lambda d: d.update(chunks=0), "chunks is 0 (allowed: an integer >= 1)"),
     (lambda d: d.update(schedule="zigzag"),
-     "schedule is 'zigzag' (allowed: gpipe, 1f1b, zb-h1, interleaved-1f1b, zb-v)"),
+     "schedule is 'zigzag' (allowed: gpipe, 1f1b, zb-h1, interleaved-1f1b, zb-v, dualpipev)"),
     (lambda d: d.update(stages_per_rank=2),
      "stages_per_rank is 2 with 2 stages under gpipe (allowed: use schedule='interleaved-1f1b'"),
     (lambda d: d.update(schedule="zb-v"),

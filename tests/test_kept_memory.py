@@ -20,7 +20,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.losses import loss_saved_bytes
 from fxpipe.models import gpt
 
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2, "zb-v": 2}
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2}
 
 
 def _measure(rank: int, world: int, remat: str) -> dict[str, Any]:

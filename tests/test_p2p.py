@@ -198,9 +198,11 @@ STRICT_CASES = [("gpipe", 1, "except_last"), ("gpipe", 4, "except_last"),
 # a split backward with remat off and on (on: I and W both recompute the regions)
 ZB_CASES = [("zb-h1", 1, "never"), ("zb-h1", 5, "never"), ("zb-h1", 5, "always")]
 # two stages per rank: interleaved (stage s on rank s % world) and the V (the last stage on
-# rank 0, the middle hop inside the last rank), with remat and a split backward
+# rank 0, the middle hop inside the last rank), with remat and a split backward; DualPipeV
+# splits some backwards of a stage and runs others whole
 LOOPED_CASES = [("interleaved-1f1b", 5, "except_last"), ("interleaved-1f1b", 4, "never"),
-                ("zb-v", 1, "never"), ("zb-v", 5, "always")]
+                ("zb-v", 1, "never"), ("zb-v", 5, "always"), ("dualpipev", 5, "except_last")]
+KINDS = {"zb-h1": ("F", "I", "W"), "zb-v": ("F", "I", "W"), "dualpipev": ("B", "F", "I", "W")}
 
 
 def _step_schedules(rank: int, world: int, cases: list[tuple[str, int, str]]) -> dict:
@@ -248,7 +250,7 @@ def test_zb_h1_in_strict_mode_trains_like_the_model_with_and_without_remat(world
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_interleaved_1f1b_and_zb_v_in_strict_mode_train_like_the_model(world):
+def test_interleaved_1f1b_zb_v_and_dualpipev_in_strict_mode_train_like_the_model(world):
     _check_strict_cases(world, LOOPED_CASES)
 
 
@@ -272,8 +274,7 @@ def _check_cases(ranks: list[dict], world: int, cases: list[tuple[str, int, str]
     for case in cases:
         assert {r[case][2] for r in ranks} == {transport}
         assert {tuple(r[case][4]) for r in ranks} == {(early,)}
-        split = case[0] in ("zb-h1", "zb-v")
-        assert {tuple(r[case][3]) for r in ranks} == {("F", "I", "W") if split else ("B", "F")}
+        assert {tuple(r[case][3]) for r in ranks} == {KINDS.get(case[0], ("B", "F"))}
         # a value sent to another stage is let go once its gradient is back, also when both
         # stages sit on one rank (ZB-V's turn at the bottom of the V)
         assert [r[case][5] for r in ranks] == [0] * world, case

@@ -18,6 +18,7 @@ from fxpipe.runtime.planning.schedule import (
     Action,
     check_layout,
     default_stages_per_rank,
+    dualpipe_v,
     gpipe,
     interleaved_1f1b,
     make_schedule,
@@ -59,11 +60,11 @@ def parse(stage_rows):
 
 def assert_grid_respects_dependencies(schedule, grid):
     """Checked independently of clock_cycles: completeness, list order and data dependencies
-    (with a split backward: I after F and after the next stage's I, W after I)."""
+    (a backward, B or I of a split one, after F and after the next stage's backward, W after
+    I). A stage's backward of a micro-batch is B, or I and W, as its list has it."""
     rank_of = {a.stage: r for r, acts in enumerate(schedule) for a in acts}
     num_stages = len(rank_of)
-    split = any(a.kind == "I" for acts in schedule for a in acts)
-    kinds = "FIW" if split else "FB"
+    split = {(a.stage, a.microbatch) for acts in schedule for a in acts if a.kind == "I"}
     num_microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
     tick_of = {}
     for tick, row in enumerate(grid):
@@ -75,23 +76,23 @@ def assert_grid_respects_dependencies(schedule, grid):
                 tick_of[(a.kind, a.stage, a.microbatch)] = tick
     expected = {
         (kind, s, m)
-        for kind in kinds
         for s in range(num_stages)
         for m in range(num_microbatches)
+        for kind in ("FIW" if (s, m) in split else "FB")
     }
     assert set(tick_of) == expected
     for r, actions in enumerate(schedule):
-        held = len({a.stage for a in actions})
-        assert len(actions) == len(kinds) * num_microbatches * held
         ticks = [tick_of[(a.kind, a.stage, a.microbatch)] for a in actions]
-        assert ticks == sorted(ticks), f"rank {r} out of list order"
+        assert len(ticks) == len(set(ticks)) and ticks == sorted(ticks), \
+            f"rank {r} out of list order"
     for (kind, s, m), t in tick_of.items():
         if kind == "F" and s > 0:
             assert tick_of[("F", s - 1, m)] < t
         if kind in "BI":
             assert tick_of[("F", s, m)] < t
             if s < num_stages - 1:
-                assert tick_of[(kind, s + 1, m)] < t
+                after = "I" if (s + 1, m) in split else "B"
+                assert tick_of[(after, s + 1, m)] < t
         if kind == "W":
             assert tick_of[("I", s, m)] < t
 
@@ -141,8 +142,9 @@ def test_make_schedule_builds_every_schedule_by_name():
     assert make_schedule("interleaved-1f1b", 4, 6) == interleaved_1f1b(4, 6, 3)
     assert make_schedule("interleaved-1f1b", 4, 6, 2) == interleaved_1f1b(4, 6, 2)
     assert make_schedule("zb-v", 4, 6) == zb_v(4, 6)
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"}
-    assert LOOPED == {"interleaved-1f1b", "zb-v"}
+    assert make_schedule("dualpipev", 4, 6) == dualpipe_v(4, 6)
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipev"}
+    assert LOOPED == {"interleaved-1f1b", "zb-v", "dualpipev"}
 
 
 # --------------------------------------------------------------------------- clock grid
@@ -604,8 +606,23 @@ def test_simulate_splits_the_backward_by_weight_time():
 def test_validate_refuses_a_weight_gradient_before_its_input_gradient():
     with pytest.raises(ConfigError, match="runs W0 before I0"):
         validate(parse(["F0 W0 I0"]))
-    with pytest.raises(ConfigError, match="never runs I0, W0"):
-        validate(parse(["F0 I0 W0", "F0 B0"]))
+    with pytest.raises(ConfigError, match="never runs W1"):
+        validate(parse(["F0 F1 I0 W0 I1 B2 F2"]))
+    with pytest.raises(ConfigError, match="runs both B0 and I0"):
+        validate(parse(["F0 I0 B0 W0"]))
+
+
+def test_a_stage_may_split_some_backwards_and_run_others_whole():
+    mixed = parse(["F0 F1 I0 W0 B1", "F0 I0 F1 B1 W0"])
+    assert validate(mixed) == (2, 2)
+    assert_grid_respects_dependencies(mixed, clock_cycles(mixed))
+    # B1 on stage 0 waits for stage 1's B1, I0 for stage 1's I0, whichever each runs
+    events, makespan = simulate(mixed, forward_time=[1, 1], backward_time=[2, 2],
+                                weight_time=[1, 1], input_time=[1.5, 1.5])
+    times = compute_events(events)
+    assert times[("I", 1, 0)] == (2, 3.5) and times[("I", 0, 0)] == (3.5, 5)
+    assert times[("B", 1, 1)] == (4.5, 6.5) and times[("B", 0, 1)] == (6.5, 8.5)
+    assert makespan == 8.5
 
 
 def test_zb_h1_grid_notes_the_measured_idle_share():
@@ -755,3 +772,52 @@ def test_a_stage_whose_compute_rounds_a_hair_below_its_forward_simulates():
                            shared=())
     step, bubble = predicted_step(plan, "gpipe")
     assert step > 0 and 0 <= bubble < 1
+
+
+def test_dualpipe_v_2x4_runs_whole_backwards_in_the_steady_state_and_splits_at_the_ends():
+    assert labelled(dualpipe_v(4, 4)) == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3",
+    ]
+    assert stage_ranks(dualpipe_v(4, 6)) == [0, 1, 2, 2, 1, 0]
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 5, 6])
+def test_dualpipe_v_is_the_order_torch_pipelining_runs(num_ranks):
+    """The same order, action for action, as torch.distributed.pipelining's ScheduleDualPipeV
+    (its overlapped F and B pairs taken forward first)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    dual = getattr(schedules, "ScheduleDualPipeV", None)
+    if dual is None:
+        pytest.skip("this torch has no ScheduleDualPipeV")
+    from types import SimpleNamespace
+    letter = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    for m in range(2 * num_ranks, 2 * num_ranks + 7):
+        ours = dualpipe_v(m, 2 * num_ranks)
+        shape = SimpleNamespace(pp_group_size=num_ranks, _n_microbatches=m)
+        for r in range(num_ranks):
+            theirs = [Action(letter[b.computation_type.name], b.stage_index, b.microbatch_index)
+                      for a in dual._calculate_single_rank_operations(shape, r)
+                      for b in (a.sub_actions or (a,))]
+            assert ours[r] == theirs, (m, r)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 5])
+def test_dualpipe_v_steps_no_slower_than_zb_v_where_a_split_backward_costs_more(num_ranks):
+    # Stage times F = 0.5, B = 1.0; a split costs 10% more: I = 0.55, W = 0.55.
+    k = num_ranks
+    times = dict(forward_time=[0.5] * (2 * k), backward_time=[1.0] * (2 * k),
+                 weight_time=[0.55] * (2 * k), input_time=[0.55] * (2 * k))
+    for m in range(2 * k, 2 * k + 9):
+        _, makespan = simulate(dualpipe_v(m, 2 * k), **times)
+        _, zb = simulate(zb_v(m, 2 * k), **times)
+        assert makespan <= zb + 1e-9, m
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 8])
+def test_dualpipe_v_splits_k_3k_minus_1_over_2_backwards_whatever_the_micro_batches(num_ranks):
+    k = num_ranks
+    for m in (2 * k, 4 * k, 8 * k):
+        dual = dualpipe_v(m, 2 * k)
+        assert sum(a.kind == "I" for acts in dual for a in acts) == k * (3 * k - 1) // 2
+        assert rank_peaks(dual) == [2 * k + 1] * k

@@ -24,9 +24,16 @@ Looped, several stages per rank (the model cut into more, smaller stages):
 * `zb_v` (Qi et al., ICLR'24, section 6) places 2R stages in a V: rank r holds stage r and stage
   2R-1-r, so the last stage sits on rank 0, beside the first. With a split backward, W fills
   what is left of the bubble: near zero at equal F, I and W, with 1F1B's activation memory.
+* `dualpipe_v` (DeepSeek-V3's DualPipe on a V, as torch.distributed.pipelining orders it) keeps
+  ZB-V's V and bubble but runs the steady state's backwards whole (B), splitting only those of
+  the warm-up and cool-down, whose W's fill the bubbles there. A split backward costs more
+  than a whole one (I walks the graph, W starts again from what I kept), so a stage may run
+  B for some micro-batches and I, W for others; the validator, the clock and the simulator
+  take either per (stage, micro-batch).
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -44,6 +51,7 @@ __all__ = [
     "zb_h1",
     "interleaved_1f1b",
     "zb_v",
+    "dualpipe_v",
     "SCHEDULES",
     "DEFAULT_SCHEDULE",
     "LOOPED",
@@ -304,6 +312,93 @@ def _zb_v_rank(r: int, ranks: int, played: int) -> list[Action]:
     return c.actions
 
 
+def dualpipe_v(num_microbatches: int, num_stages: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto R ranks): ZB-V's V of 2R stages, the
+    backward split only where a split fills a bubble.
+
+    Rank r's order, with c0 = stage r (down the V) and c1 = stage 2R-1-r (up the V):
+    2(R-r-1) forwards of c0; r+1 pairs (F c0, F c1); R-r-1 triples (I c1, the oldest pending
+    W, F c1); in the steady state M-2R+r+1 rounds of (F c0, B c1, F c1, B c0), whole backwards;
+    R-r-1 triples (B c1, F c1, B c0); r+1 pairs of backwards (c1, c0), the later half of them
+    split (I, its W pending); R-r-1 pairs (pending W, backward of c0); then the pending W's.
+    Most backwards run whole, so the steady state pays nothing for splitting; the W's fill the
+    warm-up and cool-down bubbles that ZB-V fills. Fewer than 2R micro-batches play the order
+    of 2R with the missing ones left out.
+    """
+    check_sizes(num_microbatches, num_stages)
+    _stages_per_rank(num_stages, num_stages // 2 or 1, "dualpipev", exactly=2)
+    ranks = num_stages // 2
+    played = max(num_microbatches, 2 * ranks)
+    return [[a for a in _dualpipe_v_rank(r, ranks, played) if a.microbatch < num_microbatches]
+            for r in range(ranks)]
+
+
+class _Backwards:
+    """A rank's actions in order, where a stage's backward of micro-batch m is B(m), or I(m)
+    with W(m) queued to run when asked (oldest first)."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.count: dict[tuple[str, int], int] = {}
+        self.weights: deque[Action] = deque()
+
+    def forward(self, stage: int) -> None:
+        self.actions.append(Action(ActionKind.FORWARD, stage, self._next("F", stage)))
+
+    def backward(self, stage: int, split: bool = False) -> None:
+        m = self._next("B", stage)
+        if split:
+            self.actions.append(Action(ActionKind.INPUT_GRAD, stage, m))
+            self.weights.append(Action(ActionKind.WEIGHT_GRAD, stage, m))
+        else:
+            self.actions.append(Action(ActionKind.BACKWARD, stage, m))
+
+    def weight(self) -> None:
+        if self.weights:
+            self.actions.append(self.weights.popleft())
+
+    def _next(self, kind: str, stage: int) -> int:
+        m = self.count.get((kind, stage), 0)
+        self.count[(kind, stage)] = m + 1
+        return m
+
+
+def _dualpipe_v_rank(r: int, ranks: int, played: int) -> list[Action]:
+    """Rank r's DualPipeV order for `played` >= 2R micro-batches (see `dualpipe_v`)."""
+    down, up = r, 2 * ranks - 1 - r
+    c = _Backwards()
+    for _ in range(2 * (ranks - r - 1)):
+        c.forward(down)
+    for _ in range(r + 1):
+        c.forward(down)
+        c.forward(up)
+    for _ in range(ranks - r - 1):
+        c.backward(up, split=True)
+        c.weight()
+        c.forward(up)
+    for _ in range(played - 2 * ranks + r + 1):
+        c.forward(down)
+        c.backward(up)
+        c.forward(up)
+        c.backward(down)
+    for _ in range(ranks - r - 1):
+        c.backward(up)
+        c.forward(up)
+        c.backward(down)
+    split, half = False, (r + 1) // 2  # from the middle pair on, the backwards split
+    for i in range(r + 1):
+        split = split or (i == half and r % 2 == 1)
+        c.backward(up, split)
+        split = split or (i == half and r % 2 == 0)
+        c.backward(down, split)
+    for _ in range(ranks - r - 1):
+        c.weight()
+        c.backward(down, split)
+    while c.weights:
+        c.weight()
+    return c.actions
+
+
 def _stages_per_rank(num_stages: int, num_ranks: int, name: str, exactly: int | None = None) -> int:
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
         raise ConfigError(f"num_ranks must be an integer >= 1 (got {num_ranks!r})",
@@ -423,6 +518,8 @@ SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
     ScheduleKind("zb-h1", "ZB-H1", _ranks_from_stages(zb_h1), 1, splits_backward=True),
     ScheduleKind("interleaved-1f1b", "Interleaved 1F1B", interleaved_1f1b, None),
     ScheduleKind("zb-v", "ZB-V", _ranks_from_stages(zb_v), 2, splits_backward=True, v_shape=True),
+    ScheduleKind("dualpipev", "DualPipeV", _ranks_from_stages(dualpipe_v), 2,
+                 splits_backward=True, v_shape=True),
 )}
 """Every schedule kind by the name the options accept."""
 
@@ -519,8 +616,9 @@ def waiting(schedule: Sequence[Sequence[Action]], position: Sequence[int]) -> st
 
 
 def validate(schedule: Schedule) -> tuple[int, int]:
-    """Check that every stage runs on one rank, F and B (or I and W, for every stage) of every
-    micro-batch exactly once, and W(s, m) after I(s, m); return (M, S).
+    """Check that every stage runs on one rank, F and B (or I and W) of every micro-batch exactly
+    once, and W(s, m) after I(s, m); return (M, S). A stage may split some backwards and not
+    others (dualpipev).
 
     Only the content is checked here; `fxpipe.runtime.planning.grid.clock_cycles` also checks that
     the order cannot deadlock.
@@ -537,9 +635,6 @@ def validate(schedule: Schedule) -> tuple[int, int]:
                 )
     ranks = stage_ranks(schedule)
     num_microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
-    backward = (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD) if is_split(schedule) \
-        else (ActionKind.BACKWARD,)
-    expected = {(k, m) for k in (ActionKind.FORWARD, *backward) for m in range(num_microbatches)}
     seen: list[set[tuple[ActionKind, int]]] = [set() for _ in ranks]
     for actions in schedule:
         for a in actions:
@@ -552,6 +647,16 @@ def validate(schedule: Schedule) -> tuple[int, int]:
                 raise ConfigError(f"stage {s} runs {a} twice", hint="list each action once")
             seen[s].add((a.kind, a.microbatch))
     for s, done in enumerate(seen):
+        both = sorted(m for k, m in done if k == ActionKind.BACKWARD
+                      and (ActionKind.INPUT_GRAD, m) in done)
+        if both:
+            raise ConfigError(f"stage {s} runs both B{both[0]} and I{both[0]}",
+                              hint="a micro-batch's backward is either B, or I then W")
+        expected = {(ActionKind.FORWARD, m) for m in range(num_microbatches)}
+        for m in range(num_microbatches):  # B, or I and W: as this stage runs the micro-batch
+            split = (ActionKind.INPUT_GRAD, m) in done or (ActionKind.WEIGHT_GRAD, m) in done
+            expected |= {(ActionKind.INPUT_GRAD, m), (ActionKind.WEIGHT_GRAD, m)} if split \
+                else {(ActionKind.BACKWARD, m)}
         missing = sorted(expected - done, key=lambda km: (_KINDS.index(km[0]), km[1]))
         if missing:
             names = ", ".join(f"{k}{m}" for k, m in missing)

@@ -40,6 +40,8 @@ class TimedEvent:
 
 
 _TIME_HINT = "times cannot be negative"
+_GRADIENT = "G"  # the input gradient of (stage, micro-batch), given by its B or its I
+_GIVES_GRADIENT = frozenset(k for k in ActionKind if k.gives_input_grad)
 
 
 def _per_stage(values: Sequence[float], name: str, num_stages: int) -> list[float]:
@@ -102,6 +104,7 @@ def simulate(
     comm_time: Sequence[float] | float | Mapping[tuple[int, int], float] = 0.0,
     edges: Sequence[tuple[int, int]] | None = None,
     weight_time: Sequence[float] | None = None,
+    input_time: Sequence[float] | None = None,
     record: bool = True,
     checked: bool = False,
 ) -> tuple[list[TimedEvent], float]:
@@ -138,13 +141,16 @@ def simulate(
     bwd = _per_stage(backward_time, "backward_time", num_stages)
     wgt = [b / 2 for b in bwd] if weight_time is None else \
         _per_stage(weight_time, "weight_time", num_stages)
-    for s, (b, w) in enumerate(zip(bwd, wgt)):
-        if w > b:
-            raise ConfigError(f"weight_time[{s}] = {w} exceeds backward_time[{s}] = {b}",
-                              hint="the weight-gradient pass is a part of the backward")
+    if input_time is None:
+        for s, (b, w) in enumerate(zip(bwd, wgt)):
+            if w > b:
+                raise ConfigError(f"weight_time[{s}] = {w} exceeds backward_time[{s}] = {b}",
+                                  hint="the weight-gradient pass is a part of the backward")
+        inp = [b - w for b, w in zip(bwd, wgt)]
+    else:
+        inp = _per_stage(input_time, "input_time", num_stages)
     duration_of = {ActionKind.FORWARD: fwd, ActionKind.BACKWARD: bwd,
-                   ActionKind.WEIGHT_GRAD: wgt,
-                   ActionKind.INPUT_GRAD: [b - w for b, w in zip(bwd, wgt)]}
+                   ActionKind.WEIGHT_GRAD: wgt, ActionKind.INPUT_GRAD: inp}
     edge_list = _edges(edges, num_stages)
     edge_comm = {e: 0.0 if rank_of[e[0]] == rank_of[e[1]] else t
                  for e, t in _edge_times(comm_time, edge_list, num_stages).items()}
@@ -158,13 +164,13 @@ def simulate(
 
     def inputs(kind: str, s: int) -> list[tuple[str, int, float]]:
         """What an action of `kind` on stage s waits for, of its own micro-batch: (kind,
-        stage, message time)."""
+        stage, message time); _GRADIENT: the consumer's B or I, whichever it runs."""
         if kind == ActionKind.FORWARD:
             return [(ActionKind.FORWARD, p, edge_comm[(p, s)]) for p in producers[s]]
         if kind == ActionKind.WEIGHT_GRAD:
             return [(ActionKind.INPUT_GRAD, s, 0.0)]
         return [(ActionKind.FORWARD, s, 0.0)] + \
-            [(kind, d, edge_comm[(s, d)]) for d in consumers[s]]
+            [(_GRADIENT, d, edge_comm[(s, d)]) for d in consumers[s]]
 
     waits_for = {(kind, s): inputs(kind, s) for kind in duration_of for s in range(num_stages)}
 
@@ -195,6 +201,10 @@ def simulate(
                 break
             key = (kind, stage, m)
             end[key] = free[r] = start + duration_of[kind][stage]
+            if kind in _GIVES_GRADIENT:
+                end[(_GRADIENT, stage, m)] = end[key]
+                if (_GRADIENT, stage, m) in blocked:
+                    ready.extend(blocked.pop((_GRADIENT, stage, m)))
             if record:
                 events.append(TimedEvent(stage, kind, m, start, end[key]))
                 for k, s, c in waits:

@@ -249,7 +249,8 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, recor
     W recomputes the regions again (their recomputed values live for one autograd call;
     NOTE [Split backward] in fxpipe/runtime/communication/dist_comm.py), so a split backward costs
     one recomputation more than a whole one, except where W is the whole backward (the first
-    stage: I has nothing to compute). Returns the events (none unless `record`), the makespan
+    stage: I has nothing to compute); a backward the schedule runs whole (B) costs the
+    backward. Returns the events (none unless `record`), the makespan
     and the ranks' work: every action's time, added up. Each action also pays what a rank pays
     for running one (the plan's action_overhead) and for each message it sends or receives
     (message_overhead)."""
@@ -275,10 +276,11 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, recor
         else:
             inputs.append(max(s.recompute_time + pure - s.weight_time, 0.0) + handling)
             weights.append(s.recompute_time + s.weight_time + action)
-    whole = [i + w for i, w in zip(inputs, weights)]
-    events, makespan = simulate(actions, forward_time=fwd, weight_time=weights,
-                                backward_time=whole, comm_time=comm, record=record, checked=True)
-    return events, makespan, m * sum(f + b for f, b in zip(fwd, whole))
+    events, makespan = simulate(actions, forward_time=fwd, backward_time=bwd, weight_time=weights,
+                                input_time=inputs, comm_time=comm, record=record, checked=True)
+    duration = {ActionKind.FORWARD: fwd, ActionKind.BACKWARD: bwd, ActionKind.INPUT_GRAD: inputs,
+                ActionKind.WEIGHT_GRAD: weights}  # a schedule may split some backwards only
+    return events, makespan, sum(duration[a.kind][a.stage] for acts in actions for a in acts)
 
 
 def predicted_step(plan: PlanTimes, schedule: ScheduleKind | str, ranks: int | None = None
