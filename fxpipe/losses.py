@@ -16,7 +16,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.profile import DeviceProfile, median_time
 
 __all__ = ["default_loss", "loss_name", "resolve_loss", "loss_time", "loss_saved_bytes", "NAMED",
-           "LossFn"]
+           "LossFn", "counted", "IGNORED"]
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -54,6 +54,21 @@ def _mse(output: Any, target: torch.Tensor) -> torch.Tensor:
 
 
 NAMED = {"default": default_loss, "cross_entropy": _cross_entropy, "mse": _mse}
+
+IGNORED = -100  # cross-entropy's ignore_index: a target it leaves out of its mean
+
+
+def counted(loss_fn: Any, target: torch.Tensor | None) -> torch.Tensor | None:
+    """How many targets a loss of NAMED averages over, as a 0-dim tensor on the target's device
+    (no host read): cross-entropy leaves out those equal to IGNORED. None where it averages
+    over every element alike (mean squared error, no target), or for a loss not in NAMED.
+    Each of them is a mean over what it counts, so on a batch joined from parts it is the
+    parts' losses weighted by their counts."""
+    if target is None or loss_fn is _mse or \
+            not any(loss_fn is fn for fn in (default_loss, _cross_entropy)) or \
+            (loss_fn is default_loss and target.is_floating_point()):
+        return None
+    return (target != IGNORED).sum()
 
 
 def loss_name(loss_fn: Any) -> str:

@@ -312,12 +312,19 @@ def _loss_outcomes(ranks: list[list[dict]], batch: int = 4,
 
 @pytest.mark.distributed
 def test_a_sum_loss_trains_as_the_plain_model_on_two_ranks_and_a_std_is_refused():
-    cases = [("sum", False), ("mean", True), ("std", False)]
+    # the default loss is judged from its micro-batches' losses weighted by the targets it
+    # counts: padded alike in both micro-batches (7 and 7 real tokens) it is a mean, unlike
+    # (9 and 3) it is refused as the same loss written by the user is
+    cases = [("sum", False), ("mean", True), ("std", False), ("default", True),
+             ("default", (4, 3, 4, 3))]
     ranks = spawn(2, __name__, "_loss_steps", cases, ["gpipe", "1f1b"], timeout=120, bound=400)
     outcomes = _loss_outcomes(ranks)
-    assert outcomes == {("sum", False, "gpipe"): "same", ("sum", False, "1f1b"): "same",
-                        ("mean", True, "gpipe"): "refused", ("mean", True, "1f1b"): "refused",
-                        ("std", False, "gpipe"): "refused", ("std", False, "1f1b"): "refused"}
+    assert outcomes == {(*case, schedule): outcome for schedule in ("gpipe", "1f1b")
+                        for case, outcome in [(("sum", False), "same"),
+                                              (("mean", True), "refused"),
+                                              (("std", False), "refused"),
+                                              (("default", True), "refused"),
+                                              (("default", (4, 3, 4, 3)), "same")]}
 
 
 @pytest.mark.slow
@@ -451,3 +458,36 @@ def test_a_loss_that_stops_being_a_mean_is_refused_on_the_step_it_does():
         assert said["1f1b"].startswith("LossError")
         assert "Earlier steps found it a mean" in said["1f1b"]
         assert "optimizer.zero_grad()" in said["1f1b"] and "schedule='gpipe'" in said["1f1b"]
+
+
+def test_the_judge_weighs_a_built_in_loss_by_what_each_micro_batch_counts_and_joins_nothing():
+    """A loss fxpipe defines needs no second run on the joined outputs (nor the outputs kept
+    for it): the batch's loss is its micro-batches' weighted by the targets cross-entropy
+    counts, and it is a mean exactly where those counts are equal."""
+    from types import SimpleNamespace
+
+    from fxpipe.runtime.execution.loss_judge import LossJudge
+
+    class Unjoinable:
+        def join_outputs(self, parts):
+            raise AssertionError("the outputs were joined")
+
+        def unflatten_outputs(self, out):
+            return out[0]
+
+    judge = LossJudge(Unjoinable(), torch.device("cpu"), SimpleNamespace(replicas=1), None)
+    values = {0: torch.tensor(2.0), 1: torch.tensor(4.0)}
+    unequal = [torch.tensor([[1, 2, PAD]]), torch.tensor([[1, PAD, PAD]])]
+    full, parts, kind, _ = judge.judge({}, values, None, unequal, default_loss, False, "mean")
+    assert (full, parts, kind) == (pytest.approx(8 / 3), [2.0, 4.0], "neither")
+    equal = [torch.tensor([[1, 2, PAD]]), torch.tensor([[3, PAD, 4]])]
+    full, _, kind, _ = judge.judge({}, values, None, equal, default_loss, False, "mean")
+    assert (full, kind) == (3.0, "mean")
+    full, _, kind, _ = judge.judge({}, values, None, [None, None], default_loss, False, "mean")
+    assert (full, kind) == (3.0, "mean")
+    assert LossJudge.weighs_parts(default_loss, halves=False)
+    assert not LossJudge.weighs_parts(default_loss, halves=True)
+    assert not LossJudge.weighs_parts(_token_mean, halves=False)
+    with pytest.raises(AssertionError, match="joined"):  # any other loss runs once more
+        judge.judge({0: [torch.zeros(1, 3, 16)], 1: [torch.zeros(1, 3, 16)]}, values, None,
+                    equal, _token_mean, False, None)

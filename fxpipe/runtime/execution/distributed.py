@@ -3,7 +3,7 @@
 Every rank calls `step(inputs, target)` with the whole batch; each runs its own stages' actions
 (one stage, or several under a looped schedule) in schedule order (GPipe: all forwards, then all
 backwards; 1F1B interleaves them; ZB-H1 and ZB-V split each backward into its input and weight
-gradients, NOTE [Split backward] in dist_comm.py), exchanging
+gradients, DualPipeV those at the step's ends, NOTE [Split backward] in dist_comm.py), exchanging
 activations and gradients with its peers (fxpipe.runtime.communication.dist_comm.DistComm). The
 actions run on the ticks of a clock all ranks share (fxpipe.runtime.planning.plan), and each tick's
 sends and receives are posted together, in one agreed order, so no schedule can deadlock under NCCL.
@@ -146,10 +146,12 @@ class DistributedExecutor:
         is not scaled) and all ranks agree on skipping the step (NOTE [Loss scaling across
         ranks] in fxpipe/runtime/execution/amp.py).
 
-        The loss is computed per micro-batch and once on the joined outputs: the step returns the
-        latter, and weights each micro-batch's backward as the comparison shows (NOTE in
-        fxpipe.runtime.execution.loss_split). Raises LossError on every rank for a loss that is
-        neither a mean nor a sum over examples, or whose kind the replicas cannot find or agree on.
+        The loss is computed per micro-batch and once on the joined outputs (a loss fxpipe
+        defines: its micro-batches' weighted by what each counts, fxpipe.losses.counted): the
+        step returns the latter, and weights each micro-batch's backward as the comparison shows
+        (NOTE in fxpipe.runtime.execution.loss_split). Raises LossError on every rank for a loss
+        that is neither a mean nor a sum over examples, or whose kind the replicas cannot find
+        or agree on.
         """
         key = loss_key(loss_fn, target is not None)
         kind = schedule_kind(schedule)
@@ -222,7 +224,10 @@ class DistributedExecutor:
         judged: tuple[float, list[float], str | None, list[int]] | None = None
 
         def judge() -> tuple[float, list[float], str | None, list[int]]:
-            return self.loss_judge.judge(outputs, values, target, loss_fn, halves, known)
+            return self.loss_judge.judge(outputs, values, target, targets, loss_fn, halves,
+                                         known)
+        # the last stage's outputs are kept until the judge runs the loss on them joined
+        joins = not self.loss_judge.weighs_parts(loss_fn, halves)
 
         def decided() -> float:
             """The weight of the last stage's losses, judged on this step before its first
@@ -252,8 +257,9 @@ class DistributedExecutor:
                         losses[mb] = self.loss_judge.loss(out, to_device(targets[mb], self.device),
                                                 loss_fn)
                         values[mb] = losses[mb].detach()
-                        outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
-                                       for o in out]
+                        if joins:
+                            outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
+                                           for o in out]
                     run_forward(unit, comm, mb, micro[mb], recompute=remat.recomputes(mb, chunks),
                                 seed_base=base, rng_devices=devices[stage],
                                 check=self.check_finite, check_outputs=last,

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import PeerLostError, RuntimeInputError
+from fxpipe.losses import counted
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.execution.devices import to_device
 from fxpipe.runtime.execution.loss_split import (
@@ -23,6 +24,7 @@ from fxpipe.runtime.execution.loss_split import (
     agreed,
     changed,
     disagreement,
+    known_kind,
     refusal,
     split_kind,
     undecidable,
@@ -64,27 +66,23 @@ class LossJudge:
         return loss_fn(structured, target) if target is not None else loss_fn(structured)
 
     def judge(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
-              target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor],
-              halves: bool, known: str | None
+              target: torch.Tensor | None, targets: list[torch.Tensor | None],
+              loss_fn: Callable[..., torch.Tensor], halves: bool, known: str | None
               ) -> tuple[float, list[float], str | None, list[int]]:
-        """The loss of the whole batch (its outputs joined, as in one process), its parts'
-        losses, the kind the replicas agree on (fxpipe.runtime.execution.loss_split), and how many
-        found each kind. The parts are the micro-batches, or with `halves` the two halves of the one
-        micro-batch; a micro-batch of one example has none and takes the `known` kind."""
+        """The loss of the whole batch (as in one process), its parts' losses, the kind the
+        replicas agree on (fxpipe.runtime.execution.loss_split), and how many found each kind.
+        The parts are the micro-batches, or with `halves` the two halves of the one micro-batch;
+        a micro-batch of one example has none and takes the `known` kind. The whole batch's
+        loss is the loss run once more on the joined `outputs`, or for a loss fxpipe defines
+        (`weighs_parts`) its micro-batches' losses weighted by what each counts."""
         if halves:
             full = float(values[0])
             parts, sizes = self._halves(outputs[0], target, loss_fn)
             kind = split_kind(full, parts, values[0].dtype, sizes) if parts else \
                 known or UNDECIDED
         else:
-            joined = self.signature.join_outputs([outputs[m] for m in sorted(outputs)])
-            with torch.no_grad():
-                loss = self.loss(joined, to_device(target, self.device) if target is not None
-                                  else None, loss_fn)
-            # one host read for all of them
-            full, *parts = torch.stack([t.detach().reshape(()).to(torch.float64) for t in (
-                loss, *(values[m] for m in sorted(values)))]).tolist()
-            kind = split_kind(full, parts, loss.dtype)
+            full, parts = self._batch_loss(outputs, values, target, targets, loss_fn)
+            kind = split_kind(full, parts, values[0].dtype)
         found = [0] * (len(KINDS) + 1)
         found[KINDS.index(kind) if kind is not None else len(KINDS)] = 1
         if self.dp_group is not None and self.mesh.replicas > 1:
@@ -98,6 +96,38 @@ class LossJudge:
                                     ) from e
             found = [int(n) for n in counts.tolist()]
         return full, parts, agreed(found), found
+
+    @staticmethod
+    def weighs_parts(loss_fn: Callable[..., torch.Tensor], halves: bool) -> bool:
+        """Whether `judge` finds the batch's loss from its micro-batches' alone: for a loss
+        fxpipe defines (fxpipe.losses.NAMED, a mean over what it counts), whose joined outputs
+        then need not be kept or run through the loss again. Halves are always run."""
+        return not halves and known_kind(loss_fn) is not None
+
+    def _batch_loss(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
+                    target: torch.Tensor | None, targets: list[torch.Tensor | None],
+                    loss_fn: Callable[..., torch.Tensor]) -> tuple[float, list[float]]:
+        """The batch's loss and its micro-batches', in one host read."""
+        order = sorted(values)
+        losses = [values[m].detach().reshape(()).to(torch.float64) for m in order]
+        if self.weighs_parts(loss_fn, False):
+            counts = [c for m in order if (c := counted(loss_fn, targets[m])) is not None]
+            if len(counts) == len(order):
+                losses += [to_device(c, self.device).to(torch.float64) for c in counts]
+            read = torch.stack(losses).tolist()
+            parts, weights = read[:len(order)], read[len(order):] or [1.0] * len(order)
+            total = sum(weights)
+            # a part that counts nothing (its loss 0/0) weighs nothing
+            full = sum(w * p for w, p in zip(weights, parts) if w) / total if total \
+                else float("nan")
+            return full, parts
+        joined = self.signature.join_outputs([outputs[m] for m in order])
+        with torch.no_grad():
+            loss = self.loss(joined, to_device(target, self.device) if target is not None
+                             else None, loss_fn)
+        full, *parts = torch.stack([loss.detach().reshape(()).to(torch.float64),
+                                    *losses]).tolist()
+        return full, parts
 
     def _halves(self, out: list[Any], target: torch.Tensor | None,
                 loss_fn: Callable[..., torch.Tensor]) -> tuple[list[float], list[int]]:
