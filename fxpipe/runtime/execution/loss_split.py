@@ -5,9 +5,11 @@ in the plain model. Under torchrun the last stage computes each micro-batch's lo
 forward is done and starts that micro-batch's backward from it, times a weight: 1/M when the
 batch's loss is the mean of its M micro-batches' (a mean over examples), 1 when it is their sum
 (a sum over examples). Which one is found by computing the loss once more on the joined outputs
-of the step itself and comparing; a loss that is neither (a standard deviation or a maximum over
-the batch, a mean over padded tokens whose count differs between micro-batches) cannot be
-computed per micro-batch and is refused, never approximated.
+of the step itself and comparing (for a loss fxpipe defines, a mean over what it counts, that
+value is its micro-batches' weighted by their counts: fxpipe.losses.counted); a loss that is
+neither (a standard deviation or a maximum over the batch, a mean over padded tokens whose count
+differs between micro-batches) cannot be computed per micro-batch and is refused, never
+approximated.
 
 A replica that runs one micro-batch per step has nothing to compare it with: its loss is then
 compared with the losses of the two halves of that micro-batch, since a weight of 1 is right for
