@@ -64,11 +64,9 @@ def counted(loss_fn: Any, target: torch.Tensor | None) -> torch.Tensor | None:
     over every element alike (mean squared error, no target), or for a loss not in NAMED.
     Each of them is a mean over what it counts, so on a batch joined from parts it is the
     parts' losses weighted by their counts."""
-    if target is None or loss_fn is _mse or \
-            not any(loss_fn is fn for fn in (default_loss, _cross_entropy)) or \
-            (loss_fn is default_loss and target.is_floating_point()):
-        return None
-    return (target != IGNORED).sum()
+    cross_entropy = loss_fn is _cross_entropy or \
+        (loss_fn is default_loss and target is not None and not target.is_floating_point())
+    return (target != IGNORED).sum() if cross_entropy and target is not None else None
 
 
 def loss_name(loss_fn: Any) -> str:

@@ -491,3 +491,14 @@ def test_the_judge_weighs_a_built_in_loss_by_what_each_micro_batch_counts_and_jo
     with pytest.raises(AssertionError, match="joined"):  # any other loss runs once more
         judge.judge({0: [torch.zeros(1, 3, 16)], 1: [torch.zeros(1, 3, 16)]}, values, None,
                     equal, _token_mean, False, None)
+
+
+def test_counted_is_what_each_built_in_loss_averages_over():
+    from fxpipe.losses import NAMED, counted
+    t = torch.tensor([[1, PAD, 2]])
+    assert int(counted(NAMED["default"], t)) == 2  # integer targets: cross-entropy
+    assert int(counted(NAMED["cross_entropy"], t.float())) == 2
+    assert counted(NAMED["default"], t.float()) is None  # float targets: mean squared error
+    assert counted(NAMED["mse"], t) is None
+    assert counted(NAMED["default"], None) is None
+    assert counted(_token_mean, t) is None  # not fxpipe's: judged on the joined outputs

@@ -425,7 +425,7 @@ class ScheduleKind:
     title: str  # as the report's picture names it
     order: Callable[[int, int, int], Schedule]  # (micro-batches, stages, ranks) -> the schedule
     fixed_stages_per_rank: int | None  # exactly this many stages per rank; None: any from 2
-    splits_backward: bool = False  # the backward runs as I then W (zero-bubble)
+    splits_backward: bool = False  # some or every backward runs as I then W (zero-bubble)
     v_shape: bool = False  # rank r holds stages r and 2R-1-r; else stage s on rank s mod R
 
     def __str__(self) -> str:
