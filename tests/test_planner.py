@@ -156,6 +156,7 @@ def test_the_largest_that_fits_is_found_from_a_guess_above_or_below_it():
         assert plan_of.choice.fits
 
 
+@pytest.mark.slow  # the search itself is checked in the fast tier (largest_that_fits above)
 def test_fxpipe_plan_largest_prints_the_size_and_its_plan(capsys):
     assert main(["plan", "fxpipe.models.gpt:build", "--set", "d_model=64", "--set", "n_head=2",
                  "--set", "vocab_size=256", "--set", "seq_len=16", "--set", "batch=4",
