@@ -305,8 +305,8 @@ def test_each_rank_holds_and_optimizes_only_its_own_stage(world_results, world, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", [j for j in JOBS[3] if j.model == "gpt" and j.schedule != "zb-v"],
-                         ids=str)
+@pytest.mark.parametrize("job", [j for j in JOBS[3] if j.model == "gpt"
+                                 and j.schedule not in ("zb-v", "dualpipev")], ids=str)
 def test_gpt_tied_embedding_on_first_and_last_rank_trains_like_the_model(world_results, job):
     ranks = world_results(3).get(job)
     tied = ("wte.weight", "lm_head.weight")
@@ -321,9 +321,12 @@ def test_gpt_tied_embedding_on_first_and_last_rank_trains_like_the_model(world_r
     assert torch.equal(ranks[0]["state"]["wte.weight"], ranks[2]["state"]["wte.weight"])
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_zb_v_holds_the_tied_embedding_and_head_on_rank_0_as_one_parameter(world_results, world):
-    ranks = world_results(world).get(next(j for j in JOBS[world] if j.schedule == "zb-v"
+@pytest.mark.parametrize(("world", "schedule"), [
+    (2, "zb-v"), pytest.param(3, "zb-v", marks=pytest.mark.slow),
+    pytest.param(3, "dualpipev", marks=pytest.mark.slow)])
+def test_the_v_holds_the_tied_embedding_and_head_on_rank_0_as_one_parameter(world_results, world,
+                                                                            schedule):
+    ranks = world_results(world).get(next(j for j in JOBS[world] if j.schedule == schedule
                                           and j.model == "gpt"))
     tied = ("wte.weight", "lm_head.weight")
     assert [all(k in r["state"] for k in tied) for r in ranks] == [True] + [False] * (world - 1)
