@@ -148,7 +148,9 @@ def _check_no_clash(directory: str, names: list[str]) -> None:
 def _check_replaceable(directory: str) -> None:
     """Refuses to replace a file, or a folder holding anything but an fxpipe program. The folder
     is opened once and read through that handle: another writer moving it away meanwhile leaves
-    this check reading the folder it opened, not a missing path or the next program's folder."""
+    this check reading the folder it opened, not a missing path or the next program's folder.
+    That writer, having checked the folder itself, then removes it, file by file: a folder no
+    longer at `directory` is not refused for what it has lost."""
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
@@ -162,7 +164,7 @@ def _check_replaceable(directory: str) -> None:
         fd = -1
     if fd >= 0:
         try:
-            if not os.listdir(fd) or is_program(".", dir_fd=fd):
+            if not os.listdir(fd) or is_program(".", dir_fd=fd) or _moved_away(fd, directory):
                 return
         finally:
             os.close(fd)
@@ -170,6 +172,14 @@ def _check_replaceable(directory: str) -> None:
     raise ProgramFolderError(f"{directory} is a {kind} that holds no fxpipe program, and writing "
                              "the program would replace it", hint="write to a new or empty "
                              "folder, or to one that holds a program fxpipe wrote")
+
+
+def _moved_away(fd: int, directory: str) -> bool:
+    """Whether the folder open as `fd` is no longer the one at `directory`."""
+    try:
+        return not os.path.samestat(os.fstat(fd), os.stat(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return True
 
 
 def _write_files(built: Built, folder: str, files: ProgramFiles, target: str) -> list[str]:

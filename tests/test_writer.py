@@ -158,6 +158,32 @@ def test_the_replace_check_reads_the_folder_it_opened_though_another_writer_move
     assert not target.exists()
 
 
+def test_the_replace_check_passes_a_folder_another_writer_moved_away_and_is_removing(
+        tmp_path, monkeypatch):
+    """The other writer renames the program's folder away and removes it file by file: this
+    check may find it without its program.json. A folder no longer at the path is not refused
+    (that writer checked it), but a non-program folder still there is."""
+    from fxpipe.errors import ProgramFolderError
+    from fxpipe.writer import _check_replaceable
+
+    program, _ = _program(2)
+    target = tmp_path / "prog"
+    program.write(str(target), reference_steps=0)
+    listdir = os.listdir
+
+    def moved_away_and_half_removed(path):
+        monkeypatch.setattr(os, "listdir", listdir)
+        os.rename(target, tmp_path / "old")
+        os.remove(tmp_path / "old" / "program.json")
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", moved_away_and_half_removed)
+    _check_replaceable(str(target))  # not "holds no fxpipe program"
+    os.rename(tmp_path / "old", target)  # the same folder, left at the path: refused
+    with pytest.raises(ProgramFolderError, match="holds no fxpipe program"):
+        _check_replaceable(str(target))
+
+
 def test_a_program_swapped_in_meanwhile_does_not_make_the_old_ones_files_the_users(
         tmp_path, monkeypatch):
     """The clash check lists one folder and reads its program.json; a concurrent writer may
