@@ -137,10 +137,15 @@ def test_two_processes_writing_one_folder_at_once_leave_one_whole_program(tmp_pa
         assert not [n for n in os.listdir(tmp_path) if n.startswith(TEMP_PREFIX)]
 
 
-def test_the_replace_check_reads_the_folder_it_opened_though_another_writer_moves_it(
-        tmp_path, monkeypatch):
+@pytest.mark.parametrize("removing", [False, True], ids=["moved", "moved_and_removing"])
+def test_the_replace_check_passes_a_folder_another_writer_moves_away(tmp_path, monkeypatch,
+                                                                     removing):
     """Two writers of one folder: the other one renames the program's folder away between this
-    one's opening it and listing it. The check answers for the folder it opened (a program)."""
+    one's opening it and listing it, and may be removing it file by file, so that this check
+    finds it without its program.json. The check answers for the folder it opened, and a folder
+    no longer at the path is not refused (that writer checked it); a non-program folder still
+    at the path is."""
+    from fxpipe.errors import ProgramFolderError
     from fxpipe.writer import _check_replaceable
 
     program, _ = _program(2)
@@ -151,37 +156,17 @@ def test_the_replace_check_reads_the_folder_it_opened_though_another_writer_move
     def moved_away_then_listed(path):
         monkeypatch.setattr(os, "listdir", listdir)
         os.rename(target, tmp_path / "old")
+        if removing:
+            os.remove(tmp_path / "old" / "program.json")
         return listdir(path)
 
     monkeypatch.setattr(os, "listdir", moved_away_then_listed)
     _check_replaceable(str(target))  # no FileNotFoundError, no "holds no fxpipe program"
     assert not target.exists()
-
-
-def test_the_replace_check_passes_a_folder_another_writer_moved_away_and_is_removing(
-        tmp_path, monkeypatch):
-    """The other writer renames the program's folder away and removes it file by file: this
-    check may find it without its program.json. A folder no longer at the path is not refused
-    (that writer checked it), but a non-program folder still there is."""
-    from fxpipe.errors import ProgramFolderError
-    from fxpipe.writer import _check_replaceable
-
-    program, _ = _program(2)
-    target = tmp_path / "prog"
-    program.write(str(target), reference_steps=0)
-    listdir = os.listdir
-
-    def moved_away_and_half_removed(path):
-        monkeypatch.setattr(os, "listdir", listdir)
-        os.rename(target, tmp_path / "old")
-        os.remove(tmp_path / "old" / "program.json")
-        return listdir(path)
-
-    monkeypatch.setattr(os, "listdir", moved_away_and_half_removed)
-    _check_replaceable(str(target))  # not "holds no fxpipe program"
-    os.rename(tmp_path / "old", target)  # the same folder, left at the path: refused
-    with pytest.raises(ProgramFolderError, match="holds no fxpipe program"):
-        _check_replaceable(str(target))
+    if removing:
+        os.rename(tmp_path / "old", target)  # the same folder, left at the path: refused
+        with pytest.raises(ProgramFolderError, match="holds no fxpipe program"):
+            _check_replaceable(str(target))
 
 
 def test_a_program_swapped_in_meanwhile_does_not_make_the_old_ones_files_the_users(
