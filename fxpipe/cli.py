@@ -285,8 +285,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     chosen = args.torch_schedules.split(",") if args.torch_schedules else TORCH_SCHEDULES
     return run_bench(BenchOptions(model=args.model, settings=tuple(args.set), stages=args.stages,
                                   chunks=args.chunks, remat=args.remat, steps=args.steps,
-                                  warmup=args.warmup, out=args.out, plot=args.plot,
-                                  port=args.port, balance=args.balance,
+                                  seconds=args.seconds, warmup=args.warmup, out=args.out,
+                                  plot=args.plot, port=args.port, balance=args.balance,
                                   torch_schedules=tuple(chosen)))
 
 
@@ -455,7 +455,12 @@ def _add_bench_options(b: argparse.ArgumentParser) -> None:
     b.add_argument("--remat", default="never", choices=REMAT_MODES,
                    help="what fxpipe recomputes in backward")
     b.add_argument("--steps", type=int, default=15,
-                   help="measured steps per variant (paired ratios need about 15 to resolve 3%%)")
+                   help="measured steps per variant, at least (paired ratios need about 15 to "
+                        "resolve 3%% of a step of a second)")
+    b.add_argument("--seconds", type=float, default=180.0,
+                   help="measuring time that more steps fill while a round of every variant "
+                        "is short (a step of a few ms needs about a hundred; a round costs "
+                        "about 0.1 s a variant more than its steps); 0: just --steps")
     b.add_argument("--warmup", type=int, default=2, help="warm-up steps per variant")
     b.add_argument("--out", default=".", help="folder for the results")
     b.add_argument("--plot", action="store_true", help="write a PNG Gantt chart (matplotlib)")

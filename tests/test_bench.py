@@ -212,6 +212,22 @@ def test_a_torch_variant_failing_on_one_rank_releases_the_others_at_once():
     assert "Timed out" not in notes[0][0] and "closed by peer" in notes[0][0], notes[0]
 
 
+def test_the_rounds_measured_are_those_extend_asks_for_after_the_warm_up():
+    ran: list[str] = []
+    asked: list[float] = []
+
+    def extend(round_seconds: float) -> int:
+        asked.append(round_seconds)
+        assert ran == ["a", "b", "b", "a"]  # after the two warm-up rounds, before any other
+        return 5
+
+    steps = {name: (lambda name=name: ran.append(name) or 1.0) for name in ("a", "b")}
+    times, cpu, _, load = time_variants(["a", "b"], steps, 4, warmup=2, probe=lambda: 0.0,
+                                        barrier=lambda: None, say=lambda _: None, extend=extend)
+    assert len(asked) == 1 and asked[0] > 0
+    assert len(times["a"]) == len(cpu["b"]) == len(load) == 2 + 5 and len(ran) == 14
+
+
 def test_every_timed_step_follows_the_same_reference_work():
     # The reference work that times the cores leaves colder caches: run before fxpipe's steps
     # alone, it slowed them against torch's. Each step must follow it, whichever variant.

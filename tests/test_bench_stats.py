@@ -5,7 +5,14 @@ import random
 
 import pytest
 
-from fxpipe.tools.bench_stats import bootstrap_interval, paired_ratio, rotated, schedule_bound
+from fxpipe.tools.bench_stats import (
+    MAX_STEPS,
+    bootstrap_interval,
+    measured_steps,
+    paired_ratio,
+    rotated,
+    schedule_bound,
+)
 
 
 def test_every_variant_runs_at_every_position_once_over_as_many_steps():
@@ -50,6 +57,18 @@ def test_the_bootstrap_interval_holds_the_median_and_narrows_with_more_steps():
     assert bootstrap_interval(values[:10]) == wide  # seeded: the same data, the same interval
     with pytest.raises(ValueError, match="as many steps"):
         paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_short_rounds_are_measured_more_often_within_the_seconds_given():
+    # the bench GPT: a round of every variant takes about 20 s, 15 steps are the least
+    assert measured_steps(20.0, 15, 60.0) == 15
+    # the bundled MLP: about 2.5 s a round (every variant's step and its reference work), so
+    # 72 steps fill the three minutes of `fxpipe bench --seconds`'s default
+    assert measured_steps(2.5, 15, 180.0) == 72
+    assert measured_steps(1e-4, 15, 60.0) == MAX_STEPS
+    assert measured_steps(0.4, 15, 0.0) == 15  # no seconds: just the steps asked for
+    assert measured_steps(0.0, 15, 60.0) == 15  # no warm-up round timed
+    assert measured_steps(0.4, 500, 60.0) == 500  # never fewer than asked
 
 
 @pytest.mark.parametrize(("schedule", "per_rank", "bound"), [

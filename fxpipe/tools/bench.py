@@ -2,12 +2,13 @@
 
 One invocation runs, on the same model, data, seed and micro-batches, one gloo process per stage
 (one thread each), every variant of fxpipe.tools.bench_worker step by step, in an order rotated
-from step to step, so that drifts of the machine hit them alike: the plain model in one process
-(accumulating the micro-batches, and at full batch), fxpipe with each of its
-schedules (fxpipe.runtime.planning.schedule.SCHEDULES) and remat modes, and
-torch.distributed.pipelining with both its frontends, at its natural cut and at fxpipe's, with each
-of its schedules (fxpipe.tools.bench_torch). fxpipe balances by measurement (balance="dynamic")
-unless told otherwise; its cut for the torch variants with two stages per rank is fxpipe's own
+from step to step, so that drifts of the machine hit them alike (at least `steps` steps, more
+while a round of every variant is short: see bench_stats.measured_steps): the plain model in one
+process (accumulating the micro-batches, and at full batch), fxpipe with each of its schedules
+(fxpipe.runtime.planning.schedule.SCHEDULES) and remat modes, and torch.distributed.pipelining
+with both its frontends, at its natural cut and at fxpipe's, with each of its schedules
+(fxpipe.tools.bench_torch). fxpipe balances by measurement (balance="dynamic") unless told
+otherwise; its cut for the torch variants with two stages per rank is fxpipe's own
 balanced cut into that many stages, made in this process first.
 
 It reports median step times and CPU seconds, speedups against each schedule's bound, fxpipe's
@@ -48,7 +49,8 @@ class BenchOptions:
     stages: int = 2
     chunks: int = 8
     remat: str = "never"
-    steps: int = 15
+    steps: int = 15  # at least; more while a round of every variant takes under seconds/steps
+    seconds: float = 180.0  # measuring time the extra steps of short rounds fill
     warmup: int = 2
     out: str = "."
     plot: bool = False
@@ -113,6 +115,13 @@ def _run_ranks(ns: BenchOptions, args: dict[str, Any]) -> dict[int, dict[str, An
     return results
 
 
+def _measured(ns: BenchOptions) -> str:
+    if ns.seconds <= 0 or ns.warmup == 0:
+        return f"{ns.steps} measured steps"
+    return (f"at least {ns.steps} measured steps (more while a round of every variant takes "
+            f"under {ns.seconds / ns.steps:.1f} s, up to {ns.seconds:g} s of measuring)")
+
+
 def run_bench(ns: BenchOptions) -> int:
     """Runs the benchmark (see the module docstring); 0 when every rank finished."""
     if ns.plot and importlib.util.find_spec("matplotlib") is None:  # before minutes of work
@@ -121,12 +130,13 @@ def run_bench(ns: BenchOptions) -> int:
     factory, settings = _factory(ns.model, list(ns.settings))
     args: dict[str, Any] = {
         "factory": factory, "settings": settings, "stages": ns.stages, "chunks": ns.chunks,
-        "remat": ns.remat, "steps": ns.steps, "warmup": ns.warmup, "balance": ns.balance,
+        "remat": ns.remat, "steps": ns.steps, "seconds": ns.seconds,
+        "warmup": ns.warmup, "balance": ns.balance,
         "torch_schedules": [s for s in ns.torch_schedules if s in TORCH_SCHEDULES]}
     load = os.getloadavg()[0]
     print(f"fxpipe bench: {factory} {' '.join(settings)}\n  {ns.stages} stages x {ns.chunks} "
           f"micro-batches, remat={ns.remat}, balance={ns.balance}, {ns.warmup} warm-up + "
-          f"{ns.steps} measured steps, gloo, 1 thread per process; load average {load:.2f}",
+          f"{_measured(ns)}, gloo, 1 thread per process; load average {load:.2f}",
           flush=True)
     print(f"measuring kept activations (remat {' / '.join(REMAT_COMPARED)}) ...", flush=True)
     memory = _memory(args)
@@ -144,7 +154,7 @@ def run_bench(ns: BenchOptions) -> int:
         print(f"  stages begin at {args['fxpipe_points'][str(stages)]} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
     print(f"starting {ns.stages} processes: each compiles and times every variant "
-          f"({ns.warmup} warm-up + {ns.steps} measured steps) ...", flush=True)
+          f"({ns.warmup} warm-up + {_measured(ns)}) ...", flush=True)
     results = _run_ranks(ns, args)
     if results is None:
         return 1

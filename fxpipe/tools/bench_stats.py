@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from fxpipe.runtime.planning.schedule import make_schedule
 from fxpipe.runtime.planning.simulate import simulate
 
-__all__ = ["PairedRatio", "paired_ratio", "bootstrap_interval", "rotated", "schedule_bound"]
+__all__ = ["PairedRatio", "paired_ratio", "bootstrap_interval", "rotated", "measured_steps",
+           "schedule_bound", "MAX_STEPS"]
+
+MAX_STEPS = 400  # measured steps that `measured_steps` adds up to, however short a step
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,17 @@ def rotated(names: Sequence[str], step: int) -> list[str]:
         return []
     k = step % len(names)
     return [*names[k:], *names[:k]]
+
+
+def measured_steps(round_seconds: float, steps: int, seconds: float,
+                   cap: int = MAX_STEPS) -> int:
+    """Measured steps per variant: at least `steps`, and as many more as fill `seconds` of
+    measuring at `round_seconds` a round (every variant once), up to `cap`. The noise of one
+    step is about the same in milliseconds whatever it runs: a model of a few milliseconds a
+    step needs a hundred steps where one of a second needs fifteen, and costs less."""
+    if round_seconds <= 0 or seconds <= 0:
+        return steps
+    return max(steps, min(cap, int(seconds / round_seconds)))
 
 
 def schedule_bound(schedule: str, chunks: int, ranks: int, stages_per_rank: int = 1) -> float:

@@ -36,7 +36,7 @@ from fxpipe.passes.partition import PartitionPlan, best_round
 from fxpipe.program import Program
 from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES, default_stages_per_rank
 from fxpipe.runtime.planning.timeline import Event, busy_time, predicted_events, predicted_step
-from fxpipe.tools.bench_stats import rotated
+from fxpipe.tools.bench_stats import measured_steps, rotated
 from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
 from fxpipe.tools.core_speed import CoreProbe
 
@@ -89,8 +89,9 @@ class _FxpipeVariant:
 def time_variants(names: list[str], steps: dict[str, Step], rounds: int, *, warmup: int,
                   probe: Callable[[], float], barrier: Callable[[], None],
                   alone: tuple[str, ...] = (), losses: dict[str, float] | None = None,
-                  say: Callable[[str], None] = print) -> tuple[Seconds, Seconds, Seconds,
-                                                                list[float]]:
+                  say: Callable[[str], None] = print,
+                  extend: Callable[[float], int] | None = None) -> tuple[
+                      Seconds, Seconds, Seconds, list[float]]:
     """Times every variant of `names` that this rank runs (`steps`) once per round, in an
     order rotated from round to round, so that drifts of the machine hit them alike; returns
     the wall and CPU seconds of each step, the reference work's seconds around each (their
@@ -101,15 +102,20 @@ def time_variants(names: list[str], steps: dict[str, Step], rounds: int, *, warm
     torch's (the bundled MLP's torch 1F1B step took 7.7 ms after another step, 11.8 ms after
     the reference work). Every rank runs each step and its reference work at once (`barrier`)
     but for the variants one rank runs `alone`.
+
+    `extend`, given the last warm-up round's wall seconds, says how many rounds to measure
+    after the warm-up (instead of `rounds - warmup`); every rank must get the same answer.
     """
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     around: dict[str, list[float]] = {name: [] for name in names}
     load: list[float] = []
     before = probe()
-    for i in range(rounds):
+    i = 0
+    while i < rounds:
         label = f"step {i + 1}/{rounds}" + (" (warm-up)" if i < warmup else "")
         load.append(os.getloadavg()[0])
+        began = time.perf_counter()
         for name in rotated(names, i):  # every variant first in turn
             barrier()
             if name not in steps:  # a variant another rank runs alone
@@ -126,6 +132,9 @@ def time_variants(names: list[str], steps: dict[str, Step], rounds: int, *, warm
             if losses is not None:
                 losses.setdefault(name, loss)
             say(f"  {label} {name}: {times[name][-1]:.2f} s")
+        i += 1
+        if extend is not None and i == warmup:
+            rounds = warmup + extend(time.perf_counter() - began)
     return times, cpu, around, load
 
 
@@ -300,10 +309,20 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
     names = [*singles, *(n for n in steps if n not in singles)]  # the same list on every rank
     groups = _process_groups()
     probe = CoreProbe()
+
+    def extend(round_seconds: float) -> int:
+        """Rank 0's count of measured steps, from its last warm-up round, on every rank."""
+        count = torch.tensor([measured_steps(round_seconds, args["steps"], args["seconds"])])
+        dist.broadcast(count, src=0)
+        if rank == 0 and int(count) > args["steps"]:
+            _say(rank, f"a round of every variant took {round_seconds:.2f} s: measuring "
+                       f"{int(count)} steps (--seconds {args['seconds']:g})")
+        return int(count)
+
     times, cpu, probes, load = time_variants(
         names, steps, args["warmup"] + args["steps"], warmup=args["warmup"],
         probe=probe.seconds, barrier=dist.barrier, alone=singles, losses=losses,
-        say=lambda text: _say(rank, text))
+        say=lambda text: _say(rank, text), extend=extend)
     for name, ours in fx.items():
         ours.probes.extend(probes[name])
     warm = args["warmup"]
