@@ -8,6 +8,7 @@ import torch
 
 from fxpipe.cli import main
 from fxpipe.runtime.planning.timeline import Event, busy_time
+from fxpipe.tools.bench_torch import failure_note
 from fxpipe.tools.bench_worker import time_variants
 
 
@@ -208,8 +209,28 @@ def test_a_torch_variant_failing_on_one_rank_releases_the_others_at_once():
     from tests.ranks import spawn
 
     notes = spawn(2, __name__, "_fails_on_one_rank", timeout=120, bound=60)
-    assert "torch cannot run this variant" in notes[1][0]
-    assert "Timed out" not in notes[0][0] and "closed by peer" in notes[0][0], notes[0]
+    assert notes[0] == notes[1]  # one line, the same on every rank
+    note = notes[0][0]
+    assert note.startswith("torch_traced_natural_zbv: rank 1: RuntimeError: torch cannot run")
+    assert "stopped with it: rank 0" in note and "closed by peer" in note, note
+    assert "Timed out" not in note
+
+
+def test_a_failed_torch_variant_is_told_by_the_rank_that_failed_first():
+    closed = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+              " Connection closed by peer [127.0.0.1]:10120. This is typically caused by a remote "
+              "worker crashing.")
+    to_itself = ("RuntimeError: [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/"
+                 "transport/tcp/pair.cc:801] state_ >= CONNECTED. 1 vs 4. Pair is not connected "
+                 "([127.0.0.1]:10120$1 <--> [none])")
+    note = failure_note("torch_traced_natural_zbv", [closed, to_itself])
+    assert note.startswith(f"torch_traced_natural_zbv: rank 1: {to_itself} (a send from rank 1 "
+                           "to itself, which gloo refuses")
+    assert note.endswith("stopped with it: rank 0 (Connection closed by peer)")
+    # a pair to another rank is not a send to itself; two causes are both told
+    note = failure_note("v", [to_itself, "RuntimeError: detached in-place"])  # on rank 0
+    assert note == f"v: rank 0: {to_itself}; rank 1: RuntimeError: detached in-place"
+    assert failure_note("v", ["", closed]) == f"v: rank 1: {closed}"  # only a consequence: told
 
 
 def test_the_rounds_measured_are_those_extend_asks_for_after_the_warm_up():

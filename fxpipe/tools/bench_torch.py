@@ -20,6 +20,7 @@ and SGD as fxpipe's, so the first losses agree.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ from torch import nn
 from fxpipe.losses import default_loss
 from fxpipe.runtime.communication.mesh import group_over
 
-__all__ = ["TorchVariant", "SCHEDULES", "plan_variants", "build_torch_step", "natural_points",
+__all__ = ["TorchVariant", "SCHEDULES", "plan_variants", "build_torch_step", "failure_note",
+           "natural_points",
            "units_of", "rank_stages"]
 
 # name -> (class name in torch.distributed.pipelining, stages per rank, placement)
@@ -332,3 +334,29 @@ def rank_stages_owner(schedule: str, stage: int, ranks: int) -> int:
         if stage in rank_stages(schedule, rank, ranks):
             return rank
     raise ValueError(f"no rank holds stage {stage} of {schedule} on {ranks} ranks")
+
+
+# how a rank's operations end when another rank stops: not a cause
+_STOPPED_WITH_PEER = ("Connection closed by peer", "Connection reset by peer")
+# gloo's refusal of a pair never connected; "$N" is the peer's rank
+_UNCONNECTED_PAIR = re.compile(r"Pair is not connected \(\[[^\]]*\]:\d+\$(\d+) <--> \[none\]\)")
+
+
+def failure_note(name: str, errors: Sequence[str]) -> str:
+    """One line on why a torch variant did not run, from every rank's error ("" where none):
+    the ranks that failed first, then those that stopped with them (a closed connection)."""
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    causes = [(r, e) for r, e in failed if not any(m in e for m in _STOPPED_WITH_PEER)] or failed
+    parts = []
+    for rank, error in causes:
+        pair = _UNCONNECTED_PAIR.search(error)
+        if pair and int(pair.group(1)) == rank:
+            error += (f" (a send from rank {rank} to itself, which gloo refuses: torch's traced "
+                      "stages warm their connections up with a message to each neighbouring "
+                      "stage, also to one on the same rank, where a V-shaped schedule puts it)")
+        parts.append(f"rank {rank}: {error}")
+    stopped = [f"rank {r} ({next((m for m in _STOPPED_WITH_PEER if m in e), e[:80])})"
+               for r, e in failed if (r, e) not in causes]
+    if stopped:
+        parts.append(f"stopped with it: {', '.join(stopped)}")
+    return f"{name}: {'; '.join(parts)}"

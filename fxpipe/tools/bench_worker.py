@@ -37,7 +37,12 @@ from fxpipe.program import Program
 from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES, default_stages_per_rank
 from fxpipe.runtime.planning.timeline import Event, busy_time, predicted_events, predicted_step
 from fxpipe.tools.bench_stats import measured_steps, rotated
-from fxpipe.tools.bench_torch import TorchVariant, build_torch_step, plan_variants
+from fxpipe.tools.bench_torch import (
+    TorchVariant,
+    build_torch_step,
+    failure_note,
+    plan_variants,
+)
 from fxpipe.tools.core_speed import CoreProbe
 
 __all__ = ["worker", "REMAT_COMPARED", "accumulate", "micro_batches", "time_variants"]
@@ -258,12 +263,11 @@ def _try_torch(variant: TorchVariant, model: Any, inputs: tuple[Any, ...], targe
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if error:
         close_trial()
-    failed = torch.tensor([1 if error else 0])
-    dist.all_reduce(failed)
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, error[:300])
     close_trial()
-    if int(failed):
-        if error:
-            skipped.append(f"{variant.name} (rank {rank}): {error[:300]}")
+    if any(errors):
+        skipped.append(failure_note(variant.name, errors))  # the same line on every rank
         return None
     step = build_torch_step(variant, copy.deepcopy(model), inputs, target, chunks, rank, world,
                             None, tie_groups)
