@@ -34,8 +34,7 @@ from fxpipe.losses import default_loss
 from fxpipe.runtime.communication.mesh import group_over
 
 __all__ = ["TorchVariant", "SCHEDULES", "plan_variants", "build_torch_step", "failure_note",
-           "natural_points",
-           "units_of", "rank_stages"]
+           "natural_points", "units_of", "rank_stages"]
 
 # name -> (class name in torch.distributed.pipelining, stages per rank, placement)
 SCHEDULES: dict[str, tuple[str, int, str]] = {
