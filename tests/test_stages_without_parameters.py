@@ -26,7 +26,6 @@ def _parameterless(program: fxpipe.Program) -> list[int]:
     return [s for s, st in enumerate(program.stage_modules) if not list(st.parameters())]
 
 
-@pytest.mark.slow
 def test_at_the_most_stages_a_conv_net_trains_like_the_plain_model_in_one_process():
     model, (x,) = build()
     y = target((x,))
@@ -66,6 +65,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
                           env=env)
 
 
+@pytest.mark.slow  # two 3-process runs; the parameterless stages train in one process above
 def test_a_written_program_with_a_parameterless_stage_trains_saves_and_resumes(written,
                                                                                tmp_path):
     folder, program, plain, x = written
