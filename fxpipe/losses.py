@@ -64,9 +64,11 @@ def counted(loss_fn: Any, target: torch.Tensor | None) -> torch.Tensor | None:
     over every element alike (mean squared error, no target), or for a loss not in NAMED.
     Each of them is a mean over what it counts, so on a batch joined from parts it is the
     parts' losses weighted by their counts."""
+    if target is None:
+        return None
     cross_entropy = loss_fn is _cross_entropy or \
-        (loss_fn is default_loss and target is not None and not target.is_floating_point())
-    return (target != IGNORED).sum() if cross_entropy and target is not None else None
+        (loss_fn is default_loss and not target.is_floating_point())
+    return (target != IGNORED).sum() if cross_entropy else None
 
 
 def loss_name(loss_fn: Any) -> str:
