@@ -322,7 +322,7 @@ def parser() -> argparse.ArgumentParser:
                          "--out prog", "fxpipe run prog --nproc 2 --steps 5",
                          "fxpipe COMMAND --help") + "\n\n" + __doc__.split("\n\n")[1])
     p.add_argument("--version", action="version",
-                   version=f"fxpipe {__version__} (torch {importlib.metadata.version('torch')})")
+                   version=f"fxpipe {__version__} (torch {_torch_version()})")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     # --debug after the command too: every subcommand takes it (SUPPRESS keeps the top's value)
     common = argparse.ArgumentParser(add_help=False)
@@ -481,6 +481,14 @@ def _unknown(p: argparse.ArgumentParser, extra: list[str]) -> None:
             + (f" ({'; '.join(notes)})" if notes else ""))
 
 
+def _torch_version() -> str:
+    """torch's version as installed, read without importing it (as --help is answered)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args, extra = p.parse_known_args(argv)
@@ -501,6 +509,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fxpipe: error: {e}", file=sys.stderr)
         # a pipeline that failed while running is a failure; anything else was bad input
         return 1 if isinstance(e, PipelineRuntimeError) else 2
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        print(f"fxpipe: error: {args.command} needs PyTorch, and torch is not installed in "
+              f"{sys.executable}\nhint: pip install 'torch>=2.4' (on a machine without a GPU, "
+              "the CPU build: pip install torch --index-url "
+              "https://download.pytorch.org/whl/cpu)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

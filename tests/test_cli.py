@@ -509,6 +509,33 @@ def test_version_prints_fxpipe_and_torch(capsys):
     assert capsys.readouterr().out.strip() == expected
 
 
+def test_without_torch_the_version_says_so_and_a_command_says_how_to_install_it():
+    """A broken install (no torch) answers --version and --help, and a command that needs
+    torch says what is missing and how to install it, not a traceback."""
+    script = ("import importlib.metadata, sys\n"
+              "sys.modules['torch'] = None  # import torch: ModuleNotFoundError\n"
+              "def version(name):\n"
+              "    raise importlib.metadata.PackageNotFoundError(name)\n"
+              "importlib.metadata.version = version\n"
+              "from fxpipe.cli import main\n"
+              "try:\n    sys.exit(main(sys.argv[1:]))\nexcept SystemExit as e:\n"
+              "    print('exit', e.code)\n")
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True,
+                              text=True, timeout=120)
+
+    version = run("--version")
+    assert version.stdout.splitlines() == [f"fxpipe {fxpipe.__version__} (torch not installed)",
+                                           "exit 0"], version.stderr
+    compiled = run("compile", "fxpipe.models.mlp:build", "--stages", "2")
+    assert compiled.stdout.strip() == "exit 1"
+    assert compiled.stderr.startswith("fxpipe: error: compile needs PyTorch, and torch is not "
+                                      "installed in "), compiled.stderr
+    assert "Traceback" not in compiled.stderr and "hint: pip install 'torch>=2.4'" in \
+        compiled.stderr
+
+
 def _help(capsys, *command: str) -> str:
     with pytest.raises(SystemExit):
         main([*command, "--help"])
