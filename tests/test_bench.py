@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -187,10 +188,13 @@ def _fails_on_one_rank(rank: int, world: int) -> list[str]:
     from fxpipe.tools.bench_torch import TorchVariant
 
     bench_worker.TRY_TIMEOUT_S = 120  # longer than the test's bound: only closing can end it
+    from torch.distributed.pipelining import schedules
 
     def build(variant, model, inputs, target, chunks, rank, world, group, ties):  # noqa: ARG001
         def step() -> float:
             if rank == 1:
+                # what torch's schedule does before raising: a log of the whole schedule
+                assert not schedules.logger.isEnabledFor(logging.ERROR)
                 raise RuntimeError("torch cannot run this variant")
             dist.recv(torch.zeros(1), src=1, group=group)  # what rank 1 never sends
             return 0.0
@@ -214,6 +218,18 @@ def test_a_torch_variant_failing_on_one_rank_releases_the_others_at_once():
     assert note.startswith("torch_traced_natural_zbv: rank 1: RuntimeError: torch cannot run")
     assert "stopped with it: rank 0" in note and "closed by peer" in note, note
     assert "Timed out" not in note
+
+
+def test_a_trial_step_leaves_out_torch_pipelinings_log_and_restores_it(caplog):
+    from torch.distributed.pipelining import schedules
+
+    from fxpipe.tools.bench_worker import _torch_log_quiet
+
+    schedules.logger.error("before: logged")
+    with _torch_log_quiet():
+        schedules.logger.error("Full Schedule: a line per action")
+    schedules.logger.error("after: logged")
+    assert [r.getMessage() for r in caplog.records] == ["before: logged", "after: logged"]
 
 
 def test_a_failed_torch_variant_is_told_by_the_rank_that_failed_first():

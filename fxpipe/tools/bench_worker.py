@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -257,8 +258,9 @@ def _try_torch(variant: TorchVariant, model: Any, inputs: tuple[Any, ...], targe
 
     error = ""
     try:
-        build_torch_step(variant, copy.deepcopy(model), inputs, target, chunks, rank, world,
-                         trial[0], trial_ties)()
+        with _torch_log_quiet():
+            build_torch_step(variant, copy.deepcopy(model), inputs, target, chunks, rank, world,
+                             trial[0], trial_ties)()
     except Exception as e:  # noqa: BLE001 - a variant torch cannot run is reported
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if error:
@@ -273,6 +275,20 @@ def _try_torch(variant: TorchVariant, model: Any, inputs: tuple[Any, ...], targe
                             None, tie_groups)
     losses[variant.name] = step()
     return step
+
+
+@contextlib.contextmanager
+def _torch_log_quiet() -> Iterator[None]:
+    """torch.distributed.pipelining logs a failed action with the whole schedule (a line per
+    action: about a hundred for a variant), on top of raising; the bench says why a variant did
+    not run in one line (failure_note), so a trial step's own log is left out."""
+    logger = logging.getLogger("torch.distributed.pipelining")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _process_groups() -> int:
