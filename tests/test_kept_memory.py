@@ -36,7 +36,8 @@ def _measure(rank: int, world: int, remat: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("remat", ["never", "except_last"])
+# under remat (about 8 s) in the slow tier
+@pytest.mark.parametrize("remat", ["never", pytest.param("except_last", marks=pytest.mark.slow)])
 def test_kept_activations_match_the_prediction_for_every_schedule(remat: str) -> None:
     # never fails without the loss's bytes (the last rank) or with a looped rank's stages'
     # peaks summed; except_last mixes micro-batches kept whole with recomputed ones

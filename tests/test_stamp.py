@@ -102,9 +102,10 @@ def _both(build: Any, method: str = "auto", inline: bool = True
     return model, full, stamped, inputs, kwargs
 
 
-# mistral's blocks are llama's with another attention window: the slow tier checks it
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "mistral" else n
-                                  for n in sorted(MODELS)])
+# mistral's blocks are llama's with another attention window, and T5's (two lists, about 8 s)
+# are the slowest: the slow tier checks them
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n in ("mistral", "t5") else n for n in sorted(MODELS)])
 def test_a_stamped_capture_is_the_full_capture(name: str) -> None:
     model, full, stamped, inputs, kwargs = _both(MODELS[name])
     info = stamped.meta[ir.CAPTURE]
@@ -180,7 +181,8 @@ def _target(name: str, inputs: tuple[Any, ...]) -> torch.Tensor:
     return torch.randint(0, 128, inputs[0].shape, generator=generator)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "t5", "vit"])
+@pytest.mark.parametrize("name", ["gpt", "llama", pytest.param("t5", marks=pytest.mark.slow),
+                                  "vit"])  # T5 (about 4 s) in the slow tier
 def test_the_pipelined_stamped_model_equals_the_eager_model(name: str) -> None:
     torch.manual_seed(0)
     model, inputs, kwargs = MODELS[name]()
