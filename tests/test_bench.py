@@ -183,12 +183,12 @@ def _fails_on_one_rank(rank: int, world: int) -> list[str]:
     rank 1 closing its connections must end rank 0's wait, not the trial group's timeout."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
 
     from fxpipe.tools import bench_worker
     from fxpipe.tools.bench_torch import TorchVariant
 
     bench_worker.TRY_TIMEOUT_S = 120  # longer than the test's bound: only closing can end it
-    from torch.distributed.pipelining import schedules
 
     def build(variant, model, inputs, target, chunks, rank, world, group, ties):  # noqa: ARG001
         def step() -> float:
