@@ -4,6 +4,9 @@ run it, or takes one call per weight group through the engine)."""
 from __future__ import annotations
 
 import re
+import sys
+
+import pytest
 
 from fxpipe.tools.split_cost import main
 
@@ -50,3 +53,55 @@ def test_the_one_process_baseline_is_the_full_batch_step() -> None:
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def _count_messages(rank: int, world: int, chunks: int) -> tuple[int, float]:
+    import fxpipe
+    from fxpipe.models import gpt
+    from fxpipe.tools.split_cost import _message_cpu, _messages
+
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    y = gpt.target((idx,))
+    program = fxpipe.compile(model, (idx,), stages=world, chunks=chunks, profile="a100",
+                             schedule="1f1b", remat="never")
+    return _messages(program, idx, y), _message_cpu(rank, (2, 8, 4), count=20)
+
+
+@pytest.mark.slow  # two gloo ranks, two compiles each: about 6 s
+def test_each_rank_posts_an_activation_and_a_gradient_per_micro_batch_and_no_more() -> None:
+    """The floor split_cost subtracts from the pipeline's host work is messages x the CPU of
+    one: the count must be what 1F1B on two stages posts (rank 0 sends each micro-batch's
+    activation and receives its gradient; rank 1 the reverse), scalars and headers none."""
+    from tests import ranks
+
+    for chunks in (2, 4):
+        results = ranks.spawn(2, "tests.test_split_cost", "_count_messages", chunks)
+        assert [count for count, _ in results] == [2 * chunks, 2 * chunks]
+        assert all(seconds > 0 for _, seconds in results)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_the_cpu_by_thread_names_the_calling_thread_step_and_sees_another_threads_work() -> None:
+    import threading
+    import time
+
+    from fxpipe.tools.split_cost import _thread_cpu
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    before = _thread_cpu()
+    worker = threading.Thread(target=spin)
+    worker.start()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:  # the two take turns holding the GIL
+        pass
+    during = _thread_cpu()  # an ended thread leaves /proc: read while the worker runs
+    stop.set()
+    worker.join()
+    assert during["step"] - before["step"] >= 0.05  # in clock ticks of 10 ms
+    others = sum(during.values()) - during["step"] - (sum(before.values()) - before["step"])
+    assert others >= 0.05

@@ -6,13 +6,17 @@ seconds (time.process_time, one thread), with autograd engine calls and Python c
 * `stage`: one micro-batch of the bench GPT's last stage (4 blocks, the final norm, the head
   and the loss, received activations that require grad): a plain backward against I + W, with
   the stage's plan read once as the executor keeps it.
-* `ranks`: the tiny GPT (fxpipe.models.gpt defaults, batch 16) on 2 gloo ranks x 8 micro-batches,
-  1F1B against ZB-H1 (remat "never" unless --remat says otherwise); each rank reports its CPU
+* `ranks`: the tiny GPT (fxpipe.models.gpt defaults, batch 16 unless --batch says otherwise; the
+  model's own default is 8) on 2 gloo ranks x 8 micro-batches, 1F1B against ZB-H1 (remat
+  "never" unless --remat says otherwise); each rank reports its CPU
   time (waits for messages included), engine calls per step, and the Python calls of a step
   (cProfile's count, builtins included; profiled apart from the timed steps). Rank 0 also times,
   in the same rotation while rank 1 waits, the plain model's step in one process (8 micro-batches
   accumulated): the compute both ranks share, so that the ranks' summed CPU less it is the host
-  work the pipeline adds.
+  work the pipeline adds. Of that, what the messages cost at least: each rank's messages per
+  1F1B step times the CPU of one message of the boundary's shape in a plain gloo ping-pong.
+  Last, each rank's CPU per 1F1B step by thread (Linux): the step's own thread apart from
+  gloo's and fxpipe's send thread.
 
 `--also FILE` races another implementation of `input_backward` (a module file with the same
 function, e.g. an earlier version of fxpipe/runtime/execution/split_backward.py) beside the current
@@ -29,6 +33,7 @@ import pstats
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -42,7 +47,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.models import gpt
-from fxpipe.runtime.communication import dist_comm
+from fxpipe.runtime.communication import dist_comm, transport
 from fxpipe.runtime.execution import split_backward
 from fxpipe.testing.engine_calls import EngineCalls
 from fxpipe.tools.bench_worker import accumulate, micro_batches
@@ -154,14 +159,14 @@ def measure_stage(repeats: int, also: str | None) -> None:
 
 
 def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, remat: str,
-          out: Any) -> None:
+          batch: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         splits = _variants(also)
         programs: dict[str, Any] = {}
-        model, (idx,) = gpt.build(batch=16, dropout=0.0)
+        model, (idx,) = gpt.build(batch=batch, dropout=0.0)
         y = gpt.target((idx,))
         for schedule in ("1f1b", "zb-h1"):
             programs[schedule] = fxpipe.compile(model, (idx,), stages=world, chunks=8,
@@ -192,9 +197,13 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, rema
                     label = schedule if schedule in ("1f1b", "plain") else f"{schedule} {name}"
                     cpu.setdefault(label, []).append(used)
                     engine.setdefault(label, []).append(calls.count)
-        out.put((rank, cpu, engine, {label: _python_calls(programs[schedule], idx, y)
-                                     for schedule, label in (("1f1b", "1f1b"),
-                                                             ("zb-h1", "zb-h1 split"))}))
+        python = {label: _python_calls(programs[schedule], idx, y)
+                  for schedule, label in (("1f1b", "1f1b"), ("zb-h1", "zb-h1 split"))}
+        messages = _messages(programs["1f1b"], idx, y)
+        threads = _cpu_by_thread(programs["1f1b"], idx, y)
+        width = dict(model.named_parameters())["ln_f.weight"].numel()  # d_model
+        shape = (idx.shape[0] // 8, idx.shape[1], width)  # what crosses the cut
+        out.put((rank, cpu, engine, python, messages, _message_cpu(rank, shape), threads))
     finally:
         dist.destroy_process_group()
 
@@ -213,27 +222,99 @@ def _python_calls(program: Any, idx: torch.Tensor, y: torch.Tensor) -> float:
     return float(statistics.median(counts))
 
 
-def measure_ranks(repeats: int, also: str | None, remat: str) -> None:
+def _messages(program: Any, idx: torch.Tensor, y: torch.Tensor) -> int:
+    """The point-to-point messages (sends and receives) this rank posts in one program.step
+    after a first (which also exchanges each message's dtype and shape); both ranks step
+    together."""
+    program.zero_grad()
+    program.step(idx, target=y)
+    posted = 0
+    post = transport.TorchTransport._post_one
+
+    def counted(self: Any, op: Any) -> Any:
+        nonlocal posted
+        posted += 1
+        return post(self, op)
+    setattr(transport.TorchTransport, "_post_one", counted)  # noqa: B010 (counting)
+    try:
+        program.zero_grad()
+        program.step(idx, target=y)
+    finally:
+        setattr(transport.TorchTransport, "_post_one", post)  # noqa: B010
+    return posted
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's threads by name, the calling thread as "step"
+    (Linux's /proc, in clock ticks; {} elsewhere)."""
+    found: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    tick, caller = os.sysconf("SC_CLK_TCK"), threading.get_native_id()
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = "step" if int(tid) == caller else f.read().strip()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        user, system = stat[stat.rindex(")") + 2:].split()[11:13]
+        found[name] = found.get(name, 0.0) + (int(user) + int(system)) / tick
+    return found
+
+
+def _cpu_by_thread(program: Any, idx: torch.Tensor, y: torch.Tensor,
+                   steps: int = 60) -> dict[str, float]:
+    """CPU seconds per step of each thread of this process over `steps` steps in a row: the
+    step's own thread apart from gloo's (its TCP loop) and fxpipe's send thread ("python")."""
+    before = _thread_cpu()
+    for _ in range(steps):
+        program.zero_grad()
+        program.step(idx, target=y)
+    after = _thread_cpu()
+    return {name: (seconds - before.get(name, 0.0)) / steps for name, seconds in after.items()
+            if seconds > before.get(name, 0.0)}
+
+
+def _message_cpu(rank: int, shape: tuple[int, ...], count: int = 400) -> float:
+    """CPU seconds (gloo's threads included) this rank spends per message of `shape` (float32),
+    half sent and half received in a ping-pong with the other rank: the floor of what a message
+    of the pipeline costs, whatever posts it."""
+    tensor = torch.zeros(shape)
+    dist.barrier()
+    start = time.process_time()
+    for i in range(count):
+        if (i + rank) % 2 == 0:
+            dist.send(tensor, 1 - rank)
+        else:
+            dist.recv(tensor, 1 - rank)
+    return (time.process_time() - start) / count
+
+
+def measure_ranks(repeats: int, also: str | None, remat: str, batch: int = 16) -> None:
     """1F1B against ZB-H1 on 2 ranks, per step, on the last stage's rank (module docstring)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, repeats, also, remat, out))
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, repeats, also, remat, batch, out))
              for r in range(2)]
     for p in procs:
         p.start()
     results = {}
     for _ in procs:
-        rank, cpu, engine, python = out.get(timeout=1800)
-        results[rank] = (cpu, engine, python)
+        rank, cpu, engine, python, messages, per_message, threads = out.get(timeout=1800)
+        results[rank] = (cpu, engine, python, messages, per_message, threads)
     for p in procs:
         p.join()
-    print(f"ranks: tiny GPT, 2 ranks x 8 micro-batches, remat={remat}, {repeats} steps per "
-          f"variant, interleaved; CPU time per step (waits included)")
+    print(f"ranks: tiny GPT, batch {batch}, 2 ranks x 8 micro-batches, remat={remat}, "
+          f"{repeats} steps per variant, interleaved; CPU time per step (waits included)")
     for rank in sorted(results):
-        cpu, engine, python = results[rank]
+        cpu, engine, python, messages, per_message, _ = results[rank]
         base = statistics.median(cpu["1f1b"])
         for label in [k for k in cpu if k != "plain"]:
             calls = f"  Python calls per step {python[label]:.0f}" if label in python else ""
@@ -247,6 +328,21 @@ def measure_ranks(repeats: int, also: str | None, remat: str) -> None:
             summed = sum(statistics.median(results[r][0][label]) for r in results)
             print(f"  {label:14s} both ranks' CPU summed {summed * 1e3:6.2f} ms: "
                   f"{(summed - statistics.median(plain)) * 1e3:+6.2f} ms over one process")
+    added = sum(statistics.median(results[r][0]["1f1b"]) for r in results) - \
+        statistics.median(plain)
+    floor = {r: results[r][3] * results[r][4] for r in results}
+    print("  1f1b's messages: " + ", ".join(
+        f"rank {r} {results[r][3]} per step x {results[r][4] * 1e6:.0f} us CPU each "
+        f"(a ping-pong of one boundary's tensor) = {floor[r] * 1e3:.2f} ms"
+        for r in sorted(results))
+        + f"; of the {added * 1e3:.2f} ms the pipeline adds, "
+        f"{(added - sum(floor.values())) * 1e3:.2f} ms is neither the model nor its messages")
+    for r in sorted(results):
+        threads = results[r][5]
+        if threads:
+            print(f"  1f1b, rank {r}'s CPU per step by thread (60 steps in a row, in clock ticks): "
+                  + ", ".join(f"{name} {seconds * 1e3:.2f} ms"
+                              for name, seconds in sorted(threads.items(), key=lambda t: -t[1])))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", nargs="*", help="stage, ranks or both (the default)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--also", help="another split_backward.py to race beside this one")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="the ranks' batch (sequences; 8 micro-batches of it)")
     parser.add_argument("--remat", default="never",
                         help="the ranks' remat (under remat W recomputes a region once more)")
     ns = parser.parse_args(argv)
@@ -266,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if "stage" in what:
         measure_stage(ns.repeats, ns.also)
     if "ranks" in what:
-        measure_ranks(ns.repeats, ns.also, ns.remat)
+        measure_ranks(ns.repeats, ns.also, ns.remat, ns.batch)
     return 0
 
 
