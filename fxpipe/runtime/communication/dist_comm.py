@@ -57,6 +57,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe import ir
 from fxpipe.errors import PipelineRuntimeError
+from fxpipe.runtime.communication.receive_buffers import ReceiveBuffers
 from fxpipe.runtime.communication.transport import Handle, Op, Transport
 from fxpipe.runtime.execution.split_backward import (
     SplitPlans,
@@ -146,6 +147,7 @@ class DistComm:
         info: (value, src stage, dst stage) -> value info, for this rank's stages' edges.
         dtypes: (value, src, dst, element) -> dtype of forward tensors where known; `learn`
             fills in the others (see the module docstring).
+        buffers: receive buffers kept across steps (the caller's; None: a new one each).
     """
 
     def __init__(self, *, rank: int, global_ranks: Sequence[int], placement: Sequence[int],
@@ -154,7 +156,8 @@ class DistComm:
                  dtypes: dict[tuple[str, int, int, int], torch.dtype] | None = None,
                  learn: bool = False, timeline: Any = None,
                  written: frozenset[Edge] = frozenset(),
-                 split_plans: dict[int, SplitPlans] | None = None) -> None:
+                 split_plans: dict[int, SplitPlans] | None = None,
+                 buffers: ReceiveBuffers | None = None) -> None:
         self.rank = rank
         self.global_ranks = list(global_ranks)
         self.placement = list(placement)
@@ -176,6 +179,7 @@ class DistComm:
         self.retained: dict[tuple[int, int], WeightPass] = {}  # (stage, mb): I done, W to run
         # per stage, what reading its backward graph found (kept across steps by the caller)
         self.split_plans = split_plans if split_plans is not None else {}
+        self.buffers = buffers
 
     def carries_host_tensors(self, src: int, dst: int) -> bool:
         """Whether a host tensor stage `src` sends to stage `dst` arrives as it is: on a CPU
@@ -244,12 +248,19 @@ class DistComm:
         """Where a message arrives: contiguous, in the shape and dtype the sender sends."""
         if msg.grad:  # the gradient of a value this rank sent: its shape and dtype
             value = self.sent_values.pop(_activation(msg))
-            return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+            return self._empty(msg, value.shape, value.dtype, value.device)
         leaf = self._leaf_info(msg)
         if not isinstance(leaf, ir.TensorInfo):
-            return torch.empty(1, dtype=torch.float64, device=self.device)
+            return self._empty(msg, (1,), torch.float64, self.device)
         dtype = self.dtypes.get((msg.value, msg.sender, msg.receiver, msg.element), leaf.dtype)
-        return torch.empty(leaf.concrete_shape(self.b), dtype=dtype, device=self.device)
+        return self._empty(msg, leaf.concrete_shape(self.b), dtype, self.device)
+
+    def _empty(self, msg: Message, shape: Sequence[int], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+        if self.buffers is None:
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+        kind = (msg.value, msg.sender, msg.receiver, msg.element, msg.grad)  # any micro-batch
+        return self.buffers.get(kind, shape, dtype, device)
 
     def _exchange_dtypes(self, forward: list[Message]) -> None:
         """Learning step: a header with each forward tensor's dtype, one batch before the data."""
@@ -420,6 +431,8 @@ class DistComm:
         self.records.clear()
         self.sent_values.clear()
         self.answered.clear()
+        if self.buffers is not None:
+            self.buffers.end_step()
         if left:
             raise PipelineRuntimeError(f"{len(left)} messages were never sent or never used, "
                                        f"e.g. {left[0]}", hint="this is a scheduling bug; please "

@@ -35,6 +35,7 @@ from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.communication.dist_comm import DistComm, TagTable, messages_of
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.communication.overlap import ReplicaAverager
+from fxpipe.runtime.communication.receive_buffers import ReceiveBuffers
 from fxpipe.runtime.communication.strict import make_transport
 from fxpipe.runtime.communication.transport import Transport
 from fxpipe.runtime.execution.amp import AutocastState, agree_on_overflow, loss_scale
@@ -98,6 +99,7 @@ class DistributedExecutor:
         # shard="full": FSDP2 holds the stages' parameters and averages their gradients
         self.full_shard = full_shard
         self.timeline = make_timeline(device)
+        self.receive_buffers = ReceiveBuffers()  # kept across steps
         self.record_memory = False
         # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
         # None reads FXPIPE_P2P (fxpipe/runtime/communication/transport.py)
@@ -374,7 +376,7 @@ class DistributedExecutor:
                         microbatch_size=b, device=self.device, transport=self.transport,
                         tags=TagTable(self.edges, chunks), dtypes=dict(known or {}),
                         learn=known is None, timeline=self.timeline, written=self.written,
-                        split_plans=self.split_plans)
+                        split_plans=self.split_plans, buffers=self.receive_buffers)
 
     def _learned(self, comm: DistComm) -> None:
         if comm.learn:
