@@ -383,10 +383,13 @@ def test_sent_tensors_are_released_as_their_sends_complete_not_at_the_end_of_the
 
 def test_an_activation_send_is_dropped_when_its_gradient_arrives_not_by_the_thread(two_ranks):
     # rank 0 sends activations (8 a step), each answered by its gradient: the reply proves the
-    # send complete, so no thread waits for it; rank 1's gradients get no reply
+    # send complete, so no thread waits for it. Rank 1's gradient of micro-batch m is answered
+    # by the activation rank 0 sends after using it (1F1B: F(m+2) after B(m)), but for the last
+    # two: rank 0 sends nothing after B6 (NOTE [Replies] in fxpipe/runtime/planning/plan.py)
     kinds = [r["sends_held"][2] for r in two_ranks]
     assert set(kinds[0]) == {"parked"} and len(kinds[0]) >= 8, kinds[0]
-    assert set(kinds[1]) == {"thread"} and len(kinds[1]) >= 8, kinds[1]
+    steps = len(kinds[1]) // 8  # (the first step may run twice, to learn the loss's kind)
+    assert steps >= 1 and kinds[1] == (["parked"] * 6 + ["thread"] * 2) * steps, kinds[1]
     assert [r["sends_held"][3] for r in two_ranks] == [0, 0]  # every one dropped
 
 

@@ -15,7 +15,14 @@ import pytest
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.planning.grid import clock_cycles
-from fxpipe.runtime.planning.plan import RECEIVE_LEAD, Message, Tick, clock, plan_rank
+from fxpipe.runtime.planning.plan import (
+    RECEIVE_LEAD,
+    Message,
+    Tick,
+    clock,
+    plan_rank,
+    replies,
+)
 from fxpipe.runtime.planning.schedule import (
     SCHEDULES,
     Action,
@@ -375,3 +382,57 @@ def test_early_receives_of_gpipe_literally():
                 if x.dst_rank == rank:
                     posts[("g" if x.grad else "a") + str(x.microbatch)] = t.index
     assert posts == {"a0": 1, "a1": 1, "a2": 1, "g2": 3, "g1": 2, "g0": 5}
+
+
+def _position(actions: list[Action], stage: int, mb: int, grad: bool) -> int:
+    """Where in a rank's order the action runs that makes (or, at the receiver, uses) a message:
+    F of the stage, or for a gradient its B or I."""
+    kinds = ("B", "I") if grad else ("F",)
+    return next(i for i, a in enumerate(actions)
+                if a.kind in kinds and a.stage == stage and a.microbatch == mb)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize(("k", "m"), [(2, 8), (3, 5), (4, 4)])
+def test_a_sends_reply_is_the_first_message_back_sent_after_the_peer_used_it(name, k, m):
+    """In the peer's own order (not the clock's): the action that sends the reply is the one
+    that waited for the send or a later one, and no message back leaves between the two."""
+    schedule, ranks = on_ranks(name, m, k)
+    stages = len(ranks)
+    edges = [(s, s + 1) for s in range(stages - 1)]
+    messages = chain_messages(stages, m, ranks=ranks)
+    answered = 0
+    for rank in range(k):
+        mine = [x for x in messages if rank in (x.src_rank, x.dst_rank)]
+        found = replies(rank, schedule, edges, mine)
+        for sent in (x for x in mine if x.src_rank == rank != x.dst_rank):
+            peer = schedule[sent.dst_rank]
+            used = _position(peer, sent.receiver, sent.microbatch, sent.grad)
+            back = [_position(peer, x.sender, x.microbatch, x.grad) for x in mine
+                    if x.src_rank == sent.dst_rank and x.dst_rank == rank]
+            after = [i for i in back if i >= used]
+            if not after:
+                assert sent not in found, (rank, sent)
+                continue
+            reply = found[sent]
+            assert (reply.src_rank, reply.dst_rank) == (sent.dst_rank, rank)
+            assert _position(peer, reply.sender, reply.microbatch, reply.grad) == min(after)
+            answered += 1
+        assert set(found) <= {x for x in mine if x.src_rank == rank != x.dst_rank}
+    assert answered > 0
+
+
+def test_1f1b_on_two_ranks_answers_each_gradient_by_the_activation_two_micro_batches_on():
+    """Rank 0 runs F0 F1 B0 F2 B1 ... F7 B6 B7: after B(m) it sends activation m+2; after B6
+    nothing, so the last two gradients have no reply."""
+    schedule, ranks = on_ranks("1f1b", 8, 2)
+    messages = chain_messages(2, 8, ranks=ranks)
+    found = replies(1, schedule, [(0, 1)], messages)
+    gradients = {x.microbatch: found.get(x) for x in messages if x.grad}
+    assert {mb: r and (r.grad, r.microbatch) for mb, r in gradients.items()} == \
+        {**{mb: (False, mb + 2) for mb in range(6)}, 6: None, 7: None}
+    # rank 0's activation m is answered by rank 1's first message after its F(m): the
+    # gradient of m (rank 1 runs F(m) B(m) in turn)
+    found = replies(0, schedule, [(0, 1)], messages)
+    assert {x.microbatch: (found[x].grad, found[x].microbatch)
+            for x in messages if not x.grad} == {mb: (True, mb) for mb in range(8)}

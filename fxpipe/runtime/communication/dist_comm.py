@@ -148,6 +148,8 @@ class DistComm:
         dtypes: (value, src, dst, element) -> dtype of forward tensors where known; `learn`
             fills in the others (see the module docstring).
         buffers: receive buffers kept across steps (the caller's; None: a new one each).
+        replies: a send -> the message that proves it complete (fxpipe.runtime.planning.plan
+            replies): the transport holds the send until it arrives.
     """
 
     def __init__(self, *, rank: int, global_ranks: Sequence[int], placement: Sequence[int],
@@ -157,7 +159,8 @@ class DistComm:
                  learn: bool = False, timeline: Any = None,
                  written: frozenset[Edge] = frozenset(),
                  split_plans: dict[int, SplitPlans] | None = None,
-                 buffers: ReceiveBuffers | None = None) -> None:
+                 buffers: ReceiveBuffers | None = None,
+                 replies: dict[Message, Message] | None = None) -> None:
         self.rank = rank
         self.global_ranks = list(global_ranks)
         self.placement = list(placement)
@@ -180,6 +183,8 @@ class DistComm:
         # per stage, what reading its backward graph found (kept across steps by the caller)
         self.split_plans = split_plans if split_plans is not None else {}
         self.buffers = buffers
+        # a send -> the message from its peer whose arrival proves it complete (plan.replies)
+        self.replies = replies if replies is not None else {}
 
     def carries_host_tensors(self, src: int, dst: int) -> bool:
         """Whether a host tensor stage `src` sends to stage `dst` arrives as it is: on a CPU
@@ -215,7 +220,7 @@ class DistComm:
 
     def _op(self, msg: Message) -> Op:
         if msg.src_rank == self.rank:
-            answered = _gradient(msg) if msg in self.answered else None
+            answered = _gradient(msg) if msg in self.answered else self.replies.get(msg)
             self.answered.discard(msg)
             return Op("send", self._take(msg), self.global_ranks[msg.dst_rank],
                       self._tag(msg), str(msg), answered)
@@ -325,6 +330,7 @@ class DistComm:
                                        hint="this is a scheduling bug; please report it") from None
         if handle is not None:
             handle.wait()
+            self.transport.settle(msg)  # the sends it proves complete
         return buffer
 
     def send(self, value: Any, tag: str, src: int, dst: int, mb: int) -> None:
@@ -414,7 +420,6 @@ class DistComm:
         for value, msg in record.sent:
             with self._event("recv_grad", stage, mb, msg.value):
                 grad = self._wait(_gradient(msg))
-            self.transport.settle(_gradient(msg))
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 tensors.append(value)
                 grads.append(grad)

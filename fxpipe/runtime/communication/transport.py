@@ -126,11 +126,11 @@ class SendReaper:
     in posting order. NCCL's works answer is_completed() from their CUDA event: they are
     polled whenever a batch is posted (wait() there would only order streams).
 
-    A gloo send with a reply (`park`: an activation, whose gradient the peer sends back once it
-    has used it) is not handed to the thread: the reply proves it complete, so `settle` drops
-    it on the caller's thread, its wait() returning at once. Waking the thread for every send
-    and handing the GIL back and forth cost the tiny GPT's 1F1B ranks about 1 ms of a 15 ms
-    step's CPU.
+    A gloo send with a reply (`park`: a message the peer sends once it has used this one, e.g.
+    an activation's gradient; NOTE [Replies] in fxpipe/runtime/planning/plan.py) is not handed to
+    the thread: the reply proves it complete, so `settle` drops it on the caller's thread, its
+    wait() returning at once. Waking the thread for every send and handing the GIL back and
+    forth cost the tiny GPT's 1F1B ranks about 1 ms of a 15 ms step's CPU.
     """
 
     def __init__(self, *, poll: bool) -> None:
@@ -143,7 +143,8 @@ class SendReaper:
         self.queue: queue.Queue[tuple[list[Any], list[torch.Tensor], int]] = queue.Queue()
         self.running = False  # the waiting thread runs while there are sends, then exits
         self.timeout: timedelta | None = None  # a gloo send's wait (None: its group's)
-        self.parked: dict[Any, tuple[list[Any], list[torch.Tensor], int]] = {}  # by reply
+        # by reply: the sends it proves complete
+        self.parked: dict[Any, list[tuple[list[Any], list[torch.Tensor], int]]] = {}
 
     def add(self, works: list[Any], tensors: list[torch.Tensor], peer: int) -> None:
         with self.lock:
@@ -168,13 +169,12 @@ class SendReaper:
         with self.lock:
             self.count += len(tensors)
             self.peak = max(self.peak, self.count)
-        self.parked[answered] = (works, tensors, peer)
+        self.parked.setdefault(answered, []).append((works, tensors, peer))
 
     def settle(self, answered: Any) -> None:
         """The reply of a parked send arrived: its wait() returns at once; drop it (a failed
         wait is raised by `flush`, as the thread's are)."""
-        entry = self.parked.pop(answered, None)
-        if entry is not None:
+        for entry in self.parked.pop(answered, ()):
             self._settle(entry)
 
     def _done_polled(self, entry: tuple[list[Any], list[torch.Tensor], int]) -> bool:

@@ -47,6 +47,18 @@ Nothing depends on tags, on buffering, or on how long an action takes (the clock
 it does not time). tests/test_p2p_plan.py checks 1-3 on many schedules with a model of these
 rules, and tests/test_p2p.py runs every schedule under the strict transport that enforces them.
 
+NOTE [Replies]
+Over gloo a send's work tells it has completed only through a blocking wait, so something must
+wait for it before its tensor can go. A message from the peer proves it: if the peer sent R from
+the action that used S (its wait for S returned inside it) or from a later one, then S had
+arrived before R left, and once R is here S's wait returns at once. `replies` finds, for every
+send, the first such R of the clock; the transport holds the send until R is received
+(Transport.settle) and waits for it there, on the rank's own thread. An activation whose
+gradient comes back is held until that gradient, a reply by the same rule (the executor's
+choice: its send holds only what backward keeps anyway). A send with no R (the peer sends
+nothing back after using it: GPipe's gradients, the last few of 1F1B) is waited for by the
+transport's thread.
+
 NOTE [Early receives]
 A transfer starts only once both ends have posted it. Posted at the tick after its producer ran,
 a receive goes out when its rank reaches that tick, which is after the rank's previous action:
@@ -61,14 +73,14 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.planning.grid import play
 from fxpipe.runtime.planning.schedule import Action, ActionKind
 
-__all__ = ["Message", "Tick", "clock", "plan_rank", "RECEIVE_LEAD"]
+__all__ = ["Message", "Tick", "clock", "plan_rank", "replies", "RECEIVE_LEAD"]
 
 RECEIVE_LEAD = 2  # actions an early receive is posted before its consumer (one is too few
 # where the action before the consumer is short: interleaved 1F1B's forwards)
@@ -128,16 +140,7 @@ def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
     before its consumer (NOTE [Early receives]); only for transports that match by tag.
     """
     tick_of = clock(actions_by_rank, edges)
-    backward = {(k[1], k[2]): k[0] for k in tick_of if k[0].gives_input_grad}
-
-    def made(stage: int, mb: int, grad: bool) -> int:
-        key = (backward.get((stage, mb), ActionKind.BACKWARD), stage, mb) if grad \
-            else (ActionKind.FORWARD, stage, mb)
-        if key not in tick_of:
-            raise ConfigError(f"no rank runs {key[0]}{mb} of stage {stage}, which a message needs",
-                              hint="every stage must run F and B of every micro-batch")
-        return tick_of[key]
-
+    made = _made(tick_of)
     mine = {tick_of[_key(a)]: a for a in actions_by_rank[rank]}
     own = sorted(mine)  # the ticks of this rank's actions
     posts: dict[int, list[Message]] = defaultdict(list)
@@ -155,6 +158,52 @@ def plan_rank(rank: int, actions_by_rank: Sequence[Sequence[Action]],
         posts[at].append(msg)
     return [Tick(t, mine.get(t), tuple(sorted(posts.get(t, ()))))
             for t in sorted(set(mine) | set(posts))]
+
+
+def _made(tick_of: dict[ActionKey, int]) -> Callable[[int, int, bool], int]:
+    """made(stage, mb, grad): the tick of the action that computes stage's activation of
+    micro-batch mb (its F), or with grad its input gradient (its B, or I where split). That is
+    also the tick of the action that uses such a message: F of its receiver, or the
+    receiver's backward for a gradient."""
+    backward = {(k[1], k[2]): k[0] for k in tick_of if k[0].gives_input_grad}
+
+    def made(stage: int, mb: int, grad: bool) -> int:
+        key = (backward.get((stage, mb), ActionKind.BACKWARD), stage, mb) if grad \
+            else (ActionKind.FORWARD, stage, mb)
+        if key not in tick_of:
+            raise ConfigError(f"no rank runs {key[0]}{mb} of stage {stage}, which a message needs",
+                              hint="every stage must run F and B of every micro-batch")
+        return tick_of[key]
+    return made
+
+
+def replies(rank: int, actions_by_rank: Sequence[Sequence[Action]],
+            edges: Iterable[tuple[int, int]],
+            messages: Iterable[Message]) -> dict[Message, Message]:
+    """For each message `rank` sends to another rank, the first message that rank sends back
+    from the action that used it or a later one (NOTE [Replies]); sends with none are absent.
+
+    messages: every message this rank sends or receives."""
+    made = _made(clock(actions_by_rank, edges))
+    back: dict[int, list[tuple[int, Message]]] = defaultdict(list)  # peer -> its messages here
+    mine = []
+    for msg in messages:
+        if msg.src_rank == msg.dst_rank:
+            continue
+        if msg.dst_rank == rank:
+            back[msg.src_rank].append((made(msg.sender, msg.microbatch, msg.grad), msg))
+        elif msg.src_rank == rank:
+            mine.append(msg)
+    for sent in back.values():
+        sent.sort()
+    ticks = {peer: [t for t, _ in sent] for peer, sent in back.items()}
+    found = {}
+    for msg in mine:
+        used = made(msg.receiver, msg.microbatch, msg.grad)  # on the peer
+        i = bisect.bisect_left(ticks.get(msg.dst_rank, []), used)
+        if i < len(ticks.get(msg.dst_rank, [])):
+            found[msg] = back[msg.dst_rank][i][1]
+    return found
 
 
 def _early(planned: int, consumer: int, earliest: int, own_ticks: Sequence[int]) -> int:
