@@ -148,8 +148,6 @@ class DistComm:
         dtypes: (value, src, dst, element) -> dtype of forward tensors where known; `learn`
             fills in the others (see the module docstring).
         buffers: receive buffers kept across steps (the caller's; None: a new one each).
-        replies: a send -> the message that proves it complete (fxpipe.runtime.planning.plan
-            replies): the transport holds the send until it arrives.
     """
 
     def __init__(self, *, rank: int, global_ranks: Sequence[int], placement: Sequence[int],
@@ -159,8 +157,7 @@ class DistComm:
                  learn: bool = False, timeline: Any = None,
                  written: frozenset[Edge] = frozenset(),
                  split_plans: dict[int, SplitPlans] | None = None,
-                 buffers: ReceiveBuffers | None = None,
-                 replies: dict[Message, Message] | None = None) -> None:
+                 buffers: ReceiveBuffers | None = None) -> None:
         self.rank = rank
         self.global_ranks = list(global_ranks)
         self.placement = list(placement)
@@ -183,8 +180,10 @@ class DistComm:
         # per stage, what reading its backward graph found (kept across steps by the caller)
         self.split_plans = split_plans if split_plans is not None else {}
         self.buffers = buffers
-        # a send -> the message from its peer whose arrival proves it complete (plan.replies)
-        self.replies = replies if replies is not None else {}
+        # a send -> the message from its peer whose arrival proves it complete
+        # (fxpipe.runtime.planning.plan.replies): the transport holds the send until then; the
+        # executor sets it once it has the step's plan
+        self.replies: dict[Message, Message] = {}
 
     def carries_host_tensors(self, src: int, dst: int) -> bool:
         """Whether a host tensor stage `src` sends to stage `dst` arrives as it is: on a CPU
