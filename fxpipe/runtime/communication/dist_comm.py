@@ -181,9 +181,10 @@ class DistComm:
         self.split_plans = split_plans if split_plans is not None else {}
         self.buffers = buffers
         # a send -> the message from its peer whose arrival proves it complete
-        # (fxpipe.runtime.planning.plan.replies): the transport holds the send until then; the
-        # executor sets it once it has the step's plan
+        # (fxpipe.runtime.planning.plan.replies): the transport holds the send until then; and
+        # those messages. The executor sets both once it has the step's plan.
         self.replies: dict[Message, Message] = {}
+        self.proofs: frozenset[Message] = frozenset()
 
     def carries_host_tensors(self, src: int, dst: int) -> bool:
         """Whether a host tensor stage `src` sends to stage `dst` arrives as it is: on a CPU
@@ -252,17 +253,18 @@ class DistComm:
         """Where a message arrives: contiguous, in the shape and dtype the sender sends."""
         if msg.grad:  # the gradient of a value this rank sent: its shape and dtype
             value = self.sent_values.pop(_activation(msg))
-            return self._empty(msg, value.shape, value.dtype, value.device)
-        leaf = self._leaf_info(msg)
-        if not isinstance(leaf, ir.TensorInfo):
-            return self._empty(msg, (1,), torch.float64, self.device)
-        dtype = self.dtypes.get((msg.value, msg.sender, msg.receiver, msg.element), leaf.dtype)
-        return self._empty(msg, leaf.concrete_shape(self.b), dtype, self.device)
-
-    def _empty(self, msg: Message, shape: Sequence[int], dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
+            shape, dtype, device = tuple(value.shape), value.dtype, value.device
+        else:
+            leaf = self._leaf_info(msg)
+            device = self.device
+            if isinstance(leaf, ir.TensorInfo):
+                shape = leaf.concrete_shape(self.b)
+                dtype = self.dtypes.get((msg.value, msg.sender, msg.receiver, msg.element),
+                                        leaf.dtype)
+            else:  # a number
+                shape, dtype = (1,), torch.float64
         if self.buffers is None:
-            return torch.empty(tuple(shape), dtype=dtype, device=device)
+            return torch.empty(shape, dtype=dtype, device=device)
         kind = (msg.value, msg.sender, msg.receiver, msg.element, msg.grad)  # any micro-batch
         return self.buffers.get(kind, shape, dtype, device)
 
@@ -329,7 +331,8 @@ class DistComm:
                                        hint="this is a scheduling bug; please report it") from None
         if handle is not None:
             handle.wait()
-            self.transport.settle(msg)  # the sends it proves complete
+            if msg.grad or msg in self.proofs:  # the sends it proves complete
+                self.transport.settle(msg)
         return buffer
 
     def send(self, value: Any, tag: str, src: int, dst: int, mb: int) -> None:

@@ -17,54 +17,59 @@ the step's peak holds anyway.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
 __all__ = ["ReceiveBuffers"]
 
 
-def _storage_users(tensor: torch.Tensor) -> int | None:
-    """How many hold `tensor`'s storage, the tensor itself and the one wrapper made to ask
-    included; None where this torch cannot say."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:
-        return None
-    return int(count(tensor.untyped_storage()._cdata))
+def _uncounted(cdata: int) -> int:
+    return 0  # never free: where torch cannot count, no buffer is kept
+
+
+# How many hold a storage (torch's own count; the tensor and the wrapper made to ask included)
+_storage_use_count: Callable[[int], int] = getattr(torch._C, "_storage_Use_Count", _uncounted)
 
 
 class ReceiveBuffers:
-    """A rank's receive buffers, kept across steps (see the module docstring)."""
+    """A rank's receive buffers, kept across steps (see the module docstring). This runs for
+    every message: a lookup and two calls to torch when a kept buffer is free."""
 
     def __init__(self) -> None:
-        self._kept: dict[Hashable, list[torch.Tensor]] = {}
-        self._received: set[Hashable] = set()  # kinds received since end_step
+        # (kind, shape, dtype, device) -> [the last step that received it, its buffers]
+        self._kept: dict[Hashable, list[Any]] = {}
+        self._step = 0
         self.allocated = 0  # buffers made, and buffers handed out again, since creation
         self.reused = 0
 
-    def get(self, kind: Hashable, shape: Sequence[int], dtype: torch.dtype,
+    def get(self, kind: Hashable, shape: tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
         """A contiguous buffer of `shape` and `dtype` on `device` that nothing else holds: one
         kept from before when one is free, else a new one, kept from now on."""
-        key = (kind, tuple(shape), dtype, device)
-        self._received.add(key)
-        kept = self._kept.setdefault(key, [])
+        key = (kind, shape, dtype, device)
+        entry = self._kept.get(key)
+        if entry is None:
+            entry = self._kept[key] = [self._step, []]
+        entry[0] = self._step
+        kept: list[torch.Tensor] = entry[1]
         for base in kept:
-            if _storage_users(base) == 2:  # the base and the wrapper that asked: free
+            if _storage_use_count(base.untyped_storage()._cdata) == 2:  # the base and the ask
                 self.reused += 1
-                return base.view(base.shape)  # whoever holds it holds the storage
-        base = torch.empty(tuple(shape), dtype=dtype, device=device)
-        if _storage_users(base) is not None:  # else it could not be told free: not kept
+                return base.view(shape)  # handed out as a view: whoever holds it holds the storage
+        base = torch.empty(shape, dtype=dtype, device=device)
+        if _storage_use_count is not _uncounted:
             kept.append(base)
         self.allocated += 1
-        return base.view(base.shape)
+        return base.view(shape)
 
     def end_step(self) -> None:
         """Drops the kinds this step did not receive: their shapes or cut are gone."""
-        for key in [k for k in self._kept if k not in self._received]:
+        for key in [k for k, (step, _) in self._kept.items() if step != self._step]:
             del self._kept[key]
-        self._received.clear()
+        self._step += 1
 
     @property
     def kept_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self._kept.values() for t in ts)
+        return sum(t.numel() * t.element_size() for _, ts in self._kept.values() for t in ts)

@@ -105,8 +105,10 @@ class DistributedExecutor:
         # None reads FXPIPE_P2P (fxpipe/runtime/communication/transport.py)
         self.transport: Transport = make_transport(p2p, pp_group)
         self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
-        # (schedule, chunks) -> each send's reply (fxpipe.runtime.planning.plan.replies)
-        self.replies: dict[tuple[ScheduleKind, int], dict[Message, Message]] = {}
+        # (schedule, chunks) -> each send's reply (fxpipe.runtime.planning.plan.replies), and
+        # the replies
+        self.replies: dict[tuple[ScheduleKind, int],
+                           tuple[dict[Message, Message], frozenset[Message]]] = {}
         # dtypes of received values under each autocast state, learned on its first step
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
         self.split_plans: dict[int, SplitPlans] = {}  # read once per stage (split_backward.py)
@@ -203,7 +205,7 @@ class DistributedExecutor:
         # a step that learns dtypes waits for each header at its tick: every message in its
         # tick's batch on both ends
         ticks = self._plan(schedule, chunks, early=self.transport.by_tag and not comm.learn)
-        comm.replies = self.replies[(schedule, chunks)]
+        comm.replies, comm.proofs = self.replies[(schedule, chunks)]
         memory = KeptMemory(self.parameters()) if self.record_memory else None
         base = int(torch.randint(0, 2**62, (1,)).item()) if self.random else None
         params = {s: list(u.module.parameters()) for s, u in self.units.items()}  # walked once
@@ -366,8 +368,8 @@ class DistributedExecutor:
             messages = messages_of(self.comm_info, chunks, mesh.placement)
             self.plans[key] = plan_rank(mesh.pipe_rank, actions_by_rank, edges, messages,
                                         early_receives=early)
-            self.replies[(schedule, chunks)] = replies(mesh.pipe_rank, actions_by_rank, edges,
-                                                       messages)
+            answers = replies(mesh.pipe_rank, actions_by_rank, edges, messages)
+            self.replies[(schedule, chunks)] = (answers, frozenset(answers.values()))
         return self.plans[key]
 
     def _comm(self, b: int, chunks: int) -> DistComm:

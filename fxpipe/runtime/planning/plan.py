@@ -75,6 +75,7 @@ import bisect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.planning.grid import play
@@ -88,9 +89,10 @@ RECEIVE_LEAD = 2  # actions an early receive is posted before its consumer (one 
 ActionKey = tuple[ActionKind, int, int]  # (kind, stage, micro-batch)
 
 
-@dataclass(frozen=True, order=True)
-class Message:
-    """One tensor crossing ranks. Field order is the canonical order of a batch."""
+class Message(NamedTuple):
+    """One tensor crossing ranks. Field order is the canonical order of a batch. A tuple, so
+    that hashing and comparing one (every message, several times a step, as a dict key) stays
+    in C."""
 
     src_rank: int  # the rank that sends this message
     dst_rank: int  # the rank that receives it
