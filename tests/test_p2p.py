@@ -7,8 +7,10 @@ parent trains a plain copy of the model the same way and compares loss and every
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -85,9 +87,10 @@ def _step_layouts(rank: int, world: int, names: list[str]) -> dict:
         model, x, y, points = _layout_case(name)
         program = fxpipe.compile(model, (x,), stages=world, chunks=CHUNKS, split_points=points,
                                  profile="a100")
-        loss = program.step(x, target=y)
+        with _recording_sends() as kinds:
+            loss = program.step(x, target=y)
         out[name] = (loss, {n: p.grad for n, p in model.named_parameters()
-                            if p.grad is not None})
+                            if p.grad is not None}, kinds)
     return out
 
 
@@ -115,6 +118,11 @@ def test_transposed_and_channels_last_boundary_values_train_like_the_model(two_r
         for key, grad in grads.items():
             torch.testing.assert_close(got[key], grad,
                                        msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+        # rank 0 sends each activation as a contiguous copy: dropped as soon as it is sent,
+        # not held through the forwards until a reply (GPipe's first message back comes
+        # after them all)
+        sends = ranks[0][name][2]
+        assert sends and set(sends) == {"thread"}, (name, sends)
 
 
 # -- the strict transport alone -----------------------------------------------------------------
@@ -288,16 +296,12 @@ def _check_cases(ranks: list[dict], world: int, cases: list[tuple[str, int, str]
                                        msg=lambda m, k=key, c=case: f"{c} {k}: {m}")
 
 
-def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float, list[str], int]:
-    """The most sent tensors held at once, the loss, how each send was held ("parked" until
-    its gradient arrives, or "thread": the reaper's) and the sends still parked after the
-    step."""
+@contextlib.contextmanager
+def _recording_sends() -> Iterator[list[str]]:
+    """How each send is held while inside: "parked" until its reply arrives, or "thread" (the
+    reaper's), in posting order."""
     from fxpipe.runtime.communication.transport import SendReaper
 
-    model, x, y = _chain_case()
-    x, y = x[:16], y[:16]
-    program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule="1f1b",
-                             split_points=["blocks.2"], profile="a100")
     kinds: list[str] = []
     park, add = SendReaper.park, SendReaper.add
 
@@ -311,9 +315,21 @@ def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float, list[st
 
     SendReaper.park, SendReaper.add = parked, threaded  # type: ignore[method-assign]
     try:
-        loss = program.step(x, target=y)
+        yield kinds
     finally:
         SendReaper.park, SendReaper.add = park, add  # type: ignore[method-assign]
+
+
+def _sends_held(rank: int, world: int, chunks: int) -> tuple[int, float, list[str], int]:
+    """The most sent tensors held at once, the loss, how each send was held ("parked" until
+    its reply arrives, or "thread": the reaper's) and the sends still parked after the
+    step."""
+    model, x, y = _chain_case()
+    x, y = x[:16], y[:16]
+    program = fxpipe.compile(model, (x,), stages=world, chunks=chunks, schedule="1f1b",
+                             split_points=["blocks.2"], profile="a100")
+    with _recording_sends() as kinds:
+        loss = program.step(x, target=y)
     left = len(program._rank.executor.transport.sends.parked)
     return program._rank.executor.last.sends_held, loss, kinds, left
 

@@ -220,7 +220,12 @@ class DistComm:
 
     def _op(self, msg: Message) -> Op:
         if msg.src_rank == self.rank:
-            answered = _gradient(msg) if msg in self.answered else self.replies.get(msg)
+            if msg in self.answered:  # held until its gradient, storage backward keeps anyway
+                answered: Message | None = _gradient(msg)
+            elif msg in self.sent_values:  # an activation sent as a contiguous copy: dropped
+                answered = None  # as soon as sent, not held through the forwards to a reply
+            else:
+                answered = self.replies.get(msg)
             self.answered.discard(msg)
             return Op("send", self._take(msg), self.global_ranks[msg.dst_rank],
                       self._tag(msg), str(msg), answered)
