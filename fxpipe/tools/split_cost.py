@@ -314,7 +314,7 @@ def measure_ranks(repeats: int, also: str | None, remat: str, batch: int = 16) -
     print(f"ranks: tiny GPT, batch {batch}, 2 ranks x 8 micro-batches, remat={remat}, "
           f"{repeats} steps per variant, interleaved; CPU time per step (waits included)")
     for rank in sorted(results):
-        cpu, engine, python, messages, per_message, _ = results[rank]
+        cpu, engine, python = results[rank][:3]
         base = statistics.median(cpu["1f1b"])
         for label in [k for k in cpu if k != "plain"]:
             calls = f"  Python calls per step {python[label]:.0f}" if label in python else ""

@@ -368,8 +368,9 @@ class DistributedExecutor:
             messages = messages_of(self.comm_info, chunks, mesh.placement)
             self.plans[key] = plan_rank(mesh.pipe_rank, actions_by_rank, edges, messages,
                                         early_receives=early)
-            answers = replies(mesh.pipe_rank, actions_by_rank, edges, messages)
-            self.replies[(schedule, chunks)] = (answers, frozenset(answers.values()))
+            if (schedule, chunks) not in self.replies:  # the same with early receives or not
+                answers = replies(mesh.pipe_rank, actions_by_rank, edges, messages)
+                self.replies[(schedule, chunks)] = (answers, frozenset(answers.values()))
         return self.plans[key]
 
     def _comm(self, b: int, chunks: int) -> DistComm:
