@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.planning.grid import bubble_fraction, clock_cycles, peak_inflight, render_grid
+from fxpipe.runtime.planning.grid import (
+    bubble_fraction,
+    clock_cycles,
+    peak_inflight,
+    play,
+    render_grid,
+)
 from fxpipe.runtime.planning.schedule import (
     LOOPED,
     SCHEDULES,
@@ -253,6 +259,51 @@ def test_every_schedule_runs_each_action_once_in_dependency_order(name):
 def test_schedules_are_valid_for_any_size(name, num_microbatches, num_ranks):
     schedule = on_ranks(name, num_microbatches, num_ranks)
     assert_grid_respects_dependencies(schedule, clock_cycles(schedule))
+
+
+def tick_by_tick(actions_by_rank, edges):
+    """The clock as its definition reads: at each tick every rank whose next action's
+    dependencies all ended at an earlier tick runs it (play places each action once instead)."""
+    producers, consumers = {}, {}
+    for src, dst in edges:
+        producers.setdefault(dst, set()).add(src)
+        consumers.setdefault(src, set()).add(dst)
+    backward = {(a.stage, a.microbatch): a.kind for acts in actions_by_rank for a in acts
+                if a.kind in ("B", "I")}
+
+    def depends_on(a):
+        if a.kind == "F":
+            return [Action("F", p, a.microbatch) for p in producers.get(a.stage, ())]
+        if a.kind == "W":
+            return [Action("I", a.stage, a.microbatch)]
+        return [Action("F", a.stage, a.microbatch)] + [
+            Action(backward.get((d, a.microbatch), "B"), d, a.microbatch)
+            for d in consumers.get(a.stage, ())]
+
+    done, position, grid = set(), [0] * len(actions_by_rank), []
+    while any(p < len(acts) for p, acts in zip(position, actions_by_rank)):
+        row = [acts[p] if p < len(acts) and all(d in done for d in depends_on(acts[p]))
+               else None for acts, p in zip(actions_by_rank, position)]
+        assert any(row), "deadlocks"
+        for r, a in enumerate(row):
+            if a is not None:
+                done.add(a)
+                position[r] += 1
+        grid.append(row)
+    return grid
+
+
+@settings(max_examples=80, deadline=None)
+@given(name=st.sampled_from(sorted(SCHEDULES)), num_microbatches=st.integers(1, 12),
+       num_ranks=st.integers(1, 6), data=st.data())
+def test_play_places_every_action_at_the_tick_the_tick_by_tick_clock_runs_it(
+        name, num_microbatches, num_ranks, data):
+    schedule = on_ranks(name, num_microbatches, num_ranks)
+    stages = num_ranks * default_stages_per_rank(name)
+    skips = data.draw(st.lists(st.tuples(st.integers(0, stages - 1), st.integers(0, stages - 1))
+                               .filter(lambda e: e[0] + 1 < e[1]), max_size=3))
+    edges = [(s, s + 1) for s in range(stages - 1)] + skips
+    assert grid_rows(play(schedule, edges)) == grid_rows(tick_by_tick(schedule, edges))
 
 
 @settings(max_examples=80, deadline=None)

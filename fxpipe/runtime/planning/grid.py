@@ -63,30 +63,41 @@ def play(actions_by_rank: Sequence[Sequence[Action]],
         return [Action(ActionKind.FORWARD, s, m)] + [
             Action(backward.get((d, m), ActionKind.BACKWARD), d, m) for d in consumers[s]]
 
-    done: set[Action] = set()
+    # Each action starts one tick after the later of its rank's previous action and the
+    # actions it depends on: a rank's next action is placed as soon as those are placed, woken
+    # by the last of them, so the grid costs one visit per action, not one per rank per tick.
+    start: dict[Action, int] = {}
     position = [0] * len(actions_by_rank)
-    grid: list[list[Action | None]] = []
-    remaining = sum(len(acts) for acts in actions_by_rank)
-    while remaining:
-        row: list[Action | None] = [None] * len(actions_by_rank)
-        for r, actions in enumerate(actions_by_rank):
-            if position[r] < len(actions):
-                a = actions[position[r]]
-                if all(d in done for d in depends_on(a)):
-                    row[r] = a
-        ran = [(r, a) for r, a in enumerate(row) if a is not None]
-        if not ran:
-            stuck = waiting(actions_by_rank, position)
-            raise ConfigError(
-                f"the schedule deadlocks at tick {len(grid)}; next actions wait forever "
-                f"({stuck})", hint="each rank must run an action only after the actions it "
-                "depends on, on any rank: F(s, m) after its producers' F(m), a backward after "
-                "F(s, m) and its consumers' backward, W after I")
-        for r, a in ran:
-            done.add(a)
+    ready_at = [0] * len(actions_by_rank)  # the first tick rank r's next action may take
+    waiters: dict[Action, list[int]] = defaultdict(list)
+    todo = list(range(len(actions_by_rank)))
+    while todo:
+        r = todo.pop()
+        actions = actions_by_rank[r]
+        while position[r] < len(actions):
+            a = actions[position[r]]
+            after = depends_on(a)
+            missing = next((d for d in after if d not in start), None)
+            if missing is not None:
+                waiters[missing].append(r)
+                break
+            tick = max([ready_at[r], *(start[d] + 1 for d in after)])
+            start[a] = tick
+            ready_at[r] = tick + 1
             position[r] += 1
-        remaining -= len(ran)
-        grid.append(row)
+            todo += waiters.pop(a, ())
+    if any(p < len(actions) for p, actions in zip(position, actions_by_rank)):
+        stuck = waiting(actions_by_rank, position)
+        raise ConfigError(
+            f"the schedule deadlocks at tick {max(ready_at)}; next actions wait forever "
+            f"({stuck})", hint="each rank must run an action only after the actions it "
+            "depends on, on any rank: F(s, m) after its producers' F(m), a backward after "
+            "F(s, m) and its consumers' backward, W after I")
+    grid: list[list[Action | None]] = [[None] * len(actions_by_rank)
+                                       for _ in range(max(ready_at, default=0))]
+    for r, actions in enumerate(actions_by_rank):
+        for a in actions:
+            grid[start[a]][r] = a
     return grid
 
 
