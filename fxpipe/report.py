@@ -17,7 +17,7 @@ from fxpipe.passes.partition import BalanceRound, PartitionPlan, best_round, kep
 from fxpipe.remat_policy import RematPolicy
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.planning.grid import peak_inflight, render_grid
-from fxpipe.runtime.planning.schedule import SCHEDULES, ActionKind, ScheduleKind
+from fxpipe.runtime.planning.schedule import SCHEDULES, ActionKind, Schedule, ScheduleKind
 from fxpipe.runtime.planning.timeline import predicted_step
 from fxpipe.stage_facts import communication, predicted_kept, stage_figures
 from fxpipe.units import human_bytes, human_flops, human_time
@@ -79,6 +79,10 @@ class Report:
     # (128 stages x 32 micro-batches: 8k actions), asked for by summary(), text() and json_text()
     _steps: dict[tuple[str, int], tuple[float, float]] = field(
         default_factory=dict, repr=False, compare=False)
+    # (schedule, ranks) -> its actions for this plan, built once (summary(), kept_by_stage,
+    # kept_by_rank and the grid of text() each want them)
+    _built: dict[tuple[str, int], Schedule] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def ranks(self) -> int:
@@ -90,6 +94,13 @@ class Report:
         if key not in self._steps:
             self._steps[key] = predicted_step(self.plan, schedule, ranks)
         return self._steps[key]
+
+    def built(self, schedule: ScheduleKind, ranks: int) -> Schedule:
+        """The actions of `schedule` for this plan's stages and micro-batches on `ranks`."""
+        key = (schedule.name, ranks)
+        if key not in self._built:
+            self._built[key] = schedule.build(self.plan.chunks, len(self.plan.stages), ranks)
+        return self._built[key]
 
     def summary(self) -> dict[str, Any]:
         plan = self.plan
@@ -124,7 +135,7 @@ class Report:
         micro-batches in flight there times what each keeps (the last stage's with what the
         loss keeps)."""
         m = self.plan.chunks
-        inflight = peak_inflight(schedule.build(m, len(self.plan.stages), ranks))
+        inflight = peak_inflight(self.built(schedule, ranks))
         return [self.remat.kept_at_peak(s["activations_bytes"], s["kept_with_remat_bytes"], n, m)
                 + n * s["loss_bytes"] for s, n in zip(self.stages, inflight)]
 
@@ -136,7 +147,7 @@ class Report:
         per rank this is kept_by_stage; with several, their peaks need not coincide."""
         m = self.plan.chunks
         out = []
-        for actions in schedule.build(m, len(self.plan.stages), ranks):
+        for actions in self.built(schedule, ranks):
             live = peak = 0.0
             for a in actions:
                 if a.kind == ActionKind.INPUT_GRAD:
@@ -230,7 +241,6 @@ class Report:
         lines += self.kept_lines()
         for key, value in self.measured.items():
             lines.append(f"measured {key}: {value}")
-        k, m = s["stages"], s["chunks"]
         if s["auto_schedules"]:
             lines.append(f"schedule='auto' chose {s['schedule']}: the fastest simulated step "
                          "that fits the memory limit (" + ", ".join(
@@ -243,7 +253,7 @@ class Report:
                      + ", ".join(f"{c['schedule']} {human_time(c['step_time_s'])} "
                                  f"(bubble {c['bubble']:.1%}, keeps "
                                  f"{human_bytes(c['kept_bytes'])})" for c in s["schedules"]))
-        lines += ["", render_grid(self.schedule.build(m, k, self.ranks),
+        lines += ["", render_grid(self.built(self.schedule, self.ranks),
                                   title=self.schedule.title,
                                   bubble=s["bubble"])]
         return "\n".join(lines)
