@@ -9,7 +9,6 @@ records every other file's sha256, which `fxpipe report` and `fxpipe run` check.
 from __future__ import annotations
 
 import ast
-import json
 import os
 from dataclasses import dataclass, field, replace
 
@@ -30,6 +29,7 @@ from fxpipe.storage.files import (
     replace_folder,
     write_failed,
 )
+from fxpipe.storage.json_text import json_text
 from fxpipe.storage.state import StateNames
 from fxpipe.storage.structure import Structure
 from fxpipe.storage.userfiles import carry_user_files, user_files
@@ -206,7 +206,7 @@ def _write_files(built: Built, folder: str, files: ProgramFiles, target: str) ->
     digests = {name: file_digest(os.path.join(folder, name)) for name in sorted(names)}
     spec = {**_spec(built, files).to_json(), "files": digests}
     atomic_write(os.path.join(folder, "program.json"),
-                 json.dumps(spec, indent=2, sort_keys=True) + "\n")
+                 json_text(spec) + "\n")
     return [*names, "program.json"]
 
 
@@ -258,7 +258,7 @@ def write_weights(directory: str, files: ProgramFiles) -> list[str]:
                                "requires_grad": t.requires_grad}
                         for name, t in sorted(files.tensors.items())}}
     atomic_write(os.path.join(directory, "weights.json"),
-                 json.dumps(info, indent=1, sort_keys=True) + "\n")
+                 json_text(info) + "\n")
     return [os.path.join(directory, name) for name in ["weights.json", *paths.values()] if name]
 
 
