@@ -159,9 +159,7 @@ class _StageBuilder:
         self.recvs.append(info)
 
     def add_compute(self, node: Node) -> None:
-        new = self.graph.node_copy(node, self.value)
-        new.meta = {k: v for k, v in node.meta.items()}
-        self.env[node] = new
+        self.env[node] = self.graph.node_copy(node, self.value)  # its meta a copy of node's
 
     def add_rng_recv(self, src: int) -> None:
         info = ir.CommInfo("recv", src, RNG_TAG, _RNG_STATE)
