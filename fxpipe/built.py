@@ -82,6 +82,9 @@ class Built:
     # what balancing by measurement tried: each cut with its predicted and measured stages
     rounds: list[BalanceRound] = field(default_factory=list)
     cpu_timings: dict[str, float] = field(default_factory=dict)  # CPU seconds per pass
+    # (schedule, ranks) -> the plan's simulated (step time, bubble), shared by its reports
+    simulated: dict[tuple[str, int], tuple[float, float]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def capture_info(self) -> CaptureInfo:

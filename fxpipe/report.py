@@ -77,7 +77,8 @@ class Report:
     stamping: str | None = None  # capture(stamp=True): the blocks stamped, or why none
     # (schedule, ranks) -> predicted_step of the plan: a simulation of every action of a step
     # (128 stages x 32 micro-batches: 8k actions), asked for by summary(), text() and json_text()
-    _steps: dict[tuple[str, int], tuple[float, float]] = field(
+    # and by every report of one compile (Built.simulated, which build_report passes)
+    simulated: dict[tuple[str, int], tuple[float, float]] = field(
         default_factory=dict, repr=False, compare=False)
     # (schedule, ranks) -> its actions for this plan, built once (summary(), kept_by_stage,
     # kept_by_rank and the grid of text() each want them)
@@ -91,9 +92,9 @@ class Report:
     def step(self, schedule: ScheduleKind, ranks: int) -> tuple[float, float]:
         """(step time, bubble) of the plan under `schedule` on `ranks` ranks, simulated once."""
         key = (schedule.name, ranks)
-        if key not in self._steps:
-            self._steps[key] = predicted_step(self.plan, schedule, ranks)
-        return self._steps[key]
+        if key not in self.simulated:
+            self.simulated[key] = predicted_step(self.plan, schedule, ranks)
+        return self.simulated[key]
 
     def built(self, schedule: ScheduleKind, ranks: int) -> Schedule:
         """The actions of `schedule` for this plan's stages and micro-batches on `ranks`."""
@@ -345,4 +346,4 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
                   comm=communication(built, replicas), rounds=list(built.rounds),
                   stages_per_rank=built.spec.stages_per_rank, remat=built.config.remat_policy,
                   optimizer=built.config.optimizer.describe(),
-                  stamping=built.capture_info.stamp_note)
+                  stamping=built.capture_info.stamp_note, simulated=built.simulated)

@@ -214,6 +214,24 @@ def test_report_json_is_data_with_the_summary_and_per_stage_numbers():
     assert data["stages"][0]["recv_bytes"] == 0 and data["stages"][-1]["send_bytes"] == 0
 
 
+def test_reports_of_one_compile_simulate_each_schedule_once_and_agree(monkeypatch):
+    model, inputs = gpt.build(dropout=0.0)
+    program = fxpipe.compile(model, inputs, stages=STAGES, chunks=CHUNKS, profile="a100")
+    simulated = []
+
+    def counted(plan, schedule, ranks):
+        simulated.append((schedule.name, ranks))
+        return predicted_step(plan, schedule, ranks)
+
+    monkeypatch.setattr("fxpipe.report.predicted_step", counted)
+    first = program.report()
+    text = first.text()
+    assert simulated and len(set(simulated)) == len(simulated)  # each layout once
+    again = program.report()
+    assert again.text() == text and again.json_text() == first.json_text()
+    assert len(set(simulated)) == len(simulated)  # the second report simulated nothing again
+
+
 def test_tied_weight_is_counted_in_both_stages_that_hold_it_and_the_report_says_so():
     model, program = compiled()
     report = program.report()
