@@ -31,6 +31,7 @@ from fxpipe.config import AUTO, CompileConfig, check_config
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.frontend.capture import CaptureInfo, capture
 from fxpipe.frontend.meta import is_meta_model
+from fxpipe.full_gc import full_collections_deferred
 from fxpipe.losses import loss_saved_bytes, loss_time
 from fxpipe.optimizers import OptimizerMemory
 from fxpipe.passes.batchnorm import defer_batch_norm
@@ -59,6 +60,7 @@ def _debug_level() -> int:
     return int(os.environ.get("FXPIPE_DEBUG", "0") or 0)
 
 
+@full_collections_deferred()
 def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: CompileConfig,
           *, agree: PlanAgreement | None = None) -> Built:
     """Runs every pass on `model` for the example batch (args, kwargs), under the program's
@@ -93,6 +95,7 @@ def _build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                    cpu=cpu)
 
 
+@full_collections_deferred()
 def capture_and_cost(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      config: CompileConfig, history: list[Snapshot], timings: dict[str, float],
                      cpu: dict[str, float]) -> GraphModule:
@@ -128,6 +131,7 @@ def capture_and_cost(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     return gm
 
 
+@full_collections_deferred()
 def rebuild(built: Built, corrections: Mapping[str, float], *,
             agree: PlanAgreement | None = None, starts: Sequence[str] | None = None) -> Built:
     """Partitions the captured graph again with node times corrected by measurement

@@ -31,6 +31,7 @@ from fxpipe.errors import (
     RuntimeInputError,
 )
 from fxpipe.frontend.meta import is_meta_model
+from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import held_tensors, hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, resolve_loss
 from fxpipe.passes.partition import BalanceRound, PartitionPlan
@@ -513,6 +514,7 @@ class Program(nn.Module):
         return cost_table(built.captured, b=built.plan.microbatch_size, profile=built.profile,
                           sort=sort, by_module=by_module, top=top)
 
+    @full_collections_deferred()
     def write(self, directory: str, *, loss_fn: LossFn | str | None = None,
               target: torch.Tensor | None = None, reference_steps: int = 6,
               lr: float = 0.01) -> list[str]:
