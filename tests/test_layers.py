@@ -14,7 +14,7 @@ PACKAGES = {"fxpipe": ROOT / "fxpipe", "fxpipe.passes": ROOT / "passes",
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors", "fxpipe.version", "fxpipe.source", "fxpipe.figures", "fxpipe.units",
-     "fxpipe.choices",
+     "fxpipe.choices", "fxpipe.full_gc",
      "fxpipe.storage", "fxpipe.storage.files", "fxpipe.storage.savelock",
      "fxpipe.storage.userfiles"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.untouched",
