@@ -181,8 +181,9 @@ class DistComm:
         self.split_plans = split_plans if split_plans is not None else {}
         self.buffers = buffers
         # a send -> the message from its peer whose arrival proves it complete
-        # (fxpipe.runtime.planning.plan.replies): the transport holds the send until then; and
-        # those messages. The executor sets both once it has the step's plan.
+        # (fxpipe.runtime.planning.plan.replies): the transport holds the send until then.
+        # `proofs` are those replies, the receives that settle held sends. The executor sets
+        # both once it has the step's plan.
         self.replies: dict[Message, Message] = {}
         self.proofs: frozenset[Message] = frozenset()
 

@@ -106,7 +106,7 @@ class DistributedExecutor:
         self.transport: Transport = make_transport(p2p, pp_group)
         self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
         # (schedule, chunks) -> each send's reply (fxpipe.runtime.planning.plan.replies), and
-        # the replies
+        # the set of those replies (DistComm.proofs)
         self.replies: dict[tuple[ScheduleKind, int],
                            tuple[dict[Message, Message], frozenset[Message]]] = {}
         # dtypes of received values under each autocast state, learned on its first step
