@@ -827,3 +827,68 @@ def test_direct_weight_pass_computes_convolutions_without_an_engine_call() -> No
     with EngineCalls() as weight_calls:
         weight_pass.run()
     assert weight_calls.count == 1  # the batch norm's weights only: not a layer of a recipe
+
+
+class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten kernels that run while it is on, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_layer_norms_weights_come_from_the_kernel_that_makes_its_input_gradient() -> None:
+    """I asks for the norm's weights: native_layer_norm_backward runs once per micro-batch, in
+    I, as in a plain backward, and W only accumulates what it returned."""
+    stage = Transformerish()
+    reference = copy.deepcopy(stage)
+    x, g = torch.randn(2, 3, 8), torch.randn(6, 8)
+    plans: SplitPlans = {}
+    for _ in range(2):
+        leaf = x.clone().requires_grad_()
+        outputs = stage(leaf)
+        with _Kernels() as input_kernels:
+            _, weight_pass = input_backward(outputs, [g], [leaf], params(stage), plans,
+                                            direct=True)
+        with _Kernels() as weight_kernels:
+            weight_pass.run(params(stage))
+        assert input_kernels.counts.get("native_layer_norm_backward") == 1
+        assert "native_layer_norm_backward" not in weight_kernels.counts
+        assert weight_kernels.counts.get("mm") == 3  # the three linears: up, down, head
+        run_full(reference, [x], [g])
+    assert_same_grads(stage, reference)
+
+
+def test_a_hooked_layer_norm_weight_is_left_to_the_weight_pass() -> None:
+    stage = Transformerish()
+    reference = copy.deepcopy(stage)
+    fired: list[str] = []
+    stage.ln.weight.register_post_accumulate_grad_hook(lambda p: fired.append("ln"))
+    x, g = torch.randn(2, 3, 8), torch.randn(6, 8)
+    plans: SplitPlans = {}
+    for _ in range(2):
+        leaf = x.clone().requires_grad_()
+        outputs = stage(leaf)
+        with _Kernels() as input_kernels:
+            _, weight_pass = input_backward(outputs, [g], [leaf], params(stage), plans,
+                                            direct=True)
+        weight_pass.run(params(stage))
+        assert "native_layer_norm_backward" in input_kernels.counts  # the input's gradient
+        run_full(reference, [x], [g])
+    assert fired == ["ln", "ln"]
+    assert_same_grads(stage, reference)
+
+
+def test_a_hook_put_on_a_norm_weight_between_the_passes_is_refused() -> None:
+    stage = Transformerish()
+    leaf = torch.randn(2, 3, 8).requires_grad_()
+    _, weight_pass = input_backward(stage(leaf), [torch.randn(6, 8)], [leaf], params(stage),
+                                    direct=True)
+    stage.ln.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(PipelineRuntimeError, match="between the input and the weight pass"):
+        weight_pass.run(params(stage))

@@ -28,6 +28,7 @@ import argparse
 import copy
 import cProfile
 import importlib.util
+import inspect
 import os
 import pstats
 import socket
@@ -77,12 +78,16 @@ def _variants(also: str | None) -> dict[str, Split | None]:
         "engine": through_engine}
     if also:
         other = _load(also).input_backward
+        takes = inspect.signature(other).parameters
 
-        def without_plans(outputs: Any, grads: Any, leaves: Any, weights: Any = None,
-                          plans: Any = None, **_: Any) -> Any:
-            return other(outputs, grads, leaves, weights)
+        def as_it_takes(outputs: Any, grads: Any, leaves: Any, weights: Any = None,
+                        plans: Any = None, **options: Any) -> Any:
+            """Called as the executor calls the current one, with what an older one takes."""
+            given = {"plans": plans, **options}
+            return other(outputs, grads, leaves, weights,
+                         **{k: v for k, v in given.items() if k in takes})
 
-        found["also"] = without_plans
+        found["also"] = partial(as_it_takes, direct=True)
     return found
 
 

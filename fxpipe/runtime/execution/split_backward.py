@@ -21,7 +21,11 @@ Where one call's weights hang on one node of a linear, a convolution or a layer 
 nothing but the layer's own transpose and cast between (weight_recipes.py), and the caller
 vouches that no tensor hook sits on the stage's values (`direct`: generated stage code
 registers none), W computes their gradients from that node's saved tensors and the captured
-gradient, with the kernel autograd would run, and no engine call.
+gradient, with the kernel autograd would run, and no engine call. A layer norm's weights are
+asked of I itself instead (weight_recipes.IN_INPUT_PASS): the kernel that computes the norm's
+input gradient computes theirs in the same call, where W would run it again to read the input
+and its statistics a second time; W then only accumulates them. Hooks on those weights are read
+when I runs: a hooked one is left to W as before.
 
 Exactness needs every output to lie in C or to reach no weight. An output outside C reaches no
 received leaf, so its paths never meet an intermediate (the first stage, whose outputs depend on
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,6 +47,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.execution.backward_graph import Graph, Route, plan_calls
 from fxpipe.runtime.execution.weight_recipes import (
+    IN_INPUT_PASS,
     Recipe,
     accumulate,
     hooked,
@@ -67,6 +72,7 @@ class _PlannedCall:
     clamped: tuple[int, ...]
     weights: tuple[torch.Tensor, ...]
     recipe: Recipe | None = None
+    early: bool = False  # its weights may be asked of I (weight_recipes.IN_INPUT_PASS)
 
 
 @dataclass(frozen=True)
@@ -74,10 +80,12 @@ class SplitPlan:
     """What reading one stage's backward graph found, in terms that hold for every micro-batch.
 
     route: finds the intermediates (their slots) from the roots; captured: (slot, input) of
-    each gradient I asks for; kept: slots whose gradients node prehooks keep (crossed calls);
-    fallback: W is a full backward (see the module docstring); weights: the tensors W serves;
-    grouped: W runs in one group of graph execution (_one_recompute): it makes several calls, or
-    reads saved tensors for a recipe.
+    each gradient I asks for, the early calls' last; kept: slots whose gradients node prehooks
+    keep (crossed calls); fallback: W is a full backward (see the module docstring); weights:
+    the tensors W serves; grouped: W runs in one group of graph execution (_one_recompute): it
+    makes several calls, or reads saved tensors for a recipe; early: the weights of the early
+    calls, which I computes instead of capturing those calls' gradients (`late` captured
+    entries), unless one of them is hooked.
     """
 
     route: Route
@@ -87,6 +95,8 @@ class SplitPlan:
     fallback: bool
     weights: tuple[torch.Tensor, ...]
     grouped: bool = False
+    early: tuple[torch.Tensor, ...] = ()
+    late: int = 0
 
 
 SplitPlans = dict[Hashable, SplitPlan]  # per stage: a plan for each graph shape met
@@ -147,13 +157,16 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             for i, grad in zip(wanted, leaf_grads):
                 got[i] = grad
         return got, WeightPass(plan, {}, (), {}, served, weights, full=(tensors, gradients))
-    edges = [GradientEdge(nodes[slot], i) for slot, i in plan.captured]
+    early = plan.early if plan.early and not hooked(plan.early) else ()
+    edges = [GradientEdge(nodes[slot], i)
+             for slot, i in (plan.captured[:plan.late] if early else plan.captured)]
     kept: dict[int, Grads] = {}
     handles = [nodes[slot].register_prehook(_keeper(kept, slot)) for slot in plan.kept]
     try:
         found: Sequence[torch.Tensor | None] = ()
-        if wanted_leaves or edges:
-            asked: list[Any] = [*wanted_leaves, *edges]  # autograd takes tensors and edges mixed
+        if wanted_leaves or edges or early:
+            # autograd takes tensors and edges mixed
+            asked: list[Any] = [*wanted_leaves, *edges, *early]
             found = engine_grad(tensors, gradients, asked, retain_graph=bool(plan.weights))
     finally:
         for handle in handles:
@@ -162,8 +175,10 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         got[i] = found_grad
     _release(tensors)
     clamped = {slot: nodes[slot] for slot in plan.kept}  # not the nodes above: they are freed
-    return got, WeightPass(plan, clamped, tuple(zip(edges, found[len(wanted):])), kept, served,
-                           weights)
+    done = len(wanted) + len(edges)
+    return got, WeightPass(plan, clamped, tuple(zip(edges, found[len(wanted):done])), kept,
+                           served, weights,
+                           early=tuple(zip(early, found[done:])) if early else None)
 
 
 def _read(roots: list[Node], leaves: list[torch.Tensor],
@@ -186,28 +201,38 @@ def _read(roots: list[Node], leaves: list[torch.Tensor],
     route, slot = Route.to(graph, [n for call in calls for n in call.intermediates])
     captured: list[tuple[int, int]] = []
     kept: list[int] = []
-    planned = []
+    planned: list[_PlannedCall] = []
+    early_calls: list[tuple[int, list[tuple[int, int]]]] = []  # captured after the others
     for call in calls:
         slots = [slot[n] for n in call.intermediates]
-        start = len(captured)
         counts = [_inputs(n) for n in call.intermediates]
         clamp = call.crossed or None in counts  # crossed, or a node that does not say its inputs
-        if clamp:
-            kept += slots
-        else:
-            captured += [(s, i) for s, count in zip(slots, counts) for i in range(count or 0)]
+        entries = [] if clamp else \
+            [(s, i) for s, count in zip(slots, counts) for i in range(count or 0)]
+        kept += slots if clamp else []
         recipe = recipe_for(call.intermediates[0], call.weights, closure) \
             if direct and _GRAPH_EXEC_GROUP is not None and not clamp \
             and len(call.intermediates) == 1 and counts == [1] else None
-        planned.append(_PlannedCall(tuple(range(start, len(captured))),
-                                    tuple(slots) if clamp else (),
-                                    tuple(_variable(w) for w in call.weights), recipe))
+        early = recipe is not None and recipe.kind in IN_INPUT_PASS
+        if early:
+            early_calls.append((len(planned), entries))
+        else:
+            captured += entries
+        planned.append(_PlannedCall(tuple(range(len(captured) - len(entries), len(captured)))
+                                    if not early else (), tuple(slots) if clamp else (),
+                                    tuple(_variable(w) for w in call.weights), recipe, early))
+    late = len(captured)
+    for k, entries in early_calls:
+        planned[k] = replace(planned[k], captured=tuple(range(len(captured),
+                                                              len(captured) + len(entries))))
+        captured += entries
     nodes: list[Node] = [None] * len(slot)  # type: ignore[list-item]  # all filled below
     for node, k in slot.items():
         nodes[k] = node
     grouped = len(planned) > 1 or any(call.recipe is not None for call in planned)
+    early_weights = tuple(w for call in planned if call.early for w in call.weights)
     return SplitPlan(route, tuple(captured), tuple(kept), tuple(planned), False, served,
-                     grouped), nodes
+                     grouped, early_weights, late), nodes
 
 
 def _release(outputs: list[torch.Tensor]) -> None:
@@ -232,9 +257,11 @@ class WeightPass:
                  captured: tuple[tuple[GradientEdge, torch.Tensor | None], ...],
                  kept: dict[int, Grads], served: frozenset[int] | None,
                  given: Sequence[torch.Tensor] | None,
-                 full: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
+                 full: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None,
+                 early: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] | None = None
                  ) -> None:
         self.fallback = full is not None
+        self._early = early  # (weight, gradient) that I computed for the early calls
         self._plan = plan
         self._clamped = clamped  # slot -> intermediate of a crossed call
         self._captured = captured
@@ -269,12 +296,22 @@ class WeightPass:
                 if inputs:
                     torch.autograd.backward(outputs, grads, inputs=inputs)
                 return
+            early = self._early
             with _one_recompute(plan.grouped):
                 for call in plan.calls:
-                    self._run(call, chosen)
+                    if not (call.early and early is not None):
+                        self._run(call, chosen)
+            for weight, grad in early or ():
+                if grad is not None and (chosen is None or id(weight) in chosen):
+                    if hooked((weight,)):
+                        raise PipelineRuntimeError(
+                            "a hook was put on a weight between the input and the weight pass "
+                            "of a split backward; the input pass computed its gradient "
+                            "without one", hint="register weight hooks before the step")
+                    accumulate(weight, grad)
         finally:
             self._plan, self._clamped, self._captured, self._kept = None, {}, (), {}
-            self._full = self._given = None
+            self._full = self._given = self._early = None
 
     def _run(self, call: _PlannedCall, chosen: set[int] | None) -> None:
         if call.recipe is not None and not hooked(call.weights):

@@ -11,6 +11,11 @@ and the gradient entering it, the kernel autograd would run:
     NativeLayerNormBackward0                 aten.native_layer_norm_backward, weights only
     ConvolutionBackward0                     aten.convolution_backward, weights only
 
+A layer norm's weights are better served by I (IN_INPUT_PASS): their gradients are reductions
+over the same input, statistics and incoming gradient as the norm's input gradient, and
+native_layer_norm_backward computes all three in one call when asked; W then only accumulates
+what I computed. Where one of those weights carries a hook, W serves them as before.
+
 A recipe applies where the graph from the node to its weights is the layer's own: a transpose
 (TBackward0) or nothing, a dtype cast (autocast's ToCopyBackward0) or none, then the weight's
 AccumulateGrad, and no other weight on the way. The callers vouch that no tensor hook sits on
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import Node
 
-__all__ = ["Recipe", "accumulate", "hooked", "recipe_for", "weight_grads"]
+__all__ = ["IN_INPUT_PASS", "Recipe", "accumulate", "hooked", "recipe_for", "weight_grads"]
 
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _CAST = "ToCopyBackward0"
@@ -38,6 +43,9 @@ _ROLES: dict[str, dict[str, tuple[int, bool]]] = {
     "NativeLayerNormBackward0": {"weight": (1, False), "bias": (2, False)},
     "ConvolutionBackward0": {"weight": (1, False), "bias": (2, False)},
 }
+
+# the recipes whose weights I computes, in the kernel call that makes the node's input gradient
+IN_INPUT_PASS = frozenset({"NativeLayerNormBackward0"})
 
 
 @dataclass(frozen=True)
