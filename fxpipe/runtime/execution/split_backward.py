@@ -297,26 +297,28 @@ class WeightPass:
                     torch.autograd.backward(outputs, grads, inputs=inputs)
                 return
             early = self._early
+            if early is not None and hooked(plan.early):
+                raise PipelineRuntimeError(
+                    "a hook was put on a weight between the input and the weight pass of a "
+                    "split backward; the input pass computed its gradient without one",
+                    hint="register weight hooks before the step")
             with _one_recompute(plan.grouped):
                 for call in plan.calls:
-                    if not (call.early and early is not None):
-                        self._run(call, chosen)
+                    if call.early and early is not None:
+                        continue  # I computed its weights' gradients
+                    if call.recipe is not None and not hooked(call.weights):
+                        self._compute(call, call.recipe, chosen)
+                    else:
+                        self._engine(call, chosen)
             for weight, grad in early or ():
                 if grad is not None and (chosen is None or id(weight) in chosen):
-                    if hooked((weight,)):
-                        raise PipelineRuntimeError(
-                            "a hook was put on a weight between the input and the weight pass "
-                            "of a split backward; the input pass computed its gradient "
-                            "without one", hint="register weight hooks before the step")
                     accumulate(weight, grad)
         finally:
             self._plan, self._clamped, self._captured, self._kept = None, {}, (), {}
             self._full = self._given = self._early = None
 
-    def _run(self, call: _PlannedCall, chosen: set[int] | None) -> None:
-        if call.recipe is not None and not hooked(call.weights):
-            self._compute(call, call.recipe, chosen)
-            return
+    def _engine(self, call: _PlannedCall, chosen: set[int] | None) -> None:
+        """W of one group's weights through autograd's engine, from the captured edges."""
         inputs = [w for w in call.weights
                   if w.requires_grad and (chosen is None or id(w) in chosen)]
         pairs = [self._captured[k] for k in call.captured]

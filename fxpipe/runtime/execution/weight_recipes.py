@@ -114,31 +114,32 @@ def weight_grads(recipe: Recipe, node: Node, grad: torch.Tensor,
     """The gradient of each of `weights` (the group's, in its order) from `node`, given the
     gradient that entered it. Reading a saved tensor of a remat region recomputes the region
     (once per graph-execution group, see split_backward._one_recompute)."""
-    want = [role in recipe.roles for role in ("weight", "bias")]
+    rows_at = _ROWS.get(recipe.kind)
+    if rows_at is not None:  # a linear's (most of W): the product and the bias's sum directly
+        rows: torch.Tensor = getattr(node, rows_at)  # the input x, as saved
+        out = []
+        for role, cast, weight in zip(recipe.roles, recipe.casts, weights):
+            if role == "weight":
+                g = grad.t().mm(rows)  # (x^T g)^T: mat2's gradient, transposed
+            else:  # the engine sums the gradient of a broadcast bias so
+                g = grad.sum_to_size(weight.shape)
+                g = g.clone() if g is grad else g  # never .grad aliasing the gradient given
+            out.append(g.to(weight.dtype) if cast else g)
+        return out
+    want = ["weight" in recipe.roles, "bias" in recipe.roles]
     if recipe.kind == "NativeLayerNormBackward0":
         saved = [_saved(node, name) for name in ("input", "normalized_shape", "result1",
                                                  "result2", "weight", "bias")]
         _, dw, db = torch.ops.aten.native_layer_norm_backward(grad, *saved, [False, *want])
         by_role = {"weight": dw, "bias": db}
-    elif recipe.kind == "ConvolutionBackward0":
+    else:  # ConvolutionBackward0
         saved = [_saved(node, name) for name in ("input", "weight", "bias_sym_sizes_opt",
                                                  "stride", "padding", "dilation", "transposed",
                                                  "output_padding", "groups")]
         _, dw, db = torch.ops.aten.convolution_backward(grad, *saved, [False, *want])
         by_role = {"weight": dw, "bias": db}
-    else:
-        rows: torch.Tensor = getattr(node, _ROWS[recipe.kind])  # the input x, as saved
-        by_role = {"weight": grad.t().mm(rows)}  # (x^T g)^T: mat2's gradient, transposed
-        if "bias" in recipe.roles:  # the engine sums the gradient of a broadcast bias so
-            by_role["bias"] = grad
-    out = []
-    for role, cast, weight in zip(recipe.roles, recipe.casts, weights):
-        g = by_role[role]
-        if role == "bias" and recipe.kind in _ROWS:  # a linear's: summed here
-            g = g.sum_to_size(weight.shape)
-            g = g.clone() if g is grad else g  # never .grad aliasing the gradient given
-        out.append(g.to(weight.dtype) if cast else g)
-    return out
+    return [by_role[role].to(weight.dtype) if cast else by_role[role]
+            for role, cast, weight in zip(recipe.roles, recipe.casts, weights)]
 
 
 _ROWS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}
