@@ -19,7 +19,7 @@ from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.planning.grid import peak_inflight, render_grid
 from fxpipe.runtime.planning.schedule import SCHEDULES, ActionKind, Schedule, ScheduleKind
 from fxpipe.runtime.planning.timeline import predicted_step
-from fxpipe.stage_facts import communication, predicted_kept, stage_figures
+from fxpipe.stage_facts import communication, predicted_kept, stage_figures, weight_pass_kept
 from fxpipe.units import human_bytes, human_flops, human_time
 
 __all__ = ["Report", "StageRow", "build_report", "SCHEDULE_TITLES"]
@@ -41,6 +41,9 @@ class StageRow(TypedDict, total=False):
     activations_bytes: float
     kept_with_remat_bytes: float
     loss_bytes: float  # what the loss keeps per micro-batch in flight (the last stage's)
+    # what a micro-batch keeps from a split backward's I to its W where I frees the graph
+    # (stage_facts.weight_pass_kept); None: the whole graph stays until W
+    weight_pass_bytes: float | None
     recv_bytes: float
     send_bytes: float
     memory_model_bytes: float | None
@@ -144,19 +147,29 @@ class Report:
         """Activation bytes each rank keeps at its peak in a step of `schedule`, its actions
         played in order: a forward adds what its micro-batch keeps at that stage (every
         activation, or its remat regions' inputs where it recomputes; the last stage's with
-        what the loss keeps), its backward (W, in a split backward) frees it. With one stage
-        per rank this is kept_by_stage; with several, their peaks need not coincide."""
+        what the loss keeps), its backward (W, in a split backward) frees it. A split
+        backward's I frees all but what W reads where the stage allows it and the micro-batch
+        recomputed nothing (`weight_pass_bytes`). With one stage per rank and no split backward
+        this is kept_by_stage; with several, their peaks need not coincide."""
         m = self.plan.chunks
         out = []
         for actions in self.built(schedule, ranks):
             live = peak = 0.0
+            waiting: dict[tuple[int, int], float] = {}  # (stage, mb) -> kept from I to W
             for a in actions:
-                if a.kind == ActionKind.INPUT_GRAD:
-                    continue  # the activations stay for W
                 s = self.stages[a.stage]
-                keeps = s["kept_with_remat_bytes"] if self.remat.recomputes(a.microbatch, m) \
-                    else s["activations_bytes"]
-                live += (keeps + s["loss_bytes"]) * (1 if a.kind == ActionKind.FORWARD else -1)
+                recomputes = self.remat.recomputes(a.microbatch, m)
+                whole = (s["kept_with_remat_bytes"] if recomputes else s["activations_bytes"]) \
+                    + s["loss_bytes"]
+                if a.kind == ActionKind.FORWARD:
+                    live += whole
+                elif a.kind == ActionKind.INPUT_GRAD:
+                    kept = s["weight_pass_bytes"]
+                    if kept is not None and not recomputes:  # else all stays for W
+                        waiting[(a.stage, a.microbatch)] = kept
+                        live -= whole - kept
+                else:
+                    live -= waiting.pop((a.stage, a.microbatch), whole)
                 peak = max(peak, live)
             out.append(peak)
         return out
@@ -329,6 +342,7 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
             "activations_bytes": figures["saved"],
             "kept_with_remat_bytes": figures["kept_with_remat"],
             "loss_bytes": loss_saved_bytes(built.captured, b) if st.index == last else 0.0,
+            "weight_pass_bytes": weight_pass_kept(st.graph, b),
             "recv_bytes": figures["recv_bytes"], "send_bytes": figures["send_bytes"],
             "memory_model_bytes": sp.memory,
             "kept_predicted_bytes": kept[st.index],

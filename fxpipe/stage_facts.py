@@ -3,8 +3,11 @@ headers state it: per stage its forward FLOPs, weights, saved and kept activatio
 bytes it receives and sends; per step the activations held at the peak and the bytes moved."""
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from typing import Any
 
+import torch.nn.functional as F
 from torch import nn
 from torch.fx import Node
 
@@ -13,7 +16,7 @@ from fxpipe.built import Built
 from fxpipe.passes.remat import RematRegion, kept_bytes
 from fxpipe.passes.split import StageGraph
 
-__all__ = ["communication", "predicted_kept", "stage_figures", "value_bytes"]
+__all__ = ["communication", "predicted_kept", "stage_figures", "value_bytes", "weight_pass_kept"]
 
 
 def _at(expr: ir.Expr, b: int) -> float:
@@ -50,6 +53,56 @@ def stage_figures(graph: StageGraph, regions: Sequence[RematRegion], b: int) -> 
         "recv_bytes": sum(value_bytes(c.value, b) for c in graph.recvs),
         "send_bytes": sum(value_bytes(c.value, b) for c in graph.sends),
     }
+
+
+# the layers whose weights a split backward's W computes itself (or asks of I: a norm's), by
+# the positions of their weight and bias among the call's arguments
+# (fxpipe/runtime/execution/weight_recipes.py)
+_WEIGHT_LAYERS: dict[Any, tuple[int, int]] = {
+    F.linear: (1, 2), F.conv1d: (1, 2), F.conv2d: (1, 2), F.conv3d: (1, 2),
+    F.layer_norm: (2, 3)}
+_LAYERS_READ_BY_W = {F.linear, F.conv1d, F.conv2d, F.conv3d}  # their inputs stay for W
+
+
+def weight_pass_kept(graph: StageGraph, b: int) -> float | None:
+    """Bytes a micro-batch of this stage keeps from a split backward's I to its W where I frees
+    the graph (fxpipe/runtime/execution/split_backward.py: no remat recompute, every weight's
+    gradient computed by W itself): the inputs its linears and convolutions saved. None where
+    W needs the graph: a stage that receives no gradient-carrying value (its W is a whole
+    backward), or a trainable weight used other than once by one such layer."""
+    if not any(isinstance(c.value, ir.TensorInfo) and c.value.is_float and c.value.requires_grad
+               for c in graph.recvs):
+        return None
+    gm = graph.graph_module
+    users: dict[int, list[tuple[Node, Node]]] = {}  # weight -> (reading node, user)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = operator.attrgetter(str(node.target))(gm)
+            if isinstance(value, nn.Parameter) and value.requires_grad:
+                users.setdefault(id(value), []).extend((node, u) for u in node.users)
+    for uses in users.values():
+        if len(uses) != 1:
+            return None
+        read, user = uses[0]
+        positions = _WEIGHT_LAYERS.get(user.target) if user.op == "call_function" else None
+        if positions is None or _argument_position(user, read) not in positions:
+            return None
+    inputs: dict[str, float] = {}  # producer -> bytes, each value once
+    for node in _stage_nodes(graph):
+        if node.op == "call_function" and node.target in _LAYERS_READ_BY_W:
+            for producer, nbytes in ir.cost(node).saves:
+                inputs[producer] = _at(nbytes, b)
+    return sum(inputs.values())
+
+
+def _argument_position(node: Node, arg: Node) -> int | None:
+    """Where `arg` sits among `node`'s arguments (a keyword by its place in F.linear's,
+    F.conv*'s or F.layer_norm's signature), if once."""
+    names = {"weight": 1, "bias": 2} if node.target is not F.layer_norm else \
+        {"weight": 2, "bias": 3}
+    found = [i for i, a in enumerate(node.args) if a is arg] + \
+        [names.get(k, -1) for k, a in node.kwargs.items() if a is arg]
+    return found[0] if len(found) == 1 else None
 
 
 def predicted_kept(built: Built) -> list[float]:

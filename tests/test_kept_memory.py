@@ -81,3 +81,39 @@ def test_measure_kept_in_one_process_points_to_measure_activations() -> None:
     program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
     with pytest.raises(ConfigError, match="measure_activations"):
         program.measure_kept(idx, target=gpt.target((idx,)))
+
+
+class _ScaledTail(torch.nn.Module):
+    """Two linears, then a weight that scales elementwise (as an RMSNorm's does): W needs the
+    engine for it, so the stage that holds it keeps its graph from I to W."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(16, 16)
+        self.second = torch.nn.Linear(16, 16)
+        self.scale = torch.nn.Parameter(torch.ones(16))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.second(torch.relu(self.first(x))))
+        return self.head(h * self.scale)
+
+
+def test_what_a_split_backward_keeps_from_i_to_w_by_stage() -> None:
+    """The last stage's weights all hang on linears and norms: from I to W it keeps the inputs
+    of its five linears (ln_1's, the attention's, ln_2's and ln_f's outputs, d wide, and the
+    MLP's, 4d wide). The first stage's W is a whole backward, and a stage with an elementwise
+    weight needs its graph in W: both keep everything (None)."""
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)  # d_model 64, 32 tokens
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100",
+                             schedule="zb-h1")
+    first, last = program.report().stages
+    b = program.plan.microbatch_size
+    assert first["weight_pass_bytes"] is None
+    assert last["weight_pass_bytes"] == (4 + 4) * b * 32 * 64 * 4 < last["activations_bytes"]
+
+    scaled = fxpipe.compile(_ScaledTail(), (torch.randn(8, 16),), stages=2, chunks=2,
+                            profile="a100", schedule="zb-h1")
+    holder = [(s["stage"], s["weight_pass_bytes"]) for s in scaled.report().stages
+              if "scale" in scaled.stage_modules[s["stage"]].state_dict()]
+    assert holder == [(1, None)]  # a stage that receives, so not for want of a gradient

@@ -55,12 +55,12 @@ def params(module: nn.Module) -> list[torch.Tensor]:
 
 def run_split(module: nn.Module, received: Sequence[torch.Tensor],
               grads: Sequence[torch.Tensor | None] | None = None,
-              plans: SplitPlans | None = None, direct: bool = False,
+              plans: SplitPlans | None = None, direct: bool = False, release: bool = False,
               ) -> tuple[list[torch.Tensor | None], WeightPass]:
     leaves = [r.clone().requires_grad_() for r in received]
     outputs = module(*leaves)
     got, weight_pass = input_backward(outputs, grads or [None] * len(outputs), leaves,
-                                      plans=plans, direct=direct)
+                                      plans=plans, direct=direct, release=release)
     return got, weight_pass
 
 
@@ -890,5 +890,82 @@ def test_a_hook_put_on_a_norm_weight_between_the_passes_is_refused() -> None:
     _, weight_pass = input_backward(stage(leaf), [torch.randn(6, 8)], [leaf], params(stage),
                                     direct=True)
     stage.ln.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(PipelineRuntimeError, match="between the input and the weight pass"):
+        weight_pass.run(params(stage))
+
+
+class _Boxed:
+    """Saved-tensor hooks that box what autograd saves, so that a test can see (by weak
+    references to the boxes) whether the graph still holds it."""
+
+    class Box:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    def __init__(self) -> None:
+        self.boxes: list[weakref.ref[_Boxed.Box]] = []
+
+    def pack(self, t: torch.Tensor) -> _Boxed.Box:
+        box = _Boxed.Box(t)
+        self.boxes.append(weakref.ref(box))
+        return box
+
+    def held(self) -> int:
+        gc.collect()
+        return sum(ref() is not None for ref in self.boxes)
+
+
+def test_a_releasing_input_pass_frees_the_graph_and_keeps_what_w_reads() -> None:
+    """With `release`, I reads the linears' saved inputs and frees everything autograd saved,
+    as a plain backward does; W computes from what I read. Without it, the graph stays."""
+    stage = Transformerish()
+    reference = copy.deepcopy(stage)
+    x, g = torch.randn(2, 3, 8), torch.randn(6, 8)
+    plans: SplitPlans = {}
+    for release in (False, True, True):
+        boxed = _Boxed()
+        leaf = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(boxed.pack, lambda box: box.t):
+            outputs = stage(leaf)
+        saved = boxed.held()
+        _, weight_pass = input_backward(outputs, [g], [leaf], params(stage), plans, direct=True,
+                                        release=release)
+        held = weight_pass.held()
+        if release:
+            assert boxed.held() == 0 < saved
+            assert held is not None and len(held) == 3  # the inputs of up, down and head
+        else:
+            assert boxed.held() == saved and held is None
+        with EngineCalls() as weight_calls:
+            weight_pass.run(params(stage))
+        assert weight_calls.count == 0
+        run_full(reference, [x], [g])
+    assert_same_grads(stage, reference)
+
+
+@pytest.mark.parametrize("make", [Middle, Transformerish, Convish, lambda: Chain(3)])
+def test_a_releasing_input_pass_is_exact_where_it_frees_and_where_it_cannot(make: Any) -> None:
+    """A batch norm's weights (Convish) need the engine in W: that stage keeps its graph."""
+    stage = make()
+    reference = copy.deepcopy(stage)
+    shape = (2, 4, 6, 6) if isinstance(stage, Convish) else (2, 3, 8)
+    x = torch.randn(shape)
+    g = [o.detach().clone().normal_() for o in reference(x.clone())]
+    plans: SplitPlans = {}
+    for _ in range(2):
+        got, weight_pass = run_split(stage, [x], g, plans, direct=True, release=True)
+        assert (weight_pass.held() is None) == isinstance(stage, Convish)
+        weight_pass.run(params(stage))
+        torch.testing.assert_close(got[0], run_full(reference, [x], g)[0])
+    assert_same_grads(stage, reference)
+
+
+def test_a_hook_put_on_a_weight_after_a_releasing_input_pass_is_refused() -> None:
+    stage = Transformerish()
+    leaf = torch.randn(2, 3, 8).requires_grad_()
+    _, weight_pass = input_backward(stage(leaf), [torch.randn(6, 8)], [leaf], params(stage),
+                                    direct=True, release=True)
+    assert weight_pass.held() is not None
+    stage.up.weight.register_post_accumulate_grad_hook(lambda p: None)
     with pytest.raises(PipelineRuntimeError, match="between the input and the weight pass"):
         weight_pass.run(params(stage))

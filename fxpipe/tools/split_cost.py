@@ -74,7 +74,8 @@ def _variants(also: str | None) -> dict[str, Split | None]:
         return split_backward.input_backward(*args, **kwargs)  # W: an engine call per group
 
     found: dict[str, Split | None] = {
-        "split": partial(split_backward.input_backward, direct=True),  # as the executor runs it
+        # as the executor runs it where no remat region recomputes
+        "split": partial(split_backward.input_backward, direct=True, release=True),
         "engine": through_engine}
     if also:
         other = _load(also).input_backward
@@ -87,7 +88,7 @@ def _variants(also: str | None) -> dict[str, Split | None]:
             return other(outputs, grads, leaves, weights,
                          **{k: v for k, v in given.items() if k in takes})
 
-        found["also"] = partial(as_it_takes, direct=True)
+        found["also"] = partial(as_it_takes, direct=True, release=True)
     return found
 
 

@@ -18,7 +18,11 @@ weight's gradient reaches its .grad through AccumulateGrad once, so post-accumul
 as in a plain backward. Between I and W the rank keeps the intermediates, the graph below them
 (input-only nodes there keep their saved tensors until W frees everything) and the kept
 gradients; the sent values are detached where nothing else holds them, which frees the graph
-above the intermediates.
+above the intermediates. Where W computes every weight's gradient itself and the micro-batch
+recomputed no remat region, I instead reads the inputs W's kernels need (a linear's x) and
+frees the whole graph, as a plain backward would: from I to W the micro-batch keeps only those
+inputs and the captured gradients (`release`; the memory model counts them so,
+Report.kept_by_rank).
 
 A micro-batch with an output that depends on no received leaf but reaches a weight (every
 micro-batch of a first stage; `w * x_input` sent beside `f(received)`) falls back: I takes the
@@ -397,18 +401,23 @@ class DistComm:
             self.outbox[_gradient(msg)] = grad.detach().contiguous()
 
     def backward_input(self, stage: int, mb: int, loss: torch.Tensor | None = None,
-                       weights: Sequence[torch.Tensor] | None = None) -> None:
+                       weights: Sequence[torch.Tensor] | None = None,
+                       release: bool = False) -> list[torch.Tensor] | None:
         """The input-gradient half of a split backward (NOTE [Split backward]): gradients in,
         the received leaves' gradients out; what the weight half needs (for `weights`, by
-        default every parameter in the graph) stays for `backward_weight`."""
+        default every parameter in the graph) stays for `backward_weight`. `release`: no remat
+        region recomputed in this micro-batch, so that I may free the graph where W needs only
+        its recipes' inputs; returns those saved tensors then (None: the graph is kept)."""
         record = self.records.pop((stage, mb), _Record())
         tensors, grads = self._output_grads(record, stage, mb, loss)
-        got, self.retained[(stage, mb)] = input_backward(  # generated code: no tensor hooks
+        got, weight_pass = input_backward(  # generated code: no tensor hooks
             tensors, grads, [leaf for leaf, _ in record.received], weights,
-            self.split_plans.setdefault(stage, {}), direct=True)
+            self.split_plans.setdefault(stage, {}), direct=True, release=release)
+        self.retained[(stage, mb)] = weight_pass
         for (leaf, msg), grad in zip(record.received, got):
             grad = grad if grad is not None else torch.zeros_like(leaf)
             self.outbox[_gradient(msg)] = grad.detach().contiguous()
+        return weight_pass.held()
 
     def backward_weight(self, stage: int, mb: int, weights: Sequence[torch.Tensor]) -> None:
         """The weight-gradient half: accumulates into `weights`' .grad from what

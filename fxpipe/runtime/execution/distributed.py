@@ -275,8 +275,12 @@ class DistributedExecutor:
                                 then=keep if last else None)  # the comm keeps what backward needs
                 elif action.kind == ActionKind.INPUT_GRAD:
                     with self.timeline.span("backward", stage, mb, detail=str(action.kind)):
-                        comm.backward_input(stage, mb, self._weighted(losses, mb, decided(), scale)
-                                            if self.is_last(stage) else None, weights[stage])
+                        held = comm.backward_input(
+                            stage, mb, self._weighted(losses, mb, decided(), scale)
+                            if self.is_last(stage) else None, weights[stage],
+                            release=not remat.recomputes(mb, chunks))
+                    if memory and held is not None:  # I freed what W does not read
+                        memory.keep_only((stage, mb), held)
                 else:
                     if self.averager and tick.index == last_backward:
                         self.averager.arm()

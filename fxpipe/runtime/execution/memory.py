@@ -68,6 +68,13 @@ class KeptMemory:
             self.per_microbatch[microbatch] = sum(self.live.get(microbatch, {}).values())
             self.peak = max(self.peak, self.total())
 
+    def keep_only(self, microbatch: Key, tensors: Iterable[torch.Tensor]) -> None:
+        """The micro-batch's input pass freed all it kept but the storages of `tensors` (what
+        its weight pass reads)."""
+        kept = {t.untyped_storage().data_ptr() for t in tensors}
+        storages = self.live.get(microbatch, {})
+        self.live[microbatch] = {ptr: n for ptr, n in storages.items() if ptr in kept}
+
     def release(self, microbatch: Key) -> None:
         """The micro-batch's backward ran: its activations are freed."""
         self.live.pop(microbatch, None)

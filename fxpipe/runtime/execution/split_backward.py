@@ -27,6 +27,13 @@ input gradient computes theirs in the same call, where W would run it again to r
 and its statistics a second time; W then only accumulates them. Hooks on those weights are read
 when I runs: a hooked one is left to W as before.
 
+Between I and W the graph is kept for W (`retain_graph`), with every tensor its nodes saved,
+unless the caller says that no remat region recomputes in this micro-batch (`release`) and W
+needs nothing of the graph but the recipes' saved inputs: every call of the plan has a recipe
+and no weight is hooked. Then I reads those inputs first (a linear's x, a convolution's input)
+and frees the graph as a plain backward does, so that from I to W the micro-batch holds only
+them and the captured gradients.
+
 Exactness needs every output to lie in C or to reach no weight. An output outside C reaches no
 received leaf, so its paths never meet an intermediate (the first stage, whose outputs depend on
 no received leaf; `w * x_model_input` sent beside `f(received)`). Then the whole micro-batch
@@ -52,6 +59,7 @@ from fxpipe.runtime.execution.weight_recipes import (
     accumulate,
     hooked,
     recipe_for,
+    saved_for,
     weight_grads,
 )
 
@@ -85,7 +93,8 @@ class SplitPlan:
     the tensors W serves; grouped: W runs in one group of graph execution (_one_recompute): it
     makes several calls, or reads saved tensors for a recipe; early: the weights of the early
     calls, which I computes instead of capturing those calls' gradients (`late` captured
-    entries), unless one of them is hooked.
+    entries), unless one of them is hooked; releasable: every call has a recipe and none is
+    clamped, so that I may free the graph once it has read the recipes' saved inputs.
     """
 
     route: Route
@@ -97,6 +106,7 @@ class SplitPlan:
     grouped: bool = False
     early: tuple[torch.Tensor, ...] = ()
     late: int = 0
+    releasable: bool = False  # W can do without the graph (module docstring)
 
 
 SplitPlans = dict[Hashable, SplitPlan]  # per stage: a plan for each graph shape met
@@ -105,8 +115,8 @@ SplitPlans = dict[Hashable, SplitPlan]  # per stage: a plan for each graph shape
 def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                    leaves: Sequence[torch.Tensor],
                    weights: Sequence[torch.Tensor] | None = None,
-                   plans: SplitPlans | None = None, *, direct: bool = False
-                   ) -> tuple[list[torch.Tensor | None], WeightPass]:
+                   plans: SplitPlans | None = None, *, direct: bool = False,
+                   release: bool = False) -> tuple[list[torch.Tensor | None], WeightPass]:
     """The input half of a backward: the gradients of `leaves`, and the pass for the weights.
 
     Args:
@@ -122,6 +132,9 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             itself, from the saved tensors (weight_recipes.py); the caller vouches that no
             tensor hook sits on a value the stage computed (generated stage code registers
             none).
+        release: no remat region recomputes in this micro-batch (its saved tensors are read
+            without recomputing): where the plan allows, I frees the graph, and W keeps only
+            what its recipes read (module docstring).
 
     Returns:
         The gradient of each leaf (None where it has none), and a WeightPass to run later. Where
@@ -160,6 +173,9 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     early = plan.early if plan.early and not hooked(plan.early) else ()
     edges = [GradientEdge(nodes[slot], i)
              for slot, i in (plan.captured[:plan.late] if early else plan.captured)]
+    # (no weight hooked: the early calls' weights are asked of I too)
+    saved = _read_ahead(plan, nodes) if release and plan.releasable \
+        and not hooked(plan.weights) else None
     kept: dict[int, Grads] = {}
     handles = [nodes[slot].register_prehook(_keeper(kept, slot)) for slot in plan.kept]
     try:
@@ -167,7 +183,8 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         if wanted_leaves or edges or early:
             # autograd takes tensors and edges mixed
             asked: list[Any] = [*wanted_leaves, *edges, *early]
-            found = engine_grad(tensors, gradients, asked, retain_graph=bool(plan.weights))
+            found = engine_grad(tensors, gradients, asked,
+                                retain_graph=bool(plan.weights) and saved is None)
     finally:
         for handle in handles:
             handle.remove()
@@ -178,7 +195,20 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     done = len(wanted) + len(edges)
     return got, WeightPass(plan, clamped, tuple(zip(edges, found[len(wanted):done])), kept,
                            served, weights,
-                           early=tuple(zip(early, found[done:])) if early else None)
+                           early=tuple(zip(early, found[done:])) if early else None, saved=saved)
+
+
+def _read_ahead(plan: SplitPlan, nodes: list[Node]) -> list[tuple[Any, ...] | None]:
+    """What each call's recipe reads of its node (None for an early call), read before I
+    frees the graph."""
+    out: list[tuple[Any, ...] | None] = []
+    for call in plan.calls:
+        recipe = call.recipe
+        if call.early or recipe is None:
+            out.append(None)
+        else:
+            out.append(saved_for(recipe, nodes[plan.captured[call.captured[0]][0]]))
+    return out
 
 
 def _read(roots: list[Node], leaves: list[torch.Tensor],
@@ -231,8 +261,9 @@ def _read(roots: list[Node], leaves: list[torch.Tensor],
         nodes[k] = node
     grouped = len(planned) > 1 or any(call.recipe is not None for call in planned)
     early_weights = tuple(w for call in planned if call.early for w in call.weights)
+    releasable = not kept and all(call.recipe is not None for call in planned)
     return SplitPlan(route, tuple(captured), tuple(kept), tuple(planned), False, served,
-                     grouped, early_weights, late), nodes
+                     grouped, early_weights, late, releasable), nodes
 
 
 def _release(outputs: list[torch.Tensor]) -> None:
@@ -258,10 +289,11 @@ class WeightPass:
                  kept: dict[int, Grads], served: frozenset[int] | None,
                  given: Sequence[torch.Tensor] | None,
                  full: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None,
-                 early: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] | None = None
-                 ) -> None:
+                 early: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] | None = None,
+                 saved: list[tuple[Any, ...] | None] | None = None) -> None:
         self.fallback = full is not None
         self._early = early  # (weight, gradient) that I computed for the early calls
+        self._saved = saved  # per call, what its recipe reads, where I freed the graph
         self._plan = plan
         self._clamped = clamped  # slot -> intermediate of a crossed call
         self._captured = captured
@@ -296,18 +328,20 @@ class WeightPass:
                 if inputs:
                     torch.autograd.backward(outputs, grads, inputs=inputs)
                 return
-            early = self._early
-            if early is not None and hooked(plan.early):
+            early, saved = self._early, self._saved
+            if (early is not None and hooked(plan.early)) or \
+                    (saved is not None and hooked(plan.weights)):
                 raise PipelineRuntimeError(
                     "a hook was put on a weight between the input and the weight pass of a "
-                    "split backward; the input pass computed its gradient without one",
+                    "split backward, which the input pass ran as without hooks",
                     hint="register weight hooks before the step")
-            with _one_recompute(plan.grouped):
-                for call in plan.calls:
+            with _one_recompute(plan.grouped and saved is None):
+                for k, call in enumerate(plan.calls):
                     if call.early and early is not None:
                         continue  # I computed its weights' gradients
                     if call.recipe is not None and not hooked(call.weights):
-                        self._compute(call, call.recipe, chosen)
+                        self._compute(call, call.recipe, chosen,
+                                      saved[k] if saved is not None else None)
                     else:
                         self._engine(call, chosen)
             for weight, grad in early or ():
@@ -315,7 +349,15 @@ class WeightPass:
                     accumulate(weight, grad)
         finally:
             self._plan, self._clamped, self._captured, self._kept = None, {}, (), {}
-            self._full = self._given = self._early = None
+            self._full = self._given = self._early = self._saved = None
+
+    def held(self) -> list[torch.Tensor] | None:
+        """The saved tensors this pass keeps of the graph where I freed it (what its recipes
+        read), or None where it keeps the whole graph."""
+        if self._saved is None:
+            return None
+        return [t for values in self._saved if values is not None for t in values
+                if isinstance(t, torch.Tensor)]
 
     def _engine(self, call: _PlannedCall, chosen: set[int] | None) -> None:
         """W of one group's weights through autograd's engine, from the captured edges."""
@@ -339,12 +381,15 @@ class WeightPass:
             for handle in handles:
                 handle.remove()
 
-    def _compute(self, call: _PlannedCall, recipe: Recipe, chosen: set[int] | None) -> None:
-        """W of one layer's weights without autograd's engine (weight_recipes.py)."""
+    def _compute(self, call: _PlannedCall, recipe: Recipe, chosen: set[int] | None,
+                 saved: tuple[Any, ...] | None) -> None:
+        """W of one layer's weights without autograd's engine (weight_recipes.py), from what
+        I read of its node (`saved`), or else from the node now."""
         edge, grad = self._captured[call.captured[0]]
         if grad is None:
             return  # no gradient reached the layer
-        grads = weight_grads(recipe, edge.node, grad, call.weights)
+        grads = weight_grads(recipe, saved if saved is not None else saved_for(recipe, edge.node),
+                             grad, call.weights)
         for weight, weight_grad in zip(call.weights, grads):
             if weight.requires_grad and (chosen is None or id(weight) in chosen):
                 accumulate(weight, weight_grad)

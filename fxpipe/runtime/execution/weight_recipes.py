@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd.graph import Node
 
-__all__ = ["IN_INPUT_PASS", "Recipe", "accumulate", "hooked", "recipe_for", "weight_grads"]
+__all__ = ["IN_INPUT_PASS", "Recipe", "accumulate", "hooked", "recipe_for", "saved_for",
+           "weight_grads"]
 
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _CAST = "ToCopyBackward0"
@@ -109,14 +111,23 @@ def _only_child(node: Node) -> Node | None:
     return children[0] if len(children) == 1 else None
 
 
-def weight_grads(recipe: Recipe, node: Node, grad: torch.Tensor,
-                 weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """The gradient of each of `weights` (the group's, in its order) from `node`, given the
-    gradient that entered it. Reading a saved tensor of a remat region recomputes the region
-    (once per graph-execution group, see split_backward._one_recompute)."""
+def saved_for(recipe: Recipe, node: Node) -> tuple[Any, ...]:
+    """What `weight_grads` reads of `node` (its saved tensors and arguments), read now: a
+    split backward that frees the graph in I reads them before. Reading a saved tensor of a
+    remat region recomputes the region (once per graph-execution group, see
+    split_backward._one_recompute)."""
     rows_at = _ROWS.get(recipe.kind)
-    if rows_at is not None:  # a linear's (most of W): the product and the bias's sum directly
-        rows: torch.Tensor = getattr(node, rows_at)  # the input x, as saved
+    if rows_at is not None:
+        return (getattr(node, rows_at),)  # a linear's input x, as saved
+    return tuple(getattr(node, f"_saved_{name}") for name in _SAVED[recipe.kind])
+
+
+def weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
+                 weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The gradient of each of `weights` (the group's, in its order) from what its node saved
+    (`saved_for`), given the gradient that entered the node."""
+    if recipe.kind in _ROWS:  # a linear's (most of W): the product and the bias's sum directly
+        rows: torch.Tensor = saved[0]
         out = []
         for role, cast, weight in zip(recipe.roles, recipe.casts, weights):
             if role == "weight":
@@ -127,26 +138,20 @@ def weight_grads(recipe: Recipe, node: Node, grad: torch.Tensor,
             out.append(g.to(weight.dtype) if cast else g)
         return out
     want = ["weight" in recipe.roles, "bias" in recipe.roles]
-    if recipe.kind == "NativeLayerNormBackward0":
-        saved = [_saved(node, name) for name in ("input", "normalized_shape", "result1",
-                                                 "result2", "weight", "bias")]
-        _, dw, db = torch.ops.aten.native_layer_norm_backward(grad, *saved, [False, *want])
-        by_role = {"weight": dw, "bias": db}
-    else:  # ConvolutionBackward0
-        saved = [_saved(node, name) for name in ("input", "weight", "bias_sym_sizes_opt",
-                                                 "stride", "padding", "dilation", "transposed",
-                                                 "output_padding", "groups")]
-        _, dw, db = torch.ops.aten.convolution_backward(grad, *saved, [False, *want])
-        by_role = {"weight": dw, "bias": db}
+    kernel = torch.ops.aten.native_layer_norm_backward \
+        if recipe.kind == "NativeLayerNormBackward0" else torch.ops.aten.convolution_backward
+    _, dw, db = kernel(grad, *saved, [False, *want])
+    by_role = {"weight": dw, "bias": db}
     return [by_role[role].to(weight.dtype) if cast else by_role[role]
             for role, cast, weight in zip(recipe.roles, recipe.casts, weights)]
 
 
 _ROWS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}
-
-
-def _saved(node: Node, name: str) -> object:
-    return getattr(node, f"_saved_{name}")  # untyped attributes of autograd's nodes
+# the saved tensors and arguments of the norm's and the convolution's backward kernels
+_SAVED = {"NativeLayerNormBackward0": ("input", "normalized_shape", "result1", "result2",
+                                       "weight", "bias"),
+          "ConvolutionBackward0": ("input", "weight", "bias_sym_sizes_opt", "stride", "padding",
+                                   "dilation", "transposed", "output_padding", "groups")}
 
 
 def hooked(weights: Sequence[torch.Tensor]) -> bool:
