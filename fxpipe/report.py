@@ -137,9 +137,13 @@ class Report:
     def kept_by_stage(self, schedule: ScheduleKind, ranks: int) -> list[float]:
         """Activation bytes each stage keeps at its peak in a step of `schedule`: the
         micro-batches in flight there times what each keeps (the last stage's with what the
-        loss keeps)."""
+        loss keeps); under a split backward, its actions played as kept_by_rank plays them,
+        since a micro-batch between I and W may keep less than a whole one."""
+        built = self.built(schedule, ranks)
+        if any(a.kind == ActionKind.INPUT_GRAD for actions in built for a in actions):
+            return self._played(built)[0]
         m = self.plan.chunks
-        inflight = peak_inflight(self.built(schedule, ranks))
+        inflight = peak_inflight(built)
         return [self.remat.kept_at_peak(s["activations_bytes"], s["kept_with_remat_bytes"], n, m)
                 + n * s["loss_bytes"] for s, n in zip(self.stages, inflight)]
 
@@ -149,11 +153,18 @@ class Report:
         activation, or its remat regions' inputs where it recomputes; the last stage's with
         what the loss keeps), its backward (W, in a split backward) frees it. A split
         backward's I frees all but what W reads where the stage allows it and the micro-batch
-        recomputed nothing (`weight_pass_bytes`). With one stage per rank and no split backward
-        this is kept_by_stage; with several, their peaks need not coincide."""
+        recomputed nothing (`weight_pass_bytes`). With one stage per rank this is
+        kept_by_stage; with several, their peaks need not coincide."""
+        return self._played(self.built(schedule, ranks))[1]
+
+    def _played(self, built: Schedule) -> tuple[list[float], list[float]]:
+        """(each stage's peak, each rank's peak) of kept activation bytes, the ranks' actions
+        played in order (kept_by_rank)."""
         m = self.plan.chunks
-        out = []
-        for actions in self.built(schedule, ranks):
+        stage_live = [0.0] * len(self.stages)
+        stage_peak = [0.0] * len(self.stages)
+        rank_peak = []
+        for actions in built:
             live = peak = 0.0
             waiting: dict[tuple[int, int], float] = {}  # (stage, mb) -> kept from I to W
             for a in actions:
@@ -161,18 +172,22 @@ class Report:
                 recomputes = self.remat.recomputes(a.microbatch, m)
                 whole = (s["kept_with_remat_bytes"] if recomputes else s["activations_bytes"]) \
                     + s["loss_bytes"]
+                change = 0.0
                 if a.kind == ActionKind.FORWARD:
-                    live += whole
+                    change = whole
                 elif a.kind == ActionKind.INPUT_GRAD:
                     kept = s["weight_pass_bytes"]
                     if kept is not None and not recomputes:  # else all stays for W
                         waiting[(a.stage, a.microbatch)] = kept
-                        live -= whole - kept
+                        change = kept - whole
                 else:
-                    live -= waiting.pop((a.stage, a.microbatch), whole)
+                    change = -waiting.pop((a.stage, a.microbatch), whole)
+                live += change
+                stage_live[a.stage] += change
                 peak = max(peak, live)
-            out.append(peak)
-        return out
+                stage_peak[a.stage] = max(stage_peak[a.stage], stage_live[a.stage])
+            rank_peak.append(peak)
+        return stage_peak, rank_peak
 
     def _layouts(self) -> list[tuple[ScheduleKind, int]]:
         """Each schedule that runs these stages on this program's ranks, with that number: the

@@ -106,11 +106,14 @@ def test_what_a_split_backward_keeps_from_i_to_w_by_stage() -> None:
     weight needs its graph in W: both keep everything (None)."""
     model, (idx,) = gpt.build(batch=8, dropout=0.0)  # d_model 64, 32 tokens
     program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100",
-                             schedule="zb-h1")
-    first, last = program.report().stages
+                             schedule="zb-h1", remat="never")
+    report = program.report()
+    first, last = report.stages
     b = program.plan.microbatch_size
     assert first["weight_pass_bytes"] is None
     assert last["weight_pass_bytes"] == (4 + 4) * b * 32 * 64 * 4 < last["activations_bytes"]
+    # one stage per rank: each stage's peak is its rank's, both played the same way
+    assert report.kept_by_stage(report.schedule, 2) == report.kept_by_rank(report.schedule, 2)
 
     scaled = fxpipe.compile(_ScaledTail(), (torch.randn(8, 16),), stages=2, chunks=2,
                             profile="a100", schedule="zb-h1")
