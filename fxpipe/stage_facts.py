@@ -80,6 +80,7 @@ def weight_pass_kept(graph: StageGraph, b: int) -> float | None:
             value = operator.attrgetter(str(node.target))(gm)
             if isinstance(value, nn.Parameter) and value.requires_grad:
                 users.setdefault(id(value), []).extend((node, u) for u in node.users)
+    layers = set()
     for uses in users.values():
         if len(uses) != 1:
             return None
@@ -87,9 +88,10 @@ def weight_pass_kept(graph: StageGraph, b: int) -> float | None:
         positions = _WEIGHT_LAYERS.get(user.target) if user.op == "call_function" else None
         if positions is None or _argument_position(user, read) not in positions:
             return None
+        layers.add(user)
     inputs: dict[str, float] = {}  # producer -> bytes, each value once
     for node in _stage_nodes(graph):
-        if node.op == "call_function" and node.target in _LAYERS_READ_BY_W:
+        if node in layers and node.target in _LAYERS_READ_BY_W:  # (a frozen layer has no W)
             for producer, nbytes in ir.cost(node).saves:
                 inputs[producer] = _at(nbytes, b)
     return sum(inputs.values())

@@ -115,6 +115,13 @@ def test_what_a_split_backward_keeps_from_i_to_w_by_stage() -> None:
     # one stage per rank: each stage's peak is its rank's, both played the same way
     assert report.kept_by_stage(report.schedule, 2) == report.kept_by_rank(report.schedule, 2)
 
+    for name, p in model.named_parameters():  # frozen layers have no W: only the head's input
+        p.requires_grad_(name == "wte.weight")  # (tied: the head's weight)
+    frozen = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100",
+                            schedule="zb-h1", remat="never")
+    assert [s["stage"] for s in frozen.report().stages] == [0, 1]
+    assert frozen.report().stages[1]["weight_pass_bytes"] == b * 32 * 64 * 4
+
     scaled = fxpipe.compile(_ScaledTail(), (torch.randn(8, 16),), stages=2, chunks=2,
                             profile="a100", schedule="zb-h1")
     holder = [(s["stage"], s["weight_pass_bytes"]) for s in scaled.report().stages
