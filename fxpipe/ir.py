@@ -33,7 +33,8 @@ __all__ = [
     "qualname",
     "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "ClassWork", "MeasuredTime", "CommInfo",
     "GradMode", "AutocastMode", "Mode", "mode", "entered",
-    "value_info", "tensor_info", "cost", "measured_time", "stage", "comm",
+    "value_info", "tensor_info", "cost", "measured_time", "stage", "comm", "leaves",
+    "carries_grad",
     "is_comm", "is_inplace", "compute_nodes", "module_path", "format_shape", "dtype_abbr",
     "evaluate", "verify",
 ]
@@ -115,6 +116,17 @@ class ScalarInfo:
 
 
 ValueInfo: TypeAlias = TensorInfo | ScalarInfo | tuple["ValueInfo", ...]
+
+
+def leaves(info: ValueInfo) -> list[ValueInfo]:
+    """The tensors and scalars of a value, tuples flattened in order (one message each)."""
+    return [x for i in info for x in leaves(i)] if isinstance(info, tuple) else [info]
+
+
+def carries_grad(info: ValueInfo) -> bool:
+    """Whether a value's leaf is a floating tensor that requires grad: its gradient crosses
+    back to the stage that sent it."""
+    return isinstance(info, TensorInfo) and info.is_float and info.requires_grad
 
 
 @dataclass(frozen=True)

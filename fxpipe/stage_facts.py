@@ -61,7 +61,7 @@ def stage_figures(graph: StageGraph, regions: Sequence[RematRegion], b: int) -> 
 _WEIGHT_LAYERS: dict[Any, tuple[int, int]] = {
     F.linear: (1, 2), F.conv1d: (1, 2), F.conv2d: (1, 2), F.conv3d: (1, 2),
     F.layer_norm: (2, 3)}
-_LAYERS_READ_BY_W = {F.linear, F.conv1d, F.conv2d, F.conv3d}  # their inputs stay for W
+_LAYERS_READ_BY_W = set(_WEIGHT_LAYERS) - {F.layer_norm}  # their inputs stay for W
 
 
 def weight_pass_kept(graph: StageGraph, b: int) -> float | None:
@@ -70,8 +70,7 @@ def weight_pass_kept(graph: StageGraph, b: int) -> float | None:
     gradient computed by W itself): the inputs its linears and convolutions saved. None where
     W needs the graph: a stage that receives no gradient-carrying value (its W is a whole
     backward), or a trainable weight used other than once by one such layer."""
-    if not any(isinstance(c.value, ir.TensorInfo) and c.value.is_float and c.value.requires_grad
-               for c in graph.recvs):
+    if not any(ir.carries_grad(leaf) for c in graph.recvs for leaf in ir.leaves(c.value)):
         return None
     gm = graph.graph_module
     users: dict[int, list[tuple[Node, Node]]] = {}  # weight -> (reading node, user)
@@ -98,10 +97,10 @@ def weight_pass_kept(graph: StageGraph, b: int) -> float | None:
 
 
 def _argument_position(node: Node, arg: Node) -> int | None:
-    """Where `arg` sits among `node`'s arguments (a keyword by its place in F.linear's,
-    F.conv*'s or F.layer_norm's signature), if once."""
-    names = {"weight": 1, "bias": 2} if node.target is not F.layer_norm else \
-        {"weight": 2, "bias": 3}
+    """Where `arg` sits among the arguments of `node`, a layer of _WEIGHT_LAYERS (a keyword
+    `weight` or `bias` by its place there), if once."""
+    weight, bias = _WEIGHT_LAYERS[node.target]
+    names = {"weight": weight, "bias": bias}
     found = [i for i, a in enumerate(node.args) if a is arg] + \
         [names.get(k, -1) for k, a in node.kwargs.items() if a is arg]
     return found[0] if len(found) == 1 else None

@@ -93,14 +93,6 @@ DTYPE_CODES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torc
                torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-def _leaves(info: ir.ValueInfo) -> list[ir.ValueInfo]:
-    return [x for i in info for x in _leaves(i)] if isinstance(info, tuple) else [info]
-
-
-def _needs_grad(info: ir.ValueInfo) -> bool:
-    return isinstance(info, ir.TensorInfo) and info.is_float and info.requires_grad
-
-
 def _short(dtype: torch.dtype, shape: Sequence[int]) -> str:
     return f"{str(dtype).replace('torch.', '')}{list(shape)}"
 
@@ -114,10 +106,10 @@ def messages_of(info: dict[Edge, ir.ValueInfo], chunks: int,
     that needs one; placement[stage] is the stage's rank."""
     out = []
     for (tag, src, dst), value in sorted(info.items()):
-        for k, leaf in enumerate(_leaves(value)):
+        for k, leaf in enumerate(ir.leaves(value)):
             for mb in range(chunks):
                 out.append(Message(placement[src], placement[dst], tag, mb, False, src, dst, k))
-                if _needs_grad(leaf):
+                if ir.carries_grad(leaf):
                     out.append(Message(placement[dst], placement[src], tag, mb, True, dst, src, k))
     return out
 
@@ -254,7 +246,7 @@ class DistComm:
 
     def _leaf_info(self, msg: Message) -> ir.ValueInfo:
         a = _activation(msg) if msg.grad else msg
-        return _leaves(self.info[(msg.value, a.sender, a.receiver)])[msg.element]
+        return ir.leaves(self.info[(msg.value, a.sender, a.receiver)])[msg.element]
 
     def _is_tensor(self, msg: Message) -> bool:
         return isinstance(self._leaf_info(msg), ir.TensorInfo)
@@ -316,12 +308,12 @@ class DistComm:
         record = self.records.setdefault((dst, mb), _Record())
         values: list[Any] = []
         with self._event("recv", dst, mb, tag):
-            for k, leaf in enumerate(_leaves(info)):
+            for k, leaf in enumerate(ir.leaves(info)):
                 msg = Message(self.placement[src], self.placement[dst], tag, mb, False, src, dst, k)
                 buffer = self._wait(msg)
                 if isinstance(leaf, ir.TensorInfo):
-                    value = buffer.requires_grad_(_needs_grad(leaf) and torch.is_grad_enabled())
-                    if _needs_grad(leaf):
+                    value = buffer.requires_grad_(ir.carries_grad(leaf) and torch.is_grad_enabled())
+                    if ir.carries_grad(leaf):
                         record.received.append((value, msg))
                     # a leaf that requires grad cannot be written into: the stage gets a copy
                     written = (tag, src, dst) in self.written and value.requires_grad
@@ -348,7 +340,7 @@ class DistComm:
     def send(self, value: Any, tag: str, src: int, dst: int, mb: int) -> None:
         info = self.info[(tag, src, dst)]
         record = self.records.setdefault((src, mb), _Record())
-        for k, (leaf, leaf_info) in enumerate(zip(pytree.tree_leaves(value), _leaves(info))):
+        for k, (leaf, leaf_info) in enumerate(zip(pytree.tree_leaves(value), ir.leaves(info))):
             msg = Message(self.placement[src], self.placement[dst], tag, mb, False, src, dst, k)
             if isinstance(leaf, torch.Tensor):
                 self._check(leaf, leaf_info, msg)
@@ -356,7 +348,7 @@ class DistComm:
             else:
                 self.outbox[msg] = torch.tensor([float(leaf)], dtype=torch.float64,
                                                 device=self.device)
-            if _needs_grad(leaf_info):
+            if ir.carries_grad(leaf_info):
                 record.sent.append((leaf, msg))
                 self.sent_values[msg] = leaf
                 if isinstance(leaf, torch.Tensor) and leaf.is_contiguous():
