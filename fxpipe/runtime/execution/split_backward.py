@@ -170,12 +170,12 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             for i, grad in zip(wanted, leaf_grads):
                 got[i] = grad
         return got, WeightPass(plan, {}, (), {}, served, weights, full=(tensors, gradients))
-    early = plan.early if plan.early and not hooked(plan.early) else ()
+    # freeing needs no weight hooked, and then the early calls' weights are asked of I too
+    free = release and plan.releasable and not hooked(plan.weights)
+    early = plan.early if plan.early and (free or not hooked(plan.early)) else ()
     edges = [GradientEdge(nodes[slot], i)
              for slot, i in (plan.captured[:plan.late] if early else plan.captured)]
-    # (no weight hooked: the early calls' weights are asked of I too)
-    saved = _read_ahead(plan, nodes) if release and plan.releasable \
-        and not hooked(plan.weights) else None
+    saved = _read_ahead(plan, nodes) if free else None
     kept: dict[int, Grads] = {}
     handles = [nodes[slot].register_prehook(_keeper(kept, slot)) for slot in plan.kept]
     try:
@@ -339,7 +339,8 @@ class WeightPass:
                 for k, call in enumerate(plan.calls):
                     if call.early and early is not None:
                         continue  # I computed its weights' gradients
-                    if call.recipe is not None and not hooked(call.weights):
+                    # (where I freed the graph, no weight was hooked then, nor is now)
+                    if call.recipe is not None and (saved is not None or not hooked(call.weights)):
                         self._compute(call, call.recipe, chosen,
                                       saved[k] if saved is not None else None)
                     else:
