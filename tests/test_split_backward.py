@@ -842,13 +842,13 @@ class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_layer_norms_weights_come_from_the_kernel_that_makes_its_input_gradient() -> None:
-    """I asks for the norm's weights: native_layer_norm_backward runs once per micro-batch, in
-    I, as in a plain backward, and W only accumulates what it returned."""
-    stage = Transformerish()
+def _kernels_of_each_pass(stage: Transformerish) -> list[tuple[_Kernels, _Kernels]]:
+    """I then W on `stage` for two micro-batches (the second follows the first's plan), each
+    pass's kernels counted, and the gradients checked against a plain backward."""
     reference = copy.deepcopy(stage)
     x, g = torch.randn(2, 3, 8), torch.randn(6, 8)
     plans: SplitPlans = {}
+    counted = []
     for _ in range(2):
         leaf = x.clone().requires_grad_()
         outputs = stage(leaf)
@@ -857,31 +857,28 @@ def test_a_layer_norms_weights_come_from_the_kernel_that_makes_its_input_gradien
                                             direct=True)
         with _Kernels() as weight_kernels:
             weight_pass.run(params(stage))
+        counted.append((input_kernels, weight_kernels))
+        run_full(reference, [x], [g])
+    assert_same_grads(stage, reference)
+    return counted
+
+
+def test_a_layer_norms_weights_come_from_the_kernel_that_makes_its_input_gradient() -> None:
+    """I asks for the norm's weights: native_layer_norm_backward runs once per micro-batch, in
+    I, as in a plain backward, and W only accumulates what it returned."""
+    for input_kernels, weight_kernels in _kernels_of_each_pass(Transformerish()):
         assert input_kernels.counts.get("native_layer_norm_backward") == 1
         assert "native_layer_norm_backward" not in weight_kernels.counts
         assert weight_kernels.counts.get("mm") == 3  # the three linears: up, down, head
-        run_full(reference, [x], [g])
-    assert_same_grads(stage, reference)
 
 
 def test_a_hooked_layer_norm_weight_is_left_to_the_weight_pass() -> None:
     stage = Transformerish()
-    reference = copy.deepcopy(stage)
     fired: list[str] = []
     stage.ln.weight.register_post_accumulate_grad_hook(lambda p: fired.append("ln"))
-    x, g = torch.randn(2, 3, 8), torch.randn(6, 8)
-    plans: SplitPlans = {}
-    for _ in range(2):
-        leaf = x.clone().requires_grad_()
-        outputs = stage(leaf)
-        with _Kernels() as input_kernels:
-            _, weight_pass = input_backward(outputs, [g], [leaf], params(stage), plans,
-                                            direct=True)
-        weight_pass.run(params(stage))
+    for input_kernels, _ in _kernels_of_each_pass(stage):
         assert "native_layer_norm_backward" in input_kernels.counts  # the input's gradient
-        run_full(reference, [x], [g])
     assert fired == ["ln", "ln"]
-    assert_same_grads(stage, reference)
 
 
 def test_a_hook_put_on_a_norm_weight_between_the_passes_is_refused() -> None:
