@@ -149,8 +149,8 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
         "predicted_over_measured_at_run_speed": {
             name: first["predicted"][name] / t / (single_predicted / step["single_process"])
             for name, t in pipelines.items()},
-        # the schedule's model alone: each variant simulated with the compute its ranks
-        # measured in this run, over the step measured
+        # the schedule's model alone: each variant simulated with each stage's forward,
+        # backward and W as its rank measured them in this run, over the step measured
         "predicted_over_measured_at_measured_compute": {
             name: first["predicted_at_measured_compute"][name] / t
             for name, t in pipelines.items()},
@@ -274,7 +274,8 @@ def _lines(summary: dict[str, Any]) -> list[str]:
               f"{summary['step_time_s']['single_process']:.3f} s); predicted/measured at that "
               "speed: " + ", ".join(f"{name} {v:.3f}" for name, v in
                                     summary["predicted_over_measured_at_run_speed"].items()),
-              "- predicted/measured with the compute each rank measured in this run (the "
+              "- predicted/measured with each stage's compute as its rank measured it in "
+              "this run (the "
               "schedule's model alone): " + ", ".join(
                   f"{name} {v:.3f}" for name, v in
                   summary["predicted_over_measured_at_measured_compute"].items()),

@@ -35,7 +35,12 @@ from fxpipe.losses import default_loss
 from fxpipe.models import load_factory
 from fxpipe.passes.partition import PartitionPlan, best_round
 from fxpipe.program import Program
-from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES, default_stages_per_rank
+from fxpipe.runtime.planning.schedule import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    ActionKind,
+    default_stages_per_rank,
+)
 from fxpipe.runtime.planning.timeline import Event, busy_time, predicted_events, predicted_step
 from fxpipe.tools.bench_stats import measured_steps, rotated
 from fxpipe.tools.bench_torch import (
@@ -78,6 +83,8 @@ class _FxpipeVariant:
         self.optimizer = torch.optim.SGD(program.parameters(), lr=1e-3)
         self.pipeline: list[float] = []  # seconds of program.step alone
         self.stage: list[tuple[float, float]] = []  # (compute, receive waits) of this rank
+        # each stage of this rank: (forward, backward, weight-gradient W) seconds of each step
+        self.parts: list[dict[int, tuple[float, float, float]]] = []
         self.probes: list[float] = []  # seconds of the reference work around each step
 
     def step(self) -> float:
@@ -87,6 +94,7 @@ class _FxpipeVariant:
         events: list[Event] = self.program.measured.get("last_step_events", [])
         waits = sum(e.end - e.start for e in events if e.kind in _WAITS)
         self.stage.append((busy_time(events), waits))  # every stage of this rank
+        self.parts.append(stage_parts(events))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
@@ -144,19 +152,43 @@ def time_variants(names: list[str], steps: dict[str, Step], rounds: int, *, warm
     return times, cpu, around, load
 
 
-def _at_compute(program: Program, busy: list[float]) -> PartitionPlan:
-    """The program's plan with the compute of each rank's stages scaled so that their sum is
-    what the rank measured (busy[r], seconds per step); messages keep their predicted times."""
-    plan, placement = program.plan, program.built.spec.placement
-    predicted = [0.0] * len(busy)
-    for r, stage in zip(placement, plan.stages):
-        predicted[r] += stage.compute_time * program.built.spec.chunks
-    scale = [b / p if p > 0 else 1.0 for b, p in zip(busy, predicted)]
-    return replace(plan, stages=tuple(
-        replace(st, forward_time=st.forward_time * scale[r], compute_time=st.compute_time
-                * scale[r], recompute_time=st.recompute_time * scale[r],
-                weight_time=st.weight_time * scale[r])
-        for r, st in zip(placement, plan.stages)))
+def stage_parts(events: list[Event]) -> dict[int, tuple[float, float, float]]:
+    """Each stage's (forward, backward, W) busy seconds in one step's events: the backward
+    counts every backward span (a whole B, I and W, recomputes included), W those of a split
+    backward's weight gradients alone; receive waits nested in them are not busy."""
+    return {s: (busy_time(events, s, ("forward",)),
+                busy_time(events, s, ("backward", "recompute")),
+                busy_time(events, s, ("backward",), str(ActionKind.WEIGHT_GRAD)))
+            for s in sorted({e.stage for e in events if e.stage >= 0})}
+
+
+def median_parts(steps: list[dict[int, tuple[float, float, float]]]
+                 ) -> dict[int, tuple[float, float, float]]:
+    """Each stage's median (forward, backward, W) over the steps."""
+    stages = sorted({s for step in steps for s in step})
+    return {s: (statistics.median(step[s][0] for step in steps if s in step),
+                statistics.median(step[s][1] for step in steps if s in step),
+                statistics.median(step[s][2] for step in steps if s in step)) for s in stages}
+
+
+def _at_compute(program: Program, parts: dict[int, tuple[float, float, float]]
+                ) -> PartitionPlan:
+    """The program's plan with each stage's forward, backward and (under a split backward) W
+    as its rank measured them (parts[s], seconds per step, see stage_parts), the recompute
+    scaled with the backward; messages and the per-action costs keep their predicted times."""
+    plan, chunks = program.plan, program.built.spec.chunks
+    stages = []
+    for st in plan.stages:
+        if st.index not in parts:
+            stages.append(st)
+            continue
+        forward, backward, weight = (t / chunks for t in parts[st.index])
+        predicted_backward = st.compute_time - st.forward_time
+        scale = backward / predicted_backward if predicted_backward > 0 else 1.0
+        stages.append(replace(st, forward_time=forward, compute_time=forward + backward,
+                              recompute_time=st.recompute_time * scale,
+                              weight_time=weight if weight > 0 else st.weight_time * scale))
+    return replace(plan, stages=tuple(stages))
 
 
 def _rounds(program: Program) -> list[dict[str, Any]]:
@@ -353,9 +385,9 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
         dist.barrier()
         kept[name] = ours.program.measure_kept(*ours.inputs, target=ours.target)
         ours.optimizer.zero_grad(set_to_none=True)
-    busy = {name: statistics.median(t[0] for t in v.stage[warm:]) for name, v in fx.items()}
-    every_busy: list[Any] = [None] * world
-    dist.all_gather_object(every_busy, busy)
+    parts = {name: median_parts(v.parts[warm:]) for name, v in fx.items()}
+    every_parts: list[Any] = [None] * world
+    dist.all_gather_object(every_parts, parts)
     result = {
         "times": {k: v[warm:] for k, v in times.items()}, "losses": losses, "kept": kept,
         "cpu_times": {k: v[warm:] for k, v in cpu.items()}, "load": load[warm:],
@@ -367,10 +399,11 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
         # each schedule played with its program's stage costs
         "predicted": {k: predicted_step(v.program.plan, v.program.built.spec.schedule,
                                         world)[0] for k, v in fx.items()},
-        # the same with each rank's stages scaled to the compute they measured in this run:
-        # what the schedule's model predicts once the machine's speed of the moment is known
+        # the same with each stage's forward, backward and W as its rank measured them in this
+        # run: what the schedule's model predicts once the machine's speed of the moment is known
         "predicted_at_measured_compute": {
-            k: predicted_step(_at_compute(v.program, [b[k] for b in every_busy]),
+            k: predicted_step(_at_compute(v.program, {s: t for p in every_parts
+                                                      for s, t in p[k].items()}),
                               v.program.built.spec.schedule, world)[0]
             for k, v in fx.items()},
         "predicted_events": [e.__dict__ for e in predicted_events(main.plan)],

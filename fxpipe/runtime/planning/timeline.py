@@ -85,11 +85,14 @@ SPLIT_BACKWARD = (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD)
 _WAITS = ("recv", "recv_grad")
 
 
-def busy_time(events: Sequence[Event], stage: int | None = None) -> float:
-    """Seconds a stage computed: its forward, backward and recompute spans, less the receives
-    nested in them (a forward that waits for its input is idle, not busy, while it waits)."""
+def busy_time(events: Sequence[Event], stage: int | None = None,
+              kinds: Sequence[str] = _COMPUTE, detail: str | None = None) -> float:
+    """Seconds a stage computed: its forward, backward and recompute spans (or those of
+    `kinds`, and of `detail` where given: "W" for a split backward's weight gradients), less
+    the receives nested in them (a forward that waits for its input is idle, not busy, while it
+    waits)."""
     mine = [e for e in events if stage is None or e.stage == stage]
-    compute = [e for e in mine if e.kind in _COMPUTE]
+    compute = [e for e in mine if e.kind in kinds and (detail is None or e.detail == detail)]
     total = sum(e.end - e.start for e in compute)
     for wait in (e for e in mine if e.kind in _WAITS):
         for span in compute:
