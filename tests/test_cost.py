@@ -524,6 +524,25 @@ def test_a_rank_pays_per_action_and_per_message_in_the_predicted_step_only():
     assert "ranks' handling of actions and messages 48.00 ms" in ranked.report().text()
 
 
+def test_where_the_ranks_cores_move_the_bytes_a_transfer_is_host_work_of_both_ends():
+    import dataclasses
+
+    from fxpipe.runtime.planning.timeline import _host_transfers, predicted_step
+
+    plan = _step_costs().plan
+    assert not plan.host_link  # a datasheet preset: a copy engine moves the bytes
+    host = dataclasses.replace(plan, host_link=True)
+    # GPipe, 2 stages x 4 micro-batches: each forward and backward on the critical path pays
+    # the boundary's transfer (half of either stage's comm_time: both count the boundary)
+    edge = plan.stages[0].comm_time / 2
+    assert edge > 0
+    slower = predicted_step(host, "gpipe")[0] - predicted_step(plan, "gpipe")[0]
+    assert slower == pytest.approx((4 + 2 - 1) * 2 * edge, rel=0.15)
+    # a V-shaped placement keeps its middle boundary on one rank: no transfer there
+    assert _host_transfers([1.0, 2.0, 3.0], [0, 1, 1, 0]) == [1.0, 1.0, 3.0, 3.0]
+    assert _host_transfers([1.0, 2.0, 3.0], [0, 1, 0, 1]) == [1.0, 3.0, 5.0, 3.0]
+
+
 def test_tied_weights_on_two_ranks_pay_their_gradient_all_reduce_in_the_predicted_step():
     import dataclasses
 

@@ -155,6 +155,17 @@ def test_a_profile_survives_its_json_form():
     assert DeviceProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
 
 
+def test_a_profile_says_whether_the_ranks_own_cores_move_the_links_bytes():
+    host = dataclasses.replace(measured_like(FRESH_LINK), host_link=True)
+    assert DeviceProfile.from_json(json.loads(json.dumps(host.to_json()))) == host
+    old = host.to_json()
+    del old["host_link"]  # cached before the field: its gloo loopback link is the host's
+    assert DeviceProfile.from_json(old).host_link
+    datasheet = preset("h100", "bf16").to_json()
+    del datasheet["host_link"]
+    assert not DeviceProfile.from_json(datasheet).host_link
+
+
 def test_a_measured_profile_is_cached_per_machine_and_read_back(cache_folder, counted_measure):
     first = cache.cached_profile("cpu")
     assert len(counted_measure) == 1 and first.key and first.precision == "fp32"

@@ -820,7 +820,7 @@ def test_a_stage_whose_compute_rounds_a_hair_below_its_forward_simulates():
                             backward_messages=1)
     plan = SimpleNamespace(stages=[stage, stage], chunks=2, microbatch_overhead=0.0,
                            step_overhead=0.0, action_overhead=0.0, message_overhead=0.0,
-                           shared=())
+                           host_link=False, shared=())
     step, bubble = predicted_step(plan, "gpipe")
     assert step > 0 and 0 <= bubble < 1
 

@@ -126,6 +126,11 @@ class DeviceProfile:
     # measured with two processes on CPUs, 0 in datasheet presets
     action_overhead: float = 0.0
     message_overhead: float = 0.0
+    # whether the ranks' own cores move a message's bytes (gloo between CPU processes: the
+    # sender's post writes them to the socket, the receiver's side reads them), so that a
+    # transfer is host work of both ends rather than a copy engine's or a NIC's beside their
+    # compute; False in datasheet presets and on GPUs
+    host_link: bool = False
     # per operation by its op class (a linear pays more than a ReLU) or "view" (glue that
     # makes a tensor without a kernel), forward and backward, and of that its forward's part:
     # (kind, seconds) pairs; measured on CPUs
@@ -224,7 +229,7 @@ class DeviceProfile:
                 "op_overheads": dict(self.op_overheads),
                 "op_forward_overheads": dict(self.op_forward_overheads),
                 "region_overheads": dict(self.region_overheads),
-                "matmul_in_model": self.matmul_in_model,
+                "matmul_in_model": self.matmul_in_model, "host_link": self.host_link,
                 "rates": {name: {"bandwidth": [list(p) for p in r.bandwidth.points],
                                  "flops": [list(p) for p in r.flops.points] if r.flops else None}
                           for name, r in self.rates}}
@@ -251,7 +256,10 @@ class DeviceProfile:
                              op_overheads=_pairs(data.get("op_overheads", {})),
                              op_forward_overheads=_pairs(data.get("op_forward_overheads", {})),
                              region_overheads=_pairs(data.get("region_overheads", {})),
-                             matmul_in_model=float(data.get("matmul_in_model", 1.0)))
+                             matmul_in_model=float(data.get("matmul_in_model", 1.0)),
+                             # profiles measured before the field: a gloo link on the host
+                             host_link=bool(data.get("host_link",
+                                                     "gloo loopback" in str(data["source"]))))
 
     def describe(self) -> list[list[str]]:
         """Rows (class, FLOP/s at small and large kernels, bytes/s likewise) for a table."""

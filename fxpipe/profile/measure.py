@@ -400,7 +400,7 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
                                    bool(torch.backends.cuda.matmul.allow_tf32))
     profile = DeviceProfile(name or f"measured {where} ({precision})",
                             tuple((c, rates[c]) for c in OP_CLASSES), overhead, curve,
-                            latency, source, arithmetic, key)
+                            latency, source, arithmetic, key, host_link=device.type == "cpu")
     if device.type == "cpu" and overheads:  # what a step pays beyond kernels, one thread
         previous = torch.get_num_threads()
         torch.set_num_threads(threads or previous)

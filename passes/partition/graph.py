@@ -92,6 +92,9 @@ class PartitionPlan:
     # micro-batch, and per message sent or received (fxpipe.profile.ranks)
     action_overhead: float = 0.0
     message_overhead: float = 0.0
+    # the ranks' own cores move each message's bytes (gloo between CPU processes): a transfer
+    # is host work of both its ends, not overlapped with their compute (DeviceProfile.host_link)
+    host_link: bool = False
     # trainable weights several stages use (tied weights: an embedding and its output layer),
     # whose gradients an all-reduce sums where a schedule places those stages on several ranks
     shared: tuple[SharedWeight, ...] = ()
@@ -272,6 +275,7 @@ def partition(
         plan = replace(plan, step_overhead=profile.step_overhead,
                        action_overhead=profile.action_overhead,
                        message_overhead=profile.message_overhead,
+                       host_link=profile.host_link,
                        shared=shared_weights(shareable, profile))
     # the step as the schedule plays it: the one figure reports and chunks="auto" judge by
     return replace(plan, predicted_step_time=predicted_step(plan, schedule, ranks)[0])

@@ -220,6 +220,9 @@ class PlanTimes(Protocol):
     def message_overhead(self) -> float: ...
 
     @property
+    def host_link(self) -> bool: ...
+
+    @property
     def shared(self) -> Sequence[SharedWeight]: ...
 
 
@@ -256,22 +259,26 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, recor
     backward. Returns the events (none unless `record`), the makespan
     and the ranks' work: every action's time, added up. Each action also pays what a rank pays
     for running one (the plan's action_overhead) and for each message it sends or receives
-    (message_overhead)."""
+    (message_overhead); where the ranks' own cores move the bytes (host_link), also each
+    transfer to or from another rank (_host_transfers)."""
     k, m = len(plan.stages), plan.chunks
     action, message = plan.action_overhead, plan.message_overhead
-    fwd = [s.forward_time + action + message * s.forward_messages for s in plan.stages]
-    # recompute included; a difference of sums can round a hair below zero
-    bwd = [max(s.compute_time - s.forward_time, 0.0) + action + message * s.backward_messages
-           for s in plan.stages]
     comm = [s.comm_time / 2 for s in plan.stages]  # each boundary is counted by both its stages
+    host = _host_transfers(comm, schedule.placement(k, ranks or schedule.ranks_for(k))) \
+        if plan.host_link else [0.0] * k
+    fwd = [s.forward_time + action + message * s.forward_messages + h
+           for s, h in zip(plan.stages, host)]
+    # recompute included; a difference of sums can round a hair below zero
+    bwd = [max(s.compute_time - s.forward_time, 0.0) + action + message * s.backward_messages + h
+           for s, h in zip(plan.stages, host)]
     actions = schedule.build(m, k, ranks)
     if not schedule.splits_backward:
         events, makespan = simulate(actions, forward_time=fwd, backward_time=bwd, comm_time=comm,
                                     record=record, checked=True)
         return events, makespan, m * sum(f + b for f, b in zip(fwd, bwd))
     inputs, weights = [], []
-    for s, backward in zip(plan.stages, bwd):
-        handling = action + message * s.backward_messages  # I sends the gradients
+    for s, backward, h in zip(plan.stages, bwd, host):
+        handling = action + message * s.backward_messages + h  # I sends the gradients
         pure = backward - handling - s.recompute_time
         if s.weight_time >= pure * (1 - 1e-9):  # W is the whole backward
             inputs.append(handling)
@@ -284,6 +291,19 @@ def _simulated(plan: PlanTimes, schedule: ScheduleKind, ranks: int | None, recor
     duration = {ActionKind.FORWARD: fwd, ActionKind.BACKWARD: bwd, ActionKind.INPUT_GRAD: inputs,
                 ActionKind.WEIGHT_GRAD: weights}  # a schedule may split some backwards only
     return events, makespan, sum(duration[a.kind][a.stage] for acts in actions for a in acts)
+
+
+def _host_transfers(edge_time: Sequence[float], rank_of: Sequence[int]) -> list[float]:
+    """Seconds each stage's forward (and again its backward) spends moving the bytes of its
+    messages to and from other ranks where the ranks' own cores move them (PlanTimes.host_link):
+    a boundary s -> s + 1 between two ranks costs both its stages its transfer (edge_time[s]),
+    in each direction; one within a rank costs nothing."""
+    host = [0.0] * len(rank_of)
+    for s in range(len(rank_of) - 1):
+        if rank_of[s] != rank_of[s + 1]:
+            host[s] += edge_time[s]
+            host[s + 1] += edge_time[s]
+    return host
 
 
 def predicted_step(plan: PlanTimes, schedule: ScheduleKind | str, ranks: int | None = None
