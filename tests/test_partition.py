@@ -435,3 +435,19 @@ def test_the_solver_counts_each_message_s_host_work_so_a_cut_sends_one_value_not
     assert [s.time for s in plan.stages] == pytest.approx([s.time for s in at_same_cut.stages])
     assert plan.message_time(plan.stages[0]) == pytest.approx(
         plan.stages[0].comm_time + 2 * hosts.message_overhead)
+
+
+def test_where_the_ranks_cores_move_the_bytes_the_solver_counts_each_transfer_whole():
+    # The blocks of the test above: on a link a copy engine drives, half of each transfer
+    # counts against either stage and the cut goes inside the middle block; where the ranks'
+    # own cores move the bytes (gloo between CPU processes) each end pays the whole transfer,
+    # and a cut at a block's end sends half the bytes.
+    model, inputs = mlp.build(depth=3, batch=8)
+    gm = fxpipe.capture(model, inputs, inline_modules=True)
+    annotate_costs(gm)
+    options = {"microbatch_size": 2, "chunks": 4}
+    engine = partition(gm, 2, profile=PROFILE, **options)
+    assert not engine.host_link and engine.stages[0].forward_messages == 2
+    host = partition(gm, 2, profile=dataclasses.replace(PROFILE, host_link=True), **options)
+    assert host.host_link and [s.forward_messages for s in host.stages] == [1, 1]
+    assert host.stages[0].comm_time < engine.stages[0].comm_time

@@ -239,11 +239,13 @@ def partition(
     def problem_of(atoms: Atoms, hosts: bool = False) -> PartitionProblem:
         """The one problem the exact costs read; `hosts`: the one the solver reads, whose cuts
         also cost each of their ends the host work of every message crossing them
-        (profile.message_overhead), which a stage's times leave to the schedule's
-        simulation."""
+        (profile.message_overhead) and, where the ranks' own cores move the bytes
+        (profile.host_link), the whole transfer rather than half of it, as the schedule's
+        simulation charges them."""
         cut_comm = atoms.cut_comm
-        if hosts and mode != "params" and profile.message_overhead:
-            cut_comm = [c + profile.message_overhead * (m + g) for c, m, g in
+        if hosts and mode != "params" and (profile.message_overhead or profile.host_link):
+            ends = 2.0 if profile.host_link else 1.0  # a stage's load counts half a cut
+            cut_comm = [c * ends + profile.message_overhead * (m + g) for c, m, g in
                         zip(atoms.cut_comm, atoms.cut_messages, atoms.cut_gradients)]
         return partition_problem(
             atoms.compute, num_stages, cut_comm=cut_comm, memory_limit=memory_limit,
