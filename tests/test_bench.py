@@ -98,6 +98,9 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     assert {"single_process", "single_process_full_batch"} <= set(result["step_time_s"])
     assert result["speedup_vs_single_process"] == pytest.approx(
         result["step_time_s"]["single_process_full_batch"] / result["step_time_s"]["fxpipe"])
+    # the best schedule's speedup over it, paired step by step (one step: that step's ratio)
+    low, high = result["best_speedup_vs_single_process_ci"]
+    assert 0 < low <= result["best_speedup_vs_single_process_paired"] <= high
     assert set(result["cpu_time_s"]) == set(result["step_time_s"])
     assert all(t > 0 for t in result["cpu_time_s"].values())
     # each schedule's own bound

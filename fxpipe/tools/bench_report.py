@@ -56,6 +56,8 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
     best_schedule = _fastest(step, "fxpipe", exclude=("fxpipe_remat_",)) or "fxpipe"
     torch_best = _fastest(step, "torch_")
     versus_torch = paired_ratio(steps[best_schedule], steps[torch_best]) if torch_best else None
+    # the best schedule's speedup over one process at full batch, paired step by step
+    best_speedup = paired_ratio(steps["single_process_full_batch"], steps[best_schedule])
     ranks_count, chunks = options["stages"], options["chunks"]
     bounds = {name: schedule_bound(_schedule(name), chunks, ranks_count,
                                    default_stages_per_rank(_schedule(name)))
@@ -97,6 +99,8 @@ def summarise(results: dict[int, dict[str, Any]], memory: dict[str, list[dict[st
                                        for k, v in step.items()},
         "speedups_vs_accumulating_process": {k: step["single_process"] / v
                                              for k, v in step.items()},
+        "best_speedup_vs_single_process_paired": best_speedup.median,
+        "best_speedup_vs_single_process_ci": [best_speedup.low, best_speedup.high],
         # each schedule's bound at equal stage costs and free messages (bench_stats)
         "ideal_speedup": bounds,
         "measured_over_simulated_at_measured_compute": {
@@ -216,6 +220,8 @@ def _ratio(a: float, b: float) -> float | None:
 def _lines(summary: dict[str, Any]) -> list[str]:
     spread, step = summary["step_time_min_max_s"], summary["step_time_s"]
     bounds = summary["ideal_speedup"]
+    best = next(name for name in bounds if _schedule(name) == summary["best_schedule"])
+    low, high = summary["best_speedup_vs_single_process_ci"]
     rows = [[name, f"{t:.3f}", f"{spread[name][0]:.3f}-{spread[name][1]:.3f}",
              f"{summary['cpu_time_s'][name]:.3f}", f"{summary['samples_per_s'][name]:.1f}",
              f"{summary['speedups_vs_single_process'][name]:.2f}x",
@@ -242,7 +248,15 @@ def _lines(summary: dict[str, Any]) -> list[str]:
              f"(its bound {bounds['fxpipe']:.2f}x); over one process accumulating the same "
              f"micro-batches: {summary['speedups_vs_accumulating_process']['fxpipe']:.2f}x",
              f"- fxpipe's best schedule: {summary['best_schedule']} (the fastest predicted, "
-             f"which schedule='auto' picks: {summary['predicted_best_schedule']})"]
+             f"which schedule='auto' picks: {summary['predicted_best_schedule']}); its speedup "
+             f"over one process at full batch, paired step by step: **"
+             f"{summary['best_speedup_vs_single_process_paired']:.2f}x** (95% interval "
+             f"{low:.2f}-{high:.2f}; its bound {bounds[best]:.2f}x)"]
+    if step["single_process_full_batch"] > step["single_process"]:
+        lines.append(f"- one process ran slower at full batch than accumulating the "
+                     f"micro-batches in this run ({step['single_process_full_batch']:.3f} s "
+                     f"against {step['single_process']:.3f} s): the full-batch baseline ran "
+                     f"slow here, and speedups over it are flattered")
     if summary["torch_pipelining_best"]:
         lines.append(f"- fastest torch.distributed.pipelining variant (of "
                      f"{summary['variants_compared']['torch']}): "
