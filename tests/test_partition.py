@@ -414,15 +414,21 @@ def test_cost_balance_beats_equal_blocks_on_the_benchmark_gpt(num_stages):
     assert cost.bottleneck < equal.bottleneck
 
 
+def _three_residual_blocks() -> tuple[GraphModule, dict[str, int]]:
+    """Three residual MLP blocks, captured and costed, and the partition options (2 samples
+    per micro-batch, 4 micro-batches) under which two stages cut inside the middle block."""
+    model, inputs = mlp.build(depth=3, batch=8)
+    gm = fxpipe.capture(model, inputs, inline_modules=True)
+    annotate_costs(gm)
+    return gm, {"microbatch_size": 2, "chunks": 4}
+
+
 def test_the_solver_counts_each_message_s_host_work_so_a_cut_sends_one_value_not_two():
     # Three residual MLP blocks on two stages: the compute is balanced by cutting inside the
     # middle block, which sends its input (the residual) and its hidden value, two messages
     # each way. Where every message costs its two ends host work (gloo on a CPU: tens of us),
     # a cut at a block's end sends one and steps faster.
-    model, inputs = mlp.build(depth=3, batch=8)
-    gm = fxpipe.capture(model, inputs, inline_modules=True)
-    annotate_costs(gm)
-    options = {"microbatch_size": 2, "chunks": 4}
+    gm, options = _three_residual_blocks()
     free = partition(gm, 2, profile=PROFILE, **options)
     assert free.stages[0].forward_messages == 2  # without host work: inside the middle block
     hosts = dataclasses.replace(PROFILE, message_overhead=free.stages[0].compute_time)
@@ -442,10 +448,7 @@ def test_where_the_ranks_cores_move_the_bytes_the_solver_counts_each_transfer_wh
     # counts against either stage and the cut goes inside the middle block; where the ranks'
     # own cores move the bytes (gloo between CPU processes) each end pays the whole transfer,
     # and a cut at a block's end sends half the bytes.
-    model, inputs = mlp.build(depth=3, batch=8)
-    gm = fxpipe.capture(model, inputs, inline_modules=True)
-    annotate_costs(gm)
-    options = {"microbatch_size": 2, "chunks": 4}
+    gm, options = _three_residual_blocks()
     engine = partition(gm, 2, profile=PROFILE, **options)
     assert not engine.host_link and engine.stages[0].forward_messages == 2
     host = partition(gm, 2, profile=dataclasses.replace(PROFILE, host_link=True), **options)
