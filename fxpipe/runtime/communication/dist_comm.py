@@ -54,7 +54,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -71,7 +71,26 @@ from fxpipe.runtime.execution.split_backward import (
 )
 from fxpipe.runtime.planning.plan import Message, Tick
 
-__all__ = ["DistComm", "TagTable", "DTYPE_CODES", "messages_of"]
+__all__ = ["DistComm", "TagTable", "DTYPE_CODES", "WeightedLoss", "messages_of"]
+
+
+class WeightedLoss(NamedTuple):
+    """The last stage's loss of one micro-batch and the gradient its backward starts from: the
+    micro-batch's weight in the batch's loss, times the loss scale (a float, or the scale's
+    tensor times it)."""
+
+    loss: torch.Tensor
+    seed: float | torch.Tensor
+
+    def start(self) -> torch.Tensor | None:
+        """The seed as the loss's gradient; None for a loss that is not a scalar, which
+        autograd then refuses as it would."""
+        loss, seed = self.loss, self.seed
+        if loss.dim() != 0:
+            return None
+        if isinstance(seed, torch.Tensor):
+            return seed.to(dtype=loss.dtype, device=loss.device).reshape(())
+        return torch.full_like(loss, seed)
 
 
 class TagTable:
@@ -380,7 +399,7 @@ class DistComm:
 
     # -- backward -------------------------------------------------------------------------------
 
-    def backward(self, stage: int, mb: int, loss: torch.Tensor | None = None) -> None:
+    def backward(self, stage: int, mb: int, loss: WeightedLoss | None = None) -> None:
         """Backward of one micro-batch: gradients in, autograd, gradients out."""
         record = self.records.pop((stage, mb), _Record())
         tensors, grads = self._output_grads(record, stage, mb, loss)
@@ -392,7 +411,7 @@ class DistComm:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             self.outbox[_gradient(msg)] = grad.detach().contiguous()
 
-    def backward_input(self, stage: int, mb: int, loss: torch.Tensor | None = None,
+    def backward_input(self, stage: int, mb: int, loss: WeightedLoss | None = None,
                        weights: Sequence[torch.Tensor] | None = None,
                        release: bool = False) -> list[torch.Tensor] | None:
         """The input-gradient half of a split backward (NOTE [Split backward]): gradients in,
@@ -416,16 +435,15 @@ class DistComm:
         `backward_input` kept, then frees it."""
         self.retained.pop((stage, mb)).run(weights)
 
-    def _output_grads(self, record: _Record, stage: int, mb: int, loss: torch.Tensor | None
+    def _output_grads(self, record: _Record, stage: int, mb: int, loss: WeightedLoss | None
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """The tensors a backward starts from (the loss, the sent values) and their gradients,
         waiting for each gradient's receive."""
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
-        if loss is not None and loss.requires_grad:
-            tensors.append(loss)
-            # a scalar starts from 1, as autograd would start it (None: autograd's error)
-            grads.append(torch.ones_like(loss) if loss.dim() == 0 else None)
+        if loss is not None and loss.loss.requires_grad:
+            tensors.append(loss.loss)
+            grads.append(loss.start())
         for value, msg in record.sent:
             with self._event("recv_grad", stage, mb, msg.value):
                 grad = self._wait(_gradient(msg))

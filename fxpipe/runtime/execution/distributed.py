@@ -32,7 +32,7 @@ from torch import nn
 
 from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError
 from fxpipe.remat_policy import RematPolicy, remat_policy
-from fxpipe.runtime.communication.dist_comm import DistComm, TagTable, messages_of
+from fxpipe.runtime.communication.dist_comm import DistComm, TagTable, WeightedLoss, messages_of
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.communication.overlap import ReplicaAverager
 from fxpipe.runtime.communication.receive_buffers import ReceiveBuffers
@@ -403,9 +403,11 @@ class DistributedExecutor:
             self.averager = None
 
     def _weighted(self, losses: dict[int, torch.Tensor], mb: int, weight: float,
-                  scale: Any) -> torch.Tensor:
-        loss = losses.pop(mb) * weight
-        return loss if scale is None else loss * scale
+                  scale: torch.Tensor | None) -> WeightedLoss:
+        """Micro-batch `mb`'s loss with the gradient its backward starts from: the weight
+        (times the loss scale), which autograd would give the loss had it been multiplied by
+        them, without that product's forward and backward per micro-batch."""
+        return WeightedLoss(losses.pop(mb), weight if scale is None else scale * weight)
 
     def _refuse_split_backward(self, ticks: Sequence[Tick]) -> None:
         split = sorted({str(t.action.kind) for t in ticks if t.action is not None
