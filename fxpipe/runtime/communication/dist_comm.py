@@ -54,7 +54,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -63,6 +63,7 @@ from fxpipe import ir
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.communication.receive_buffers import ReceiveBuffers
 from fxpipe.runtime.communication.transport import Handle, Op, Transport
+from fxpipe.runtime.execution.loss_split import WeightedLoss
 from fxpipe.runtime.execution.split_backward import (
     SplitPlans,
     WeightPass,
@@ -71,26 +72,8 @@ from fxpipe.runtime.execution.split_backward import (
 )
 from fxpipe.runtime.planning.plan import Message, Tick
 
-__all__ = ["DistComm", "TagTable", "DTYPE_CODES", "WeightedLoss", "messages_of"]
+__all__ = ["DistComm", "TagTable", "DTYPE_CODES", "messages_of"]
 
-
-class WeightedLoss(NamedTuple):
-    """The last stage's loss of one micro-batch and the gradient its backward starts from: the
-    micro-batch's weight in the batch's loss, times the loss scale (a float, or the scale's
-    tensor times it)."""
-
-    loss: torch.Tensor
-    seed: float | torch.Tensor
-
-    def start(self) -> torch.Tensor | None:
-        """The seed as the loss's gradient; None for a loss that is not a scalar, which
-        autograd then refuses as it would."""
-        loss, seed = self.loss, self.seed
-        if loss.dim() != 0:
-            return None
-        if isinstance(seed, torch.Tensor):
-            return seed.to(dtype=loss.dtype, device=loss.device).reshape(())
-        return torch.full_like(loss, seed)
 
 
 class TagTable:

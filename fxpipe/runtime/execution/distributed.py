@@ -32,7 +32,7 @@ from torch import nn
 
 from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError
 from fxpipe.remat_policy import RematPolicy, remat_policy
-from fxpipe.runtime.communication.dist_comm import DistComm, TagTable, WeightedLoss, messages_of
+from fxpipe.runtime.communication.dist_comm import DistComm, TagTable, messages_of
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.communication.overlap import ReplicaAverager
 from fxpipe.runtime.communication.receive_buffers import ReceiveBuffers
@@ -44,17 +44,20 @@ from fxpipe.runtime.execution.devices import make_timeline, pin_for, stage_devic
 from fxpipe.runtime.execution.forward import run_forward
 from fxpipe.runtime.execution.fsdp import FullShard
 from fxpipe.runtime.execution.loss_judge import LossJudge, split_target
-from fxpipe.runtime.execution.loss_split import KINDS, MEAN, SUM, known_kind, loss_key, weight_of
+from fxpipe.runtime.execution.loss_split import (
+    KINDS,
+    MEAN,
+    SUM,
+    WeightedLoss,
+    known_kind,
+    loss_key,
+    weight_of,
+)
 from fxpipe.runtime.execution.memory import KeptMemory
 from fxpipe.runtime.execution.split_backward import SplitPlans
 from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.runtime.planning.plan import Message, Tick, plan_rank, replies
-from fxpipe.runtime.planning.schedule import (
-    ActionKind,
-    ScheduleKind,
-    schedule_kind,
-    stage_ranks,
-)
+from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind, schedule_kind, stage_ranks
 from fxpipe.runtime.planning.timeline import Event
 from fxpipe.runtime.program.arguments import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.sharding import local_part
@@ -404,9 +407,8 @@ class DistributedExecutor:
 
     def _weighted(self, losses: dict[int, torch.Tensor], mb: int, weight: float,
                   scale: torch.Tensor | None) -> WeightedLoss:
-        """Micro-batch `mb`'s loss with the gradient its backward starts from: the weight
-        (times the loss scale), which autograd would give the loss had it been multiplied by
-        them, without that product's forward and backward per micro-batch."""
+        """Micro-batch `mb`'s loss and the gradient its backward starts from: the weight times
+        the loss scale, as autograd gives it to a loss multiplied by them, without the product."""
         return WeightedLoss(losses.pop(mb), weight if scale is None else scale * weight)
 
     def _refuse_split_backward(self, ticks: Sequence[Tick]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,8 +29,8 @@ from fxpipe.errors import LossError
 from fxpipe.losses import NAMED
 
 __all__ = ["MEAN", "SUM", "NEITHER", "UNDECIDED", "MIXED", "KINDS", "split_kind", "weight_of",
-           "loss_key", "known_kind", "agreed", "refusal", "undecidable", "disagreement",
-           "changed"]
+           "WeightedLoss", "loss_key", "known_kind", "agreed", "refusal", "undecidable",
+           "disagreement", "changed"]
 
 MEAN, SUM, NEITHER = "mean", "sum", "neither"
 UNDECIDED = "undecided"  # one micro-batch of one example: nothing to compare
@@ -62,9 +62,29 @@ def split_kind(full: float, parts: Sequence[float], dtype: torch.dtype,
 
 
 def weight_of(kind: str, chunks: int, replicas: int = 1) -> float:
-    """What each micro-batch's loss is multiplied by before its backward. Data-parallel
-    replicas average their gradients, which a sum's weight undoes."""
+    """What each micro-batch's loss weighs in the batch's: the gradient its backward starts
+    from (WeightedLoss). Data-parallel replicas average their gradients, which a sum's weight
+    undoes."""
     return {MEAN: 1.0 / chunks, SUM: float(replicas)}.get(kind, 0.0)
+
+
+class WeightedLoss(NamedTuple):
+    """The last stage's loss of one micro-batch and the gradient its backward starts from: the
+    micro-batch's weight in the batch's loss, times the loss scale (a float, or the scale's
+    tensor times it)."""
+
+    loss: torch.Tensor
+    seed: float | torch.Tensor
+
+    def start(self) -> torch.Tensor | None:
+        """The seed as the loss's gradient; None for a loss that is not a scalar, which
+        autograd then refuses as it would."""
+        loss, seed = self.loss, self.seed
+        if loss.dim() != 0:
+            return None
+        if isinstance(seed, torch.Tensor):
+            return seed.to(dtype=loss.dtype, device=loss.device).reshape(())
+        return torch.full_like(loss, seed)
 
 
 def known_kind(loss_fn: Callable[..., Any]) -> str | None:
@@ -78,6 +98,7 @@ def agreed(counts: Sequence[int]) -> str | None:
     compare), or MIXED."""
     found = {k for k, n in zip(KINDS, counts) if n}
     return found.pop() if len(found) == 1 else MIXED if found else None
+
 
 
 def loss_key(loss_fn: Callable[..., Any], with_target: bool) -> Hashable:
