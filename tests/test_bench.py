@@ -9,7 +9,7 @@ import torch
 
 from fxpipe.cli import main
 from fxpipe.runtime.planning.timeline import Event, busy_time
-from fxpipe.tools.bench_torch import failure_note
+from fxpipe.tools.bench_torch import error_line, failure_note
 from fxpipe.tools.bench_worker import time_variants
 
 
@@ -271,6 +271,19 @@ def test_a_failed_torch_variant_is_told_by_the_rank_that_failed_first():
     note = failure_note("v", [to_itself, "RuntimeError: detached in-place"])  # on rank 0
     assert note == f"v: rank 0: {to_itself}; rank 1: RuntimeError: detached in-place"
     assert failure_note("v", ["", closed]) == f"v: rank 1: {closed}"  # only a consequence: told
+
+
+def test_a_torch_variants_error_is_told_by_its_first_line_that_says_something_and_its_cause():
+    def failed_stage() -> None:
+        try:
+            raise RuntimeError("Can't detach views in-place.\nUse detach() instead.")
+        except RuntimeError as e:  # as torch's stage backward wraps its failures
+            raise RuntimeError("\nFailed to run stage backward input:\nStage output: ...") from e
+    with pytest.raises(RuntimeError) as caught:
+        failed_stage()
+    assert error_line(caught.value) == ("RuntimeError: Failed to run stage backward input: (from "
+                                        "RuntimeError: Can't detach views in-place.)")
+    assert error_line(ValueError()) == "ValueError: "
 
 
 def test_the_rounds_measured_are_those_extend_asks_for_after_the_warm_up():

@@ -34,7 +34,7 @@ from fxpipe.losses import default_loss
 from fxpipe.runtime.communication.mesh import group_over
 
 __all__ = ["TorchVariant", "SCHEDULES", "plan_variants", "build_torch_step", "failure_note",
-           "natural_points", "units_of", "rank_stages"]
+           "error_line", "natural_points", "units_of", "rank_stages"]
 
 # name -> (class name in torch.distributed.pipelining, stages per rank, placement)
 SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -339,6 +339,15 @@ def rank_stages_owner(schedule: str, stage: int, ranks: int) -> int:
 _STOPPED_WITH_PEER = ("Connection closed by peer", "Connection reset by peer")
 # gloo's refusal of a pair never connected; "$N" is the peer's rank
 _UNCONNECTED_PAIR = re.compile(r"Pair is not connected \(\[[^\]]*\]:\d+\$(\d+) <--> \[none\]\)")
+
+
+def error_line(e: BaseException) -> str:
+    """One line on an exception: its type and the first line of its message that says
+    something, and its cause's where it has one (torch wraps a stage's failure in an error
+    whose message is the stage's inputs)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    line = f"{type(e).__name__}: {first}"
+    return line if e.__cause__ is None else f"{line} (from {error_line(e.__cause__)})"
 
 
 def failure_note(name: str, errors: Sequence[str]) -> str:

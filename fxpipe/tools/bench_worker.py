@@ -46,6 +46,7 @@ from fxpipe.tools.bench_stats import measured_steps, rotated
 from fxpipe.tools.bench_torch import (
     TorchVariant,
     build_torch_step,
+    error_line,
     failure_note,
     plan_variants,
 )
@@ -294,7 +295,7 @@ def _try_torch(variant: TorchVariant, model: Any, inputs: tuple[Any, ...], targe
             build_torch_step(variant, copy.deepcopy(model), inputs, target, chunks, rank, world,
                              trial[0], trial_ties)()
     except Exception as e:  # noqa: BLE001 - a variant torch cannot run is reported
-        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        error = error_line(e)
     if error:
         close_trial()
     errors: list[Any] = [None] * world
