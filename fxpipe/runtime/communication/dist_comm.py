@@ -75,7 +75,6 @@ from fxpipe.runtime.planning.plan import Message, Tick
 __all__ = ["DistComm", "TagTable", "DTYPE_CODES", "messages_of"]
 
 
-
 class TagTable:
     """Integer tags for (value, src, dst): both ends derive the same numbers from the program."""
 
