@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -83,22 +83,29 @@ class _FxpipeVariant:
         self.program, self.inputs, self.target = program, inputs, target
         self.optimizer = torch.optim.SGD(program.parameters(), lr=1e-3)
         self.pipeline: list[float] = []  # seconds of program.step alone
-        self.stage: list[tuple[float, float]] = []  # (compute, receive waits) of this rank
-        # each stage of this rank: (forward, backward, weight-gradient W) seconds of each step
-        self.parts: list[dict[int, tuple[float, float, float]]] = []
+        # each step's spans, read once the timing is over: reading them is not the step's work
+        # (and on a GPU waits for the device)
+        self.events: list[Sequence[Event]] = []
         self.probes: list[float] = []  # seconds of the reference work around each step
 
     def step(self) -> float:
         start = time.perf_counter()
         loss = self.program.step(*self.inputs, target=self.target)
         self.pipeline.append(time.perf_counter() - start)
-        events: list[Event] = self.program.measured.get("last_step_events", [])
-        waits = sum(e.end - e.start for e in events if e.kind in _WAITS)
-        self.stage.append((busy_time(events), waits))  # every stage of this rank
-        self.parts.append(stage_parts(events))
+        self.events.append(self.program.measured.get("last_step_events", []))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+    def stage_times(self, warm: int) -> list[tuple[float, float]]:
+        """(compute, receive waits) of this rank's stages together, each step after `warm`."""
+        return [(busy_time(events), sum(e.end - e.start for e in events if e.kind in _WAITS))
+                for events in self.events[warm:]]
+
+    def parts(self, warm: int) -> dict[int, tuple[float, float, float]]:
+        """Each stage of this rank's median (forward, backward, W) over the steps after
+        `warm` (stage_parts)."""
+        return median_parts([stage_parts(events) for events in self.events[warm:]])
 
 
 def time_variants(names: list[str], steps: dict[str, Step], rounds: int, *, warmup: int,
@@ -153,7 +160,7 @@ def time_variants(names: list[str], steps: dict[str, Step], rounds: int, *, warm
     return times, cpu, around, load
 
 
-def stage_parts(events: list[Event]) -> dict[int, tuple[float, float, float]]:
+def stage_parts(events: Sequence[Event]) -> dict[int, tuple[float, float, float]]:
     """Each stage's (forward, backward, W) busy seconds in one step's events: the backward
     counts every backward span (a whole B, I and W, recomputes included), W those of a split
     backward's weight gradients alone; receive waits nested in them are not busy."""
@@ -386,7 +393,7 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
         dist.barrier()
         kept[name] = ours.program.measure_kept(*ours.inputs, target=ours.target)
         ours.optimizer.zero_grad(set_to_none=True)
-    parts = {name: median_parts(v.parts[warm:]) for name, v in fx.items()}
+    parts = {name: v.parts(warm) for name, v in fx.items()}
     every_parts: list[Any] = [None] * world
     dist.all_gather_object(every_parts, parts)
     result = {
@@ -394,7 +401,7 @@ def run_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[s
         "cpu_times": {k: v[warm:] for k, v in cpu.items()}, "load": load[warm:],
         "skipped": skipped, "process_groups": groups,
         "pipeline": {k: v.pipeline[warm:] for k, v in fx.items()},
-        "stage_times": {k: v.stage[warm:] for k, v in fx.items()},
+        "stage_times": {k: v.stage_times(warm) for k, v in fx.items()},
         "probes": {k: v.probes[warm:] for k, v in fx.items()},
         "events": [e.__dict__ for e in main.measured.get("last_step_events", [])],
         # each schedule played with its program's stage costs
