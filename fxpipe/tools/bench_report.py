@@ -288,9 +288,8 @@ def _lines(summary: dict[str, Any]) -> list[str]:
               f"{summary['step_time_s']['single_process']:.3f} s); predicted/measured at that "
               "speed: " + ", ".join(f"{name} {v:.3f}" for name, v in
                                     summary["predicted_over_measured_at_run_speed"].items()),
-              "- predicted/measured with each stage's compute as its rank measured it in "
-              "this run (the "
-              "schedule's model alone): " + ", ".join(
+              "- predicted/measured with each stage's compute as its rank measured it in this "
+              "run (the schedule's model alone): " + ", ".join(
                   f"{name} {v:.3f}" for name, v in
                   summary["predicted_over_measured_at_measured_compute"].items()),
               "- activations kept at the peak of a step, by rank (measured, and how far from "
