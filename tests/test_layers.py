@@ -191,5 +191,5 @@ def test_a_stage_is_one_of_four_records() -> None:
         ("StageSpec", "fxpipe.runtime.execution.stagespec"),  # what the runtime reads
         ("HeldStage", "fxpipe.runtime.execution.stagespec"),  # its module on its device
         ("HeldStages", "fxpipe.runtime.execution.hold"),  # a process's list of them, executors
-        ("StagePlan", "fxpipe.passes.partition.graph"),  # predicted: its nodes, times, bytes
+        ("StagePlan", "fxpipe.passes.partition.plan"),  # predicted: its nodes, times, bytes
     }
