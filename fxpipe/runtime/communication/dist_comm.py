@@ -62,6 +62,7 @@ import torch.utils._pytree as pytree
 from fxpipe import ir
 from fxpipe.errors import PipelineRuntimeError
 from fxpipe.runtime.communication.receive_buffers import ReceiveBuffers
+from fxpipe.runtime.communication.tags import Edge, TagTable, activation_of, gradient_of
 from fxpipe.runtime.communication.transport import Handle, Op, Transport
 from fxpipe.runtime.execution.loss_split import WeightedLoss
 from fxpipe.runtime.execution.split_backward import (
@@ -72,22 +73,9 @@ from fxpipe.runtime.execution.split_backward import (
 )
 from fxpipe.runtime.planning.plan import Message, Tick
 
-__all__ = ["DistComm", "TagTable", "DTYPE_CODES", "messages_of"]
+__all__ = ["DistComm", "DTYPE_CODES"]
 
 
-class TagTable:
-    """Integer tags for (value, src, dst): both ends derive the same numbers from the program."""
-
-    def __init__(self, edges: Sequence[tuple[str, int, int]], num_microbatches: int) -> None:
-        self.index = {edge: i for i, edge in enumerate(sorted(set(edges)))}
-        self.m = num_microbatches
-
-    def tag(self, name: str, src: int, dst: int, mb: int, backward: bool, element: int = 0) -> int:
-        slot = (self.index[(name, src, dst)] * self.m + mb) * _ELEMENTS + element
-        return (slot << 1) | int(backward)
-
-
-_ELEMENTS = 64  # tensors per communicated value (a tuple of tensors is sent element by element)
 _HEADER_TAG = 1 << 30  # added to a message's tag for its dtype header
 DTYPE_CODES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
@@ -96,34 +84,6 @@ DTYPE_CODES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torc
 
 def _short(dtype: torch.dtype, shape: Sequence[int]) -> str:
     return f"{str(dtype).replace('torch.', '')}{list(shape)}"
-
-
-Edge = tuple[str, int, int]  # (value, src stage, dst stage)
-
-
-def messages_of(info: dict[Edge, ir.ValueInfo], chunks: int,
-                placement: Sequence[int]) -> list[Message]:
-    """Every message of these edges: each leaf forward, and back the gradient of each leaf
-    that needs one; placement[stage] is the stage's rank."""
-    out = []
-    for (tag, src, dst), value in sorted(info.items()):
-        for k, leaf in enumerate(ir.leaves(value)):
-            for mb in range(chunks):
-                out.append(Message(placement[src], placement[dst], tag, mb, False, src, dst, k))
-                if ir.carries_grad(leaf):
-                    out.append(Message(placement[dst], placement[src], tag, mb, True, dst, src, k))
-    return out
-
-
-def _activation(msg: Message) -> Message:
-    """The forward message whose gradient `msg` is."""
-    return Message(msg.dst_rank, msg.src_rank, msg.value, msg.microbatch, False, msg.receiver,
-                   msg.sender, msg.element)
-
-
-def _gradient(msg: Message) -> Message:
-    return Message(msg.dst_rank, msg.src_rank, msg.value, msg.microbatch, True, msg.receiver,
-                   msg.sender, msg.element)
 
 
 @dataclass
@@ -201,7 +161,7 @@ class DistComm:
                 written = not msg.grad and (msg.value, msg.sender, msg.receiver) in self.written
                 self.inbox[msg] = (None, value.clone() if written else value)
                 if msg.grad:  # its value's gradient is here: the value need not be held on
-                    self.sent_values.pop(_activation(msg), None)
+                    self.sent_values.pop(activation_of(msg), None)
             else:
                 remote.append(msg)
         if not remote:
@@ -219,7 +179,7 @@ class DistComm:
     def _op(self, msg: Message) -> Op:
         if msg.src_rank == self.rank:
             if msg in self.answered:  # held until its gradient, storage backward keeps anyway
-                answered: Message | None = _gradient(msg)
+                answered: Message | None = gradient_of(msg)
             elif msg in self.sent_values:  # an activation sent as a contiguous copy: dropped
                 answered = None  # as soon as sent, not held through the forwards to a reply
             else:
@@ -241,12 +201,12 @@ class DistComm:
     def _tag(self, msg: Message) -> int:
         if self.tags is None:
             return 0
-        a = _activation(msg) if msg.grad else msg
+        a = activation_of(msg) if msg.grad else msg
         return self.tags.tag(msg.value, a.sender, a.receiver, msg.microbatch, msg.grad,
                              msg.element)
 
     def _leaf_info(self, msg: Message) -> ir.ValueInfo:
-        a = _activation(msg) if msg.grad else msg
+        a = activation_of(msg) if msg.grad else msg
         return ir.leaves(self.info[(msg.value, a.sender, a.receiver)])[msg.element]
 
     def _is_tensor(self, msg: Message) -> bool:
@@ -255,7 +215,7 @@ class DistComm:
     def _buffer(self, msg: Message) -> torch.Tensor:
         """Where a message arrives: contiguous, in the shape and dtype the sender sends."""
         if msg.grad:  # the gradient of a value this rank sent: its shape and dtype
-            value = self.sent_values.pop(_activation(msg))
+            value = self.sent_values.pop(activation_of(msg))
             shape, dtype, device = tuple(value.shape), value.dtype, value.device
         else:
             leaf = self._leaf_info(msg)
@@ -391,7 +351,7 @@ class DistComm:
             engine_backward(tensors, cast(list[torch.Tensor], grads))
         for leaf, msg in record.received:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            self.outbox[_gradient(msg)] = grad.detach().contiguous()
+            self.outbox[gradient_of(msg)] = grad.detach().contiguous()
 
     def backward_input(self, stage: int, mb: int, loss: WeightedLoss | None = None,
                        weights: Sequence[torch.Tensor] | None = None,
@@ -409,7 +369,7 @@ class DistComm:
         self.retained[(stage, mb)] = weight_pass
         for (leaf, msg), grad in zip(record.received, got):
             grad = grad if grad is not None else torch.zeros_like(leaf)
-            self.outbox[_gradient(msg)] = grad.detach().contiguous()
+            self.outbox[gradient_of(msg)] = grad.detach().contiguous()
         return weight_pass.held()
 
     def backward_weight(self, stage: int, mb: int, weights: Sequence[torch.Tensor]) -> None:
@@ -428,7 +388,7 @@ class DistComm:
             grads.append(loss.start())
         for value, msg in record.sent:
             with self._event("recv_grad", stage, mb, msg.value):
-                grad = self._wait(_gradient(msg))
+                grad = self._wait(gradient_of(msg))
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 tensors.append(value)
                 grads.append(grad)

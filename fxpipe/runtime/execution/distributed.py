@@ -32,11 +32,12 @@ from torch import nn
 
 from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError
 from fxpipe.remat_policy import RematPolicy, remat_policy
-from fxpipe.runtime.communication.dist_comm import DistComm, TagTable, messages_of
+from fxpipe.runtime.communication.dist_comm import DistComm
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.communication.overlap import ReplicaAverager
 from fxpipe.runtime.communication.receive_buffers import ReceiveBuffers
 from fxpipe.runtime.communication.strict import make_transport
+from fxpipe.runtime.communication.tags import TagTable, messages_of
 from fxpipe.runtime.communication.transport import Transport
 from fxpipe.runtime.execution.amp import AutocastState, agree_on_overflow, loss_scale
 from fxpipe.runtime.execution.batchnorm import commit_batch_norms, discard_batch_norms
