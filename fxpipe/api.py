@@ -52,9 +52,10 @@ def compile(  # noqa: A001 - the name users know from torch.compile
 
     Args:
         model: any nn.Module (its train/eval mode is captured).
-        example_inputs: a batch (tensor or tuple). Without it the program is built on its first
-            call from that call's inputs, as torch.compile does.
-        example_kwargs: keyword inputs of the example batch.
+        example_inputs: a batch (tensor or tuple). Without it (and without example_kwargs) the
+            program is built on its first call from that call's inputs, as torch.compile does.
+        example_kwargs: keyword inputs of the example batch; enough alone for a model that
+            takes keywords only (a Hugging Face model's input_ids=, attention_mask=).
         stages: number of pipeline stages (stage files). Each runs on its own device, or
             process under torchrun, except under a looped schedule, where a rank holds
             `stages_per_rank` of them.
@@ -163,9 +164,9 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         shard, _replicas(config)))
     program = Program(model, config)
     program.train(model.training)
-    if example_inputs is not None:
-        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
-            else (example_inputs,)
+    if example_inputs is not None or example_kwargs:
+        args = () if example_inputs is None else tuple(example_inputs) \
+            if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         program.build(*args, **(example_kwargs or {}))
     return program
 

@@ -236,6 +236,37 @@ def test_compile_without_example_inputs_builds_on_the_first_call():
     program.report()
 
 
+class _KeywordsOnly(torch.nn.Module):
+    """A model that takes keywords only, as a Hugging Face model is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, *, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(features))) * mask
+
+
+def test_compile_with_keyword_inputs_alone_builds_from_them():
+    torch.manual_seed(0)
+    model = _KeywordsOnly()
+    plain = copy.deepcopy(model)
+    kwargs = {"features": torch.randn(8, 8), "mask": (torch.rand(8, 4) > 0.3).float()}
+    program = fxpipe.compile(model, example_kwargs=kwargs, stages=2, chunks=CHUNKS,
+                             profile=PROFILE)
+    assert program.is_built  # the example batch is given: no waiting for a first call
+    assert program.report().stages[0]["params_bytes"] > 0
+
+    output = program(**kwargs)
+    expected = plain(**kwargs)
+    torch.testing.assert_close(output, expected)
+    output.square().mean().backward()
+    expected.square().mean().backward()
+    for (name, got), want in zip(model.named_parameters(), plain.parameters()):
+        assert got.grad is not None, name
+        torch.testing.assert_close(got.grad, want.grad)
+
+
 def test_explicit_cpu_devices_with_measured_profile_are_transparent():
     # The one test that measures the CPU profile (profile=None) instead of using a preset.
     case = make_case("mlp")
