@@ -106,6 +106,12 @@ def test_bench_runs_every_variant_on_the_same_problem(tmp_path, capsys):
     # each schedule's own bound
     assert result["ideal_speedup"]["fxpipe"] == pytest.approx(2 * 4 / 5)
     assert result["ideal_speedup"]["fxpipe_zb-v"] > result["ideal_speedup"]["fxpipe_1f1b"]
+    # and over the full batch: scaled by what micro-batching cost one process in this run
+    micro_cost = result["step_time_s"]["single_process_full_batch"] / \
+        result["step_time_s"]["single_process"]
+    assert result["full_batch_over_accumulating"] == pytest.approx(micro_cost)
+    for name, bound in result["ideal_speedup"].items():
+        assert result["ideal_speedup_vs_full_batch"][name] == pytest.approx(bound * micro_cost)
     assert result["stage_imbalance"] >= 0 and result["balance_rounds"]
     fxpipe_variants = {v for v in variants if v.startswith("fxpipe")}
     assert set(result["predicted_over_measured_by_variant"]) == fxpipe_variants

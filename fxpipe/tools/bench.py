@@ -11,11 +11,13 @@ with both its frontends, at its natural cut and at fxpipe's, with each of its sc
 otherwise; its cut for the torch variants with two stages per rank is fxpipe's own
 balanced cut into that many stages, made in this process first.
 
-It reports median step times and CPU seconds, speedups against each schedule's bound, fxpipe's
-best schedule against the fastest torch variant as a paired ratio with its 95% interval
-(fxpipe.tools.bench_stats), the measured compute and waits of each stage and their imbalance,
-predicted against measured step time, and the activation bytes each stage keeps in each remat
-mode; writes bench.json, bench.md and a Chrome trace (fxpipe.tools.bench_report).
+It reports median step times and CPU seconds, speedups against each schedule's bound (over one
+process running the same micro-batches, and over the full batch at what micro-batching costs
+that process), fxpipe's best schedule against the fastest torch variant as a paired ratio with
+its 95% interval (fxpipe.tools.bench_stats), the measured compute and waits of each stage and
+their imbalance, predicted against measured step time, and the activation bytes each stage
+keeps in each remat mode; writes bench.json, bench.md and a Chrome trace
+(fxpipe.tools.bench_report).
 """
 from __future__ import annotations
 
