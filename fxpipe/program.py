@@ -8,6 +8,7 @@ its own stages only (the model itself stays on meta).
 """
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from collections import OrderedDict
@@ -135,6 +136,29 @@ class Program(nn.Module):
         self._mesh = mesh_of_world(built.spec.placement) if device is not None else None
         self._device = device
         self._instantiate(graph_tensors(built.captured))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Program:
+        """An independent program over a deep copy of the model: its plan's tensors are the
+        copy's, its stages hold copies of this program's (weights loaded into a meta model's
+        stages included), and it runs on threads of its own. Not for one rank of a distributed
+        pipeline, whose process groups belong to this process."""
+        if self._mesh is not None:
+            raise ConfigError("this program holds one rank's stages of a distributed pipeline, "
+                              "whose process groups cannot be copied",
+                              hint="copy the model and compile it on every rank")
+        clone = Program(copy.deepcopy(self.model, memo), self.config)
+        clone.train(self.training)
+        clone.measured = copy.deepcopy(self.measured, memo)
+        if self._built is None:
+            return clone
+        held, _ = self._held_tensors()  # the model's tensors copied first: the same copies
+        built, tensors = copy.deepcopy((self._built, held), memo)
+        clone._names = StateNames.of_model(clone.model, built.captured)
+        clone._example = copy.deepcopy(self._example, memo)
+        clone._built = built
+        clone._classes = self._classes  # generated from the plan alone
+        clone._instantiate({**graph_tensors(built.captured), **tensors})
+        return clone
 
     # -- balancing by measurement ----------------------------------------------------------------
 

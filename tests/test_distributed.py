@@ -104,7 +104,13 @@ def _run_job(job: Job, world: int) -> dict[str, Any]:
             grads = {k: None if params[k].grad is None else params[k].grad.clone()
                      for k in keys if k in params}
         optimizer.step()
+    try:
+        copy.deepcopy(program)
+        refused = ""
+    except fxpipe.FxPipeError as e:
+        refused = f"{type(e).__name__}: {e}"
     return {
+        "copy_refused": refused,  # a rank's program holds process groups: not copied
         "losses": losses,
         "grads": grads,  # after step 1, of every parameter in this rank's state_dict
         "state": {k: v.clone() for k, v in program.state_dict().items()},  # after step 3
@@ -285,6 +291,14 @@ def test_state_dicts_of_the_ranks_together_hold_every_model_key(world_results, w
     ranks = world_results(world).get(job)
     held = set().union(*(r["state"] for r in ranks))
     assert sorted(held) == sorted(reference(job.model)["state"])
+
+
+@pytest.mark.parametrize(("world", "job"), CASES)
+def test_a_ranks_program_is_not_deep_copied_and_says_why(world_results, world, job):
+    for r in world_results(world).get(job):
+        assert r["copy_refused"].startswith("ConfigError"), r["copy_refused"]
+        assert "process groups cannot be copied" in r["copy_refused"]
+        assert "compile it on every rank" in r["copy_refused"]
 
 
 @pytest.mark.parametrize(("world", "job"), CASES)
