@@ -160,6 +160,18 @@ class Program(nn.Module):
         clone._instantiate({**graph_tensors(built.captured), **tensors})
         return clone
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling (torch.save(program)): a lazy program's state; a built one holds generated
+        classes and running executors, so it says what to save instead."""
+        if self._built is not None:
+            raise ConfigError("a built program is not pickled: its stages are classes generated "
+                              "in this process and its executor runs threads",
+                              hint="save its state with program.save(dir) (or torch.save("
+                                   "program.state_dict())), its code with program.write(dir), "
+                                   "or copy it in this process with copy.deepcopy(program)")
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
+        return state
+
     # -- balancing by measurement ----------------------------------------------------------------
 
     def _balance_at_build(self, device: torch.device | None) -> None:

@@ -1,12 +1,16 @@
 """copy.deepcopy(program): an independent program over a copy of the model, as a deep copy of
-the model would be, that trains like the plain model and leaves the original untouched."""
+the model would be, that trains like the plain model and leaves the original untouched; and
+pickling, which a built program refuses with what to save instead."""
 from __future__ import annotations
 
 import copy
+import io
 
+import pytest
 import torch
 
 import fxpipe
+from fxpipe.errors import ConfigError
 from fxpipe.losses import default_loss
 from fxpipe.models import gpt
 from fxpipe.storage.state import graph_tensors
@@ -69,3 +73,16 @@ def test_a_meta_models_copy_keeps_the_weights_its_stages_were_given():
         assert not copied[key].is_meta, key
         torch.testing.assert_close(copied[key], value, rtol=0, atol=0, msg=key)
     torch.testing.assert_close(clone(IDX), program(IDX), rtol=0, atol=0)
+
+
+def test_a_lazy_program_pickles_and_a_built_one_says_what_to_save_instead():
+    torch.manual_seed(0)
+    model = gpt.GPT(**CONFIG)
+    buffer = io.BytesIO()
+    torch.save(fxpipe.compile(model, stages=2, chunks=4, profile="a100"), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded(IDX), model(IDX))
+
+    with pytest.raises(ConfigError, match=r"not pickled.*\n.*program.save\(dir\).*deepcopy"):
+        torch.save(loaded, io.BytesIO())
