@@ -100,7 +100,6 @@ def agreed(counts: Sequence[int]) -> str | None:
     return found.pop() if len(found) == 1 else MIXED if found else None
 
 
-
 def loss_key(loss_fn: Callable[..., Any], with_target: bool) -> Hashable:
     """What a remembered kind belongs to: the loss's code (a lambda made anew each step is the
     same loss), and whether it gets a target."""
