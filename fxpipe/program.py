@@ -123,9 +123,11 @@ class Program(nn.Module):
             self._balance_at_build(device)
         return self
 
-    def _install(self, built: Built, device: torch.device | None) -> None:
+    def _install(self, built: Built, device: torch.device | None,
+                 held: Mapping[str, torch.Tensor] | None = None) -> None:
         """Builds the stage modules and the executor of a built plan (every stage locally, this
-        rank's under torchrun); `device` is this rank's, None in one process."""
+        rank's under torchrun); `device` is this rank's, None in one process; `held`: tensors
+        the stages take instead of the plan's (by qualified name)."""
         self._built = built
         if self._local is not None:
             self._local.close()
@@ -135,7 +137,7 @@ class Program(nn.Module):
                          for s, runs in zip(built.stages, built.spec.stages)]
         self._mesh = mesh_of_world(built.spec.placement) if device is not None else None
         self._device = device
-        self._instantiate(graph_tensors(built.captured))
+        self._instantiate({**graph_tensors(built.captured), **(held or {})})
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Program:
         """An independent program over a deep copy of the model: its plan's tensors are the
@@ -155,9 +157,7 @@ class Program(nn.Module):
         built, tensors = copy.deepcopy((self._built, held), memo)
         clone._names = StateNames.of_model(clone.model, built.captured)
         clone._example = copy.deepcopy(self._example, memo)
-        clone._built = built
-        clone._classes = self._classes  # generated from the plan alone
-        clone._instantiate({**graph_tensors(built.captured), **tensors})
+        clone._install(built, None, tensors)
         return clone
 
     def __getstate__(self) -> dict[str, Any]:
