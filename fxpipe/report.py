@@ -78,6 +78,7 @@ class Report:
     remat: RematPolicy = RematPolicy.NEVER
     optimizer: str = ADAM.describe()  # what each stage's memory counts per parameter
     stamping: str | None = None  # capture(stamp=True): the blocks stamped, or why none
+    capture: str | None = None  # how the graph was captured and checked (CaptureInfo.describe)
     # (schedule, ranks) -> predicted_step of the plan: a simulation of every action of a step
     # (128 stages x 32 micro-batches: 8k actions), asked for by summary(), text() and json_text()
     # and by every report of one compile (Built.simulated, which build_report passes)
@@ -264,6 +265,8 @@ class Report:
         if self.comm:
             lines.append("communication per step (each replica): " + ", ".join(
                 f"{kind} {human_bytes(v)}" for kind, v in self.comm.items()))
+        if self.capture:
+            lines.append(f"capture: {self.capture}")
         if self.stamping:
             lines.append(f"repeated blocks: {self.stamping}")
         lines += self.balance_lines()
@@ -332,7 +335,7 @@ class Report:
                            "profile": self.profile, "measured": self.measured,
                            "balance_rounds": [r.to_json() for r in self.rounds],
                            "shared_parameters": self.shared, "mesh": self.mesh,
-                           "communication_bytes_per_step": self.comm},
+                           "communication_bytes_per_step": self.comm, "capture": self.capture},
                           indent=2, sort_keys=True, default=str)
 
     def __str__(self) -> str:
@@ -375,4 +378,5 @@ def build_report(built: Built, model: str, mesh: Mesh | None = None) -> Report:
                   comm=communication(built, replicas), rounds=list(built.rounds),
                   stages_per_rank=built.spec.stages_per_rank, remat=built.config.remat_policy,
                   optimizer=built.config.optimizer.describe(),
-                  stamping=built.capture_info.stamp_note, simulated=built.simulated)
+                  stamping=built.capture_info.stamp_note, capture=built.capture_info.describe(),
+                  simulated=built.simulated)

@@ -8,7 +8,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe import ir
-from fxpipe.errors import CaptureError, RuntimeInputError
+from fxpipe.errors import CaptureError, ConfigError, RuntimeInputError
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
 from fxpipe.untouched import seeded
@@ -137,6 +137,48 @@ def test_auto_falls_back_to_export_when_the_fx_trace_is_wrong():
     assert info.method == "export"
     assert "differs" in info.fallback_reason
     _assert_same(gm, model, (x,), {})
+
+
+class _ShapeBranch(nn.Module):
+    """Python control flow on a shape: torch.fx cannot trace it, torch.export can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) if x.shape[-1] == 4 else h
+
+
+def test_the_report_says_which_front_end_captured_the_model_and_why():
+    x = torch.randn(6, 4)
+    fx_line = fxpipe.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (x,), stages=2,
+                             chunks=2).report().capture
+    assert fx_line == "captured with fx; checked: values against the eager model"
+    report = fxpipe.compile(_ShapeBranch(), (x,), stages=2, chunks=2).report()
+    assert report.capture is not None and report.capture.startswith(
+        "captured with export (the fx trace was not kept: torch.fx cannot trace _ShapeBranch")
+    assert f"capture: {report.capture}" in str(report)
+    assert report.json()["capture"] == report.capture
+
+
+def test_leaf_modules_the_export_fallback_traced_through_are_warned_of_and_reported():
+    model, x = _Hooked(), torch.randn(6, 4)
+    with pytest.warns(UserWarning, match=r"leaf_modules \(Linear\) were traced through.*"
+                                         r"not kept \(fx trace differs"):
+        gm = fxpipe.capture(model, (x,), leaf_modules=[nn.Linear])
+    info = gm.meta[ir.CAPTURE]
+    assert info.method == "export" and info.inlined_leaves == ("Linear",)
+    assert "traced through leaf_modules Linear" in info.describe()
+    _assert_same(gm, model, (x,), {})
+
+
+@pytest.mark.parametrize("method", ["export", "follow_branches"])
+def test_leaf_modules_with_a_front_end_that_has_none_are_refused(method):
+    with pytest.raises(ConfigError, match=rf"leaf_modules \(ReLU, dec\).*'{method}'"):
+        fxpipe.capture(_Hooked(), (torch.randn(6, 4),), method=method,
+                       leaf_modules=[nn.ReLU, "dec"])
 
 
 def test_explicit_fx_rejects_a_wrong_trace():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,12 @@ from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.frontend import lazy, regions, shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout
 from fxpipe.frontend.check import compare_shapes, compare_with_eager
+from fxpipe.frontend.inputs import (
+    input_names,
+    normalize_inputs,
+    set_signature_codegen,
+    signature_of,
+)
 from fxpipe.frontend.meta import (
     Check,
     check_name,
@@ -39,13 +46,11 @@ from fxpipe.frontend.mutation import StateSnapshot, restore_values, snapshot_sta
 from fxpipe.frontend.naming import name_nodes_after_modules
 from fxpipe.frontend.stamp import Stamper
 from fxpipe.frontend.tracers import LeafModule
-from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
-from fxpipe.source import identifier
+from fxpipe.signature import ModelArgs, ModelKwargs, Signature, is_tensor
 
 __all__ = ["capture", "CaptureInfo", "METHODS"]
 
 METHODS = ("auto", "fx", "export", "follow_branches")
-_RESERVED = frozenset({"self"})  # placeholder names of a forward(self, ...)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,16 @@ class CaptureInfo:
     stamped: int = 0  # blocks stamped as copies of a traced one (fxpipe.frontend.stamp)
     stamp_note: str | None = None  # one line: which blocks were stamped, or why not (None: off)
     cut_runs: int = 0  # runs (and export) of the model cut to three blocks, on fake tensors
+    inlined_leaves: tuple[str, ...] = ()  # leaf_modules export traced through (it has none)
+
+    def describe(self) -> str:
+        """One line for the report: the front end, why fx was not kept, what was checked."""
+        how = f"captured with {self.method}"
+        if self.fallback_reason:
+            how += f" (the fx trace was not kept: {_first_line(self.fallback_reason)})"
+        if self.inlined_leaves:
+            how += f", traced through leaf_modules {', '.join(self.inlined_leaves)}"
+        return f"{how}; checked: {self.checked}"
 
 
 @dataclass
@@ -147,7 +162,13 @@ def capture(
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be an nn.Module (got {type(model).__name__})",
                           hint="wrap the function in an nn.Module")
-    args, kwargs = _normalize(example_inputs, example_kwargs)
+    leaf_labels = tuple(_leaf_label(x) for x in leaf_modules)
+    if leaf_labels and method in ("export", "follow_branches"):
+        raise ConfigError(f"leaf_modules ({', '.join(leaf_labels)}) keep modules whole under the "
+                          f"fx front end, but the {method!r} front end traces through every "
+                          f"module", hint="capture with 'auto' or 'fx' (compile(capture=...), "
+                                          "capture(method=...)), or drop leaf_modules")
+    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     validate_check(check, model, (args, kwargs))
     if check is not None:  # a meta model: checked on a twin or by shapes, run on meta inputs
         method, batch_dims = _check_twin(check, model, args, kwargs, method, leaf_modules,
@@ -158,7 +179,7 @@ def capture(
     if not tensors:
         raise CaptureError("the example inputs contain no tensor",
                            hint="pass at least one tensor input (a batch of examples)")
-    names = _leaf_names(model, args, kwargs)
+    names = input_names(model, args, kwargs)
     clock = [(time.perf_counter(), time.process_time())]
 
     def lap() -> tuple[float, float]:
@@ -192,6 +213,11 @@ def capture(
         regions.inline_regions(gm)  # no_grad / autocast regions: marked operations
         front_s = lap()
         _annotate_shapes(gm, used, tensors, signature, runs)
+    inlined = leaf_labels if used == "export" else ()
+    if inlined:
+        warnings.warn(f"leaf_modules ({', '.join(inlined)}) were traced through: torch.export "
+                      f"has no leaf modules, and the fx trace, which keeps them whole, was not "
+                      f"kept ({_first_line(reason or '')})", UserWarning, stacklevel=2)
     name_nodes_after_modules(gm)
     gm.meta.setdefault(ir.QUALNAMES, {})
     phases = (("batch_layout", layout_s), (f"{used}+check", front_s), ("shapes", lap()))
@@ -202,8 +228,20 @@ def capture(
                                       checked, runs.fake,
                                       tuple((k, cpu) for k, (_, cpu) in phases),
                                       stamper.stamped if stamper else 0,
-                                      stamper.note if stamper else None, runs.cut)
+                                      stamper.note if stamper else None, runs.cut, inlined)
     return gm
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _leaf_label(leaf: LeafModule) -> str:
+    """How a leaf_modules entry reads in a message: a type's or a module's class name, or the
+    qualified name given."""
+    if isinstance(leaf, type):
+        return leaf.__name__
+    return leaf if isinstance(leaf, str) else type(leaf).__name__
 
 
 _DERIVED = ("; the whole model's output shapes derived from the stamped graph, the model run "
@@ -227,7 +265,7 @@ def _laid_out(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs, leaves: Se
             if not is_meta_model(model):
                 raise
             raise meta_run_error(model, error) from error
-    signature = _signature(leaves, in_spec, names, layout)
+    signature = signature_of(leaves, in_spec, names, layout)
     if stamper is not None:
         stamper.outputs = len(signature.out_is_tensor)
     return layout, signature, lap()
@@ -317,7 +355,7 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
         try:
             def traced() -> fx.GraphModule:
                 gm = tracers.trace_fx(model, signature, leaves, leaf_modules, inline)
-                _set_signature_codegen(gm, signature)
+                set_signature_codegen(gm, signature)
                 return gm
 
             def fx_check(gm: fx.GraphModule) -> str | None:
@@ -343,7 +381,7 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
         gm = tracers.export(model, signature, leaves, tensors, layout,
                             follow_branches=method == "follow_branches")
         runs.add()
-        _set_signature_codegen(gm, signature)
+        set_signature_codegen(gm, signature)
         return gm
 
     def export_check(gm: fx.GraphModule) -> str | None:
@@ -379,56 +417,6 @@ def _stamped_or_whole(front: Callable[[], fx.GraphModule],
     return gm, problem
 
 
-# --- inputs and signature -------------------------------------------------------------------------
-
-def _normalize(example_inputs: Any,
-               example_kwargs: ModelKwargs | None) -> tuple[ModelArgs, ModelKwargs]:
-    if example_inputs is None:
-        raise ConfigError("capture needs example inputs", hint="pass a batch the model accepts")
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    if example_kwargs is not None and not isinstance(example_kwargs, dict):
-        raise ConfigError(f"example_kwargs must be a dict (got {type(example_kwargs).__name__})",
-                          hint="pass keyword inputs as example_kwargs={'name': value}")
-    return args, dict(example_kwargs or {})
-
-
-def _leaf_names(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs) -> list[str]:
-    """Placeholder names from the forward signature: idx, targets, xs_0, xs_1 ..."""
-    import inspect
-
-    try:
-        params = [p for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        params = []
-    positional = [params[i].name if i < len(params) else f"arg{i}" for i in range(len(args))]
-    taken: set[str] = set()
-    names: list[str] = []
-    for label, value in [*zip(positional, args), *kwargs.items()]:
-        leaves = pytree.tree_leaves(value)
-        if len(leaves) == 1 and not isinstance(value, (tuple, list, dict)):
-            names.append(identifier(label, taken, reserved=_RESERVED))
-        else:
-            names += [identifier(f"{label}_{i}", taken, reserved=_RESERVED)
-                      for i in range(len(leaves))]
-    return names
-
-
-def _signature(leaves: Sequence[Any], in_spec: pytree.TreeSpec, names: Sequence[str],
-               layout: BatchLayout) -> Signature:
-    specs: list[LeafSpec] = []
-    k = 0
-    for name, leaf in zip(names, leaves):
-        if is_tensor(leaf):
-            bd = layout.input_dims[k]
-            shape = tuple(-1 if d == bd else s for d, s in enumerate(leaf.shape))
-            specs.append(LeafSpec(name, True, leaf.dtype, shape, bd))
-            k += 1
-        else:
-            specs.append(LeafSpec(name, False, constant=leaf))
-    return Signature(in_spec, specs, layout.out_spec, layout.output_dims, layout.output_is_tensor)
-
-
 @contextlib.contextmanager
 def preserved_state(model: nn.Module, before: StateSnapshot | None = None) -> Iterator[None]:
     """Restores training flags and buffers (BatchNorm statistics) after trial runs, including a
@@ -448,38 +436,6 @@ def preserved_state(model: nn.Module, before: StateSnapshot | None = None) -> It
                 b.copy_(saved)
         if before is not None:
             restore_values(before)
-
-
-class _SignatureCodeGen(fx.graph.CodeGen):
-    """Makes the GraphModule callable like the model: (args, kwargs) in, structured output out."""
-
-    def __init__(self, signature: Signature) -> None:
-        super().__init__()
-        self.signature = signature
-
-    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *,
-                   expanded_def: bool = False) -> str:
-        names = [v.split(":")[0].split("#")[0].strip() for v in free_vars if v != "self"]
-        unpack = f"{', '.join(names)}, = " if names else ""
-        return (f"def forward(self, *args, **kwargs){maybe_return_annotation}:\n"
-                f"    {unpack}_fxpipe_signature.flatten_inputs(args, kwargs)")
-
-    def generate_output(self, output_args: fx.node.Argument, *args: Any, **kwargs: Any) -> str:
-        return f"return _fxpipe_signature.unflatten_outputs({output_args!r})"
-
-    def additional_globals(self) -> list[tuple[str, Any]]:
-        return [("_fxpipe_signature", self.signature)]
-
-    def process_inputs(self, *args: Any) -> Any:
-        return args
-
-    def process_outputs(self, outputs: Any) -> Any:
-        return outputs
-
-
-def _set_signature_codegen(gm: fx.GraphModule, signature: Signature) -> None:
-    gm.graph.set_codegen(_SignatureCodeGen(signature))
-    gm.recompile()
 
 
 def run_flat(gm: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
