@@ -23,6 +23,7 @@ from torch.fx import GraphModule
 from fxpipe import codegen, ir
 from fxpipe.built import Built, BuiltStage, Snapshot
 from fxpipe.config import CompileConfig
+from fxpipe.conversion import refuse_changing
 from fxpipe.costs import cost_table
 from fxpipe.errors import (
     CheckpointError,
@@ -491,6 +492,16 @@ class Program(nn.Module):
 
     def train(self, mode: bool = True) -> Program:
         super().train(mode)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Program:
+        """to(), double(), cuda() ...: before the build, of the model it is built from; after,
+        refused if a dtype or device would change (fxpipe.conversion)."""
+        if self._built is None:
+            self.model._apply(fn, recurse)  # type: ignore[no-untyped-call]
+            return self
+        refuse_changing(fn, [*self.parameters(), *self.buffers()])
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         return self
 
     # -- inspecting -----------------------------------------------------------------------------

@@ -150,6 +150,10 @@ class _Suite:
                 return
             self.run(budget / 2, points=slow)
 
+    def has(self, name: str) -> bool:
+        """Whether the curve has a point: its calls ran kernels of its class."""
+        return any(p.curve == name and p.work > 0 for p in self.points)
+
     def curve(self, name: str) -> Curve:
         """(work per kernel, work per second) of the points of one curve."""
         rates: dict[float, float] = {}
@@ -250,17 +254,28 @@ def _lstm_output(lstm: nn.LSTM, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _class_rates(suite: _Suite) -> dict[str, ClassRate]:
+def _class_rates(suite: _Suite) -> tuple[dict[str, ClassRate], list[str]]:
+    """Each class's rates, and the classes rated as matmul because no kernel of theirs ran:
+    in float64 on CPU an LSTM is matmuls and gates, not a fused recurrent kernel."""
     memory = suite.curve("elementwise.bytes")
-    return {"matmul": ClassRate(memory, suite.curve("matmul.flops")),
-            "attention": ClassRate(memory, suite.curve("attention.flops")),
-            "convolution": ClassRate(memory, suite.curve("convolution.flops")),
-            "recurrent": ClassRate(memory, suite.curve("recurrent.flops")),
+    matmul = suite.curve("matmul.flops")
+    stand_ins: list[str] = []
+
+    def compute(op_class: str) -> Curve:
+        if suite.has(f"{op_class}.flops"):
+            return suite.curve(f"{op_class}.flops")
+        stand_ins.append(op_class)
+        return matmul
+
+    return {"matmul": ClassRate(memory, matmul),
+            "attention": ClassRate(memory, compute("attention")),
+            "convolution": ClassRate(memory, compute("convolution")),
+            "recurrent": ClassRate(memory, compute("recurrent")),
             "embedding": ClassRate(suite.curve("embedding.bytes")),
             "reduction": ClassRate(suite.curve("reduction.bytes"),
                                    suite.curve("reduction.flops")),
             "random": ClassRate(suite.curve("random.bytes")),
-            "elementwise": ClassRate(memory, suite.curve("elementwise.flops"))}
+            "elementwise": ClassRate(memory, suite.curve("elementwise.flops"))}, stand_ins
 
 
 def _link_curve(points: Sequence[tuple[float, float]]) -> Curve:
@@ -373,7 +388,7 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
         _add_points(suite)
         suite.run(budget)
         suite.again(budget)
-        rates = _class_rates(suite)
+        rates, stand_ins = _class_rates(suite)
         overhead = next(p.best / p.kernels for p in suite.points if p.curve == "overhead")
         latency = 0.0
         if device.type == "cuda":
@@ -394,7 +409,10 @@ def measure(device: str | torch.device = "cpu", *, dtype: torch.dtype = torch.fl
     where = f"{device.type}, {threads} thread(s)" if device.type == "cpu" else str(device)
     precision = str(dtype).replace("torch.", "")
     source = (f"measured on {where} in {precision}: each op class at 3-7 sizes, fastest of "
-              f"round-robin runs; link: {how}")
+              f"round-robin runs" + (f" ({', '.join(stand_ins)} at matmul's rates: no kernel "
+                                     f"of {'its' if len(stand_ins) == 1 else 'their'} own ran "
+                                     f"in {precision})" if stand_ins else "")
+              + f"; link: {how}")
     # the arithmetic by its name among the presets' (bf16, fp32, tf32 where a GPU uses it)
     arithmetic = compute_precision(dtype, allow_tf32=device.type == "cuda" and
                                    bool(torch.backends.cuda.matmul.allow_tf32))
