@@ -102,6 +102,8 @@ class Program(nn.Module):
         self.stage_modules = nn.ModuleList()
         self.measured: dict[str, Any] = {}
         self._last_batch: tuple[list[torch.Tensor], torch.Tensor | None, LossFn] | None = None
+        self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            Program._own_keys_only)
 
     # -- building -------------------------------------------------------------------------------
 
@@ -729,17 +731,26 @@ class Program(nn.Module):
         return ((dot + canonical.get(id(p), name), p)
                 for name, p in super().named_parameters("", recurse, remove_duplicate))
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+    def state_dict(self, *, destination: dict[str, Any] | None = None,  # type: ignore[override]
+                   prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """This process's parameters and buffers under the model's state_dict keys, whole (under
         shard="full" gathered over the stage's replicas: every rank calls it, as save and load
-        do)."""
-        out = {k: v.detach() for k, v in self._state_names().state_dict(
-            self._stage_modules()).items()}
+        do); before a lazy program's first call, the model's. As a submodule of another module
+        its keys follow the prefix the parent gives, in the parent's dict."""
+        if self._built is None:
+            if destination is None:
+                return self.model.state_dict(prefix=prefix, keep_vars=keep_vars)
+            return self.model.state_dict(destination=destination, prefix=prefix,
+                                         keep_vars=keep_vars)
+        out = self._state_names().state_dict(self._stage_modules())
         if self._holds_first_stage():
             # State no stage reads (unused parameters, BatchNorm counters in eval mode) stays
             # with the model; the process of stage 0 carries it, so shards add up to the model.
-            out.update({name: value.detach() for name, value in self._unused_state().items()})
-        return OrderedDict(sorted(out.items()))
+            out.update(self._unused_state())
+        target: dict[str, Any] = OrderedDict() if destination is None else destination
+        for key, value in sorted(out.items()):
+            target[prefix + key] = value if keep_vars else value.detach()
+        return target
 
     def _holds_first_stage(self) -> bool:
         return self._mesh is None or 0 in self._mesh.held
@@ -752,7 +763,10 @@ class Program(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:
         """Loads tensors by the model's keys into this process's stages (stages without
-        weights yet get them, as with load_weights)."""
+        weights yet get them, as with load_weights); before a lazy program's first call, into
+        the model."""
+        if self._built is None:
+            return self.model.load_state_dict(state_dict, strict, assign)
         if self._meta:
             self._load_source(WeightsSource.of_state_dict(state_dict), strict=False)
             return None
@@ -768,6 +782,35 @@ class Program(nn.Module):
                     if name in state_dict:
                         tensor.copy_(state_dict[name])
         return None
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
+                              local_metadata: dict[str, Any], strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """As a submodule, loaded by the parent's load_state_dict: the keys under `prefix` are
+        the model's, loaded as load_state_dict loads them; _own_keys_only then drops what the
+        stage modules, which hold the tensors under names of their own, report missing."""
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        wanted = self.state_dict(keep_vars=True)
+        for key, value in mine.items():
+            if key in wanted and value.shape != wanted[key].shape:
+                error_msgs.append(f"size mismatch for {prefix}{key}: copying a param with shape "
+                                  f"{tuple(value.shape)} from checkpoint, the shape in current "
+                                  f"model is {tuple(wanted[key].shape)}.")
+        missing_keys += [prefix + k for k in wanted if k not in mine]
+        unexpected_keys += [prefix + k for k in mine if k not in wanted]
+        if not any(m.startswith("size mismatch for " + prefix) for m in error_msgs):
+            self.load_state_dict({k: v for k, v in mine.items() if k in wanted}, strict=False)
+        self._loading_prefix = prefix
+
+    @staticmethod
+    def _own_keys_only(module: nn.Module, keys: Any) -> None:
+        """Post-hook of a load by the parent: the stage modules' own names are not keys of the
+        program's state_dict (their tensors were loaded by the model's keys)."""
+        assert isinstance(module, Program)
+        inner = f"{module.__dict__.pop('_loading_prefix', '')}stage_modules."
+        keys.missing_keys[:] = [k for k in keys.missing_keys if not k.startswith(inner)]
+        keys.unexpected_keys[:] = [k for k in keys.unexpected_keys if not k.startswith(inner)]
 
 
 def fixed_cut(config: CompileConfig) -> str | None:
