@@ -281,6 +281,36 @@ def test_an_output_number_that_depends_on_the_batch_size_is_refused():
                       "batch (8 for the batch of 8, 4 for its first 4 examples)", "x.shape[0]")
 
 
+class DynamicCache:
+    """Stands for a library's per-batch state object (a key/value cache): not a tensor, not a
+    structure pytree looks into, and not equal between two batches."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+
+class _CacheOutput(_TwoLayers):
+    def forward(self, x):
+        return self.b(self.a(x)), DynamicCache(x.shape[0])
+
+
+class _StateOutput(_TwoLayers):
+    def forward(self, x):
+        return self.b(self.a(x)), _TwoLayers()
+
+
+@pytest.mark.parametrize("model, kind, hint", [
+    (_CacheOutput, "DynamicCache", "use_cache=False in example_kwargs and in every call"),
+    (_StateOutput, "_TwoLayers", "return tensors only (or a list, tuple or dict of them)")])
+def test_an_output_object_that_is_not_a_tensor_is_refused_naming_its_type(model, kind, hint):
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(model(), (torch.randn(8, 4),), stages=2, chunks=4, profile="a100")
+    _check(err.value, f"output[1] of {model.__name__} is an object of type {kind}, which "
+                      "differs between the batch and its first half", hint)
+    assert "Python number" not in str(err.value)
+    assert ("Hugging Face" in str(err.value)) == (kind == "DynamicCache")
+
+
 @pytest.mark.parametrize("model, buffer", [(_Counter, "count"), (_MovingAverage, "ema")])
 def test_a_buffer_updated_in_forward_is_refused_and_left_as_it_was(model, buffer):
     # The counter was never updated, the average was updated once per micro-batch.

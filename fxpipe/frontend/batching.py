@@ -253,6 +253,8 @@ def _check_numbers(model: nn.Module, out: Any, full: Sequence[Any], layout: Batc
     for index, (value, part) in enumerate(zip(full, layout.eager_outputs[0])):
         if is_tensor(value) or _same_number(value, part):
             continue
+        if not isinstance(value, (int, float, complex)):
+            raise _opaque_output(model, out, index, value)
         raise CaptureError(
             f"output{_output_path(out, index)} of {type(model).__name__} is a Python number that "
             f"depends on the batch ({value!r} for the batch of {layout.batch_size}, {part!r} for "
@@ -260,6 +262,22 @@ def _check_numbers(model: nn.Module, out: Any, full: Sequence[Any], layout: Batc
             "cannot return the plain model's value",
             hint="return a tensor with one entry per example, or compute the number outside the "
                  "model (e.g. from x.shape[0] of the batch)")
+
+
+def _opaque_output(model: nn.Module, out: Any, index: int, value: object) -> CaptureError:
+    """An output that is neither a tensor nor a structure of them, and differs between the
+    batch and its half: e.g. a Hugging Face model's key/value cache object."""
+    kind = type(value).__name__
+    cache = " (a Hugging Face model returns its key/value cache unless use_cache=False)" \
+        if kind.endswith("Cache") else ""
+    return CaptureError(
+        f"output{_output_path(out, index)} of {type(model).__name__} is an object of type {kind}, "
+        f"which differs between the batch and its first half and is neither a tensor nor a "
+        f"structure of tensors{cache}: a pipeline joins each output of its micro-batches "
+        f"along the batch, and cannot join this one",
+        hint="return tensors only" + (": pass use_cache=False in example_kwargs and in every "
+                                      "call" if cache else
+                                      " (or a list, tuple or dict of them)"))
 
 
 def _output_path(out: Any, index: int) -> str:
