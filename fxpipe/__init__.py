@@ -14,16 +14,19 @@ from fxpipe.version import __version__
 if TYPE_CHECKING:
     from fxpipe.api import compile  # noqa: A004 - fxpipe.compile, as torch.compile
     from fxpipe.frontend.capture import capture
+    from fxpipe.planner import plan
     from fxpipe.program import Program
     from fxpipe.storage.checkpoint import load_checkpoint
 
-__all__ = ["compile", "capture", "load_checkpoint", "Program", "FxPipeError", "__version__"]
+__all__ = ["compile", "capture", "plan", "load_checkpoint", "Program", "FxPipeError",
+           "__version__"]
 
 # Imported on first use, so that importing a torch-free module of the package (the command
 # line's parser answering --help) does not import torch; a submodule (fxpipe.pipeline) is
 # imported when it is first named, as importing the API used to import it.
 _LAZY = {"compile": "fxpipe.api", "load_checkpoint": "fxpipe.storage.checkpoint",
-         "capture": "fxpipe.frontend.capture", "Program": "fxpipe.program"}
+         "capture": "fxpipe.frontend.capture", "Program": "fxpipe.program",
+         "plan": "fxpipe.planner"}
 
 
 def __getattr__(name: str) -> Any:

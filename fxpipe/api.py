@@ -14,6 +14,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.optimizers import optimizer_memory
 from fxpipe.profile import DeviceProfile
 from fxpipe.program import Program
+from fxpipe.units import byte_size
 
 __all__ = ["compile"]
 
@@ -28,7 +29,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
     remat: str = "except_last",
     balance: str | Sequence[int] = "cost",
     split_points: Sequence[str] | None = None,
-    memory_limit: float | None = None,
+    memory_limit: float | str | None = None,
     devices: Sequence[str | torch.device] | None = None,
     capture: str = "auto",
     schedule: str = "gpipe",
@@ -67,8 +68,8 @@ def compile(  # noqa: A001 - the name users know from torch.compile
             stage in a few training steps until the stages are within 5%; remembered per
             machine), "time" (measured per node), "params", or a list of node counts per stage.
         split_points: qualified module names where stages 1.. begin (instead of balancing).
-        memory_limit: bytes per rank the partition (and remat="auto") must respect; a rank
-            holding several stages gives each an equal share.
+        memory_limit: bytes per rank the partition (and remat="auto") must respect, or a size
+            such as "16GB" or "8GiB"; a rank holding several stages gives each an equal share.
         devices: one device per rank for the local executor, i.e. per stage under a flat
             schedule (default: the GPUs this process sees, one per rank or in turn when fewer;
             the CPU without any).
@@ -151,7 +152,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         stages=stages, chunks=chunks, remat=remat,
         balance=balance if isinstance(balance, str) else tuple(balance),
         split_points=tuple(split_points) if split_points is not None else None,
-        memory_limit=memory_limit,
+        memory_limit=byte_size(memory_limit, "memory_limit"),
         devices=tuple(str(d) for d in devices) if devices is not None else None,
         capture=capture, schedule=schedule, profile=profile, leaf_modules=tuple(leaf_modules),
         deferred_batch_norm=deferred_batch_norm, check_finite=check_finite,

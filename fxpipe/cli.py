@@ -21,6 +21,7 @@ from fxpipe.choices import BALANCE_MODES, MODELS, REMAT_MODES, SHARD_MODES
 from fxpipe.errors import ConfigError, FxPipeError, PipelineRuntimeError
 from fxpipe.runtime.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES
 from fxpipe.runtime.program.arguments import program_options_help
+from fxpipe.units import byte_size
 from fxpipe.version import __version__
 
 if TYPE_CHECKING:
@@ -71,18 +72,12 @@ def _balance(value: str) -> list[int] | str:
             f"{value!r}") from None
 
 
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9,
-               "gib": 2**30, "tb": 10**12, "tib": 2**40}
-
-
 def _byte_size(value: str) -> float:
-    """Bytes, as a plain number or with a unit: 8GiB, 1.5GB, 512MiB (KB = 1000, KiB = 1024)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
-    if match is None or match.group(2) not in ("", *_BYTE_UNITS):
-        raise argparse.ArgumentTypeError(
-            f"expected a size like 8GiB, 1.5GB or 500000000 (plain numbers are bytes; units B, "
-            f"KB, KiB, MB, MiB, GB, GiB, TB, TiB), got {value!r}")
-    return float(match.group(1)) * _BYTE_UNITS.get(match.group(2), 1)
+    """Bytes, as a plain number or with a unit (fxpipe.units.byte_size)."""
+    try:
+        return byte_size(value)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(error.message) from error
 
 
 def _add_factory(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from fxpipe.choices import SHARD_MODES
 from fxpipe.errors import ConfigError
 from fxpipe.frontend.capture import METHODS
@@ -122,7 +124,7 @@ def check_config(config: CompileConfig) -> None:
     if config.memory_limit is not None and (isinstance(config.memory_limit, bool)
                                             or not config.memory_limit > 0):
         raise ConfigError(f"memory_limit must be a positive number of bytes (got "
-                          f"{config.memory_limit!r})", hint="e.g. memory_limit=8 * 2**30")
+                          f"{config.memory_limit!r})", hint="e.g. memory_limit=8 * 2**30 or '8GiB'")
     if config.remat_policy.chooses_regions and config.memory_limit is None:
         raise ConfigError("remat='auto' chooses what to recompute to fit memory_limit, "
                           "but no memory_limit was given",
@@ -135,12 +137,34 @@ def check_config(config: CompileConfig) -> None:
     if config.autocast is not None and config.autocast not in AUTOCAST_DTYPES:
         raise ConfigError(f"unknown autocast dtype {config.autocast!r}",
                           hint=f"use one of {sorted(AUTOCAST_DTYPES)}, or None for full precision")
+    if config.devices is not None:
+        _check_devices(config.devices)
     if config.devices is not None and len(config.devices) < config.ranks:
         what = "stages" if config.per_rank == 1 else f"ranks ({config.stages} stages, " \
             f"{config.per_rank} per rank)"
         raise ConfigError(f"fewer devices than {what} ({len(config.devices)} < {config.ranks})",
                           hint=f"give {config.ranks} devices (e.g. ['cpu'] * {config.ranks}), "
                                "or fewer stages")
+
+
+def _check_devices(devices: tuple[str, ...]) -> None:
+    """Refuses a device torch does not know and a CUDA device this process does not see."""
+    parsed = []
+    for i, name in enumerate(devices):
+        try:
+            parsed.append(torch.device(name))
+        except RuntimeError as error:
+            raise ConfigError(f"devices[{i}] = {name!r} is not a torch device ({error})",
+                              hint="name devices as torch does, e.g. 'cpu', 'cuda:0'") from None
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    beyond = [str(d) for d in parsed if d.type == "cuda" and (d.index or 0) >= seen]
+    if beyond:
+        sees = f"sees {seen} CUDA device(s)" if seen else \
+            f"sees no CUDA device (torch {torch.__version__}, CUDA available: False)"
+        raise ConfigError(f"devices name {beyond}, but this process {sees}",
+                          hint="name the devices this process sees (CUDA_VISIBLE_DEVICES "
+                               "renumbers them from cuda:0), or devices=['cpu'] * N to run "
+                               "the stages on the CPU")
 
 
 def check_shard(shard: object, replicas: object = None) -> None:

@@ -53,7 +53,7 @@ from fxpipe.runtime.planning.schedule import (
     default_stages_per_rank,
     placement,
 )
-from fxpipe.units import human_bytes
+from fxpipe.units import byte_size, human_bytes
 
 __all__ = ["plan", "planning", "Planning", "Plan", "Candidate", "PlanError"]
 
@@ -178,7 +178,7 @@ class Plan:
 
 
 def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None,
-         *, devices: int, memory_per_device: float | None = None,
+         *, devices: int, memory_per_device: float | str | None = None,
          profile: DeviceProfile | str | None = None, devices_per_node: int | None = None,
          inter_node_bandwidth: float | None = None,
          schedules: Sequence[str] = tuple(SCHEDULES), remats: Sequence[str] = REMATS,
@@ -192,7 +192,8 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
         model, example_inputs, example_kwargs: as fxpipe.compile; the example is the global
             batch, which the replicas share.
         devices: how many devices (GPUs, or CPU processes) the run has.
-        memory_per_device: bytes a device may hold (None: no limit).
+        memory_per_device: bytes a device may hold, or a size such as "80GB" (None: no
+            limit).
         profile: the device profile (a preset name such as "h100", a DeviceProfile, or None
             to measure this machine), as fxpipe.compile takes it.
         devices_per_node: devices per machine (None: all on one); a stage's replicas that
@@ -226,7 +227,7 @@ def plan(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] |
 
 def planning(model: nn.Module, example_inputs: Any,
              example_kwargs: dict[str, Any] | None = None, *, devices: int,
-             memory_per_device: float | None = None,
+             memory_per_device: float | str | None = None,
              profile: DeviceProfile | str | None = None, devices_per_node: int | None = None,
              inter_node_bandwidth: float | None = None,
              schedules: Sequence[str] = tuple(SCHEDULES), remats: Sequence[str] = REMATS,
@@ -236,6 +237,7 @@ def planning(model: nn.Module, example_inputs: Any,
              prune: bool = True) -> Planning:
     """The model captured and costed once for plan (its arguments), to be planned one or more
     ways (Planning.plan)."""
+    memory_per_device = byte_size(memory_per_device, "memory_per_device")
     if not isinstance(devices, int) or devices < 1:
         raise ConfigError(f"devices must be a positive integer (got {devices!r})",
                           hint="pass the number of devices the run has, e.g. devices=8")

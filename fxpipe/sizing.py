@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fxpipe.planner import Candidate, Plan, PlanError, Planning, planning
-from fxpipe.units import human_bytes
+from fxpipe.units import byte_size, human_bytes
 
 __all__ = ["Build", "largest_that_fits"]
 
@@ -20,7 +20,7 @@ Build = Callable[[int], tuple[Any, ...]]
 """size -> (model, example_inputs) or (model, example_inputs, example_kwargs)."""
 
 
-def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
+def largest_that_fits(build: Build, *, devices: int, memory_per_device: float | str,
                       low: int = 1, high: int = 1 << 16, guess: int | None = None,
                       on_meta: bool = True, say: Callable[[str], None] | None = None,
                       **plan_kwargs: Any) -> tuple[int, Plan]:
@@ -38,6 +38,7 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
     Raises:
         PlanError: not even `low` fits.
     """
+    limit = byte_size(memory_per_device, "memory_per_device")
     tried: dict[int, bool] = {}
     kept: dict[int, Planning] = {}  # the largest size that fit, captured
 
@@ -48,7 +49,7 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
             model, inputs = made[0], made[1]
             kwargs = made[2] if len(made) > 2 else None
             graph = planning(model, inputs, kwargs, devices=devices,
-                             memory_per_device=memory_per_device,
+                             memory_per_device=limit,
                              check="shapes" if on_meta else None, **plan_kwargs)
             try:
                 result: Plan | None = graph.plan(any_fit=True)
@@ -64,7 +65,7 @@ def largest_that_fits(build: Build, *, devices: int, memory_per_device: float,
         return tried[size]
 
     low_too_large = PlanError(f"size {low} does not fit {devices} devices of "
-                              f"{human_bytes(memory_per_device)}", hint="use more devices, or "
+                              f"{human_bytes(limit)}", hint="use more devices, or "
                               "a smaller starting size (low=...)")
     good, bad = _bracket(fits, low, high, guess, low_too_large)
     while bad is not None and bad - good > 1:

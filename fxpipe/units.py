@@ -1,7 +1,29 @@
-"""Quantities as the reports, stage headers and tools print them."""
+"""Quantities as the reports, stage headers and tools print them, and byte sizes as users
+write them ("16GB", "8GiB")."""
 from __future__ import annotations
 
-__all__ = ["human_bytes", "human_flops", "human_time"]
+import re
+
+from fxpipe.errors import ConfigError
+
+__all__ = ["human_bytes", "human_flops", "human_time", "byte_size", "BYTE_UNITS"]
+
+BYTE_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9,
+              "gib": 2**30, "tb": 10**12, "tib": 2**40}
+
+
+def byte_size(value: object, what: str = "size") -> float:
+    """Bytes from a number or a string with a unit: 8GiB, 1.5GB, 512MiB (KB = 1000, KiB = 1024);
+    other values are returned as they are, for the option's own check."""
+    if not isinstance(value, str):
+        return value  # type: ignore[return-value]  # a number, or what the caller refuses
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+    if match is None or match.group(2) not in ("", *BYTE_UNITS):
+        raise ConfigError(f"{what} must be a number of bytes or a size like 8GiB, 1.5GB or "
+                          f"500000000 (got {value!r})",
+                          hint="units: B, KB, KiB, MB, MiB, GB, GiB, TB, TiB (KB = 1000 bytes, "
+                               "KiB = 1024)")
+    return float(match.group(1)) * BYTE_UNITS.get(match.group(2), 1)
 
 
 def human_bytes(n: float) -> str:

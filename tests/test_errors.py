@@ -147,6 +147,31 @@ def test_fewer_devices_than_stages(example):
     _check(err.value, "fewer devices than stages (2 < 3)")
 
 
+@pytest.mark.parametrize("devices, expected, hint", [
+    (["tpu", "cpu"], "devices[0] = 'tpu' is not a torch device (Expected one of", "'cuda:0'"),
+    (["cpu", "cuda:7"], "devices name ['cuda:7'], but this process sees", "devices=['cpu'] * N"),
+])
+def test_a_device_torch_does_not_know_or_this_process_does_not_see(example, devices, expected,
+                                                                   hint):
+    with pytest.raises(ConfigError) as err:
+        _compile(example, stages=2, devices=devices)
+    _check(err.value, expected, hint)
+
+
+def test_memory_limit_and_memory_per_device_take_a_size_with_a_unit(example):
+    model, x = example
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, memory_limit="1.5 GiB",
+                             profile="a100")
+    assert program.config.memory_limit == 1.5 * 2**30
+    plan = fxpipe.plan(model, (x,), devices=2, memory_per_device="80GB", profile="a100",
+                       max_chunks=2)
+    assert plan.memory_per_device == 80e9
+    with pytest.raises(ConfigError) as err:
+        _compile(example, memory_limit="16 gigs")
+    _check(err.value, "memory_limit must be a number of bytes or a size like 8GiB, 1.5GB or "
+                      "500000000 (got '16 gigs')", "KiB = 1024")
+
+
 def test_inputs_that_differ_from_compile_time(example):
     program = _compile(example)
     with pytest.raises(RuntimeInputError) as err:
@@ -477,8 +502,9 @@ def test_parameters_of_a_lazy_program_are_the_models_so_an_optimizer_made_first_
     optimizer.step()
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert {id(p) for p in program.parameters()} == {id(p) for p in model.parameters()}
-    with pytest.raises(NotBuiltError):
-        fxpipe.compile(model, stages=2).state_dict()
+    lazy = fxpipe.compile(model, stages=2)  # its state too is the model's until it is built
+    assert {k: id(v) for k, v in lazy.state_dict(keep_vars=True).items()} == \
+        {k: id(v) for k, v in model.state_dict(keep_vars=True).items()}
 
 
 def test_capture_with_batch_dims_and_one_sample_gives_the_same_clear_message():
