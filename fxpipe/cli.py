@@ -390,7 +390,9 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_report)
     u = command("run", "train a written program on local processes (torchrun)")
     u.add_argument("dir", help="folder written by fxpipe compile --out")
-    u.add_argument("--nproc", type=int, required=True, help="processes: stages x replicas")
+    u.add_argument("--nproc", type=int, default=None,
+                   help="processes: pipeline ranks x replicas (default: the program's ranks, "
+                        "one replica)")
     u.add_argument("--port", type=int, default=None,
                    help="the rendezvous port (default: a free one)")
     u.set_defaults(func=cmd_run, program_args=[])

@@ -144,9 +144,9 @@ def test_report_reads_a_written_program(written, capsys):
 
 
 def test_run_trains_a_written_program_on_two_processes_and_writes_a_chrome_trace(written):
-    trace = written / "trace.json"
-    result = _run("run", str(written), "--nproc", "2", "--port", str(free_port()), "--steps", "2",
-                  "--verify", "--timeline", str(trace))
+    trace = written / "trace.json"  # --nproc left out: the program's 2 ranks
+    result = _run("run", str(written), "--port", str(free_port()), "--steps", "2", "--verify",
+                  "--timeline", str(trace))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verify: OK" in result.stdout
     events = json.loads(trace.read_text())["traceEvents"]
@@ -189,7 +189,7 @@ def test_report_checks_the_program_and_says_what_it_imports(written, tmp_path, c
     (["--nproc", "3"], "--nproc 3 is not a multiple of the program's 2 stages"),
     (["--nproc", "2", "--stpes", "3"],
      "program.py does not take '--stpes' (did you mean --steps?)"),
-    (["--nproc", "2", "--steps", "x"], "program.py argument --steps: invalid int value: 'x'"),
+    (["--steps", "x"], "program.py argument --steps: invalid int value: 'x'"),
     (["--nproc", "2", "--lr", "nan", "--verify"],
      "program.py --lr nan is not a learning rate (allowed: a finite number >= 0)"),
     (["--nproc", "2", "--lr", "-1"],

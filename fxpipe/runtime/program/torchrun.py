@@ -67,13 +67,15 @@ def _check_port(port: int) -> None:
                               hint="omit --port to use a free one, or pick another") from None
 
 
-def plan_run(folder: str | os.PathLike[str], nproc: int, port: int | None,
+def plan_run(folder: str | os.PathLike[str], nproc: int | None, port: int | None,
              program_args: list[str]) -> RunPlan:
-    """Checks the program, the process count, program.py's arguments, the loss's module and
-    the port, all before any process starts."""
+    """Checks the program, the process count (None: one replica), program.py's arguments, the
+    loss's module and the port, all before any process starts."""
     checked = check_program(folder)
     spec = load_spec(Path(folder))  # imports the outputs' types, from the user's folders
     ranks = spec.ranks
+    if nproc is None:
+        nproc = ranks
     if nproc < 1 or nproc % ranks:
         what = f"{ranks} stages" if ranks == checked.stages else \
             f"{ranks} pipeline ranks ({checked.stages} stages, {spec.stages_per_rank} per rank)"
