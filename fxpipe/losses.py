@@ -12,11 +12,11 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
 from fxpipe import ir
-from fxpipe.errors import ConfigError
+from fxpipe.errors import ConfigError, LossError
 from fxpipe.profile import DeviceProfile, median_time
 
-__all__ = ["default_loss", "loss_name", "resolve_loss", "loss_time", "loss_saved_bytes", "NAMED",
-           "LossFn", "counted", "IGNORED"]
+__all__ = ["default_loss", "loss_of", "loss_name", "resolve_loss", "loss_time",
+           "loss_saved_bytes", "NAMED", "LossFn", "counted", "IGNORED"]
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -43,6 +43,22 @@ def default_loss(output: Any, target: torch.Tensor | None = None) -> torch.Tenso
     if target.is_floating_point():
         return F.mse_loss(prediction, target)
     return F.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1))
+
+
+def loss_of(loss_fn: LossFn, output: Any, target: torch.Tensor | None) -> torch.Tensor:
+    """`loss_fn(output, target)` (without a target: `loss_fn(output)`), refused unless it is one
+    floating-point number in a tensor: what backward starts from, and what micro-batch losses
+    add up to (autograd's own errors name neither the loss function nor what it returned)."""
+    loss = loss_fn(output, target) if target is not None else loss_fn(output)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    what = f"a {loss.dtype} tensor of shape {tuple(loss.shape)}" \
+        if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    raise LossError(f"the loss function {name} returned {what}; a step needs one floating-point "
+                    "number in a tensor, the loss of the batch it was given",
+                    hint="return a mean or a sum over the examples (e.g. reduction='mean', or "
+                         ".mean()), and only the loss (log the rest outside the loss function)")
 
 
 def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:

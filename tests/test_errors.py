@@ -10,6 +10,7 @@ from fxpipe.errors import (
     CaptureError,
     ConfigError,
     FxPipeError,
+    LossError,
     NotBuiltError,
     PartitionError,
     RuntimeInputError,
@@ -170,6 +171,21 @@ def test_memory_limit_and_memory_per_device_take_a_size_with_a_unit(example):
         _compile(example, memory_limit="16 gigs")
     _check(err.value, "memory_limit must be a number of bytes or a size like 8GiB, 1.5GB or "
                       "500000000 (got '16 gigs')", "KiB = 1024")
+
+
+@pytest.mark.parametrize("loss_fn, returned", [
+    (lambda out, y: (nn.functional.mse_loss(out, y), out.detach()), "returned a tuple"),
+    (lambda out, y: (out - y) ** 2, "returned a torch.float32 tensor of shape (8, 10)"),
+    (lambda out, y: float(out.mean()), "returned a float"),
+])
+def test_a_loss_function_that_does_not_return_one_number_is_named_with_what_it_returned(
+        example, loss_fn, returned):
+    model, x = example
+    program = _compile(example, chunks=2)
+    with pytest.raises(LossError) as err:
+        program.step(x, target=torch.randn(8, 10), loss_fn=loss_fn)
+    _check(err.value, f"the loss function <lambda> {returned}; a step needs one "
+                      "floating-point number", "reduction='mean'")
 
 
 def test_inputs_that_differ_from_compile_time(example):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from fxpipe.losses import LossFn
+from fxpipe.losses import LossFn, loss_of
 from fxpipe.runtime.communication.mesh import GroupCache, Mesh, make_groups
 from fxpipe.runtime.execution.devices import pin_for, to_device
 from fxpipe.runtime.execution.local import LocalExecutor
@@ -100,5 +100,4 @@ def local_loss(executor: LocalExecutor, inputs: list[torch.Tensor],
     if target is not None:  # from pinned memory: a pageable copy would wait for the device
         device = executor.stages[-1].device
         target = to_device(pin_for([target], device)[0], device)
-    loss: torch.Tensor = loss_fn(outputs, target) if target is not None else loss_fn(outputs)
-    return loss
+    return loss_of(loss_fn, outputs, target)

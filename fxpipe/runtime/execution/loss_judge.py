@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import PeerLostError, RuntimeInputError
-from fxpipe.losses import counted
+from fxpipe.losses import counted, loss_of
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.execution.devices import to_device
 from fxpipe.runtime.execution.loss_split import (
@@ -63,7 +63,7 @@ class LossJudge:
     def loss(self, out: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         """`loss_fn` on the last stage's flat outputs, structured as the model returns them."""
         structured = self.signature.unflatten_outputs(list(out))
-        return loss_fn(structured, target) if target is not None else loss_fn(structured)
+        return loss_of(loss_fn, structured, target)
 
     def judge(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
               target: torch.Tensor | None, targets: list[torch.Tensor | None],

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxpipe.losses import loss_of
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.comm import MicrobatchComm
 from fxpipe.runtime.execution.batchnorm import discard_batch_norms
@@ -91,8 +92,7 @@ def _stage_step(s: int, stage: HeldStage, last: bool, box: _Mailbox,
             if last:
                 structured = signature.unflatten_outputs(list(out))
                 target = targets[mb]
-                loss = (loss_fn(structured, target) if target is not None
-                        else loss_fn(structured)) / chunks
+                loss = loss_of(loss_fn, structured, target) / chunks
                 outputs.append(loss)
                 grads.append(torch.ones_like(loss))
             _sync(stage.device)
