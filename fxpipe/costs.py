@@ -8,20 +8,30 @@ from tabulate import tabulate
 from torch.fx import GraphModule
 
 from fxpipe import ir
+from fxpipe.errors import ConfigError
 from fxpipe.passes.estimate import estimate_time
 from fxpipe.profile import DeviceProfile
 from fxpipe.units import human_bytes, human_flops, human_time
 
-__all__ = ["cost_table"]
+__all__ = ["cost_table", "SORT_KEYS"]
 
 
 def _at(expr: ir.Expr, b: int) -> float:
     return float(ir.evaluate(expr, b))
 
 
+# the figures of a row, by the name `sort` takes ("measured": where balancing measured times)
+SORT_KEYS = ("time", "fwd_flops", "bwd_flops", "params", "output", "saved", "measured")
+
+
 def cost_table(gm: GraphModule, *, b: int, profile: DeviceProfile, sort: str | None = None,
                by_module: bool = False, top: int | None = None, fmt: str = "simple") -> str:
-    """Per-node (or per-module) costs at micro-batch size b, optionally sorted."""
+    """Per-node (or per-module) costs at micro-batch size b, optionally sorted (largest first)
+    by one of SORT_KEYS."""
+    if sort is not None and sort not in SORT_KEYS:
+        raise ConfigError(f"cost_table cannot sort by {sort!r}",
+                          hint=f"sort by one of {SORT_KEYS} (largest first), or None for the "
+                               "graph's order")
     rows: list[_CostRow] = []
     for node in ir.compute_nodes(gm.graph):
         if ir.COST not in node.meta:

@@ -436,7 +436,10 @@ class Program(ProgramState):
     def module_of(self, stage: int) -> StageModule | None:
         """Stage `stage`'s module where this process holds it (every stage in one process,
         this rank's under torchrun), else None."""
-        self._require_built("stage modules")
+        built = self._require_built("stage modules")
+        if not (isinstance(stage, int) and 0 <= stage < len(built.stages)):
+            raise ConfigError(f"the program has no stage {stage!r}: its stages are 0 to "
+                              f"{len(built.stages) - 1}", hint="pass a stage index in that range")
         assert self._held is not None  # built with the plan
         return next((st.module for st in self._held.stages if st.spec.index == stage), None)
 

@@ -17,6 +17,7 @@ import pytest
 import fxpipe
 from fxpipe import ir
 from fxpipe.costs import cost_table
+from fxpipe.errors import ConfigError
 from fxpipe.figures import remat_saving, stage_load
 from fxpipe.models import gpt, mlp
 from fxpipe.profile import get_profile
@@ -283,6 +284,22 @@ def test_cost_table_by_module_sorted_by_time_shows_the_top_rows_in_descending_or
     assert max(_seconds(r["est time"]) for r in all_rows[5:]) <= times[-1]
     modules = [r["module"] for r in all_rows]
     assert len(set(modules)) == len(modules)  # one row per module
+
+
+def test_cost_table_refuses_a_sort_key_it_has_not_and_names_those_it_has():
+    _, program = compiled()
+    with pytest.raises(ConfigError, match="cannot sort by 'flops'") as error:
+        program.cost_table(sort="flops")
+    assert "'fwd_flops'" in error.value.hint and "'saved'" in error.value.hint
+
+
+def test_module_of_a_stage_the_program_has_not_is_an_error_not_none():
+    _, program = compiled()
+    assert program.module_of(STAGES - 1) is not None
+    for stage in (STAGES, -1, "1"):
+        with pytest.raises(ConfigError, match=f"has no stage {stage!r}: its stages are 0 to "
+                                              f"{STAGES - 1}"):
+            program.module_of(stage)
 
 
 # --- measured activation memory ----------------------------------------------------------------
