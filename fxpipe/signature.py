@@ -101,6 +101,9 @@ class Signature:
                        kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
         """The tensor leaves of a call, checked against the compiled signature."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        if spec != self.in_spec:  # keywords (or a dict's keys) in another order are the same call
+            leaves, spec = pytree.tree_flatten(
+                _ordered_like((tuple(args), dict(kwargs or {})), self.in_spec))
         if spec != self.in_spec:
             raise RuntimeInputError(
                 f"inputs have another structure than at compile time: {self._difference(spec)}",
@@ -213,6 +216,17 @@ class Signature:
             else:
                 joined.append(torch.cat(values, dim=dim))
         return joined
+
+
+def _ordered_like(value: Any, spec: pytree.TreeSpec) -> Any:
+    """`value` with every dict's keys in the order `spec` has them (the compiled call's), where
+    the keys are the same: a call's keyword order, or a dict's, does not change what it is."""
+    children = spec.children() if hasattr(spec, "children") else spec.children_specs
+    if spec.type is dict and isinstance(value, dict) and set(value) == set(spec.context):
+        return {k: _ordered_like(value[k], child) for k, child in zip(spec.context, children)}
+    if spec.type in (tuple, list) and type(value) is spec.type and len(value) == len(children):
+        return spec.type(_ordered_like(v, child) for v, child in zip(value, children))
+    return value
 
 
 def _same_constant(a: object, b: object) -> bool:

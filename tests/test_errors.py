@@ -212,6 +212,49 @@ def test_missing_keyword_input():
     assert "TreeSpec" not in str(err.value)
 
 
+class _Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x=None, batch=None):
+        return self.b(torch.relu(self.a(x) * batch["scale"] + batch["shift"]))
+
+
+def test_keywords_and_dict_keys_in_another_order_are_the_same_call():
+    model = _Keywords()
+    x, scale, shift = torch.randn(8, 8), torch.rand(8, 1), torch.randn(8, 16)
+    program = fxpipe.compile(model, example_kwargs={"x": x, "batch": {"scale": scale,
+                                                                      "shift": shift}},
+                             stages=2, chunks=2, profile="a100")
+    expected = model(x=x, batch={"scale": scale, "shift": shift})
+    torch.testing.assert_close(program(batch={"shift": shift, "scale": scale}, x=x), expected)
+    with pytest.raises(RuntimeInputError) as err:  # other keys are still another call
+        program(x=x, batch={"scale": scale, "bias": shift})
+    _check(err.value, "another structure than at compile time")
+
+
+class _OneList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+
+    def forward(self, xs):
+        return self.a(xs[0] + xs[1])
+
+
+def test_example_inputs_that_forward_cannot_take_are_refused_before_any_run():
+    x = torch.randn(8, 8)
+    with pytest.raises(ConfigError) as err:  # the list taken as two positional inputs
+        fxpipe.compile(_OneList(), [x, x], stages=2, chunks=2, profile="a100")
+    _check(err.value, "the example inputs do not fit _OneList.forward(xs): too many positional "
+                      "arguments (2 positional input(s), keywords [])", "example_inputs=([x, y],)")
+    with pytest.raises(ConfigError) as err:
+        fxpipe.compile(_OneList(), ([x, x],), example_kwargs={"ys": x}, stages=2, chunks=2,
+                       profile="a100")
+    _check(err.value, "unexpected keyword argument 'ys'", "example_kwargs the keyword inputs")
+
+
 def test_outputs_that_cannot_be_joined_along_a_batch_dimension():
     class MeanLoss(nn.Module):
         def __init__(self) -> None:

@@ -28,6 +28,7 @@ from fxpipe.frontend import lazy, regions, shapes, tracers
 from fxpipe.frontend.batching import BatchLayout, infer_batch_layout
 from fxpipe.frontend.check import compare_shapes, compare_with_eager
 from fxpipe.frontend.inputs import (
+    check_fits_forward,
     input_names,
     normalize_inputs,
     set_signature_codegen,
@@ -169,6 +170,7 @@ def capture(
                           f"module", hint="capture with 'auto' or 'fx' (compile(capture=...), "
                                           "capture(method=...)), or drop leaf_modules")
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    check_fits_forward(model, args, kwargs)
     validate_check(check, model, (args, kwargs))
     if check is not None:  # a meta model: checked on a twin or by shapes, run on meta inputs
         method, batch_dims = _check_twin(check, model, args, kwargs, method, leaf_modules,

@@ -16,8 +16,8 @@ from fxpipe.frontend.batching import BatchLayout
 from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.source import identifier
 
-__all__ = ["normalize_inputs", "input_names", "signature_of", "SignatureCodeGen",
-           "set_signature_codegen"]
+__all__ = ["normalize_inputs", "check_fits_forward", "input_names", "signature_of",
+           "SignatureCodeGen", "set_signature_codegen"]
 
 _RESERVED = frozenset({"self"})  # placeholder names of a forward(self, ...)
 
@@ -32,6 +32,28 @@ def normalize_inputs(example_inputs: Any,
         raise ConfigError(f"example_kwargs must be a dict (got {type(example_kwargs).__name__})",
                           hint="pass keyword inputs as example_kwargs={'name': value}")
     return args, dict(example_kwargs or {})
+
+
+def check_fits_forward(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs) -> None:
+    """Refuses example inputs that forward's signature cannot take, before any run: the call
+    would fail with a bare TypeError, often because a list meant as one input was taken as
+    the positional inputs. Skipped where forward pre-hooks or another __call__ may change the
+    call."""
+    if type(model).__call__ is not nn.Module.__call__ or model._forward_pre_hooks:
+        return
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise ConfigError(
+            f"the example inputs do not fit {type(model).__name__}.forward{signature}: {error} "
+            f"({len(args)} positional input(s), keywords {sorted(kwargs)})",
+            hint="example_inputs is the tuple of positional inputs (a tensor alone is one) and "
+                 "example_kwargs the keyword inputs; a forward taking one list or tuple takes "
+                 "example_inputs=([x, y],)") from None
 
 
 def input_names(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs) -> list[str]:
