@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -104,6 +104,27 @@ class ProgramState(nn.Module):
                               hint="init_weights() is for a model built on the meta device; "
                                    "use program.load_weights(path) to replace its weights")
         self._set_tensors(templates, self._initialized(templates, devices, seed))
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> ProgramState:
+        """`fn` on every module of the model, whose tensors the stages hold (so that an
+        initializer, `program.apply(init)`, reaches the layers it looks for), then on the
+        program's own modules. Refused where the stages hold tensors of their own (a model built
+        on the meta device: init_weights() and load_weights() give them values)."""
+        if self._built is not None and self._held is not None:
+            state = self.model.state_dict(keep_vars=True)
+            keys = self._state_names().keys
+            tensors, _ = self._held_tensors()
+            own = [keys[q][0] for q, t in tensors.items() if keys.get(q)
+                   and state.get(keys[q][0]) is not t]
+            if own:
+                raise ConfigError(
+                    f"the stages hold {len(own)} tensors that are not the model's (e.g. "
+                    f"{own[:3]}), so a function applied to the model's modules would not reach "
+                    f"them", hint="program.init_weights() runs the model's initializers on the "
+                                  "stages' tensors; program.load_weights(path) loads them")
+        self.model.apply(fn)
+        super().apply(fn)
+        return self
 
     def _held_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.device]]:
         assert self._held is not None  # built with the plan

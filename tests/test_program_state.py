@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import fxpipe
+from fxpipe.errors import ConfigError
 
 
 def _body() -> nn.Module:
@@ -75,3 +76,31 @@ def test_a_program_before_its_first_call_has_the_models_state():
     program.load_state_dict(zeros)
     assert all(not v.any() for v in body.state_dict().values())
     assert not program(torch.randn(8, 8)).any()  # built from the zeroed model
+
+
+def _zero_linears(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.zeros_(module.weight)
+        nn.init.constant_(module.bias, 0.5)
+
+
+def test_apply_reaches_the_models_layers_whose_tensors_the_stages_hold():
+    program = fxpipe.compile(_body(), (torch.randn(8, 8),), stages=2, chunks=2)
+    reached: list[str] = []
+    assert program.apply(lambda m: reached.append(type(m).__name__)) is program
+    assert reached.count("Linear") == 3 and "Program" in reached
+    program.apply(_zero_linears)
+    torch.testing.assert_close(program(torch.randn(8, 8)), torch.full((8, 4), 0.5))
+    for key in ("0.bias", "3.bias", "5.bias"):  # the Linears' (2 is the LayerNorm)
+        assert (program.state_dict()[key] == 0.5).all(), key
+
+
+def test_apply_is_refused_where_the_stages_hold_weights_the_model_has_not():
+    with torch.device("meta"):
+        model = _body()
+    program = fxpipe.compile(model, (torch.randn(8, 8),), stages=2, chunks=2, check="shapes")
+    program.init_weights(seed=0)
+    with pytest.raises(ConfigError, match="the stages hold 8 tensors that are not the model's") \
+            as error:
+        program.apply(_zero_linears)
+    assert "init_weights()" in error.value.hint
