@@ -3,6 +3,7 @@ last stage spends on the loss (the partition counts it)."""
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from fxpipe import ir
 from fxpipe.errors import ConfigError, LossError
 from fxpipe.profile import DeviceProfile, median_time
 
-__all__ = ["default_loss", "loss_of", "loss_name", "resolve_loss", "loss_time",
+__all__ = ["default_loss", "loss_of", "needs_target", "loss_name", "resolve_loss", "loss_time",
            "loss_saved_bytes", "NAMED", "LossFn", "counted", "IGNORED"]
 
 LossFn = Callable[..., torch.Tensor]
@@ -49,16 +50,37 @@ def loss_of(loss_fn: LossFn, output: Any, target: torch.Tensor | None) -> torch.
     """`loss_fn(output, target)` (without a target: `loss_fn(output)`), refused unless it is one
     floating-point number in a tensor: what backward starts from, and what micro-batch losses
     add up to (autograd's own errors name neither the loss function nor what it returned)."""
-    loss = loss_fn(output, target) if target is not None else loss_fn(output)
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    try:
+        loss = loss_fn(output, target) if target is not None else loss_fn(output)
+    except TypeError as error:
+        if target is not None or not needs_target(loss_fn):
+            raise
+        raise LossError(f"the loss function {name} takes a target, and the step was given none",
+                        hint="pass the batch's targets: program.step(inputs, target=y)") \
+            from error
     if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
         return loss
     what = f"a {loss.dtype} tensor of shape {tuple(loss.shape)}" \
         if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
-    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
     raise LossError(f"the loss function {name} returned {what}; a step needs one floating-point "
                     "number in a tensor, the loss of the batch it was given",
                     hint="return a mean or a sum over the examples (e.g. reduction='mean', or "
                          ".mean()), and only the loss (log the rest outside the loss function)")
+
+
+def needs_target(loss_fn: LossFn) -> bool:
+    """Whether `loss_fn` cannot be called with the output alone (as a step without a target
+    calls it); False where its signature cannot be read."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind(None)
+    except TypeError:
+        return True
+    return False
 
 
 def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:

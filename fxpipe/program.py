@@ -32,7 +32,7 @@ from fxpipe.errors import (
 from fxpipe.frontend.meta import is_meta_model
 from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import hold_built
-from fxpipe.losses import LossFn, default_loss, loss_name, resolve_loss
+from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
 from fxpipe.passes.partition import BalanceRound, PartitionPlan
 from fxpipe.pipeline import build, rebuild
 from fxpipe.program_state import ProgramState
@@ -495,6 +495,11 @@ class Program(ProgramState):
                               "trains on it", hint="compile with real example inputs (a model "
                                                    "on the meta device reads only their shapes)")
         name = loss_name(loss_fn)
+        if target is None and needs_target(resolve_loss(name)):
+            raise ConfigError(f"the loss {name} takes a target, and write() was given none: the "
+                              "written program trains on the example batch and this target",
+                              hint="pass write(directory, loss_fn=..., target=y), y the targets "
+                                   "of the example batch; or a loss of the output alone")
         meta_model = is_meta_model(self.model)
         draws_random = not built.spec.deterministic
 

@@ -188,6 +188,26 @@ def test_a_loss_function_that_does_not_return_one_number_is_named_with_what_it_r
                       "floating-point number", "reduction='mean'")
 
 
+def test_a_loss_that_takes_a_target_without_one_is_named_in_a_step_and_in_write(example,
+                                                                                tmp_path):
+    model, x = example
+    program = _compile(example, chunks=2)
+    with pytest.raises(LossError) as err:
+        program.step(x, loss_fn=nn.functional.mse_loss)
+    _check(err.value, "the loss function mse_loss takes a target, and the step was given none",
+           "target=y")
+    for loss_fn, name in ((nn.functional.mse_loss, "torch.nn.functional:mse_loss"),
+                          ("mse", "mse")):
+        with pytest.raises(ConfigError) as err:
+            program.write(str(tmp_path / "out"), loss_fn=loss_fn)
+        _check(err.value, f"the loss {name} takes a target, and write() was given none",
+               "target=y")
+    assert not (tmp_path / "out").exists()
+    program.write(str(tmp_path / "out"), loss_fn="mse", target=torch.randn(8, 10),
+                  reference_steps=1)
+    assert (tmp_path / "out" / "program.py").exists()
+
+
 def test_inputs_that_differ_from_compile_time(example):
     program = _compile(example)
     with pytest.raises(RuntimeInputError) as err:
