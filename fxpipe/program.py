@@ -9,6 +9,7 @@ its own stages only (the model itself stays on meta).
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -110,7 +111,7 @@ class Program(ProgramState):
         built = build(self.model, args, kwargs, self.config,
                       agree=_broadcast_plan if distributed else None)
         self._names = StateNames.of_model(self.model, built.captured)
-        self._example = [t.detach() for t in built.signature.flatten_inputs(args, kwargs)]
+        self._example = [t.detach() for t in self._flat_inputs(built, args, kwargs)]
         self._install(built, device)
         if self.config.balance == "dynamic":
             self._balance_at_build(device)
@@ -225,7 +226,7 @@ class Program(ProgramState):
                               hint="save a checkpoint, compile the new cut, and load it into "
                                    "a new program.optimizer(...)")
         if args or kwargs:
-            flat = built.signature.flatten_inputs(args, kwargs)
+            flat = self._flat_inputs(built, args, kwargs)
         else:
             flat, target, loss_fn = self._last_batch or (self._example, target, loss_fn)
         before = built
@@ -312,7 +313,7 @@ class Program(ProgramState):
         self._require_weights()
         executor = self._local_executor("calling a program")
         self._check_mode(built)
-        flat = built.signature.flatten_inputs(args, kwargs)
+        flat = self._flat_inputs(built, args, kwargs)
         with compiled_autocast(self.config.autocast, self.devices):
             return built.signature.unflatten_outputs(executor.run(flat))
 
@@ -326,7 +327,7 @@ class Program(ProgramState):
         self._require_weights()
         executor = self._local_executor("measure_activations")
         trackers = [KeptMemory(module.parameters()) for module in self.stage_modules]
-        flat = built.signature.flatten_inputs(args, kwargs)
+        flat = self._flat_inputs(built, args, kwargs)
         with torch.enable_grad():
             outputs = executor.run(flat, trackers)
         del outputs  # frees the graph: this was a measurement, not a step
@@ -377,7 +378,7 @@ class Program(ProgramState):
         built = self._require_built("step")
         self._require_weights()
         self._check_mode(built)
-        self._last_batch = (built.signature.flatten_inputs(args, kwargs), target, loss_fn)
+        self._last_batch = (self._flat_inputs(built, args, kwargs), target, loss_fn)
         if self._rank is not None:
             flat = self._last_batch[0]
             with compiled_autocast(self.config.autocast, self.devices):
@@ -390,6 +391,23 @@ class Program(ProgramState):
             value = local_loss(executor, self._last_batch[0], target, loss_fn)
         torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
+
+    def _flat_inputs(self, built: Built, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The call's tensor inputs, checked against the compiled ones. Inputs given by
+        position that the example gave by keyword, or the other way, are taken as forward's
+        signature binds them (looked at only when the call does not match as it is)."""
+        try:
+            return built.signature.flatten_inputs(args, kwargs)
+        except RuntimeInputError:
+            try:
+                forward: inspect.Signature | None = inspect.signature(self.model.forward)
+            except (TypeError, ValueError):
+                forward = None
+            rebound = built.signature.as_compiled(forward, args, kwargs) if forward else None
+            if rebound is None:
+                raise
+        return built.signature.flatten_inputs(*rebound)
 
     def _check_mode(self, built: Built) -> None:
         captured = built.capture_info.training

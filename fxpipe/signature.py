@@ -2,6 +2,7 @@
 join."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeGuard
@@ -78,13 +79,33 @@ class Signature:
 
     # -- inputs ---------------------------------------------------------------------------------
 
+    def as_compiled(self, forward: inspect.Signature, args: Sequence[Any],
+                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The call with its inputs passed as the example passed them, positionally or by
+        keyword, bound by the model's `forward` signature: `program(ids, mask)` of a program
+        compiled with `input_ids=..., attention_mask=...`. None where the call already has the
+        compiled split or does not bind to the same inputs (flatten_inputs says what differs)."""
+        n_want, want = _call_shape(self.in_spec)
+        if len(args) == n_want and sorted(kwargs) == sorted(want):
+            return None
+        try:
+            bound = forward.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        values = dict(bound.arguments)
+        for name, param in forward.parameters.items():
+            if param.kind is param.VAR_KEYWORD:
+                values.update(values.pop(name, {}))
+            elif param.kind is param.VAR_POSITIONAL:
+                return None  # no name to match the example's inputs by
+        positional = list(forward.parameters)[:n_want]
+        if sorted(values) != sorted([*positional, *want]):
+            return None
+        return tuple(values[name] for name in positional), {name: values[name] for name in want}
+
     def _difference(self, spec: pytree.TreeSpec) -> str:
         """What differs between a call's inputs and the compiled ones, in argument terms."""
-        def shape(of: pytree.TreeSpec) -> tuple[int, list[str]]:
-            args, kwargs = pytree.tree_unflatten([None] * of.num_leaves, of)
-            return len(args), list(kwargs)
-
-        (n_got, got), (n_want, want) = shape(spec), shape(self.in_spec)
+        (n_got, got), (n_want, want) = _call_shape(spec), _call_shape(self.in_spec)
         parts = []
         if missing := [k for k in want if k not in got]:
             parts.append(f"missing keyword inputs {missing}")
@@ -216,6 +237,12 @@ class Signature:
             else:
                 joined.append(torch.cat(values, dim=dim))
         return joined
+
+
+def _call_shape(spec: pytree.TreeSpec) -> tuple[int, list[str]]:
+    """A call's number of positional inputs and its keywords, from its (args, kwargs) spec."""
+    args, kwargs = pytree.tree_unflatten([None] * spec.num_leaves, spec)
+    return len(args), list(kwargs)
 
 
 def _ordered_like(value: Any, spec: pytree.TreeSpec) -> Any:

@@ -254,6 +254,24 @@ def test_keywords_and_dict_keys_in_another_order_are_the_same_call():
     _check(err.value, "another structure than at compile time")
 
 
+def test_inputs_by_position_or_by_keyword_bind_as_forward_binds_them():
+    model = _Keywords()
+    x, batch = torch.randn(8, 8), {"scale": torch.rand(8, 1), "shift": torch.randn(8, 16)}
+    expected = model(x, batch)
+    by_keyword = fxpipe.compile(model, example_kwargs={"x": x, "batch": batch}, stages=2,
+                                chunks=2, profile="a100")
+    torch.testing.assert_close(by_keyword(x, batch), expected)
+    torch.testing.assert_close(by_keyword(x, batch=batch), expected)
+    by_position = fxpipe.compile(model, (x, batch), stages=2, chunks=2, profile="a100")
+    torch.testing.assert_close(by_position(batch=batch, x=x), expected)
+    loss = by_position.step(batch=batch, x=x, target=torch.randn(8, 4),
+                            loss_fn=nn.functional.mse_loss)
+    assert loss > 0 and model.a.weight.grad is not None
+    with pytest.raises(RuntimeInputError) as err:  # an input the example did not have
+        by_position(x)
+    _check(err.value, "1 positional inputs instead of 2")
+
+
 class _OneList(nn.Module):
     def __init__(self) -> None:
         super().__init__()
