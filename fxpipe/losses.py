@@ -50,23 +50,28 @@ def loss_of(loss_fn: LossFn, output: Any, target: torch.Tensor | None) -> torch.
     """`loss_fn(output, target)` (without a target: `loss_fn(output)`), refused unless it is one
     floating-point number in a tensor: what backward starts from, and what micro-batch losses
     add up to (autograd's own errors name neither the loss function nor what it returned)."""
-    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
     try:
         loss = loss_fn(output, target) if target is not None else loss_fn(output)
     except TypeError as error:
         if target is not None or not needs_target(loss_fn):
             raise
-        raise LossError(f"the loss function {name} takes a target, and the step was given none",
+        raise LossError(f"the loss function {_name(loss_fn)} takes a target, and the step was "
+                        "given none",
                         hint="pass the batch's targets: program.step(inputs, target=y)") \
             from error
     if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
         return loss
     what = f"a {loss.dtype} tensor of shape {tuple(loss.shape)}" \
         if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
-    raise LossError(f"the loss function {name} returned {what}; a step needs one floating-point "
-                    "number in a tensor, the loss of the batch it was given",
+    raise LossError(f"the loss function {_name(loss_fn)} returned {what}; a step needs one "
+                    "floating-point number in a tensor, the loss of the batch it was given",
                     hint="return a mean or a sum over the examples (e.g. reduction='mean', or "
                          ".mean()), and only the loss (log the rest outside the loss function)")
+
+
+def _name(loss_fn: LossFn) -> str:
+    """How a message names a loss function (a function's name, else its class's)."""
+    return getattr(loss_fn, "__name__", type(loss_fn).__name__)
 
 
 def needs_target(loss_fn: LossFn) -> bool:
