@@ -309,9 +309,8 @@ class ProgramState(nn.Module):
         if self._meta:
             self._load_source(WeightsSource.of_state_dict(state_dict), strict=False)
             return None
-        mine = self.state_dict()
-        missing = [k for k in mine if k not in state_dict]
-        if strict and missing:
+        missing = [k for k in self.state_dict() if k not in state_dict] if strict else []
+        if missing:
             raise RuntimeInputError(f"state_dict lacks {len(missing)} keys this program needs "
                                     f"(e.g. {missing[:3]})", hint="save it from the same model")
         self._state_names().load(self._stage_modules(), state_dict)
