@@ -158,6 +158,7 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
     info: CaptureInfo = gm.meta[ir.CAPTURE]
     with _timed(timings, cpu, "partition"):
         plan, config = _partition(gm, config, info.batch_size, profile, corrections, starts)
+        _check_joinable(info, plan.chunks)
         if agree is not None:
             plan = agree(gm, plan)
         ir.verify(gm, after="partition")
@@ -189,6 +190,28 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
         print("[fxpipe] " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
         print("[fxpipe] capture: " + ", ".join(f"{k} {v:.2f}s" for k, v in info.timings))
     return built
+
+
+def _check_joinable(info: CaptureInfo, chunks: int) -> None:
+    """Refuses outputs that no call could return: each call joins its micro-batches' outputs
+    along the batch dimension, and a tensor without one (a loss the model computes from
+    `labels=`, a mean over the batch) has no such join."""
+    unjoinable = info.signature.unjoinable_outputs()
+    if chunks == 1 or not unjoinable:
+        return
+    names = ", ".join(unjoinable[:4]) + (f" and {len(unjoinable) - 4} more"
+                                         if len(unjoinable) > 4 else "")
+    labels = "labels" in info.signature.keywords
+    raise ConfigError(
+        f"{names} of the model has no batch dimension, so the values of {chunks} micro-batches "
+        "cannot be joined into the batch's (a loss over the batch is not the concatenation of "
+        "its micro-batches' losses)",
+        hint=("compile without labels= (a transformers model then returns its logits and no "
+              "loss) and pass the targets to the step instead: program.step(inputs, "
+              "target=next_tokens), the default loss being cross-entropy"
+              if labels else
+              "return per-example values from forward and compute the loss in the step "
+              "(program.step(inputs, target=y, loss_fn=...))") + ", or compile with chunks=1")
 
 
 def _profile_device(config: CompileConfig) -> torch.device:

@@ -207,6 +207,32 @@ class Signature:
     def unflatten_outputs(self, leaves: Sequence[Any]) -> Any:
         return pytree.tree_unflatten(list(leaves), self.out_spec)
 
+    def output_names(self) -> list[str]:
+        """How each output leaf is reached from what forward returns (`output['loss']`,
+        `output[0]`), for messages; `output i` where the output's type cannot be rebuilt."""
+        count = self.out_spec.num_leaves
+        try:
+            numbered = pytree.tree_unflatten(list(range(count)), self.out_spec)
+            paths = {leaf: pytree.keystr(path)
+                     for path, leaf in pytree.tree_flatten_with_path(numbered)[0]}
+        except Exception:  # a container whose constructor checks its fields
+            paths = {}
+        return [f"output{paths[i]}" if i in paths else f"output {i}" for i in range(count)]
+
+    def unjoinable_outputs(self) -> list[str]:
+        """The tensor outputs without a batch dimension (a loss the model computes, a
+        statistic over the batch): micro-batches' values of them cannot be joined into the
+        batch's, so only a program of one micro-batch can return them."""
+        names = self.output_names()
+        return [names[i] for i, (is_t, dim) in enumerate(zip(self.out_is_tensor,
+                                                             self.out_batch_dims))
+                if is_t and dim is None]
+
+    @property
+    def keywords(self) -> list[str]:
+        """The keyword inputs of the compiled call."""
+        return _call_shape(self.in_spec)[1]
+
     def join_outputs(self, per_microbatch: Sequence[Sequence[Any]]) -> list[Any]:
         """Concatenates each output leaf along its batch dimension."""
         joined: list[Any] = []

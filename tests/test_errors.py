@@ -304,10 +304,34 @@ def test_outputs_that_cannot_be_joined_along_a_batch_dimension():
             return self.out(self.fc(x)).mean(dim=1), self.fc.weight.sum()  # the second: no batch
 
     x = torch.randn(8, 4)
-    program = fxpipe.compile(MeanLoss(), (x,), stages=2, chunks=4, profile="a100")
-    with pytest.raises(RuntimeInputError) as err:
-        program(x)
-    _check(err.value, "output 1", "has no batch dimension", "loss_fn")
+    with pytest.raises(ConfigError) as err:  # refused when compiled, not at every call
+        fxpipe.compile(MeanLoss(), (x,), stages=2, chunks=4, profile="a100")
+    _check(err.value, "output[1] of the model has no batch dimension", "4 micro-batches",
+           "loss_fn", "chunks=1")
+    model = MeanLoss()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=1, profile="a100")
+    for got, want in zip(program(x), model(x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_loss_computed_from_labels_points_at_the_step():
+    class WithLabels(nn.Module):  # as a transformers model given labels=
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x, labels=None):
+            logits = self.head(torch.relu(self.fc(x)))
+            loss = nn.functional.cross_entropy(logits, labels)
+            return {"loss": loss, "logits": logits}
+
+    x, labels = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with pytest.raises(ConfigError) as err:
+        fxpipe.compile(WithLabels(), (x,), example_kwargs={"labels": labels}, stages=2,
+                       chunks=2, profile="a100")
+    _check(err.value, "output['loss'] of the model has no batch dimension",
+           "compile without labels=", "target=next_tokens")
 
 
 def test_report_before_the_first_call_of_a_lazy_program(example):
