@@ -58,6 +58,7 @@ from fxpipe.reference import (
 from fxpipe.report import Report, build_report
 from fxpipe.runtime.communication.mesh import GroupCache, Mesh
 from fxpipe.runtime.execution.amp import compiled_autocast
+from fxpipe.runtime.execution.grad_norm import clip_rank_gradients
 from fxpipe.runtime.execution.hold import HeldStages, RunSettings, local_loss
 from fxpipe.runtime.execution.local import LocalExecutor
 from fxpipe.runtime.execution.memory import KeptMemory
@@ -391,6 +392,19 @@ class Program(ProgramState):
             value = local_loss(executor, self._last_batch[0], target, loss_fn)
         torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips the gradients by the norm of all of them together, as
+        torch.nn.utils.clip_grad_norm_ clips the plain model's, and returns that norm (before
+        clipping). Under torchrun every rank calls it after step() (unscale a GradScaler's
+        gradients first): the norm is the whole model's, added over the ranks, where torch's
+        own function on one rank's parameters would clip each rank by its part alone."""
+        if self._rank is None:
+            return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type,
+                                                  error_if_nonfinite)
+        return clip_rank_gradients(self._rank.executor, max_norm, norm_type,
+                                   error_if_nonfinite)
 
     def _flat_inputs(self, built: Built, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> list[torch.Tensor]:

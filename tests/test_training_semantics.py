@@ -502,3 +502,72 @@ def test_counted_is_what_each_built_in_loss_averages_over():
     assert counted(NAMED["mse"], t) is None
     assert counted(NAMED["default"], None) is None
     assert counted(_token_mean, t) is None  # not fxpipe's: judged on the joined outputs
+
+
+# the norm each clips by, and to what
+ACCUMULATE_SCHEDULES = {"1f1b": (2.0, 0.5), "zb-h1": (float("inf"), 0.05)}
+
+
+def _accumulated_steps(rank: int, world: int) -> dict:
+    """Each schedule's gradients after two steps without zeroing them (gradient accumulation)
+    and after clipping them, on the bundled GPT, whose embedding and head share one weight
+    held by both ranks."""
+    from fxpipe.models import gpt
+    out = {}
+    for schedule, (norm_type, max_norm) in ACCUMULATE_SCHEDULES.items():
+        torch.manual_seed(0)
+        model, (idx,) = gpt.build(dropout=0.0)
+        program = fxpipe.compile(model, (idx,), stages=world, chunks=4, schedule=schedule,
+                                 profile="a100")
+        losses = [program.step(idx, target=gpt.target((idx,))) for _ in range(2)]
+        grads = {n: p.grad.clone() for n, p in program.named_parameters()}
+        norm = program.clip_grad_norm_(max_norm, norm_type)
+        out[schedule] = {"losses": losses, "grads": grads, "norm": float(norm),
+                         "clipped": {n: p.grad.clone() for n, p in program.named_parameters()}}
+    return out
+
+
+@pytest.mark.distributed
+def test_gradients_accumulate_over_steps_and_clip_by_the_models_norm_a_tied_weight_included():
+    from fxpipe.models import gpt
+    ranks = spawn(2, __name__, "_accumulated_steps", timeout=120, bound=400)
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(dropout=0.0)
+    target = gpt.target((idx,))
+    for _ in range(2):
+        logits = model(idx)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           target.reshape(-1))
+        loss.backward()
+    theirs = dict(model.named_parameters())
+    assert "wte.weight" in ranks[0]["1f1b"]["grads"] and "wte.weight" in ranks[1]["1f1b"]["grads"]
+    for schedule, (norm_type, max_norm) in ACCUMULATE_SCHEDULES.items():
+        clipped = copy.deepcopy(model)  # the gradients too
+        for p, q in zip(model.parameters(), clipped.parameters()):
+            q.grad = p.grad.clone()
+        norm = torch.nn.utils.clip_grad_norm_(clipped.parameters(), max_norm, norm_type)
+        assert float(norm) > max_norm  # so that clipping scales every gradient
+        for rank in ranks:
+            run = rank[schedule]
+            assert run["losses"] == pytest.approx([float(loss)] * 2, rel=1e-5)
+            assert run["norm"] == pytest.approx(float(norm), rel=1e-5)
+            for name, grad in run["grads"].items():
+                torch.testing.assert_close(grad, theirs[name].grad, msg=f"{schedule}: {name}")
+                torch.testing.assert_close(run["clipped"][name],
+                                           dict(clipped.named_parameters())[name].grad,
+                                           msg=f"{schedule}, clipped: {name}")
+
+
+def test_clip_grad_norm_in_one_process_clips_as_on_the_model():
+    from fxpipe.models import gpt
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(dropout=0.0)
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=2, profile="a100")
+    program.step(idx, target=gpt.target((idx,)))
+    reference_step(program, plain, idx, target=gpt.target((idx,)))
+    norm = program.clip_grad_norm_(0.1)
+    assert float(norm) == pytest.approx(
+        float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -166,14 +166,33 @@ class DistributedExecutor:
         key = loss_key(loss_fn, target is not None)
         kind = schedule_kind(schedule)
         run = dict(chunks=chunks, remat=remat_policy(remat), schedule=kind, scaler=scaler)
-        if self._loss_first(kind, chunks):  # judged on each step before its backward
-            return self._step(tensors, target, loss_fn, key, None, **run)
-        if key not in self.loss_judge.kinds:  # a step that only judges the loss, then the step
-            buffers = list({id(b): b for u in self.units.values()
-                            for b in u.module.buffers()}.values())
-            with untouched(self.parameters(), buffers):
-                self._step(tensors, target, loss_fn, key, None, probe=True, **run)
-        return self._step(tensors, target, loss_fn, key, self.loss_judge.kinds[key], **run)
+        earlier = self._take_tied_gradients()
+        try:
+            if self._loss_first(kind, chunks):  # judged on each step before its backward
+                return self._step(tensors, target, loss_fn, key, None, **run)
+            if key not in self.loss_judge.kinds:  # a step that only judges the loss, then it
+                buffers = list({id(b): b for u in self.units.values()
+                                for b in u.module.buffers()}.values())
+                with untouched(self.parameters(), buffers):
+                    self._step(tensors, target, loss_fn, key, None, probe=True, **run)
+            return self._step(tensors, target, loss_fn, key, self.loss_judge.kinds[key], **run)
+        finally:
+            for param, grad in earlier:
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    def _take_tied_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The gradients that tied parameters hold from earlier steps (accumulating over
+        steps), taken off them until the step ends: the step sums a tied weight's gradient over
+        the ranks that hold it, and each holder already has the earlier steps' sum, which a
+        second sum would count once per holder."""
+        named = self.named_tensors()
+        taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name in self.shared:
+            param = named.get(name)
+            if name in self.shared_groups and param is not None and param.grad is not None:
+                taken[id(param)] = (param, param.grad)
+                param.grad = None
+        return list(taken.values())
 
     def _loss_first(self, schedule: ScheduleKind, chunks: int) -> bool:
         """Whether the last stage runs every forward before its first backward (GPipe), so it
