@@ -651,3 +651,18 @@ def test_an_optimizer_holding_a_parameter_outside_the_program_is_named_on_save_a
             call()
         _check(err.value, "the optimizer holds 1 parameter(s) that are not this program's",
                "a tensor of shape (3,)", "program.parameters()")
+
+
+def test_a_global_batch_that_replicas_cannot_split_into_micro_batches_names_both(example):
+    from fxpipe.runtime.communication.mesh import Mesh
+    from fxpipe.runtime.execution.rank import shard_batch
+    model, x = example
+    program = _compile(example, stages=2, chunks=4)
+    signature = program.built.signature
+    batch = x[:4]  # 2 examples for each of 2 replicas, which run 4 micro-batches each
+    with pytest.raises(RuntimeInputError) as err:
+        shard_batch(signature, [batch], None, Mesh((0, 1), 2, 0), chunks=4)
+    _check(err.value, "global batch 4", "2 data-parallel replicas of 4 equal micro-batches",
+           "multiple of 8")
+    shard, _ = shard_batch(signature, [x[:8]], None, Mesh((0, 1), 2, 2), chunks=4)  # replica 1
+    torch.testing.assert_close(shard[0], x[4:8])

@@ -81,12 +81,16 @@ def mesh_of_world(placement: Sequence[int]) -> Mesh:
 
 
 def shard_batch(signature: Signature, flat: list[torch.Tensor], target: torch.Tensor | None,
-                mesh: Mesh) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """This replica's share of the global batch (and of the target)."""
+                mesh: Mesh, chunks: int = 1) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """This replica's share of the global batch (and of the target), refused unless every
+    replica's share splits into `chunks` equal micro-batches."""
     batch = signature.batch_size(flat)
-    if batch % mesh.replicas:
-        raise RuntimeInputError(f"global batch {batch} cannot be split over {mesh.replicas} "
-                                "data-parallel replicas", hint=f"use a multiple of {mesh.replicas}")
+    if batch % (mesh.replicas * chunks):
+        parts = f"{mesh.replicas} data-parallel replicas" + (
+            f" of {chunks} equal micro-batches each" if chunks > 1 else "")
+        raise RuntimeInputError(f"global batch {batch} cannot be split over {parts}",
+                                hint=f"use a multiple of {mesh.replicas * chunks} (replicas x "
+                                     "micro-batches), e.g. DataLoader(drop_last=True)")
     size = batch // mesh.replicas
     start = mesh.replica * size
     sharded = [t if leaf.batch_dim is None else t.narrow(leaf.batch_dim, start, size)
@@ -111,7 +115,8 @@ class RankPipeline:
         """One training step of the global batch; returns the global loss and what this rank
         measured (events, kept bytes). With `scaler` the backward runs on the scaled loss."""
         if self.mesh.replicas > 1:
-            flat, target = shard_batch(self.spec.signature, flat, target, self.mesh)
+            flat, target = shard_batch(self.spec.signature, flat, target, self.mesh,
+                                       self.spec.chunks)
         result = self.executor.step(flat, target, loss_fn, chunks=self.spec.chunks,
                                     remat=self.spec.remat, schedule=self.spec.schedule,
                                     scaler=scaler)
