@@ -61,6 +61,7 @@ from fxpipe.runtime.execution.amp import compiled_autocast
 from fxpipe.runtime.execution.grad_norm import clip_rank_gradients
 from fxpipe.runtime.execution.hold import HeldStages, RunSettings, local_loss
 from fxpipe.runtime.execution.local import LocalExecutor
+from fxpipe.runtime.execution.loss_judge import check_target
 from fxpipe.runtime.execution.memory import KeptMemory
 from fxpipe.runtime.execution.rank import RankPipeline, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
@@ -361,7 +362,7 @@ class Program(ProgramState):
                 "predicted_bytes": predicted / mesh.replicas}
 
     def step(self, *args: Any, target: torch.Tensor | None = None,
-             loss_fn: LossFn | None = None, scaler: torch.amp.GradScaler | None = None,
+             loss_fn: LossFn | str | None = None, scaler: torch.amp.GradScaler | None = None,
              **kwargs: Any) -> float:
         """One training step (forward and backward of every micro-batch); returns the loss.
 
@@ -373,13 +374,18 @@ class Program(ProgramState):
         loss; then call scaler.step(optimizer) and scaler.update() as usual (every rank skips
         the step if any rank's gradients are not finite).
         """
-        loss_fn = loss_fn or default_loss
+        loss_fn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn or default_loss
         if self._built is None:
             self.build(*args, **kwargs)
         built = self._require_built("step")
         self._require_weights()
         self._check_mode(built)
-        self._last_batch = (self._flat_inputs(built, args, kwargs), target, loss_fn)
+        flat = self._flat_inputs(built, args, kwargs)
+        if target is not None:  # before replicas take their shares of both
+            signature = built.signature
+            check_target(target, next((d for d in signature.out_batch_dims if d is not None), 0),
+                         signature.batch_size(flat))
+        self._last_batch = (flat, target, loss_fn)
         if self._rank is not None:
             flat = self._last_batch[0]
             with compiled_autocast(self.config.autocast, self.devices):

@@ -666,3 +666,26 @@ def test_a_global_batch_that_replicas_cannot_split_into_micro_batches_names_both
            "multiple of 8")
     shard, _ = shard_batch(signature, [x[:8]], None, Mesh((0, 1), 2, 2), chunks=4)  # replica 1
     torch.testing.assert_close(shard[0], x[4:8])
+
+
+def test_a_target_of_another_batch_size_is_refused_before_any_run():
+    from fxpipe.models import gpt
+    model, (idx,) = gpt.build(dropout=0.0)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
+    target = gpt.target((idx,))
+    with pytest.raises(RuntimeInputError) as err:
+        program.step(idx, target=target[:4])
+    _check(err.value, "target shape (4, 32)", "size 8, the inputs' batch")
+    assert all(p.grad is None for p in program.parameters())
+
+
+def test_step_takes_a_built_in_loss_by_name():
+    from fxpipe.models import gpt
+    model, (idx,) = gpt.build(dropout=0.0)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
+    target = gpt.target((idx,))
+    assert program.step(idx, target=target, loss_fn="cross_entropy") == \
+        pytest.approx(program.step(idx, target=target))
+    with pytest.raises(ConfigError) as err:
+        program.step(idx, target=target, loss_fn="crossentropy")
+    _check(err.value, "unknown loss 'crossentropy'", "cross_entropy")

@@ -39,13 +39,18 @@ def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
     """The target's micro-batches along the outputs' batch dimension, as the inputs split."""
     if target is None:
         return [None] * chunks
+    check_target(target, batch_dim, batch)
+    return list(target.tensor_split(chunks, dim=batch_dim))
+
+
+def check_target(target: torch.Tensor, batch_dim: int, batch: int) -> None:
+    """Refuses a target whose batch is not the inputs' (a step splits both alike)."""
     if target.dim() <= batch_dim or target.shape[batch_dim] != batch:
         raise RuntimeInputError(
             f"target shape {tuple(target.shape)} has no batch dimension {batch_dim} of size "
-            f"{batch}",
+            f"{batch}, the inputs' batch",
             hint="give the target the same batch size as the inputs, along the batch dimension "
                  "of the model's first output")
-    return list(target.tensor_split(chunks, dim=batch_dim))
 
 
 class LossJudge:
