@@ -61,7 +61,6 @@ from fxpipe.runtime.execution.amp import compiled_autocast
 from fxpipe.runtime.execution.grad_norm import clip_rank_gradients
 from fxpipe.runtime.execution.hold import HeldStages, RunSettings, local_loss
 from fxpipe.runtime.execution.local import LocalExecutor
-from fxpipe.runtime.execution.loss_judge import check_target
 from fxpipe.runtime.execution.memory import KeptMemory
 from fxpipe.runtime.execution.rank import RankPipeline, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
@@ -380,12 +379,7 @@ class Program(ProgramState):
         built = self._require_built("step")
         self._require_weights()
         self._check_mode(built)
-        flat = self._flat_inputs(built, args, kwargs)
-        if target is not None:  # before replicas take their shares of both
-            signature = built.signature
-            check_target(target, next((d for d in signature.out_batch_dims if d is not None), 0),
-                         signature.batch_size(flat))
-        self._last_batch = (flat, target, loss_fn)
+        self._last_batch = (self._flat_inputs(built, args, kwargs), target, loss_fn)
         if self._rank is not None:
             flat = self._last_batch[0]
             with compiled_autocast(self.config.autocast, self.devices):

@@ -19,6 +19,7 @@ from fxpipe.losses import LossFn, loss_of
 from fxpipe.runtime.communication.mesh import GroupCache, Mesh, make_groups
 from fxpipe.runtime.execution.devices import pin_for, to_device
 from fxpipe.runtime.execution.local import LocalExecutor
+from fxpipe.runtime.execution.loss_judge import check_batch_target
 from fxpipe.runtime.execution.rank import RankPipeline, devices_for_stages, setup_rank
 from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.runtime.program.materialize import meta_names
@@ -96,6 +97,7 @@ def local_loss(executor: LocalExecutor, inputs: list[torch.Tensor],
                target: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
     """The loss of one step in one process: every micro-batch through every stage, the outputs
     joined, the target moved to where the last stage put them."""
+    check_batch_target(executor.signature, inputs, target)
     outputs = executor.signature.unflatten_outputs(executor.run(inputs))
     if target is not None:  # from pinned memory: a pageable copy would wait for the device
         device = executor.stages[-1].device

@@ -43,6 +43,15 @@ def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
     return list(target.tensor_split(chunks, dim=batch_dim))
 
 
+def check_batch_target(signature: Signature, inputs: list[torch.Tensor],
+                       target: torch.Tensor | None) -> None:
+    """Refuses a target whose batch is not the inputs' batch, before replicas take their
+    shares of both (each share cut by the inputs' batch would pass a larger target)."""
+    if target is not None:
+        check_target(target, next((d for d in signature.out_batch_dims if d is not None), 0),
+                     signature.batch_size(inputs))
+
+
 def check_target(target: torch.Tensor, batch_dim: int, batch: int) -> None:
     """Refuses a target whose batch is not the inputs' (a step splits both alike)."""
     if target.dim() <= batch_dim or target.shape[batch_dim] != batch:

@@ -19,6 +19,7 @@ from fxpipe.runtime.communication.backend import carries_cuda, cuda_index_for, l
 from fxpipe.runtime.communication.mesh import Groups, Mesh, average_over_replicas
 from fxpipe.runtime.execution.distributed import DistributedExecutor, StepResult
 from fxpipe.runtime.execution.fsdp import FullShard
+from fxpipe.runtime.execution.loss_judge import check_batch_target
 from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.runtime.program.spec import ProgramSpec
 from fxpipe.signature import Signature
@@ -114,6 +115,7 @@ class RankPipeline:
              scaler: torch.amp.GradScaler | None = None) -> tuple[float, StepResult]:
         """One training step of the global batch; returns the global loss and what this rank
         measured (events, kept bytes). With `scaler` the backward runs on the scaled loss."""
+        check_batch_target(self.spec.signature, flat, target)
         if self.mesh.replicas > 1:
             flat, target = shard_batch(self.spec.signature, flat, target, self.mesh,
                                        self.spec.chunks)
