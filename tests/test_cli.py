@@ -162,6 +162,39 @@ def test_run_trains_a_written_program_on_two_processes_and_writes_a_chrome_trace
     assert len([e for e in predicted if e["cat"] == "forward"]) == 2 * 4  # 2 stages x 4 chunks
 
 
+def _clipped_losses(folder: Path, max_norm: float, steps: int) -> list[float]:
+    """The plain model trained as the written program trains (SGD with momentum 0.9 at the
+    program's lr, on its example batch), clipping its gradients to `max_norm` every step."""
+    from fxpipe.losses import default_loss
+    from fxpipe.models import gpt
+    from fxpipe.runtime.launch import load_spec
+    model, _ = gpt.build(dropout=0.0)
+    batch = torch.load(folder / "batch.pt", weights_only=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=load_spec(folder).lr, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = default_loss(model(*batch["inputs"]), batch["target"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def test_the_written_program_clips_by_the_whole_models_norm(written, capsys):
+    expected = _clipped_losses(written, 0.05, 3)
+    unclipped = launch.load_spec(written).reference_losses
+    assert abs(expected[2] - unclipped[2]) > 1e-3  # clipping changes the third step's loss
+    result = _run("run", str(written), "--port", str(free_port()), "--steps", "3",
+                  "--clip-grad-norm", "0.05")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert launch.main(written, ["--steps", "3", "--clip-grad-norm", "0.05"]) == 0
+    for out in (result.stdout, capsys.readouterr().out):  # 2 processes, then one
+        losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out)]
+        assert losses == pytest.approx(expected, rel=1e-5), out
+
+
 def test_run_of_a_folder_without_a_program_is_a_clear_error(tmp_path, capsys):
     assert main(["run", str(tmp_path), "--nproc", "2"]) == 2
     assert "has no program.json, so it is no program fxpipe wrote" in capsys.readouterr().err
@@ -201,6 +234,11 @@ def test_report_checks_the_program_and_says_what_it_imports(written, tmp_path, c
      "program.py --timeout 0.0 is not a number of seconds (allowed: a finite number > 0)"),
     (["--nproc", "2", "--timeline", "/nonexistent/t.json"],
      "program.py --timeline /nonexistent/t.json is in /nonexistent, which is no folder"),
+    (["--nproc", "2", "--clip-grad-norm", "0"],
+     "program.py --clip-grad-norm 0.0 is not a norm (allowed: a finite number > 0)"),
+    (["--nproc", "2", "--clip-grad-norm", "1", "--verify"],
+     "program.py --verify compares with losses recorded without clipping, and "
+     "--clip-grad-norm 1.0 changes every later step"),
 ])
 def test_run_checks_its_arguments_before_starting_a_process(written, capsys, args, expected):
     assert main(["run", str(written), *args]) == 2

@@ -21,6 +21,7 @@ from fxpipe.losses import LossFn
 from fxpipe.runtime.communication.backend import choose_backend
 from fxpipe.runtime.communication.mesh import GroupCache, limit_waits, make_groups
 from fxpipe.runtime.execution.amp import ScaleFollower, compiled_autocast
+from fxpipe.runtime.execution.grad_norm import clip_rank_gradients
 from fxpipe.runtime.execution.hold import RunSettings, hold_stages, local_loss
 from fxpipe.runtime.execution.rank import mesh_of_world, rank_device
 from fxpipe.runtime.planning.schedule import stages_on
@@ -44,6 +45,9 @@ StepFn: TypeAlias = Callable[[list[torch.Tensor], "torch.Tensor | None", LossFn,
                              torch.amp.GradScaler], tuple[float, bool]]
 """One training step on the batch (inputs, target): forward, loss, scaled backward; returns the
 loss and whether some rank's gradients were not finite (with a scaler: every rank skips)."""
+
+ClipFn: TypeAlias = Callable[[float], object]
+"""Clips the step's gradients by the whole model's 2-norm (every rank of a pipeline calls it)."""
 
 Replicas: TypeAlias = tuple[object, int]
 """This rank's data-parallel group (None without one) and its number of replicas."""
@@ -128,9 +132,9 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         if args.data else None
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
-        step, rank, modules, devices, (group, replicas) = _distributed(folder, spec, args)
+        step, clip, rank, modules, devices, (group, replicas) = _distributed(folder, spec, args)
     else:
-        step, rank, modules, devices, (group, replicas) = _local(folder, spec, args)
+        step, clip, rank, modules, devices, (group, replicas) = _local(folder, spec, args)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     # A rank whose stages hold no parameters (an activation, a skip's addition) has nothing to
     # update: no optimizer, and its loss scale follows the ranks that step. Under
@@ -157,6 +161,10 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         torch.manual_seed(i)  # as the reference losses: step i draws the same random numbers
         with compiled_autocast(spec.autocast, devices):
             loss, overflow = step(inputs, target, loss_fn, scaler)
+        if args.clip_grad_norm is not None:
+            if optimizer is not None:
+                scaler.unscale_(optimizer)  # the norm of the gradients, not of the scaled ones
+            clip(args.clip_grad_norm)
         if optimizer is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -211,7 +219,7 @@ def _structure(spec: ProgramSpec) -> Structure:
 
 
 def _local(folder: Path, spec: ProgramSpec, args: argparse.Namespace
-           ) -> tuple[StepFn, int, list[StageModule], list[torch.device], Replicas]:
+           ) -> tuple[StepFn, ClipFn, int, list[StageModule], list[torch.device], Replicas]:
     classes = [_stage_class(folder, spec, s.index) for s in spec.stages]
     weights = _tensors(folder, spec, classes, torch.device("cpu"), args)
     held = hold_stages(spec, lambda s: classes[s](weights), _settings(args))
@@ -224,7 +232,12 @@ def _local(folder: Path, spec: ProgramSpec, args: argparse.Namespace
         torch.autograd.backward(scaler.scale(loss))
         return float(loss.detach()), False  # one process: its scaler sees every gradient
 
-    return step, 0, held.modules, sorted(set(held.devices), key=str), (None, 1)
+    params = list({id(p): p for m in held.modules for p in m.parameters()}.values())
+
+    def clip(max_norm: float) -> object:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    return step, clip, 0, held.modules, sorted(set(held.devices), key=str), (None, 1)
 
 
 def _settings(args: argparse.Namespace) -> RunSettings:
@@ -232,7 +245,8 @@ def _settings(args: argparse.Namespace) -> RunSettings:
 
 
 def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
-                 ) -> tuple[StepFn, int, list[StageModule], list[torch.device], Replicas]:
+                 ) -> tuple[StepFn, ClipFn, int, list[StageModule], list[torch.device],
+                            Replicas]:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     backend = choose_backend(world, rank, torch.cuda.device_count())
     device = rank_device(backend, say=False)  # before the process group: NCCL binds to it
@@ -264,7 +278,10 @@ def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
             _write_timeline(args.timeline, list(result.events), mesh.rank, spec)
         return loss, result.overflow
 
-    return step, mesh.rank, held.modules, [device], (groups.dp, mesh.replicas)
+    def clip(max_norm: float) -> object:
+        return clip_rank_gradients(rank_stage.executor, max_norm, 2.0, False)
+
+    return step, clip, mesh.rank, held.modules, [device], (groups.dp, mesh.replicas)
 
 
 def _write_timeline(path: str, events: list[Event], rank: int, spec: ProgramSpec) -> None:

@@ -46,10 +46,12 @@ def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
 def check_batch_target(signature: Signature, inputs: list[torch.Tensor],
                        target: torch.Tensor | None) -> None:
     """Refuses a target whose batch is not the inputs' batch, before replicas take their
-    shares of both (each share cut by the inputs' batch would pass a larger target)."""
-    if target is not None:
-        check_target(target, next((d for d in signature.out_batch_dims if d is not None), 0),
-                     signature.batch_size(inputs))
+    shares of both (each share cut by the inputs' batch would pass a larger target). A target
+    without that dimension at all is left to split_target: with a program.json whose outputs'
+    batch dimension was edited, joining the outputs says so first."""
+    dim = next((d for d in signature.out_batch_dims if d is not None), 0)
+    if target is not None and target.dim() > dim:
+        check_target(target, dim, signature.batch_size(inputs))
 
 
 def check_target(target: torch.Tensor, batch_dim: int, batch: int) -> None:

@@ -29,6 +29,10 @@ def program_parser(spec: ProgramSpec | None) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=spec.lr if spec else None,
                         help="learning rate of SGD with momentum 0.9 (default "
                              f"{spec.lr if spec else 'the one the program was written with'})")
+    parser.add_argument("--clip-grad-norm", type=float, metavar="MAX",
+                        help="before each optimizer step, scale the gradients down to a 2-norm "
+                             "of MAX where it is larger: the whole model's norm, over every "
+                             "rank (default: no clipping)")
     parser.add_argument("--verify", action="store_true",
                         help="check the losses against the plain model's (recorded at write time)")
     parser.add_argument("--data", metavar="MODULE:FN",
@@ -100,6 +104,15 @@ def _check_values(args: argparse.Namespace) -> None:
     if args.verify and args.steps < 1:
         raise ConfigError(f"program.py --verify with --steps {args.steps} would check no loss",
                           hint="pass --steps 1 or more with --verify")
+    if args.clip_grad_norm is not None and not (math.isfinite(args.clip_grad_norm)
+                                                 and args.clip_grad_norm > 0):
+        raise ConfigError(f"program.py --clip-grad-norm {args.clip_grad_norm} is not a norm "
+                          "(allowed: a finite number > 0)",
+                          hint="omit --clip-grad-norm to train without clipping")
+    if args.verify and args.clip_grad_norm is not None:
+        raise ConfigError(f"program.py --verify compares with losses recorded without clipping, "
+                          f"and --clip-grad-norm {args.clip_grad_norm} changes every later step",
+                          hint="verify without --clip-grad-norm first, then train with it")
     if args.verify and args.data:
         raise ConfigError(f"program.py --verify compares with losses recorded on the example "
                           f"batch, and --data {args.data} trains on other batches",
