@@ -393,6 +393,28 @@ class Program(ProgramState):
         torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
 
+    def evaluate(self, *args: Any, target: torch.Tensor | None = None,
+                 loss_fn: LossFn | str | None = None, **kwargs: Any) -> float:
+        """The loss of the batch without training on it (validation): every micro-batch
+        forward in the program's mode, no gradients, the stages' buffers (BatchNorm's running
+        statistics) and the random streams left as they were. Under torchrun every rank calls
+        it with the same batch and every rank gets the loss. Dropout draws as compiled: for
+        validation without it, compile the model in eval mode as a second program (in one
+        process its stages hold the model's tensors, as this program's do)."""
+        loss_fn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn or default_loss
+        if self._built is None:
+            self.build(*args, **kwargs)
+        built = self._require_built("evaluate")
+        self._require_weights()
+        self._check_mode(built)
+        flat = self._flat_inputs(built, args, kwargs)
+        with compiled_autocast(self.config.autocast, self.devices):
+            if self._rank is not None:
+                return self._rank.evaluate(flat, target, loss_fn)
+            executor = self._local_executor("evaluate")
+            with torch.no_grad(), untouched([], list(self.buffers())):
+                return float(local_loss(executor, flat, target, loss_fn))
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clips the gradients by the norm of all of them together, as

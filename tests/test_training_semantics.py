@@ -571,3 +571,70 @@ def test_clip_grad_norm_in_one_process_clips_as_on_the_model():
         float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)), rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+EVALUATE_SCHEDULES = {"1f1b": 1, "zb-v": 2}  # stages per rank
+
+
+def _evaluations(rank: int, world: int) -> dict:
+    """Each schedule's evaluate() before any step and after one, the gradients it leaves, and
+    the step between them, on the bundled GPT (its tied weight on both ranks)."""
+    from fxpipe.models import gpt
+    out = {}
+    for schedule, per_rank in EVALUATE_SCHEDULES.items():
+        torch.manual_seed(0)
+        model, (idx,) = gpt.build(dropout=0.0)
+        program = fxpipe.compile(model, (idx,), stages=world * per_rank, chunks=4,
+                                 schedule=schedule, profile="a100")
+        target = gpt.target((idx,))
+        before = program.evaluate(idx, target=target)
+        untouched = all(p.grad is None for p in program.parameters())
+        step = program.step(idx, target=target)
+        with torch.no_grad():
+            for p in program.parameters():
+                p -= 0.1 * p.grad
+        out[schedule] = {"before": before, "untouched": untouched, "step": step,
+                         "after": program.evaluate(idx, target=target)}
+    return out
+
+
+@pytest.mark.distributed
+def test_evaluate_on_two_ranks_is_the_models_loss_and_trains_nothing():
+    from fxpipe.models import gpt
+    ranks = spawn(2, __name__, "_evaluations", timeout=120, bound=400)
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(dropout=0.0)
+    target = gpt.target((idx,))
+
+    def loss() -> torch.Tensor:
+        logits = model(idx)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           target.reshape(-1))
+    first = loss()
+    first.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+        second = float(loss())
+    for schedule in EVALUATE_SCHEDULES:
+        for rank in ranks:
+            run = rank[schedule]
+            assert run["untouched"], schedule
+            assert [run["before"], run["step"]] == pytest.approx([float(first)] * 2, rel=1e-5)
+            assert run["after"] == pytest.approx(second, rel=1e-5), schedule
+
+
+def test_evaluate_in_one_process_is_the_models_loss_and_changes_no_buffer():
+    _, x, y = _case()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    plain = copy.deepcopy(net)
+    program = fxpipe.compile(net, (x,), stages=2, chunks=2, profile="a100")
+    buffers = {n: b.clone() for n, b in net.named_buffers()}
+    got = program.evaluate(x, target=y)
+    want = sum(default_loss(plain(half), t) for half, t in zip(x.chunk(2), y.chunk(2))) / 2
+    assert got == pytest.approx(float(want), rel=1e-5)
+    for name, b in net.named_buffers():
+        torch.testing.assert_close(b, buffers[name], msg=name)
+    assert all(p.grad is None for p in net.parameters())
+    assert program.evaluate(x, target=y, loss_fn="cross_entropy") == pytest.approx(got)

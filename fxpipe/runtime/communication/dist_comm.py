@@ -309,7 +309,7 @@ class DistComm:
             else:
                 self.outbox[msg] = torch.tensor([float(leaf)], dtype=torch.float64,
                                                 device=self.device)
-            if ir.carries_grad(leaf_info):
+            if ir.carries_grad(leaf_info) and torch.is_grad_enabled():  # else no backward
                 record.sent.append((leaf, msg))
                 self.sent_values[msg] = leaf
                 if isinstance(leaf, torch.Tensor) and leaf.is_contiguous():

@@ -42,6 +42,7 @@ from fxpipe.runtime.communication.transport import Transport
 from fxpipe.runtime.execution.amp import AutocastState, agree_on_overflow, loss_scale
 from fxpipe.runtime.execution.batchnorm import commit_batch_norms, discard_batch_norms
 from fxpipe.runtime.execution.devices import make_timeline, pin_for, stage_devices, to_device
+from fxpipe.runtime.execution.evaluate import evaluate_rank
 from fxpipe.runtime.execution.forward import run_forward
 from fxpipe.runtime.execution.fsdp import FullShard
 from fxpipe.runtime.execution.loss_judge import LossJudge, split_target
@@ -179,6 +180,19 @@ class DistributedExecutor:
         finally:
             for param, grad in earlier:
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    def evaluate(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
+                 loss_fn: Callable[..., torch.Tensor], *, chunks: int,
+                 schedule: ScheduleKind | str = "gpipe") -> float:
+        """The loss of the batch without training (fxpipe.runtime.execution.evaluate): the
+        forwards of the schedule without gradients; every rank returns the last stage's."""
+        self._warm_up()
+        batch = self.signature.batch_size(list(tensors))
+        comm = self._comm(batch // chunks, chunks)
+        loss = evaluate_rank(self, comm, tensors, target, loss_fn, chunks=chunks,
+                             schedule=schedule_kind(schedule))
+        self._learned(comm)
+        return loss
 
     def _take_tied_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients that tied parameters hold from earlier steps (accumulating over

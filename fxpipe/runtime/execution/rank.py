@@ -129,6 +129,21 @@ class RankPipeline:
         return loss, result
 
 
+    def evaluate(self, flat: list[torch.Tensor], target: torch.Tensor | None,
+                 loss_fn: LossFn) -> float:
+        """The global batch's loss without training: each replica's share forward through the
+        stages, the replicas' losses averaged as step() averages them."""
+        check_batch_target(self.spec.signature, flat, target)
+        if self.mesh.replicas > 1:
+            flat, target = shard_batch(self.spec.signature, flat, target, self.mesh,
+                                       self.spec.chunks)
+        loss = self.executor.evaluate(flat, target, loss_fn, chunks=self.spec.chunks,
+                                      schedule=self.spec.schedule)
+        if self.mesh.replicas > 1:
+            loss = average_over_replicas(loss, self.groups.dp, self.mesh.replicas,
+                                         self.executor.device)
+        return loss
+
     def close(self) -> None:
         """Lets go of what the executor attached to the parameters; the groups stay."""
         self.executor.close()
