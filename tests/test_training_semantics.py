@@ -588,14 +588,36 @@ def _evaluations(rank: int, world: int) -> dict:
                                  schedule=schedule, profile="a100")
         target = gpt.target((idx,))
         before = program.evaluate(idx, target=target)
+        # targets left out unevenly over the micro-batches: the built-in loss weighs them, a
+        # loss of the user's runs on the joined outputs
+        sharp = fxpipe.compile(_sharp(gpt.build(dropout=0.0)[0]), (idx,), stages=world * per_rank,
+                               chunks=4, schedule=schedule, profile="a100")
+        weighed = sharp.evaluate(idx, target=_masked(target))
+        joined = sharp.evaluate(idx, target=_masked(target), loss_fn=_token_mean)
         untouched = all(p.grad is None for p in program.parameters())
         step = program.step(idx, target=target)
         with torch.no_grad():
             for p in program.parameters():
                 p -= 0.1 * p.grad
         out[schedule] = {"before": before, "untouched": untouched, "step": step,
-                         "after": program.evaluate(idx, target=target)}
+                         "after": program.evaluate(idx, target=target), "weighed": weighed,
+                         "joined": joined}
     return out
+
+
+def _masked(target: torch.Tensor) -> torch.Tensor:
+    masked = target.clone()
+    masked[:2, 4:] = PAD  # most of the first micro-batch of 4
+    masked[5, 30:] = PAD
+    return masked
+
+
+def _sharp(model: nn.Module) -> nn.Module:
+    """The GPT with its tied embedding scaled up: tokens' losses then differ widely, so that
+    weighing micro-batches by their counted tokens matters."""
+    with torch.no_grad():
+        model.wte.weight.mul_(40)
+    return model
 
 
 @pytest.mark.distributed
@@ -610,6 +632,10 @@ def test_evaluate_on_two_ranks_is_the_models_loss_and_trains_nothing():
         logits = model(idx)
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            target.reshape(-1))
+    sharp = _sharp(copy.deepcopy(model))
+    masked = _token_mean(sharp(idx), _masked(target))
+    by_parts = sum(_token_mean(sharp(x), t) for x, t in zip(idx.chunk(4), _masked(target).chunk(4)))
+    assert float(masked) != pytest.approx(float(by_parts) / 4, rel=1e-3)  # weighing matters
     first = loss()
     first.backward()
     with torch.no_grad():
@@ -622,6 +648,8 @@ def test_evaluate_on_two_ranks_is_the_models_loss_and_trains_nothing():
             assert run["untouched"], schedule
             assert [run["before"], run["step"]] == pytest.approx([float(first)] * 2, rel=1e-5)
             assert run["after"] == pytest.approx(second, rel=1e-5), schedule
+            assert [run["weighed"], run["joined"]] == pytest.approx([float(masked)] * 2,
+                                                                     rel=1e-5), schedule
 
 
 def test_evaluate_in_one_process_is_the_models_loss_and_changes_no_buffer():

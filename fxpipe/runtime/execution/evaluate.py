@@ -1,11 +1,13 @@
 """The loss of a batch without training it, on one rank of a distributed pipeline.
 
 Validation under torchrun: every micro-batch runs forward through the stages in the order the
-program's schedule runs its forwards, without gradients, and the last stage computes the loss on
-the joined outputs, as one process would. The plan is the schedule's with its backward actions
-and gradient messages left out (fxpipe.runtime.planning.plan: the same clock on every rank).
-What the forwards change in the stages' buffers (BatchNorm's running statistics in train mode) is
-put back: evaluating changes nothing the model holds.
+program's schedule runs its forwards, without gradients, and the last stage computes the batch's
+loss as step() does: a loss fxpipe defines from its micro-batches' losses weighted by what each
+counts (nothing kept), any other on the joined outputs, as one process would. The plan is the
+schedule's with its backward actions and gradient messages left out
+(fxpipe.runtime.planning.plan: the same clock on every rank). What the forwards change in the
+stages' buffers (BatchNorm's running statistics in train mode) is put back: evaluating changes
+nothing the model holds.
 """
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.losses import loss_of
 from fxpipe.runtime.communication.tags import messages_of
-from fxpipe.runtime.execution.devices import pin_for, stage_devices, to_device
+from fxpipe.runtime.execution.devices import stage_devices, to_device
 from fxpipe.runtime.execution.forward import draw_base, run_forward
+from fxpipe.runtime.execution.loss_judge import split_target
 from fxpipe.runtime.planning.plan import Tick, plan_rank
 from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind
 from fxpipe.untouched import untouched
@@ -58,10 +60,16 @@ def _evaluate(executor: Any, comm: Any, tensors: list[torch.Tensor],
               schedule: ScheduleKind) -> float:
     signature = executor.signature
     micro = signature.split_inputs(tensors, chunks)
+    out_dim = next((d for d in signature.out_batch_dims if d is not None), 0)
+    targets = split_target(target, chunks, out_dim, signature.batch_size(tensors))
+    judge = executor.loss_judge
+    # a loss fxpipe defines is weighed from its micro-batches' alone: nothing is kept
+    joins = not judge.weighs_parts(loss_fn, halves=False)
     comm.replies, comm.proofs = {}, frozenset()  # forwards only: no message comes back
     base = draw_base() if executor.random else None
     last_stage = executor.mesh.stages - 1
     outputs: dict[int, list[Any]] = {}
+    values: dict[int, torch.Tensor] = {}  # each micro-batch's loss
     devices = {s: stage_devices(executor.device, [*u.module.parameters(), *u.module.buffers()])
                for s, u in executor.units.items()}
     for tick in forward_plan(executor, schedule, chunks):
@@ -72,7 +80,9 @@ def _evaluate(executor: Any, comm: Any, tensors: list[torch.Tensor],
         last = action.stage == last_stage
 
         def keep(out: Any, mb: int = action.microbatch) -> None:
-            outputs[mb] = list(out)
+            values[mb] = judge.loss(out, to_device(targets[mb], executor.device), loss_fn)
+            if joins:
+                outputs[mb] = list(out)
         run_forward(executor.units[action.stage], comm, action.microbatch,
                     micro[action.microbatch], recompute=False, seed_base=base,
                     rng_devices=devices[action.stage], check=executor.check_finite,
@@ -80,10 +90,6 @@ def _evaluate(executor: Any, comm: Any, tensors: list[torch.Tensor],
     comm.finish()
     value = torch.zeros(1, dtype=torch.float64, device=executor.device)
     if last_stage in executor.units:
-        joined = signature.join_outputs([outputs[mb] for mb in range(chunks)])
-        if target is not None:
-            target = to_device(pin_for([target], executor.device)[0], executor.device)
-        loss = loss_of(loss_fn, signature.unflatten_outputs(joined), target)
-        value.fill_(float(loss))
+        value.fill_(judge.batch_loss(outputs, values, target, targets, loss_fn)[0])
     dist.broadcast(value, src=executor.mesh.rank_of(last_stage), group=executor.pp_group)
     return float(value.item())

@@ -97,7 +97,7 @@ class LossJudge:
             kind = split_kind(full, parts, values[0].dtype, sizes) if parts else \
                 known or UNDECIDED
         else:
-            full, parts = self._batch_loss(outputs, values, target, targets, loss_fn)
+            full, parts = self.batch_loss(outputs, values, target, targets, loss_fn)
             kind = split_kind(full, parts, values[0].dtype)
         found = [0] * (len(KINDS) + 1)
         found[KINDS.index(kind) if kind is not None else len(KINDS)] = 1
@@ -120,7 +120,7 @@ class LossJudge:
         then need not be kept or run through the loss again. Halves are always run."""
         return not halves and known_kind(loss_fn) is not None
 
-    def _batch_loss(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
+    def batch_loss(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
                     target: torch.Tensor | None, targets: list[torch.Tensor | None],
                     loss_fn: Callable[..., torch.Tensor]) -> tuple[float, list[float]]:
         """The batch's loss and its micro-batches', in one host read."""
