@@ -233,6 +233,7 @@ def _step_schedules(rank: int, world: int, cases: list[tuple[str, int, str]]) ->
         program = fxpipe.compile(model, (x,), stages=stages, chunks=chunks, schedule=schedule,
                                  split_points=[f"blocks.{i}" for i in range(1, stages)],
                                  remat=remat, profile="a100")
+        evaluated = program.evaluate(x, target=y)  # the schedule's forwards alone
         loss = program.step(x, target=y)
         out[(schedule, chunks, remat)] = (loss, {n: p.grad for n, p in model.named_parameters()
                                           if p.grad is not None},
@@ -242,7 +243,7 @@ def _step_schedules(rank: int, world: int, cases: list[tuple[str, int, str]]) ->
                                            for t in ticks if t.action is not None}),
                                    sorted({early for _, _, early in
                                            program._rank.executor.plans}),
-                                   max(held_to_the_end))
+                                   max(held_to_the_end), evaluated)
     return out
 
 
@@ -289,6 +290,7 @@ def _check_cases(ranks: list[dict], world: int, cases: list[tuple[str, int, str]
         assert [r[case][5] for r in ranks] == [0] * world, case
         assert [r[case][0] for r in ranks] == [ranks[0][case][0]] * world  # every rank's loss
         assert ranks[0][case][0] == pytest.approx(loss, rel=1e-5), case
+        assert [r[case][6] for r in ranks] == pytest.approx([loss] * world, rel=1e-5), case
         got = {k: g for r in ranks for k, g in r[case][1].items()}
         assert set(got) == set(grads), case
         for key, grad in grads.items():

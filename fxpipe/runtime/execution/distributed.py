@@ -110,6 +110,7 @@ class DistributedExecutor:
         # None reads FXPIPE_P2P (fxpipe/runtime/communication/transport.py)
         self.transport: Transport = make_transport(p2p, pp_group)
         self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
+        self.forward_plans: dict[tuple[ScheduleKind, int], list[Tick]] = {}  # evaluate()'s
         # (schedule, chunks) -> each send's reply (fxpipe.runtime.planning.plan.replies), and
         # the set of those replies (DistComm.proofs)
         self.replies: dict[tuple[ScheduleKind, int],

@@ -30,16 +30,17 @@ __all__ = ["evaluate_rank", "forward_plan"]
 
 def forward_plan(executor: Any, schedule: ScheduleKind, chunks: int) -> list[Tick]:
     """This rank's ticks of the schedule's forwards alone (cached on the executor)."""
-    key = ("forward only", schedule, chunks)
-    if key not in executor.plans:
+    key = (schedule, chunks)
+    if key not in executor.forward_plans:
         mesh = executor.mesh
         actions_by_rank = [[a for a in actions if a.kind == ActionKind.FORWARD]
                            for actions in schedule.build(chunks, mesh.stages, mesh.ranks)]
         edges = {(src, dst) for _, src, dst in executor.edges}
         messages = [m for m in messages_of(executor.comm_info, chunks, mesh.placement)
                     if not m.grad]
-        executor.plans[key] = plan_rank(mesh.pipe_rank, actions_by_rank, edges, messages)
-    plan: list[Tick] = executor.plans[key]
+        executor.forward_plans[key] = plan_rank(mesh.pipe_rank, actions_by_rank, edges,
+                                                messages)
+    plan: list[Tick] = executor.forward_plans[key]
     return plan
 
 
