@@ -109,6 +109,11 @@ class DistributedExecutor:
         # point-to-point: "batched" (batch_isend_irecv) or "strict" (NCCL's rules on gloo);
         # None reads FXPIPE_P2P (fxpipe/runtime/communication/transport.py)
         self.transport: Transport = make_transport(p2p, pp_group)
+        # where each tied parameter summed over ranks sits: (its module's _parameters, name)
+        summed = {name for name in self.shared if name in self.shared_groups}
+        self.tied_slots = [(u.module._parameters, attr) for u in units
+                           for attr, name in u.module.qualified_names().items()
+                           if name in summed]
         self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
         self.forward_plans: dict[tuple[ScheduleKind, int], list[Tick]] = {}  # evaluate()'s
         # (schedule, chunks) -> each send's reply (fxpipe.runtime.planning.plan.replies), and
@@ -199,12 +204,12 @@ class DistributedExecutor:
         """The gradients that tied parameters hold from earlier steps (accumulating over
         steps), taken off them until the step ends: the step sums a tied weight's gradient over
         the ranks that hold it, and each holder already has the earlier steps' sum, which a
-        second sum would count once per holder."""
-        named = self.named_tensors()
+        second sum would count once per holder. The parameters are looked up where their
+        modules hold them now (a load may replace them), in a few dictionary reads a step."""
         taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name in self.shared:
-            param = named.get(name)
-            if name in self.shared_groups and param is not None and param.grad is not None:
+        for slots, attr in self.tied_slots:
+            param = slots.get(attr)
+            if param is not None and param.grad is not None and id(param) not in taken:
                 taken[id(param)] = (param, param.grad)
                 param.grad = None
         return list(taken.values())

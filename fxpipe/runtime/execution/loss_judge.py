@@ -49,8 +49,10 @@ def check_batch_target(signature: Signature, inputs: list[torch.Tensor],
     shares of both (each share cut by the inputs' batch would pass a larger target). A target
     without that dimension at all is left to split_target: with a program.json whose outputs'
     batch dimension was edited, joining the outputs says so first."""
+    if target is None:
+        return
     dim = next((d for d in signature.out_batch_dims if d is not None), 0)
-    if target is not None and target.dim() > dim:
+    if target.dim() > dim:
         check_target(target, dim, signature.batch_size(inputs))
 
 
