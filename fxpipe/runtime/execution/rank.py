@@ -128,7 +128,6 @@ class RankPipeline:
                                          self.executor.device)
         return loss, result
 
-
     def evaluate(self, flat: list[torch.Tensor], target: torch.Tensor | None,
                  loss_fn: LossFn) -> float:
         """The global batch's loss without training: each replica's share forward through the
