@@ -666,3 +666,57 @@ def test_evaluate_in_one_process_is_the_models_loss_and_changes_no_buffer():
         torch.testing.assert_close(b, buffers[name], msg=name)
     assert all(p.grad is None for p in net.parameters())
     assert program.evaluate(x, target=y, loss_fn="cross_entropy") == pytest.approx(got)
+
+
+def _bn_replicas_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
+                         nn.BatchNorm1d(16), nn.Linear(16, 4))
+
+
+def _bn_replicas_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(16, 8, generator=generator), torch.randint(0, 4, (16,),
+                                                                  generator=generator)
+
+
+def _bn_replica_statistics(rank: int, world: int) -> dict:
+    """Each rank's running statistics after one step of 2 stages x 2 replicas, with the
+    statistics updated per micro-batch and deferred to the batch."""
+    x, y = _bn_replicas_batch()
+    out = {}
+    for deferred in (False, True):
+        program = fxpipe.compile(_bn_replicas_net(), (x,), stages=2, chunks=2, replicas=2,
+                                 deferred_batch_norm=deferred, split_points=["3"],
+                                 profile="a100")
+        program.step(x, target=y)
+        out[deferred] = {k: v.clone() for k, v in program.state_dict().items()
+                         if k.endswith(("running_mean", "running_var"))}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_replicas_of_a_stage_hold_the_same_batch_norm_statistics():
+    ranks = spawn(4, __name__, "_bn_replica_statistics", timeout=120, bound=400)
+    x, _ = _bn_replicas_batch()
+    # per micro-batch: each replica's statistics over its micro-batches, averaged
+    replicas = []
+    for share in x.chunk(2):
+        net = _bn_replicas_net().train()
+        for micro in share.chunk(2):
+            net(micro)
+        replicas.append({k: v for k, v in net.state_dict().items()
+                         if k.endswith(("running_mean", "running_var"))})
+    averaged = {k: (replicas[0][k] + replicas[1][k]) / 2 for k in replicas[0]}
+    # deferred: the first BatchNorm's statistics are the whole batch's
+    whole = _bn_replicas_net().train()
+    whole(x)
+    for deferred, expected in ((False, averaged), (True, whole.state_dict())):
+        for stage in (0, 1):  # rank r holds stage r % 2, replica r // 2
+            first, second = ranks[stage][deferred], ranks[stage + 2][deferred]
+            assert first.keys() == second.keys() and first
+            for key in first:
+                torch.testing.assert_close(first[key], second[key], rtol=0, atol=0)
+                if not deferred or key.startswith("1."):
+                    torch.testing.assert_close(first[key], expected[key], msg=key)

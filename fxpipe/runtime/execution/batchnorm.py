@@ -10,13 +10,18 @@ pass does not accumulate twice.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = ["deferred_batch_norm", "commit_batch_norms", "discard_batch_norms",
-           "cumulative_batch_norm"]
+           "cumulative_batch_norm", "average_statistics", "RUNNING_STATISTICS"]
+
+RUNNING_STATISTICS = ("running_mean", "running_var")  # what replicas average after a step
 
 _LOCK = threading.Lock()
 
@@ -69,10 +74,16 @@ def discard_batch_norms() -> None:
         _PENDING.clear()
 
 
-def commit_batch_norms() -> None:
-    """Updates every deferred BatchNorm's running statistics once, from all its micro-batches."""
+def commit_batch_norms(group: Any = None) -> set[int]:
+    """Updates every deferred BatchNorm's running statistics once, from all its micro-batches,
+    and with `group` (the data-parallel replicas of these stages) from every replica's: their
+    sums are added first, so the statistics are the global batch's. Returns the ids of the
+    running statistics it updated."""
     with _LOCK, torch.no_grad():
-        for stats in _PENDING.values():
+        pending = list(_PENDING.values())  # the order the stages ran: the same on every replica
+        if group is not None and pending:
+            _add_over(group, pending)
+        for stats in pending:
             n = stats.count
             mean = stats.total / n
             var = (stats.squares / n - mean.square()).clamp_min(0)
@@ -83,6 +94,44 @@ def commit_batch_norms() -> None:
             if stats.num_batches_tracked is not None:
                 stats.num_batches_tracked.add_(1)
         _PENDING.clear()
+    return {id(t) for stats in pending for t in (stats.running_mean, stats.running_var)}
+
+
+def _add_over(group: Any, pending: list[_Stats]) -> None:
+    """Each statistic's sums and count added over the group, in one all-reduce."""
+    device = pending[0].total.device
+    flat = torch.cat([torch.cat([s.total.to(device), s.squares.to(device),
+                                 torch.tensor([float(s.count)], dtype=s.total.dtype,
+                                              device=device)])
+                      for s in pending])
+    dist.all_reduce(flat, group=group)
+    at = 0
+    for s in pending:
+        width = s.total.numel()
+        s.total.copy_(flat[at:at + width])
+        s.squares.copy_(flat[at + width:at + 2 * width])
+        s.count = int(flat[at + 2 * width].item())
+        at += 2 * width + 1
+
+
+def average_statistics(tensors: Sequence[torch.Tensor], group: Any, replicas: int) -> None:
+    """The replicas' running statistics made one: each replica updated its own from its share
+    of the batch, and they are averaged in place (the means are then those of the global
+    batch's micro-batch statistics; the variances the replicas' mean, without the spread
+    between their means). One all-reduce per device, in float64: statistics the replicas hold
+    alike (a program compiled in eval mode updates none) stay exactly as they are."""
+    buckets: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault(t.device, []).append(t)
+    with torch.no_grad():
+        for same in buckets.values():
+            flat = torch.cat([t.reshape(-1).double() for t in same])
+            dist.all_reduce(flat, group=group)
+            flat /= replicas
+            at = 0
+            for t in same:
+                t.copy_(flat[at:at + t.numel()].view_as(t))
+                at += t.numel()
 
 
 def cumulative_batch_norm(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,

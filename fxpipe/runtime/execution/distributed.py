@@ -40,7 +40,12 @@ from fxpipe.runtime.communication.strict import make_transport
 from fxpipe.runtime.communication.tags import TagTable, messages_of
 from fxpipe.runtime.communication.transport import Transport
 from fxpipe.runtime.execution.amp import AutocastState, agree_on_overflow, loss_scale
-from fxpipe.runtime.execution.batchnorm import commit_batch_norms, discard_batch_norms
+from fxpipe.runtime.execution.batchnorm import (
+    RUNNING_STATISTICS,
+    average_statistics,
+    commit_batch_norms,
+    discard_batch_norms,
+)
 from fxpipe.runtime.execution.devices import make_timeline, pin_for, stage_devices, to_device
 from fxpipe.runtime.execution.evaluate import evaluate_rank
 from fxpipe.runtime.execution.forward import run_forward
@@ -114,6 +119,10 @@ class DistributedExecutor:
         self.tied_slots = [(u.module._parameters, attr) for u in units
                            for attr, name in u.module.qualified_names().items()
                            if name in summed]
+        # BatchNorm running statistics, which replicas average after a step: (buffers, name)
+        self.statistic_slots = [(u.module._buffers, attr) for u in units
+                                for attr, name in u.module.BUFFERS.items()
+                                if name.rsplit(".", 1)[-1] in RUNNING_STATISTICS]
         self.plans: dict[tuple[ScheduleKind, int, bool], list[Tick]] = {}
         self.forward_plans: dict[tuple[ScheduleKind, int], list[Tick]] = {}  # evaluate()'s
         # (schedule, chunks) -> each send's reply (fxpipe.runtime.planning.plan.replies), and
@@ -346,7 +355,6 @@ class DistributedExecutor:
                     hint="the other ranks stop when this one exits") from e
         comm.finish()
         self._learned(comm)
-        commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
         # what the last stage found of the loss: [loss, kind, replicas finding each kind...,
         # its parts' losses...]
         # (read on the host once per step: by the judge on the last stage, from the broadcast
@@ -368,6 +376,7 @@ class DistributedExecutor:
         first = min(self.units)
         try:
             with self.timeline.span("reduce", first, -1):
+                self._settle_statistics()
                 if self.full_shard is not None:
                     self.full_shard.reduce()
                 self._reduce_gradients()
@@ -460,6 +469,19 @@ class DistributedExecutor:
                               "the gradients of whole backward passes",
                               hint="use schedule='gpipe', '1f1b' or 'interleaved-1f1b', or "
                                    "shard='optimizer'")
+
+    def _settle_statistics(self) -> None:
+        """The step's BatchNorm running statistics: deferred ones committed from the global
+        batch's sums (every replica's), the others averaged over the replicas, so that every
+        replica of a stage holds the same."""
+        replicas = self.mesh.replicas > 1 and self.dp_group is not None
+        committed = commit_batch_norms(self.dp_group if replicas else None)
+        if not replicas or not self.statistic_slots:
+            return
+        live = {id(t): t for slots, attr in self.statistic_slots
+                if (t := slots.get(attr)) is not None and id(t) not in committed}
+        if live:
+            average_statistics(list(live.values()), self.dp_group, self.mesh.replicas)
 
     def _reduce_gradients(self) -> None:
         """Sums tied parameters' gradients over the ranks that hold them, then averages every
