@@ -373,15 +373,9 @@ class Program(ProgramState):
         loss; then call scaler.step(optimizer) and scaler.update() as usual (every rank skips
         the step if any rank's gradients are not finite).
         """
-        loss_fn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn or default_loss
-        if self._built is None:
-            self.build(*args, **kwargs)
-        built = self._require_built("step")
-        self._require_weights()
-        self._check_mode(built)
-        self._last_batch = (self._flat_inputs(built, args, kwargs), target, loss_fn)
+        flat, loss_fn = self._batch_for("step", args, kwargs, loss_fn)
+        self._last_batch = (flat, target, loss_fn)
         if self._rank is not None:
-            flat = self._last_batch[0]
             with compiled_autocast(self.config.autocast, self.devices):
                 loss, result = self._rank.step(flat, target, loss_fn, scaler)
             self.measured["last_step_events"] = result.events
@@ -389,7 +383,7 @@ class Program(ProgramState):
             return loss
         executor = self._local_executor("calling a program")
         with compiled_autocast(self.config.autocast, self.devices):
-            value = local_loss(executor, self._last_batch[0], target, loss_fn)
+            value = local_loss(executor, flat, target, loss_fn)
         torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
 
@@ -401,19 +395,26 @@ class Program(ProgramState):
         it with the same batch and every rank gets the loss. Dropout draws as compiled: for
         validation without it, compile the model in eval mode as a second program (in one
         process its stages hold the model's tensors, as this program's do)."""
-        loss_fn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn or default_loss
-        if self._built is None:
-            self.build(*args, **kwargs)
-        built = self._require_built("evaluate")
-        self._require_weights()
-        self._check_mode(built)
-        flat = self._flat_inputs(built, args, kwargs)
+        flat, loss_fn = self._batch_for("evaluate", args, kwargs, loss_fn)
         with compiled_autocast(self.config.autocast, self.devices):
             if self._rank is not None:
                 return self._rank.evaluate(flat, target, loss_fn)
             executor = self._local_executor("evaluate")
             with torch.no_grad(), untouched([], list(self.buffers())):
                 return float(local_loss(executor, flat, target, loss_fn))
+
+    def _batch_for(self, what: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   loss_fn: LossFn | str | None) -> tuple[list[torch.Tensor], LossFn]:
+        """A step's or an evaluation's flat inputs and loss function (a built-in by name, by
+        default the default loss), the program built on this batch when it is lazy, with
+        weights and in the mode it was compiled in."""
+        loss_fn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn or default_loss
+        if self._built is None:
+            self.build(*args, **kwargs)
+        built = self._require_built(what)
+        self._require_weights()
+        self._check_mode(built)
+        return self._flat_inputs(built, args, kwargs), loss_fn
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

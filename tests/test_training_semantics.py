@@ -504,6 +504,20 @@ def test_counted_is_what_each_built_in_loss_averages_over():
     assert counted(_token_mean, t) is None  # not fxpipe's: judged on the joined outputs
 
 
+def _plain_gpt() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The bundled GPT the ranks of these tests build, with its batch and targets."""
+    from fxpipe.models import gpt
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(dropout=0.0)
+    return model, idx, gpt.target((idx,))
+
+
+def _gpt_loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The plain GPT's loss, as the default loss computes it on its logits."""
+    logits = model(idx)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
 # the norm each clips by, and to what
 ACCUMULATE_SCHEDULES = {"1f1b": (2.0, 0.5), "zb-h1": (float("inf"), 0.05)}
 
@@ -529,15 +543,10 @@ def _accumulated_steps(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_gradients_accumulate_over_steps_and_clip_by_the_models_norm_a_tied_weight_included():
-    from fxpipe.models import gpt
     ranks = spawn(2, __name__, "_accumulated_steps", timeout=120, bound=400)
-    torch.manual_seed(0)
-    model, (idx,) = gpt.build(dropout=0.0)
-    target = gpt.target((idx,))
+    model, idx, target = _plain_gpt()
     for _ in range(2):
-        logits = model(idx)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                           target.reshape(-1))
+        loss = _gpt_loss(model, idx, target)
         loss.backward()
     theirs = dict(model.named_parameters())
     assert "wte.weight" in ranks[0]["1f1b"]["grads"] and "wte.weight" in ranks[1]["1f1b"]["grads"]
@@ -622,16 +631,11 @@ def _sharp(model: nn.Module) -> nn.Module:
 
 @pytest.mark.distributed
 def test_evaluate_on_two_ranks_is_the_models_loss_and_trains_nothing():
-    from fxpipe.models import gpt
     ranks = spawn(2, __name__, "_evaluations", timeout=120, bound=400)
-    torch.manual_seed(0)
-    model, (idx,) = gpt.build(dropout=0.0)
-    target = gpt.target((idx,))
+    model, idx, target = _plain_gpt()
 
     def loss() -> torch.Tensor:
-        logits = model(idx)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                           target.reshape(-1))
+        return _gpt_loss(model, idx, target)
     sharp = _sharp(copy.deepcopy(model))
     masked = _token_mean(sharp(idx), _masked(target))
     by_parts = sum(_token_mean(sharp(x), t) for x, t in zip(idx.chunk(4), _masked(target).chunk(4)))
