@@ -68,6 +68,8 @@ class Signature:
         self.out_spec = out_spec
         self.out_batch_dims = tuple(out_batch_dims)
         self.out_is_tensor = tuple(out_is_tensor)
+        # what a target is split and checked along: the first batched output's batch dimension
+        self.target_batch_dim = next((d for d in self.out_batch_dims if d is not None), 0)
 
     @property
     def tensor_leaves(self) -> tuple[LeafSpec, ...]:

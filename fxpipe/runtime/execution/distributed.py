@@ -152,6 +152,11 @@ class DistributedExecutor:
         return list({id(p): p for u in self.units.values() for p in u.module.parameters()}
                     .values())
 
+    def buffers(self) -> list[torch.Tensor]:
+        """This rank's buffers, each once."""
+        return list({id(b): b for u in self.units.values() for b in u.module.buffers()}
+                    .values())
+
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers by the model's qualified names."""
         out: dict[str, torch.Tensor] = {}
@@ -187,9 +192,7 @@ class DistributedExecutor:
             if self._loss_first(kind, chunks):  # judged on each step before its backward
                 return self._step(tensors, target, loss_fn, key, None, **run)
             if key not in self.loss_judge.kinds:  # a step that only judges the loss, then it
-                buffers = list({id(b): b for u in self.units.values()
-                                for b in u.module.buffers()}.values())
-                with untouched(self.parameters(), buffers):
+                with untouched(self.parameters(), self.buffers()):
                     self._step(tensors, target, loss_fn, key, None, probe=True, **run)
             return self._step(tensors, target, loss_fn, key, self.loss_judge.kinds[key], **run)
         finally:
@@ -247,8 +250,7 @@ class DistributedExecutor:
             tensors[i] = t  # the inputs these stages read, pinned once for async copies
         batch = self.signature.batch_size(tensors)
         micro = self.signature.split_inputs(tensors, chunks)
-        out_dim = next((d for d in self.signature.out_batch_dims if d is not None), 0)
-        targets = split_target(target, chunks, out_dim, batch)
+        targets = split_target(target, chunks, self.signature.target_batch_dim, batch)
         last_stage = self.mesh.stages - 1
         if last_stage in self.units and target is not None:
             targets = pin_for(targets, self.device)

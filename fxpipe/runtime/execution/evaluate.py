@@ -50,9 +50,7 @@ def evaluate_rank(executor: Any, comm: Any, tensors: Sequence[torch.Tensor],
     """The loss of this replica's batch (every rank of the pipeline calls it, and every rank
     returns it): the stages' forwards without gradients through `comm` (a DistComm for the
     batch's micro-batch size), the loss on the last stage."""
-    buffers = list({id(b): b for u in executor.units.values()
-                    for b in u.module.buffers()}.values())
-    with torch.no_grad(), untouched([], buffers):
+    with torch.no_grad(), untouched([], executor.buffers()):
         return _evaluate(executor, comm, list(tensors), target, loss_fn, chunks, schedule)
 
 
@@ -61,8 +59,8 @@ def _evaluate(executor: Any, comm: Any, tensors: list[torch.Tensor],
               schedule: ScheduleKind) -> float:
     signature = executor.signature
     micro = signature.split_inputs(tensors, chunks)
-    out_dim = next((d for d in signature.out_batch_dims if d is not None), 0)
-    targets = split_target(target, chunks, out_dim, signature.batch_size(tensors))
+    targets = split_target(target, chunks, signature.target_batch_dim,
+                           signature.batch_size(tensors))
     judge = executor.loss_judge
     # a loss fxpipe defines is weighed from its micro-batches' alone: nothing is kept
     joins = not judge.weighs_parts(loss_fn, halves=False)

@@ -51,7 +51,7 @@ def check_batch_target(signature: Signature, inputs: list[torch.Tensor],
     batch dimension was edited, joining the outputs says so first."""
     if target is None:
         return
-    dim = next((d for d in signature.out_batch_dims if d is not None), 0)
+    dim = signature.target_batch_dim
     if target.dim() > dim:
         check_target(target, dim, signature.batch_size(inputs))
 

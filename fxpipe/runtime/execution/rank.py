@@ -97,8 +97,7 @@ def shard_batch(signature: Signature, flat: list[torch.Tensor], target: torch.Te
     sharded = [t if leaf.batch_dim is None else t.narrow(leaf.batch_dim, start, size)
                for leaf, t in zip(signature.tensor_leaves, flat)]
     if target is not None:
-        dim = next((d for d in signature.out_batch_dims if d is not None), 0)
-        target = target.narrow(dim, start, size)
+        target = target.narrow(signature.target_batch_dim, start, size)
     return sharded, target
 
 
@@ -115,33 +114,35 @@ class RankPipeline:
              scaler: torch.amp.GradScaler | None = None) -> tuple[float, StepResult]:
         """One training step of the global batch; returns the global loss and what this rank
         measured (events, kept bytes). With `scaler` the backward runs on the scaled loss."""
-        check_batch_target(self.spec.signature, flat, target)
-        if self.mesh.replicas > 1:
-            flat, target = shard_batch(self.spec.signature, flat, target, self.mesh,
-                                       self.spec.chunks)
+        flat, target = self._share(flat, target)
         result = self.executor.step(flat, target, loss_fn, chunks=self.spec.chunks,
                                     remat=self.spec.remat, schedule=self.spec.schedule,
                                     scaler=scaler)
-        loss = result.loss
-        if self.mesh.replicas > 1:
-            loss = average_over_replicas(loss, self.groups.dp, self.mesh.replicas,
-                                         self.executor.device)
-        return loss, result
+        return self._global(result.loss), result
 
     def evaluate(self, flat: list[torch.Tensor], target: torch.Tensor | None,
                  loss_fn: LossFn) -> float:
         """The global batch's loss without training: each replica's share forward through the
         stages, the replicas' losses averaged as step() averages them."""
+        flat, target = self._share(flat, target)
+        return self._global(self.executor.evaluate(flat, target, loss_fn,
+                                                   chunks=self.spec.chunks,
+                                                   schedule=self.spec.schedule))
+
+    def _share(self, flat: list[torch.Tensor], target: torch.Tensor | None
+               ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """This replica's share of the global batch and target, checked first as a whole."""
         check_batch_target(self.spec.signature, flat, target)
-        if self.mesh.replicas > 1:
-            flat, target = shard_batch(self.spec.signature, flat, target, self.mesh,
-                                       self.spec.chunks)
-        loss = self.executor.evaluate(flat, target, loss_fn, chunks=self.spec.chunks,
-                                      schedule=self.spec.schedule)
-        if self.mesh.replicas > 1:
-            loss = average_over_replicas(loss, self.groups.dp, self.mesh.replicas,
-                                         self.executor.device)
-        return loss
+        if self.mesh.replicas == 1:
+            return flat, target
+        return shard_batch(self.spec.signature, flat, target, self.mesh, self.spec.chunks)
+
+    def _global(self, loss: float) -> float:
+        """The global batch's loss from this replica's: the replicas' mean."""
+        if self.mesh.replicas == 1:
+            return loss
+        return average_over_replicas(loss, self.groups.dp, self.mesh.replicas,
+                                     self.executor.device)
 
     def close(self) -> None:
         """Lets go of what the executor attached to the parameters; the groups stay."""

@@ -58,8 +58,8 @@ def time_stages(stages: Sequence[HeldStage], signature: Signature, chunks: int,
                 ) -> list[list[list[float]]]:
     """Seconds each stage computes per micro-batch: times[stage][step][micro-batch]."""
     micro = signature.split_inputs(list(flat), chunks)
-    out_dim = next((d for d in signature.out_batch_dims if d is not None), 0)
-    targets: list[torch.Tensor | None] = list(target.tensor_split(chunks, dim=out_dim)) \
+    targets: list[torch.Tensor | None] = \
+        list(target.tensor_split(chunks, dim=signature.target_batch_dim)) \
         if target is not None else [None] * chunks
     times: list[list[list[float]]] = [[] for _ in stages]
     for _ in range(steps):
