@@ -8,6 +8,7 @@ its own stages only (the model itself stays on meta).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import warnings
@@ -34,6 +35,7 @@ from fxpipe.frontend.meta import is_meta_model
 from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
+from fxpipe.modes import build_in_mode, in_mode
 from fxpipe.passes.partition import BalanceRound, PartitionPlan
 from fxpipe.pipeline import build, rebuild
 from fxpipe.program_state import ProgramState
@@ -96,6 +98,7 @@ class Program(ProgramState):
         self.stage_modules = nn.ModuleList()
         self.measured: dict[str, Any] = {}
         self._last_batch: tuple[list[torch.Tensor], torch.Tensor | None, LossFn] | None = None
+        self._twins: dict[bool, Built] = {}  # the plan in the other train/eval mode, once made
 
     # -- building -------------------------------------------------------------------------------
 
@@ -109,8 +112,11 @@ class Program(ProgramState):
         # The device first: under NCCL the plan's broadcast already runs on it.
         device = rank_device() if distributed else None
         args, kwargs = copy_inputs(args, kwargs)  # compiling runs the model, not on the caller's
-        built = build(self.model, args, kwargs, self.config,
-                      agree=_broadcast_plan if distributed else None)
+        # in the program's mode: program.eval() before a lazy program's first call
+        with contextlib.nullcontext() if self.training == self.model.training else \
+                in_mode(self.model, self.training):
+            built = build(self.model, args, kwargs, self.config,
+                          agree=_broadcast_plan if distributed else None)
         self._names = StateNames.of_model(self.model, built.captured)
         self._example = [t.detach() for t in self._flat_inputs(built, args, kwargs)]
         self._install(built, device)
@@ -310,10 +316,9 @@ class Program(ProgramState):
         """Runs the pipeline locally; outputs are differentiable into the model's parameters."""
         if self._built is None:
             self.build(*args, **kwargs)
-        built = self._require_built("forward")
         self._require_weights()
+        built = self._in_mode(self._require_built("forward"))
         executor = self._local_executor("calling a program")
-        self._check_mode(built)
         flat = self._flat_inputs(built, args, kwargs)
         with compiled_autocast(self.config.autocast, self.devices):
             return built.signature.unflatten_outputs(executor.run(flat))
@@ -392,9 +397,9 @@ class Program(ProgramState):
         """The loss of the batch without training on it (validation): every micro-batch
         forward in the program's mode, no gradients, the stages' buffers (BatchNorm's running
         statistics) and the random streams left as they were. Under torchrun every rank calls
-        it with the same batch and every rank gets the loss. Dropout draws as compiled: for
-        validation without it, compile the model in eval mode as a second program (in one
-        process its stages hold the model's tensors, as this program's do)."""
+        it with the same batch and every rank gets the loss. It runs in the program's mode:
+        call program.eval() first for validation without dropout and with BatchNorm's running
+        statistics (fxpipe.modes), and program.train() before training on."""
         flat, loss_fn = self._batch_for("evaluate", args, kwargs, loss_fn)
         with compiled_autocast(self.config.autocast, self.devices):
             if self._rank is not None:
@@ -411,9 +416,8 @@ class Program(ProgramState):
         loss_fn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn or default_loss
         if self._built is None:
             self.build(*args, **kwargs)
-        built = self._require_built(what)
         self._require_weights()
-        self._check_mode(built)
+        built = self._in_mode(self._require_built(what))
         return self._flat_inputs(built, args, kwargs), loss_fn
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -446,13 +450,29 @@ class Program(ProgramState):
                 raise
         return built.signature.flatten_inputs(*rebound)
 
-    def _check_mode(self, built: Built) -> None:
-        captured = built.capture_info.training
-        if self.training != captured:
-            raise RuntimeInputError(
-                f"the program was compiled in {'train' if captured else 'eval'} mode and is now "
-                f"in {'train' if self.training else 'eval'} mode; the mode is part of the graph",
-                hint="compile one program per mode, e.g. fxpipe.compile(model.eval(), ...)")
+    def _in_mode(self, built: Built) -> Built:
+        """The program in its current train/eval mode: `built`, or its twin for the other mode
+        (fxpipe.modes), made when first asked for and installed on the stages' own tensors.
+        Under torchrun every rank switches in the same call, as every rank calls step()."""
+        compiled = built.capture_info.training
+        if self.training == compiled:
+            return built
+        rank = self._rank
+        if self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1:
+            raise ConfigError(
+                f"the program was compiled in {_mode(compiled)} mode and is now in "
+                f"{_mode(self.training)} mode: its stages would be built again in that mode, "
+                "and FSDP2 shards their parameters over the replicas (shard='full')",
+                hint=f"compile one program per mode (fxpipe.compile(model.{_mode(self.training)}"
+                     "(), ...)), or shard='optimizer'")
+        args, kwargs = built.signature.unflatten_inputs(self._example)
+        twin = build_in_mode(built, self.model, args, kwargs, self.training,
+                             known=self._twins.get(self.training),
+                             agree=_broadcast_plan if self._mesh is not None else None)
+        held, _ = self._held_tensors()
+        self._twins[compiled] = built
+        self._install(twin, self._device, held)
+        return twin
 
     def train(self, mode: bool = True) -> Program:
         super().train(mode)
@@ -589,6 +609,10 @@ class Program(ProgramState):
                              split_dependent=split_dependent)
         return write_program(built, directory, files)
 
+
+
+def _mode(training: bool) -> str:
+    return "train" if training else "eval"
 
 
 def fixed_cut(config: CompileConfig) -> str | None:

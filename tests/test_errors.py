@@ -361,15 +361,6 @@ def test_a_model_that_cannot_be_captured_end_to_end():
     _check(err.value, "if h.abs().max() > 1e6", "torch.cond")
 
 
-def test_mode_changed_after_compile(example):
-    program = _compile(example)
-    program.eval()
-    with pytest.raises(RuntimeInputError) as err:
-        program(torch.randn(8, 32))
-    _check(err.value, "compiled in train mode and is now in eval mode")
-    program.train()
-
-
 def test_every_error_is_an_fxpipe_error_and_builtin_where_expected():
     assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, FxPipeError)
     assert issubclass(PartitionError, ValueError)

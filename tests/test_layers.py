@@ -30,8 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.costs",),
     ("fxpipe.pipeline",),  # build(): the passes in order
     # take the built plan
-    ("fxpipe.reference", "fxpipe.writer", "fxpipe.held", "fxpipe.rebalance", "fxpipe.program",
-     "fxpipe.program_state"),
+    ("fxpipe.reference", "fxpipe.writer", "fxpipe.held", "fxpipe.rebalance", "fxpipe.modes",
+     "fxpipe.program", "fxpipe.program_state"),
     ("fxpipe.api", "fxpipe.cli", "fxpipe.__main__", "fxpipe"),  # what users call
 ]
 BESIDE = ("fxpipe.tools", "fxpipe.testing")  # import anything; imported only by fxpipe.cli

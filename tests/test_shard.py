@@ -292,6 +292,11 @@ def full_ranks(rank, world, resume_from, save_to):
         out["split"] = "stepped"
     except fxpipe.FxPipeError as e:
         out["split"] = str(e)
+    try:
+        program.eval().evaluate(x, target=y)
+        out["eval"] = "evaluated"
+    except fxpipe.FxPipeError as e:
+        out["eval"] = str(e)
 
     torch.manual_seed(0)
     model, (x,) = mlp.build(depth=4)
@@ -363,6 +368,13 @@ def test_full_recomputing_or_under_1f1b_trains_like_the_plain_model(full_two_by_
 def test_full_refuses_a_schedule_that_splits_the_backward(full_two_by_two):
     for out in full_two_by_two["ranks"]:
         assert "shard='full' cannot run a schedule that splits the backward" in out["split"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_full_refuses_to_switch_the_train_eval_mode(full_two_by_two):
+    for out in full_two_by_two["ranks"]:
+        assert "FSDP2 shards their parameters over the replicas (shard='full')" in out["eval"]
 
 
 @pytest.mark.slow

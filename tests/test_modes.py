@@ -1,0 +1,193 @@
+"""program.eval() and program.train(): one program in both modes (fxpipe.modes).
+
+The other mode is the model captured again in it and cut where the program is cut, on the
+stages' own tensors: each test compares it with the plain model in the same mode (outputs,
+losses, gradients, BatchNorm's running statistics as training left them), in one process and
+on two ranks.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ranks import spawn
+from torch import nn
+
+import fxpipe
+from fxpipe.errors import ConfigError
+from fxpipe.testing.reference_step import reference_step
+
+
+class _DropPath(nn.Module):
+    """Stochastic depth: eval mode takes another path (none of its nodes)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        keep = (torch.rand(x.shape[0], 1) >= self.p).to(x.dtype)
+        return x * keep / (1 - self.p)
+
+
+class _Net(nn.Module):
+    """Dropout, stochastic depth and BatchNorm: each computes otherwise in eval mode."""
+
+    def __init__(self, p: float = 0.3) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(p)
+        self.path = _DropPath(p)
+        self.b = nn.Linear(16, 16)
+        self.bn2 = nn.BatchNorm1d(16)
+        self.c = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(F.relu(self.bn(self.a(x))))
+        x = x + self.path(F.relu(self.bn2(self.b(x))))
+        return self.c(x)
+
+
+def _case(p: float = 0.3) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return _Net(p), torch.randn(16, 8), torch.randint(0, 3, (16,))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_eval_mode_computes_the_plain_model_in_eval_mode_and_train_mode_trains_as_before():
+    model, x, y = _case()
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, split_points=["b"])
+    params = list(program.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    for _ in range(2):  # train, eval, train again, eval again: the other mode made once
+        torch.manual_seed(7)
+        loss = program.step(x, target=y)
+        torch.manual_seed(7)
+        assert loss == pytest.approx(reference_step(program, plain, x, target=y), rel=1e-6)
+        ours, theirs = _grads(model), _grads(plain)
+        assert ours.keys() == theirs.keys()
+        for name, grad in theirs.items():
+            torch.testing.assert_close(ours[name], grad, msg=name)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for p in plain.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+        program.eval()
+        plain.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(program(x), plain(x))  # no dropout, no dropped path
+            assert program.evaluate(x, target=y) == \
+                pytest.approx(float(F.cross_entropy(plain(x), y)), rel=1e-6)
+        assert not program.built.capture_info.training
+        if _ == 0:
+            eval_built = program.built
+        assert program.built is eval_built
+        assert list(program.parameters()) == params  # the optimizer's, still
+        assert model.training  # the model keeps its own mode
+        program.train()
+        plain.train()
+    for name, buffer in plain.named_buffers():  # running statistics: the steps', shared
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, msg=name)
+    program(x)  # the mode changes at the next call
+    assert program.built.capture_info.training
+
+
+def test_a_lazy_program_put_in_eval_mode_is_captured_once_in_eval_mode():
+    model, x, _ = _case()
+    model.bn2.eval()  # a module of the user's own mode: left as it is
+    plain = copy.deepcopy(model).eval()
+    program = fxpipe.compile(model, stages=2, chunks=2).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(program(x), plain(x))
+    assert not program.built.capture_info.training
+    assert not program._twins  # noqa: SLF001 (one capture, in the program's mode)
+    assert model.training and not model.bn2.training
+
+
+class _ReadsAheadInEval(nn.Module):
+    """In eval mode the first layer adds the last layer's bias: a tensor of another stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if not self.training:
+            x = x + self.d.bias.sum()
+        return self.d(self.c(self.b(x)))
+
+
+def test_a_mode_that_needs_another_stage_s_tensor_is_refused_and_the_program_still_runs():
+    torch.manual_seed(0)
+    model, x = _ReadsAheadInEval(), torch.randn(8, 8)
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, split_points=["c"])
+    program.eval()
+    with pytest.raises(ConfigError) as err:
+        program(x)
+    message = str(err.value)
+    assert "in eval mode stage 0 reads d.bias, which stage 1 holds" in message
+    assert "fxpipe.compile(model.eval(), ...)" in message
+    program.train()
+    torch.testing.assert_close(program(x), plain(x))
+
+
+def _modes_on_two_ranks(rank: int, world: int) -> dict:
+    """Per schedule: evaluate() in eval mode, two steps in train mode with SGD, evaluate()
+    after each; this rank's parameters at the end."""
+    out = {}
+    for schedule in ("1f1b", "zb-h1"):
+        model, x, y = _case(p=0.0)
+        program = fxpipe.compile(model, (x,), stages=world, chunks=4, schedule=schedule,
+                                 profile="a100", split_points=["b"])
+        optimizer = torch.optim.SGD(program.parameters(), lr=0.1)
+        losses = [program.eval().evaluate(x, target=y)]
+        for _ in range(2):
+            losses.append(program.train().step(x, target=y))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(program.eval().evaluate(x, target=y))
+        out[schedule] = {"losses": losses,
+                         "params": {n: p.detach().clone() for n, p in program.named_parameters()}}
+    return out
+
+
+@pytest.mark.distributed
+def test_on_two_ranks_eval_and_train_mode_alternate_as_the_plain_model_s():
+    ranks = spawn(2, __name__, "_modes_on_two_ranks", timeout=120, bound=400)
+    model, x, y = _case(p=0.0)
+    want = []
+    with torch.no_grad():
+        want.append(float(F.cross_entropy(model.eval()(x), y)))
+    for _ in range(2):
+        model.train()  # BatchNorm over each micro-batch, as the pipeline's
+        loss = sum(F.cross_entropy(model(xs), ys) for xs, ys in zip(x.chunk(4), y.chunk(4))) / 4
+        loss.backward()
+        want.append(float(loss))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+            want.append(float(F.cross_entropy(model.eval()(x), y)))
+    plain = dict(model.named_parameters())
+    for result in ranks:
+        for schedule, run in result.items():
+            assert run["losses"] == pytest.approx(want, rel=1e-5), schedule
+            assert run["params"]
+            for name, value in run["params"].items():
+                torch.testing.assert_close(value, plain[name].detach(), msg=name)
