@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from torch import nn
+from torch.fx import GraphModule
 
 from fxpipe import ir
 from fxpipe.built import Built
@@ -28,7 +29,11 @@ from fxpipe.pipeline import PlanAgreement, build, rebuild
 from fxpipe.rebalance import cut_of, moves
 from fxpipe.signature import copy_inputs
 
-__all__ = ["build_in_mode", "carried_cut", "in_mode"]
+__all__ = ["build_in_mode", "carried_cut", "in_mode", "mode_name"]
+
+
+def mode_name(training: bool) -> str:
+    return "train" if training else "eval"
 
 
 @contextlib.contextmanager
@@ -49,16 +54,24 @@ def build_in_mode(built: Built, model: nn.Module, args: tuple[Any, ...],
                   known: Built | None = None, agree: PlanAgreement | None = None) -> Built:
     """The program `built` in the other mode, for the example batch (args, kwargs): the model
     captured in that mode (or `known`, an earlier twin) and cut where `built` is cut."""
-    mode = "train" if training else "eval"
+    mode = mode_name(training)
     try:
         if known is None:
-            config = replace(built.config, chunks=built.spec.chunks)
+            # the cut is given: node counts of the other graph and split points do not apply
+            config = replace(built.config, chunks=built.spec.chunks, split_points=None,
+                             balance=built.config.balance
+                             if isinstance(built.config.balance, str) else "cost")
             args, kwargs = copy_inputs(args, kwargs)
-            with in_mode(model, training):
-                known = build(model, args, kwargs, config, agree=agree)
-        starts = carried_cut(built, known)
-        twin = known if cut_of(known) == starts else rebuild(known, {}, agree=agree,
-                                                              starts=starts)
+            with contextlib.ExitStack() as modes:
+                modes.enter_context(in_mode(model, training))
+                if isinstance(config.check, nn.Module):  # a meta model's twin runs alike
+                    modes.enter_context(in_mode(config.check, training))
+                twin = build(model, args, kwargs, config, agree=agree,
+                             cut=lambda gm: carried_cut(built, gm))
+        else:
+            starts = carried_cut(built, known.captured)
+            twin = known if cut_of(known) == starts else rebuild(known, {}, agree=agree,
+                                                                  starts=starts)
     except PartitionError as e:
         raise ConfigError(
             f"the program's cut does not carry over to {mode} mode: {str(e).splitlines()[0]}",
@@ -75,15 +88,15 @@ def build_in_mode(built: Built, model: nn.Module, args: tuple[Any, ...],
     return twin
 
 
-def carried_cut(built: Built, other: Built) -> tuple[str, ...]:
-    """`built`'s cut in `other`'s graph: each stage's first node where `other` has a node of
-    that name, else of that place (the same module's n-th node: BatchNorm's `bn_add_` in train
-    mode is `bn` in eval mode), else the first node after it that `other` has so."""
-    mine, theirs = _places(built), _places(other)
+def carried_cut(built: Built, other: GraphModule) -> tuple[str, ...]:
+    """`built`'s cut in the graph `other` captured in the other mode: each stage's first node
+    where `other` has a node of that name, else of that place (the same module's n-th node:
+    BatchNorm's `bn_add_` in train mode is `bn` in eval mode), else the first node after it
+    that `other` has so."""
+    mine, theirs = _places(built.captured), _places(other)
     names = {name for name, _ in theirs}
     by_place = {place: name for name, place in theirs}
-    order = [name for name, _ in mine]
-    at = {name: i for i, name in enumerate(order)}
+    at = {name: i for i, (name, _) in enumerate(mine)}
     starts = []
     for start in cut_of(built):
         found = None
@@ -95,12 +108,12 @@ def carried_cut(built: Built, other: Built) -> tuple[str, ...]:
     return tuple(starts)
 
 
-def _places(built: Built) -> list[tuple[str, tuple[str, int]]]:
+def _places(gm: GraphModule) -> list[tuple[str, tuple[str, int]]]:
     """Each compute node's name and place: its module and how many of that module's nodes
     come before it."""
     seen: dict[str, int] = {}
     out = []
-    for node in ir.compute_nodes(built.captured.graph):
+    for node in ir.compute_nodes(gm.graph):
         path = ir.module_path(node)
         out.append((node.name, (path, seen.get(path, 0))))
         seen[path] = seen.get(path, 0) + 1

@@ -62,19 +62,22 @@ def _debug_level() -> int:
 
 @full_collections_deferred()
 def build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: CompileConfig,
-          *, agree: PlanAgreement | None = None) -> Built:
+          *, agree: PlanAgreement | None = None,
+          cut: Callable[[GraphModule], Sequence[str]] | None = None) -> Built:
     """Runs every pass on `model` for the example batch (args, kwargs), under the program's
     autocast (config.autocast) as its stages will run: capture then records the dtypes they
     compute and send, the costs count those bytes, and the profile is chosen for that
-    precision."""
+    precision. `cut`: the first node of each stage, given the captured graph, instead of a
+    solved cut."""
     check_config(config)
     devices = [torch.device("cpu"), _profile_device(config)]
     with compiled_autocast(config.autocast, [d for d in devices if d.type in ("cpu", "cuda")]):
-        return _build(model, args, kwargs, config, agree)
+        return _build(model, args, kwargs, config, agree, cut)
 
 
 def _build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-           config: CompileConfig, agree: PlanAgreement | None) -> Built:
+           config: CompileConfig, agree: PlanAgreement | None,
+           cut: Callable[[GraphModule], Sequence[str]] | None) -> Built:
     if config.balance == "time" and is_meta_model(model):
         raise ConfigError("balance='time' measures every node on real tensors, and "
                           f"{type(model).__name__} is on the meta device",
@@ -92,7 +95,7 @@ def _build(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                       _profile_device(config),
                                       max(1, info.batch_size // (config.fixed_chunks or 1)))
     return _stages(gm, config, profile, type(model).__name__, history, timings, agree, {},
-                   cpu=cpu)
+                   cut(gm) if cut is not None else None, cpu=cpu)
 
 
 @full_collections_deferred()

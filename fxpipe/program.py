@@ -35,7 +35,7 @@ from fxpipe.frontend.meta import is_meta_model
 from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
-from fxpipe.modes import build_in_mode, in_mode
+from fxpipe.modes import build_in_mode, in_mode, mode_name
 from fxpipe.passes.partition import BalanceRound, PartitionPlan
 from fxpipe.pipeline import build, rebuild
 from fxpipe.program_state import ProgramState
@@ -457,14 +457,14 @@ class Program(ProgramState):
         compiled = built.capture_info.training
         if self.training == compiled:
             return built
-        rank = self._rank
+        rank, now = self._rank, mode_name(self.training)
         if self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1:
             raise ConfigError(
-                f"the program was compiled in {_mode(compiled)} mode and is now in "
-                f"{_mode(self.training)} mode: its stages would be built again in that mode, "
-                "and FSDP2 shards their parameters over the replicas (shard='full')",
-                hint=f"compile one program per mode (fxpipe.compile(model.{_mode(self.training)}"
-                     "(), ...)), or shard='optimizer'")
+                f"the program was compiled in {mode_name(compiled)} mode and is now in {now} "
+                "mode: its stages would be built again in that mode, and FSDP2 shards their "
+                "parameters over the replicas (shard='full')",
+                hint=f"compile one program per mode (fxpipe.compile(model.{now}(), ...)), or "
+                     "shard='optimizer'")
         args, kwargs = built.signature.unflatten_inputs(self._example)
         twin = build_in_mode(built, self.model, args, kwargs, self.training,
                              known=self._twins.get(self.training),
@@ -608,11 +608,6 @@ class Program(ProgramState):
                              replica_reference_losses={r: v for r, v in by_replicas.items() if v},
                              split_dependent=split_dependent)
         return write_program(built, directory, files)
-
-
-
-def _mode(training: bool) -> str:
-    return "train" if training else "eval"
 
 
 def fixed_cut(config: CompileConfig) -> str | None:

@@ -16,6 +16,7 @@ from ranks import spawn
 from torch import nn
 
 import fxpipe
+from fxpipe import ir
 from fxpipe.errors import ConfigError
 from fxpipe.testing.reference_step import reference_step
 
@@ -191,3 +192,17 @@ def test_on_two_ranks_eval_and_train_mode_alternate_as_the_plain_model_s():
             assert run["params"]
             for name, value in run["params"].items():
                 torch.testing.assert_close(value, plain[name].detach(), msg=name)
+
+
+def test_a_cut_given_as_node_counts_carries_over_to_the_other_mode_s_graph():
+    model, x, _ = _case()
+    plain = copy.deepcopy(model).eval()
+    # the train graph's node counts, BatchNorm's batch counters included: the second stage
+    # starts at bn2's counter, which the eval graph has not
+    names = [n.name for n in ir.compute_nodes(fxpipe.capture(copy.deepcopy(model), (x,)).graph)]
+    at = names.index("bn2_add_")
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, balance=[at, len(names) - at])
+    assert program.plan.stages[1].nodes[0] == "bn2_add_"
+    with torch.no_grad():
+        torch.testing.assert_close(program.eval()(x), plain(x))
+    assert program.plan.stages[1].nodes[0] == "bn2"  # the same place in the same module
