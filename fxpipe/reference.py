@@ -55,6 +55,7 @@ def _microbatch_leaves(model: nn.Module, signature: Signature, flat: Sequence[to
     # pipeline's stages seed theirs (not only the CPU's)
     devices = stage_devices(torch.device("cpu"), [*model.parameters(), *model.buffers(), *flat])
     per_microbatch = []
+    chunks = signature.microbatches(signature.batch_size(flat), chunks)  # as the pipeline's
     for m, tensors in enumerate(signature.split_inputs(flat, chunks)):
         args, kwargs = signature.unflatten_inputs(tensors)
         with seeded_forward(base, m, devices):

@@ -176,17 +176,30 @@ class Signature:
                                     hint="give every batched input the same batch size")
         return next(iter(sizes.values()))
 
+    @staticmethod
+    def microbatches(batch: int, chunks: int) -> int:
+        """How many equal micro-batches a batch of `batch` runs in: `chunks` where they divide it,
+        else the fewest whose size divides it and is no larger than an even split into
+        `chunks` would give (ceil(batch / chunks)): an epoch's last batch of 7 in 4 chunks runs
+        as 7 micro-batches of 1, one of 6 as 3 of 2. Equal sizes keep every micro-batch's loss
+        weighed alike; no larger size keeps a micro-batch's memory within the plan's."""
+        if chunks < 1 or batch < 1:
+            raise RuntimeInputError(f"a batch of {batch} cannot run in {chunks} micro-batches",
+                                    hint="pass a non-empty batch; chunks is at least 1")
+        if batch % chunks == 0:
+            return chunks
+        most = -(-batch // chunks)
+        return batch // max(d for d in range(1, most + 1) if batch % d == 0)
+
     def split_inputs(self, tensors: Sequence[torch.Tensor],
                      chunks: int) -> list[list[torch.Tensor]]:
         """Micro-batches: every batched input split into `chunks` equal parts along its batch
-        dim."""
+        dim (`chunks` as microbatches gives it for the batch)."""
         batch = self.batch_size(tensors)
         if chunks < 1 or batch % chunks:
-            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
             raise RuntimeInputError(
                 f"batch size {batch} cannot be split into {chunks} equal micro-batches",
-                hint=f"use chunks in {divisors}, or a batch size that is a multiple of {chunks} "
-                     "(e.g. DataLoader(drop_last=True))")
+                hint="split the batch into Signature.microbatches(batch, chunks) parts")
         parts: list[list[torch.Tensor]] = []
         for leaf, t in zip(self.tensor_leaves, tensors):
             if leaf.batch_dim is None:

@@ -644,19 +644,20 @@ def test_an_optimizer_holding_a_parameter_outside_the_program_is_named_on_save_a
                "a tensor of shape (3,)", "program.parameters()")
 
 
-def test_a_global_batch_that_replicas_cannot_split_into_micro_batches_names_both(example):
+def test_a_global_batch_that_replicas_cannot_share_equally_names_both(example):
     from fxpipe.runtime.communication.mesh import Mesh
     from fxpipe.runtime.execution.rank import shard_batch
     model, x = example
     program = _compile(example, stages=2, chunks=4)
     signature = program.built.signature
-    batch = x[:4]  # 2 examples for each of 2 replicas, which run 4 micro-batches each
     with pytest.raises(RuntimeInputError) as err:
-        shard_batch(signature, [batch], None, Mesh((0, 1), 2, 0), chunks=4)
-    _check(err.value, "global batch 4", "2 data-parallel replicas of 4 equal micro-batches",
-           "multiple of 8")
-    shard, _ = shard_batch(signature, [x[:8]], None, Mesh((0, 1), 2, 2), chunks=4)  # replica 1
+        shard_batch(signature, [x[:5]], None, Mesh((0, 1), 2, 0))
+    _check(err.value, "global batch 5", "shared equally by 2 data-parallel replicas",
+           "multiple of 2")
+    shard, _ = shard_batch(signature, [x[:8]], None, Mesh((0, 1), 2, 2))  # replica 1
     torch.testing.assert_close(shard[0], x[4:8])
+    assert signature.microbatches(4, 4) == 4
+    assert signature.microbatches(2, 4) == 2  # a replica's 2 examples: 2 micro-batches of 1
 
 
 def test_a_target_of_another_batch_size_is_refused_before_any_run():

@@ -186,7 +186,10 @@ class DistributedExecutor:
         """
         key = loss_key(loss_fn, target is not None)
         kind = schedule_kind(schedule)
-        run = dict(chunks=chunks, remat=remat_policy(remat), schedule=kind, scaler=scaler)
+        batch = self.signature.batch_size(tensors)
+        chunks = self.signature.microbatches(batch, chunks)  # an uneven last batch
+        run = dict(batch=batch, chunks=chunks, remat=remat_policy(remat), schedule=kind,
+                   scaler=scaler)
         earlier = self._take_tied_gradients()
         try:
             if self._loss_first(kind, chunks):  # judged on each step before its backward
@@ -206,6 +209,7 @@ class DistributedExecutor:
         forwards of the schedule without gradients; every rank returns the last stage's."""
         self._warm_up()
         batch = self.signature.batch_size(list(tensors))
+        chunks = self.signature.microbatches(batch, chunks)
         comm = self._comm(batch // chunks, chunks)
         loss = evaluate_rank(self, comm, tensors, target, loss_fn, chunks=chunks,
                              schedule=schedule_kind(schedule))
@@ -240,15 +244,14 @@ class DistributedExecutor:
 
     def _step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
               loss_fn: Callable[..., torch.Tensor], key: Any, assumed: str | None, *,
-              chunks: int, remat: RematPolicy, schedule: ScheduleKind, scaler: Any,
-              probe: bool = False) -> StepResult:
+              batch: int, chunks: int, remat: RematPolicy, schedule: ScheduleKind,
+              scaler: Any, probe: bool = False) -> StepResult:
         """The step, its backward weighted as `assumed` (None: as the last stage finds before
         its first backward; `probe`: by 0, only to find the kind, recorded in loss_kinds)."""
         tensors = list(tensors)
         read = sorted({i for u in self.units.values() for i in u.inputs})
         for i, t in zip(read, pin_for([tensors[i] for i in read], self.device)):
             tensors[i] = t  # the inputs these stages read, pinned once for async copies
-        batch = self.signature.batch_size(tensors)
         micro = self.signature.split_inputs(tensors, chunks)
         targets = split_target(target, chunks, self.signature.target_batch_dim, batch)
         last_stage = self.mesh.stages - 1

@@ -49,16 +49,24 @@ class LocalExecutor:
         self.signature = signature
         self.chunks = chunks
         self.remat = remat_policy(remat)
-        # the forwards of the schedule, tick by tick (the backward is one autograd call)
-        grid = play(schedule_kind(schedule).build(chunks, len(self.stages), ranks),
-                    chain(len(self.stages)))
-        self.forward_ticks = [tick for tick in (
-            [(a.stage, a.microbatch) for a in row if a is not None
-             and a.kind == ActionKind.FORWARD] for row in grid) if tick]
+        self.schedule, self.ranks = schedule_kind(schedule), ranks
+        self._ticks: dict[int, list[list[tuple[int, int]]]] = {}
+        self.forward_ticks(chunks)
         devices = sorted({str(s.device) for s in self.stages})
         self.workers = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxpipe-{d}")
                         for d in devices}
         self.workers_by_stage = [self.workers[str(s.device)] for s in self.stages]
+
+    def forward_ticks(self, chunks: int) -> list[list[tuple[int, int]]]:
+        """The schedule's forwards of `chunks` micro-batches, tick by tick, as (stage,
+        micro-batch) (the backward is one autograd call)."""
+        if chunks not in self._ticks:
+            grid = play(self.schedule.build(chunks, len(self.stages), self.ranks),
+                        chain(len(self.stages)))
+            self._ticks[chunks] = [tick for tick in (
+                [(a.stage, a.microbatch) for a in row if a is not None
+                 and a.kind == ActionKind.FORWARD] for row in grid) if tick]
+        return self._ticks[chunks]
 
     def run(self, tensors: Sequence[torch.Tensor],
             trackers: Sequence[KeptMemory] | None = None) -> list[Any]:
@@ -69,19 +77,20 @@ class LocalExecutor:
         """
         if any(st.device.type == "cuda" for st in self.stages):
             tensors = pin_for(tensors, torch.device("cuda"))
-        micro = self.signature.split_inputs(tensors, self.chunks)
+        chunks = self.signature.microbatches(self.signature.batch_size(tensors), self.chunks)
+        micro = self.signature.split_inputs(tensors, chunks)
         autocast = AutocastState.capture()
         discard_batch_norms()
         comm = LocalComm()
-        outputs: list[Any] = [None] * self.chunks
+        outputs: list[Any] = [None] * chunks
         base = draw_base() if any(s.random for s in self.stages) else None
         grad = torch.is_grad_enabled()
         threads = torch.get_num_threads()
         k = len(self.stages)
-        for tasks in self.forward_ticks:
+        for tasks in self.forward_ticks(chunks):
             futures = [(s, mb, self.workers_by_stage[s].submit(
-                self._task, comm, s, mb, micro[mb], base, grad, autocast, threads,
-                trackers[s] if trackers else None)) for s, mb in tasks]
+                self._task, comm, s, mb, micro[mb], self.remat.recomputes(mb, chunks), base,
+                grad, autocast, threads, trackers[s] if trackers else None)) for s, mb in tasks]
             for s, mb, future in futures:
                 try:
                     result = future.result()
@@ -97,14 +106,13 @@ class LocalExecutor:
         return self.signature.join_outputs([list(o) for o in outputs])
 
     def _task(self, comm: LocalComm, s: int, mb: int, inputs: Sequence[torch.Tensor],
-              base: int | None, grad: bool, autocast: AutocastState, threads: int,
-              tracker: Any) -> Any:
+              recompute: bool, base: int | None, grad: bool, autocast: AutocastState,
+              threads: int, tracker: Any) -> Any:
         """The forward in this stage's worker thread, under the caller's grad mode, autocast
         and CPU threads (each per thread) and on the stage's device."""
         stage = self.stages[s]
         devices = stage_devices(stage.device, [*stage.module.parameters(),
                                                *stage.module.buffers()]) if stage.random else []
-        recompute = self.remat.recomputes(mb, self.chunks)
         return run_forward(stage, comm, mb, inputs, recompute=recompute, seed_base=base,
                            rng_devices=devices, check=self.check_finite, check_outputs=True,
                            modes=_thread_modes(grad, autocast, threads, stage.device),

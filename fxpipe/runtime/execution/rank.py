@@ -82,16 +82,16 @@ def mesh_of_world(placement: Sequence[int]) -> Mesh:
 
 
 def shard_batch(signature: Signature, flat: list[torch.Tensor], target: torch.Tensor | None,
-                mesh: Mesh, chunks: int = 1) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """This replica's share of the global batch (and of the target), refused unless every
-    replica's share splits into `chunks` equal micro-batches."""
+                mesh: Mesh) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """This replica's share of the global batch (and of the target), refused unless the
+    replicas share it equally (each share then runs in as many equal micro-batches as
+    signature.microbatches gives it)."""
     batch = signature.batch_size(flat)
-    if batch % (mesh.replicas * chunks):
-        parts = f"{mesh.replicas} data-parallel replicas" + (
-            f" of {chunks} equal micro-batches each" if chunks > 1 else "")
-        raise RuntimeInputError(f"global batch {batch} cannot be split over {parts}",
-                                hint=f"use a multiple of {mesh.replicas * chunks} (replicas x "
-                                     "micro-batches), e.g. DataLoader(drop_last=True)")
+    if batch % mesh.replicas:
+        raise RuntimeInputError(f"global batch {batch} cannot be shared equally by "
+                                f"{mesh.replicas} data-parallel replicas",
+                                hint=f"use a multiple of {mesh.replicas} (the replicas), e.g. "
+                                     "DataLoader(drop_last=True)")
     size = batch // mesh.replicas
     start = mesh.replica * size
     sharded = [t if leaf.batch_dim is None else t.narrow(leaf.batch_dim, start, size)
@@ -135,7 +135,7 @@ class RankPipeline:
         check_batch_target(self.spec.signature, flat, target)
         if self.mesh.replicas == 1:
             return flat, target
-        return shard_batch(self.spec.signature, flat, target, self.mesh, self.spec.chunks)
+        return shard_batch(self.spec.signature, flat, target, self.mesh)
 
     def _global(self, loss: float) -> float:
         """The global batch's loss from this replica's: the replicas' mean."""

@@ -57,6 +57,7 @@ def time_stages(stages: Sequence[HeldStage], signature: Signature, chunks: int,
                 loss_fn: Callable[..., torch.Tensor], *, steps: int = 2
                 ) -> list[list[list[float]]]:
     """Seconds each stage computes per micro-batch: times[stage][step][micro-batch]."""
+    chunks = signature.microbatches(signature.batch_size(list(flat)), chunks)
     micro = signature.split_inputs(list(flat), chunks)
     targets: list[torch.Tensor | None] = \
         list(target.tensor_split(chunks, dim=signature.target_batch_dim)) \

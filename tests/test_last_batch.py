@@ -1,0 +1,107 @@
+"""A batch that does not divide into `chunks` (an epoch's last batch without drop_last): it runs
+in equal micro-batches no larger than an even split's (Signature.microbatches), and trains and
+evaluates as the plain model does on the whole batch, in one process and under torchrun."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ranks import spawn
+
+import fxpipe
+from fxpipe.models import gpt
+from fxpipe.signature import Signature
+from fxpipe.testing.reference_step import reference_step
+
+BATCHES = (7, 6, 3, 1)  # compiled for 8 in 4 chunks
+
+
+def test_the_micro_batches_of_a_batch_are_equal_and_no_larger_than_an_even_split_s():
+    for batch, chunks, want in [(8, 4, 4), (16, 4, 4), (7, 4, 7), (6, 4, 3), (3, 4, 3),
+                                (1, 4, 1), (12, 8, 6), (9, 2, 3), (2, 1, 1)]:
+        got = Signature.microbatches(batch, chunks)
+        assert (got, batch % got) == (want, 0), (batch, chunks)
+        assert batch // got <= -(-batch // chunks)
+
+
+def _batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 512, (size, 32), generator=g),
+            torch.randint(0, 512, (size, 32), generator=g))
+
+
+def _plain_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    return float(loss)
+
+
+def test_uneven_batches_train_and_evaluate_as_the_whole_batch_in_one_process():
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
+    for size in BATCHES:
+        x, y = _batch(size, size)
+        model.zero_grad()
+        plain.zero_grad()
+        assert program.step(x, target=y) == pytest.approx(_plain_step(plain, x, y), rel=1e-6)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"batch {size}: {name}")
+        with torch.no_grad():
+            torch.testing.assert_close(program(x), plain(x))
+            assert program.evaluate(x, target=y) == \
+                pytest.approx(float(F.cross_entropy(plain(x).flatten(0, 1), y.flatten())),
+                              rel=1e-6)
+
+
+def test_an_uneven_batch_draws_the_random_streams_of_its_micro_batches():
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(batch=8, dropout=0.2)
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
+    x, y = _batch(7, 0)
+    torch.manual_seed(3)
+    loss = program.step(x, target=y)
+    torch.manual_seed(3)
+    assert loss == pytest.approx(reference_step(program, plain, x, target=y), rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def _uneven_on_ranks(rank: int, world: int, schedule: str, stages: int) -> list[dict]:
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    program = fxpipe.compile(model, (idx,), stages=stages, chunks=4, schedule=schedule,
+                             profile="a100")
+    out = []
+    for size in BATCHES:
+        x, y = _batch(size, size)
+        program.zero_grad()
+        loss = program.step(x, target=y)
+        out.append({"loss": loss, "evaluated": program.evaluate(x, target=y),
+                    "grads": {n: p.grad.clone() for n, p in program.named_parameters()}})
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule,stages", [("1f1b", 2), ("zb-h1", 2), ("zb-v", 4)])
+def test_uneven_batches_on_two_ranks_train_and_evaluate_as_the_whole_batch(schedule, stages):
+    ranks = spawn(2, __name__, "_uneven_on_ranks", schedule, stages, timeout=120, bound=400)
+    torch.manual_seed(0)
+    plain, _ = gpt.build(batch=8, dropout=0.0)
+    for i, size in enumerate(BATCHES):
+        x, y = _batch(size, size)
+        plain.zero_grad()
+        want = _plain_step(plain, x, y)
+        grads = {n: p.grad for n, p in plain.named_parameters()}
+        seen = set()
+        for rank in ranks:
+            run = rank[i]
+            assert [run["loss"], run["evaluated"]] == pytest.approx([want] * 2, rel=1e-5)
+            for name, grad in run["grads"].items():
+                torch.testing.assert_close(grad, grads[name], msg=f"batch {size}: {name}")
+                seen.add(name)
+        assert seen == set(grads)
