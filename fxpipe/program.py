@@ -35,7 +35,6 @@ from fxpipe.frontend.meta import is_meta_model
 from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
-from fxpipe.modes import build_in_mode, in_mode, mode_name
 from fxpipe.passes.partition import BalanceRound, PartitionPlan
 from fxpipe.pipeline import build, rebuild
 from fxpipe.program_state import ProgramState
@@ -71,6 +70,7 @@ from fxpipe.signature import copy_inputs
 from fxpipe.stage_facts import predicted_kept
 from fxpipe.storage.state import StateNames, graph_tensors
 from fxpipe.untouched import untouched
+from fxpipe.variants import build_variant, in_mode, mode_name
 from fxpipe.writer import ProgramFiles, write_program
 
 __all__ = ["Program"]
@@ -98,7 +98,8 @@ class Program(ProgramState):
         self.stage_modules = nn.ModuleList()
         self.measured: dict[str, Any] = {}
         self._last_batch: tuple[list[torch.Tensor], torch.Tensor | None, LossFn] | None = None
-        self._twins: dict[bool, Built] = {}  # the plan in the other train/eval mode, once made
+        # the plan for each train/eval mode and input shapes called with (fxpipe.variants)
+        self._variants: dict[tuple[bool, tuple[tuple[int, ...], ...]], Built] = {}
 
     # -- building -------------------------------------------------------------------------------
 
@@ -317,7 +318,7 @@ class Program(ProgramState):
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()
-        built = self._in_mode(self._require_built("forward"))
+        built = self._variant(self._require_built("forward"), args, kwargs, caller=5)
         executor = self._local_executor("calling a program")
         flat = self._flat_inputs(built, args, kwargs)
         with compiled_autocast(self.config.autocast, self.devices):
@@ -399,7 +400,7 @@ class Program(ProgramState):
         statistics) and the random streams left as they were. Under torchrun every rank calls
         it with the same batch and every rank gets the loss. It runs in the program's mode:
         call program.eval() first for validation without dropout and with BatchNorm's running
-        statistics (fxpipe.modes), and program.train() before training on."""
+        statistics (fxpipe.variants), and program.train() before training on."""
         flat, loss_fn = self._batch_for("evaluate", args, kwargs, loss_fn)
         with compiled_autocast(self.config.autocast, self.devices):
             if self._rank is not None:
@@ -417,7 +418,7 @@ class Program(ProgramState):
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()
-        built = self._in_mode(self._require_built(what))
+        built = self._variant(self._require_built(what), args, kwargs, caller=4)
         return self._flat_inputs(built, args, kwargs), loss_fn
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -450,29 +451,52 @@ class Program(ProgramState):
                 raise
         return built.signature.flatten_inputs(*rebound)
 
-    def _in_mode(self, built: Built) -> Built:
-        """The program in its current train/eval mode: `built`, or its twin for the other mode
-        (fxpipe.modes), made when first asked for and installed on the stages' own tensors.
-        Under torchrun every rank switches in the same call, as every rank calls step()."""
-        compiled = built.capture_info.training
-        if self.training == compiled:
+    def _variant(self, built: Built, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 caller: int) -> Built:
+        """The plan for this call: `built`, or its variant for the program's train/eval mode and
+        the call's input shapes (fxpipe.variants), made when first called for and installed on
+        the stages' own tensors. Under torchrun every rank switches in the same call, as every
+        rank calls step() with the same batch. `caller`: the user's frame, for warnings."""
+        signature = built.signature
+        now = (self.training, signature.call_shapes(args, kwargs) or signature.shapes)
+        compiled = (built.capture_info.training, signature.shapes)
+        if now == compiled:
             return built
-        rank, now = self._rank, mode_name(self.training)
+        rank = self._rank
         if self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1:
             raise ConfigError(
-                f"the program was compiled in {mode_name(compiled)} mode and is now in {now} "
-                "mode: its stages would be built again in that mode, and FSDP2 shards their "
-                "parameters over the replicas (shard='full')",
-                hint=f"compile one program per mode (fxpipe.compile(model.{now}(), ...)), or "
-                     "shard='optimizer'")
-        args, kwargs = built.signature.unflatten_inputs(self._example)
-        twin = build_in_mode(built, self.model, args, kwargs, self.training,
-                             known=self._twins.get(self.training),
-                             agree=_broadcast_plan if self._mesh is not None else None)
+                f"the program was compiled in {mode_name(compiled[0])} mode for inputs of "
+                f"shapes {_shapes(compiled[1])}, and is called in {mode_name(now[0])} mode "
+                f"with {_shapes(now[1])}: its stages would be built again for that, and FSDP2 "
+                "shards their parameters over the replicas (shard='full')",
+                hint="compile one program per mode and input shapes, or shard='optimizer'")
+        known = self._variants.get(now)
+        reshaped = known is None and now[1] != compiled[1]
+        if reshaped:
+            warnings.warn(f"compiling the program again for inputs of shapes {_shapes(now[1])} "
+                          f"(compiled for {_shapes(compiled[1])}); each new shape compiles "
+                          f"once\nhint: pad inputs to a few lengths (e.g. a tokenizer's "
+                          "pad_to_multiple_of) to compile a few programs", UserWarning,
+                          stacklevel=caller)
+        example = signature.example_like(args, kwargs, built.capture_info.batch_size)
+        try:
+            variant = build_variant(built, self.model, *example, now[0], known=known,
+                                    agree=_broadcast_plan if self._mesh is not None else None)
+        except ConfigError:
+            raise
+        except Exception as e:
+            if not reshaped:
+                raise
+            raise RuntimeInputError(
+                f"inputs of shapes {_shapes(now[1])} differ from the compiled "
+                f"{_shapes(compiled[1])} beyond the batch dimension, and compiling the program "
+                f"for them failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                hint="pass inputs of shapes the model takes (the compiled ones differ only in "
+                     "the batch dimension B)") from e
         held, _ = self._held_tensors()
-        self._twins[compiled] = built
-        self._install(twin, self._device, held)
-        return twin
+        self._variants[compiled] = built
+        self._install(variant, self._device, held)
+        return variant
 
     def train(self, mode: bool = True) -> Program:
         super().train(mode)
@@ -608,6 +632,12 @@ class Program(ProgramState):
                              replica_reference_losses={r: v for r, v in by_replicas.items() if v},
                              split_dependent=split_dependent)
         return write_program(built, directory, files)
+
+
+def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """Input shapes as a message shows them, B for the batch dimension."""
+    return ", ".join("(" + ", ".join("B" if n == -1 else str(n) for n in shape) + ")"
+                     for shape in shapes)
 
 
 def fixed_cut(config: CompileConfig) -> str | None:

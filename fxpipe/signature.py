@@ -120,9 +120,8 @@ class Signature:
         return (f"{'; '.join(parts)} (compiled with {n_want} positional inputs and keyword "
                 f"inputs {want})")
 
-    def flatten_inputs(self, args: Sequence[Any],
-                       kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
-        """The tensor leaves of a call, checked against the compiled signature."""
+    def _call_leaves(self, args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[Any]:
+        """A call's leaves in the compiled order, refused unless structured as compiled."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         if spec != self.in_spec:  # keywords (or a dict's keys) in another order are the same call
             leaves, spec = pytree.tree_flatten(
@@ -133,6 +132,55 @@ class Signature:
                 hint="call the program with the same positional and keyword arguments as the "
                      "example inputs, or compile again",
             )
+        return leaves
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The compiled tensor inputs' shapes, each batch dimension written as -1."""
+        return tuple(leaf.shape for leaf in self.tensor_leaves)
+
+    def call_shapes(self, args: Sequence[Any],
+                    kwargs: dict[str, Any] | None) -> tuple[tuple[int, ...], ...] | None:
+        """The call's tensor shapes as `shapes` writes them, where the call is the compiled one
+        but for those shapes (structure, dtypes, constants and batch sizes alike): a program
+        for them can be built. None otherwise: flatten_inputs says what differs."""
+        try:
+            leaves = self._call_leaves(args, kwargs)
+        except RuntimeInputError:
+            return None
+        shapes, batches = [], set()
+        for leaf, value in zip(self.leaves, leaves):
+            if not leaf.is_tensor:
+                if not _same_constant(leaf.constant, value):
+                    return None
+            elif not is_tensor(value) or value.dtype != leaf.dtype or (
+                    leaf.batch_dim is not None and value.dim() <= leaf.batch_dim):
+                return None
+            else:
+                shapes.append(tuple(-1 if d == leaf.batch_dim else n
+                                    for d, n in enumerate(value.shape)))
+                if leaf.batch_dim is not None:
+                    batches.add(value.shape[leaf.batch_dim])
+        return tuple(shapes) if len(batches) <= 1 else None
+
+    def example_like(self, args: Sequence[Any], kwargs: dict[str, Any] | None,
+                     batch: int) -> tuple[ModelArgs, ModelKwargs]:
+        """The call's inputs with `batch` examples each (the first ones, cycled where the call
+        has fewer), as an example batch to compile for."""
+        def resize(leaf: LeafSpec, value: Any) -> Any:
+            if not leaf.is_tensor or leaf.batch_dim is None:
+                return value
+            rows = torch.arange(batch, device=value.device) % value.shape[leaf.batch_dim]
+            return value.index_select(leaf.batch_dim, rows)
+
+        leaves = [resize(leaf, v) for leaf, v in zip(self.leaves, self._call_leaves(args, kwargs))]
+        call_args, call_kwargs = pytree.tree_unflatten(leaves, self.in_spec)
+        return tuple(call_args), dict(call_kwargs)
+
+    def flatten_inputs(self, args: Sequence[Any],
+                       kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+        """The tensor leaves of a call, checked against the compiled signature."""
+        leaves = self._call_leaves(args, kwargs)
         tensors: list[torch.Tensor] = []
         for leaf, value in zip(self.leaves, leaves):
             if leaf.is_tensor:

@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.costs",),
     ("fxpipe.pipeline",),  # build(): the passes in order
     # take the built plan
-    ("fxpipe.reference", "fxpipe.writer", "fxpipe.held", "fxpipe.rebalance", "fxpipe.modes",
+    ("fxpipe.reference", "fxpipe.writer", "fxpipe.held", "fxpipe.rebalance", "fxpipe.variants",
      "fxpipe.program", "fxpipe.program_state"),
     ("fxpipe.api", "fxpipe.cli", "fxpipe.__main__", "fxpipe"),  # what users call
 ]

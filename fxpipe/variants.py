@@ -1,16 +1,17 @@
-"""Train and eval mode of one program: the model captured in the other mode, cut where the
-program is cut.
+"""The program for another train/eval mode or other input shapes: the model captured again for
+them, cut where the program is cut.
 
 The mode is part of a captured graph (dropout's `training=True`, BatchNorm's batch statistics,
-a model's own `if self.training:`), so a program compiled in train mode cannot run in eval
-mode as it is. `program.eval()` and `program.train()` instead give the program its twin for
-that mode: the model captured again in the mode (every module's flag set, and put back
-after), costed, and cut at the first nodes of the program's stages, with the program's
-micro-batches, schedule and placement. Every stage of the twin holds the tensors the same
-stage holds in the program, so the stages keep the same parameters, buffers and gradients
-(an optimizer over program.parameters() is untouched), and under torchrun no tensor changes
-rank. A model whose other mode takes another path through its layers, so that the cut or a
-stage's tensors do not carry over, is refused, saying which.
+a model's own `if self.training:`), and so is every size but the batch's (a sequence length in
+a view). A call in another mode (after `program.eval()` or `program.train()`) or with inputs of
+other shapes beyond the batch dimension (a batch padded to another length) gets the program's
+variant for them: the model captured again for the call's inputs in that mode (every module's
+flag set, and put back after), costed, and cut at the first nodes of the program's stages, with
+the program's micro-batches, schedule and placement. Every stage of the variant holds the
+tensors the same stage holds in the program, so the stages keep the same parameters, buffers
+and gradients (an optimizer over program.parameters() is untouched), and under torchrun no
+tensor changes rank. A model whose other mode or shape takes another path through its layers,
+so that the cut or a stage's tensors do not carry over, is refused, saying which.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from fxpipe.pipeline import PlanAgreement, build, rebuild
 from fxpipe.rebalance import cut_of, moves
 from fxpipe.signature import copy_inputs
 
-__all__ = ["build_in_mode", "carried_cut", "in_mode", "mode_name"]
+__all__ = ["build_variant", "carried_cut", "in_mode", "mode_name"]
 
 
 def mode_name(training: bool) -> str:
@@ -49,12 +50,13 @@ def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
-def build_in_mode(built: Built, model: nn.Module, args: tuple[Any, ...],
+def build_variant(built: Built, model: nn.Module, args: tuple[Any, ...],
                   kwargs: dict[str, Any], training: bool, *,
                   known: Built | None = None, agree: PlanAgreement | None = None) -> Built:
-    """The program `built` in the other mode, for the example batch (args, kwargs): the model
-    captured in that mode (or `known`, an earlier twin) and cut where `built` is cut."""
-    mode = mode_name(training)
+    """The program `built` in mode `training` for the example batch (args, kwargs): the model
+    captured so (or `known`, the variant made before) and cut where `built` is cut."""
+    what = f"{mode_name(training)} mode" if training != built.capture_info.training else \
+        "these input shapes"
     try:
         if known is None:
             # the cut is given: node counts of the other graph and split points do not apply
@@ -66,33 +68,34 @@ def build_in_mode(built: Built, model: nn.Module, args: tuple[Any, ...],
                 modes.enter_context(in_mode(model, training))
                 if isinstance(config.check, nn.Module):  # a meta model's twin runs alike
                     modes.enter_context(in_mode(config.check, training))
-                twin = build(model, args, kwargs, config, agree=agree,
-                             cut=lambda gm: carried_cut(built, gm))
+                variant = build(model, args, kwargs, config, agree=agree,
+                                cut=lambda gm: carried_cut(built, gm))
         else:
             starts = carried_cut(built, known.captured)
-            twin = known if cut_of(known) == starts else rebuild(known, {}, agree=agree,
-                                                                  starts=starts)
+            variant = known if cut_of(known) == starts else rebuild(known, {}, agree=agree,
+                                                                     starts=starts)
     except PartitionError as e:
         raise ConfigError(
-            f"the program's cut does not carry over to {mode} mode: {str(e).splitlines()[0]}",
-            hint=f"the model's forward takes another path in {mode} mode; compile one program "
-                 f"per mode, e.g. fxpipe.compile(model.{mode}(), ...)") from e
-    moved = moves(built, twin)
+            f"the program's cut does not carry over to {what}: {str(e).splitlines()[0]}",
+            hint=f"the model's forward takes another path for {what}; compile a program for "
+                 "them (fxpipe.compile(model, example) in that mode, with such inputs)") from e
+    moved = moves(built, variant)
     if moved:
         src, dst, name = moved[0]
         raise ConfigError(
-            f"in {mode} mode stage {dst} reads {name}, which stage {src} holds in the program "
+            f"for {what} stage {dst} reads {name}, which stage {src} holds in the program "
             f"as compiled ({len(moved)} tensors would change stage)",
-            hint=f"the model's forward uses its tensors elsewhere in {mode} mode; compile one "
-                 f"program per mode, e.g. fxpipe.compile(model.{mode}(), ...)")
-    return twin
+            hint=f"the model's forward uses its tensors elsewhere for {what}; compile a "
+                 "program for them (fxpipe.compile(model, example) in that mode, with such "
+                 "inputs)")
+    return variant
 
 
 def carried_cut(built: Built, other: GraphModule) -> tuple[str, ...]:
-    """`built`'s cut in the graph `other` captured in the other mode: each stage's first node
-    where `other` has a node of that name, else of that place (the same module's n-th node:
-    BatchNorm's `bn_add_` in train mode is `bn` in eval mode), else the first node after it
-    that `other` has so."""
+    """`built`'s cut in the graph `other` captured for another mode or shapes: each stage's
+    first node where `other` has a node of that name, else of that place (the same module's
+    n-th node: BatchNorm's `bn_add_` in train mode is `bn` in eval mode), else the first node
+    after it that `other` has so."""
     mine, theirs = _places(built.captured), _places(other)
     names = {name for name, _ in theirs}
     by_place = {place: name for name, place in theirs}

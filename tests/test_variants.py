@@ -1,13 +1,14 @@
-"""program.eval() and program.train(): one program in both modes (fxpipe.modes).
+"""One program in train and eval mode and for inputs of other shapes (fxpipe.variants).
 
-The other mode is the model captured again in it and cut where the program is cut, on the
-stages' own tensors: each test compares it with the plain model in the same mode (outputs,
-losses, gradients, BatchNorm's running statistics as training left them), in one process and
-on two ranks.
+The other mode, or other lengths, is the model captured again for them and cut where the
+program is cut, on the stages' own tensors: each test compares it with the plain model in the
+same mode on the same inputs (outputs, losses, gradients, BatchNorm's running statistics as
+training left them), in one process and on two ranks.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 import fxpipe
 from fxpipe import ir
 from fxpipe.errors import ConfigError
+from fxpipe.models import gpt
 from fxpipe.testing.reference_step import reference_step
 
 
@@ -112,7 +114,7 @@ def test_a_lazy_program_put_in_eval_mode_is_captured_once_in_eval_mode():
     with torch.no_grad():
         torch.testing.assert_close(program(x), plain(x))
     assert not program.built.capture_info.training
-    assert not program._twins  # noqa: SLF001 (one capture, in the program's mode)
+    assert not program._variants  # noqa: SLF001 (one capture, in the program's mode)
     assert model.training and not model.bn2.training
 
 
@@ -142,8 +144,8 @@ def test_a_mode_that_needs_another_stage_s_tensor_is_refused_and_the_program_sti
     with pytest.raises(ConfigError) as err:
         program(x)
     message = str(err.value)
-    assert "in eval mode stage 0 reads d.bias, which stage 1 holds" in message
-    assert "fxpipe.compile(model.eval(), ...)" in message
+    assert "for eval mode stage 0 reads d.bias, which stage 1 holds" in message
+    assert "compile a program for them" in message
     program.train()
     torch.testing.assert_close(program(x), plain(x))
 
@@ -206,3 +208,82 @@ def test_a_cut_given_as_node_counts_carries_over_to_the_other_mode_s_graph():
     with torch.no_grad():
         torch.testing.assert_close(program.eval()(x), plain(x))
     assert program.plan.stages[1].nodes[0] == "bn2"  # the same place in the same module
+
+
+def _tokens(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 512, (batch, length), generator=g),
+            torch.randint(0, 512, (batch, length), generator=g))
+
+
+def _gpt_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    return float(loss)
+
+
+def test_other_lengths_compile_once_each_and_train_as_the_plain_model():
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)  # 32 tokens
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
+    params = list(program.parameters())
+    made = {}
+    for i, (batch, length) in enumerate([(8, 16), (8, 32), (8, 16), (7, 24)]):
+        x, y = _tokens(batch, length, i)
+        model.zero_grad()
+        plain.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = program.step(x, target=y)
+        new = [str(w.message) for w in caught if "compiling the program again" in str(w.message)]
+        assert len(new) == (length not in made and length != 32), (length, new)
+        made.setdefault(length, program.built)
+        assert program.built is made[length]  # each length's plan made once
+        assert loss == pytest.approx(_gpt_step(plain, x, y), rel=1e-6)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"{batch} x {length}: {name}")
+        assert list(program.parameters()) == params
+    x, _ = _tokens(8, 16, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(program.eval()(x), plain.eval()(x))
+
+
+def _lengths_on_two_ranks(rank: int, world: int, schedule: str) -> list[dict]:
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    program = fxpipe.compile(model, (idx,), stages=world, chunks=4, schedule=schedule,
+                             profile="a100")
+    out = []
+    for i, (batch, length) in enumerate(LENGTHS):
+        x, y = _tokens(batch, length, i)
+        program.zero_grad()
+        out.append({"loss": program.step(x, target=y),
+                    "evaluated": program.eval().evaluate(x, target=y),
+                    "grads": {n: p.grad.clone() for n, p in program.named_parameters()}})
+        program.train()
+    return out
+
+
+LENGTHS = [(8, 16), (8, 32), (7, 24), (8, 16)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_other_lengths_on_two_ranks_train_and_evaluate_as_the_plain_model(schedule):
+    ranks = spawn(2, __name__, "_lengths_on_two_ranks", schedule, timeout=120, bound=400)
+    torch.manual_seed(0)
+    plain, _ = gpt.build(batch=8, dropout=0.0)
+    for i, (batch, length) in enumerate(LENGTHS):
+        x, y = _tokens(batch, length, i)
+        plain.zero_grad()
+        want = _gpt_step(plain, x, y)
+        grads = {n: p.grad for n, p in plain.named_parameters()}
+        seen = set()
+        for result in ranks:
+            run = result[i]
+            assert [run["loss"], run["evaluated"]] == pytest.approx([want] * 2, rel=1e-5)
+            for name, grad in run["grads"].items():
+                torch.testing.assert_close(grad, grads[name], msg=f"{batch} x {length}: {name}")
+                seen.add(name)
+        assert seen == set(grads)
