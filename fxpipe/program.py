@@ -318,9 +318,8 @@ class Program(ProgramState):
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()
-        built = self._variant(self._require_built("forward"), args, kwargs, caller=5)
+        built, flat = self._variant(self._require_built("forward"), args, kwargs, caller=5)
         executor = self._local_executor("calling a program")
-        flat = self._flat_inputs(built, args, kwargs)
         with compiled_autocast(self.config.autocast, self.devices):
             return built.signature.unflatten_outputs(executor.run(flat))
 
@@ -418,8 +417,8 @@ class Program(ProgramState):
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()
-        built = self._variant(self._require_built(what), args, kwargs, caller=4)
-        return self._flat_inputs(built, args, kwargs), loss_fn
+        _, flat = self._variant(self._require_built(what), args, kwargs, caller=4)
+        return flat, loss_fn
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -452,16 +451,22 @@ class Program(ProgramState):
         return built.signature.flatten_inputs(*rebound)
 
     def _variant(self, built: Built, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 caller: int) -> Built:
-        """The plan for this call: `built`, or its variant for the program's train/eval mode and
-        the call's input shapes (fxpipe.variants), made when first called for and installed on
-        the stages' own tensors. Under torchrun every rank switches in the same call, as every
-        rank calls step() with the same batch. `caller`: the user's frame, for warnings."""
+                 caller: int) -> tuple[Built, list[torch.Tensor]]:
+        """The plan for this call and the call's flat inputs: `built`, or its variant for the
+        program's train/eval mode and the call's input shapes (fxpipe.variants), made when
+        first called for and installed on the stages' own tensors. Under torchrun every rank
+        switches in the same call, as every rank calls step() with the same batch. `caller`:
+        the user's frame, for warnings."""
+        training = built.capture_info.training
+        if self.training == training:  # a step's path: the inputs flattened once
+            try:
+                return built, self._flat_inputs(built, args, kwargs)
+            except RuntimeInputError:
+                if built.signature.call_shapes(args, kwargs) in (None, built.signature.shapes):
+                    raise  # not a matter of shapes: the error says what differs
         signature = built.signature
+        compiled = (training, signature.shapes)
         now = (self.training, signature.call_shapes(args, kwargs) or signature.shapes)
-        compiled = (built.capture_info.training, signature.shapes)
-        if now == compiled:
-            return built
         rank = self._rank
         if self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1:
             raise ConfigError(
@@ -496,7 +501,7 @@ class Program(ProgramState):
         held, _ = self._held_tensors()
         self._variants[compiled] = built
         self._install(variant, self._device, held)
-        return variant
+        return variant, self._flat_inputs(variant, args, kwargs)
 
     def train(self, mode: bool = True) -> Program:
         super().train(mode)

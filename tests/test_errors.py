@@ -98,13 +98,6 @@ def test_batch_that_chunks_does_not_divide_lists_the_sizes_that_work(example):
     _check(err.value, "batch size 8 cannot be split into 3 equal micro-batches", "[1, 2, 4, 8]")
 
 
-def test_a_call_with_a_batch_that_chunks_does_not_divide(example):
-    program = _compile(example, chunks=4)
-    with pytest.raises(RuntimeInputError) as err:
-        program(torch.randn(6, 32))
-    _check(err.value, "batch size 6 cannot be split into 4 equal micro-batches", "drop_last")
-
-
 def test_memory_limit_too_small_states_the_minimum(example):
     with pytest.raises(PartitionError) as err:
         _compile(example, memory_limit=1000)
