@@ -70,7 +70,7 @@ from fxpipe.signature import copy_inputs
 from fxpipe.stage_facts import predicted_kept
 from fxpipe.storage.state import StateNames, graph_tensors
 from fxpipe.untouched import untouched
-from fxpipe.variants import build_variant, in_mode, mode_name
+from fxpipe.variants import Variants, in_mode
 from fxpipe.writer import ProgramFiles, write_program
 
 __all__ = ["Program"]
@@ -98,8 +98,7 @@ class Program(ProgramState):
         self.stage_modules = nn.ModuleList()
         self.measured: dict[str, Any] = {}
         self._last_batch: tuple[list[torch.Tensor], torch.Tensor | None, LossFn] | None = None
-        # the plan for each train/eval mode and input shapes called with (fxpipe.variants)
-        self._variants: dict[tuple[bool, tuple[tuple[int, ...], ...]], Built] = {}
+        self._variants = Variants()  # the plan for each mode and input shapes called with
 
     # -- building -------------------------------------------------------------------------------
 
@@ -457,49 +456,18 @@ class Program(ProgramState):
         first called for and installed on the stages' own tensors. Under torchrun every rank
         switches in the same call, as every rank calls step() with the same batch. `caller`:
         the user's frame, for warnings."""
-        training = built.capture_info.training
-        if self.training == training:  # a step's path: the inputs flattened once
+        if self.training == built.capture_info.training:  # a step's: inputs flattened once
             try:
                 return built, self._flat_inputs(built, args, kwargs)
             except RuntimeInputError:
                 if built.signature.call_shapes(args, kwargs) in (None, built.signature.shapes):
                     raise  # not a matter of shapes: the error says what differs
-        signature = built.signature
-        compiled = (training, signature.shapes)
-        now = (self.training, signature.call_shapes(args, kwargs) or signature.shapes)
         rank = self._rank
-        if self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1:
-            raise ConfigError(
-                f"the program was compiled in {mode_name(compiled[0])} mode for inputs of "
-                f"shapes {_shapes(compiled[1])}, and is called in {mode_name(now[0])} mode "
-                f"with {_shapes(now[1])}: its stages would be built again for that, and FSDP2 "
-                "shards their parameters over the replicas (shard='full')",
-                hint="compile one program per mode and input shapes, or shard='optimizer'")
-        known = self._variants.get(now)
-        reshaped = known is None and now[1] != compiled[1]
-        if reshaped:
-            warnings.warn(f"compiling the program again for inputs of shapes {_shapes(now[1])} "
-                          f"(compiled for {_shapes(compiled[1])}); each new shape compiles "
-                          f"once\nhint: pad inputs to a few lengths (e.g. a tokenizer's "
-                          "pad_to_multiple_of) to compile a few programs", UserWarning,
-                          stacklevel=caller)
-        example = signature.example_like(args, kwargs, built.capture_info.batch_size)
-        try:
-            variant = build_variant(built, self.model, *example, now[0], known=known,
-                                    agree=_broadcast_plan if self._mesh is not None else None)
-        except ConfigError:
-            raise
-        except Exception as e:
-            if not reshaped:
-                raise
-            raise RuntimeInputError(
-                f"inputs of shapes {_shapes(now[1])} differ from the compiled "
-                f"{_shapes(compiled[1])} beyond the batch dimension, and compiling the program "
-                f"for them failed: {type(e).__name__}: {str(e).splitlines()[0]}",
-                hint="pass inputs of shapes the model takes (the compiled ones differ only in "
-                     "the batch dimension B)") from e
+        variant = self._variants.plan_for(
+            built, self.model, args, kwargs, self.training,
+            agree=_broadcast_plan if self._mesh is not None else None, caller=caller + 1,
+            sharded=self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1)
         held, _ = self._held_tensors()
-        self._variants[compiled] = built
         self._install(variant, self._device, held)
         return variant, self._flat_inputs(variant, args, kwargs)
 
@@ -637,12 +605,6 @@ class Program(ProgramState):
                              replica_reference_losses={r: v for r, v in by_replicas.items() if v},
                              split_dependent=split_dependent)
         return write_program(built, directory, files)
-
-
-def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
-    """Input shapes as a message shows them, B for the batch dimension."""
-    return ", ".join("(" + ", ".join("B" if n == -1 else str(n) for n in shape) + ")"
-                     for shape in shapes)
 
 
 def fixed_cut(config: CompileConfig) -> str | None:

@@ -16,6 +16,7 @@ so that the cut or a stage's tensors do not carry over, is refused, saying which
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -25,12 +26,71 @@ from torch.fx import GraphModule
 
 from fxpipe import ir
 from fxpipe.built import Built
-from fxpipe.errors import ConfigError, PartitionError
+from fxpipe.errors import ConfigError, PartitionError, RuntimeInputError
 from fxpipe.pipeline import PlanAgreement, build, rebuild
 from fxpipe.rebalance import cut_of, moves
 from fxpipe.signature import copy_inputs
 
-__all__ = ["build_variant", "carried_cut", "in_mode", "mode_name"]
+__all__ = ["Variants", "build_variant", "carried_cut", "in_mode", "mode_name"]
+
+
+Shapes = tuple[tuple[int, ...], ...]  # a call's tensor shapes, each batch dimension as -1
+
+
+class Variants:
+    """The plans a program was built for, by train/eval mode and input shapes: each made once,
+    the one installed last kept too, for when calls come back to it."""
+
+    def __init__(self) -> None:
+        self.made: dict[tuple[bool, Shapes], Built] = {}
+
+    def plan_for(self, built: Built, model: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], training: bool, *, agree: PlanAgreement | None,
+                 caller: int, sharded: bool) -> Built:
+        """The plan for a call of the program that runs `built`, in mode `training`, whose
+        inputs differ from built's in mode or shapes beyond the batch dimension. `sharded`:
+        FSDP2 shards the stages over replicas, which a new plan cannot rebuild; `caller`: the
+        user's frame counted from here, for the warning that a new shape compiles."""
+        signature = built.signature
+        compiled = (built.capture_info.training, signature.shapes)
+        now = (training, signature.call_shapes(args, kwargs) or signature.shapes)
+        if sharded:
+            raise ConfigError(
+                f"the program was compiled in {mode_name(compiled[0])} mode for inputs of "
+                f"shapes {_shapes(compiled[1])}, and is called in {mode_name(now[0])} mode "
+                f"with {_shapes(now[1])}: its stages would be built again for that, and FSDP2 "
+                "shards their parameters over the replicas (shard='full')",
+                hint="compile one program per mode and input shapes, or shard='optimizer'")
+        known = self.made.get(now)
+        reshaped = known is None and now[1] != compiled[1]
+        if reshaped:
+            warnings.warn(f"compiling the program again for inputs of shapes {_shapes(now[1])} "
+                          f"(compiled for {_shapes(compiled[1])}); each new shape compiles "
+                          f"once\nhint: pad inputs to a few lengths (e.g. a tokenizer's "
+                          "pad_to_multiple_of) to compile a few programs", UserWarning,
+                          stacklevel=caller)
+        example = signature.example_like(args, kwargs, built.capture_info.batch_size)
+        try:
+            variant = build_variant(built, model, *example, now[0], known=known, agree=agree)
+        except ConfigError:
+            raise
+        except Exception as e:
+            if not reshaped:
+                raise
+            raise RuntimeInputError(
+                f"inputs of shapes {_shapes(now[1])} differ from the compiled "
+                f"{_shapes(compiled[1])} beyond the batch dimension, and compiling the program "
+                f"for them failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                hint="pass inputs of shapes the model takes (the compiled ones differ only in "
+                     "the batch dimension B)") from e
+        self.made[compiled] = built
+        return variant
+
+
+def _shapes(shapes: Shapes) -> str:
+    """Input shapes as a message shows them, B for the batch dimension."""
+    return ", ".join("(" + ", ".join("B" if n == -1 else str(n) for n in shape) + ")"
+                     for shape in shapes)
 
 
 def mode_name(training: bool) -> str:

@@ -114,7 +114,7 @@ def test_a_lazy_program_put_in_eval_mode_is_captured_once_in_eval_mode():
     with torch.no_grad():
         torch.testing.assert_close(program(x), plain(x))
     assert not program.built.capture_info.training
-    assert not program._variants  # noqa: SLF001 (one capture, in the program's mode)
+    assert not program._variants.made  # noqa: SLF001 (one capture, in the program's mode)
     assert model.training and not model.bn2.training
 
 
