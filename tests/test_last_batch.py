@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from gpt_batches import assert_ranks_match_plain, plain_step, tokens
 from ranks import spawn
 
 import fxpipe
@@ -26,28 +27,16 @@ def test_the_micro_batches_of_a_batch_are_equal_and_no_larger_than_an_even_split
         assert batch // got <= -(-batch // chunks)
 
 
-def _batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 512, (size, 32), generator=g),
-            torch.randint(0, 512, (size, 32), generator=g))
-
-
-def _plain_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    return float(loss)
-
-
 def test_uneven_batches_train_and_evaluate_as_the_whole_batch_in_one_process():
     torch.manual_seed(0)
     model, (idx,) = gpt.build(batch=8, dropout=0.0)
     plain = copy.deepcopy(model)
     program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
     for size in BATCHES:
-        x, y = _batch(size, size)
+        x, y = tokens(size, 32, size)
         model.zero_grad()
         plain.zero_grad()
-        assert program.step(x, target=y) == pytest.approx(_plain_step(plain, x, y), rel=1e-6)
+        assert program.step(x, target=y) == pytest.approx(plain_step(plain, x, y), rel=1e-6)
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=f"batch {size}: {name}")
         with torch.no_grad():
@@ -62,7 +51,7 @@ def test_an_uneven_batch_draws_the_random_streams_of_its_micro_batches():
     model, (idx,) = gpt.build(batch=8, dropout=0.2)
     plain = copy.deepcopy(model)
     program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
-    x, y = _batch(7, 0)
+    x, y = tokens(7, 32, 0)
     torch.manual_seed(3)
     loss = program.step(x, target=y)
     torch.manual_seed(3)
@@ -71,37 +60,10 @@ def test_an_uneven_batch_draws_the_random_streams_of_its_micro_batches():
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-def _uneven_on_ranks(rank: int, world: int, schedule: str, stages: int) -> list[dict]:
-    torch.manual_seed(0)
-    model, (idx,) = gpt.build(batch=8, dropout=0.0)
-    program = fxpipe.compile(model, (idx,), stages=stages, chunks=4, schedule=schedule,
-                             profile="a100")
-    out = []
-    for size in BATCHES:
-        x, y = _batch(size, size)
-        program.zero_grad()
-        loss = program.step(x, target=y)
-        out.append({"loss": loss, "evaluated": program.evaluate(x, target=y),
-                    "grads": {n: p.grad.clone() for n, p in program.named_parameters()}})
-    return out
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule,stages", [("1f1b", 2), ("zb-h1", 2), ("zb-v", 4)])
 def test_uneven_batches_on_two_ranks_train_and_evaluate_as_the_whole_batch(schedule, stages):
-    ranks = spawn(2, __name__, "_uneven_on_ranks", schedule, stages, timeout=120, bound=400)
-    torch.manual_seed(0)
-    plain, _ = gpt.build(batch=8, dropout=0.0)
-    for i, size in enumerate(BATCHES):
-        x, y = _batch(size, size)
-        plain.zero_grad()
-        want = _plain_step(plain, x, y)
-        grads = {n: p.grad for n, p in plain.named_parameters()}
-        seen = set()
-        for rank in ranks:
-            run = rank[i]
-            assert [run["loss"], run["evaluated"]] == pytest.approx([want] * 2, rel=1e-5)
-            for name, grad in run["grads"].items():
-                torch.testing.assert_close(grad, grads[name], msg=f"batch {size}: {name}")
-                seen.add(name)
-        assert seen == set(grads)
+    shapes = [(size, 32) for size in BATCHES]
+    ranks = spawn(2, "gpt_batches", "steps_on_ranks", schedule, stages, shapes, False,
+                  timeout=120, bound=400)
+    assert_ranks_match_plain(ranks, shapes)

@@ -26,7 +26,7 @@ from fxpipe.runtime.program.torchrun import free_port
 from fxpipe.testing.reference_step import reference_forward, reference_step
 
 
-class _DropPath(nn.Module):
+class DropPath(nn.Module):
     """Stochastic depth: drops the whole residual branch of some examples."""
 
     def __init__(self, p: float) -> None:
@@ -45,7 +45,7 @@ class _Block(nn.Module):
         super().__init__()
         self.fc = nn.Linear(width, width)
         self.drop = nn.Dropout(0.3)
-        self.path = _DropPath(0.25)
+        self.path = DropPath(0.25)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.path(self.drop(torch.relu(self.fc(x))))

@@ -13,7 +13,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from gpt_batches import assert_ranks_match_plain, plain_step, tokens
 from ranks import spawn
+from test_training_semantics import DropPath
 from torch import nn
 
 import fxpipe
@@ -21,20 +23,6 @@ from fxpipe import ir
 from fxpipe.errors import ConfigError
 from fxpipe.models import gpt
 from fxpipe.testing.reference_step import reference_step
-
-
-class _DropPath(nn.Module):
-    """Stochastic depth: eval mode takes another path (none of its nodes)."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return x
-        keep = (torch.rand(x.shape[0], 1) >= self.p).to(x.dtype)
-        return x * keep / (1 - self.p)
 
 
 class _Net(nn.Module):
@@ -45,7 +33,7 @@ class _Net(nn.Module):
         self.a = nn.Linear(8, 16)
         self.bn = nn.BatchNorm1d(16)
         self.drop = nn.Dropout(p)
-        self.path = _DropPath(p)
+        self.path = DropPath(p)
         self.b = nn.Linear(16, 16)
         self.bn2 = nn.BatchNorm1d(16)
         self.c = nn.Linear(16, 3)
@@ -210,18 +198,6 @@ def test_a_cut_given_as_node_counts_carries_over_to_the_other_mode_s_graph():
     assert program.plan.stages[1].nodes[0] == "bn2"  # the same place in the same module
 
 
-def _tokens(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 512, (batch, length), generator=g),
-            torch.randint(0, 512, (batch, length), generator=g))
-
-
-def _gpt_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    return float(loss)
-
-
 def test_other_lengths_compile_once_each_and_train_as_the_plain_model():
     torch.manual_seed(0)
     model, (idx,) = gpt.build(batch=8, dropout=0.0)  # 32 tokens
@@ -230,7 +206,7 @@ def test_other_lengths_compile_once_each_and_train_as_the_plain_model():
     params = list(program.parameters())
     made = {}
     for i, (batch, length) in enumerate([(8, 16), (8, 32), (8, 16), (7, 24)]):
-        x, y = _tokens(batch, length, i)
+        x, y = tokens(batch, length, i)
         model.zero_grad()
         plain.zero_grad()
         with warnings.catch_warnings(record=True) as caught:
@@ -240,29 +216,13 @@ def test_other_lengths_compile_once_each_and_train_as_the_plain_model():
         assert len(new) == (length not in made and length != 32), (length, new)
         made.setdefault(length, program.built)
         assert program.built is made[length]  # each length's plan made once
-        assert loss == pytest.approx(_gpt_step(plain, x, y), rel=1e-6)
+        assert loss == pytest.approx(plain_step(plain, x, y), rel=1e-6)
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=f"{batch} x {length}: {name}")
         assert list(program.parameters()) == params
-    x, _ = _tokens(8, 16, 9)
+    x, _ = tokens(8, 16, 9)
     with torch.no_grad():
         torch.testing.assert_close(program.eval()(x), plain.eval()(x))
-
-
-def _lengths_on_two_ranks(rank: int, world: int, schedule: str) -> list[dict]:
-    torch.manual_seed(0)
-    model, (idx,) = gpt.build(batch=8, dropout=0.0)
-    program = fxpipe.compile(model, (idx,), stages=world, chunks=4, schedule=schedule,
-                             profile="a100")
-    out = []
-    for i, (batch, length) in enumerate(LENGTHS):
-        x, y = _tokens(batch, length, i)
-        program.zero_grad()
-        out.append({"loss": program.step(x, target=y),
-                    "evaluated": program.eval().evaluate(x, target=y),
-                    "grads": {n: p.grad.clone() for n, p in program.named_parameters()}})
-        program.train()
-    return out
 
 
 LENGTHS = [(8, 16), (8, 32), (7, 24), (8, 16)]
@@ -271,19 +231,6 @@ LENGTHS = [(8, 16), (8, 32), (7, 24), (8, 16)]
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_other_lengths_on_two_ranks_train_and_evaluate_as_the_plain_model(schedule):
-    ranks = spawn(2, __name__, "_lengths_on_two_ranks", schedule, timeout=120, bound=400)
-    torch.manual_seed(0)
-    plain, _ = gpt.build(batch=8, dropout=0.0)
-    for i, (batch, length) in enumerate(LENGTHS):
-        x, y = _tokens(batch, length, i)
-        plain.zero_grad()
-        want = _gpt_step(plain, x, y)
-        grads = {n: p.grad for n, p in plain.named_parameters()}
-        seen = set()
-        for result in ranks:
-            run = result[i]
-            assert [run["loss"], run["evaluated"]] == pytest.approx([want] * 2, rel=1e-5)
-            for name, grad in run["grads"].items():
-                torch.testing.assert_close(grad, grads[name], msg=f"{batch} x {length}: {name}")
-                seen.add(name)
-        assert seen == set(grads)
+    ranks = spawn(2, "gpt_batches", "steps_on_ranks", schedule, 2, LENGTHS, True, timeout=120,
+                  bound=400)
+    assert_ranks_match_plain(ranks, LENGTHS)
