@@ -12,7 +12,8 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import RuntimeInputError
 
-__all__ = ["LeafSpec", "Signature", "is_tensor", "copy_inputs", "ModelArgs", "ModelKwargs"]
+__all__ = ["LeafSpec", "Signature", "is_tensor", "copy_inputs", "shape_text", "ModelArgs",
+           "ModelKwargs"]
 
 ModelArgs: TypeAlias = tuple[Any, ...]
 """A model's positional inputs: whatever its forward takes."""
@@ -39,6 +40,11 @@ def copy_inputs(args: ModelArgs, kwargs: ModelKwargs) -> tuple[ModelArgs, ModelK
 
     copied: tuple[ModelArgs, ModelKwargs] = pytree.tree_map(copy, (tuple(args), dict(kwargs)))
     return copied
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """A shape as messages write it, B for the batch dimension (-1)."""
+    return "(" + ", ".join("B" if n == -1 else str(n) for n in shape) + ")"
 
 
 @dataclass(frozen=True)
@@ -142,26 +148,13 @@ class Signature:
     def call_shapes(self, args: Sequence[Any],
                     kwargs: dict[str, Any] | None) -> tuple[tuple[int, ...], ...] | None:
         """The call's tensor shapes as `shapes` writes them, where the call is the compiled one
-        but for those shapes (structure, dtypes, constants and batch sizes alike): a program
-        for them can be built. None otherwise: flatten_inputs says what differs."""
+        but for those shapes (structure, dtypes, constants, ranks and batch sizes alike): a
+        program for them can be built. None otherwise: flatten_inputs says what differs."""
         try:
-            leaves = self._call_leaves(args, kwargs)
+            tensors = self.flatten_inputs(args, kwargs, shapes=False)
         except RuntimeInputError:
             return None
-        shapes, batches = [], set()
-        for leaf, value in zip(self.leaves, leaves):
-            if not leaf.is_tensor:
-                if not _same_constant(leaf.constant, value):
-                    return None
-            elif not is_tensor(value) or value.dtype != leaf.dtype or (
-                    leaf.batch_dim is not None and value.dim() <= leaf.batch_dim):
-                return None
-            else:
-                shapes.append(tuple(-1 if d == leaf.batch_dim else n
-                                    for d, n in enumerate(value.shape)))
-                if leaf.batch_dim is not None:
-                    batches.add(value.shape[leaf.batch_dim])
-        return tuple(shapes) if len(batches) <= 1 else None
+        return tuple(_shape_of(leaf, t) for leaf, t in zip(self.tensor_leaves, tensors))
 
     def example_like(self, args: Sequence[Any], kwargs: dict[str, Any] | None,
                      batch: int) -> tuple[ModelArgs, ModelKwargs]:
@@ -177,14 +170,15 @@ class Signature:
         call_args, call_kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         return tuple(call_args), dict(call_kwargs)
 
-    def flatten_inputs(self, args: Sequence[Any],
-                       kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
-        """The tensor leaves of a call, checked against the compiled signature."""
+    def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any] | None, *,
+                       shapes: bool = True) -> list[torch.Tensor]:
+        """The tensor leaves of a call, checked against the compiled signature (each tensor's
+        shape beyond its rank only with `shapes`)."""
         leaves = self._call_leaves(args, kwargs)
         tensors: list[torch.Tensor] = []
         for leaf, value in zip(self.leaves, leaves):
             if leaf.is_tensor:
-                self._check_tensor(leaf, value)
+                self._check_tensor(leaf, value, shapes)
                 tensors.append(value)
             elif not _same_constant(leaf.constant, value):
                 raise RuntimeInputError(
@@ -195,7 +189,7 @@ class Signature:
         self.batch_size(tensors)  # checks that batched inputs agree
         return tensors
 
-    def _check_tensor(self, leaf: LeafSpec, value: object) -> None:
+    def _check_tensor(self, leaf: LeafSpec, value: object, shape: bool) -> None:
         if not isinstance(value, torch.Tensor):
             raise RuntimeInputError(
                 f"input {leaf.name} must be a tensor (got {type(value).__name__})",
@@ -204,12 +198,11 @@ class Signature:
             raise RuntimeInputError(
                 f"input {leaf.name} has dtype {value.dtype} but the program was compiled for "
                 f"{leaf.dtype}", hint=f"convert it with .to({leaf.dtype})")
-        got = tuple(-1 if d == leaf.batch_dim else s for d, s in enumerate(value.shape))
-        if got != leaf.shape:
-            want = "(" + ", ".join("B" if s == -1 else str(s) for s in leaf.shape) + ")"
+        got = _shape_of(leaf, value)
+        if got != leaf.shape and (shape or len(got) != len(leaf.shape)):
             raise RuntimeInputError(
                 f"input {leaf.name} has shape {tuple(value.shape)} but the program was compiled "
-                f"for {want} (B = batch size, dimension {leaf.batch_dim})",
+                f"for {shape_text(leaf.shape)} (B = batch size, dimension {leaf.batch_dim})",
                 hint="only the batch dimension may change between calls; compile again for "
                      "other sizes")
 
@@ -350,3 +343,8 @@ def _same_constant(a: object, b: object) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - exotic __eq__
         return a is b
+
+
+def _shape_of(leaf: LeafSpec, value: torch.Tensor) -> tuple[int, ...]:
+    """A tensor input's shape as LeafSpec writes it: its batch dimension as -1."""
+    return tuple(-1 if d == leaf.batch_dim else n for d, n in enumerate(value.shape))

@@ -29,7 +29,7 @@ from fxpipe.built import Built
 from fxpipe.errors import ConfigError, PartitionError, RuntimeInputError
 from fxpipe.pipeline import PlanAgreement, build, rebuild
 from fxpipe.rebalance import cut_of, moves
-from fxpipe.signature import copy_inputs
+from fxpipe.signature import copy_inputs, shape_text
 
 __all__ = ["Variants", "build_variant", "carried_cut", "in_mode", "mode_name"]
 
@@ -89,8 +89,7 @@ class Variants:
 
 def _shapes(shapes: Shapes) -> str:
     """Input shapes as a message shows them, B for the batch dimension."""
-    return ", ".join("(" + ", ".join("B" if n == -1 else str(n) for n in shape) + ")"
-                     for shape in shapes)
+    return ", ".join(shape_text(shape) for shape in shapes)
 
 
 def mode_name(training: bool) -> str:
