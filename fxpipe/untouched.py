@@ -12,8 +12,9 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
-__all__ = ["rng_forked", "seeded", "untouched"]
+__all__ = ["modes_kept", "rng_forked", "seeded", "untouched"]
 
 
 def _cuda_devices() -> list[int]:
@@ -55,3 +56,15 @@ def untouched(parameters: Iterable[torch.Tensor], buffers: Iterable[torch.Tensor
                 b.copy_(value)
         for p, grad in grads:
             p.grad = grad
+
+
+@contextlib.contextmanager
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """Every module's train/eval flag is put back after the block, also when it raises (a
+    model may hold a module in a mode of its own, such as a frozen BatchNorm)."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag

@@ -30,6 +30,7 @@ from fxpipe.errors import ConfigError, PartitionError, RuntimeInputError
 from fxpipe.pipeline import PlanAgreement, build, rebuild
 from fxpipe.rebalance import cut_of, moves
 from fxpipe.signature import copy_inputs, shape_text
+from fxpipe.untouched import modes_kept
 
 __all__ = ["Variants", "build_variant", "carried_cut", "in_mode", "mode_name"]
 
@@ -100,13 +101,9 @@ def mode_name(training: bool) -> str:
 def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
     """Runs the block with `model.train(training)`, then puts every module's own flag back
     (a model may hold a BatchNorm in eval mode inside a model in train mode)."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.train(training)
-    try:
+    with modes_kept(model):
+        model.train(training)
         yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 def build_variant(built: Built, model: nn.Module, args: tuple[Any, ...],

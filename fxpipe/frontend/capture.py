@@ -48,6 +48,7 @@ from fxpipe.frontend.naming import name_nodes_after_modules
 from fxpipe.frontend.stamp import Stamper
 from fxpipe.frontend.tracers import LeafModule
 from fxpipe.signature import ModelArgs, ModelKwargs, Signature, is_tensor
+from fxpipe.untouched import modes_kept
 
 __all__ = ["capture", "CaptureInfo", "METHODS"]
 
@@ -424,14 +425,12 @@ def preserved_state(model: nn.Module, before: StateSnapshot | None = None) -> It
     """Restores training flags and buffers (BatchNorm statistics) after trial runs, including a
     buffer that forward replaced by another tensor, and the parameters and inputs `before`
     saved (a forward that writes them is refused, and leaves them as they were)."""
-    modes = [(m, m.training) for m in model.modules()]
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
                for name, b in m._buffers.items() if b is not None]
     try:
-        yield
+        with modes_kept(model):
+            yield
     finally:
-        for m, mode in modes:
-            m.training = mode
         with torch.no_grad():
             for m, name, b, saved in buffers:
                 m._buffers[name] = b

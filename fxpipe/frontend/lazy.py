@@ -28,7 +28,7 @@ from fxpipe.frontend.mutation import (
     written,
 )
 from fxpipe.signature import ModelArgs, ModelKwargs
-from fxpipe.untouched import seeded
+from fxpipe.untouched import modes_kept, seeded
 
 __all__ = ["run_first_forward"]
 
@@ -98,10 +98,9 @@ def run_first_forward(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
     when forward writes a parameter or an input the model is put back whole."""
     state = snapshot_state(model, inputs)
     slots = _slots(model)
-    modes = [(m, m.training) for m in model.modules()]
     kept: list[str] = []
     try:
-        with torch.no_grad(), seeded(0):
+        with torch.no_grad(), seeded(0), modes_kept(model):
             model(*args, **kwargs)
             filled = _filled(slots, model)
             beyond = [k for k in written(model, state) if not k.startswith("buffer ")]
@@ -113,8 +112,6 @@ def run_first_forward(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                              *(k.removeprefix("buffer ") for k in written(model, second))}
                     kept = [name for name in filled if name not in again]
     finally:
-        for m, mode in modes:
-            m.training = mode
         _put_back(slots, keep=kept)
         restore_values(_without_buffers(state, kept))
     return kept
