@@ -144,10 +144,7 @@ def compile(  # noqa: A001 - the name users know from torch.compile
         torch.Size([8, 10])
     """
     if not isinstance(model, nn.Module):
-        raise ConfigError(
-            f"fxpipe.compile needs a torch.nn.Module (got {type(model).__name__} {model!r})",
-            hint="wrap a function in a module: class Fn(torch.nn.Module): "
-                 "def forward(self, x): return fn(x); then fxpipe.compile(Fn(), ...)")
+        raise _not_a_module(model)
     config = CompileConfig(
         stages=stages, chunks=chunks, remat=remat,
         balance=balance if isinstance(balance, str) else tuple(balance),
@@ -181,3 +178,18 @@ def _replicas(config: CompileConfig) -> int:
         world = dist.get_world_size()
         return world // config.ranks if world % config.ranks == 0 else 1
     return 1
+
+
+def _not_a_module(model: Any) -> ConfigError:
+    """The error for a first argument that is not a module, with the likely fix: a (model,
+    example) pair (what fxpipe.models' build() returns) is unpacked, a function wrapped."""
+    text = repr(model).replace("\n", " ")
+    got = f"{type(model).__name__} {text[:60]}{' ...' if len(text) > 60 else ''}"
+    if isinstance(model, (tuple, list)) and model and isinstance(model[0], nn.Module):
+        return ConfigError(
+            f"fxpipe.compile needs a torch.nn.Module, and got a {type(model).__name__} of "
+            f"{len(model)} whose first item is the module {type(model[0]).__name__}",
+            hint="unpack it: model, example = ...; fxpipe.compile(model, example)")
+    return ConfigError(f"fxpipe.compile needs a torch.nn.Module (got {got})",
+                       hint="wrap a function in a module: class Fn(torch.nn.Module): "
+                            "def forward(self, x): return fn(x); then fxpipe.compile(Fn(), ...)")

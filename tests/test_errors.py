@@ -15,7 +15,7 @@ from fxpipe.errors import (
     PartitionError,
     RuntimeInputError,
 )
-from fxpipe.models import branchy, mlp
+from fxpipe.models import branchy, gpt, mlp
 
 
 @pytest.fixture(scope="module")
@@ -578,6 +578,15 @@ def test_compile_of_a_function_asks_for_an_nn_module():
     with pytest.raises(ConfigError) as err:
         fxpipe.compile(lambda x: x)
     _check(err.value, "needs a torch.nn.Module (got function", "class Fn(torch.nn.Module)")
+
+
+def test_compile_of_a_model_and_example_pair_asks_to_unpack_it_without_printing_the_batch():
+    pair = gpt.build()  # (model, example), as every bundled build() returns
+    with pytest.raises(ConfigError) as err:
+        fxpipe.compile(pair)
+    _check(err.value, "got a tuple of 2 whose first item is the module GPT",
+           "model, example = ...")
+    assert "tensor(" not in str(err.value) and len(str(err.value)) < 300, str(err.value)
 
 
 class _ReadsAValue(nn.Module):
