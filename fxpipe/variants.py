@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -32,18 +33,26 @@ from fxpipe.rebalance import cut_of, moves
 from fxpipe.signature import copy_inputs, shape_text
 from fxpipe.untouched import modes_kept
 
-__all__ = ["Variants", "build_variant", "carried_cut", "in_mode", "mode_name"]
+__all__ = ["KEPT", "Variants", "build_variant", "carried_cut", "in_mode", "mode_name"]
 
 
 Shapes = tuple[tuple[int, ...], ...]  # a call's tensor shapes, each batch dimension as -1
 
 
-class Variants:
-    """The plans a program was built for, by train/eval mode and input shapes: each made once,
-    the one installed last kept too, for when calls come back to it."""
+KEPT = 8
+"""Plans kept besides the installed one: a few modes and lengths, never one per length of a
+dataset's sequences (each holds its graphs and code, a few MB for a small GPT)."""
 
-    def __init__(self) -> None:
-        self.made: dict[tuple[bool, Shapes], Built] = {}
+
+class Variants:
+    """The plans a program was built for, by train/eval mode and input shapes: each made once
+    and kept for when calls come back to it, the `kept` used last (a plan dropped is made again
+    when called for)."""
+
+    def __init__(self, kept: int | None = None) -> None:
+        self.made: OrderedDict[tuple[bool, Shapes], Built] = OrderedDict()
+        self.kept = KEPT if kept is None else kept
+        self.dropped = 0
 
     def plan_for(self, built: Built, model: nn.Module, args: tuple[Any, ...],
                  kwargs: dict[str, Any], training: bool, *, agree: PlanAgreement | None,
@@ -62,7 +71,7 @@ class Variants:
                 f"with {_shapes(now[1])}: its stages would be built again for that, and FSDP2 "
                 "shards their parameters over the replicas (shard='full')",
                 hint="compile one program per mode and input shapes, or shard='optimizer'")
-        known = self.made.get(now)
+        known = self.made.pop(now, None)
         reshaped = known is None and now[1] != compiled[1]
         if reshaped:
             warnings.warn(f"compiling the program again for inputs of shapes {_shapes(now[1])} "
@@ -84,8 +93,23 @@ class Variants:
                 f"for them failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                 hint="pass inputs of shapes the model takes (the compiled ones differ only in "
                      "the batch dimension B)") from e
-        self.made[compiled] = built
+        self._keep(compiled, built, caller)
         return variant
+
+    def _keep(self, key: tuple[bool, Shapes], built: Built, caller: int) -> None:
+        """Keeps `built` as the plan used last, dropping the one used longest ago beyond
+        `kept`; the first drop warns, as from then on a shape that comes back compiles again."""
+        self.made[key] = built
+        self.made.move_to_end(key)
+        while len(self.made) > self.kept:
+            self.made.popitem(last=False)
+            self.dropped += 1
+            if self.dropped == 1:
+                warnings.warn(
+                    f"the program has been called with more than {self.kept + 1} input shapes "
+                    "and modes; it keeps the plans of the last ones, and compiles again for a "
+                    "shape it dropped\nhint: pad inputs to a few lengths (e.g. a tokenizer's "
+                    "pad_to_multiple_of)", UserWarning, stacklevel=caller + 1)
 
 
 def _shapes(shapes: Shapes) -> str:

@@ -19,7 +19,7 @@ from test_training_semantics import DropPath
 from torch import nn
 
 import fxpipe
-from fxpipe import ir
+from fxpipe import ir, variants
 from fxpipe.errors import ConfigError
 from fxpipe.models import gpt
 from fxpipe.testing.reference_step import reference_step
@@ -223,6 +223,32 @@ def test_other_lengths_compile_once_each_and_train_as_the_plain_model():
     x, _ = tokens(8, 16, 9)
     with torch.no_grad():
         torch.testing.assert_close(program.eval()(x), plain.eval()(x))
+
+
+def test_plans_of_many_lengths_are_kept_for_the_last_few_and_a_dropped_one_is_made_again(
+        monkeypatch):
+    monkeypatch.setattr(variants, "KEPT", 2)
+    torch.manual_seed(0)
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)  # 32 tokens
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (idx,), stages=2, chunks=4, profile="a100")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, length in enumerate([16, 24, 20, 16, 32]):
+            x, y = tokens(8, length, i)
+            model.zero_grad()
+            plain.zero_grad()
+            loss = program.step(x, target=y)
+            assert len(program._variants.made) <= 2  # the installed plan besides
+            assert loss == pytest.approx(plain_step(plain, x, y), rel=1e-6)
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=f"{length}: {name}")
+    texts = [str(w.message) for w in caught]
+    dropped = [t for t in texts if "keeps the plans of the last ones" in t]
+    assert len(dropped) == 1 and "pad_to_multiple_of" in dropped[0], texts
+    # 16 came back while kept; 32, the compiled length, had been dropped: made again
+    again = [t for t in texts if "compiling the program again" in t]
+    assert len(again) == 4 and "(B, 32)" in again[-1], again
 
 
 LENGTHS = [(8, 16), (8, 32), (7, 24), (8, 16)]
