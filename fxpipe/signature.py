@@ -232,6 +232,19 @@ class Signature:
         most = -(-batch // chunks)
         return batch // max(d for d in range(1, most + 1) if batch % d == 0)
 
+    @staticmethod
+    def split_text(batch: int, chunks: int, compiled: int) -> tuple[str, str | None]:
+        """How a batch of `batch` runs, for an error in its micro-batches: "a batch of 7 in 7
+        micro-batches of 1", and when `compiled` (the program's chunks) does not divide it,
+        the hint that a batch it divides avoids the smaller micro-batches."""
+        text = f"a batch of {batch} in {chunks} micro-batches of {batch // chunks}"
+        if batch % compiled == 0:
+            return text, None
+        return text, (f"chunks={compiled} does not divide {batch}, which runs as {chunks} equal "
+                      f"micro-batches of {batch // chunks} (no larger than an even split "
+                      f"gives); pass batches that {compiled} divides (a DataLoader's "
+                      "drop_last=True drops a short last batch)")
+
     def split_inputs(self, tensors: Sequence[torch.Tensor],
                      chunks: int) -> list[list[torch.Tensor]]:
         """Micro-batches: every batched input split into `chunks` equal parts along its batch

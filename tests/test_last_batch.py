@@ -12,6 +12,7 @@ from gpt_batches import assert_ranks_match_plain, plain_step, tokens
 from ranks import spawn
 
 import fxpipe
+from fxpipe.errors import PipelineRuntimeError
 from fxpipe.models import gpt
 from fxpipe.signature import Signature
 from fxpipe.testing.reference_step import reference_step
@@ -25,6 +26,21 @@ def test_the_micro_batches_of_a_batch_are_equal_and_no_larger_than_an_even_split
         got = Signature.microbatches(batch, chunks)
         assert (got, batch % got) == (want, 0), (batch, chunks)
         assert batch // got <= -(-batch // chunks)
+
+
+def test_a_micro_batch_too_small_for_the_model_says_how_the_batch_was_split_and_what_to_pass():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.Linear(16, 3))
+    program = fxpipe.compile(model, (torch.randn(16, 8),), stages=2, chunks=4)
+    # 6 runs as 3 micro-batches of 2, and trains
+    program.step(torch.randn(6, 8), target=torch.randint(0, 3, (6,)), loss_fn=F.cross_entropy)
+    with pytest.raises(PipelineRuntimeError) as err:  # BatchNorm's statistics of one example
+        program.step(torch.randn(7, 8), target=torch.randint(0, 3, (7,)),
+                     loss_fn=F.cross_entropy)
+    assert "(a batch of 7 in 7 micro-batches of 1): ValueError" in str(err.value)
+    assert "chunks=4 does not divide 7" in err.value.hint and "drop_last=True" in err.value.hint
+    assert Signature.split_text(16, 4, 4) == ("a batch of 16 in 4 micro-batches of 4", None)
 
 
 def test_uneven_batches_train_and_evaluate_as_the_whole_batch_in_one_process():

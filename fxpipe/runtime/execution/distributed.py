@@ -187,12 +187,12 @@ class DistributedExecutor:
         key = loss_key(loss_fn, target is not None)
         kind = schedule_kind(schedule)
         batch = self.signature.batch_size(tensors)
-        chunks = self.signature.microbatches(batch, chunks)  # an uneven last batch
-        run = dict(batch=batch, chunks=chunks, remat=remat_policy(remat), schedule=kind,
-                   scaler=scaler)
+        micro = self.signature.microbatches(batch, chunks)  # an uneven last batch's
+        run = dict(batch=batch, chunks=micro, compiled=chunks, remat=remat_policy(remat),
+                   schedule=kind, scaler=scaler)
         earlier = self._take_tied_gradients()
         try:
-            if self._loss_first(kind, chunks):  # judged on each step before its backward
+            if self._loss_first(kind, micro):  # judged on each step before its backward
                 return self._step(tensors, target, loss_fn, key, None, **run)
             if key not in self.loss_judge.kinds:  # a step that only judges the loss, then it
                 with untouched(self.parameters(), self.buffers()):
@@ -244,10 +244,12 @@ class DistributedExecutor:
 
     def _step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
               loss_fn: Callable[..., torch.Tensor], key: Any, assumed: str | None, *,
-              batch: int, chunks: int, remat: RematPolicy, schedule: ScheduleKind,
-              scaler: Any, probe: bool = False) -> StepResult:
+              batch: int, chunks: int, compiled: int, remat: RematPolicy,
+              schedule: ScheduleKind, scaler: Any, probe: bool = False) -> StepResult:
         """The step, its backward weighted as `assumed` (None: as the last stage finds before
-        its first backward; `probe`: by 0, only to find the kind, recorded in loss_kinds)."""
+        its first backward; `probe`: by 0, only to find the kind, recorded in loss_kinds).
+        `chunks`: the batch's micro-batches (an uneven last batch's), `compiled`: the
+        program's."""
         tensors = list(tensors)
         read = sorted({i for u in self.units.values() for i in u.inputs})
         for i, t in zip(read, pin_for([tensors[i] for i in read], self.device)):
@@ -354,10 +356,11 @@ class DistributedExecutor:
             except PipelineRuntimeError:
                 raise
             except Exception as e:
+                how, uneven = self.signature.split_text(batch, chunks, compiled)
                 raise PipelineRuntimeError(
-                    f"stage {stage} (rank {self.mesh.rank}) failed in {action.kind}{mb}: "
-                    f"{type(e).__name__}: {e}",
-                    hint="the other ranks stop when this one exits") from e
+                    f"stage {stage} (rank {self.mesh.rank}) failed in {action.kind}{mb} "
+                    f"({how}): {type(e).__name__}: {e}",
+                    hint=uneven or "the other ranks stop when this one exits") from e
         comm.finish()
         self._learned(comm)
         # what the last stage found of the loss: [loss, kind, replicas finding each kind...,

@@ -97,9 +97,13 @@ class LocalExecutor:
                 except FxPipeError:
                     raise
                 except Exception as e:  # noqa: BLE001 - add the stage and micro-batch
+                    split, uneven = self.signature.split_text(
+                        self.signature.batch_size(tensors), chunks, self.chunks)
                     raise PipelineRuntimeError(
-                        f"stage {s} failed on micro-batch {mb}: {type(e).__name__}: {e}",
-                        hint="run the stage alone (program.stages[i]) to debug it") from e
+                        f"stage {s} failed on micro-batch {mb} ({split}): "
+                        f"{type(e).__name__}: {e}",
+                        hint=uneven or "run the stage alone (program.stages[i]) to debug it"
+                    ) from e
                 if s == k - 1:
                     outputs[mb] = result
         commit_batch_norms()  # deferred BatchNorm: running statistics of the whole batch
