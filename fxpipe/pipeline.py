@@ -50,7 +50,7 @@ from fxpipe.runtime.planning.timeline import predicted_events, predicted_step
 from fxpipe.runtime.program.spec import ProgramSpec
 from fxpipe.stage_header import stage_header
 
-__all__ = ["build", "rebuild", "PlanAgreement"]
+__all__ = ["build", "rebuild", "PlanAgreement", "broadcast_plan"]
 
 PlanAgreement = Callable[[GraphModule, PartitionPlan], PartitionPlan]
 """Makes every process use the same partition (rank 0's), writing its STAGE on the graph."""
@@ -372,3 +372,15 @@ def _runtime_plan(graphs: Sequence[StageGraph], plan: PartitionPlan, config: Com
         autocast=config.autocast, stages_per_rank=config.per_rank, shard=config.shard,
         predicted_events=tuple(e.to_json() for e in predicted_events(
             plan, config.schedule, config.ranks)))
+
+
+def broadcast_plan(gm: GraphModule, plan: PartitionPlan) -> PartitionPlan:
+    """Every rank uses rank 0's partition (measured profiles differ between processes)."""
+    stages = {n.name: n.meta[ir.STAGE] for n in ir.compute_nodes(gm.graph)}
+    payload: list[Any] = [stages, plan]
+    dist.broadcast_object_list(payload, src=0)
+    stages, agreed = payload
+    for node in ir.compute_nodes(gm.graph):
+        node.meta[ir.STAGE] = stages[node.name]
+    result: PartitionPlan = agreed
+    return result

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx import GraphModule
 
-from fxpipe import codegen, ir
+from fxpipe import codegen
 from fxpipe.built import Built, BuiltStage, Snapshot
 from fxpipe.config import CompileConfig
 from fxpipe.conversion import refuse_changing
@@ -28,28 +27,15 @@ from fxpipe.costs import cost_table
 from fxpipe.errors import (
     CheckpointError,
     ConfigError,
-    FxPipeError,
     RuntimeInputError,
 )
 from fxpipe.frontend.meta import is_meta_model
 from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
-from fxpipe.passes.partition import BalanceRound, PartitionPlan
-from fxpipe.pipeline import build, rebuild
-from fxpipe.program_state import ProgramState
-from fxpipe.rebalance import (
-    balance_by_measurement,
-    balance_key,
-    cut_of,
-    forget_balance,
-    load_balance,
-    measure_local,
-    measure_ranks,
-    move_optimizer_state,
-    move_state,
-    save_balance,
-)
+from fxpipe.passes.partition import PartitionPlan
+from fxpipe.pipeline import broadcast_plan, build
+from fxpipe.program_balance import ProgramBalance
 from fxpipe.reference import (
     depends_on_split,
     reference_device,
@@ -65,7 +51,6 @@ from fxpipe.runtime.execution.local import LocalExecutor
 from fxpipe.runtime.execution.memory import KeptMemory
 from fxpipe.runtime.execution.rank import RankPipeline, mesh_of_world, rank_device
 from fxpipe.runtime.stage import StageModule
-from fxpipe.sharding import is_sharded
 from fxpipe.signature import copy_inputs
 from fxpipe.stage_facts import predicted_kept
 from fxpipe.storage.state import StateNames, graph_tensors
@@ -76,7 +61,7 @@ from fxpipe.writer import ProgramFiles, write_program
 __all__ = ["Program"]
 
 
-class Program(ProgramState):
+class Program(ProgramBalance):
     """A model compiled into a pipeline (see fxpipe.compile)."""
 
     def __init__(self, model: nn.Module, config: CompileConfig) -> None:
@@ -116,7 +101,7 @@ class Program(ProgramState):
         with contextlib.nullcontext() if self.training == self.model.training else \
                 in_mode(self.model, self.training):
             built = build(self.model, args, kwargs, self.config,
-                          agree=_broadcast_plan if distributed else None)
+                          agree=broadcast_plan if distributed else None)
         self._names = StateNames.of_model(self.model, built.captured)
         self._example = [t.detach() for t in self._flat_inputs(built, args, kwargs)]
         self._install(built, device)
@@ -172,121 +157,6 @@ class Program(ProgramState):
                                    "or copy it in this process with copy.deepcopy(program)")
         state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         return state
-
-    # -- balancing by measurement ----------------------------------------------------------------
-
-    def _balance_at_build(self, device: torch.device | None) -> None:
-        """balance="dynamic": the cut remembered for this model and machine, else measured."""
-        built = self._require_built("plan")
-        distributed = device is not None
-        key = balance_key(built, dist.get_world_size() if distributed else 1)
-        cached = fixed_cut(self.config) is None and (not distributed or dist.get_rank() == 0)
-        box: list[Any] = [load_balance(key) if cached else None]
-        if distributed:
-            dist.broadcast_object_list(box, src=0)
-        if box[0] is not None:
-            starts, corrections, rounds = box[0]
-            try:  # every rank alike: the same entry fails the same way
-                agreed = rebuild(built, corrections,
-                                 agree=_broadcast_plan if distributed else None, starts=starts)
-            except FxPipeError as e:
-                if not distributed or dist.get_rank() == 0:
-                    forget_balance(key, str(e).splitlines()[0])
-            else:
-                agreed.rounds = rounds
-                self._install(agreed, device)
-                self.measured["balance"] = \
-                    "dynamic, the cut measured before on this machine (cache)"
-                return
-        self._run_balance(self._example, None, default_loss, steps=2, rounds=4, verbose=False,
-                          caller="balance='dynamic'")
-        fixed = fixed_cut(self.config)
-        self.measured["balance"] = "dynamic, measured while compiling" + \
-            (f"; the cut {fixed} fixes kept" if fixed else "")
-
-    def rebalance(self, *args: Any, target: torch.Tensor | None = None,
-                  loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
-                  steps: int = 2, rounds: int = 4, verbose: bool = False,
-                  **kwargs: Any) -> list[BalanceRound]:
-        """Measures each stage's compute time in a few training steps and moves the cut until
-        the stages are balanced (as balance="dynamic" does when compiling), between steps of a
-        running program. Parameters keep their values; under torchrun the ones that change rank
-        move there with their optimizer state (pass `optimizer`, built on every rank over
-        program.parameters(); it then holds this rank's new parameters).
-
-        Without a batch it measures on the last step's batch, target and loss (else the example
-        batch). The measuring steps change nothing: gradients, buffers and RNG state are
-        restored. Every rank calls it. Returns the rounds (cut, predicted and measured time per
-        stage), also in the report. A cut the user gave (balance=[...], split_points=[...]) is
-        measured once and kept, with a warning that says so.
-        """
-        built = self._require_built("plan to rebalance")
-        rank = self._rank
-        if self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1:
-            raise ConfigError("program.rebalance() cannot move stages whose parameters FSDP2 "
-                              "shards over the replicas (shard='full')",
-                              hint="save a checkpoint, compile the new cut, and load it into "
-                                   "the new program and a new program.optimizer(...)")
-        if optimizer is not None and is_sharded(optimizer):
-            raise ConfigError("program.rebalance() cannot move the state of an optimizer "
-                              "sharded over the replicas (shard='optimizer')",
-                              hint="save a checkpoint, compile the new cut, and load it into "
-                                   "a new program.optimizer(...)")
-        if args or kwargs:
-            flat = self._flat_inputs(built, args, kwargs)
-        else:
-            flat, target, loss_fn = self._last_batch or (self._example, target, loss_fn)
-        before = built
-        after = self._run_balance(flat, target, loss_fn or default_loss, steps=steps,
-                                  rounds=rounds, verbose=verbose, caller="program.rebalance()")
-        if self._rank is not None and cut_of(after) != cut_of(before):
-            move_state(before, after, self._rank.mesh, graph_tensors(after.captured), optimizer)
-        elif optimizer is not None:
-            move_optimizer_state(optimizer)
-        return after.rounds
-
-    def _run_balance(self, flat: list[torch.Tensor], target: torch.Tensor | None,
-                     loss_fn: LossFn, *, steps: int, rounds: int, verbose: bool,
-                     caller: str) -> Built:
-        built = self._require_built("plan to balance")
-        fixed = fixed_cut(self.config)
-        if is_meta_model(self.model):
-            raise ConfigError(
-                f"{type(self.model).__name__} was built on the meta device, and balancing by "
-                "measurement runs training steps of the whole program in this process",
-                hint="balance with balance='cost' (the cost model and the device profile), or "
-                     "compile a smaller instance of the model with balance='dynamic' to find "
-                     "the cut")
-        device = self._rank.executor.device if self._rank is not None else None
-
-        def measure(current: Built) -> list[float]:
-            # under the program's autocast, as its steps run (and as its costs were counted)
-            model = self.model
-            with untouched(model.parameters(), model.buffers()), \
-                    compiled_autocast(self.config.autocast, self.devices):
-                if self._rank is not None:
-                    return measure_ranks(self._rank, flat, target, loss_fn, steps)
-                executor = self._local_executor("balancing")
-                return measure_local(executor, current.signature, current.spec.chunks,
-                                     current.spec.remat, flat, target, loss_fn, steps)
-
-        show = verbose and (device is None or dist.get_rank() == 0)
-        after = balance_by_measurement(
-            built, measure=measure, install=lambda b: self._install(b, device),
-            agree=_broadcast_plan if device is not None else None, rounds=rounds,
-            progress=(lambda line: print(f"[fxpipe] {line}", flush=True)) if show else None,
-            move=fixed is None)
-        if fixed is not None:
-            measured = " / ".join(f"{t * 1e3:.2f}" for t in after.rounds[0].measured)
-            warnings.warn(f"{caller} measured the stages at {measured} ms per micro-batch "
-                          f"({after.rounds[0].spread:.1%} apart) and kept the cut: {fixed} "
-                          f"fixes it\nhint: compile without {fixed.partition('=')[0]} "
-                          "(balance='cost', or balance='dynamic' to balance while compiling) "
-                          "to let fxpipe move the cut", UserWarning, stacklevel=3)
-            return after
-        if device is None or dist.get_rank() == 0:
-            save_balance(balance_key(after, dist.get_world_size() if device else 1), after)
-        return after
 
     def _instantiate(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Builds this process's stage modules on `tensors` (qualified name -> tensor) and
@@ -465,7 +335,7 @@ class Program(ProgramState):
         rank = self._rank
         variant = self._variants.plan_for(
             built, self.model, args, kwargs, self.training,
-            agree=_broadcast_plan if self._mesh is not None else None, caller=caller + 1,
+            agree=broadcast_plan if self._mesh is not None else None, caller=caller + 1,
             sharded=self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1)
         held, _ = self._held_tensors()
         self._install(variant, self._device, held)
@@ -605,24 +475,3 @@ class Program(ProgramState):
                              replica_reference_losses={r: v for r, v in by_replicas.items() if v},
                              split_dependent=split_dependent)
         return write_program(built, directory, files)
-
-
-def fixed_cut(config: CompileConfig) -> str | None:
-    """The argument by which the user fixed the cut (balancing then only measures), or None."""
-    if config.split_points is not None:
-        return f"split_points={list(config.split_points)}"
-    if isinstance(config.balance, tuple):
-        return f"balance={list(config.balance)}"
-    return None
-
-
-def _broadcast_plan(gm: GraphModule, plan: PartitionPlan) -> PartitionPlan:
-    """Every rank uses rank 0's partition (measured profiles differ between processes)."""
-    stages = {n.name: n.meta[ir.STAGE] for n in ir.compute_nodes(gm.graph)}
-    payload: list[Any] = [stages, plan]
-    dist.broadcast_object_list(payload, src=0)
-    stages, agreed = payload
-    for node in ir.compute_nodes(gm.graph):
-        node.meta[ir.STAGE] = stages[node.name]
-    result: PartitionPlan = agreed
-    return result

@@ -16,7 +16,7 @@ import torch
 
 import fxpipe
 from fxpipe import ir
-from fxpipe import program as program_module
+from fxpipe import program_balance as program_module
 from fxpipe.losses import default_loss
 from fxpipe.models import gpt, mlp
 from fxpipe.passes.cost import annotate_costs

@@ -133,7 +133,7 @@ def test_compile_autocast_sizes_costs_and_messages_for_its_precision():
 
 
 def test_balancing_by_measurement_runs_under_the_compiled_autocast(monkeypatch):
-    from fxpipe import program as program_module
+    from fxpipe import program_balance as program_module
     seen: list[bool] = []
     measure_local = program_module.measure_local
 

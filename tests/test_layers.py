@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.pipeline",),  # build(): the passes in order
     # take the built plan
     ("fxpipe.reference", "fxpipe.writer", "fxpipe.held", "fxpipe.rebalance", "fxpipe.variants",
-     "fxpipe.program", "fxpipe.program_state"),
+     "fxpipe.program", "fxpipe.program_state", "fxpipe.program_balance"),
     ("fxpipe.api", "fxpipe.cli", "fxpipe.__main__", "fxpipe"),  # what users call
 ]
 BESIDE = ("fxpipe.tools", "fxpipe.testing")  # import anything; imported only by fxpipe.cli
