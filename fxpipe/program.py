@@ -248,7 +248,7 @@ class Program(ProgramBalance):
         the step if any rank's gradients are not finite).
         """
         flat, loss_fn = self._batch_for("step", args, kwargs, loss_fn)
-        self._last_batch = (flat, target, loss_fn)
+        self._remember_batch(flat, target, loss_fn)
         if self._rank is not None:
             with compiled_autocast(self.config.autocast, self.devices):
                 loss, result = self._rank.step(flat, target, loss_fn, scaler)

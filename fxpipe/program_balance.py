@@ -106,9 +106,10 @@ class ProgramBalance(ProgramState):
         move there with their optimizer state (pass `optimizer`, built on every rank over
         program.parameters(); it then holds this rank's new parameters).
 
-        Without a batch it measures on the last step's batch, target and loss (else the example
-        batch). The measuring steps change nothing: gradients, buffers and RNG state are
-        restored. Every rank calls it. Returns the rounds (cut, predicted and measured time per
+        Without a batch it measures on the last step's batch, target and loss that ran in the
+        program's micro-batches (not an epoch's short last batch; else the example batch). The
+        measuring steps change nothing: gradients, buffers and RNG state are restored. Every
+        rank calls it. Returns the rounds (cut, predicted and measured time per
         stage), also in the report. A cut the user gave (balance=[...], split_points=[...]) is
         measured once and kept, with a warning that says so.
         """
@@ -136,6 +137,15 @@ class ProgramBalance(ProgramState):
         elif optimizer is not None:
             move_optimizer_state(optimizer)
         return after.rounds
+
+    def _remember_batch(self, flat: list[torch.Tensor], target: torch.Tensor | None,
+                        loss_fn: LossFn) -> None:
+        """Keeps a step's batch for rebalance() when it runs in the plan's micro-batches: a
+        short last batch's smaller ones would time the stages at another size."""
+        built = self._require_built("plan")
+        replicas = self._rank.mesh.replicas if self._rank is not None else 1
+        if built.signature.batch_size(flat) % (built.spec.chunks * replicas) == 0:
+            self._last_batch = (flat, target, loss_fn)
 
     def _run_balance(self, flat: list[torch.Tensor], target: torch.Tensor | None,
                      loss_fn: LossFn, *, steps: int, rounds: int, verbose: bool,

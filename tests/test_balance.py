@@ -293,6 +293,23 @@ def test_a_rebalanced_program_trains_exactly_as_the_plain_model(monkeypatch):
         torch.testing.assert_close(p, q, msg=name)
 
 
+def test_rebalance_measures_the_last_full_batch_not_a_short_last_one(monkeypatch):
+    model, inputs, target = make_gpt()
+    program = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=PROFILE)
+    batch = inputs[0].shape[0]
+    program.step(*inputs, target=target)
+    program.step(inputs[0][: batch - 1], target=target[: batch - 1])  # 7: micro-batches of 1
+    sizes = []
+
+    def measure(executor, signature, chunks, remat, flat, *rest):
+        sizes.append(signature.batch_size(flat))
+        return [1e-3, 1e-3]
+
+    monkeypatch.setattr(program_module, "measure_local", measure)
+    program.rebalance(rounds=1)
+    assert sizes and set(sizes) == {batch}, sizes
+
+
 def _fixed_cut_compiles():
     model, inputs, _ = make_gpt()
     cost = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=PROFILE)
