@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,7 +56,7 @@ from fxpipe.signature import copy_inputs
 from fxpipe.stage_facts import predicted_kept
 from fxpipe.storage.state import StateNames, graph_tensors
 from fxpipe.untouched import untouched
-from fxpipe.variants import Variants, in_mode
+from fxpipe.variants import Variants, in_mode, mode_name
 from fxpipe.writer import ProgramFiles, write_program
 
 __all__ = ["Program"]
@@ -72,6 +73,7 @@ class Program(ProgramBalance):
         self._built: Built | None = None
         self._names: StateNames | None = None
         self._example: list[torch.Tensor] = []
+        self._compiled_training = True  # the mode of the first build
         self._local: LocalExecutor | None = None
         self._rank: RankPipeline | None = None
         self._groups = GroupCache()  # the process groups of every cut installed, made once
@@ -104,6 +106,7 @@ class Program(ProgramBalance):
                           agree=broadcast_plan if distributed else None)
         self._names = StateNames.of_model(self.model, built.captured)
         self._example = [t.detach() for t in self._flat_inputs(built, args, kwargs)]
+        self._compiled_training = built.capture_info.training
         self._install(built, device)
         if self.config.balance == "dynamic":
             self._balance_at_build(device)
@@ -143,6 +146,7 @@ class Program(ProgramBalance):
         built, tensors = copy.deepcopy((self._built, held), memo)
         clone._names = StateNames.of_model(clone.model, built.captured)
         clone._example = copy.deepcopy(self._example, memo)
+        clone._compiled_training = self._compiled_training
         clone._install(built, None, tensors)
         return clone
 
@@ -427,6 +431,10 @@ class Program(ProgramBalance):
 
         A program whose stages have no weights yet (a model built on the meta device) is
         written without weights.pt; it trains with `program.py --weights PATH` or `--init`.
+
+        It is the plan for the example batch in the program's mode (program.train() or
+        eval()), whatever the last call ran: written after evaluating in eval mode, it would
+        train in eval mode, which a warning says when it differs from the compiled mode.
         """
         built = self._require_built("code to write")
         if len(self.stage_modules) < len(built.stages):
@@ -442,15 +450,25 @@ class Program(ProgramBalance):
                               "written program trains on the example batch and this target",
                               hint="pass write(directory, loss_fn=..., target=y), y the targets "
                                    "of the example batch; or a loss of the output alone")
+        built, _ = self._variant(built, *built.signature.unflatten_inputs(self._example),
+                                 caller=4)
+        if self.training != self._compiled_training:
+            warnings.warn(f"writing the program in {mode_name(self.training)} mode, as "
+                          f"program.{mode_name(self.training)}() set it, though it was "
+                          f"compiled in {mode_name(not self.training)} mode: the written "
+                          f"program trains in {mode_name(self.training)} mode\nhint: call "
+                          f"program.{mode_name(not self.training)}() before write() to write "
+                          "it as compiled", UserWarning, stacklevel=2)
         meta_model = is_meta_model(self.model)
         draws_random = not built.spec.deterministic
 
         def recorded(replicas: int) -> list[float]:
-            return reference_losses(self.model, built.signature, self._example, target,
-                                    resolve_loss(name), reference_steps, lr,
-                                    chunks=built.spec.chunks, draws_random=draws_random,
-                                    device=reference_device(self.model, self.devices[0]),
-                                    autocast=self.config.autocast, replicas=replicas)
+            with in_mode(self.model, self.training):  # as the written stages run
+                return reference_losses(self.model, built.signature, self._example, target,
+                                        resolve_loss(name), reference_steps, lr,
+                                        chunks=built.spec.chunks, draws_random=draws_random,
+                                        device=reference_device(self.model, self.devices[0]),
+                                        autocast=self.config.autocast, replicas=replicas)
 
         reference = recorded(1) if reference_steps and not meta_model else []
         # replicas see other micro-batches than one process where the split matters

@@ -184,6 +184,29 @@ def test_on_two_ranks_eval_and_train_mode_alternate_as_the_plain_model_s():
                 torch.testing.assert_close(value, plain[name].detach(), msg=name)
 
 
+def test_write_writes_the_program_s_mode_for_its_example_whatever_the_last_call_ran(tmp_path):
+    model, x, y = _case()
+    fresh = fxpipe.compile(copy.deepcopy(model), (x,), stages=2, chunks=2, split_points=["b"])
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, split_points=["b"])
+    with torch.no_grad():
+        program.eval()(x[:8])  # the last call: eval mode, another batch size
+    program.train()
+    stages = [f"stage_{i}.py" for i in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as compiled: nothing to say
+        program.write(str(tmp_path / "after"), target=y, loss_fn="cross_entropy",
+                      reference_steps=0)
+    fresh.write(str(tmp_path / "fresh"), target=y, loss_fn="cross_entropy", reference_steps=0)
+    for name in stages:  # dropout, stochastic depth and BatchNorm as in train mode
+        assert (tmp_path / "after" / name).read_text() == (tmp_path / "fresh" / name).read_text()
+    program.eval()
+    with pytest.warns(UserWarning, match="writing the program in eval mode.*program.train"):
+        program.write(str(tmp_path / "eval"), target=y, loss_fn="cross_entropy",
+                      reference_steps=0)
+    assert (tmp_path / "eval" / stages[0]).read_text() != \
+        (tmp_path / "fresh" / stages[0]).read_text()
+
+
 def test_a_cut_given_as_node_counts_carries_over_to_the_other_mode_s_graph():
     model, x, _ = _case()
     plain = copy.deepcopy(model).eval()
