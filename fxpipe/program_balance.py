@@ -53,13 +53,14 @@ class ProgramBalance(ProgramState):
         """Builds the stage modules and executor of a plan (Program's)."""
         raise NotImplementedError
 
-    def _local_executor(self, what: str) -> LocalExecutor:
-        """The executor of every stage in this process (Program's)."""
+    def _variant(self, built: Built, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 caller: int) -> tuple[Built, list[torch.Tensor]]:
+        """The plan for a call in the program's mode, installed, and its flat inputs
+        (Program's)."""
         raise NotImplementedError
 
-    def _flat_inputs(self, built: Built, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        """A call's tensors, flat (Program's)."""
+    def _local_executor(self, what: str) -> LocalExecutor:
+        """The executor of every stage in this process (Program's)."""
         raise NotImplementedError
 
     @property
@@ -125,11 +126,11 @@ class ProgramBalance(ProgramState):
                               "sharded over the replicas (shard='optimizer')",
                               hint="save a checkpoint, compile the new cut, and load it into "
                                    "a new program.optimizer(...)")
-        if args or kwargs:
-            flat = self._flat_inputs(built, args, kwargs)
-        else:
+        if not (args or kwargs):
             flat, target, loss_fn = self._last_batch or (self._example, target, loss_fn)
-        before = built
+            args, kwargs = built.signature.unflatten_inputs(flat)
+        # the plan that trains on this batch: in train mode after an eval-mode call, say
+        before, flat = self._variant(built, args, kwargs, caller=3)
         after = self._run_balance(flat, target, loss_fn or default_loss, steps=steps,
                                   rounds=rounds, verbose=verbose, caller="program.rebalance()")
         if self._rank is not None and cut_of(after) != cut_of(before):

@@ -310,6 +310,27 @@ def test_rebalance_measures_the_last_full_batch_not_a_short_last_one(monkeypatch
     assert sizes and set(sizes) == {batch}, sizes
 
 
+def test_rebalance_after_an_eval_call_balances_the_train_plan_on_any_length(monkeypatch):
+    model, inputs, target = make_gpt()
+    program = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=PROFILE)
+    program.step(*inputs, target=target)
+    with torch.no_grad():
+        program.eval()(*inputs)
+    program.train()
+    lengths = []
+
+    def measure(executor, signature, chunks, remat, flat, *rest):
+        lengths.append(flat[0].shape[1])
+        return [1e-3, 1e-3]
+
+    monkeypatch.setattr(program_module, "measure_local", measure)
+    program.rebalance(rounds=1)
+    assert program.built.capture_info.training and lengths == [inputs[0].shape[1]]
+    with pytest.warns(UserWarning, match="compiling the program again"):
+        program.rebalance(inputs[0][:, :16], target=target[:, :16], rounds=1)
+    assert program.built.capture_info.training and lengths[-1] == 16
+
+
 def _fixed_cut_compiles():
     model, inputs, _ = make_gpt()
     cost = fxpipe.compile(model, inputs, stages=2, chunks=4, profile=PROFILE)
