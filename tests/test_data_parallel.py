@@ -67,10 +67,39 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
                     "report": program.report().text(),
                     "buckets": len(averager.buckets) if averager else 0,
                     "overlapped": averager.overlapped if averager else 0}
+        results["freezing"] = _freezing_steps(fxpipe.compile, rank)
         dist.destroy_process_group()
         queue.put((rank, _bytes(results)))  # tensors as bytes: shared memory dies with the child
     except Exception:  # noqa: BLE001 - sent to the parent
         queue.put((rank, traceback.format_exc()))
+
+
+def _freezing_steps(compile_fn, rank: int | None = None) -> dict:
+    """The tied GPT trained by SGD with weight decay while its user freezes and unfreezes
+    parameters: blocks.0 frozen when compiled and unfrozen after the first step, then the tied
+    embedding (wte and lm_head) and blocks.1 frozen. A frozen parameter must get no gradient
+    (a zero one would have weight decay move it) and an unfrozen one its replicas' average.
+    `compile_fn`: fxpipe.compile, or the identity for the plain model."""
+    model, inputs, target = _build("gpt_tied")
+    model.blocks[0].requires_grad_(False)
+    program = compile_fn(model, inputs, stages=2, chunks=2, profile="a100",
+                         dp_bucket_mb=4 / 1024)
+    optimizer = torch.optim.SGD(program.parameters(), lr=LR, momentum=0.9, weight_decay=0.5)
+    losses = []
+    for step in range(STEPS):
+        if rank is None:
+            loss = default_loss(model(*inputs), target)
+            loss.backward()
+            losses.append(float(loss.detach()))
+        else:
+            losses.append(program.step(*inputs, target=target))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 0:
+            model.blocks[0].requires_grad_(True)
+            model.lm_head.weight.requires_grad_(False)  # wte.weight: the same tensor
+            model.blocks[1].requires_grad_(False)
+    return {"losses": losses, "state": program.state_dict()}
 
 
 def _bytes(obj) -> bytes:
@@ -127,6 +156,17 @@ def test_two_replicas_of_two_stages_train_like_one_process(two_by_two, name, mod
         merged.update(results[name, mode]["state"])
     assert set(merged) == set(state)
     for key, value in state.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_parameters_frozen_and_unfrozen_between_steps_train_like_one_process(two_by_two):
+    want = _freezing_steps(lambda model, *a, **k: model)
+    merged = {}
+    for rank, results in two_by_two.items():
+        got = results["freezing"]
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6), rank
+        merged.update(got["state"])
+    for key, value in want["state"].items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 

@@ -91,10 +91,11 @@ class ReplicaAverager:
                 p = self.params[i]
                 n = p.numel()
                 average = flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = average.clone()
-                else:
-                    p.grad.copy_(average)
+                if p.requires_grad:  # one frozen since keeps no gradient, as DDP's
+                    if p.grad is None:
+                        p.grad = average.clone()
+                    else:
+                        p.grad.copy_(average)
                 offset += n
         self.launched = []
 

@@ -493,12 +493,14 @@ class DistributedExecutor:
 
     def _reduce_gradients(self) -> None:
         """Sums tied parameters' gradients over the ranks that hold them, then averages every
-        gradient over data-parallel replicas."""
+        gradient over data-parallel replicas. A frozen parameter (requires_grad False, as every
+        rank's training code sets it) is left without a gradient, as DDP leaves it: a zero one
+        would have an optimizer's weight decay move it."""
         named = self.named_tensors()
         for name in sorted(self.shared):
             group = self.shared_groups.get(name)
             param = named.get(name)
-            if group is None or param is None:
+            if group is None or param is None or not param.requires_grad:
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -506,12 +508,13 @@ class DistributedExecutor:
             dist.all_reduce(local_part(param.grad), group=group)
         if self.dp_group is None or self.mesh.replicas == 1 or self.full_shard is not None:
             return
-        tied = set()
+        averaged: set[int] = set()  # by the averager: what required grad when it was made
         if self.averager is not None:
             self.averager.finish()
             tied = {id(t) for name, t in named.items() if name in self.shared}
+            averaged = {i for i in self.averager.index if i not in tied}
         for param in self.parameters():
-            if self.averager is None or id(param) in tied:
+            if param.requires_grad and id(param) not in averaged:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 dist.all_reduce(param.grad, group=self.dp_group)
