@@ -36,7 +36,7 @@ from fxpipe.held import hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
 from fxpipe.passes.partition import PartitionPlan
 from fxpipe.pipeline import broadcast_plan, build
-from fxpipe.program_balance import ProgramBalance
+from fxpipe.program_balance import Batch, ProgramBalance
 from fxpipe.reference import (
     depends_on_split,
     reference_device,
@@ -84,7 +84,7 @@ class Program(ProgramBalance):
         self._held: HeldStages | None = None
         self.stage_modules = nn.ModuleList()
         self.measured: dict[str, Any] = {}
-        self._last_batch: tuple[list[torch.Tensor], torch.Tensor | None, LossFn] | None = None
+        self._last_batches: tuple[Batch, ...] = ()
         self._variants = Variants()  # the plan for each mode and input shapes called with
 
     # -- building -------------------------------------------------------------------------------
@@ -252,7 +252,8 @@ class Program(ProgramBalance):
         the step if any rank's gradients are not finite).
         """
         flat, loss_fn = self._batch_for("step", args, kwargs, loss_fn)
-        self._remember_batch(flat, target, loss_fn)
+        # the last two: when the last is an epoch's short one, rebalance() takes the one before
+        self._last_batches = ((flat, target, loss_fn), *self._last_batches[:1])
         if self._rank is not None:
             with compiled_autocast(self.config.autocast, self.devices):
                 loss, result = self._rank.step(flat, target, loss_fn, scaler)

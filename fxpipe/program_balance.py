@@ -37,7 +37,11 @@ from fxpipe.sharding import is_sharded
 from fxpipe.storage.state import graph_tensors
 from fxpipe.untouched import untouched
 
-__all__ = ["ProgramBalance", "fixed_cut"]
+__all__ = ["Batch", "ProgramBalance", "fixed_cut"]
+
+
+Batch = tuple[list[torch.Tensor], torch.Tensor | None, LossFn]
+"""A step's flat inputs, target and loss."""
 
 
 class ProgramBalance(ProgramState):
@@ -46,7 +50,7 @@ class ProgramBalance(ProgramState):
 
     measured: dict[str, Any]
     _example: list[torch.Tensor]  # the example batch, flat
-    _last_batch: tuple[list[torch.Tensor], torch.Tensor | None, LossFn] | None
+    _last_batches: tuple[Batch, ...]  # the last steps', last first
 
     def _install(self, built: Built, device: torch.device | None,
                  held: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -107,9 +111,9 @@ class ProgramBalance(ProgramState):
         move there with their optimizer state (pass `optimizer`, built on every rank over
         program.parameters(); it then holds this rank's new parameters).
 
-        Without a batch it measures on the last step's batch, target and loss that ran in the
-        program's micro-batches (not an epoch's short last batch; else the example batch). The
-        measuring steps change nothing: gradients, buffers and RNG state are restored. Every
+        Without a batch it measures on the last step's batch, target and loss (the one before
+        after an epoch's short last batch; else the example batch).
+        The measuring steps change nothing: gradients, buffers and RNG state are restored. Every
         rank calls it. Returns the rounds (cut, predicted and measured time per
         stage), also in the report. A cut the user gave (balance=[...], split_points=[...]) is
         measured once and kept, with a warning that says so.
@@ -127,7 +131,7 @@ class ProgramBalance(ProgramState):
                               hint="save a checkpoint, compile the new cut, and load it into "
                                    "a new program.optimizer(...)")
         if not (args or kwargs):
-            flat, target, loss_fn = self._last_batch or (self._example, target, loss_fn)
+            flat, target, loss_fn = self._full_last_batch() or (self._example, target, loss_fn)
             args, kwargs = built.signature.unflatten_inputs(flat)
         # the plan that trains on this batch: in train mode after an eval-mode call, say
         before, flat = self._variant(built, args, kwargs, caller=3)
@@ -139,14 +143,15 @@ class ProgramBalance(ProgramState):
             move_optimizer_state(optimizer)
         return after.rounds
 
-    def _remember_batch(self, flat: list[torch.Tensor], target: torch.Tensor | None,
-                        loss_fn: LossFn) -> None:
-        """Keeps a step's batch for rebalance() when it runs in the plan's micro-batches: a
-        short last batch's smaller ones would time the stages at another size."""
+    def _full_last_batch(self) -> Batch | None:
+        """The latest of the last steps' batches that ran in the plan's micro-batches: an
+        epoch's short last batch would time the stages on smaller ones."""
         built = self._require_built("plan")
         replicas = self._rank.mesh.replicas if self._rank is not None else 1
-        if built.signature.batch_size(flat) % (built.spec.chunks * replicas) == 0:
-            self._last_batch = (flat, target, loss_fn)
+        for batch in self._last_batches:
+            if built.signature.batch_size(batch[0]) % (built.spec.chunks * replicas) == 0:
+                return batch
+        return None
 
     def _run_balance(self, flat: list[torch.Tensor], target: torch.Tensor | None,
                      loss_fn: LossFn, *, steps: int, rounds: int, verbose: bool,
