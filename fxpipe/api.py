@@ -183,13 +183,13 @@ def _replicas(config: CompileConfig) -> int:
 def _not_a_module(model: Any) -> ConfigError:
     """The error for a first argument that is not a module, with the likely fix: a (model,
     example) pair (what fxpipe.models' build() returns) is unpacked, a function wrapped."""
-    text = repr(model).replace("\n", " ")
-    got = f"{type(model).__name__} {text[:60]}{' ...' if len(text) > 60 else ''}"
     if isinstance(model, (tuple, list)) and model and isinstance(model[0], nn.Module):
         return ConfigError(
             f"fxpipe.compile needs a torch.nn.Module, and got a {type(model).__name__} of "
             f"{len(model)} whose first item is the module {type(model[0]).__name__}",
             hint="unpack it: model, example = ...; fxpipe.compile(model, example)")
+    text = repr(model).replace("\n", " ")
+    got = f"{type(model).__name__} {text[:60]}{' ...' if len(text) > 60 else ''}"
     return ConfigError(f"fxpipe.compile needs a torch.nn.Module (got {got})",
                        hint="wrap a function in a module: class Fn(torch.nn.Module): "
                             "def forward(self, x): return fn(x); then fxpipe.compile(Fn(), ...)")
