@@ -68,6 +68,8 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
                     "buckets": len(averager.buckets) if averager else 0,
                     "overlapped": averager.overlapped if averager else 0}
         results["freezing"] = _freezing_steps(fxpipe.compile, rank)
+        results["unused_head"] = _unused_head_steps(fxpipe.compile, rank)
+        results["presence"] = _averaged_where_present(rank, world)
         dist.destroy_process_group()
         queue.put((rank, _bytes(results)))  # tensors as bytes: shared memory dies with the child
     except Exception:  # noqa: BLE001 - sent to the parent
@@ -100,6 +102,71 @@ def _freezing_steps(compile_fn, rank: int | None = None) -> dict:
             model.lm_head.weight.requires_grad_(False)  # wte.weight: the same tensor
             model.blocks[1].requires_grad_(False)
     return {"losses": losses, "state": program.state_dict()}
+
+
+class _TwoHeads(torch.nn.Module):
+    """A trunk with a second head the training loss does not use (as a pretraining model's
+    head that a fine-tuning loss ignores): its parameters get no gradient in the plain model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(),
+                                         torch.nn.Linear(16, 16), torch.nn.ReLU())
+        self.head = torch.nn.Linear(16, 3)
+        self.aux = torch.nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.head(h), self.aux(h)
+
+
+def _first_output_mse(outputs, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(outputs[0], target)
+
+
+def _unused_head_steps(compile_fn, rank: int | None = None) -> dict:
+    """_TwoHeads trained by AdamW with weight decay on a loss of its first head only: the
+    second head must keep no gradient on every replica, so that the optimizer leaves it as
+    the plain model's leaves it."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    program = compile_fn(model, (x,), stages=2, chunks=2, profile="a100", dp_bucket_mb=4 / 1024)
+    optimizer = torch.optim.AdamW(program.parameters(), lr=LR, weight_decay=0.5)
+    losses = []
+    for _ in range(STEPS):
+        if rank is None:
+            loss = _first_output_mse(model(x), y)
+            loss.backward()
+            losses.append(float(loss.detach()))
+        else:
+            losses.append(program.step(x, target=y, loss_fn=_first_output_mse))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "state": program.state_dict()}
+
+
+def _averaged_where_present(rank: int, world: int) -> dict:
+    """Gradients averaged over all `world` ranks, bucketed and one by one, where only ranks 0
+    and 1 hold one for `some` and no rank holds one for `none`."""
+    from fxpipe.runtime.communication.overlap import ReplicaAverager, average_present
+
+    def params() -> list[torch.nn.Parameter]:
+        every, some, none = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
+        every.grad = torch.full((3,), float(rank))
+        if rank < 2:
+            some.grad = torch.full((3,), 1.0 + rank)
+        return [every, some, none]
+
+    bucketed = params()
+    averager = ReplicaAverager(bucketed, None, world, bucket_bytes=1 << 20)
+    averager.finish()
+    averager.close()
+    single = params()
+    for param in single:
+        average_present(param, None, world)
+    return {kind: [p.grad for p in group]
+            for kind, group in (("bucketed", bucketed), ("single", single))}
 
 
 def _bytes(obj) -> bytes:
@@ -170,8 +237,29 @@ def test_parameters_frozen_and_unfrozen_between_steps_train_like_one_process(two
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_a_head_no_loss_reaches_keeps_no_gradient_and_trains_like_one_process(two_by_two):
+    want = _unused_head_steps(lambda model, *a, **k: model)
+    merged = {}
+    for rank, results in two_by_two.items():
+        got = results["unused_head"]
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6), rank
+        merged.update(got["state"])
+    assert set(merged) == set(want["state"])
+    for key, value in want["state"].items():  # aux.* unchanged by AdamW's weight decay
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_gradient_some_replicas_lack_is_averaged_and_one_all_lack_stays_none(two_by_two):
+    for rank, results in two_by_two.items():
+        for kind, (every, some, none) in results["presence"].items():
+            torch.testing.assert_close(every, torch.full((3,), 1.5), msg=f"{kind} {rank}")
+            # ranks 0 and 1 hold 1 and 2, ranks 2 and 3 count as zeros
+            torch.testing.assert_close(some, torch.full((3,), 0.75), msg=f"{kind} {rank}")
+            assert none is None, (kind, rank)
+
+
 def test_replicas_hold_identical_copies_of_each_stage(two_by_two):
-    for key in two_by_two[0]:
+    for key in (k for k in two_by_two[0] if k != "presence"):  # the others trained a model
         for stage in (0, 1):
             a, b = two_by_two[stage][key]["state"], two_by_two[2 + stage][key]["state"]
             assert a.keys() == b.keys()

@@ -8,6 +8,13 @@ each parameter ready; a bucket whose parameters are all ready is flattened and a
 asynchronously over the replicas of this stage. Buckets are launched strictly in order, so that
 every replica issues the same collectives in the same order whatever order its hooks fire in.
 `finish()` launches what the last backward did not reach, waits, and writes back the averages.
+
+A parameter the step's loss did not reach keeps no gradient on the replica that did not reach
+it. Each bucket carries, after its gradients, one element per parameter: 1 where the replica
+holds a gradient. As DDP's `find_unused_parameters` does, a parameter that no replica reached
+is left without one (a zero gradient would have weight decay and momentum move it, which the
+plain model's optimizer does not), and one that some reached gets the average, the others
+counting zeros. Only a replica that lacks a gradient reads the flags back to the host.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ReplicaAverager", "buckets"]
+__all__ = ["ReplicaAverager", "buckets", "average_present"]
 
 
 def buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
@@ -72,9 +79,7 @@ class ReplicaAverager:
             self._launch(len(self.launched))
 
     def _launch(self, b: int) -> None:
-        members = [self.params[i] for i in self.buckets[b]]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in members])
+        flat = _with_presence([self.params[i] for i in self.buckets[b]])
         self.launched.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
 
     def finish(self) -> None:
@@ -85,20 +90,49 @@ class ReplicaAverager:
             self._launch(len(self.launched))
         for b, (work, flat) in enumerate(self.launched):
             work.wait()
-            flat /= self.replicas
+            members = [self.params[i] for i in self.buckets[b]]
+            grads, present = flat[:-len(members)], flat[-len(members):]
+            grads /= self.replicas
             offset = 0
-            for i in self.buckets[b]:
-                p = self.params[i]
+            for k, p in enumerate(members):
                 n = p.numel()
-                average = flat[offset:offset + n].view_as(p)
-                if p.requires_grad:  # one frozen since keeps no gradient, as DDP's
-                    if p.grad is None:
-                        p.grad = average.clone()
-                    else:
-                        p.grad.copy_(average)
+                _write_average(p, grads[offset:offset + n], present[k])
                 offset += n
         self.launched = []
 
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def average_present(param: torch.nn.Parameter, group: ProcessGroup | None,
+                    replicas: int) -> None:
+    """Averages one parameter's gradient over `replicas` ranks of `group` as the buckets are
+    averaged: left without one where no replica holds one."""
+    flat = _with_presence([param])
+    dist.all_reduce(flat, group=group)
+    _write_average(param, flat[:-1].div_(replicas), flat[-1])
+
+
+def _with_presence(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients (zeros where missing) flattened, then one flag each: 1 where
+    this replica holds a gradient. The flags are filled on the device: no host copy."""
+    flags = torch.ones(len(params), dtype=params[0].dtype, device=params[0].device)
+    for k, p in enumerate(params):
+        if p.grad is None:
+            flags[k] = 0
+    return torch.cat([*((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                        for p in params), flags])
+
+
+def _write_average(param: torch.nn.Parameter, average: torch.Tensor,
+                   present: torch.Tensor) -> None:
+    """Writes the replicas' average into the gradient, unless no replica held one. A parameter
+    frozen since the collectives were set up keeps no gradient, as DDP's."""
+    if not param.requires_grad:
+        return
+    average = average.view_as(param)
+    if param.grad is not None:
+        param.grad.copy_(average)
+    elif bool(present > 0):  # a host read only where this replica's loss missed it
+        param.grad = average.clone()

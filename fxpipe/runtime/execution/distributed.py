@@ -34,7 +34,7 @@ from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.communication.dist_comm import DistComm
 from fxpipe.runtime.communication.mesh import Mesh
-from fxpipe.runtime.communication.overlap import ReplicaAverager
+from fxpipe.runtime.communication.overlap import ReplicaAverager, average_present
 from fxpipe.runtime.communication.receive_buffers import ReceiveBuffers
 from fxpipe.runtime.communication.strict import make_transport
 from fxpipe.runtime.communication.tags import TagTable, messages_of
@@ -495,7 +495,8 @@ class DistributedExecutor:
         """Sums tied parameters' gradients over the ranks that hold them, then averages every
         gradient over data-parallel replicas. A frozen parameter (requires_grad False, as every
         rank's training code sets it) is left without a gradient, as DDP leaves it: a zero one
-        would have an optimizer's weight decay move it."""
+        would have an optimizer's weight decay move it. So is one that no replica's loss
+        reached (see fxpipe.runtime.communication.overlap)."""
         named = self.named_tensors()
         for name in sorted(self.shared):
             group = self.shared_groups.get(name)
@@ -515,9 +516,6 @@ class DistributedExecutor:
             averaged = {i for i in self.averager.index if i not in tied}
         for param in self.parameters():
             if param.requires_grad and id(param) not in averaged:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad, group=self.dp_group)
-                param.grad /= self.mesh.replicas
+                average_present(param, self.dp_group, self.mesh.replicas)
 
 
