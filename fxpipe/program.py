@@ -23,11 +23,12 @@ from torch.fx import GraphModule
 from fxpipe import codegen
 from fxpipe.built import Built, BuiltStage, Snapshot
 from fxpipe.config import CompileConfig
-from fxpipe.conversion import refuse_changing
+from fxpipe.conversion import converted_after_compiling, refuse_changing
 from fxpipe.costs import cost_table
 from fxpipe.errors import (
     CheckpointError,
     ConfigError,
+    PipelineRuntimeError,
     RuntimeInputError,
 )
 from fxpipe.frontend.meta import is_meta_model
@@ -191,10 +192,15 @@ class Program(ProgramBalance):
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()
-        built, flat = self._variant(self._require_built("forward"), args, kwargs, caller=5)
-        executor = self._local_executor("calling a program")
-        with compiled_autocast(self.config.autocast, self.devices):
-            return built.signature.unflatten_outputs(executor.run(flat))
+        try:
+            built, flat = self._variant(self._require_built("forward"), args, kwargs, caller=5)
+            executor = self._local_executor("calling a program")
+            with compiled_autocast(self.config.autocast, self.devices):
+                return built.signature.unflatten_outputs(executor.run(flat))
+        except (RuntimeInputError, PipelineRuntimeError) as e:
+            if (converted := self._converted()) is None:
+                raise
+            raise converted from e
 
     def measure_activations(self, *args: Any, **kwargs: Any) -> list[dict[str, float]]:
         """Activation bytes each stage keeps for backward at the peak of a GPipe step (after all
@@ -251,18 +257,24 @@ class Program(ProgramBalance):
         loss; then call scaler.step(optimizer) and scaler.update() as usual (every rank skips
         the step if any rank's gradients are not finite).
         """
-        flat, loss_fn = self._batch_for("step", args, kwargs, loss_fn)
-        # the last two: when the last is an epoch's short one, rebalance() takes the one before
-        self._last_batches = ((flat, target, loss_fn), *self._last_batches[:1])
-        if self._rank is not None:
+        try:
+            flat, loss_fn = self._batch_for("step", args, kwargs, loss_fn)
+            # the last two: when the last is an epoch's short one, rebalance() takes the one
+            # before
+            self._last_batches = ((flat, target, loss_fn), *self._last_batches[:1])
+            if self._rank is not None:
+                with compiled_autocast(self.config.autocast, self.devices):
+                    loss, result = self._rank.step(flat, target, loss_fn, scaler)
+                self.measured["last_step_events"] = result.events
+                self.measured["kept_bytes"] = result.kept_bytes
+                return loss
+            executor = self._local_executor("calling a program")
             with compiled_autocast(self.config.autocast, self.devices):
-                loss, result = self._rank.step(flat, target, loss_fn, scaler)
-            self.measured["last_step_events"] = result.events
-            self.measured["kept_bytes"] = result.kept_bytes
-            return loss
-        executor = self._local_executor("calling a program")
-        with compiled_autocast(self.config.autocast, self.devices):
-            value = local_loss(executor, flat, target, loss_fn)
+                value = local_loss(executor, flat, target, loss_fn)
+        except (RuntimeInputError, PipelineRuntimeError) as e:
+            if (converted := self._converted()) is None:
+                raise
+            raise converted from e
         torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
 
@@ -274,13 +286,26 @@ class Program(ProgramBalance):
         it with the same batch and every rank gets the loss. It runs in the program's mode:
         call program.eval() first for validation without dropout and with BatchNorm's running
         statistics (fxpipe.variants), and program.train() before training on."""
-        flat, loss_fn = self._batch_for("evaluate", args, kwargs, loss_fn)
-        with compiled_autocast(self.config.autocast, self.devices):
-            if self._rank is not None:
-                return self._rank.evaluate(flat, target, loss_fn)
-            executor = self._local_executor("evaluate")
-            with torch.no_grad(), untouched([], list(self.buffers())):
-                return float(local_loss(executor, flat, target, loss_fn))
+        try:
+            flat, loss_fn = self._batch_for("evaluate", args, kwargs, loss_fn)
+            with compiled_autocast(self.config.autocast, self.devices):
+                if self._rank is not None:
+                    return self._rank.evaluate(flat, target, loss_fn)
+                executor = self._local_executor("evaluate")
+                with torch.no_grad(), untouched([], list(self.buffers())):
+                    return float(local_loss(executor, flat, target, loss_fn))
+        except (RuntimeInputError, PipelineRuntimeError) as e:
+            if (converted := self._converted()) is None:
+                raise
+            raise converted from e
+
+    def _converted(self) -> ConfigError | None:
+        """After a call failed: the error that says the model was converted since compiling
+        (what failed is then the conversion's doing), if it was."""
+        if self._held is None or self._built is None:
+            return None
+        tensors, devices = self._held_tensors()
+        return converted_after_compiling(self._built.captured, tensors, devices)
 
     def _batch_for(self, what: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                    loss_fn: LossFn | str | None) -> tuple[list[torch.Tensor], LossFn]:

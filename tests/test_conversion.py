@@ -89,3 +89,22 @@ def test_an_unbuilt_program_converts_the_model_it_is_built_from():
     out = program(x)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, plain(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("call", ["forward", "step", "evaluate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # as compiled, as converted
+def test_a_model_converted_after_compiling_is_named_when_a_call_fails(call, dtype):
+    model, x = _mlp(), torch.randn(8, 8)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=4)
+    model[2].to(torch.bfloat16)  # converts the tensors the stages share with the model
+    run = {"forward": lambda: program(x.to(dtype)),
+           "step": lambda: program.step(x.to(dtype), target=torch.randn(8, 4, dtype=dtype)),
+           "evaluate": lambda: program.evaluate(x.to(dtype), target=torch.randn(8, 4))}[call]
+    with pytest.raises(ConfigError, match=r"the model was converted after compiling: 2\.weight "
+                                          r"is torch\.bfloat16 on cpu \(and 1 more\), and its "
+                                          r"stage's code was generated for torch\.float32 on "
+                                          r"cpu") as error:
+        run()
+    assert "compile it again" in error.value.hint
+    model[2].to(torch.float32)  # converted back: the program runs as compiled
+    torch.testing.assert_close(program(x), model(x))
