@@ -94,8 +94,10 @@ class Program(ProgramBalance):
     def is_built(self) -> bool:
         return self._built is not None
 
+    @torch.inference_mode(False)  # capturing tracks versions, which inference tensors lack
     def build(self, *args: Any, **kwargs: Any) -> Program:
-        """Compiles for this example batch (called by the first call when no example was given)."""
+        """Compiles for this example batch (called by the first call when no example was given).
+        Under torch.inference_mode the batch is copied out of it: the kept example trains."""
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         # The device first: under NCCL the plan's broadcast already runs on it.
         device = rank_device() if distributed else None
@@ -257,6 +259,12 @@ class Program(ProgramBalance):
         loss; then call scaler.step(optimizer) and scaler.update() as usual (every rank skips
         the step if any rank's gradients are not finite).
         """
+        if not torch.is_grad_enabled():
+            raise ConfigError("step() trains (a backward after the forwards), and it was called "
+                              "with gradients off (under torch.no_grad() or "
+                              "torch.inference_mode())",
+                              hint="call step() outside that block, or program.evaluate(...) for "
+                                   "the loss without training")
         try:
             flat, loss_fn = self._batch_for("step", args, kwargs, loss_fn)
             # the last two: when the last is an epoch's short one, rebalance() takes the one

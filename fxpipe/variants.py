@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 from torch.fx import GraphModule
 
@@ -130,6 +131,7 @@ def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
         yield
 
 
+@torch.inference_mode(False)  # capturing tracks versions, which inference tensors lack
 def build_variant(built: Built, model: nn.Module, args: tuple[Any, ...],
                   kwargs: dict[str, Any], training: bool, *,
                   known: Built | None = None, agree: PlanAgreement | None = None) -> Built:

@@ -106,6 +106,36 @@ def test_a_lazy_program_put_in_eval_mode_is_captured_once_in_eval_mode():
     assert model.training and not model.bn2.training
 
 
+def test_inference_mode_compiles_the_eval_program_and_a_batch_made_in_it_trains_after():
+    model, x, y = _case()
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, split_points=["b"]).eval()
+    with torch.inference_mode():  # the eval plan is captured here, outside inference mode
+        out = program(x)
+        assert out.is_inference()
+        torch.testing.assert_close(out, plain.eval()(x))
+    lazy_model = copy.deepcopy(plain).train()
+    lazy = fxpipe.compile(lazy_model, stages=2, chunks=2, split_points=["b"])
+    with torch.inference_mode():  # built on a batch made in inference mode
+        batch = x.clone()
+        lazy(batch)
+    torch.manual_seed(7)
+    loss = lazy.step(x, target=y)
+    lazy.rebalance()  # trains on the kept example batch, which must not be an inference tensor
+    torch.manual_seed(7)
+    assert loss == pytest.approx(reference_step(lazy, plain.train(), x, target=y), rel=1e-6)
+
+
+@pytest.mark.parametrize("off", [torch.no_grad, torch.inference_mode])
+def test_a_step_with_gradients_off_says_so(off):
+    model, x, y = _case()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2)
+    with off(), pytest.raises(ConfigError, match=r"step\(\) trains .* with gradients off") as e:
+        program.step(x, target=y)
+    assert "program.evaluate" in e.value.hint
+    assert all(p.grad is None for p in model.parameters())
+
+
 class _ReadsAheadInEval(nn.Module):
     """In eval mode the first layer adds the last layer's bias: a tensor of another stage."""
 
