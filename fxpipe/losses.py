@@ -41,7 +41,14 @@ def default_loss(output: Any, target: torch.Tensor | None = None) -> torch.Tenso
             total = total + square
         return total
     prediction = floats[0]
-    if target.is_floating_point():
+    try:
+        floating = target.is_floating_point()
+    except AttributeError:
+        raise LossError(f"the built-in losses take one target tensor, and the target is a "
+                        f"{type(target).__name__}",
+                        hint="pass loss_fn=, a function of (outputs, target) that reads the "
+                             "target's parts") from None
+    if floating:
         return F.mse_loss(prediction, target)
     return F.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1))
 
@@ -89,11 +96,11 @@ def needs_target(loss_fn: LossFn) -> bool:
 
 
 def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
-    return default_loss(output, target.long())
+    return default_loss(output, target.long() if isinstance(target, torch.Tensor) else target)
 
 
 def _mse(output: Any, target: torch.Tensor) -> torch.Tensor:
-    return default_loss(output, target.float())
+    return default_loss(output, target.float() if isinstance(target, torch.Tensor) else target)
 
 
 NAMED = {"default": default_loss, "cross_entropy": _cross_entropy, "mse": _mse}
@@ -109,9 +116,13 @@ def counted(loss_fn: Any, target: torch.Tensor | None) -> torch.Tensor | None:
     parts' losses weighted by their counts."""
     if target is None:
         return None
-    cross_entropy = loss_fn is _cross_entropy or \
-        (loss_fn is default_loss and not target.is_floating_point())
-    return (target != IGNORED).sum() if cross_entropy else None
+    try:
+        if loss_fn is _cross_entropy or \
+                (loss_fn is default_loss and not target.is_floating_point()):
+            return (target != IGNORED).sum()
+    except AttributeError:  # a structured target, which the built-in losses refuse
+        pass
+    return None
 
 
 def loss_name(loss_fn: Any) -> str:

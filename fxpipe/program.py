@@ -56,6 +56,7 @@ from fxpipe.runtime.stage import StageModule
 from fxpipe.signature import copy_inputs
 from fxpipe.stage_facts import predicted_kept
 from fxpipe.storage.state import StateNames, graph_tensors
+from fxpipe.targets import Target
 from fxpipe.untouched import untouched
 from fxpipe.variants import Variants, in_mode, mode_name
 from fxpipe.writer import ProgramFiles, write_program
@@ -223,7 +224,7 @@ class Program(ProgramBalance):
         self.measured["kept_activations"] = result
         return result
 
-    def measure_kept(self, *args: Any, target: torch.Tensor | None = None,
+    def measure_kept(self, *args: Any, target: Target = None,
                      loss_fn: LossFn | None = None, **kwargs: Any) -> dict[str, float]:
         """Under torchrun: one training step (its gradients accumulate as any step's) with the
         activation bytes this rank's stages keep for their backwards tracked by autograd's
@@ -246,7 +247,7 @@ class Program(ProgramBalance):
                 "measured_bytes": float(self.measured["kept_bytes"]),
                 "predicted_bytes": predicted / mesh.replicas}
 
-    def step(self, *args: Any, target: torch.Tensor | None = None,
+    def step(self, *args: Any, target: Target = None,
              loss_fn: LossFn | str | None = None, scaler: torch.amp.GradScaler | None = None,
              **kwargs: Any) -> float:
         """One training step (forward and backward of every micro-batch); returns the loss.
@@ -286,7 +287,7 @@ class Program(ProgramBalance):
         torch.autograd.backward(scaler.scale(value) if scaler is not None else value)
         return float(value.detach())
 
-    def evaluate(self, *args: Any, target: torch.Tensor | None = None,
+    def evaluate(self, *args: Any, target: Target = None,
                  loss_fn: LossFn | str | None = None, **kwargs: Any) -> float:
         """The loss of the batch without training on it (validation): every micro-batch
         forward in the program's mode, no gradients, the stages' buffers (BatchNorm's running
@@ -455,7 +456,7 @@ class Program(ProgramBalance):
 
     @full_collections_deferred()
     def write(self, directory: str, *, loss_fn: LossFn | str | None = None,
-              target: torch.Tensor | None = None, reference_steps: int = 6,
+              target: Target = None, reference_steps: int = 6,
               lr: float = 0.01) -> list[str]:
         """Writes the stage files, the launcher program.py, weights, example batch and report.
 

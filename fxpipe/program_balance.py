@@ -35,6 +35,7 @@ from fxpipe.runtime.execution.amp import compiled_autocast
 from fxpipe.runtime.execution.local import LocalExecutor
 from fxpipe.sharding import is_sharded
 from fxpipe.storage.state import graph_tensors
+from fxpipe.targets import Target
 from fxpipe.untouched import untouched
 
 __all__ = ["Batch", "ProgramBalance", "fixed_cut"]
@@ -101,7 +102,7 @@ class ProgramBalance(ProgramState):
         self.measured["balance"] = "dynamic, measured while compiling" + \
             (f"; the cut {fixed} fixes kept" if fixed else "")
 
-    def rebalance(self, *args: Any, target: torch.Tensor | None = None,
+    def rebalance(self, *args: Any, target: Target = None,
                   loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
                   steps: int = 2, rounds: int = 4, verbose: bool = False,
                   **kwargs: Any) -> list[BalanceRound]:
@@ -153,7 +154,7 @@ class ProgramBalance(ProgramState):
                 return batch
         return None
 
-    def _run_balance(self, flat: list[torch.Tensor], target: torch.Tensor | None,
+    def _run_balance(self, flat: list[torch.Tensor], target: Target,
                      loss_fn: LossFn, *, steps: int, rounds: int, verbose: bool,
                      caller: str) -> Built:
         built = self._require_built("plan to balance")

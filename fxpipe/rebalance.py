@@ -49,6 +49,7 @@ from fxpipe.runtime.planning.timeline import busy_time
 from fxpipe.signature import Signature
 from fxpipe.storage.files import atomic_write
 from fxpipe.storage.state import graph_tensors
+from fxpipe.targets import Target
 from fxpipe.version import __version__
 
 __all__ = ["balance_by_measurement", "cut_of", "balance_key", "load_balance", "forget_balance",
@@ -364,7 +365,7 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def measure_local(executor: LocalExecutor, signature: Signature, chunks: int,
                   remat: RematPolicy | str,
-                  flat: Sequence[torch.Tensor], target: torch.Tensor | None,
+                  flat: Sequence[torch.Tensor], target: Target,
                   loss_fn: LossFn, steps: int) -> list[float]:
     """Seconds per micro-batch each stage computes, every stage timed alone in this process
     (CPU stages with one thread each, as one process per stage runs them)."""
@@ -395,7 +396,7 @@ def robust_time(samples: Sequence[Sequence[float]], remat: RematPolicy | str) ->
     return sum(min(times) * counts[flag] for flag, times in groups.items()) / chunks
 
 
-def measure_ranks(rank: RankPipeline, flat: list[torch.Tensor], target: torch.Tensor | None,
+def measure_ranks(rank: RankPipeline, flat: list[torch.Tensor], target: Target,
                   loss_fn: LossFn, steps: int) -> list[float]:
     """Seconds per micro-batch each stage computes in real pipeline steps (one warm-up, then
     the fastest of `steps`; waits excluded), the same list on every rank (averaged over

@@ -31,6 +31,7 @@ from fxpipe.runtime.execution.forward import draw_base, seeded_forward
 from fxpipe.runtime.execution.loss_split import MEAN, SUM, split_kind
 from fxpipe.runtime.execution.rank import shard_batch
 from fxpipe.signature import Signature
+from fxpipe.targets import Target, map_target
 
 __all__ = ["reference_losses", "microbatched_forward", "replicated_loss", "reference_device",
            "copy_to", "depends_on_split", "replica_counts"]
@@ -64,7 +65,7 @@ def _microbatch_leaves(model: nn.Module, signature: Signature, flat: Sequence[to
 
 
 def replicated_loss(model: nn.Module, signature: Signature, flat: Sequence[torch.Tensor],
-                    target: torch.Tensor | None, loss: LossFn, chunks: int, draws_random: bool,
+                    target: Target, loss: LossFn, chunks: int, draws_random: bool,
                     replicas: int) -> torch.Tensor | None:
     """The loss `replicas` data-parallel replicas of the pipeline train on (NOTE [What equals
     what], once per replica): each computes the plain model over its shard of the batch (the
@@ -127,7 +128,7 @@ def copy_to(model: nn.Module, device: torch.device | None) -> nn.Module:
 
 
 def reference_losses(model: nn.Module, signature: Signature, flat: list[torch.Tensor],
-                     target: torch.Tensor | None, loss: LossFn, steps: int, lr: float, *,
+                     target: Target, loss: LossFn, steps: int, lr: float, *,
                      chunks: int = 1, draws_random: bool = False,
                      device: torch.device | None = None,
                      autocast: str | None = None, replicas: int = 1) -> list[float]:
@@ -139,7 +140,7 @@ def reference_losses(model: nn.Module, signature: Signature, flat: list[torch.Te
     model = copy_to(model, device)
     if device is not None:
         flat = [t.to(device) for t in flat]
-        target = target.to(device) if target is not None else None
+        target = map_target(lambda t: t.to(device), target)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # as the launcher
     scaler = torch.amp.GradScaler(device.type if device is not None else "cpu",
                                   enabled=autocast == "fp16")

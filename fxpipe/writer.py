@@ -33,6 +33,7 @@ from fxpipe.storage.json_text import json_text
 from fxpipe.storage.state import StateNames
 from fxpipe.storage.structure import Structure
 from fxpipe.storage.userfiles import carry_user_files, user_files
+from fxpipe.targets import Target, map_target
 from fxpipe.version import __version__
 
 __all__ = ["ProgramFiles", "write_program", "write_weights", "LAUNCHER"]
@@ -94,7 +95,7 @@ class ProgramFiles:
     tensors: dict[str, torch.Tensor]  # every stage tensor by the graph's qualified name
     names: StateNames  # graph qualified names -> the model's state_dict keys
     inputs: list[torch.Tensor]  # the example batch, flat
-    target: torch.Tensor | None
+    target: Target
     loss: str  # a name fxpipe.losses.resolve_loss knows
     lr: float
     reference_losses: list[float]  # the plain model's, for --verify
@@ -200,7 +201,7 @@ def _write_files(built: Built, folder: str, files: ProgramFiles, target: str) ->
         names.append(name)
     names += [os.path.basename(p) for p in write_weights(folder, files)]
     atomic_save({"inputs": [t.detach().cpu() for t in files.inputs],
-                 "target": None if files.target is None else files.target.detach().cpu()},
+                 "target": map_target(lambda t: t.detach().cpu(), files.target)},
                 os.path.join(folder, "batch.pt"))
     names.append("batch.pt")
     digests = {name: file_digest(os.path.join(folder, name)) for name in sorted(names)}

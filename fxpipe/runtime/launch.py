@@ -38,6 +38,7 @@ from fxpipe.sharding import make_optimizer
 from fxpipe.storage.checkpoint import META, load_checkpoint, save_shard
 from fxpipe.storage.resume import fit_state, restore_optimizer
 from fxpipe.storage.structure import Structure
+from fxpipe.targets import Target
 
 __all__ = ["main", "build_stage", "load_spec", "rank_stages"]
 
@@ -125,7 +126,7 @@ def main(folder: Path, argv: list[str] | None = None) -> int:
 def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     batch = torch.load(folder / "batch.pt", map_location="cpu", weights_only=True)
     inputs: list[torch.Tensor] = batch["inputs"]
-    target: torch.Tensor | None = batch["target"]
+    target: Target = batch["target"]
     code = code_of_launcher(folder)
     loss_fn = program_loss(spec.loss, code, folder)
     batches = user_batches(args.data, spec.signature, code, folder) \
@@ -226,7 +227,7 @@ def _local(folder: Path, spec: ProgramSpec, args: argparse.Namespace
     executor = held.local
     assert executor is not None  # the weights are real
 
-    def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
+    def step(inputs: list[torch.Tensor], target: Target, loss_fn: LossFn,
              scaler: torch.amp.GradScaler) -> tuple[float, bool]:
         loss = local_loss(executor, inputs, target, loss_fn)
         torch.autograd.backward(scaler.scale(loss))
@@ -271,7 +272,7 @@ def _distributed(folder: Path, spec: ProgramSpec, args: argparse.Namespace
     limit_waits(groups, args.timeout, args.setup_timeout)  # once every rank has loaded
     rank_stage.executor.transport.set_timeout(args.timeout)
 
-    def step(inputs: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
+    def step(inputs: list[torch.Tensor], target: Target, loss_fn: LossFn,
              scaler: torch.amp.GradScaler) -> tuple[float, bool]:
         loss, result = rank_stage.step(inputs, target, loss_fn, scaler)
         if args.timeline:

@@ -17,6 +17,7 @@ from torch import nn
 from fxpipe.losses import LossFn, default_loss
 from fxpipe.program import Program
 from fxpipe.reference import microbatched_forward
+from fxpipe.targets import Target
 
 __all__ = ["reference_forward", "reference_step"]
 
@@ -31,7 +32,7 @@ def reference_forward(program: Program, model: nn.Module, *args: Any, **kwargs: 
 
 
 def reference_step(program: Program, model: nn.Module, *args: Any,
-                   target: torch.Tensor | None = None, loss_fn: LossFn | None = None,
+                   target: Target = None, loss_fn: LossFn | None = None,
                    **kwargs: Any) -> float:
     """What `program.step(*args, target=target, loss_fn=loss_fn, **kwargs)` does, done by
     `model`: its gradients accumulate as the pipeline's do; returns the loss."""

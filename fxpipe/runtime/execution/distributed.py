@@ -69,6 +69,7 @@ from fxpipe.runtime.planning.timeline import Event
 from fxpipe.runtime.program.arguments import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.sharding import local_part
 from fxpipe.signature import Signature
+from fxpipe.targets import Target, map_target
 from fxpipe.untouched import untouched
 
 __all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "split_target"]
@@ -168,7 +169,7 @@ class DistributedExecutor:
     def is_last(self, stage: int) -> bool:
         return stage == self.mesh.stages - 1
 
-    def step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
+    def step(self, tensors: Sequence[torch.Tensor], target: Target,
              loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: RematPolicy | str,
              schedule: ScheduleKind | str = "gpipe", scaler: Any = None) -> StepResult:
         """One training step of this rank's stages: forwards and backwards of every micro-batch.
@@ -202,7 +203,7 @@ class DistributedExecutor:
             for param, grad in earlier:
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
 
-    def evaluate(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
+    def evaluate(self, tensors: Sequence[torch.Tensor], target: Target,
                  loss_fn: Callable[..., torch.Tensor], *, chunks: int,
                  schedule: ScheduleKind | str = "gpipe") -> float:
         """The loss of the batch without training (fxpipe.runtime.execution.evaluate): the
@@ -242,7 +243,7 @@ class DistributedExecutor:
             self.loss_first[(schedule, chunks)] = ActionKind.FORWARD not in kinds[backward:]
         return self.loss_first[(schedule, chunks)]
 
-    def _step(self, tensors: Sequence[torch.Tensor], target: torch.Tensor | None,
+    def _step(self, tensors: Sequence[torch.Tensor], target: Target,
               loss_fn: Callable[..., torch.Tensor], key: Any, assumed: str | None, *,
               batch: int, chunks: int, compiled: int, remat: RematPolicy,
               schedule: ScheduleKind, scaler: Any, probe: bool = False) -> StepResult:
@@ -258,7 +259,9 @@ class DistributedExecutor:
         targets = split_target(target, chunks, self.signature.target_batch_dim, batch)
         last_stage = self.mesh.stages - 1
         if last_stage in self.units and target is not None:
-            targets = pin_for(targets, self.device)
+            targets = pin_for(targets, self.device) if isinstance(target, torch.Tensor) else \
+                [map_target(lambda t: to_device(pin_for([t], self.device)[0], self.device), part)
+                 for part in targets]  # on the device here: to_device leaves structures
         self._warm_up()
         comm = self._comm(batch // chunks, chunks)
         # a step that learns dtypes waits for each header at its tick: every message in its

@@ -23,6 +23,7 @@ from fxpipe.runtime.execution.forward import draw_base, run_forward
 from fxpipe.runtime.execution.loss_judge import split_target
 from fxpipe.runtime.planning.plan import Tick, plan_rank
 from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind
+from fxpipe.targets import Target, map_target
 from fxpipe.untouched import untouched
 
 __all__ = ["evaluate_rank", "forward_plan"]
@@ -45,7 +46,7 @@ def forward_plan(executor: Any, schedule: ScheduleKind, chunks: int) -> list[Tic
 
 
 def evaluate_rank(executor: Any, comm: Any, tensors: Sequence[torch.Tensor],
-                  target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor], *,
+                  target: Target, loss_fn: Callable[..., torch.Tensor], *,
                   chunks: int, schedule: ScheduleKind) -> float:
     """The loss of this replica's batch (every rank of the pipeline calls it, and every rank
     returns it): the stages' forwards without gradients through `comm` (a DistComm for the
@@ -55,7 +56,7 @@ def evaluate_rank(executor: Any, comm: Any, tensors: Sequence[torch.Tensor],
 
 
 def _evaluate(executor: Any, comm: Any, tensors: list[torch.Tensor],
-              target: torch.Tensor | None, loss_fn: Callable[..., torch.Tensor], chunks: int,
+              target: Target, loss_fn: Callable[..., torch.Tensor], chunks: int,
               schedule: ScheduleKind) -> float:
     signature = executor.signature
     micro = signature.split_inputs(tensors, chunks)
@@ -79,7 +80,8 @@ def _evaluate(executor: Any, comm: Any, tensors: list[torch.Tensor],
         last = action.stage == last_stage
 
         def keep(out: Any, mb: int = action.microbatch) -> None:
-            values[mb] = judge.loss(out, to_device(targets[mb], executor.device), loss_fn)
+            part = map_target(lambda t: to_device(t, executor.device), targets[mb])
+            values[mb] = judge.loss(out, part, loss_fn)
             if joins:
                 outputs[mb] = list(out)
         run_forward(executor.units[action.stage], comm, action.microbatch,

@@ -25,6 +25,7 @@ from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.runtime.program.materialize import meta_names
 from fxpipe.runtime.program.spec import ProgramSpec
 from fxpipe.runtime.stage import StageModule, share_tied
+from fxpipe.targets import Target, map_target
 
 __all__ = ["RunSettings", "HeldStages", "hold_stages", "local_loss"]
 
@@ -94,12 +95,12 @@ def hold_stages(spec: ProgramSpec, make: Callable[[int], StageModule], settings:
 
 
 def local_loss(executor: LocalExecutor, inputs: list[torch.Tensor],
-               target: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
+               target: Target, loss_fn: LossFn) -> torch.Tensor:
     """The loss of one step in one process: every micro-batch through every stage, the outputs
     joined, the target moved to where the last stage put them."""
     check_batch_target(executor.signature, inputs, target)
     outputs = executor.signature.unflatten_outputs(executor.run(inputs))
     if target is not None:  # from pinned memory: a pageable copy would wait for the device
         device = executor.stages[-1].device
-        target = to_device(pin_for([target], device)[0], device)
+        target = map_target(lambda t: to_device(pin_for([t], device)[0], device), target)
     return loss_of(loss_fn, outputs, target)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import PeerLostError, RuntimeInputError
+from fxpipe.errors import PeerLostError
 from fxpipe.losses import counted, loss_of
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.execution.devices import to_device
@@ -30,40 +30,24 @@ from fxpipe.runtime.execution.loss_split import (
     undecidable,
 )
 from fxpipe.signature import Signature
+from fxpipe.targets import Target, check_target, check_tensor, split_target
 
-__all__ = ["LossJudge", "split_target"]
-
-
-def split_target(target: torch.Tensor | None, chunks: int, batch_dim: int,
-                 batch: int) -> list[torch.Tensor | None]:
-    """The target's micro-batches along the outputs' batch dimension, as the inputs split."""
-    if target is None:
-        return [None] * chunks
-    check_target(target, batch_dim, batch)
-    return list(target.tensor_split(chunks, dim=batch_dim))
+__all__ = ["LossJudge", "check_batch_target", "split_target"]
 
 
 def check_batch_target(signature: Signature, inputs: list[torch.Tensor],
-                       target: torch.Tensor | None) -> None:
+                       target: Target) -> None:
     """Refuses a target whose batch is not the inputs' batch, before replicas take their
-    shares of both (each share cut by the inputs' batch would pass a larger target). A target
-    without that dimension at all is left to split_target: with a program.json whose outputs'
-    batch dimension was edited, joining the outputs says so first."""
+    shares of both (each share cut by the inputs' batch would pass a larger target). A tensor
+    of the target without that dimension at all is left to split_target: with a program.json
+    whose outputs' batch dimension was edited, joining the outputs says so first."""
     if target is None:
         return
     dim = signature.target_batch_dim
-    if target.dim() > dim:
-        check_target(target, dim, signature.batch_size(inputs))
-
-
-def check_target(target: torch.Tensor, batch_dim: int, batch: int) -> None:
-    """Refuses a target whose batch is not the inputs' (a step splits both alike)."""
-    if target.dim() <= batch_dim or target.shape[batch_dim] != batch:
-        raise RuntimeInputError(
-            f"target shape {tuple(target.shape)} has no batch dimension {batch_dim} of size "
-            f"{batch}, the inputs' batch",
-            hint="give the target the same batch size as the inputs, along the batch dimension "
-                 "of the model's first output")
+    if not isinstance(target, torch.Tensor):
+        check_target(target, dim, signature.batch_size(inputs), only_batched=True)
+    elif target.dim() > dim:
+        check_tensor("target", target, dim, signature.batch_size(inputs))
 
 
 class LossJudge:
@@ -84,7 +68,7 @@ class LossJudge:
         return loss_of(loss_fn, structured, target)
 
     def judge(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
-              target: torch.Tensor | None, targets: list[torch.Tensor | None],
+              target: Target, targets: list[Target],
               loss_fn: Callable[..., torch.Tensor], halves: bool, known: str | None
               ) -> tuple[float, list[float], str | None, list[int]]:
         """The loss of the whole batch (as in one process), its parts' losses, the kind the
@@ -123,7 +107,7 @@ class LossJudge:
         return not halves and known_kind(loss_fn) is not None
 
     def batch_loss(self, outputs: dict[int, list[Any]], values: dict[int, torch.Tensor],
-                    target: torch.Tensor | None, targets: list[torch.Tensor | None],
+                    target: Target, targets: list[Target],
                     loss_fn: Callable[..., torch.Tensor]) -> tuple[float, list[float]]:
         """The batch's loss and its micro-batches', in one host read."""
         order = sorted(values)
@@ -147,7 +131,7 @@ class LossJudge:
                                     *losses]).tolist()
         return full, parts
 
-    def _halves(self, out: list[Any], target: torch.Tensor | None,
+    def _halves(self, out: list[Any], target: Target,
                 loss_fn: Callable[..., torch.Tensor]) -> tuple[list[float], list[int]]:
         """The losses of the two halves of one micro-batch's outputs (and target, split as the
         step splits it) along the batch, and their sizes; none for one example."""

@@ -23,6 +23,7 @@ from fxpipe.runtime.execution.loss_judge import check_batch_target
 from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.runtime.program.spec import ProgramSpec
 from fxpipe.signature import Signature
+from fxpipe.targets import Target, narrow_target
 
 __all__ = ["RankPipeline", "setup_rank", "mesh_of_world",
            "rank_device", "devices_for_stages", "shard_batch"]
@@ -81,8 +82,8 @@ def mesh_of_world(placement: Sequence[int]) -> Mesh:
     return Mesh(tuple(placement), world // ranks, rank)
 
 
-def shard_batch(signature: Signature, flat: list[torch.Tensor], target: torch.Tensor | None,
-                mesh: Mesh) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def shard_batch(signature: Signature, flat: list[torch.Tensor], target: Target,
+                mesh: Mesh) -> tuple[list[torch.Tensor], Target]:
     """This replica's share of the global batch (and of the target), refused unless the
     replicas share it equally (each share then runs in as many equal micro-batches as
     signature.microbatches gives it)."""
@@ -96,9 +97,7 @@ def shard_batch(signature: Signature, flat: list[torch.Tensor], target: torch.Te
     start = mesh.replica * size
     sharded = [t if leaf.batch_dim is None else t.narrow(leaf.batch_dim, start, size)
                for leaf, t in zip(signature.tensor_leaves, flat)]
-    if target is not None:
-        target = target.narrow(signature.target_batch_dim, start, size)
-    return sharded, target
+    return sharded, narrow_target(target, signature.target_batch_dim, start, size)
 
 
 @dataclass
@@ -110,7 +109,7 @@ class RankPipeline:
     groups: Groups
     spec: ProgramSpec  # the plan it runs
 
-    def step(self, flat: list[torch.Tensor], target: torch.Tensor | None, loss_fn: LossFn,
+    def step(self, flat: list[torch.Tensor], target: Target, loss_fn: LossFn,
              scaler: torch.amp.GradScaler | None = None) -> tuple[float, StepResult]:
         """One training step of the global batch; returns the global loss and what this rank
         measured (events, kept bytes). With `scaler` the backward runs on the scaled loss."""
@@ -120,7 +119,7 @@ class RankPipeline:
                                     scaler=scaler)
         return self._global(result.loss), result
 
-    def evaluate(self, flat: list[torch.Tensor], target: torch.Tensor | None,
+    def evaluate(self, flat: list[torch.Tensor], target: Target,
                  loss_fn: LossFn) -> float:
         """The global batch's loss without training: each replica's share forward through the
         stages, the replicas' losses averaged as step() averages them."""
@@ -129,8 +128,8 @@ class RankPipeline:
                                                    chunks=self.spec.chunks,
                                                    schedule=self.spec.schedule))
 
-    def _share(self, flat: list[torch.Tensor], target: torch.Tensor | None
-               ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def _share(self, flat: list[torch.Tensor], target: Target
+               ) -> tuple[list[torch.Tensor], Target]:
         """This replica's share of the global batch and target, checked first as a whole."""
         check_batch_target(self.spec.signature, flat, target)
         if self.mesh.replicas == 1:

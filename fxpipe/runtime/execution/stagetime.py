@@ -24,6 +24,7 @@ from fxpipe.runtime.execution.batchnorm import discard_batch_norms
 from fxpipe.runtime.execution.devices import to_device
 from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.signature import Signature
+from fxpipe.targets import Target, split_target
 
 __all__ = ["time_stages"]
 
@@ -53,15 +54,14 @@ def _sync(device: torch.device) -> None:
 
 def time_stages(stages: Sequence[HeldStage], signature: Signature, chunks: int,
                 remat: RematPolicy | str,
-                flat: Sequence[torch.Tensor], target: torch.Tensor | None,
+                flat: Sequence[torch.Tensor], target: Target,
                 loss_fn: Callable[..., torch.Tensor], *, steps: int = 2
                 ) -> list[list[list[float]]]:
     """Seconds each stage computes per micro-batch: times[stage][step][micro-batch]."""
     chunks = signature.microbatches(signature.batch_size(list(flat)), chunks)
     micro = signature.split_inputs(list(flat), chunks)
-    targets: list[torch.Tensor | None] = \
-        list(target.tensor_split(chunks, dim=signature.target_batch_dim)) \
-        if target is not None else [None] * chunks
+    targets = split_target(target, chunks, signature.target_batch_dim,
+                           signature.batch_size(list(flat)))
     times: list[list[list[float]]] = [[] for _ in stages]
     for _ in range(steps):
         box = _Mailbox()
@@ -73,7 +73,7 @@ def time_stages(stages: Sequence[HeldStage], signature: Signature, chunks: int,
 
 
 def _stage_step(s: int, stage: HeldStage, last: bool, box: _Mailbox,
-                micro: Sequence[Sequence[torch.Tensor]], targets: Sequence[torch.Tensor | None],
+                micro: Sequence[Sequence[torch.Tensor]], targets: Sequence[Target],
                 chunks: int, remat: RematPolicy, signature: Signature,
                 loss_fn: Callable[..., torch.Tensor]) -> list[float]:
     """Forwards of every micro-batch, then their backwards in reverse order (GPipe's order);

@@ -3,9 +3,9 @@ every step, or the user's own from `program.py --data MODULE:FN`.
 
 FN() returns an iterable of (inputs, target) pairs, each a global batch (every rank reads the
 same ones and takes its replica's share): inputs one tensor, a tuple of the model's positional
-inputs, or a dict of its keyword inputs, as the model is called; target a tensor or None. The
-module is found as the program finds the user's other modules (the current folder first, then
-the folders the model's code came from).
+inputs, or a dict of its keyword inputs, as the model is called; target a tensor, a tuple, list
+or dict of tensors (fxpipe.targets), or None. The module is found as the program finds the
+user's other modules (the current folder first, then the folders the model's code came from).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from fxpipe.errors import ConfigError, RuntimeInputError
 from fxpipe.runtime.program.imports import ProgramCode, import_folders, import_user_module
 from fxpipe.signature import Signature
+from fxpipe.targets import target_tensors
 
 __all__ = ["Batch", "user_batches"]
 
@@ -56,7 +57,9 @@ def _flat(item: Any, signature: Signature, spec: str, number: int) -> Batch:
         args, kwargs = (), dict(inputs)
     else:
         args, kwargs = tuple(inputs), {}
-    if target is not None and not isinstance(target, torch.Tensor):
-        raise RuntimeInputError(f"--data {spec} gave a {type(target).__name__} as the target of "
-                                f"batch {number}", hint="yield a tensor target, or None")
+    if target is not None and not target_tensors(target):
+        raise RuntimeInputError(f"--data {spec} gave a {type(target).__name__} with no tensor "
+                                f"as the target of batch {number}",
+                                hint="yield a tensor target, a tuple, list or dict of tensors, "
+                                     "or None")
     return signature.flatten_inputs(args, kwargs), target
