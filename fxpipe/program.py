@@ -380,6 +380,20 @@ class Program(ProgramBalance):
         self._install(variant, self._device, held)
         return variant, self._flat_inputs(variant, args, kwargs)
 
+    def extra_repr(self) -> str:
+        """What print(program) shows above its stages: the plan in a line."""
+        if self._built is None:
+            config = self.config
+            return (f"{type(self.model).__name__}: {config.stages} stages x {config.chunks} "
+                    f"micro-batches, schedule {config.schedule}, remat {config.remat} (built on "
+                    "its first call)")
+        built = self._built
+        spec = built.spec
+        where = f", this process rank {self._mesh.rank}" if self._mesh is not None else ""
+        return (f"{built.model_name}: {len(built.stages)} stages x {spec.chunks} micro-batches, "
+                f"schedule {built.config.schedule}, remat {built.config.remat}, "
+                f"{mode_name(self.training)} mode{where}")
+
     def train(self, mode: bool = True) -> Program:
         super().train(mode)
         return self

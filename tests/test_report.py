@@ -75,6 +75,21 @@ def test_report_text_lists_every_stage_with_modules_nodes_params_flops_time_and_
         assert len(re.findall(r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)\b", row)) == 5  # memory columns
 
 
+def test_print_of_a_program_shows_its_plan_and_each_stage_s_modules_and_parameters():
+    model, inputs = gpt.build()
+    program = fxpipe.compile(model, stages=2, chunks=2)
+    assert "GPT: 2 stages x 2 micro-batches, schedule gpipe, remat except_last (built on its " \
+           "first call)" in str(program)
+    program(*inputs)
+    text = str(program.eval())
+    assert "GPT: 2 stages x 2 micro-batches, schedule gpipe, remat except_last, eval mode" in text
+    for stage, module in enumerate(program.stage_modules):
+        count = sum(p.numel() for p in module.parameters())
+        assert f"(Stage {stage} of 2 of GPT: " in text
+        assert f"ops), {count:,} parameters)" in text
+    assert "wte -> " in text and "-> lm_head" in text
+
+
 def test_report_text_states_imbalance_bubble_step_time_and_the_schedule_grid():
     _, program = compiled()
     plan = program.plan

@@ -89,6 +89,13 @@ class StageModule(nn.Module):
     def qualified_names(cls) -> dict[str, str]:
         return {**cls.PARAMETERS, **cls.BUFFERS}
 
+    def extra_repr(self) -> str:
+        """What print(program) shows of a stage: its docstring's first line (the stage, the
+        model's modules it runs and its operations) and its parameters."""
+        summary = (type(self).__doc__ or f"Stage {self.STAGE}").strip().splitlines()[0]
+        count = sum(p.numel() for p in self.parameters())
+        return f"{summary.rstrip('.')}, {count:,} parameters"
+
     def named_model_tensors(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers under the model's qualified names."""
         foreign = self.__dict__.get("_foreign", {})
