@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fxpipe.built import Built
@@ -23,6 +24,7 @@ from fxpipe.runtime.program.materialize import initialize
 from fxpipe.runtime.stage import StageModule
 from fxpipe.sharding import make_optimizer
 from fxpipe.storage.checkpoint import load_checkpoint, save_shard
+from fxpipe.storage.random_state import restore_random_state
 from fxpipe.storage.resume import fit_state, restore_optimizer
 from fxpipe.storage.state import StateNames, graph_tensors
 from fxpipe.storage.structure import Structure
@@ -194,8 +196,10 @@ class ProgramState(nn.Module):
                    structure=self._structure())
 
     def load(self, directory: str, *, optimizer: torch.optim.Optimizer | None = None,
-             strict: bool = True) -> int | None:
-        """Restores parameters, buffers and (if given) optimizer state; returns the saved step.
+             strict: bool = True, random_state: bool = True) -> int | None:
+        """Restores parameters, buffers, (if given) optimizer state and (unless `random_state`
+        is False) this process's random generators as the save left them, so that dropout
+        after a resume draws what the saving run drew next; returns the saved step.
 
         strict: refuse (CheckpointError) a checkpoint of another model, unexpected or missing
         keys, other shapes or dtypes, and optimizer state of another class or none; False
@@ -214,6 +218,10 @@ class ProgramState(nn.Module):
         if optimizer is not None:
             restore_optimizer(optimizer, checkpoint, self._optimizer_names(optimizer),
                               strict=strict, skip=set(checkpoint["model"]) - set(state))
+        if random_state:
+            rank, world = (dist.get_rank(), dist.get_world_size()) \
+                if dist.is_available() and dist.is_initialized() else (0, 1)
+            restore_random_state(checkpoint["rng"], rank, world, directory)
         step: int | None = checkpoint["step"]
         return step
 

@@ -61,6 +61,38 @@ def test_resuming_gives_exactly_the_losses_of_an_uninterrupted_run(tmp_path):
     assert first + _train(program, optimizer, 3) == uninterrupted
 
 
+def test_resuming_with_dropout_draws_the_masks_the_uninterrupted_run_draws(tmp_path):
+    model, _ = gpt.build(dropout=0.2)
+    torch.manual_seed(1)
+    program, optimizer = _setup(2, model)
+    uninterrupted = _train(program, optimizer, 4)
+    torch.manual_seed(1)
+    program, optimizer = _setup(2, model)
+    first = _train(program, optimizer, 2)
+    program.save(str(tmp_path / "ckpt"), optimizer=optimizer, step=2)
+    torch.manual_seed(2)  # a fresh process's generator is elsewhere
+    program, optimizer = _setup(2, model)
+    program.load(str(tmp_path / "ckpt"), optimizer=optimizer)
+    assert first + _train(program, optimizer, 2) == uninterrupted
+    torch.manual_seed(2)
+    program.load(str(tmp_path / "ckpt"), optimizer=optimizer, random_state=False)
+    assert _train(program, optimizer, 2) != uninterrupted[2:]  # the masks differ
+
+
+def test_a_random_state_saved_by_another_number_of_processes_is_not_restored():
+    from fxpipe.storage.random_state import random_state, restore_random_state
+
+    saved = [random_state(), random_state()]
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    with pytest.warns(UserWarning, match=r"saved by 2 process\(es\) and is loaded by 1: not "
+                                         r"restored"):
+        assert not restore_random_state(saved, 0, 1, "ckpt")
+    assert torch.equal(torch.get_rng_state(), before)
+    assert restore_random_state(saved[:1], 0, 1, "ckpt")
+    assert torch.equal(torch.get_rng_state(), saved[0]["cpu"])
+
+
 def test_a_checkpoint_resumes_with_another_number_of_stages(tmp_path):
     program, optimizer = _setup(2, MODEL)
     uninterrupted = _train(program, optimizer, 4)

@@ -207,7 +207,7 @@ def _resume(directory: str, modules: list[StageModule],
     names.load(modules, fit_state(checkpoint, structure, names.state_dict(modules)))
     if optimizer is not None:  # None: this rank's stages hold no parameters
         restore_optimizer(optimizer, checkpoint, names.canonical(modules))
-    return int(checkpoint["step"] or 0)
+    return int(checkpoint["step"] or 0)  # (its generators: each step seeds with its index)
 
 
 def _structure(spec: ProgramSpec) -> Structure:

@@ -49,6 +49,7 @@ from fxpipe.storage.files import (
     fsync_folder,
     write_failed,
 )
+from fxpipe.storage.random_state import random_state
 from fxpipe.storage.savelock import LOCK, hold_save_lock
 from fxpipe.storage.structure import Structure
 from fxpipe.version import __version__
@@ -73,6 +74,8 @@ class Checkpoint(TypedDict):
     fingerprint: str  # its fxpipe.storage.structure fingerprint
     optimizer_class: str | None
     files: dict[str, str]  # state_dict key -> the shard file (in DIR) that holds it
+    # each saving rank's generators (fxpipe.storage.random_state), None where it saved none
+    rng: list[dict[str, Any] | None]
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -109,7 +112,8 @@ def save_shard(directory: str, state: dict[str, torch.Tensor],
     lock: list[int] = []  # rank 0 holds the folder's save lock until the save is over
     try:
         tmp = _on_rank0(rank, world, lambda: _begin(directory, lock))
-        shard: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in state.items()}}
+        shard: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in state.items()},
+                                 "rng": random_state()}
         saved = _optimizer_by_name(optimizer, names) if optimizer is not None else None
         if saved is not None:
             shard["optimizer"] = saved
@@ -365,10 +369,12 @@ def _read_shards(directory: str, meta: dict[str, Any]) -> Checkpoint:
     model: dict[str, torch.Tensor] = {}
     files: dict[str, str] = {}
     optim: dict[str, Any] = {"state": {}, "param_groups": None}
+    rng: list[dict[str, Any] | None] = []
     for entry in meta["shards"]:
         name = f"{meta['folder']}/{entry['file']}"
         shard = _read_shard(os.path.join(directory, name), entry)
         model.update(shard["model"])
+        rng.append(shard.get("rng"))
         files.update(dict.fromkeys(shard["model"], name))
         if "optimizer" in shard:
             optim["state"].update(shard["optimizer"]["state"])
@@ -381,7 +387,7 @@ def _read_shards(directory: str, meta: dict[str, Any]) -> Checkpoint:
     return {"model": model, "optimizer": optim if meta["optimizer"] else None,
             "step": meta["step"], "path": directory, "model_class": meta["model"],
             "fingerprint": meta["fingerprint"], "optimizer_class": meta["optimizer"],
-            "files": files}
+            "files": files, "rng": rng}
 
 
 def _read_shard(path: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -420,11 +426,18 @@ def _read_open_shard(path: str, f: BinaryIO, entry: dict[str, Any]) -> dict[str,
     if not (isinstance(shard, dict) and isinstance(shard.get("model"), dict)
             and all(isinstance(k, str) and isinstance(v, torch.Tensor)
                     for k, v in shard["model"].items())
-            and _is_optimizer_state(shard.get("optimizer", {"state": {}, "param_groups": []}))):
+            and _is_optimizer_state(shard.get("optimizer", {"state": {}, "param_groups": []}))
+            and _is_random_state(shard.get("rng", {"cpu": torch.empty(0), "cuda": []}))):
         raise CheckpointError(f"{path} holds a {type(shard).__name__}, not an fxpipe shard "
                               "({'model': {key: tensor}, 'optimizer': ...})", hint=hint)
     result: dict[str, Any] = shard
     return result
+
+
+def _is_random_state(value: object) -> bool:
+    return (isinstance(value, dict) and isinstance(value.get("cpu"), torch.Tensor)
+            and isinstance(value.get("cuda"), list)
+            and all(isinstance(t, torch.Tensor) for t in value["cuda"]))
 
 
 def _is_optimizer_state(value: object) -> bool:
