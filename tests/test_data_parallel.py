@@ -70,6 +70,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         results["freezing"] = _freezing_steps(fxpipe.compile, rank)
         results["unused_head"] = _unused_head_steps(fxpipe.compile, rank)
         results["presence"] = _averaged_where_present(rank, world)
+        results["sparse"] = _sparse_refusal(world)
         dist.destroy_process_group()
         queue.put((rank, _bytes(results)))  # tensors as bytes: shared memory dies with the child
     except Exception:  # noqa: BLE001 - sent to the parent
@@ -169,6 +170,19 @@ def _averaged_where_present(rank: int, world: int) -> dict:
             for kind, group in (("bucketed", bucketed), ("single", single))}
 
 
+def _sparse_refusal(world: int) -> str:
+    """What averaging a sparse gradient (nn.Embedding(sparse=True)) over replicas raises."""
+    from fxpipe.runtime.communication.overlap import average_present
+
+    table = torch.nn.Parameter(torch.zeros(5, 3))
+    table.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (5, 3))
+    try:
+        average_present(table, None, world)
+    except ConfigError as e:
+        return str(e)
+    return "averaged"
+
+
 def _bytes(obj) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -258,8 +272,14 @@ def test_a_gradient_some_replicas_lack_is_averaged_and_one_all_lack_stays_none(t
             assert none is None, (kind, rank)
 
 
+def test_a_sparse_gradient_under_replicas_is_refused_with_a_hint(two_by_two):
+    for rank, results in two_by_two.items():
+        assert "a parameter of shape (5, 3) has a sparse gradient" in results["sparse"], rank
+        assert "hint: use sparse=False under replicas" in results["sparse"], rank
+
+
 def test_replicas_hold_identical_copies_of_each_stage(two_by_two):
-    for key in (k for k in two_by_two[0] if k != "presence"):  # the others trained a model
+    for key in (k for k in two_by_two[0] if k not in ("presence", "sparse")):  # trained ones
         for stage in (0, 1):
             a, b = two_by_two[stage][key]["state"], two_by_two[2 + stage][key]["state"]
             assert a.keys() == b.keys()

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 from torch.utils.hooks import RemovableHandle
 
+from fxpipe.errors import ConfigError
+
 __all__ = ["ReplicaAverager", "buckets", "average_present"]
 
 
@@ -121,8 +123,16 @@ def _with_presence(params: list[torch.nn.Parameter]) -> torch.Tensor:
     for k, p in enumerate(params):
         if p.grad is None:
             flags[k] = 0
-    return torch.cat([*((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                        for p in params), flags])
+    try:
+        return torch.cat([*((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                            for p in params), flags])
+    except RuntimeError:
+        sparse = [p for p in params if p.grad is not None and p.grad.is_sparse]
+        if not sparse:
+            raise
+        raise ConfigError(f"a parameter of shape {tuple(sparse[0].shape)} has a sparse gradient "
+                          "(an nn.Embedding(sparse=True)), and data-parallel replicas average "
+                          "dense gradients", hint="use sparse=False under replicas") from None
 
 
 def _write_average(param: torch.nn.Parameter, average: torch.Tensor,
