@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -137,10 +139,26 @@ def loss_name(loss_fn: Any) -> str:
             return name
     module, qualname = getattr(loss_fn, "__module__", None), getattr(loss_fn, "__qualname__", "")
     if not module or module == "__main__" or "<" in qualname:
-        raise ConfigError(f"loss_fn {loss_fn!r} cannot be imported by the written program",
-                          hint=f"pass one of {sorted(NAMED)} or a function defined at module "
-                               "level of an importable module")
+        raise ConfigError(f"loss_fn {qualname or repr(loss_fn)} cannot be imported by the "
+                          f"written program: {_unimportable(module, qualname)}",
+                          hint="define it at module level of a module beside your script (e.g. "
+                               "losses.py) and import it from there, or pass one of "
+                               f"{sorted(NAMED)}")
     return f"{module}:{qualname}"
+
+
+def _unimportable(module: str | None, qualname: str) -> str:
+    """Why a function has no module:name the written program could import it by."""
+    if "<lambda>" in qualname:
+        return "it is a lambda, which has no name"
+    if "<locals>" in qualname:
+        return f"it is defined inside {qualname.split('.<locals>')[0]}()"
+    if module == "__main__":
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        where = f" ({os.path.basename(script)})" if script else ""
+        return (f"it is defined in the script being run{where}, which the program would run "
+                "again to import it")
+    return "it names no module"
 
 
 def resolve_loss(name: str) -> Any:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import fxpipe
 from fxpipe.errors import ProgramFolderError
@@ -222,3 +223,39 @@ def test_program_json_names_each_state_dict_key_once(tmp_path):
     bound = {q for module in program.stage_modules for q in module.named_model_tensors()}
     full = StateNames.of_model(model, program.graph_module).keys  # what it was written from
     assert {q: names.keys[q] for q in bound if q in names.keys} == dict(full)
+
+
+def _closure_loss():
+    def inner(out, y):
+        return ((out - y) ** 2).mean()
+    return inner
+
+
+def test_a_loss_the_written_program_cannot_import_is_refused_saying_why(tmp_path):
+    from fxpipe.errors import ConfigError
+
+    model, inputs = mlp.build()
+    program = fxpipe.compile(model, inputs, stages=2, chunks=2)
+    y = torch.randn_like(program(*inputs))
+    for loss_fn, why in [(lambda out, t: ((out - t) ** 2).mean(), "it is a lambda"),
+                         (_closure_loss(), "it is defined inside _closure_loss()")]:
+        with pytest.raises(ConfigError, match=f"cannot be imported by the written program: "
+                                              f"{why}") as error:
+            program.write(str(tmp_path / "prog"), loss_fn=loss_fn, target=y)
+        assert "a module beside your script (e.g. losses.py)" in error.value.hint
+    script = tmp_path / "train.py"  # a loss defined in the script being run
+    script.write_text(textwrap.dedent(f"""
+        import torch, fxpipe
+        from fxpipe.models import mlp
+        def my_loss(out, y):
+            return ((out - y) ** 2).mean()
+        model, inputs = mlp.build()
+        program = fxpipe.compile(model, inputs, stages=2, chunks=2)
+        program.write({str(tmp_path / "prog")!r}, loss_fn=my_loss,
+                      target=torch.zeros_like(program(*inputs)))
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert "loss_fn my_loss cannot be imported by the written program: it is defined in the " \
+           "script being run (train.py), which the program would run again" in result.stderr
