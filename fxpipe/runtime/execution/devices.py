@@ -16,7 +16,7 @@ from typing import Any, overload
 
 import torch
 
-from fxpipe.runtime.planning.timeline import Event, Timeline
+from fxpipe.runtime.planning.timeline import Event, RawEvent, Timeline
 
 __all__ = ["pin_for", "to_device", "stage_devices", "WallTimeline", "CudaTimeline",
            "make_timeline"]
@@ -56,17 +56,17 @@ class WallTimeline(Timeline):
     """Host wall-clock spans (CPU stages), plus `mark` for a span that started earlier."""
 
     def mark(self, kind: str, stage: int, microbatch: int, start: float, detail: str = "") -> None:
-        self.events.append(Event(kind, stage, microbatch, start - self.origin,
-                                 time.perf_counter() - self.origin, detail))
+        self.raw.append((kind, stage, microbatch, start - self.origin,
+                         time.perf_counter() - self.origin, detail))
 
     def resolve(self) -> list[Event]:
         """The events of the step (after the step's work has finished)."""
-        return list(self.events)
+        return self.events
 
     def take(self) -> Sequence[Event]:
         """The step's events, leaving the timeline to the next step without waiting for the
-        device: a CUDA timeline's are read when first asked for."""
-        return list(self.events)
+        device: a CUDA timeline's are read when first asked for, a wall one's made then."""
+        return ReadLater(None, [], list(self.raw))
 
 
 class CudaTimeline(WallTimeline):
@@ -106,37 +106,40 @@ class CudaTimeline(WallTimeline):
         self.pending.append((kind, stage, microbatch, event, event, detail))
 
     def resolve(self) -> list[Event]:
-        self.events.extend(_read(self.origin_event, self.pending))
+        self.raw.extend(_read(self.origin_event, self.pending))
         self.pending.clear()
-        return list(self.events)
+        return self.events
 
     def take(self) -> Sequence[Event]:
-        taken = ReadLater(self.origin_event, list(self.pending), list(self.events))
+        taken = ReadLater(self.origin_event, list(self.pending), list(self.raw))
         self.pending.clear()
         return taken
 
 
-def _read(origin: Any, pending: Sequence[Pending]) -> list[Event]:
+def _read(origin: Any, pending: Sequence[Pending]) -> list[RawEvent]:
     """Spans from their CUDA events, waiting for each to have run."""
     out = []
     for kind, stage, mb, start, end, detail in pending:
         end.synchronize()
-        out.append(Event(kind, stage, mb, origin.elapsed_time(start) / 1e3,
-                         origin.elapsed_time(end) / 1e3, detail))
+        out.append((kind, stage, mb, origin.elapsed_time(start) / 1e3,
+                    origin.elapsed_time(end) / 1e3, detail))
     return out
 
 
 class ReadLater(Sequence[Event]):
-    """A step's CUDA spans, read from their events when first looked at: reading waits for the
-    device, which a step that nobody inspects need not do."""
+    """A step's spans, made Events when first looked at: a CUDA timeline's read from their
+    events then (reading waits for the device, which a step that nobody inspects need not
+    do)."""
 
-    def __init__(self, origin: Any, pending: list[Pending], read: list[Event]) -> None:
-        self._origin, self._pending, self._events = origin, pending, read
+    def __init__(self, origin: Any, pending: list[Pending], read: list[RawEvent]) -> None:
+        self._origin, self._pending, self._raw = origin, pending, read
+        self._events: list[Event] | None = None
 
     def _all(self) -> list[Event]:
-        if self._pending:
-            self._events.extend(_read(self._origin, self._pending))
-            self._pending = []
+        if self._events is None:
+            self._events = [Event(*r) for r in [*self._raw, *_read(self._origin,
+                                                                     self._pending)]]
+            self._raw, self._pending = [], []
         return self._events
 
     @overload

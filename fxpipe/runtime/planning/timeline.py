@@ -12,8 +12,8 @@ from fxpipe.figures import idle_share
 from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind, schedule_kind
 from fxpipe.runtime.planning.simulate import TimedEvent, simulate
 
-__all__ = ["Event", "EventJSON", "Timeline", "TraceEvent", "StageTimes", "PlanTimes", "busy_time",
-           "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step",
+__all__ = ["Event", "EventJSON", "RawEvent", "Timeline", "TraceEvent", "StageTimes", "PlanTimes",
+           "busy_time", "chrome_trace", "write_chrome_trace", "predicted_events", "predicted_step",
            "predicted_local_step", "SPLIT_BACKWARD", "SharedWeight", "tied_reduce"]
 
 
@@ -42,16 +42,24 @@ class Event:
                 "start": self.start, "end": self.end, "detail": self.detail}
 
 
+# an Event's fields, as a span records them: made into Events only when they are read
+RawEvent: TypeAlias = tuple[str, int, int, float, float, str]
+
+
 class Timeline:
     """Collects events of one process; `span` times a block."""
 
     def __init__(self) -> None:
         self.origin = time.perf_counter()
-        self.events: list[Event] = []
+        self.raw: list[RawEvent] = []
+
+    @property
+    def events(self) -> list[Event]:
+        return [Event(*r) for r in self.raw]
 
     def reset(self) -> None:
         self.origin = time.perf_counter()
-        self.events.clear()
+        self.raw.clear()
 
     def span(self, kind: str, stage: int, microbatch: int, detail: str = ""
              ) -> contextlib.AbstractContextManager[None]:
@@ -75,8 +83,8 @@ class _Span:
 
     def __exit__(self, *exc: object) -> None:
         timeline = self.timeline
-        timeline.events.append(Event(self.kind, self.stage, self.microbatch, self.start,
-                                     time.perf_counter() - timeline.origin, self.detail))
+        timeline.raw.append((self.kind, self.stage, self.microbatch, self.start,
+                             time.perf_counter() - timeline.origin, self.detail))
 
 
 _COMPUTE = ("forward", "backward", "recompute")
