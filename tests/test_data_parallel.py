@@ -240,27 +240,27 @@ def test_two_replicas_of_two_stages_train_like_one_process(two_by_two, name, mod
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_parameters_frozen_and_unfrozen_between_steps_train_like_one_process(two_by_two):
-    want = _freezing_steps(lambda model, *a, **k: model)
+def _assert_trained_like(two_by_two: dict, case: str, want: dict) -> None:
+    """Every rank's losses of `case` are the plain model's, and the ranks' states together
+    are its state."""
     merged = {}
     for rank, results in two_by_two.items():
-        got = results["freezing"]
+        got = results[case]
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6), rank
         merged.update(got["state"])
+    assert set(merged) == set(want["state"])
     for key, value in want["state"].items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_parameters_frozen_and_unfrozen_between_steps_train_like_one_process(two_by_two):
+    _assert_trained_like(two_by_two, "freezing", _freezing_steps(lambda model, *a, **k: model))
+
+
 def test_a_head_no_loss_reaches_keeps_no_gradient_and_trains_like_one_process(two_by_two):
-    want = _unused_head_steps(lambda model, *a, **k: model)
-    merged = {}
-    for rank, results in two_by_two.items():
-        got = results["unused_head"]
-        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6), rank
-        merged.update(got["state"])
-    assert set(merged) == set(want["state"])
-    for key, value in want["state"].items():  # aux.* unchanged by AdamW's weight decay
-        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # aux.* unchanged by AdamW's weight decay, as in the plain model
+    _assert_trained_like(two_by_two, "unused_head",
+                         _unused_head_steps(lambda model, *a, **k: model))
 
 
 def test_a_gradient_some_replicas_lack_is_averaged_and_one_all_lack_stays_none(two_by_two):

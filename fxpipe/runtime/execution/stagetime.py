@@ -24,7 +24,7 @@ from fxpipe.runtime.execution.batchnorm import discard_batch_norms
 from fxpipe.runtime.execution.devices import to_device
 from fxpipe.runtime.execution.stagespec import HeldStage
 from fxpipe.signature import Signature
-from fxpipe.targets import Target, split_target
+from fxpipe.targets import Target, map_target, split_target
 
 __all__ = ["time_stages"]
 
@@ -92,7 +92,7 @@ def _stage_step(s: int, stage: HeldStage, last: bool, box: _Mailbox,
             grads = [torch.ones_like(t) for t in outputs]
             if last:
                 structured = signature.unflatten_outputs(list(out))
-                target = targets[mb]
+                target = map_target(lambda t: to_device(t, stage.device), targets[mb])
                 loss = loss_of(loss_fn, structured, target) / chunks
                 outputs.append(loss)
                 grads.append(torch.ones_like(loss))
