@@ -18,7 +18,7 @@ import torch
 
 from fxpipe.runtime.planning.timeline import Event, RawEvent, Timeline
 
-__all__ = ["pin_for", "to_device", "stage_devices", "WallTimeline", "CudaTimeline",
+__all__ = ["pin_for", "to_device", "pinned_to", "stage_devices", "WallTimeline", "CudaTimeline",
            "make_timeline"]
 
 
@@ -41,6 +41,12 @@ def to_device(t: Any, device: torch.device) -> Any:
     if device.type == "cuda" and t.device.type == "cpu":
         return t.to(device, non_blocking=t.is_pinned())
     return t.to(device)
+
+
+def pinned_to(t: Any, device: torch.device) -> Any:
+    """A host tensor of a batch on `device`, through pinned memory where that is a CUDA one
+    (pin_for, then to_device)."""
+    return to_device(pin_for([t], device)[0], device)
 
 
 def stage_devices(device: torch.device, tensors: Iterable[torch.Tensor] = ()) -> list[torch.device]:

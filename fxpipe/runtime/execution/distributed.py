@@ -46,7 +46,13 @@ from fxpipe.runtime.execution.batchnorm import (
     commit_batch_norms,
     discard_batch_norms,
 )
-from fxpipe.runtime.execution.devices import make_timeline, pin_for, stage_devices, to_device
+from fxpipe.runtime.execution.devices import (
+    make_timeline,
+    pin_for,
+    pinned_to,
+    stage_devices,
+    to_device,
+)
 from fxpipe.runtime.execution.evaluate import evaluate_rank
 from fxpipe.runtime.execution.forward import run_forward
 from fxpipe.runtime.execution.fsdp import FullShard
@@ -260,8 +266,8 @@ class DistributedExecutor:
         last_stage = self.mesh.stages - 1
         if last_stage in self.units and target is not None:
             targets = pin_for(targets, self.device) if isinstance(target, torch.Tensor) else \
-                [map_target(lambda t: to_device(pin_for([t], self.device)[0], self.device), part)
-                 for part in targets]  # on the device here: to_device leaves structures
+                [map_target(lambda t: pinned_to(t, self.device), part) for part in targets]
+            # (a structured one on the device here: to_device leaves structures as they are)
         self._warm_up()
         comm = self._comm(batch // chunks, chunks)
         # a step that learns dtypes waits for each header at its tick: every message in its

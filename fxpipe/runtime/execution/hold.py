@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 
 from fxpipe.losses import LossFn, loss_of
 from fxpipe.runtime.communication.mesh import GroupCache, Mesh, make_groups
-from fxpipe.runtime.execution.devices import pin_for, to_device
+from fxpipe.runtime.execution.devices import pinned_to
 from fxpipe.runtime.execution.local import LocalExecutor
 from fxpipe.runtime.execution.loss_judge import check_batch_target
 from fxpipe.runtime.execution.rank import RankPipeline, devices_for_stages, setup_rank
@@ -102,5 +102,5 @@ def local_loss(executor: LocalExecutor, inputs: list[torch.Tensor],
     outputs = executor.signature.unflatten_outputs(executor.run(inputs))
     if target is not None:  # from pinned memory: a pageable copy would wait for the device
         device = executor.stages[-1].device
-        target = map_target(lambda t: to_device(pin_for([t], device)[0], device), target)
+        target = map_target(lambda t: pinned_to(t, device), target)
     return loss_of(loss_fn, outputs, target)
