@@ -41,7 +41,7 @@ from fxpipe.untouched import untouched
 __all__ = ["Batch", "ProgramBalance", "fixed_cut"]
 
 
-Batch = tuple[list[torch.Tensor], torch.Tensor | None, LossFn]
+Batch = tuple[list[torch.Tensor], Target, LossFn]
 """A step's flat inputs, target and loss."""
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import fxpipe
-from fxpipe.errors import CheckpointError
+from fxpipe.errors import CheckpointError, ConfigError
 from fxpipe.models import gpt, mlp
 from fxpipe.runtime.program.torchrun import free_port
 from fxpipe.storage.checkpoint import save_shard
@@ -179,6 +179,83 @@ def test_distributed_resume_gives_exactly_the_losses_of_an_uninterrupted_run(tmp
     second = _losses(run("--steps", "2", "--resume", str(tmp_path / "ckpt")))
     assert first + second == whole
     assert second[0].startswith("step 2 ")
+
+
+_STOPPING_DATA = """import os
+
+import torch
+
+
+def batches():
+    generator = torch.Generator().manual_seed(7)
+    for number in range(6):
+        if str(number) == os.environ.get("FXPIPE_TEST_STOP_AT"):
+            raise RuntimeError("the run stops here")
+        yield torch.randn({x}, generator=generator), torch.randn({y}, generator=generator)
+"""
+
+
+def test_a_run_stopped_midway_resumes_from_its_last_periodic_save_as_one_run(tmp_path,
+                                                                             monkeypatch, capsys):
+    """program.py --save-every: a run that dies in step 3 left the save of step 1; resuming it
+    with --data skips the two batches trained on and gives the uninterrupted run's losses."""
+    from fxpipe.runtime import launch
+    model, (x,) = mlp.build()
+    target = torch.randn(model(x).shape)
+    folder = tmp_path / "program"
+    fxpipe.compile(model, (x,), stages=2, chunks=2).write(str(folder), target=target,
+                                                           loss_fn="mse", reference_steps=0)
+    (tmp_path / "fxpipe_stopping_data.py").write_text(
+        _STOPPING_DATA.format(x=tuple(x.shape), y=tuple(target.shape)))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "fxpipe_stopping_data", raising=False)
+    data, ckpt = ["--data", "fxpipe_stopping_data:batches"], str(tmp_path / "ckpt")
+
+    def steps(out: str) -> list[str]:
+        return [line.split(" (")[0] for line in out.splitlines() if line.startswith("step ")]
+
+    assert launch.main(folder, [*data, "--steps", "6"]) == 0
+    whole = steps(capsys.readouterr().out)
+    monkeypatch.setenv("FXPIPE_TEST_STOP_AT", "3")
+    with pytest.raises(RuntimeError, match="the run stops here"):
+        launch.main(folder, [*data, "--steps", "6", "--save", ckpt, "--save-every", "2"])
+    out = capsys.readouterr().out
+    assert steps(out) == whole[:3]
+    assert f"saved the model and optimizer after step 1 to {ckpt}" in out
+    monkeypatch.delenv("FXPIPE_TEST_STOP_AT")
+    assert launch.main(folder, [*data, "--steps", "4", "--resume", ckpt]) == 0
+    out = capsys.readouterr().out
+    assert "skipped its first 2 batches" in out
+    assert steps(out) == whole[2:]
+    assert len(whole) == 6 and len(set(whole)) == 6  # six steps, each of its own batch
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--save-every", "2"], "--save-every 2 has no folder to save to"),
+    (["--save", "ckpt", "--save-every", "0"], "--save-every 0 is no number of steps"),
+])
+def test_save_every_without_a_folder_or_steps_is_refused(argv, message):
+    from fxpipe.runtime.program.arguments import _check_values, program_parser
+    with pytest.raises(ConfigError, match=message):
+        _check_values(program_parser(None).parse_args(["--lr", "0.1", *argv]))
+
+
+def test_saves_every_n_steps_and_after_the_last_once(tmp_path, capsys):
+    from fxpipe.runtime import launch
+    program, _ = _setup(2, MODEL)
+    program.write(str(tmp_path / "prog"), target=Y, reference_steps=0)
+    ckpt = str(tmp_path / "ckpt")
+    assert launch.main(tmp_path / "prog", ["--steps", "5", "--save", ckpt,
+                                           "--save-every", "2"]) == 0
+    saves = [line for line in capsys.readouterr().out.splitlines() if line.startswith("saved ")]
+    assert [s.split(" to ")[0] for s in saves] == [
+        f"saved the model and optimizer after step {i}" for i in (1, 3, 4)]
+    assert fxpipe.load_checkpoint(ckpt)["step"] == 5
+    assert launch.main(tmp_path / "prog", ["--steps", "4", "--save", ckpt, "--resume", ckpt,
+                                           "--save-every", "2"]) == 0
+    saves = [line for line in capsys.readouterr().out.splitlines() if line.startswith("saved ")]
+    assert [s.split(" to ")[0] for s in saves] == [  # every second step counted from 0
+        f"saved the model and optimizer after step {i}" for i in (5, 7, 8)]
 
 
 def test_two_writes_of_a_program_give_identical_files(tmp_path):

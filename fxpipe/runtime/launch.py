@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -147,8 +148,16 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     scaler = torch.amp.GradScaler(devices[0].type, enabled=spec.autocast == "fp16")
     follower = ScaleFollower()
     first = 0
+    saved: int | None = None  # the steps of this run's last save
     if args.resume:
         first = _resume(args.resume, modules, optimizer, spec)
+        if batches is not None and first:
+            # the checkpoint's steps trained on the first batches: go on from where they ended,
+            # as the run that saved it would have
+            skipped = sum(1 for _ in itertools.islice(batches, first))
+            if rank == 0:
+                print(f"--data {args.data}: skipped its first {skipped} batches, which the "
+                      f"{first} steps before the checkpoint trained on", flush=True)
     losses: list[float] = []
     for i in range(first, first + args.steps):
         if batches is not None:
@@ -175,18 +184,28 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         losses.append(loss)
         if rank == 0:
             print(f"step {i} loss {loss:.6f} ({time.perf_counter() - start:.4f} s)", flush=True)
-    if args.save:
-        done = first + len(losses)
-        folder_name = _save(args.save, modules, optimizer, spec, done)
-        if rank == 0:
-            print(f"saved the model and optimizer after step {done - 1} to "
-                  f"{os.path.join(args.save, folder_name)} (resume with --resume {args.save})",
-                  flush=True)
+        if args.save_every and (i + 1) % args.save_every == 0:
+            saved = _save_and_say(args.save, modules, optimizer, spec, i + 1, rank)
+    done = first + len(losses)
+    if args.save and saved != done:
+        _save_and_say(args.save, modules, optimizer, spec, done, rank)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
     replicas = int(os.environ["WORLD_SIZE"]) // spec.ranks if distributed else 1
     return _verify(spec, losses, args.lr, first, replicas) if args.verify and rank == 0 else 0
+
+
+def _save_and_say(directory: str, modules: list[StageModule],
+                  optimizer: torch.optim.Optimizer | None, spec: ProgramSpec, step: int,
+                  rank: int) -> int:
+    """Saves the checkpoint of `step` steps and says where (rank 0); returns `step`."""
+    folder_name = _save(directory, modules, optimizer, spec, step)
+    if rank == 0:
+        print(f"saved the model and optimizer after step {step - 1} to "
+              f"{os.path.join(directory, folder_name)} (resume with --resume {directory})",
+              flush=True)
+    return step
 
 
 def _save(directory: str, modules: list[StageModule],

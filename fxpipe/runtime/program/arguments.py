@@ -43,8 +43,13 @@ def program_parser(spec: ProgramSpec | None) -> argparse.ArgumentParser:
     parser.add_argument("--timeline", metavar="PATH",
                         help="write a Chrome trace of the last step (open in Perfetto)")
     parser.add_argument("--save", metavar="DIR", help="write a checkpoint after training")
+    parser.add_argument("--save-every", type=int, metavar="N",
+                        help="with --save: also write it every N steps, each save replacing the "
+                             "last, so that a run stopped midway resumes from there (default: "
+                             "only after training)")
     parser.add_argument("--resume", metavar="DIR", help="start from a checkpoint (model and "
-                        "optimizer state; written by --save or program.save)")
+                        "optimizer state; written by --save or program.save); with --data, "
+                        "the batches of the steps it holds are read and skipped")
     parser.add_argument("--check-finite", action="store_true",
                         help="stop with the stage and value where NaN/Inf first appear")
     parser.add_argument("--timeout", type=float, default=60.0,
@@ -113,6 +118,12 @@ def _check_values(args: argparse.Namespace) -> None:
         raise ConfigError(f"program.py --verify compares with losses recorded without clipping, "
                           f"and --clip-grad-norm {args.clip_grad_norm} changes every later step",
                           hint="verify without --clip-grad-norm first, then train with it")
+    if args.save_every is not None and args.save_every < 1:
+        raise ConfigError(f"program.py --save-every {args.save_every} is no number of steps "
+                          "(allowed: 1 or more)", hint="omit --save-every to save after training")
+    if args.save_every is not None and not args.save:
+        raise ConfigError(f"program.py --save-every {args.save_every} has no folder to save to",
+                          hint="pass --save DIR with it")
     if args.verify and args.data:
         raise ConfigError(f"program.py --verify compares with losses recorded on the example "
                           f"batch, and --data {args.data} trains on other batches",

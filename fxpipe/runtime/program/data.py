@@ -18,11 +18,11 @@ import torch
 from fxpipe.errors import ConfigError, RuntimeInputError
 from fxpipe.runtime.program.imports import ProgramCode, import_folders, import_user_module
 from fxpipe.signature import Signature
-from fxpipe.targets import target_tensors
+from fxpipe.targets import Target, target_tensors
 
 __all__ = ["Batch", "user_batches"]
 
-Batch = tuple[list[torch.Tensor], "torch.Tensor | None"]
+Batch = tuple[list[torch.Tensor], Target]
 """The flat input tensors of a global batch and its target."""
 
 
