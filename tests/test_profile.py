@@ -514,3 +514,21 @@ def test_interleaved_runs_take_turns_and_a_burst_leaves_its_cold_first_run_untim
     assert min(one.values()) >= 0.005
     assert last[:2] == ["a", "b"] and len(last) == 2 + 3 * 2  # one untimed run each first
     assert max(interleaved(runs, rounds=3, least=3, burst=2).values()) < 0.005
+
+
+class _NoKernel(nn.Module):
+    """A unit whose operation has no kernel at the precision measured (as an LSTM has none in
+    fp16 on many CPUs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("could not create a primitive descriptor")
+
+
+def test_a_kind_without_a_kernel_at_the_precision_gets_the_median_overhead(monkeypatch):
+    from fxpipe.profile import overheads
+    monkeypatch.setattr(overheads, "_UNITS", (
+        ("elementwise", overheads._Pointwise, (4, 16)),
+        ("recurrent", _NoKernel, (2, 4, 8)),
+        ("matmul", lambda: nn.Linear(16, 16), (4, 16))))
+    found = overheads._op_overheads(uniform(1e10, 1e9), budget=0.05)
+    assert set(found) == {"elementwise", "matmul"}  # measured, and the compile went on

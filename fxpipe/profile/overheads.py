@@ -172,16 +172,20 @@ def _op_overheads(kernels: DeviceProfile, units: tuple[int, int] = (1, 4),
     its rate leaves out, and in a remat region the saved-tensor hooks."""
     found: dict[str, tuple[float, float, float]] = {}
     for kind, unit, shape in _UNITS:
-        chains = [_Chained.of(unit, count, shape, kernels) for count in units]
-        fastest = interleaved({(i, part): getattr(chain, part) for i, chain in enumerate(chains)
-                                for part in ("step", "forward", "remat")}, budget=budget)
+        try:
+            chains = [_Chained.of(unit, count, shape, kernels) for count in units]
+            fastest = interleaved({(i, part): getattr(chain, part)
+                                   for i, chain in enumerate(chains)
+                                   for part in ("step", "forward", "remat")}, budget=budget)
+        except RuntimeError:  # no kernel at this precision here (an LSTM in fp16 on a CPU):
+            continue  # the kind pays the median of the others (DeviceProfile.op_overhead)
         # per chain: beyond its kernels in all and in the forward; the checkpoint's bookkeeping
         paid = [(fastest[i, "step"] - chain.kernels[0], fastest[i, "forward"] - chain.kernels[1],
                  fastest[i, "remat"] - fastest[i, "step"] - fastest[i, "forward"])
                 for i, chain in enumerate(chains)]
         added = chains[1].kinds - chains[0].kinds
         slopes = [(paid[1][f] - paid[0][f]
-                   - sum(n * found[k][f] for k, n in added.items() if k != kind))
+                   - sum(n * found[k][f] for k, n in added.items() if k != kind and k in found))
                   / max(added[kind], 1) for f in range(3)]
         total, forward, region = (max(x, 0.0) for x in slopes)
         found[kind] = (total, min(forward, total), region)
