@@ -24,6 +24,7 @@ from fxpipe.runtime.program.materialize import initialize
 from fxpipe.runtime.stage import StageModule
 from fxpipe.sharding import make_optimizer
 from fxpipe.storage.checkpoint import load_checkpoint, save_shard
+from fxpipe.storage.loss_scale import restore_scaler, scaler_state
 from fxpipe.storage.random_state import restore_random_state
 from fxpipe.storage.resume import fit_state, restore_optimizer
 from fxpipe.storage.state import StateNames, graph_tensors
@@ -182,8 +183,9 @@ class ProgramState(nn.Module):
     # -- checkpoints ----------------------------------------------------------------------------
 
     def save(self, directory: str, *, optimizer: torch.optim.Optimizer | None = None,
-             step: int | None = None) -> None:
-        """Writes a checkpoint (this process's stages and optimizer state, in the model's names).
+             step: int | None = None, scaler: torch.amp.GradScaler | None = None) -> None:
+        """Writes a checkpoint (this process's stages, optimizer state and, with `scaler`, the
+        GradScaler's loss scale, in the model's names).
 
         Under torchrun every rank calls it; the checkpoint counts once every rank's shard is
         written (fxpipe.storage.checkpoint), and fxpipe.load_checkpoint(directory)["model"] loads
@@ -193,17 +195,20 @@ class ProgramState(nn.Module):
         self._require_weights()
         names = self._optimizer_names(optimizer) if optimizer else {}
         save_shard(directory, dict(self.state_dict()), optimizer, names, step=step,
-                   structure=self._structure())
+                   structure=self._structure(), scaler=scaler_state(scaler))
 
     def load(self, directory: str, *, optimizer: torch.optim.Optimizer | None = None,
-             strict: bool = True, random_state: bool = True) -> int | None:
-        """Restores parameters, buffers, (if given) optimizer state and (unless `random_state`
-        is False) this process's random generators as the save left them, so that dropout
-        after a resume draws what the saving run drew next; returns the saved step.
+             strict: bool = True, random_state: bool = True,
+             scaler: torch.amp.GradScaler | None = None) -> int | None:
+        """Restores parameters, buffers, (if given) optimizer state and GradScaler state, and
+        (unless `random_state` is False) this process's random generators as the save left
+        them, so that dropout after a resume draws what the saving run drew next; returns the
+        saved step.
 
         strict: refuse (CheckpointError) a checkpoint of another model, unexpected or missing
-        keys, other shapes or dtypes, and optimizer state of another class or none; False
-        loads what fits and warns naming everything it skipped.
+        keys, other shapes or dtypes, optimizer state of another class or none, and no scaler
+        state when `scaler` is given; False loads what fits and warns naming everything it
+        skipped.
         """
         self._require_built("state to load into")
         if optimizer is not None and self._meta:
@@ -218,9 +223,10 @@ class ProgramState(nn.Module):
         if optimizer is not None:
             restore_optimizer(optimizer, checkpoint, self._optimizer_names(optimizer),
                               strict=strict, skip=set(checkpoint["model"]) - set(state))
+        rank, world = (dist.get_rank(), dist.get_world_size()) \
+            if dist.is_available() and dist.is_initialized() else (0, 1)
+        restore_scaler(scaler, checkpoint["scaler"], rank, directory, strict=strict)
         if random_state:
-            rank, world = (dist.get_rank(), dist.get_world_size()) \
-                if dist.is_available() and dist.is_initialized() else (0, 1)
             restore_random_state(checkpoint["rng"], rank, world, directory)
         step: int | None = checkpoint["step"]
         return step

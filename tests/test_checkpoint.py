@@ -258,6 +258,46 @@ def test_saves_every_n_steps_and_after_the_last_once(tmp_path, capsys):
         f"saved the model and optimizer after step {i}" for i in (5, 7, 8)]
 
 
+def test_an_fp16_run_resumes_with_its_loss_scale_as_one_run(tmp_path, capsys):
+    """A resume that started GradScaler's scale afresh would skip again the steps that
+    overflowed before the save: program.py saves and restores the scale."""
+    from fxpipe.runtime import launch
+    torch.manual_seed(0)
+    model, (x,) = mlp.build()
+    target = 20 * torch.randn(model(x).shape)  # large enough for early steps to overflow
+    folder = tmp_path / "program"
+    fxpipe.compile(model, (x,), stages=2, chunks=2, autocast="fp16", profile="a100").write(
+        str(folder), target=target, loss_fn="mse", reference_steps=0)
+
+    def losses(*argv: str) -> list[str]:
+        assert launch.main(folder, list(argv)) == 0
+        out = capsys.readouterr().out
+        return [line.split(" (")[0] for line in out.splitlines() if line.startswith("step ")]
+
+    whole = losses("--steps", "6")
+    ckpt = str(tmp_path / "ckpt")
+    assert losses("--steps", "3", "--save", ckpt) + losses("--steps", "3", "--resume", ckpt) \
+        == whole
+    values = [line.split(" loss ")[1] for line in whole]
+    assert values[0] == values[1] and len(set(values[3:])) == 3  # skipped early, learned later
+
+
+def test_program_save_keeps_the_loss_scale_and_a_strict_load_wants_it(tmp_path):
+    program, optimizer = _small_program()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 256.0, "_growth_tracker": 7})
+    program.save(str(tmp_path / "a"), optimizer=optimizer, scaler=scaler)
+    restored = torch.amp.GradScaler("cpu")
+    program.load(str(tmp_path / "a"), optimizer=optimizer, scaler=restored)
+    assert restored.state_dict() == scaler.state_dict()
+    program.save(str(tmp_path / "b"), optimizer=optimizer)
+    with pytest.raises(CheckpointError, match="holds no GradScaler state"):
+        program.load(str(tmp_path / "b"), optimizer=optimizer, scaler=torch.amp.GradScaler("cpu"))
+    with pytest.warns(UserWarning, match="holds no GradScaler state"):
+        program.load(str(tmp_path / "b"), optimizer=optimizer, scaler=torch.amp.GradScaler("cpu"),
+                     strict=False)
+
+
 def test_two_writes_of_a_program_give_identical_files(tmp_path):
     program, _ = _setup(2, MODEL)
     program.write(str(tmp_path / "a"), target=Y, reference_steps=0)

@@ -16,7 +16,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors", "fxpipe.version", "fxpipe.source", "fxpipe.figures", "fxpipe.units",
      "fxpipe.choices", "fxpipe.full_gc",
      "fxpipe.storage", "fxpipe.storage.files", "fxpipe.storage.savelock",
-     "fxpipe.storage.userfiles", "fxpipe.storage.random_state"),  # foundation
+     "fxpipe.storage.userfiles", "fxpipe.storage.random_state",
+     "fxpipe.storage.loss_scale"),  # foundation
     ("fxpipe.ir", "fxpipe.signature", "fxpipe.profile", "fxpipe.losses", "fxpipe.untouched",
      "fxpipe.storage.state", "fxpipe.storage.structure", "fxpipe.storage.checkpoint",
      "fxpipe.storage.resume", "fxpipe.storage.weights",

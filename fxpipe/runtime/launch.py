@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from fxpipe.runtime.program.written import check_written, stage_tensors
 from fxpipe.runtime.stage import StageModule
 from fxpipe.sharding import make_optimizer
 from fxpipe.storage.checkpoint import META, load_checkpoint, save_shard
+from fxpipe.storage.loss_scale import restore_scaler, scaler_state
 from fxpipe.storage.resume import fit_state, restore_optimizer
 from fxpipe.storage.structure import Structure
 from fxpipe.targets import Target
@@ -150,7 +151,7 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     first = 0
     saved: int | None = None  # the steps of this run's last save
     if args.resume:
-        first = _resume(args.resume, modules, optimizer, spec)
+        first = _resume(args.resume, modules, optimizer, spec, scaler, follower, rank)
         if batches is not None and first:
             # the checkpoint's steps trained on the first batches: go on from where they ended,
             # as the run that saved it would have
@@ -185,10 +186,12 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"step {i} loss {loss:.6f} ({time.perf_counter() - start:.4f} s)", flush=True)
         if args.save_every and (i + 1) % args.save_every == 0:
-            saved = _save_and_say(args.save, modules, optimizer, spec, i + 1, rank)
+            saved = _save_and_say(args.save, modules, optimizer, spec, i + 1, rank,
+                                  _scale(scaler, optimizer, follower))
     done = first + len(losses)
     if args.save and saved != done:
-        _save_and_say(args.save, modules, optimizer, spec, done, rank)
+        _save_and_say(args.save, modules, optimizer, spec, done, rank,
+                      _scale(scaler, optimizer, follower))
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -196,11 +199,18 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     return _verify(spec, losses, args.lr, first, replicas) if args.verify and rank == 0 else 0
 
 
+def _scale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None,
+           follower: ScaleFollower) -> dict[str, Any] | None:
+    """The loss scale to save: the scaler's, counted by the follower where no optimizer
+    steps the scaler."""
+    return scaler_state(scaler, None if optimizer is not None else follower.steps_taken)
+
+
 def _save_and_say(directory: str, modules: list[StageModule],
                   optimizer: torch.optim.Optimizer | None, spec: ProgramSpec, step: int,
-                  rank: int) -> int:
+                  rank: int, scale: dict[str, Any] | None) -> int:
     """Saves the checkpoint of `step` steps and says where (rank 0); returns `step`."""
-    folder_name = _save(directory, modules, optimizer, spec, step)
+    folder_name = _save(directory, modules, optimizer, spec, step, scale)
     if rank == 0:
         print(f"saved the model and optimizer after step {step - 1} to "
               f"{os.path.join(directory, folder_name)} (resume with --resume {directory})",
@@ -209,23 +219,29 @@ def _save_and_say(directory: str, modules: list[StageModule],
 
 
 def _save(directory: str, modules: list[StageModule],
-          optimizer: torch.optim.Optimizer | None, spec: ProgramSpec, step: int) -> str:
+          optimizer: torch.optim.Optimizer | None, spec: ProgramSpec, step: int,
+          scale: dict[str, Any] | None) -> str:
     """Saves the checkpoint of `step` steps; returns the folder it was published as."""
     names = spec.state_names()
     save_shard(directory, names.state_dict(modules), optimizer, names.canonical(modules),
-               step=step, structure=_structure(spec))
+               step=step, structure=_structure(spec), scaler=scale)
     with open(os.path.join(directory, META), encoding="utf-8") as f:
         return str(json.load(f)["folder"])  # published on every rank by now
 
 
 def _resume(directory: str, modules: list[StageModule],
-            optimizer: torch.optim.Optimizer | None, spec: ProgramSpec) -> int:
+            optimizer: torch.optim.Optimizer | None, spec: ProgramSpec,
+            scaler: torch.amp.GradScaler, follower: ScaleFollower, rank: int) -> int:
     structure = _structure(spec)
     checkpoint = load_checkpoint(directory)
     names = spec.state_names()
     names.load(modules, fit_state(checkpoint, structure, names.state_dict(modules)))
     if optimizer is not None:  # None: this rank's stages hold no parameters
         restore_optimizer(optimizer, checkpoint, names.canonical(modules))
+    # a checkpoint of program.save without scaler= has none: warned of, the scale starts afresh
+    steps_taken = restore_scaler(scaler, checkpoint["scaler"], rank, directory, strict=False)
+    if steps_taken is not None:
+        follower.steps_taken = steps_taken
     return int(checkpoint["step"] or 0)  # (its generators: each step seeds with its index)
 
 

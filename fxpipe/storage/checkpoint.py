@@ -7,7 +7,8 @@ A checkpoint folder DIR holds one complete save and the manifest that names it:
                                      the save's folder and every shard's size and sha256
     DIR/checkpoint.lock              held by the one process saving (fxpipe.storage.savelock)
     DIR/save-000007/shard-00000.pt   one shard per rank: {"model": tensors by the model's
-    DIR/save-000007/shard-00001.pt   state_dict keys, "optimizer": state by parameter names}
+    DIR/save-000007/shard-00001.pt   state_dict keys, "optimizer": state by parameter names,
+                                     "rng": its generators, "scaler": its GradScaler's state}
 
 Every rank writes its shard into a new temporary folder DIR/.fxpipe-save-*.tmp and reports the
 shard's size and sha256 to rank 0. Once every rank has, rank 0 renames the folder to the next
@@ -49,6 +50,7 @@ from fxpipe.storage.files import (
     fsync_folder,
     write_failed,
 )
+from fxpipe.storage.loss_scale import is_scaler_state
 from fxpipe.storage.random_state import random_state
 from fxpipe.storage.savelock import LOCK, hold_save_lock
 from fxpipe.storage.structure import Structure
@@ -76,6 +78,8 @@ class Checkpoint(TypedDict):
     files: dict[str, str]  # state_dict key -> the shard file (in DIR) that holds it
     # each saving rank's generators (fxpipe.storage.random_state), None where it saved none
     rng: list[dict[str, Any] | None]
+    # each saving rank's GradScaler state (fxpipe.storage.loss_scale), None where it saved none
+    scaler: list[dict[str, Any] | None]
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -104,10 +108,11 @@ def _optimizer_by_name(optimizer: torch.optim.Optimizer,
 
 def save_shard(directory: str, state: dict[str, torch.Tensor],
                optimizer: torch.optim.Optimizer | None,
-               names: dict[int, str], *, step: int | None, structure: Structure) -> None:
-    """Saves one process's tensors (model names) and optimizer state as part of one
-    checkpoint; under torch.distributed every rank calls it, and it returns once the
-    checkpoint is published (or raises on every rank when one rank failed)."""
+               names: dict[int, str], *, step: int | None, structure: Structure,
+               scaler: dict[str, Any] | None = None) -> None:
+    """Saves one process's tensors (model names), optimizer state and (`scaler`) GradScaler
+    state as part of one checkpoint; under torch.distributed every rank calls it, and it
+    returns once the checkpoint is published (or raises on every rank when one rank failed)."""
     rank, world = _rank_world()
     lock: list[int] = []  # rank 0 holds the folder's save lock until the save is over
     try:
@@ -117,6 +122,8 @@ def save_shard(directory: str, state: dict[str, torch.Tensor],
         saved = _optimizer_by_name(optimizer, names) if optimizer is not None else None
         if saved is not None:
             shard["optimizer"] = saved
+        if scaler is not None:
+            shard["scaler"] = scaler
         kind = optimizer_kind(optimizer) if optimizer is not None and saved is not None \
             else None
         entries = _on_every_rank(rank, world,
@@ -370,11 +377,13 @@ def _read_shards(directory: str, meta: dict[str, Any]) -> Checkpoint:
     files: dict[str, str] = {}
     optim: dict[str, Any] = {"state": {}, "param_groups": None}
     rng: list[dict[str, Any] | None] = []
+    scalers: list[dict[str, Any] | None] = []
     for entry in meta["shards"]:
         name = f"{meta['folder']}/{entry['file']}"
         shard = _read_shard(os.path.join(directory, name), entry)
         model.update(shard["model"])
         rng.append(shard.get("rng"))
+        scalers.append(shard.get("scaler"))
         files.update(dict.fromkeys(shard["model"], name))
         if "optimizer" in shard:
             optim["state"].update(shard["optimizer"]["state"])
@@ -387,7 +396,7 @@ def _read_shards(directory: str, meta: dict[str, Any]) -> Checkpoint:
     return {"model": model, "optimizer": optim if meta["optimizer"] else None,
             "step": meta["step"], "path": directory, "model_class": meta["model"],
             "fingerprint": meta["fingerprint"], "optimizer_class": meta["optimizer"],
-            "files": files, "rng": rng}
+            "files": files, "rng": rng, "scaler": scalers}
 
 
 def _read_shard(path: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -427,7 +436,8 @@ def _read_open_shard(path: str, f: BinaryIO, entry: dict[str, Any]) -> dict[str,
             and all(isinstance(k, str) and isinstance(v, torch.Tensor)
                     for k, v in shard["model"].items())
             and _is_optimizer_state(shard.get("optimizer", {"state": {}, "param_groups": []}))
-            and _is_random_state(shard.get("rng", {"cpu": torch.empty(0), "cuda": []}))):
+            and _is_random_state(shard.get("rng", {"cpu": torch.empty(0), "cuda": []}))
+            and is_scaler_state(shard.get("scaler"))):
         raise CheckpointError(f"{path} holds a {type(shard).__name__}, not an fxpipe shard "
                               "({'model': {key: tensor}, 'optimizer': ...})", hint=hint)
     result: dict[str, Any] = shard
