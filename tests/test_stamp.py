@@ -88,8 +88,19 @@ def _vit() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     return model, (images,), {}
 
 
+def _hf_vit() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """transformers' ViT: a vision transformer the test tier always has (timm needs a
+    torchvision built for the installed torch)."""
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32,
+                                 num_hidden_layers=6, num_attention_heads=2, intermediate_size=64,
+                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                 num_labels=10)
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return transformers.ViTForImageClassification(cfg), (images,), {}
+
+
 MODELS = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2, "mistral": _mistral, "bert": _bert,
-          "t5": _t5, "vit": _vit}
+          "t5": _t5, "vit": _vit, "hf_vit": _hf_vit}
 
 
 def _both(build: Any, method: str = "auto", inline: bool = True
@@ -176,13 +187,13 @@ def _loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 def _target(name: str, inputs: tuple[Any, ...]) -> torch.Tensor:
     """A class per token (the language models), or per image (the ViT)."""
     generator = torch.Generator().manual_seed(1)
-    if name == "vit":
+    if name in ("vit", "hf_vit"):
         return torch.randint(0, 10, inputs[0].shape[:1], generator=generator)
     return torch.randint(0, 128, inputs[0].shape, generator=generator)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", pytest.param("t5", marks=pytest.mark.slow),
-                                  "vit"])  # T5 (about 4 s) in the slow tier
+                                  "vit", "hf_vit"])  # T5 (about 4 s) in the slow tier
 def test_the_pipelined_stamped_model_equals_the_eager_model(name: str) -> None:
     torch.manual_seed(0)
     model, inputs, kwargs = MODELS[name]()
