@@ -708,6 +708,48 @@ def test_a_written_program_trains_on_the_users_data_as_the_plain_model_does(tmp_
     assert losses == pytest.approx(expected, rel=1e-4)
 
 
+def test_a_written_program_trains_with_adamw_and_warmup_as_the_plain_model_does(tmp_path,
+                                                                                  capsys):
+    from fxpipe.models import mlp
+    torch.manual_seed(0)
+    model, (x,) = mlp.build()
+    plain = copy.deepcopy(model)
+    target = torch.randn(model(x).shape)
+    folder = tmp_path / "program"
+    fxpipe.compile(model, (x,), stages=2, chunks=2).write(str(folder), target=target,
+                                                           loss_fn="mse", reference_steps=0)
+    options = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1",
+               "--warmup-steps", "3"]
+
+    def losses(*argv: str) -> list[str]:
+        assert launch.main(folder, [*options, *argv]) == 0
+        out = capsys.readouterr().out
+        return [line.split(" (")[0] for line in out.splitlines() if line.startswith("step ")]
+
+    whole = losses("--steps", "5")
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.01, weight_decay=0.1)
+    expected = []
+    for i in range(5):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.01 * min(1.0, (i + 1) / 3)
+        loss = torch.nn.functional.mse_loss(plain(x), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(float(loss.detach()))
+    assert [float(line.split(" loss ")[1]) for line in whole] == pytest.approx(expected, rel=1e-4)
+    ckpt = str(tmp_path / "ckpt")  # a resume mid-ramp goes on with the ramp and AdamW's moments
+    assert losses("--steps", "2", "--save", ckpt) + losses("--steps", "3", "--resume", ckpt) \
+        == whole
+
+
+@pytest.mark.parametrize("option", [["--optimizer", "adamw"], ["--weight-decay", "0.1"],
+                                    ["--warmup-steps", "2"]])
+def test_verify_with_another_optimizer_or_schedule_is_refused(written, capsys, option):
+    assert launch.main(written, ["--verify", *option]) == 2
+    assert f"{option[0]} {option[1]} trains otherwise" in capsys.readouterr().err
+
+
 def test_data_with_verify_is_refused_before_anything_runs(written, capsys):
     assert launch.main(written, ["--data", "x:y", "--verify"]) == 2
     assert "--verify compares with losses recorded on the example batch" in capsys.readouterr().err

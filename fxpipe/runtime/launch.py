@@ -143,8 +143,9 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
     # update: no optimizer, and its loss scale follows the ranks that step. Under
     # shard="optimizer" the replicas of a stage share one, under shard="full" it steps FSDP2's
     # shards of the parameters (fxpipe.sharding).
-    optimizer = make_optimizer(params, torch.optim.SGD, shard=spec.shard, group=group,
-                               replicas=replicas, lr=args.lr, momentum=0.9)
+    optimizer_class, settings = _optimizer_of(args)
+    optimizer = make_optimizer(params, optimizer_class, shard=spec.shard, group=group,
+                               replicas=replicas, **settings)
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range
     scaler = torch.amp.GradScaler(devices[0].type, enabled=spec.autocast == "fp16")
     follower = ScaleFollower()
@@ -168,6 +169,9 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
                     print(f"--data {args.data} ended after {i - first} steps", flush=True)
                 break
             inputs, target = batch_i
+        if args.warmup_steps and optimizer is not None:
+            for group_of_params in optimizer.param_groups:  # ZeRO passes them on in its step
+                group_of_params["lr"] = args.lr * min(1.0, (i + 1) / args.warmup_steps)
         start = time.perf_counter()
         torch.manual_seed(i)  # as the reference losses: step i draws the same random numbers
         with compiled_autocast(spec.autocast, devices):
@@ -197,6 +201,15 @@ def _run(folder: Path, spec: ProgramSpec, args: argparse.Namespace) -> int:
         dist.destroy_process_group()
     replicas = int(os.environ["WORLD_SIZE"]) // spec.ranks if distributed else 1
     return _verify(spec, losses, args.lr, first, replicas) if args.verify and rank == 0 else 0
+
+
+def _optimizer_of(args: argparse.Namespace) -> tuple[type[torch.optim.Optimizer],
+                                                     dict[str, Any]]:
+    """--optimizer's class and its settings (the learning rate and the weight decay given)."""
+    settings: dict[str, Any] = {"lr": args.lr, "weight_decay": args.weight_decay}
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW, settings
+    return torch.optim.SGD, {**settings, "momentum": 0.9}
 
 
 def _scale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None,

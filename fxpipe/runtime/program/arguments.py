@@ -14,9 +14,10 @@ if TYPE_CHECKING:  # torch-free at run time: `fxpipe run --help` lists these opt
     from fxpipe.runtime.program.spec import ProgramSpec
 
 __all__ = ["program_parser", "parse_program_args", "program_options_help",
-           "DEFAULT_DP_BUCKET_BYTES"]
+           "DEFAULT_DP_BUCKET_BYTES", "OPTIMIZERS"]
 
 DEFAULT_DP_BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb
+OPTIMIZERS = ("sgd", "adamw")  # program.py --optimizer (fxpipe.runtime.launch makes them)
 
 
 def program_parser(spec: ProgramSpec | None) -> argparse.ArgumentParser:
@@ -27,8 +28,18 @@ def program_parser(spec: ProgramSpec | None) -> argparse.ArgumentParser:
         description=f"Train the fxpipe pipeline of {spec.model if spec else 'a model'}.")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     parser.add_argument("--lr", type=float, default=spec.lr if spec else None,
-                        help="learning rate of SGD with momentum 0.9 (default "
+                        help="learning rate (default "
                              f"{spec.lr if spec else 'the one the program was written with'})")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="sgd: SGD with momentum 0.9, as --verify's losses were recorded; "
+                             "adamw: AdamW with torch's defaults (default sgd)")
+    parser.add_argument("--weight-decay", type=float, default=0.0,
+                        help="the optimizer's weight decay: decoupled in adamw, an L2 term in "
+                             "sgd (default 0)")
+    parser.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                        help="raise the learning rate linearly to --lr over the first N steps, "
+                             "counted from step 0, so that a resumed run goes on where the "
+                             "ramp was (default 0: none)")
     parser.add_argument("--clip-grad-norm", type=float, metavar="MAX",
                         help="before each optimizer step, scale the gradients down to a 2-norm "
                              "of MAX where it is larger: the whole model's norm, over every "
@@ -118,6 +129,19 @@ def _check_values(args: argparse.Namespace) -> None:
         raise ConfigError(f"program.py --verify compares with losses recorded without clipping, "
                           f"and --clip-grad-norm {args.clip_grad_norm} changes every later step",
                           hint="verify without --clip-grad-norm first, then train with it")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise ConfigError(f"program.py --weight-decay {args.weight_decay} is no weight decay "
+                          "(allowed: a finite number >= 0)", hint="omit it for none")
+    if args.warmup_steps < 0:
+        raise ConfigError(f"program.py --warmup-steps {args.warmup_steps} is negative "
+                          "(allowed: 0 or more)", hint="omit it for no warm-up")
+    changed = [f"{option} {value}" for option, value, default in (
+        ("--optimizer", args.optimizer, "sgd"), ("--weight-decay", args.weight_decay, 0.0),
+        ("--warmup-steps", args.warmup_steps, 0)) if value != default]
+    if args.verify and changed:
+        raise ConfigError(f"program.py --verify compares with losses recorded by SGD with "
+                          f"momentum 0.9 at a constant learning rate, and {', '.join(changed)} "
+                          "trains otherwise", hint="verify without it first, then train with it")
     if args.save_every is not None and args.save_every < 1:
         raise ConfigError(f"program.py --save-every {args.save_every} is no number of steps "
                           "(allowed: 1 or more)", hint="omit --save-every to save after training")
