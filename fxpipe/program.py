@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -346,17 +345,7 @@ class Program(ProgramBalance):
         """The call's tensor inputs, checked against the compiled ones. Inputs given by
         position that the example gave by keyword, or the other way, are taken as forward's
         signature binds them (looked at only when the call does not match as it is)."""
-        try:
-            return built.signature.flatten_inputs(args, kwargs)
-        except RuntimeInputError:
-            try:
-                forward: inspect.Signature | None = inspect.signature(self.model.forward)
-            except (TypeError, ValueError):
-                forward = None
-            rebound = built.signature.as_compiled(forward, args, kwargs) if forward else None
-            if rebound is None:
-                raise
-        return built.signature.flatten_inputs(*rebound)
+        return built.signature.flatten_call(args, kwargs)
 
     def _variant(self, built: Built, args: tuple[Any, ...], kwargs: dict[str, Any],
                  caller: int) -> tuple[Built, list[torch.Tensor]]:

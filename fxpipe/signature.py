@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import RuntimeInputError
 
 __all__ = ["LeafSpec", "Signature", "is_tensor", "copy_inputs", "shape_text", "ModelArgs",
-           "ModelKwargs"]
+           "ModelKwargs", "forward_parameters"]
 
 ModelArgs: TypeAlias = tuple[Any, ...]
 """A model's positional inputs: whatever its forward takes."""
@@ -68,9 +68,13 @@ class Signature:
 
     def __init__(self, in_spec: pytree.TreeSpec, leaves: Sequence[LeafSpec],
                  out_spec: pytree.TreeSpec, out_batch_dims: Sequence[int | None],
-                 out_is_tensor: Sequence[bool]) -> None:
+                 out_is_tensor: Sequence[bool],
+                 forward: Sequence[tuple[str, str]] | None = None) -> None:
         self.in_spec = in_spec
         self.leaves = tuple(leaves)
+        # the model forward's parameters, (name, kind) as inspect names the kind: a written
+        # program binds a call by them where the model's code is not at hand
+        self.forward = tuple(forward) if forward is not None else None
         self.out_spec = out_spec
         self.out_batch_dims = tuple(out_batch_dims)
         self.out_is_tensor = tuple(out_is_tensor)
@@ -110,6 +114,34 @@ class Signature:
         if sorted(values) != sorted([*positional, *want]):
             return None
         return tuple(values[name] for name in positional), {name: values[name] for name in want}
+
+    def flatten_call(self, args: Sequence[Any], kwargs: dict[str, Any] | None,
+                     forward: inspect.Signature | None = None) -> list[torch.Tensor]:
+        """flatten_inputs, but inputs given by position that the example gave by keyword, or
+        the other way, are taken as `forward` (else the one recorded at compile time) binds
+        them; looked at only when the call does not match as it is."""
+        try:
+            return self.flatten_inputs(args, kwargs)
+        except RuntimeInputError:
+            forward = forward or self.forward_signature()
+            rebound = self.as_compiled(forward, args, dict(kwargs or {})) if forward else None
+            if rebound is None:
+                raise
+        return self.flatten_inputs(*rebound)
+
+    def forward_signature(self) -> inspect.Signature | None:
+        """The recorded forward parameters as a signature that binds any subset of them (the
+        defaults are not recorded: as_compiled checks what a call passes)."""
+        if self.forward is None:
+            return None
+        kinds = {kind.name: kind for kind in _KINDS}
+        try:
+            return inspect.Signature([
+                inspect.Parameter(name, kinds[kind]) if kinds[kind] in _VARIADIC
+                else inspect.Parameter(name, kinds[kind], default=None)
+                for name, kind in self.forward])
+        except (KeyError, ValueError):  # a kind or an order no forward has: nothing to bind by
+            return None
 
     def _difference(self, spec: pytree.TreeSpec) -> str:
         """What differs between a call's inputs and the compiled ones, in argument terms."""
@@ -332,6 +364,17 @@ class Signature:
             else:
                 joined.append(torch.cat(values, dim=dim))
         return joined
+
+
+_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+          inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.KEYWORD_ONLY,
+          inspect.Parameter.VAR_KEYWORD)
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def forward_parameters(forward: inspect.Signature) -> tuple[tuple[str, str], ...]:
+    """A forward's parameters as Signature records them: (name, kind name)."""
+    return tuple((name, p.kind.name) for name, p in forward.parameters.items())
 
 
 def _call_shape(spec: pytree.TreeSpec) -> tuple[int, list[str]]:

@@ -750,6 +750,66 @@ def test_verify_with_another_optimizer_or_schedule_is_refused(written, capsys, o
     assert f"{option[0]} {option[1]} trains otherwise" in capsys.readouterr().err
 
 
+class _Masked(torch.nn.Module):
+    """A model called with keyword inputs, as a transformers model is (input_ids=...,
+    attention_mask=...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = torch.relu(self.a(tokens))
+        return self.b(hidden * mask.unsqueeze(-1) if mask is not None else hidden)
+
+
+_MASKED_DATA = """import torch
+
+
+def by_keyword():
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        tokens = torch.randn(4, 8, generator=generator)
+        yield ({"mask": torch.ones(4), "tokens": tokens},
+               torch.randn(4, 4, generator=generator))
+
+
+def by_position():
+    for inputs, target in by_keyword():
+        yield (inputs["tokens"], inputs["mask"]), target
+"""
+
+
+def test_a_program_compiled_with_keyword_inputs_trains_on_data_by_keyword_or_position(
+        tmp_path, monkeypatch, capsys):
+    torch.manual_seed(0)
+    model = _Masked()
+    plain = copy.deepcopy(model)
+    tokens, mask = torch.randn(4, 8), torch.ones(4)
+    folder = tmp_path / "program"
+    fxpipe.compile(model, (), example_kwargs={"tokens": tokens, "mask": mask}, stages=2,
+                   chunks=2).write(str(folder), target=torch.randn(4, 4), loss_fn="mse",
+                                   reference_steps=0)
+    (tmp_path / "fxpipe_masked_data.py").write_text(_MASKED_DATA)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fxpipe_masked_data", raising=False)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+    expected = []
+    import fxpipe_masked_data
+    for inputs, target in fxpipe_masked_data.by_keyword():
+        loss = torch.nn.functional.mse_loss(plain(**inputs), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(float(loss.detach()))
+    for function in ("by_keyword", "by_position"):
+        assert launch.main(folder, ["--data", f"fxpipe_masked_data:{function}", "--steps",
+                                    "2"]) == 0
+        losses = re.findall(r"step \d+ loss ([\d.]+)", capsys.readouterr().out)
+        assert [float(v) for v in losses] == pytest.approx(expected, rel=1e-4), function
+
+
 def test_data_with_verify_is_refused_before_anything_runs(written, capsys):
     assert launch.main(written, ["--data", "x:y", "--verify"]) == 2
     assert "--verify compares with losses recorded on the example batch" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.utils._pytree as pytree
 
 import fxpipe
 from fxpipe.cli import main
@@ -77,6 +78,13 @@ def _claim_three_stages(data):
     (lambda d: d["stages"][1]["recvs"][0].update(peer=2),
      "stages[1].recvs has peer 2 (allowed: another stage, 0..1)"),
     (_claim_three_stages, "stages send and receive different messages"),
+    (lambda d: d["signature"].update(in_spec='[1, {"type": null}]'),
+     "signature.in_spec is '[1, {\"type\": null}]' (allowed: a tree spec of (args, kwargs)"),
+    (lambda d: d["signature"].update(in_spec=pytree.treespec_dumps(  # three inputs, not one
+        pytree.tree_flatten(((1, 2, 3), {}))[1])),
+     "with a leaf for each of signature.leaves"),
+    (lambda d: d["signature"].update(forward=[["x", "SOMETIMES"]]),
+     "signature.forward is [['x', 'SOMETIMES']] (allowed: a list of [name, kind]"),
     (lambda d: d.update(loss="os:system"),
      "names the loss 'os:system', which program.py does not record (allowed: cross_entropy, "
      "default, mse)"),
@@ -89,6 +97,16 @@ def test_an_edited_spec_is_refused_naming_the_field_its_value_and_what_is_allowe
         check_program(folder)
     assert expected in str(info.value)
     assert "hint: write the program again" in str(info.value)
+
+
+def test_a_program_written_before_the_input_structure_was_kept_takes_its_inputs_flat(
+        written, tmp_path):
+    from fxpipe.runtime.program.spec import ProgramSpec
+    folder = _copy(written, tmp_path)
+    _edit_spec(folder, lambda d: [d["signature"].pop(k) for k in ("in_spec", "forward")])
+    signature = ProgramSpec.from_json(check_program(folder).data).signature
+    x = mlp.build(depth=2)[1][0]
+    assert signature.forward is None and len(signature.flatten_call((x,), {})) == 1
 
 
 def test_a_stage_file_that_links_out_of_the_folder_is_refused(written, tmp_path):

@@ -268,7 +268,7 @@ def _laid_out(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs, leaves: Se
             if not is_meta_model(model):
                 raise
             raise meta_run_error(model, error) from error
-    signature = signature_of(leaves, in_spec, names, layout)
+    signature = signature_of(leaves, in_spec, names, layout, model)
     if stamper is not None:
         stamper.outputs = len(signature.out_is_tensor)
     return layout, signature, lap()

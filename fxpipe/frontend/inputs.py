@@ -13,7 +13,14 @@ from torch import nn
 
 from fxpipe.errors import ConfigError
 from fxpipe.frontend.batching import BatchLayout
-from fxpipe.signature import LeafSpec, ModelArgs, ModelKwargs, Signature, is_tensor
+from fxpipe.signature import (
+    LeafSpec,
+    ModelArgs,
+    ModelKwargs,
+    Signature,
+    forward_parameters,
+    is_tensor,
+)
 from fxpipe.source import identifier
 
 __all__ = ["normalize_inputs", "check_fits_forward", "input_names", "signature_of",
@@ -77,9 +84,10 @@ def input_names(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs) -> list[
 
 
 def signature_of(leaves: Sequence[Any], in_spec: pytree.TreeSpec, names: Sequence[str],
-                 layout: BatchLayout) -> Signature:
+                 layout: BatchLayout, model: nn.Module | None = None) -> Signature:
     """How the graph is called: the inputs' structure, each leaf's name, shape (-1 along its
-    batch dimension) or baked constant, and the outputs' structure and batch dimensions."""
+    batch dimension) or baked constant, the outputs' structure and batch dimensions, and the
+    parameters of `model`'s forward (which bind a call that passes inputs otherwise)."""
     specs: list[LeafSpec] = []
     k = 0
     for name, leaf in zip(names, leaves):
@@ -90,7 +98,12 @@ def signature_of(leaves: Sequence[Any], in_spec: pytree.TreeSpec, names: Sequenc
             k += 1
         else:
             specs.append(LeafSpec(name, False, constant=leaf))
-    return Signature(in_spec, specs, layout.out_spec, layout.output_dims, layout.output_is_tensor)
+    try:
+        forward = forward_parameters(inspect.signature(model.forward)) if model else None
+    except (TypeError, ValueError):  # a forward without a signature inspect can read
+        forward = None
+    return Signature(in_spec, specs, layout.out_spec, layout.output_dims, layout.output_is_tensor,
+                     forward)
 
 
 class SignatureCodeGen(fx.graph.CodeGen):

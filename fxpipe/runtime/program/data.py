@@ -62,4 +62,4 @@ def _flat(item: Any, signature: Signature, spec: str, number: int) -> Batch:
                                 f"as the target of batch {number}",
                                 hint="yield a tensor target, a tuple, list or dict of tensors, "
                                      "or None")
-    return signature.flatten_inputs(args, kwargs), target
+    return signature.flatten_call(args, kwargs), target

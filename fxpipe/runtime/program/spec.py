@@ -107,7 +107,13 @@ def signature_to_json(sig: Signature) -> SignatureJSON:
         out_spec = pytree.treespec_dumps(sig.out_spec)
     except Exception:  # noqa: BLE001 - custom containers (e.g. ModelOutput) may not serialise
         out_spec = None
+    try:
+        in_spec: str | None = pytree.treespec_dumps(sig.in_spec)
+    except Exception:  # noqa: BLE001 - an input container of the user's may not serialise
+        in_spec = None
     return {
+        "in_spec": in_spec,
+        "forward": [list(p) for p in sig.forward] if sig.forward is not None else None,
         "leaves": [{"name": leaf.name, "is_tensor": leaf.is_tensor,
                     "dtype": str(leaf.dtype).removeprefix("torch.") if leaf.dtype else None,
                     "shape": list(leaf.shape), "batch_dim": leaf.batch_dim,
@@ -159,8 +165,12 @@ def signature_from_json(data: SignatureJSON) -> Signature:
                                  f"hand?): {problem}", hint=REWRITE_HINT)
     out_spec = pytree.treespec_loads(data["out_spec"]) if data["out_spec"] else \
         pytree.tree_flatten(tuple(range(n_out)))[1]
-    in_spec = pytree.tree_flatten((tuple(range(len(leaves))), {}))[1]
-    return Signature(in_spec, leaves, out_spec, data["out_batch_dims"], data["out_is_tensor"])
+    written = data.get("in_spec")  # checked against the leaves by spec_check
+    in_spec = pytree.treespec_loads(written) if written else \
+        pytree.tree_flatten((tuple(range(len(leaves))), {}))[1]  # flat: as older programs
+    forward = data.get("forward")
+    return Signature(in_spec, leaves, out_spec, data["out_batch_dims"], data["out_is_tensor"],
+                     [(name, kind) for name, kind in forward] if forward is not None else None)
 
 
 def stage_to_json(stage: StageSpec) -> StageJSON:

@@ -144,10 +144,12 @@ def _value_problem(value: object, where: str) -> str | None:
 
 def _signature_problems(sig: object) -> list[str]:
     """The inputs (leaves) and outputs of the program, as signature_to_json writes them."""
-    if not isinstance(sig, dict) or set(sig) != set(SignatureJSON.__required_keys__):
+    if not isinstance(sig, dict) or not (set(SignatureJSON.__required_keys__) <= set(sig) <= {
+            *SignatureJSON.__required_keys__, *SignatureJSON.__optional_keys__}):
         return [f"signature is {sig!r:.120} (allowed: an object with keys "
-                f"{', '.join(sorted(SignatureJSON.__required_keys__))})"]
-    problems = []
+                f"{', '.join(sorted(SignatureJSON.__required_keys__))}, and "
+                f"{' and '.join(sorted(SignatureJSON.__optional_keys__))} where kept)"]
+    problems = _call_problems(sig)
     leaves = sig["leaves"]
     for i, leaf in enumerate(leaves if isinstance(leaves, list) else [None]):
         ok = isinstance(leaf, dict) and set(leaf) == set(LeafJSON.__required_keys__) \
@@ -177,6 +179,34 @@ def _signature_problems(sig: object) -> list[str]:
         problem = out_spec_problem(out_spec, len(tensors), parse=not modules)
         if problem:
             problems.append(problem)
+    return problems
+
+
+_KINDS = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD", "VAR_POSITIONAL", "KEYWORD_ONLY",
+          "VAR_KEYWORD")
+
+
+def _call_problems(sig: dict[str, object]) -> list[str]:
+    """signature.in_spec (the inputs' structure, one leaf per signature.leaves) and
+    signature.forward (the forward's parameters), where present."""
+    problems = []
+    in_spec, leaves = sig.get("in_spec"), sig["leaves"]
+    if in_spec is not None:
+        allowed = "a tree spec of (args, kwargs), as torch.utils._pytree.treespec_dumps writes"
+        try:
+            spec = pytree.treespec_loads(in_spec) if isinstance(in_spec, str) else None
+            count = spec.num_leaves if spec is not None else None
+        except Exception as e:  # noqa: BLE001 - treespec_loads raises many kinds on a bad spec
+            count, allowed = None, f"{allowed}; {type(e).__name__}: {e}"
+        if not isinstance(leaves, list) or count != len(leaves):
+            problems.append(f"signature.in_spec is {in_spec!r:.120} (allowed: {allowed}, "
+                            "with a leaf for each of signature.leaves)")
+    forward = sig.get("forward")
+    if forward is not None and not (isinstance(forward, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and p[0].isidentifier()
+            and p[1] in _KINDS for p in forward)):
+        problems.append(f"signature.forward is {forward!r:.120} (allowed: a list of [name, "
+                        f"kind], kind one of {', '.join(_KINDS)})")
     return problems
 
 

@@ -51,12 +51,18 @@ class LeafJSON(TypedDict):
     constant: Constant
 
 
-class SignatureJSON(TypedDict):
+class _SignatureFields(TypedDict):
     leaves: list[LeafJSON]
     out_batch_dims: list[int | None]
     out_is_tensor: list[bool]
     out_spec: str | None  # pytree.treespec_dumps, None when the outputs do not serialise
     pytree_modules: list[str]  # modules that register the output's container types
+
+
+class SignatureJSON(_SignatureFields, total=False):
+    # programs written before these were kept lack them, and take their inputs flat
+    in_spec: str | None  # the inputs' structure (args, kwargs), None when it does not serialise
+    forward: list[list[str]] | None  # the forward's parameters, [name, kind] (inspect's kinds)
 
 
 class _CommFields(TypedDict):
