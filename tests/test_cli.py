@@ -741,6 +741,10 @@ def test_a_written_program_trains_with_adamw_and_warmup_as_the_plain_model_does(
     ckpt = str(tmp_path / "ckpt")  # a resume mid-ramp goes on with the ramp and AdamW's moments
     assert losses("--steps", "2", "--save", ckpt) + losses("--steps", "3", "--resume", ckpt) \
         == whole
+    # resuming AdamW's state with SGD names the option that resumes it
+    assert launch.main(folder, ["--steps", "1", "--resume", ckpt]) == 2
+    assert f"{ckpt} holds the state of AdamW, and this run trains with SGD (--optimizer sgd)" \
+        "\nhint: resume with --optimizer adamw" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option", [["--optimizer", "adamw"], ["--weight-decay", "0.1"],

@@ -35,7 +35,7 @@ from fxpipe.runtime.program.spec import ProgramSpec
 from fxpipe.runtime.program.spec_json import REWRITE_HINT
 from fxpipe.runtime.program.written import check_written, stage_tensors
 from fxpipe.runtime.stage import StageModule
-from fxpipe.sharding import make_optimizer
+from fxpipe.sharding import make_optimizer, optimizer_kind
 from fxpipe.storage.checkpoint import META, load_checkpoint, save_shard
 from fxpipe.storage.loss_scale import restore_scaler, scaler_state
 from fxpipe.storage.resume import fit_state, restore_optimizer
@@ -250,12 +250,29 @@ def _resume(directory: str, modules: list[StageModule],
     names = spec.state_names()
     names.load(modules, fit_state(checkpoint, structure, names.state_dict(modules)))
     if optimizer is not None:  # None: this rank's stages hold no parameters
+        _check_optimizer_kind(directory, checkpoint["optimizer_class"], optimizer)
         restore_optimizer(optimizer, checkpoint, names.canonical(modules))
     # a checkpoint of program.save without scaler= has none: warned of, the scale starts afresh
     steps_taken = restore_scaler(scaler, checkpoint["scaler"], rank, directory, strict=False)
     if steps_taken is not None:
         follower.steps_taken = steps_taken
     return int(checkpoint["step"] or 0)  # (its generators: each step seeds with its index)
+
+
+def _check_optimizer_kind(directory: str, saved: str | None,
+                          optimizer: torch.optim.Optimizer) -> None:
+    """Refuses a checkpoint of another optimizer than --optimizer's, naming the option that
+    resumes it (restore_optimizer's own message speaks of program.load's arguments)."""
+    ours = optimizer_kind(optimizer)
+    if saved is None or saved == ours:
+        return
+    option = {"SGD": "sgd", "AdamW": "adamw"}
+    raise CheckpointError(
+        f"{directory} holds the state of {saved}, and this run trains with {ours} "
+        f"(--optimizer {option.get(ours, ours)})",
+        hint=f"resume with --optimizer {option[saved]}" if saved in option else
+        f"program.py trains with {' or '.join(option.values())}: resume a checkpoint of {saved} "
+        "with program.load(directory, optimizer=...) in your own loop")
 
 
 def _structure(spec: ProgramSpec) -> Structure:
