@@ -57,10 +57,10 @@ from fxpipe.runtime.execution.weight_recipes import (
     IN_INPUT_PASS,
     Recipe,
     accumulate,
+    add_weight_grads,
     hooked,
     recipe_for,
     saved_for,
-    weight_grads,
 )
 
 __all__ = ["SplitPlan", "SplitPlans", "WeightPass", "engine_backward", "engine_grad",
@@ -389,11 +389,9 @@ class WeightPass:
         edge, grad = self._captured[call.captured[0]]
         if grad is None:
             return  # no gradient reached the layer
-        grads = weight_grads(recipe, saved if saved is not None else saved_for(recipe, edge.node),
-                             grad, call.weights)
-        for weight, weight_grad in zip(call.weights, grads):
-            if weight.requires_grad and (chosen is None or id(weight) in chosen):
-                accumulate(weight, weight_grad)
+        add_weight_grads(recipe, saved if saved is not None else saved_for(recipe, edge.node),
+                         grad, call.weights,
+                         lambda w: w.requires_grad and (chosen is None or id(w) in chosen))
 
 
 def engine_backward(tensors: Sequence[torch.Tensor] | Sequence[GradientEdge],

@@ -24,15 +24,15 @@ the node's output (generated stage code registers none); hooks on the weights th
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.autograd.graph import Node
 
-__all__ = ["IN_INPUT_PASS", "Recipe", "accumulate", "hooked", "recipe_for", "saved_for",
-           "weight_grads"]
+__all__ = ["IN_INPUT_PASS", "Recipe", "accumulate", "add_weight_grads", "hooked", "recipe_for",
+           "saved_for", "weight_grads"]
 
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _CAST = "ToCopyBackward0"
@@ -127,16 +127,8 @@ def weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
     """The gradient of each of `weights` (the group's, in its order) from what its node saved
     (`saved_for`), given the gradient that entered the node."""
     if recipe.kind in _ROWS:  # a linear's (most of W): the product and the bias's sum directly
-        rows: torch.Tensor = saved[0]
-        out = []
-        for role, cast, weight in zip(recipe.roles, recipe.casts, weights):
-            if role == "weight":
-                g = grad.t().mm(rows)  # (x^T g)^T: mat2's gradient, transposed
-            else:  # the engine sums the gradient of a broadcast bias so
-                g = grad.sum_to_size(weight.shape)
-                g = g.clone() if g is grad else g  # never .grad aliasing the gradient given
-            out.append(g.to(weight.dtype) if cast else g)
-        return out
+        return [_linear_grad(role, cast, weight, grad, saved[0])
+                for role, cast, weight in zip(recipe.roles, recipe.casts, weights)]
     want = ["weight" in recipe.roles, "bias" in recipe.roles]
     kernel = torch.ops.aten.native_layer_norm_backward \
         if recipe.kind == "NativeLayerNormBackward0" else torch.ops.aten.convolution_backward
@@ -144,6 +136,39 @@ def weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
     by_role = {"weight": dw, "bias": db}
     return [by_role[role].to(weight.dtype) if cast else by_role[role]
             for role, cast, weight in zip(recipe.roles, recipe.casts, weights)]
+
+
+def add_weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
+                     weights: tuple[torch.Tensor, ...], wanted: Callable[[torch.Tensor], bool]
+                     ) -> None:
+    """Adds the gradient of each of `weights` that is `wanted` into its .grad, as
+    weight_grads and accumulate would; a linear's weight that holds a gradient already (of an
+    earlier micro-batch) takes the product in the same kernel (addmm_), without a temporary of
+    its size and a separate addition."""
+    if recipe.kind not in _ROWS:
+        for weight, weight_grad in zip(weights, weight_grads(recipe, saved, grad, weights)):
+            if wanted(weight):
+                accumulate(weight, weight_grad)
+        return
+    rows: torch.Tensor = saved[0]
+    for role, cast, weight in zip(recipe.roles, recipe.casts, weights):
+        if not wanted(weight):
+            continue
+        if role == "weight" and not cast and weight.grad is not None:
+            weight.grad.addmm_(grad.t(), rows)
+        else:
+            accumulate(weight, _linear_grad(role, cast, weight, grad, rows))
+
+
+def _linear_grad(role: str, cast: bool, weight: torch.Tensor, grad: torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor:
+    """A linear's weight or bias gradient, from its input rows and the gradient entering it."""
+    if role == "weight":
+        g = grad.t().mm(rows)  # (x^T g)^T: mat2's gradient, transposed
+    else:  # the engine sums the gradient of a broadcast bias so
+        g = grad.sum_to_size(weight.shape)
+        g = g.clone() if g is grad else g  # never .grad aliasing the gradient given
+    return g.to(weight.dtype) if cast else g
 
 
 _ROWS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}
