@@ -115,15 +115,15 @@ class Signature:
             return None
         return tuple(values[name] for name in positional), {name: values[name] for name in want}
 
-    def flatten_call(self, args: Sequence[Any], kwargs: dict[str, Any] | None,
-                     forward: inspect.Signature | None = None) -> list[torch.Tensor]:
+    def flatten_call(self, args: Sequence[Any],
+                     kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
         """flatten_inputs, but inputs given by position that the example gave by keyword, or
-        the other way, are taken as `forward` (else the one recorded at compile time) binds
-        them; looked at only when the call does not match as it is."""
+        the other way, are taken as the model's forward binds them (its parameters as recorded
+        at compile time); looked at only when the call does not match as it is."""
         try:
             return self.flatten_inputs(args, kwargs)
         except RuntimeInputError:
-            forward = forward or self.forward_signature()
+            forward = self.forward_signature()
             rebound = self.as_compiled(forward, args, dict(kwargs or {})) if forward else None
             if rebound is None:
                 raise

@@ -254,4 +254,7 @@ def test_a_written_program_refuses_to_resume_from_adam_state(ckpt, tmp_path):
                              "1", "--resume", str(ckpt)], capture_output=True, text=True,
                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "optimizer: expected SGD state, found Adam state" in result.stderr
+    assert f"{ckpt} holds the state of Adam, and this run trains with SGD (--optimizer sgd)" \
+        in result.stderr
+    assert "hint: program.py trains with sgd or adamw: resume a checkpoint of Adam with " \
+        "program.load(directory, optimizer=...) in your own loop" in result.stderr

@@ -107,10 +107,9 @@ def signature_to_json(sig: Signature) -> SignatureJSON:
         out_spec = pytree.treespec_dumps(sig.out_spec)
     except Exception:  # noqa: BLE001 - custom containers (e.g. ModelOutput) may not serialise
         out_spec = None
-    try:
-        in_spec: str | None = pytree.treespec_dumps(sig.in_spec)
-    except Exception:  # noqa: BLE001 - an input container of the user's may not serialise
-        in_spec = None
+    # the inputs' structure where it is of tuples, lists and dicts alone: a container type of
+    # the user's would have to be imported before program.json could be read
+    in_spec = pytree.treespec_dumps(sig.in_spec) if _builtin_containers(sig.in_spec) else None
     return {
         "in_spec": in_spec,
         "forward": [list(p) for p in sig.forward] if sig.forward is not None else None,
@@ -125,20 +124,26 @@ def signature_to_json(sig: Signature) -> SignatureJSON:
     }
 
 
+def _builtin_containers(spec: pytree.TreeSpec) -> bool:
+    return all(node.type in (None, tuple, list, dict) for node in _nodes(spec))
+
+
+def _nodes(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """Every node of a tree spec, the root first."""
+    found, stack = [], [spec]
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        children = getattr(node, "children", None)  # torch >= 2.13; children_specs before
+        stack.extend(children() if callable(children) else node.children_specs)
+    return found
+
+
 def _pytree_modules(spec: pytree.TreeSpec) -> list[str]:
     """The modules defining the output's container types (a library's ModelOutput): a fresh
     process imports them, which registers the types with pytree, before reading the spec."""
-    modules: set[str] = set()
-    stack = [spec]
-    while stack:
-        node = stack.pop()
-        kind = getattr(node, "type", None)
-        module = getattr(kind, "__module__", None)
-        if isinstance(module, str) and module != "builtins":
-            modules.add(module)
-        children = getattr(node, "children", None)  # torch >= 2.13; children_specs before
-        stack.extend(children() if callable(children) else node.children_specs)
-    return sorted(modules)
+    modules = {getattr(node.type, "__module__", None) for node in _nodes(spec)}
+    return sorted(m for m in modules if isinstance(m, str) and m != "builtins")
 
 
 def _import_pytree_modules(modules: list[str]) -> None:
