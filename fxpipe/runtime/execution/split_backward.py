@@ -390,8 +390,7 @@ class WeightPass:
         if grad is None:
             return  # no gradient reached the layer
         add_weight_grads(recipe, saved if saved is not None else saved_for(recipe, edge.node),
-                         grad, call.weights,
-                         lambda w: w.requires_grad and (chosen is None or id(w) in chosen))
+                         grad, call.weights, chosen)
 
 
 def engine_backward(tensors: Sequence[torch.Tensor] | Sequence[GradientEdge],

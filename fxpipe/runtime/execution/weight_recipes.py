@@ -24,7 +24,7 @@ the node's output (generated stage code registers none); hooks on the weights th
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,20 +139,19 @@ def weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
 
 
 def add_weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
-                     weights: tuple[torch.Tensor, ...], wanted: Callable[[torch.Tensor], bool]
-                     ) -> None:
-    """Adds the gradient of each of `weights` that is `wanted` into its .grad, as
-    weight_grads and accumulate would; a linear's weight that holds a gradient already (of an
-    earlier micro-batch) takes the product in the same kernel (addmm_), without a temporary of
-    its size and a separate addition."""
+                     weights: tuple[torch.Tensor, ...], chosen: set[int] | None) -> None:
+    """Adds the gradient of each of `weights` that requires one (and is `chosen`, by id, where
+    given) into its .grad, as weight_grads and accumulate would; a linear's weight that holds
+    a gradient already (of an earlier micro-batch) takes the product in the same kernel
+    (addmm_), without a temporary of its size and a separate addition."""
     if recipe.kind not in _ROWS:
         for weight, weight_grad in zip(weights, weight_grads(recipe, saved, grad, weights)):
-            if wanted(weight):
+            if weight.requires_grad and (chosen is None or id(weight) in chosen):
                 accumulate(weight, weight_grad)
         return
     rows: torch.Tensor = saved[0]
     for role, cast, weight in zip(recipe.roles, recipe.casts, weights):
-        if not wanted(weight):
+        if not weight.requires_grad or (chosen is not None and id(weight) not in chosen):
             continue
         if role == "weight" and not cast and weight.grad is not None:
             weight.grad.addmm_(grad.t(), rows)
