@@ -203,6 +203,8 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, rema
                     label = schedule if schedule in ("1f1b", "plain") else f"{schedule} {name}"
                     cpu.setdefault(label, []).append(used)
                     engine.setdefault(label, []).append(calls.count)
+        # counted with the executor's own split backward (the rotation may have left another)
+        setattr(dist_comm, "input_backward", splits["split"])  # noqa: B010
         python = {label: _python_calls(programs[schedule], idx, y)
                   for schedule, label in (("1f1b", "1f1b"), ("zb-h1", "zb-h1 split"))}
         messages = _messages(programs["1f1b"], idx, y)
