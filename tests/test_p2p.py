@@ -534,3 +534,33 @@ def test_the_gloo_transport_posts_to_the_process_group_and_delivers_each_tensor(
     assert received == sent
     assert received[0][0] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert received[0][1] == [1 + 2j, 3 - 4j]
+
+
+def _tags_per_step(rank: int, world: int) -> tuple[int, int]:
+    """TagTable.tag's calls in a first step and in the two after it."""
+    from fxpipe.models import gpt
+    from fxpipe.runtime.communication.tags import TagTable
+    model, (idx,) = gpt.build(batch=8, dropout=0.0)
+    program = fxpipe.compile(model, (idx,), stages=world, chunks=4, profile="a100",
+                             schedule="1f1b")
+    calls: list[tuple] = []
+    real = TagTable.tag
+
+    def counted(self: TagTable, *args: object) -> int:
+        calls.append(args)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    TagTable.tag = counted  # type: ignore[method-assign]  # this rank's process alone
+    try:
+        program.step(idx, target=gpt.target((idx,)))
+        first = len(calls)
+        for _ in range(2):
+            program.step(idx, target=gpt.target((idx,)))
+    finally:
+        TagTable.tag = real  # type: ignore[method-assign]
+    return first, len(calls) - first
+
+
+def test_a_message_is_tagged_and_described_once_not_every_step():
+    for first, later in spawn(2, __name__, "_tags_per_step", timeout=60, bound=240):
+        assert first >= 8 and later == 0  # 4 activations and 4 gradients at least

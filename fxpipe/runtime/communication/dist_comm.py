@@ -105,6 +105,8 @@ class DistComm:
         dtypes: (value, src, dst, element) -> dtype of forward tensors where known; `learn`
             fills in the others (see the module docstring).
         buffers: receive buffers kept across steps (the caller's; None: a new one each).
+        labels: each message's tag and text, kept across steps of this many micro-batches by
+            the caller (None: made again each step).
     """
 
     def __init__(self, *, rank: int, global_ranks: Sequence[int], placement: Sequence[int],
@@ -114,7 +116,8 @@ class DistComm:
                  learn: bool = False, timeline: Any = None,
                  written: frozenset[Edge] = frozenset(),
                  split_plans: dict[int, SplitPlans] | None = None,
-                 buffers: ReceiveBuffers | None = None) -> None:
+                 buffers: ReceiveBuffers | None = None,
+                 labels: dict[Message, tuple[int, str]] | None = None) -> None:
         self.rank = rank
         self.global_ranks = list(global_ranks)
         self.placement = list(placement)
@@ -137,6 +140,7 @@ class DistComm:
         # per stage, what reading its backward graph found (kept across steps by the caller)
         self.split_plans = split_plans if split_plans is not None else {}
         self.buffers = buffers
+        self.labels = labels if labels is not None else {}
         # a send -> the message from its peer whose arrival proves it complete
         # (fxpipe.runtime.planning.plan.replies): the transport holds the send until then.
         # `proofs` are those replies, the receives that settle held sends. The executor sets
@@ -185,10 +189,20 @@ class DistComm:
             else:
                 answered = self.replies.get(msg)
             self.answered.discard(msg)
-            return Op("send", self._take(msg), self.global_ranks[msg.dst_rank],
-                      self._tag(msg), str(msg), answered)
-        return Op("recv", self._buffer(msg), self.global_ranks[msg.src_rank], self._tag(msg),
-                  str(msg))
+            tag, text = self._label(msg)
+            return Op("send", self._take(msg), self.global_ranks[msg.dst_rank], tag, text,
+                      answered)
+        tag, text = self._label(msg)
+        return Op("recv", self._buffer(msg), self.global_ranks[msg.src_rank], tag, text)
+
+    def _label(self, msg: Message) -> tuple[int, str]:
+        """The message's tag and its text (for errors), made once per program and micro-batch
+        count: a step posts every message, and both are the same every step."""
+        try:
+            return self.labels[msg]
+        except KeyError:
+            label = self.labels[msg] = (self._tag(msg), str(msg))
+            return label
 
     def _take(self, msg: Message) -> torch.Tensor:
         try:

@@ -139,6 +139,8 @@ class DistributedExecutor:
         # dtypes of received values under each autocast state, learned on its first step
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
         self.split_plans: dict[int, SplitPlans] = {}  # read once per stage (split_backward.py)
+        # each message's tag and text, per number of micro-batches (the tags depend on it)
+        self.message_labels: dict[int, dict[Message, tuple[int, str]]] = {}
         self.warm = False
         self.last: StepResult | None = None  # the latest step's result
         # how each loss splits over micro-batches (its kinds, found on a step that only finds
@@ -171,9 +173,6 @@ class DistributedExecutor:
             for name, tensor in u.module.named_model_tensors().items():
                 out.setdefault(name, tensor)
         return out
-
-    def is_last(self, stage: int) -> bool:
-        return stage == self.mesh.stages - 1
 
     def step(self, tensors: Sequence[torch.Tensor], target: Target,
              loss_fn: Callable[..., torch.Tensor], *, chunks: int, remat: RematPolicy | str,
@@ -317,6 +316,7 @@ class DistributedExecutor:
         last_backward = max(t.index for t in ticks
                             if t.action is not None and t.action.kind.accumulates_weight_grad)
         weights = {s: [p for p in params[s] if p.requires_grad] for s in self.units}
+        final = self.mesh.stages - 1  # the last stage
         for tick in ticks:
             comm.begin_tick(tick)
             action = tick.action
@@ -326,7 +326,7 @@ class DistributedExecutor:
             unit = self.units[stage]
             try:
                 if action.kind == ActionKind.FORWARD:
-                    last = self.is_last(stage)
+                    last = stage == final
 
                     def keep(out: Any, mb: int = mb) -> None:  # the last stage's loss
                         losses[mb] = self.loss_judge.loss(out, to_device(targets[mb], self.device),
@@ -345,7 +345,7 @@ class DistributedExecutor:
                     with self.timeline.span("backward", stage, mb, detail=str(action.kind)):
                         held = comm.backward_input(
                             stage, mb, self._weighted(losses, mb, decided(), scale)
-                            if self.is_last(stage) else None, weights[stage],
+                            if stage == final else None, weights[stage],
                             release=not remat.recomputes(mb, chunks))
                     if memory and held is not None:  # I freed what W does not read
                         memory.keep_only((stage, mb), held)
@@ -359,7 +359,7 @@ class DistributedExecutor:
                             comm.backward_weight(stage, mb, weights[stage])
                         else:
                             comm.backward(stage, mb, self._weighted(losses, mb, decided(), scale)
-                                          if self.is_last(stage) else None)
+                                          if stage == final else None)
                     if memory:
                         memory.release((stage, mb))
             except PipelineRuntimeError:
@@ -457,7 +457,8 @@ class DistributedExecutor:
                         microbatch_size=b, device=self.device, transport=self.transport,
                         tags=TagTable(self.edges, chunks), dtypes=dict(known or {}),
                         learn=known is None, timeline=self.timeline, written=self.written,
-                        split_plans=self.split_plans, buffers=self.receive_buffers)
+                        split_plans=self.split_plans, buffers=self.receive_buffers,
+                        labels=self.message_labels.setdefault(chunks, {}))
 
     def _learned(self, comm: DistComm) -> None:
         if comm.learn:
