@@ -672,14 +672,22 @@ def test_the_readme_points_above_or_below_to_where_a_section_is():
         assert (where[0] < pointer.start()) == (direction == "above"), pointer.group(0)
 
 
-def test_a_written_program_trains_on_the_users_data_as_the_plain_model_does(tmp_path):
+def _written_mlp(tmp_path: Path) -> tuple[Path, torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The bundled MLP's program written to tmp_path/program (an mse loss, no reference
+    losses), with a copy of the plain model, its example input and a float target."""
     from fxpipe.models import mlp
+    torch.manual_seed(0)
     model, (x,) = mlp.build()
     plain = copy.deepcopy(model)
     target = torch.randn(model(x).shape)
     folder = tmp_path / "program"
     fxpipe.compile(model, (x,), stages=2, chunks=2).write(str(folder), target=target,
                                                            loss_fn="mse", reference_steps=0)
+    return folder, plain, x, target
+
+
+def test_a_written_program_trains_on_the_users_data_as_the_plain_model_does(tmp_path):
+    folder, plain, x, target = _written_mlp(tmp_path)
     (tmp_path / "mydata.py").write_text(
         "import torch\n\n\ndef batches():\n    g = torch.Generator().manual_seed(7)\n"
         f"    for _ in range(3):\n        yield torch.randn({tuple(x.shape)}, generator=g), "
@@ -710,14 +718,7 @@ def test_a_written_program_trains_on_the_users_data_as_the_plain_model_does(tmp_
 
 def test_a_written_program_trains_with_adamw_and_warmup_as_the_plain_model_does(tmp_path,
                                                                                   capsys):
-    from fxpipe.models import mlp
-    torch.manual_seed(0)
-    model, (x,) = mlp.build()
-    plain = copy.deepcopy(model)
-    target = torch.randn(model(x).shape)
-    folder = tmp_path / "program"
-    fxpipe.compile(model, (x,), stages=2, chunks=2).write(str(folder), target=target,
-                                                           loss_fn="mse", reference_steps=0)
+    folder, plain, x, target = _written_mlp(tmp_path)
     options = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1",
                "--warmup-steps", "3"]
 
