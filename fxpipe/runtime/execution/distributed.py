@@ -56,7 +56,7 @@ from fxpipe.runtime.execution.devices import (
 from fxpipe.runtime.execution.evaluate import evaluate_rank
 from fxpipe.runtime.execution.forward import run_forward
 from fxpipe.runtime.execution.fsdp import FullShard
-from fxpipe.runtime.execution.loss_judge import LossJudge, split_target
+from fxpipe.runtime.execution.loss_judge import LossJudge
 from fxpipe.runtime.execution.loss_split import (
     KINDS,
     MEAN,
@@ -75,10 +75,10 @@ from fxpipe.runtime.planning.timeline import Event
 from fxpipe.runtime.program.arguments import DEFAULT_DP_BUCKET_BYTES
 from fxpipe.sharding import local_part
 from fxpipe.signature import Signature
-from fxpipe.targets import Target, map_target
+from fxpipe.targets import Target, map_target, split_target
 from fxpipe.untouched import untouched
 
-__all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor", "split_target"]
+__all__ = ["DEFAULT_DP_BUCKET_BYTES", "DistributedExecutor"]
 
 
 @dataclass

@@ -20,10 +20,9 @@ import torch.distributed as dist
 from fxpipe.runtime.communication.tags import messages_of
 from fxpipe.runtime.execution.devices import stage_devices, to_device
 from fxpipe.runtime.execution.forward import draw_base, run_forward
-from fxpipe.runtime.execution.loss_judge import split_target
 from fxpipe.runtime.planning.plan import Tick, plan_rank
 from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind
-from fxpipe.targets import Target, map_target
+from fxpipe.targets import Target, map_target, split_target
 from fxpipe.untouched import untouched
 
 __all__ = ["evaluate_rank", "forward_plan"]

@@ -32,7 +32,7 @@ from fxpipe.runtime.execution.loss_split import (
 from fxpipe.signature import Signature
 from fxpipe.targets import Target, check_target, check_tensor, split_target
 
-__all__ = ["LossJudge", "check_batch_target", "split_target"]
+__all__ = ["LossJudge", "check_batch_target"]
 
 
 def check_batch_target(signature: Signature, inputs: list[torch.Tensor],
