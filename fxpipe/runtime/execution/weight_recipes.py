@@ -32,7 +32,7 @@ import torch
 from torch.autograd.graph import Node
 
 __all__ = ["IN_INPUT_PASS", "Recipe", "accumulate", "add_weight_grads", "hooked", "recipe_for",
-           "saved_for", "weight_grads"]
+           "saved_for"]
 
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _CAST = "ToCopyBackward0"
@@ -112,7 +112,7 @@ def _only_child(node: Node) -> Node | None:
 
 
 def saved_for(recipe: Recipe, node: Node) -> tuple[Any, ...]:
-    """What `weight_grads` reads of `node` (its saved tensors and arguments), read now: a
+    """What `add_weight_grads` reads of `node` (its saved tensors and arguments), read now: a
     split backward that frees the graph in I reads them before. Reading a saved tensor of a
     remat region recomputes the region (once per graph-execution group, see
     split_backward._one_recompute)."""
@@ -122,13 +122,30 @@ def saved_for(recipe: Recipe, node: Node) -> tuple[Any, ...]:
     return tuple(getattr(node, f"_saved_{name}") for name in _SAVED[recipe.kind])
 
 
-def weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
-                 weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """The gradient of each of `weights` (the group's, in its order) from what its node saved
-    (`saved_for`), given the gradient that entered the node."""
-    if recipe.kind in _ROWS:  # a linear's (most of W): the product and the bias's sum directly
-        return [_linear_grad(role, cast, weight, grad, saved[0])
-                for role, cast, weight in zip(recipe.roles, recipe.casts, weights)]
+def add_weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
+                     weights: tuple[torch.Tensor, ...], chosen: set[int] | None) -> None:
+    """Adds the gradient of each of `weights` (the group's, in its order) that requires one
+    (and is `chosen`, by id, where given) into its .grad, from what its node saved
+    (`saved_for`) and the gradient that entered the node. A linear's weight that holds a
+    gradient already (of an earlier micro-batch) takes the product in the same kernel (addmm_),
+    without a temporary of its size and a separate addition."""
+    linear = recipe.kind in _ROWS  # a linear's (most of W): the product and the bias's sum
+    grads = None if linear else _kernel_grads(recipe, saved, grad, weights)
+    for k, (role, cast, weight) in enumerate(zip(recipe.roles, recipe.casts, weights)):
+        if not weight.requires_grad or (chosen is not None and id(weight) not in chosen):
+            continue
+        if grads is not None:
+            accumulate(weight, grads[k])
+        elif role == "weight" and not cast and weight.grad is not None:
+            weight.grad.addmm_(grad.t(), saved[0])
+        else:
+            accumulate(weight, _linear_grad(role, cast, weight, grad, saved[0]))
+
+
+def _kernel_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
+                  weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """A norm's or a convolution's weight gradients, from its backward kernel asked for them
+    alone."""
     want = ["weight" in recipe.roles, "bias" in recipe.roles]
     kernel = torch.ops.aten.native_layer_norm_backward \
         if recipe.kind == "NativeLayerNormBackward0" else torch.ops.aten.convolution_backward
@@ -136,27 +153,6 @@ def weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
     by_role = {"weight": dw, "bias": db}
     return [by_role[role].to(weight.dtype) if cast else by_role[role]
             for role, cast, weight in zip(recipe.roles, recipe.casts, weights)]
-
-
-def add_weight_grads(recipe: Recipe, saved: tuple[Any, ...], grad: torch.Tensor,
-                     weights: tuple[torch.Tensor, ...], chosen: set[int] | None) -> None:
-    """Adds the gradient of each of `weights` that requires one (and is `chosen`, by id, where
-    given) into its .grad, as weight_grads and accumulate would; a linear's weight that holds
-    a gradient already (of an earlier micro-batch) takes the product in the same kernel
-    (addmm_), without a temporary of its size and a separate addition."""
-    if recipe.kind not in _ROWS:
-        for weight, weight_grad in zip(weights, weight_grads(recipe, saved, grad, weights)):
-            if weight.requires_grad and (chosen is None or id(weight) in chosen):
-                accumulate(weight, weight_grad)
-        return
-    rows: torch.Tensor = saved[0]
-    for role, cast, weight in zip(recipe.roles, recipe.casts, weights):
-        if not weight.requires_grad or (chosen is not None and id(weight) not in chosen):
-            continue
-        if role == "weight" and not cast and weight.grad is not None:
-            weight.grad.addmm_(grad.t(), rows)
-        else:
-            accumulate(weight, _linear_grad(role, cast, weight, grad, rows))
 
 
 def _linear_grad(role: str, cast: bool, weight: torch.Tensor, grad: torch.Tensor,
