@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import RuntimeInputError
 
 __all__ = ["LeafSpec", "Signature", "is_tensor", "copy_inputs", "shape_text", "ModelArgs",
-           "ModelKwargs", "forward_parameters"]
+           "ModelKwargs", "forward_parameters", "PARAMETER_KINDS"]
 
 ModelArgs: TypeAlias = tuple[Any, ...]
 """A model's positional inputs: whatever its forward takes."""
@@ -370,6 +370,7 @@ _KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEY
           inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.KEYWORD_ONLY,
           inspect.Parameter.VAR_KEYWORD)
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+PARAMETER_KINDS = tuple(kind.name for kind in _KINDS)  # as Signature.forward names them
 
 
 def forward_parameters(forward: inspect.Signature) -> tuple[tuple[str, str], ...]:

@@ -24,6 +24,7 @@ from fxpipe.runtime.program.spec_json import (
     StageJSON,
     TensorJSON,
 )
+from fxpipe.signature import PARAMETER_KINDS
 from fxpipe.storage.structure import Structure
 
 __all__ = ["spec_problems", "out_spec_problem", "is_inside_path"]
@@ -182,10 +183,6 @@ def _signature_problems(sig: object) -> list[str]:
     return problems
 
 
-_KINDS = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD", "VAR_POSITIONAL", "KEYWORD_ONLY",
-          "VAR_KEYWORD")
-
-
 def _call_problems(sig: dict[str, object]) -> list[str]:
     """signature.in_spec (the inputs' structure, one leaf per signature.leaves) and
     signature.forward (the forward's parameters), where present."""
@@ -204,9 +201,9 @@ def _call_problems(sig: dict[str, object]) -> list[str]:
     forward = sig.get("forward")
     if forward is not None and not (isinstance(forward, list) and all(
             isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and p[0].isidentifier()
-            and p[1] in _KINDS for p in forward)):
+            and p[1] in PARAMETER_KINDS for p in forward)):
         problems.append(f"signature.forward is {forward!r:.120} (allowed: a list of [name, "
-                        f"kind], kind one of {', '.join(_KINDS)})")
+                        f"kind], kind one of {', '.join(PARAMETER_KINDS)})")
     return problems
 
 
