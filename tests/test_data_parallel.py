@@ -106,19 +106,22 @@ def _freezing_steps(compile_fn, rank: int | None = None) -> dict:
 
 
 class _TwoHeads(torch.nn.Module):
-    """A trunk with a second head the training loss does not use (as a pretraining model's
-    head that a fine-tuning loss ignores): its parameters get no gradient in the plain model."""
+    """A trunk with heads the training loss does not use (as a pretraining model's head that a
+    fine-tuning loss ignores), one on the trunk and one on the input (on the first stage, its
+    output sent to the last): their parameters get no gradient in the plain model."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.early = torch.nn.Linear(6, 2)
         self.trunk = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(),
                                          torch.nn.Linear(16, 16), torch.nn.ReLU())
         self.head = torch.nn.Linear(16, 3)
         self.aux = torch.nn.Linear(16, 2)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        e = self.early(x)
         h = self.trunk(x)
-        return self.head(h), self.aux(h)
+        return self.head(h), self.aux(h), e
 
 
 def _first_output_mse(outputs, target: torch.Tensor) -> torch.Tensor:
@@ -132,7 +135,8 @@ def _unused_head_steps(compile_fn, rank: int | None = None) -> dict:
     torch.manual_seed(0)
     model = _TwoHeads()
     x, y = torch.randn(8, 6), torch.randn(8, 3)
-    program = compile_fn(model, (x,), stages=2, chunks=2, profile="a100", dp_bucket_mb=4 / 1024)
+    program = compile_fn(model, (x,), stages=2, chunks=2, profile="a100", dp_bucket_mb=4 / 1024,
+                         split_points=["trunk.2"])
     optimizer = torch.optim.AdamW(program.parameters(), lr=LR, weight_decay=0.5)
     losses = []
     for _ in range(STEPS):

@@ -47,6 +47,21 @@ data arrives: the first step under a new autocast state learns it (each forward 
 preceded by a one-number header, a batch of its own in the same tick), later steps reuse it.
 Without autocast the compiled dtypes hold. A sent value whose shape or dtype differs from what
 its receiver expects is an error naming the value, the stage and both.
+
+NOTE [Absent gradients]
+A received value the loss does not reach (an output the loss ignores, a value read only through
+argmax or a comparison) gets no gradient, and its sender must then add nothing to its weights'
+gradients: a weight that only such a value reaches keeps none, as in the plain model, where a
+zero gradient would have weight decay and momentum move it. Yet the sender has posted a receive
+for the gradient, and reading the gradient's values on the host would stall every step. So the
+first step with each loss function learns which values get none: each gradient message then has
+a one-number header (1: a gradient, 0: none), posted just before it in the same batch on both
+ends and read when the gradient is; the receiver sends zeros in place of none, and the sender
+leaves the message out of its backward. A value that got no gradient in any micro-batch of that step is absent from then
+on: its receiver still sends zeros and its sender leaves them out, with no header. Should such a
+value get a gradient in a later step (a loss that reads an output only on some batches), its
+receiver raises rather than drop it; a value that got a gradient when learned but gets none in a
+later micro-batch adds zeros, which changes no sum.
 """
 from __future__ import annotations
 
@@ -76,7 +91,7 @@ from fxpipe.runtime.planning.plan import Message, Tick
 __all__ = ["DistComm", "DTYPE_CODES"]
 
 
-_HEADER_TAG = 1 << 30  # added to a message's tag for its dtype header
+_HEADER_TAG = 1 << 30  # added to a message's tag for its header (dtype, gradient or none)
 DTYPE_CODES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
                torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -107,6 +122,9 @@ class DistComm:
         buffers: receive buffers kept across steps (the caller's; None: a new one each).
         labels: each message's tag and text, kept across steps of this many micro-batches by
             the caller (None: made again each step).
+        absent: (value, src, dst, element) of the values whose gradient the loss does not
+            reach, learned on the first step with the loss (None: this step learns them; NOTE
+            [Absent gradients]).
     """
 
     def __init__(self, *, rank: int, global_ranks: Sequence[int], placement: Sequence[int],
@@ -117,7 +135,8 @@ class DistComm:
                  written: frozenset[Edge] = frozenset(),
                  split_plans: dict[int, SplitPlans] | None = None,
                  buffers: ReceiveBuffers | None = None,
-                 labels: dict[Message, tuple[int, str]] | None = None) -> None:
+                 labels: dict[Message, tuple[int, str]] | None = None,
+                 absent: set[tuple[str, int, int, int]] | None = None) -> None:
         self.rank = rank
         self.global_ranks = list(global_ranks)
         self.placement = list(placement)
@@ -141,6 +160,12 @@ class DistComm:
         self.split_plans = split_plans if split_plans is not None else {}
         self.buffers = buffers
         self.labels = labels if labels is not None else {}
+        self.learn_gradients = absent is None
+        self.absent = absent if absent is not None else set()
+        # learning: the gradient messages of this step that carry none, and for each value
+        # whether any micro-batch's gradient came
+        self.missing: set[Message] = set()
+        self.reached: dict[tuple[str, int, int, int], bool] = {}
         # a send -> the message from its peer whose arrival proves it complete
         # (fxpipe.runtime.planning.plan.replies): the transport holds the send until then.
         # `proofs` are those replies, the receives that settle held sends. The executor sets
@@ -172,6 +197,8 @@ class DistComm:
             return
         if self.learn:
             self._exchange_dtypes([m for m in remote if not m.grad and self._is_tensor(m)])
+        if self.learn_gradients:  # each gradient message after its header
+            remote = [h for m in remote for h in ((_presence_of(m), m) if m.grad else (m,))]
         ops = [self._op(msg) for msg in remote]
         start = time.perf_counter()
         handles = self.transport.post(ops)
@@ -181,6 +208,14 @@ class DistComm:
                 self.inbox[msg] = (handle, op.tensor)
 
     def _op(self, msg: Message) -> Op:
+        if msg.microbatch < 0:  # a gradient's presence header (learning step)
+            real = _presence_of(msg)
+            tag, text = self._tag(real) + _HEADER_TAG, f"presence of {real}"
+            if msg.src_rank == self.rank:
+                code = torch.tensor([int(real not in self.missing)], device=self.device)
+                return Op("send", code, self.global_ranks[msg.dst_rank], tag, text)
+            return Op("recv", torch.empty(1, dtype=torch.int64, device=self.device),
+                      self.global_ranks[msg.src_rank], tag, text)
         if msg.src_rank == self.rank:
             if msg in self.answered:  # held until its gradient, storage backward keeps anyway
                 answered: Message | None = gradient_of(msg)
@@ -266,11 +301,24 @@ class DistComm:
                 key = (msg.value, msg.sender, msg.receiver, msg.element)
                 self.dtypes[key] = DTYPE_CODES[int(op.tensor.item())]
 
+    def _learn_gradient(self, msg: Message, reached: bool) -> None:
+        """Learning step: whether the loss reached the value `msg` carried, in its
+        micro-batch."""
+        key = (msg.value, msg.sender, msg.receiver, msg.element)
+        self.reached[key] = self.reached.get(key, False) or reached
+        if not reached:
+            self.missing.add(gradient_of(msg))
+
+    def learned_absent(self) -> set[tuple[str, int, int, int]]:
+        """After a learning step: the values whose gradient no micro-batch's loss reached."""
+        return {key for key, reached in self.reached.items() if not reached}
+
     def _record_posts(self, msgs: list[Message], start: float) -> None:
         if self.timeline is None:
             return
         for grad in (False, True):
-            sent = [m for m in msgs if m.src_rank == self.rank and m.grad == grad]
+            sent = [m for m in msgs if m.src_rank == self.rank and m.grad == grad
+                    and m.microbatch >= 0]  # not presence headers
             if sent:
                 self.timeline.mark("send_grad" if grad else "send", sent[0].sender,
                                    sent[0].microbatch, start,
@@ -364,8 +412,7 @@ class DistComm:
         elif tensors:
             engine_backward(tensors, cast(list[torch.Tensor], grads))
         for leaf, msg in record.received:
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            self.outbox[gradient_of(msg)] = grad.detach().contiguous()
+            self._gradient_out(leaf, leaf.grad, msg)
 
     def backward_input(self, stage: int, mb: int, loss: WeightedLoss | None = None,
                        weights: Sequence[torch.Tensor] | None = None,
@@ -382,9 +429,25 @@ class DistComm:
             self.split_plans.setdefault(stage, {}), direct=True, release=release)
         self.retained[(stage, mb)] = weight_pass
         for (leaf, msg), grad in zip(record.received, got):
-            grad = grad if grad is not None else torch.zeros_like(leaf)
-            self.outbox[gradient_of(msg)] = grad.detach().contiguous()
+            self._gradient_out(leaf, grad, msg)
         return weight_pass.held()
+
+    def _gradient_out(self, leaf: torch.Tensor, grad: torch.Tensor | None, msg: Message) -> None:
+        """Leaves a received leaf's gradient for its sender: zeros where the loss did not reach
+        it, which the sender leaves out (NOTE [Absent gradients])."""
+        if self.learn_gradients:
+            self._learn_gradient(msg, grad is not None)
+        elif grad is not None and self.absent and \
+                (msg.value, msg.sender, msg.receiver, msg.element) in self.absent:
+            raise PipelineRuntimeError(
+                f"the loss reached {msg.value!r}, sent by stage {msg.sender} to stage "
+                f"{msg.receiver} (micro-batch {msg.microbatch}), which the first step with this "
+                "loss function did not reach: its sender would drop the gradient",
+                hint="a loss that reads some outputs only on some batches: read each output on "
+                     "every batch (0 * output where it is not wanted), or pass another loss "
+                     "function object for each way of reading them")
+        out = grad if grad is not None else torch.zeros_like(leaf)
+        self.outbox[gradient_of(msg)] = out.detach().contiguous()
 
     def backward_weight(self, stage: int, mb: int, weights: Sequence[torch.Tensor]) -> None:
         """The weight-gradient half: accumulates into `weights`' .grad from what
@@ -403,10 +466,26 @@ class DistComm:
         for value, msg in record.sent:
             with self._event("recv_grad", stage, mb, msg.value):
                 grad = self._wait(gradient_of(msg))
+            if self._absent(msg):  # the loss did not reach it: zeros in place of none
+                continue
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 tensors.append(value)
                 grads.append(grad)
         return tensors, grads
+
+    def _absent(self, msg: Message) -> bool:
+        """Whether the loss did not reach the value `msg` sent (its gradient arrived)."""
+        if self.learn_gradients:
+            grad = gradient_of(msg)
+            header = self.inbox.pop(_presence_of(grad), None)  # none from this rank's stages
+            if header is not None:
+                handle, code = header
+                if handle is not None:
+                    handle.wait()
+                self._learn_gradient(msg, bool(code.item()))
+            return grad in self.missing
+        return bool(self.absent) and (msg.value, msg.sender, msg.receiver, msg.element) in \
+            self.absent
 
     def finish(self) -> None:
         """Waits for every send of the step; everything posted must have been used."""
@@ -419,6 +498,7 @@ class DistComm:
         self.records.clear()
         self.sent_values.clear()
         self.answered.clear()
+        self.missing.clear()
         if self.buffers is not None:
             self.buffers.end_step()
         if left:
@@ -434,6 +514,12 @@ class DistComm:
         if self.timeline is None:
             return contextlib.nullcontext()
         return self.timeline.span(kind, stage, mb, detail=tag)
+
+
+def _presence_of(msg: Message) -> Message:
+    """The header saying whether gradient message `msg` carries a gradient, and back: the
+    message with its micro-batch as -1 - m (no micro-batch is negative)."""
+    return msg._replace(microbatch=-1 - msg.microbatch)
 
 
 def _rebuild(info: ir.ValueInfo, values: Any) -> Any:

@@ -18,7 +18,7 @@ counting zeros. Only a replica that lacks a gradient reads the flags back to the
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,16 +107,18 @@ class ReplicaAverager:
             handle.remove()
 
 
-def average_present(param: torch.nn.Parameter, group: ProcessGroup | None,
+def average_present(param: torch.Tensor, group: ProcessGroup | None,
                     replicas: int) -> None:
     """Averages one parameter's gradient over `replicas` ranks of `group` as the buckets are
-    averaged: left without one where no replica holds one."""
+    averaged (replicas=1: sums it, as a tied weight's over the ranks that hold it): left
+    without one where no rank holds one."""
     flat = _with_presence([param])
     dist.all_reduce(flat, group=group)
-    _write_average(param, flat[:-1].div_(replicas), flat[-1])
+    total = flat[:-1]
+    _write_average(param, total.div_(replicas) if replicas != 1 else total, flat[-1])
 
 
-def _with_presence(params: list[torch.nn.Parameter]) -> torch.Tensor:
+def _with_presence(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """The parameters' gradients (zeros where missing) flattened, then one flag each: 1 where
     this replica holds a gradient. The flags are filled on the device: no host copy."""
     flags = torch.ones(len(params), dtype=params[0].dtype, device=params[0].device)
@@ -135,7 +137,7 @@ def _with_presence(params: list[torch.nn.Parameter]) -> torch.Tensor:
                           "dense gradients", hint="use sparse=False under replicas") from None
 
 
-def _write_average(param: torch.nn.Parameter, average: torch.Tensor,
+def _write_average(param: torch.Tensor, average: torch.Tensor,
                    present: torch.Tensor) -> None:
     """Writes the replicas' average into the gradient, unless no replica held one. A parameter
     frozen since the collectives were set up keeps no gradient, as DDP's."""

@@ -138,6 +138,9 @@ class DistributedExecutor:
                            tuple[dict[Message, Message], frozenset[Message]]] = {}
         # dtypes of received values under each autocast state, learned on its first step
         self.boundary_dtypes: dict[Any, dict[tuple[str, int, int, int], torch.dtype]] = {}
+        # per loss function (its key), the values it does not reach, learned on its first step
+        # (NOTE [Absent gradients] in fxpipe/runtime/communication/dist_comm.py)
+        self.absent_gradients: dict[Any, set[tuple[str, int, int, int]]] = {}
         self.split_plans: dict[int, SplitPlans] = {}  # read once per stage (split_backward.py)
         # each message's tag and text, per number of micro-batches (the tags depend on it)
         self.message_labels: dict[int, dict[Message, tuple[int, str]]] = {}
@@ -268,7 +271,7 @@ class DistributedExecutor:
                 [map_target(lambda t: pinned_to(t, self.device), part) for part in targets]
             # (a structured one on the device here: to_device leaves structures as they are)
         self._warm_up()
-        comm = self._comm(batch // chunks, chunks)
+        comm = self._comm(batch // chunks, chunks, key)
         # a step that learns dtypes waits for each header at its tick: every message in its
         # tick's batch on both ends
         ticks = self._plan(schedule, chunks, early=self.transport.by_tag and not comm.learn)
@@ -371,7 +374,7 @@ class DistributedExecutor:
                     f"({how}): {type(e).__name__}: {e}",
                     hint=uneven or "the other ranks stop when this one exits") from e
         comm.finish()
-        self._learned(comm)
+        self._learned(comm, key)
         # what the last stage found of the loss: [loss, kind, replicas finding each kind...,
         # its parts' losses...]
         # (read on the host once per step: by the judge on the last stage, from the broadcast
@@ -446,11 +449,14 @@ class DistributedExecutor:
                 self.replies[(schedule, chunks)] = (answers, frozenset(answers.values()))
         return self.plans[key]
 
-    def _comm(self, b: int, chunks: int) -> DistComm:
+    def _comm(self, b: int, chunks: int, loss: Any = None) -> DistComm:
         """The step's communication. Under autocast, boundary dtypes are learned on the first
-        step for each autocast dtype and micro-batch size (every rank runs the same step)."""
+        step for each autocast dtype and micro-batch size, and which values the loss does not
+        reach on the first step with each loss function (`loss`, its key; None: no backward);
+        every rank runs the same step."""
         autocast = AutocastState.capture().dtype(self.device.type)
         known = self.boundary_dtypes.get((autocast, b)) if autocast is not None else {}
+        absent = set() if loss is None else self.absent_gradients.get(loss)
         return DistComm(rank=self.mesh.pipe_rank,
                         global_ranks=[self.mesh.global_rank(r) for r in range(self.mesh.ranks)],
                         placement=list(self.mesh.placement), info=self.comm_info,
@@ -458,12 +464,14 @@ class DistributedExecutor:
                         tags=TagTable(self.edges, chunks), dtypes=dict(known or {}),
                         learn=known is None, timeline=self.timeline, written=self.written,
                         split_plans=self.split_plans, buffers=self.receive_buffers,
-                        labels=self.message_labels.setdefault(chunks, {}))
+                        labels=self.message_labels.setdefault(chunks, {}), absent=absent)
 
-    def _learned(self, comm: DistComm) -> None:
+    def _learned(self, comm: DistComm, loss: Any = None) -> None:
         if comm.learn:
             autocast = AutocastState.capture().dtype(self.device.type)
             self.boundary_dtypes[(autocast, comm.b)] = comm.dtypes
+        if comm.learn_gradients and loss is not None:
+            self.absent_gradients[loss] = comm.learned_absent()
 
     def close(self) -> None:
         """Removes the hooks this executor put on its parameters (a program that installs a
@@ -506,12 +514,16 @@ class DistributedExecutor:
         gradient over data-parallel replicas. A frozen parameter (requires_grad False, as every
         rank's training code sets it) is left without a gradient, as DDP leaves it: a zero one
         would have an optimizer's weight decay move it. So is one that no replica's loss
-        reached (see fxpipe.runtime.communication.overlap)."""
+        reached (see fxpipe.runtime.communication.overlap), and a tied one that the loss
+        reached on none of its holders."""
         named = self.named_tensors()
         for name in sorted(self.shared):
             group = self.shared_groups.get(name)
             param = named.get(name)
             if group is None or param is None or not param.requires_grad:
+                continue
+            if self.full_shard is None:
+                average_present(param, group, 1)  # the sum, where some holder has one
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
