@@ -57,11 +57,11 @@ for the gradient, and reading the gradient's values on the host would stall ever
 first step with each loss function learns which values get none: each gradient message then has
 a one-number header (1: a gradient, 0: none), posted just before it in the same batch on both
 ends and read when the gradient is; the receiver sends zeros in place of none, and the sender
-leaves the message out of its backward. A value that got no gradient in any micro-batch of that step is absent from then
-on: its receiver still sends zeros and its sender leaves them out, with no header. Should such a
-value get a gradient in a later step (a loss that reads an output only on some batches), its
-receiver raises rather than drop it; a value that got a gradient when learned but gets none in a
-later micro-batch adds zeros, which changes no sum.
+leaves the message out of its backward. A value that got no gradient in any micro-batch of that
+step is absent from then on: its receiver still sends zeros and its sender leaves them out, with
+no header. Should such a value get a gradient in a later step (a loss that reads an output only
+on some batches), its receiver raises rather than drop it; a value that got a gradient when
+learned but gets none in a later micro-batch adds zeros, which changes no sum.
 """
 from __future__ import annotations
 
