@@ -501,6 +501,50 @@ def test_a_parameter_written_in_forward_is_refused_as_the_write_and_left_as_it_w
         assert torch.equal(p, before[name]), name
 
 
+class _StoresAuxLoss(_TwoLayers):
+    """Keeps an auxiliary loss for the training loop to add, as mixture-of-experts layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux_loss = None
+
+    def forward(self, x):
+        h = self.a(x)
+        self.aux_loss = h.square().mean()
+        return self.b(h)
+
+
+class _CachesPositions(_TwoLayers):
+    """Keeps a tensor without gradient it computes on its first call."""
+
+    def forward(self, x):
+        if getattr(self, "positions", None) is None:
+            self.positions = torch.arange(x.shape[-1], dtype=x.dtype)
+        return self.b(self.a(x + self.positions))
+
+
+@pytest.mark.parametrize("capture", ["auto", "fx", "export"])
+def test_a_tensor_with_gradient_stored_on_a_module_in_forward_is_refused_and_put_back(capture):
+    # The attribute kept the tensor of the compile's last run: a loss that added it trained
+    # on that one value, through a stale graph, every step.
+    module = _StoresAuxLoss()
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(module, (torch.randn(8, 4),), stages=2, chunks=4, profile="a100",
+                       capture=capture)
+    _check(err.value, "_StoresAuxLoss's forward stores a tensor that carries gradient on a "
+                      "module (aux_loss;", "stale value", "return it from forward as one more "
+                                                          "output")
+    assert module.aux_loss is None
+
+
+def test_a_tensor_without_gradient_cached_in_forward_compiles_and_is_put_back():
+    torch.manual_seed(0)
+    module, x = _CachesPositions(), torch.randn(8, 4)
+    program = fxpipe.compile(module, (x,), stages=2, chunks=4, profile="a100")
+    assert getattr(module, "positions", None) is None  # as before compiling
+    torch.testing.assert_close(program(x), module(x))
+
+
 class _InputThroughData(_TwoLayers):
     def forward(self, x):
         x.data.mul_(2.0)

@@ -43,7 +43,13 @@ from fxpipe.frontend.meta import (
     to_meta,
     validate_check,
 )
-from fxpipe.frontend.mutation import StateSnapshot, restore_values, snapshot_state
+from fxpipe.frontend.mutation import (
+    StateSnapshot,
+    check_nothing_stored,
+    plain_tensors,
+    restore_values,
+    snapshot_state,
+)
 from fxpipe.frontend.naming import name_nodes_after_modules
 from fxpipe.frontend.stamp import Stamper
 from fxpipe.frontend.tracers import LeafModule
@@ -191,6 +197,7 @@ def capture(
         return clock[-1][0] - clock[-2][0], clock[-1][1] - clock[-2][1]
 
     named_inputs = [(n, x) for n, x in zip(names, leaves) if is_tensor(x)]
+    held = plain_tensors(model)  # put back after the trial runs (check_nothing_stored)
     if check is None:  # buffers a forward fills once are filled before capture
         lazy.run_first_forward(model, args, kwargs, named_inputs)
     before = snapshot_state(model, named_inputs)
@@ -216,6 +223,7 @@ def capture(
         regions.inline_regions(gm)  # no_grad / autocast regions: marked operations
         front_s = lap()
         _annotate_shapes(gm, used, tensors, signature, runs)
+    check_nothing_stored(model, held)
     inlined = leaf_labels if used == "export" else ()
     if inlined:
         warnings.warn(f"leaf_modules ({', '.join(inlined)}) were traced through: torch.export "

@@ -7,6 +7,12 @@ it, and an input written in place is written in micro-batch slices. Neither is w
 model does, so both are refused at capture time. BatchNorm's running statistics are the one
 exception: the runtime knows them (per micro-batch, or once per batch with deferred_batch_norm).
 
+A forward that stores a tensor carrying gradient on a module (`self.aux_loss = ...`, an auxiliary
+loss the training loop adds) is refused too: the pipeline runs the captured graph, which returns
+values and sets no attribute, so the attribute would keep what a compile-time run left, and a loss
+that reads it would train on that stale value, every step. Whatever tensor a trial run stored is
+put back as it was; one without gradient (a cache of positions) is not refused.
+
 The version counter of a tensor counts its in-place writes, but not a write through `.data`
 (which has a counter of its own), so parameters, buffers and inputs are also compared by value,
 and by identity (an attribute reassigned in forward). The values saved for the comparison put
@@ -16,14 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from fxpipe.errors import CaptureError
 
 __all__ = ["StateSnapshot", "snapshot_state", "check_unchanged", "restore_values",
-           "batch_norm_statistics", "written"]
+           "batch_norm_statistics", "written", "plain_tensors", "check_nothing_stored"]
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -118,3 +125,49 @@ def check_unchanged(model: nn.Module, before: StateSnapshot) -> None:
         "left it as it was)",
         hint="update it outside forward, e.g. in the training loop after program.step(...) "
              "(fxpipe reproduces only BatchNorm's running statistics, see deferred_batch_norm)")
+
+
+_MODULE_OWN = frozenset(vars(nn.Module()))  # what every module holds: hooks, flags
+
+
+def plain_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, Any]]:
+    """What the model's modules hold as plain attributes (neither parameters nor buffers) that
+    is a tensor or None, by qualified name: (module, attribute, value)."""
+    out: dict[str, tuple[nn.Module, str, Any]] = {}
+    for prefix, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if (value is None or isinstance(value, torch.Tensor)) and attr not in _MODULE_OWN:
+                out[f"{prefix}.{attr}" if prefix else attr] = (module, attr, value)
+    return out
+
+
+def check_nothing_stored(model: nn.Module, held: dict[str, tuple[nn.Module, str, Any]]) -> None:
+    """Puts back each plain attribute that forwards since `held` (plain_tensors before them)
+    set to another tensor (or an fx Proxy, a trace's), and raises a CaptureError naming those
+    that carry gradient."""
+    stored = []
+    for prefix, module in model.named_modules():
+        for attr, value in list(vars(module).items()):
+            if not isinstance(value, (torch.Tensor, fx.Proxy)) or attr in _MODULE_OWN:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            was = held.get(name)
+            if was is not None and was[2] is value:
+                continue
+            if was is not None:
+                setattr(module, attr, was[2])
+            else:
+                delattr(module, attr)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                stored.append(name)
+    if not stored:
+        return
+    raise CaptureError(
+        f"{type(model).__name__}'s forward stores a tensor that carries gradient on a module "
+        f"({', '.join(stored)}; e.g. an auxiliary loss for the training loop to add): a "
+        "pipeline runs the captured graph, which returns values and sets no attribute, so it "
+        "would keep what a compile-time run left, and a loss reading it would train on that "
+        "stale value (compiling put it back as it was)",
+        hint="return it from forward as one more output: the loss function gets it with the "
+             "others, e.g. program.step(x, target=y, loss_fn=lambda out, t: "
+             "task_loss(out[0], t) + out[1])")
