@@ -179,6 +179,11 @@ class Program(ProgramBalance):
         self._held = held
         self.stage_modules = nn.ModuleList(held.modules)
         self._local, self._rank, self._meta = held.local, held.rank, held.meta
+        if held.rank is not None:  # a loss may read only this rank's parameters
+            own = {id(p) for p in held.rank.executor.parameters()}
+            held.rank.executor.foreign = {
+                id(t): name for name, t in tensors.items()
+                if isinstance(t, nn.Parameter) and id(t) not in own}
 
     def _local_executor(self, what: str) -> LocalExecutor:
         if self._local is None:

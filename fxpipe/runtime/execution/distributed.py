@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.errors import ConfigError, PeerLostError, PipelineRuntimeError
+from fxpipe.errors import ConfigError, LossError, PeerLostError, PipelineRuntimeError
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.communication.dist_comm import DistComm
 from fxpipe.runtime.communication.mesh import Mesh
@@ -56,7 +56,7 @@ from fxpipe.runtime.execution.devices import (
 from fxpipe.runtime.execution.evaluate import evaluate_rank
 from fxpipe.runtime.execution.forward import run_forward
 from fxpipe.runtime.execution.fsdp import FullShard
-from fxpipe.runtime.execution.loss_judge import LossJudge
+from fxpipe.runtime.execution.loss_judge import LossJudge, check_reads_held
 from fxpipe.runtime.execution.loss_split import (
     KINDS,
     MEAN,
@@ -141,6 +141,9 @@ class DistributedExecutor:
         # per loss function (its key), the values it does not reach, learned on its first step
         # (NOTE [Absent gradients] in fxpipe/runtime/communication/dist_comm.py)
         self.absent_gradients: dict[Any, set[tuple[str, int, int, int]]] = {}
+        # the model's parameters this rank does not hold, by id, with their names (set by the
+        # program that holds the model): a loss reading one is refused (check_reads_held)
+        self.foreign: dict[int, str] = {}
         self.split_plans: dict[int, SplitPlans] = {}  # read once per stage (split_backward.py)
         # each message's tag and text, per number of micro-batches (the tags depend on it)
         self.message_labels: dict[int, dict[Message, tuple[int, str]]] = {}
@@ -334,6 +337,8 @@ class DistributedExecutor:
                     def keep(out: Any, mb: int = mb) -> None:  # the last stage's loss
                         losses[mb] = self.loss_judge.loss(out, to_device(targets[mb], self.device),
                                                 loss_fn)
+                        if comm.learn_gradients and self.foreign and not values:
+                            check_reads_held(losses[mb], self.foreign, final)
                         values[mb] = losses[mb].detach()
                         if joins:
                             outputs[mb] = [o.detach() if isinstance(o, torch.Tensor) else o
@@ -365,7 +370,7 @@ class DistributedExecutor:
                                           if stage == final else None)
                     if memory:
                         memory.release((stage, mb))
-            except PipelineRuntimeError:
+            except (PipelineRuntimeError, LossError):
                 raise
             except Exception as e:
                 how, uneven = self.signature.split_text(batch, chunks, compiled)

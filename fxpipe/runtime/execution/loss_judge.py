@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import PeerLostError
+from fxpipe.errors import LossError, PeerLostError
 from fxpipe.losses import counted, loss_of
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.execution.devices import to_device
@@ -32,7 +32,7 @@ from fxpipe.runtime.execution.loss_split import (
 from fxpipe.signature import Signature
 from fxpipe.targets import Target, check_target, check_tensor, split_target
 
-__all__ = ["LossJudge", "check_batch_target"]
+__all__ = ["LossJudge", "check_batch_target", "check_reads_held"]
 
 
 def check_batch_target(signature: Signature, inputs: list[torch.Tensor],
@@ -48,6 +48,34 @@ def check_batch_target(signature: Signature, inputs: list[torch.Tensor],
         check_target(target, dim, signature.batch_size(inputs), only_batched=True)
     elif target.dim() > dim:
         check_tensor("target", target, dim, signature.batch_size(inputs))
+
+
+def check_reads_held(loss: torch.Tensor, foreign: dict[int, str], stage: int) -> None:
+    """Refuses a loss that reads a parameter of the model this rank does not train (an L2
+    penalty over model.parameters() in the loss function): the last stage would compute its
+    gradient and keep it, and the rank that trains it would go without the loss's term.
+    `foreign`: those parameters by id, with their names. Walks the loss's graph once (the
+    first step with each loss function)."""
+    found, seen, todo = set(), set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None and id(variable) in foreign:
+            found.add(id(variable))
+        todo.extend(child for child, _ in node.next_functions)
+    if found:
+        names = [name for key, name in foreign.items() if key in found]  # the model's order
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        raise LossError(
+            f"the loss function reads the model's parameter {names[0]!r}{more}, which another "
+            f"rank's stage trains: the last stage (stage {stage}) would compute the gradient "
+            "the loss gives it and keep it here, so training would miss that term",
+            hint="put a penalty on the weights as the optimizer's weight_decay, or compute the "
+                 "term in forward and return it as one more output (each stage then adds its "
+                 "own parameters' part)")
 
 
 class LossJudge:

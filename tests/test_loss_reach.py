@@ -1,6 +1,7 @@
-"""Values the loss does not reach, sent from one stage to another: their senders' weights keep
-no gradient, as in the plain model, under every schedule and across steps (NOTE [Absent
-gradients] in fxpipe/runtime/communication/dist_comm.py)."""
+"""What the loss reaches across ranks. Values it does not reach, sent from one stage to another:
+their senders' weights keep no gradient, as in the plain model, under every schedule and across
+steps (NOTE [Absent gradients] in fxpipe/runtime/communication/dist_comm.py). Parameters it reads
+directly that another rank trains: refused, since their gradient would stay on the last rank."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,7 @@ from ranks import spawn
 from torch import nn
 
 import fxpipe
-from fxpipe.errors import PipelineRuntimeError
+from fxpipe.errors import LossError, PipelineRuntimeError
 
 pytestmark = pytest.mark.distributed
 
@@ -156,3 +157,52 @@ def test_a_loss_that_reaches_a_value_its_first_step_did_not_is_refused_on_its_re
     assert "the loss reached 'aux', sent by stage 0 to stage 1 (micro-batch" in errors[1]
     assert "which the first step with this loss function did not reach" in errors[1]
     assert errors[0] != "no error"
+
+
+def _head_penalised(model: EarlyHeads):
+    def loss(outputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        penalty = sum(p.square().sum() for p in model.head.parameters())
+        return first_output_loss(outputs, target) + 1e-2 * penalty
+    return loss
+
+
+def _all_penalised(model: EarlyHeads):
+    def loss(outputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        penalty = sum(p.square().sum() for p in model.parameters())
+        return first_output_loss(outputs, target) + 1e-2 * penalty
+    return loss
+
+
+def _reads_parameters(rank: int, world: int) -> dict:
+    """A loss with an L2 penalty over the last stage's own parameters (allowed: its gradient
+    is this rank's to keep) and one over every parameter (refused)."""
+    out: dict = {}
+    model, x, y = _case()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100",
+                             split_points=CUTS[2])
+    out["own"] = (program.step(x, target=y, loss_fn=_head_penalised(model)),
+                  {n: p.grad.clone() for n, p in program.named_parameters()
+                   if p.grad is not None})
+    try:
+        program.step(x, target=y, loss_fn=_all_penalised(model))
+        out["every"] = "no error"
+    except (LossError, PipelineRuntimeError) as e:
+        out["every"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_loss_reading_parameters_another_rank_trains_is_refused_its_own_are_trained():
+    model, x, y = _case()
+    loss = _head_penalised(model)(model(x), y)
+    loss.backward()
+    ranks = spawn(2, __name__, "_reads_parameters", timeout=10, bound=120)
+    grads = {**ranks[0]["own"][1], **ranks[1]["own"][1]}
+    assert ranks[1]["own"][0] == pytest.approx(float(loss), rel=1e-5)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
+    # the last rank refuses; the first, waiting for it, stops at the group's timeout
+    assert ranks[1]["every"].startswith("LossError: the loss function reads the model's "
+                                        "parameter 'aux.weight' and 9 more, which another "
+                                        "rank's stage trains"), ranks[1]["every"]
+    assert ranks[0]["every"] != "no error"
