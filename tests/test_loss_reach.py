@@ -203,6 +203,6 @@ def test_a_loss_reading_parameters_another_rank_trains_is_refused_its_own_are_tr
             torch.testing.assert_close(grads[name], p.grad, msg=name)
     # the last rank refuses; the first, waiting for it, stops at the group's timeout
     assert ranks[1]["every"].startswith("LossError: the loss function reads the model's "
-                                        "parameter 'aux.weight' and 9 more, which another "
-                                        "rank's stage trains"), ranks[1]["every"]
+                                        "parameter 'aux.weight' and 9 more, which this "
+                                        "rank's stages do not hold"), ranks[1]["every"]
     assert ranks[0]["every"] != "no error"

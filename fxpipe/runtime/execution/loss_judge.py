@@ -70,9 +70,10 @@ def check_reads_held(loss: torch.Tensor, foreign: dict[int, str], stage: int) ->
         names = [name for key, name in foreign.items() if key in found]  # the model's order
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
         raise LossError(
-            f"the loss function reads the model's parameter {names[0]!r}{more}, which another "
-            f"rank's stage trains: the last stage (stage {stage}) would compute the gradient "
-            "the loss gives it and keep it here, so training would miss that term",
+            f"the loss function reads the model's parameter {names[0]!r}{more}, which this "
+            f"rank's stages do not hold (another rank's stage trains it, or no stage uses it): "
+            f"the last stage (stage {stage}) would compute the gradient the loss gives it and "
+            "keep it here, so training would miss that term",
             hint="put a penalty on the weights as the optimizer's weight_decay, or compute the "
                  "term in forward and return it as one more output (each stage then adds its "
                  "own parameters' part)")
