@@ -350,7 +350,7 @@ class DistributedExecutor:
                                 track=memory.forward((stage, mb)) if memory else None,
                                 then=keep if last else None)  # the comm keeps what backward needs
                 elif action.kind == ActionKind.INPUT_GRAD:
-                    with self.timeline.span("backward", stage, mb, detail=str(action.kind)):
+                    with self.timeline.span("backward", stage, mb, detail=action.kind):
                         held = comm.backward_input(
                             stage, mb, self._weighted(losses, mb, decided(), scale)
                             if stage == final else None, weights[stage],
@@ -362,7 +362,7 @@ class DistributedExecutor:
                         self.averager.arm()
                     split = action.kind == ActionKind.WEIGHT_GRAD
                     with self.timeline.span("backward", stage, mb,
-                                            detail=str(action.kind) if split else ""):
+                                            detail=action.kind if split else ""):
                         if split:
                             comm.backward_weight(stage, mb, weights[stage])
                         else:
