@@ -46,9 +46,9 @@ from fxpipe.frontend.meta import (
 from fxpipe.frontend.mutation import (
     StateSnapshot,
     check_nothing_stored,
-    plain_tensors,
     restore_values,
     snapshot_state,
+    tensor_attributes,
 )
 from fxpipe.frontend.naming import name_nodes_after_modules
 from fxpipe.frontend.stamp import Stamper
@@ -197,7 +197,7 @@ def capture(
         return clock[-1][0] - clock[-2][0], clock[-1][1] - clock[-2][1]
 
     named_inputs = [(n, x) for n, x in zip(names, leaves) if is_tensor(x)]
-    held = plain_tensors(model)  # put back after the trial runs (check_nothing_stored)
+    held = tensor_attributes(model)  # put back after the trial runs (check_nothing_stored)
     if check is None:  # buffers a forward fills once are filled before capture
         lazy.run_first_forward(model, args, kwargs, named_inputs)
     before = snapshot_state(model, named_inputs)

@@ -30,7 +30,7 @@ from torch import fx, nn
 from fxpipe.errors import CaptureError
 
 __all__ = ["StateSnapshot", "snapshot_state", "check_unchanged", "restore_values",
-           "batch_norm_statistics", "written", "plain_tensors", "check_nothing_stored"]
+           "batch_norm_statistics", "written", "tensor_attributes", "check_nothing_stored"]
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -130,7 +130,7 @@ def check_unchanged(model: nn.Module, before: StateSnapshot) -> None:
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what every module holds: hooks, flags
 
 
-def plain_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, Any]]:
+def tensor_attributes(model: nn.Module) -> dict[str, tuple[nn.Module, str, Any]]:
     """What the model's modules hold as plain attributes (neither parameters nor buffers) that
     is a tensor or None, by qualified name: (module, attribute, value)."""
     out: dict[str, tuple[nn.Module, str, Any]] = {}
@@ -142,7 +142,7 @@ def plain_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, Any]]:
 
 
 def check_nothing_stored(model: nn.Module, held: dict[str, tuple[nn.Module, str, Any]]) -> None:
-    """Puts back each plain attribute that forwards since `held` (plain_tensors before them)
+    """Puts back each plain attribute that forwards since `held` (tensor_attributes before them)
     set to another tensor (or an fx Proxy, a trace's), and raises a CaptureError naming those
     that carry gradient."""
     stored = []
