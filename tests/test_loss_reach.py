@@ -63,7 +63,8 @@ class SometimesAux:
 
 
 CUTS = {2: ["trunk.2"], 4: ["trunk.1", "trunk.2", "trunk.3"]}
-CASES = [("gpipe", 2), ("1f1b", 2), ("zb-h1", 2), ("interleaved-1f1b", 4), ("zb-v", 4)]
+CASES = [("gpipe", 2), ("1f1b", 2), ("zb-h1", 2), ("interleaved-1f1b", 4), ("zb-v", 4),
+         ("dualpipev", 4)]
 UNREACHED = ("aux.", "side.", "gate.")
 
 
