@@ -537,6 +537,22 @@ def test_a_tensor_with_gradient_stored_on_a_module_in_forward_is_refused_and_put
     assert module.aux_loss is None
 
 
+class _StoresAndBranches(_StoresAuxLoss):
+    def forward(self, x):
+        h = self.a(x)
+        self.aux_loss = h.square().mean()
+        return self.b(h) if h.sum() > 0 else h  # data-dependent: no front end captures it
+
+
+def test_what_forward_stored_is_put_back_also_when_capture_fails_for_another_reason():
+    torch.manual_seed(0)
+    module = _StoresAndBranches()
+    with pytest.raises(CaptureError) as err:
+        fxpipe.compile(module, (torch.randn(8, 4),), stages=2, chunks=4, profile="a100")
+    assert "stores a tensor" not in str(err.value)  # the capture's own error
+    assert module.aux_loss is None
+
+
 def test_a_tensor_without_gradient_cached_in_forward_compiles_and_is_put_back():
     torch.manual_seed(0)
     module, x = _CachesPositions(), torch.randn(8, 4)

@@ -45,9 +45,10 @@ from fxpipe.frontend.meta import (
 )
 from fxpipe.frontend.mutation import (
     StateSnapshot,
-    check_nothing_stored,
+    attributes_kept,
     restore_values,
     snapshot_state,
+    stored_error,
     tensor_attributes,
 )
 from fxpipe.frontend.naming import name_nodes_after_modules
@@ -197,7 +198,7 @@ def capture(
         return clock[-1][0] - clock[-2][0], clock[-1][1] - clock[-2][1]
 
     named_inputs = [(n, x) for n, x in zip(names, leaves) if is_tensor(x)]
-    held = tensor_attributes(model)  # put back after the trial runs (check_nothing_stored)
+    held = tensor_attributes(model)  # put back after the trial runs (attributes_kept)
     if check is None:  # buffers a forward fills once are filled before capture
         lazy.run_first_forward(model, args, kwargs, named_inputs)
     before = snapshot_state(model, named_inputs)
@@ -206,7 +207,8 @@ def capture(
     runs = _Runs(stamper=stamper)
     # A meta model with lists of alike blocks runs cut to three blocks a list only: the whole
     # model's outputs are derived from the stamped graph (see _derived_capture).
-    with preserved_state(model, before), runs.calls(model, meta):
+    with attributes_kept(model, held) as stored, preserved_state(model, before), \
+            runs.calls(model, meta):
         found = _derived_capture(method, model, args, kwargs, leaves, in_spec, names, tensors,
                                  batch_dims, before, leaf_modules, inline_modules, runs,
                                  stamper, lap) \
@@ -223,7 +225,8 @@ def capture(
         regions.inline_regions(gm)  # no_grad / autocast regions: marked operations
         front_s = lap()
         _annotate_shapes(gm, used, tensors, signature, runs)
-    check_nothing_stored(model, held)
+    if stored:
+        raise stored_error(model, stored)
     inlined = leaf_labels if used == "export" else ()
     if inlined:
         warnings.warn(f"leaf_modules ({', '.join(inlined)}) were traced through: torch.export "

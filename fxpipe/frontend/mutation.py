@@ -20,7 +20,8 @@ back what the trial forwards wrote: compiling never changes the caller's paramet
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,8 @@ from torch import fx, nn
 from fxpipe.errors import CaptureError
 
 __all__ = ["StateSnapshot", "snapshot_state", "check_unchanged", "restore_values",
-           "batch_norm_statistics", "written", "tensor_attributes", "check_nothing_stored"]
+           "batch_norm_statistics", "written", "tensor_attributes", "attributes_kept",
+           "stored_error"]
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -141,28 +143,35 @@ def tensor_attributes(model: nn.Module) -> dict[str, tuple[nn.Module, str, Any]]
     return out
 
 
-def check_nothing_stored(model: nn.Module, held: dict[str, tuple[nn.Module, str, Any]]) -> None:
-    """Puts back each plain attribute that forwards since `held` (tensor_attributes before them)
-    set to another tensor (or an fx Proxy, a trace's), and raises a CaptureError naming those
-    that carry gradient."""
-    stored = []
-    for prefix, module in model.named_modules():
-        for attr, value in list(vars(module).items()):
-            if not isinstance(value, (torch.Tensor, fx.Proxy)) or attr in _MODULE_OWN:
-                continue
-            name = f"{prefix}.{attr}" if prefix else attr
-            was = held.get(name)
-            if was is not None and was[2] is value:
-                continue
-            if was is not None:
-                setattr(module, attr, was[2])
-            else:
-                delattr(module, attr)
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                stored.append(name)
-    if not stored:
-        return
-    raise CaptureError(
+@contextlib.contextmanager
+def attributes_kept(model: nn.Module, held: dict[str, tuple[nn.Module, str, Any]]
+                    ) -> Iterator[list[str]]:
+    """Puts back, on the way out (an error's too), each plain attribute that the forwards since
+    `held` (tensor_attributes before them) set to another tensor, or to an fx Proxy (a trace's);
+    fills the list it yields with those that carry gradient, for stored_error."""
+    stored: list[str] = []
+    try:
+        yield stored
+    finally:
+        for prefix, module in model.named_modules():
+            for attr, value in list(vars(module).items()):
+                if not isinstance(value, (torch.Tensor, fx.Proxy)) or attr in _MODULE_OWN:
+                    continue
+                name = f"{prefix}.{attr}" if prefix else attr
+                was = held.get(name)
+                if was is not None and was[2] is value:
+                    continue
+                if was is not None:
+                    setattr(module, attr, was[2])
+                else:
+                    delattr(module, attr)
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    stored.append(name)
+
+
+def stored_error(model: nn.Module, stored: Sequence[str]) -> CaptureError:
+    """The error for a forward that stored tensors carrying gradient on modules (`stored`)."""
+    return CaptureError(
         f"{type(model).__name__}'s forward stores a tensor that carries gradient on a module "
         f"({', '.join(stored)}; e.g. an auxiliary loss for the training loop to add): a "
         "pipeline runs the captured graph, which returns values and sets no attribute, so it "
