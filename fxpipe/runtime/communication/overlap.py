@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["ReplicaAverager", "buckets", "average_present"]
+__all__ = ["ReplicaAverager", "buckets", "average_present", "sum_present"]
 
 
 def buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
@@ -110,12 +110,24 @@ class ReplicaAverager:
 def average_present(param: torch.Tensor, group: ProcessGroup | None,
                     replicas: int) -> None:
     """Averages one parameter's gradient over `replicas` ranks of `group` as the buckets are
-    averaged (replicas=1: sums it, as a tied weight's over the ranks that hold it): left
-    without one where no rank holds one."""
+    averaged: left without one where no replica holds one."""
     flat = _with_presence([param])
     dist.all_reduce(flat, group=group)
-    total = flat[:-1]
-    _write_average(param, total.div_(replicas) if replicas != 1 else total, flat[-1])
+    _write_average(param, flat[:-1].div_(replicas), flat[-1])
+
+
+def sum_present(param: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Sums a tied parameter's gradient over the ranks of `group` that hold it, left without
+    one where none holds one. The sum runs on the gradient itself (no copy of a large
+    embedding's), beside a one-element sum of the holders that have one, which only a holder
+    without one reads back to the host."""
+    present = torch.ones(1, device=param.device) if param.grad is not None else \
+        torch.zeros(1, device=param.device)
+    dist.all_reduce(present, group=group)
+    grad = param.grad if param.grad is not None else torch.zeros_like(param)
+    dist.all_reduce(grad, group=group)
+    if param.grad is None and bool(present > 0):
+        param.grad = grad
 
 
 def _with_presence(params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -34,7 +34,7 @@ from fxpipe.errors import ConfigError, LossError, PeerLostError, PipelineRuntime
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.communication.dist_comm import DistComm
 from fxpipe.runtime.communication.mesh import Mesh
-from fxpipe.runtime.communication.overlap import ReplicaAverager, average_present
+from fxpipe.runtime.communication.overlap import ReplicaAverager, average_present, sum_present
 from fxpipe.runtime.communication.receive_buffers import ReceiveBuffers
 from fxpipe.runtime.communication.strict import make_transport
 from fxpipe.runtime.communication.tags import TagTable, messages_of
@@ -528,7 +528,7 @@ class DistributedExecutor:
             if group is None or param is None or not param.requires_grad:
                 continue
             if self.full_shard is None:
-                average_present(param, group, 1)  # the sum, where some holder has one
+                sum_present(param, group)
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
