@@ -13,6 +13,7 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -103,20 +104,47 @@ def test_two_seeds_draw_different_masks_and_one_seed_the_same():
     assert not torch.allclose(outs[0], outs[1])
 
 
+def _hook_warnings(program: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, list[str]]:
+    """The step's loss and the gradient-hook warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = program.step(x, target=y)
+    return loss, [str(w.message) for w in caught if "gradient hook" in str(w.message)]
+
+
 def _distributed_step(rank: int, world: int) -> dict:
+    """The seeded step's loss and this rank's gradients; then the gradient-hook warnings of
+    that step, of one after a hook is put on a parameter, and of one more."""
     model, x, y = _case()
     program = fxpipe.compile(model, (x,), stages=world, chunks=2, profile="a100",
                              split_points=["blocks.2"])
     torch.manual_seed(7)
-    loss = program.step(x, target=y)
+    loss, before = _hook_warnings(program, x, y)
     own = {id(p) for p in program.parameters()}
-    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters()
-                                    if id(p) in own and p.grad is not None}}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()
+             if id(p) in own and p.grad is not None}
+    next(iter(program.parameters())).register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+    told = [before] + [_hook_warnings(program, x, y)[1] for _ in range(2)]
+    return {"loss": loss, "grads": grads, "hooks": told}
+
+
+@functools.cache
+def _two_ranks() -> list[dict]:
+    return spawn(2, __name__, "_distributed_step", timeout=120, bound=400)
+
+
+@pytest.mark.distributed
+def test_a_gradient_hook_under_torchrun_is_warned_of_once_as_running_per_microbatch():
+    for rank in _two_ranks():
+        before, hooked, again = rank["hooks"]
+        assert before == [] and again == [], rank["hooks"]
+        assert len(hooked) == 1 and "has a gradient hook (Tensor.register_hook): under torchrun " \
+            "it runs once per micro-batch" in hooked[0], hooked
 
 
 @pytest.mark.distributed
 def test_seeded_step_on_two_ranks_draws_the_masks_of_the_seeded_plain_step():
-    ranks = spawn(2, __name__, "_distributed_step", timeout=120, bound=400)
+    ranks = _two_ranks()
     model, x, y = _case()
     program = fxpipe.compile(copy.deepcopy(model), (x,), stages=2, chunks=2, profile="a100",
                              split_points=["blocks.2"])

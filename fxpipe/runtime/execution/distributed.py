@@ -22,6 +22,7 @@ the backward, with all ranks agreeing on skipping a step (fxpipe.runtime.executi
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,7 @@ class DistributedExecutor:
         # each message's tag and text, per number of micro-batches (the tags depend on it)
         self.message_labels: dict[int, dict[Message, tuple[int, str]]] = {}
         self.warm = False
+        self.hooks_told = False  # whether a gradient hook's warning was given (_tell_hooks)
         self.last: StepResult | None = None  # the latest step's result
         # how each loss splits over micro-batches (its kinds, found on a step that only finds
         # it for a schedule whose last stage starts a backward before every forward is done)
@@ -200,6 +202,8 @@ class DistributedExecutor:
         kind = schedule_kind(schedule)
         batch = self.signature.batch_size(tensors)
         micro = self.signature.microbatches(batch, chunks)  # an uneven last batch's
+        if micro > 1 and not self.hooks_told:
+            self._tell_hooks()
         run = dict(batch=batch, chunks=micro, compiled=chunks, remat=remat_policy(remat),
                    schedule=kind, scaler=scaler)
         earlier = self._take_tied_gradients()
@@ -227,6 +231,23 @@ class DistributedExecutor:
                              schedule=schedule_kind(schedule))
         self._learned(comm)
         return loss
+
+    def _tell_hooks(self) -> None:
+        """Warns, once, of a gradient hook on a parameter (Tensor.register_hook; fxpipe puts
+        none there): each micro-batch's backward is an autograd call of its own, so the hook
+        runs once per micro-batch, on that micro-batch's part of the gradient, where the plain
+        model (and one process, which runs one backward) runs it once on the batch's."""
+        for name, tensor in self.named_tensors().items():
+            if isinstance(tensor, nn.Parameter) and tensor._backward_hooks:
+                self.hooks_told = True
+                warnings.warn(
+                    f"parameter {name!r} has a gradient hook (Tensor.register_hook): under "
+                    "torchrun it runs once per micro-batch, on that micro-batch's part of the "
+                    "gradient, not once on the batch's gradient as in the plain model; a hook "
+                    "that is not linear in the gradient (a clamp, a norm it records) sees other "
+                    "values. Clamp or record p.grad after program.step(...) instead",
+                    UserWarning, stacklevel=5)  # program.step's caller
+                return
 
     def _take_tied_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients that tied parameters hold from earlier steps (accumulating over
