@@ -202,8 +202,6 @@ class DistributedExecutor:
         kind = schedule_kind(schedule)
         batch = self.signature.batch_size(tensors)
         micro = self.signature.microbatches(batch, chunks)  # an uneven last batch's
-        if micro > 1 and not self.hooks_told:
-            self._tell_hooks()
         run = dict(batch=batch, chunks=micro, compiled=chunks, remat=remat_policy(remat),
                    schedule=kind, scaler=scaler)
         earlier = self._take_tied_gradients()
@@ -232,22 +230,25 @@ class DistributedExecutor:
         self._learned(comm)
         return loss
 
-    def _tell_hooks(self) -> None:
+    def _tell_hooks(self, params: dict[int, list[nn.Parameter]]) -> None:
         """Warns, once, of a gradient hook on a parameter (Tensor.register_hook; fxpipe puts
         none there): each micro-batch's backward is an autograd call of its own, so the hook
         runs once per micro-batch, on that micro-batch's part of the gradient, where the plain
-        model (and one process, which runs one backward) runs it once on the batch's."""
-        for name, tensor in self.named_tensors().items():
-            if isinstance(tensor, nn.Parameter) and tensor._backward_hooks:
-                self.hooks_told = True
-                warnings.warn(
-                    f"parameter {name!r} has a gradient hook (Tensor.register_hook): under "
-                    "torchrun it runs once per micro-batch, on that micro-batch's part of the "
-                    "gradient, not once on the batch's gradient as in the plain model; a hook "
-                    "that is not linear in the gradient (a clamp, a norm it records) sees other "
-                    "values. Clamp or record p.grad after program.step(...) instead",
-                    UserWarning, stacklevel=5)  # program.step's caller
-                return
+        model (and one process, which runs one backward) runs it once on the batch's. A loop
+        of attribute reads each step, no call, while no hook is found."""
+        for held in params.values():
+            for param in held:
+                if param._backward_hooks:
+                    self.hooks_told = True
+                    name = next(n for n, t in self.named_tensors().items() if t is param)
+                    warnings.warn(
+                        f"parameter {name!r} has a gradient hook (Tensor.register_hook): under "
+                        "torchrun it runs once per micro-batch, on that micro-batch's part of "
+                        "the gradient, not once on the batch's gradient as in the plain model; "
+                        "a hook that is not linear in the gradient (a clamp, a norm it records) "
+                        "sees other values. Clamp or record p.grad after program.step(...) "
+                        "instead", UserWarning, stacklevel=6)  # program.step's caller
+                    return
 
     def _take_tied_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients that tied parameters hold from earlier steps (accumulating over
@@ -303,6 +304,8 @@ class DistributedExecutor:
         memory = KeptMemory(self.parameters()) if self.record_memory else None
         base = int(torch.randint(0, 2**62, (1,)).item()) if self.random else None
         params = {s: list(u.module.parameters()) for s, u in self.units.items()}  # walked once
+        if chunks > 1 and not self.hooks_told:
+            self._tell_hooks(params)
         devices = {s: stage_devices(self.device, [*params[s], *u.module.buffers()])
                    for s, u in self.units.items()}
         scale = loss_scale(scaler, self.device)
