@@ -132,15 +132,20 @@ def check_unchanged(model: nn.Module, before: StateSnapshot) -> None:
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what every module holds: hooks, flags
 
 
+def _attributes(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Any]]:
+    """Each module's own attributes (not those every module has), by qualified name:
+    (name, module, attribute, value)."""
+    for prefix, module in model.named_modules():
+        for attr, value in list(vars(module).items()):
+            if attr not in _MODULE_OWN:
+                yield f"{prefix}.{attr}" if prefix else attr, module, attr, value
+
+
 def tensor_attributes(model: nn.Module) -> dict[str, tuple[nn.Module, str, Any]]:
     """What the model's modules hold as plain attributes (neither parameters nor buffers) that
     is a tensor or None, by qualified name: (module, attribute, value)."""
-    out: dict[str, tuple[nn.Module, str, Any]] = {}
-    for prefix, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if (value is None or isinstance(value, torch.Tensor)) and attr not in _MODULE_OWN:
-                out[f"{prefix}.{attr}" if prefix else attr] = (module, attr, value)
-    return out
+    return {name: (module, attr, value) for name, module, attr, value in _attributes(model)
+            if value is None or isinstance(value, torch.Tensor)}
 
 
 @contextlib.contextmanager
@@ -153,20 +158,18 @@ def attributes_kept(model: nn.Module, held: dict[str, tuple[nn.Module, str, Any]
     try:
         yield stored
     finally:
-        for prefix, module in model.named_modules():
-            for attr, value in list(vars(module).items()):
-                if not isinstance(value, (torch.Tensor, fx.Proxy)) or attr in _MODULE_OWN:
-                    continue
-                name = f"{prefix}.{attr}" if prefix else attr
-                was = held.get(name)
-                if was is not None and was[2] is value:
-                    continue
-                if was is not None:
-                    setattr(module, attr, was[2])
-                else:
-                    delattr(module, attr)
-                if isinstance(value, torch.Tensor) and value.requires_grad:
-                    stored.append(name)
+        for name, module, attr, value in _attributes(model):
+            if not isinstance(value, (torch.Tensor, fx.Proxy)):
+                continue
+            was = held.get(name)
+            if was is not None and was[2] is value:
+                continue
+            if was is not None:
+                setattr(module, attr, was[2])
+            else:
+                delattr(module, attr)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                stored.append(name)
 
 
 def stored_error(model: nn.Module, stored: Sequence[str]) -> CaptureError:

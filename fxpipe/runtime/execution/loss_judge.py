@@ -13,6 +13,7 @@ import torch.distributed as dist
 from fxpipe.errors import LossError, PeerLostError
 from fxpipe.losses import counted, loss_of
 from fxpipe.runtime.communication.mesh import Mesh
+from fxpipe.runtime.execution.backward_graph import Graph
 from fxpipe.runtime.execution.devices import to_device
 from fxpipe.runtime.execution.loss_split import (
     KINDS,
@@ -56,16 +57,10 @@ def check_reads_held(loss: torch.Tensor, foreign: dict[int, str], stage: int) ->
     gradient and keep it, and the rank that trains it would go without the loss's term.
     `foreign`: those parameters by id, with their names. Walks the loss's graph once (the
     first step with each loss function)."""
-    found, seen, todo = set(), set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
-        if variable is not None and id(variable) in foreign:
-            found.add(id(variable))
-        todo.extend(child for child, _ in node.next_functions)
+    if loss.grad_fn is None:
+        return
+    leaves = (getattr(node, "variable", None) for node in Graph([loss.grad_fn]).nodes)
+    found = {id(leaf) for leaf in leaves if leaf is not None and id(leaf) in foreign}
     if found:
         names = [name for key, name in foreign.items() if key in found]  # the model's order
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
