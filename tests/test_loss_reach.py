@@ -68,7 +68,7 @@ CASES = [("gpipe", 2), ("1f1b", 2), ("zb-h1", 2), ("interleaved-1f1b", 4), ("zb-
 UNREACHED = ("aux.", "side.", "gate.")
 
 
-def _case() -> tuple[EarlyHeads, torch.Tensor, torch.Tensor]:
+def early_heads() -> tuple[EarlyHeads, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     return EarlyHeads(), torch.randn(8, 6), torch.randn(8, 3)
 
@@ -87,7 +87,7 @@ def _train(step, params) -> dict:
 
 
 def _plain() -> dict:
-    model, x, y = _case()
+    model, x, y = early_heads()
 
     def step() -> float:
         loss = first_output_loss(model(x), y)
@@ -101,7 +101,7 @@ def _plain() -> dict:
 def _pipelined(rank: int, world: int) -> dict:
     results = {}
     for schedule, stages in CASES:
-        model, x, y = _case()
+        model, x, y = early_heads()
         program = fxpipe.compile(model, (x,), stages=stages, chunks=4, profile="a100",
                                  split_points=CUTS[stages], schedule=schedule)
         out = _train(lambda p=program, x=x, y=y: p.step(x, target=y, loss_fn=first_output_loss),
@@ -139,7 +139,7 @@ def test_weights_the_loss_does_not_reach_keep_no_gradient_under_every_schedule(t
 
 
 def _reach_changes(rank: int, world: int) -> str:
-    model, x, y = _case()
+    model, x, y = early_heads()
     program = fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100",
                              split_points=CUTS[2])
     loss = SometimesAux()
@@ -178,7 +178,7 @@ def _reads_parameters(rank: int, world: int) -> dict:
     """A loss with an L2 penalty over the last stage's own parameters (allowed: its gradient
     is this rank's to keep) and one over every parameter (refused)."""
     out: dict = {}
-    model, x, y = _case()
+    model, x, y = early_heads()
     program = fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100",
                              split_points=CUTS[2])
     out["own"] = (program.step(x, target=y, loss_fn=_head_penalised(model)),
@@ -193,7 +193,7 @@ def _reads_parameters(rank: int, world: int) -> dict:
 
 
 def test_a_loss_reading_parameters_another_rank_trains_is_refused_its_own_are_trained():
-    model, x, y = _case()
+    model, x, y = early_heads()
     loss = _head_penalised(model)(model(x), y)
     loss.backward()
     ranks = spawn(2, __name__, "_reads_parameters", timeout=10, bound=120)

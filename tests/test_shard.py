@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 from ranks import spawn
+from test_loss_reach import CUTS, UNREACHED, early_heads, first_output_loss
 
 import fxpipe
 from fxpipe.errors import ConfigError
@@ -253,7 +254,8 @@ def full_ranks(rank, world, resume_from, save_to):
     """On 4 ranks under shard="full": (a) the plain 2 x 1 checkpoint resumed, MORE steps;
     (b) a fresh run: how it holds its parameters, STEPS steps with every gradient, a save,
     MORE steps; (c) one step recomputing every micro-batch, one under 1F1B; (d) a schedule
-    that splits the backward, refused; (e) the held bytes of an MLP's stage with Adam."""
+    that splits the backward, refused; (e) the held bytes of an MLP's stage with Adam; (f) one
+    step of a model whose loss leaves some weights without a gradient."""
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -306,6 +308,13 @@ def full_ranks(rank, world, resume_from, save_to):
     program.step(x, target=mlp.target((x,)))
     optimizer.step()  # the state exists, the gradients are still held
     out["held"] = _held_full(program, optimizer)
+
+    model, x, y = early_heads()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, profile="a100", shard="full",
+                             split_points=CUTS[2])
+    program.step(x, target=y, loss_fn=first_output_loss)
+    out["unreached"] = {n: None if p.grad is None else whole(p.grad).clone()
+                        for n, p in program.named_parameters()}
     return out
 
 
@@ -361,6 +370,25 @@ def test_full_recomputing_or_under_1f1b_trains_like_the_plain_model(full_two_by_
         for name, grad in mine.items():
             torch.testing.assert_close(grad, grads[0][name], rtol=1e-4, atol=1e-6,
                                        msg=f"rank {rank} {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_full_leaves_weights_the_loss_does_not_reach_without_a_gradient(full_two_by_two):
+    """Under FSDP2 too, as in the plain model: `side` (tied, on both stages), `aux` (a value
+    sent back without gradient) and `gate` (read through argmax) keep none."""
+    model, x, y = early_heads()
+    first_output_loss(model(x), y).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    assert all(want[n] is None for n in want if n.startswith(UNREACHED))
+    for rank, out in enumerate(full_two_by_two["ranks"]):
+        got = out["unreached"]
+        assert got, rank
+        for name, grad in got.items():
+            if want[name] is None:
+                assert grad is None, f"rank {rank}: {name} got a gradient, the model none"
+            else:
+                torch.testing.assert_close(grad, want[name], msg=f"rank {rank} {name}")
 
 
 @pytest.mark.slow

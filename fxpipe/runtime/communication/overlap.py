@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup, Work
 from torch.utils.hooks import RemovableHandle
 
 from fxpipe.errors import ConfigError
+from fxpipe.sharding import local_part
 
 __all__ = ["ReplicaAverager", "buckets", "average_present", "sum_present"]
 
@@ -120,12 +121,13 @@ def sum_present(param: torch.Tensor, group: ProcessGroup | None) -> None:
     """Sums a tied parameter's gradient over the ranks of `group` that hold it, left without
     one where none holds one. The sum runs on the gradient itself (no copy of a large
     embedding's), beside a one-element sum of the holders that have one, which only a holder
-    without one reads back to the host."""
+    without one reads back to the host. Under shard="full" each holder sums its shard: the
+    same part of the same shape on every holder (the replica index is the same)."""
     present = torch.ones(1, device=param.device) if param.grad is not None else \
         torch.zeros(1, device=param.device)
     dist.all_reduce(present, group=group)
     grad = param.grad if param.grad is not None else torch.zeros_like(param)
-    dist.all_reduce(grad, group=group)
+    dist.all_reduce(local_part(grad), group=group)
     if param.grad is None and bool(present > 0):
         param.grad = grad
 

@@ -74,7 +74,6 @@ from fxpipe.runtime.planning.plan import Message, Tick, plan_rank, replies
 from fxpipe.runtime.planning.schedule import ActionKind, ScheduleKind, schedule_kind, stage_ranks
 from fxpipe.runtime.planning.timeline import Event
 from fxpipe.runtime.program.arguments import DEFAULT_DP_BUCKET_BYTES
-from fxpipe.sharding import local_part
 from fxpipe.signature import Signature
 from fxpipe.targets import Target, map_target, split_target
 from fxpipe.untouched import untouched
@@ -551,13 +550,7 @@ class DistributedExecutor:
             param = named.get(name)
             if group is None or param is None or not param.requires_grad:
                 continue
-            if self.full_shard is None:
-                sum_present(param, group)
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            # under shard="full" each holder's shard of it: the same part of the same shape
-            dist.all_reduce(local_part(param.grad), group=group)
+            sum_present(param, group)
         if self.dp_group is None or self.mesh.replicas == 1 or self.full_shard is not None:
             return
         averaged: set[int] = set()  # by the averager: what required grad when it was made
