@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import traceback
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -57,13 +58,16 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
                                          dp_bucket_mb=bucket_mb, schedule=schedule)
                 optimizer = torch.optim.SGD(program.parameters(), lr=LR)
                 losses = []
-                for _ in range(STEPS):
-                    losses.append(program.step(*inputs, target=target))
-                    optimizer.step()
-                    optimizer.zero_grad()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for _ in range(STEPS):
+                        losses.append(program.step(*inputs, target=target))
+                        optimizer.step()
+                        optimizer.zero_grad()
                 averager = program._rank.executor.averager
                 results[name, mode] = {
                     "losses": losses, "state": program.state_dict(),
+                    "hook_warnings": [str(w.message) for w in caught if "hook" in str(w.message)],
                     "report": program.report().text(),
                     "buckets": len(averager.buckets) if averager else 0,
                     "overlapped": averager.overlapped if averager else 0}
@@ -255,6 +259,15 @@ def _assert_trained_like(two_by_two: dict, case: str, want: dict) -> None:
     assert set(merged) == set(want["state"])
     for key, value in want["state"].items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_replica_averagers_own_hooks_are_not_warned_of(two_by_two):
+    for rank, results in two_by_two.items():
+        for name in CASES:
+            for mode in BUCKET_MB:
+                assert results[name, mode]["hook_warnings"] == [], (rank, name, mode)
+    assert any(results[name, mode]["buckets"] for results in two_by_two.values()
+               for name in CASES for mode in BUCKET_MB)  # the averager's hooks were on
 
 
 def test_parameters_frozen_and_unfrozen_between_steps_train_like_one_process(two_by_two):

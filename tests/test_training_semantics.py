@@ -105,11 +105,11 @@ def test_two_seeds_draw_different_masks_and_one_seed_the_same():
 
 
 def _hook_warnings(program: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, list[str]]:
-    """The step's loss and the gradient-hook warnings it gave."""
+    """The step's loss and the hook warnings it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss = program.step(x, target=y)
-    return loss, [str(w.message) for w in caught if "gradient hook" in str(w.message)]
+    return loss, [str(w.message) for w in caught if " hook" in str(w.message)]
 
 
 def _distributed_step(rank: int, world: int) -> dict:
@@ -125,7 +125,13 @@ def _distributed_step(rank: int, world: int) -> dict:
              if id(p) in own and p.grad is not None}
     next(iter(program.parameters())).register_hook(lambda g: g.clamp(-1e-3, 1e-3))
     told = [before] + [_hook_warnings(program, x, y)[1] for _ in range(2)]
-    return {"loss": loss, "grads": grads, "hooks": told}
+    model, x, y = _case()
+    program = fxpipe.compile(model, (x,), stages=world, chunks=2, profile="a100",
+                             split_points=["blocks.2"])
+    calls = []
+    next(iter(program.parameters())).register_post_accumulate_grad_hook(calls.append)
+    after = [_hook_warnings(program, x, y)[1] for _ in range(2)]
+    return {"loss": loss, "grads": grads, "hooks": told, "after": after, "calls": len(calls)}
 
 
 @functools.cache
@@ -134,12 +140,18 @@ def _two_ranks() -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_a_gradient_hook_under_torchrun_is_warned_of_once_as_running_per_microbatch():
+def test_gradient_hooks_under_torchrun_are_warned_of_once_as_running_per_microbatch():
     for rank in _two_ranks():
         before, hooked, again = rank["hooks"]
         assert before == [] and again == [], rank["hooks"]
         assert len(hooked) == 1 and "has a gradient hook (Tensor.register_hook): under torchrun " \
             "it runs once per micro-batch" in hooked[0], hooked
+        # one after the gradient accumulates: warned of too, having run per micro-batch
+        hooked, again = rank["after"]
+        assert again == [] and len(hooked) == 1 and "has a hook after its gradient " \
+            "accumulates (register_post_accumulate_grad_hook): under torchrun it runs once per " \
+            "micro-batch" in hooked[0], hooked
+        assert rank["calls"] == 2 * 2  # two steps of two micro-batches
 
 
 @pytest.mark.distributed

@@ -64,6 +64,7 @@ class ReplicaAverager:
         self.handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._ready)  # type: ignore[no-untyped-call]
             for p in self.params]
+        self.hook_ids = frozenset(handle.id for handle in self.handles)  # in p's hook dicts
 
     def _reset(self) -> None:
         self.missing = [len(members) for members in self.buckets]

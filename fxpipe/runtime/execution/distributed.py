@@ -230,24 +230,35 @@ class DistributedExecutor:
         return loss
 
     def _tell_hooks(self, params: dict[int, list[nn.Parameter]]) -> None:
-        """Warns, once, of a gradient hook on a parameter (Tensor.register_hook; fxpipe puts
-        none there): each micro-batch's backward is an autograd call of its own, so the hook
-        runs once per micro-batch, on that micro-batch's part of the gradient, where the plain
-        model (and one process, which runs one backward) runs it once on the batch's. A loop
-        of attribute reads each step, no call, while no hook is found."""
+        """Warns, once, of a gradient hook on a parameter (Tensor.register_hook, or
+        register_post_accumulate_grad_hook beside the replica averager's own): each
+        micro-batch's backward is an autograd call of its own, so the hook runs once per
+        micro-batch, where the plain model (and one process, which runs one backward) runs it
+        once per step. A loop of attribute reads each step, no call, while no hook is found
+        (and the averager puts none)."""
+        own = self.averager.hook_ids if self.averager is not None else frozenset()
         for held in params.values():
             for param in held:
+                after = param._post_accumulate_grad_hooks
                 if param._backward_hooks:
-                    self.hooks_told = True
-                    name = next(n for n, t in self.named_tensors().items() if t is param)
-                    warnings.warn(
-                        f"parameter {name!r} has a gradient hook (Tensor.register_hook): under "
-                        "torchrun it runs once per micro-batch, on that micro-batch's part of "
-                        "the gradient, not once on the batch's gradient as in the plain model; "
-                        "a hook that is not linear in the gradient (a clamp, a norm it records) "
-                        "sees other values. Clamp or record p.grad after program.step(...) "
-                        "instead", UserWarning, stacklevel=6)  # program.step's caller
-                    return
+                    kind = ("a gradient hook (Tensor.register_hook)", "on that micro-batch's "
+                            "part of the gradient, not once on the batch's gradient")
+                elif after and not own.issuperset(after):
+                    kind = ("a hook after its gradient accumulates "
+                            "(register_post_accumulate_grad_hook)", "after that micro-batch's "
+                            "part of the gradient is added, not once after the batch's")
+                else:
+                    continue
+                self.hooks_told = True
+                name = next(n for n, t in self.named_tensors().items() if t is param)
+                warnings.warn(
+                    f"parameter {name!r} has {kind[0]}: under torchrun it runs once per "
+                    f"micro-batch, {kind[1]} as in the plain model; a hook that is not linear "
+                    "in the gradient (a clamp, a norm it records) or that acts on the "
+                    "parameter (an optimizer step in backward) does otherwise. Do that on "
+                    "p.grad after program.step(...) instead", UserWarning,
+                    stacklevel=6)  # program.step's caller
+                return
 
     def _take_tied_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients that tied parameters hold from earlier steps (accumulating over
