@@ -13,15 +13,9 @@ from hypothesis import strategies as st
 from fxpipe.passes.partition.problem import equal_count_cuts, evaluate, partition_problem
 from fxpipe.passes.partition.solver import solve_partition
 from fxpipe.testing.partition_oracle import brute_force_partition
-from fxpipe.tools.bench_partition import (
-    bg_partition,
-    compare,
-    dp_partition,
-    live_bytes,
-    run_bench_partition,
-    synthetic_chain,
-    synthetic_dag,
-)
+from fxpipe.tools.bench_partition import compare, run_bench_partition
+from fxpipe.tools.partition_baselines import bg_partition, dp_partition
+from fxpipe.tools.partition_instances import live_bytes, synthetic_chain, synthetic_dag
 
 values = st.one_of(st.integers(0, 6).map(float),
                    st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False,

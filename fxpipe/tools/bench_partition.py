@@ -1,18 +1,19 @@
 """`fxpipe bench-partition`: the exact stage partitioner against an oracle and two baselines.
 
-On every instance (the reference models' atoms under the preset "a100" profile, and synthetic
-chains and skip-edge DAGs of args.sizes atoms) it reports the bottleneck (slowest stage,
-communication included, as `problem.evaluate` computes it) of
+On every instance (fxpipe/tools/partition_instances.py: the reference models' atoms under the
+preset "a100" profile, and synthetic chains and skip-edge DAGs of args.sizes atoms) it reports
+the bottleneck (slowest stage, communication included, as `problem.evaluate` computes it) of
 
 - fxpipe: `solver.solve_partition` (bisection with an exact probe), and its solve time;
-- exact: `dp_partition` below, the textbook O(n^2 K) dynamic program, on every instance up to
-  `DP_MAX_ATOMS` atoms (its i-range is banded by a baseline's bottleneck, an upper bound on the
-  optimum, which keeps it exact); above that "= fxpipe (certified by bisection)";
+- exact: `dp_partition` (fxpipe/tools/partition_baselines.py), the textbook O(n^2 K) dynamic
+  program, on every instance up to `DP_MAX_ATOMS` atoms (its i-range is banded by a baseline's
+  bottleneck, an upper bound on the optimum, which keeps it exact); above that "= fxpipe
+  (certified by bisection)";
 - equal: `equal_count_cuts`, the same number of atoms per stage;
-- bg: torchgpipe's "block partitions of sequences" heuristic (Barany & Grinberg), reimplemented
-  from its description in the reference notes (algorithms.md section 1.3) as `bg_partition`,
-  with torchgpipe's (x - min) / (max - min) normalisation; and bg_max, the same algorithm on
-  x / max (no shift), which isolates the cost of the shift from that of the algorithm itself.
+- bg: torchgpipe's "block partitions of sequences" heuristic (Barany & Grinberg),
+  `bg_partition` (partition_baselines.py), with torchgpipe's (x - min) / (max - min)
+  normalisation; and bg_max, the same algorithm on x / max (no shift), which isolates the cost
+  of the shift from that of the algorithm itself.
 
 Both baselines see only the compute times (torchgpipe's balance_by_time has no communication
 model); every method is scored on the same cost.  Every instance checks fxpipe <= every baseline
@@ -20,24 +21,17 @@ and fxpipe == DP (relative 1e-9) where the DP ran; the exit code is 1 when a che
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal, TypeAlias, TypedDict
 
 import numpy as np
-import numpy.typing as npt
 from tabulate import tabulate
 
-import fxpipe
-from fxpipe.models import MODELS
-from fxpipe.passes.cost import annotate_costs
-from fxpipe.passes.partition.atoms import atoms_of, measure_atoms
 from fxpipe.passes.partition.problem import (
     Partition,
     PartitionProblem,
@@ -46,269 +40,25 @@ from fxpipe.passes.partition.problem import (
     partition_problem,
 )
 from fxpipe.passes.partition.solver import solve_partition
-from fxpipe.profile import get_profile
+from fxpipe.tools.partition_baselines import bg_partition, dp_partition
+from fxpipe.tools.partition_instances import (
+    InstanceInfo,
+    model_instances,
+    synthetic_chain,
+    synthetic_dag,
+)
 
-__all__ = ["BGResult", "Comparison", "Instance", "InstanceInfo", "MethodResult",
-           "PartitionBenchJSON", "PartitionBenchMeta", "Row",
-           "bg_partition", "compare", "dp_partition", "live_bytes", "model_instances",
-           "run_bench_partition", "synthetic_chain", "synthetic_dag"]
+__all__ = ["Comparison", "MethodResult", "PartitionBenchJSON", "PartitionBenchMeta", "Row",
+           "compare", "run_bench_partition"]
 
 DP_MAX_ATOMS = 10_000  # above this the banded DP costs ~n^2 and the bisection's result stands
-BG_MAX_MOVES_PER_ATOM = 64  # iteration bound: moves <= this x n x K
 REL_TOL = 1e-9  # fxpipe's rel_tol: the largest relative gap allowed to the optimum
 SEED = 0
 
-Vector: TypeAlias = Sequence[float] | np.ndarray
-"""Per-atom or per-cut numbers, as the solver takes them."""
-FloatArray: TypeAlias = npt.NDArray[np.float64]
 Baseline: TypeAlias = Literal["equal", "bg", "bg_max"]
 BASELINES: tuple[Baseline, ...] = ("equal", "bg", "bg_max")
 SCORED: tuple[Literal["equal", "bg", "bg_max", "exact"], ...] = (*BASELINES, "exact")
 """The methods whose bottleneck is compared with fxpipe's."""
-
-
-# --------------------------------------------------------------------------------------------
-# torchgpipe's heuristic (Barany & Grinberg), from its description
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BGResult:
-    cuts: tuple[int, ...] | None  # None when the time budget ran out
-    moves: int
-    seconds: float
-    status: str  # "ok", "iteration limit" or "skipped (too slow: O(kn^3))"
-    repaired: int = 0  # empty blocks left at the end and made non-empty (never seen so far)
-
-
-def bg_partition(seq: Vector, k: int, *, normalise: str = "minmax",
-                 time_budget: float | None = None, max_moves: int | None = None) -> BGResult:
-    """Cut `seq` into k contiguous blocks by Barany & Grinberg's algorithm.
-
-    normalise: "minmax" maps x to (x - min) / (max - min) first, as torchgpipe does; "max" maps x
-    to x / max (block sums stay proportional); "none" uses seq as it is (elements should be <= 1).
-    Start from the even split by count (`equal_count_cuts`) and repeat, in normalised units:
-      (1) let p be a largest block (lowest index on ties), M its sum;
-      (2) stop if M <= m + 1, m the smallest block sum;
-      (3) else let q be the smallest block closest to p (lower index on ties) and h the block
-          next to q on p's side; move h's element nearest q into q (p < q: the last of B_{q-1};
-          q < p: the first of B_{q+1}); go to (1) if h == p, else to (2).
-    Block sums come from prefix sums, so a move costs O(k) here; torchgpipe's docstring states
-    O(kn^3) for its version, which re-sums every block on each step.
-    """
-    t0 = time.perf_counter()
-    x = np.asarray(seq, dtype=np.float64)
-    n = int(x.shape[0])
-    if not 1 <= k <= n:
-        raise ValueError(f"cannot cut {n} elements into {k} non-empty blocks")
-    if normalise == "minmax":
-        lo, span = float(x.min()), float(x.max() - x.min())
-        y = (x - lo) / span if span > 0 else np.zeros(n)
-    elif normalise == "max":
-        top = float(x.max())
-        y = x / top if top > 0 else np.zeros(n)
-    elif normalise == "none":
-        y = x
-    else:
-        raise ValueError(f"unknown normalise {normalise!r}")
-    Q = np.concatenate(([0.0], np.cumsum(y))).tolist()
-    c = list(equal_count_cuts(n, k))
-    sums = [Q[c[s + 1]] - Q[c[s]] for s in range(k)]
-    limit = max_moves if max_moves is not None else BG_MAX_MOVES_PER_ATOM * n * k
-    moves = 0
-    status = "ok"
-    while status == "ok":
-        M = max(sums)  # (1)
-        p = sums.index(M)
-        while True:
-            m = min(sums)  # (2)
-            if M <= m + 1:
-                status = "done"
-                break
-            q = min((abs(s - p), s) for s in range(k) if sums[s] == m)[1]  # (3)
-            if p < q:
-                h = q - 1
-                c[q] -= 1
-            else:
-                h = q + 1
-                c[q + 1] += 1
-            for s in (h, q):
-                sums[s] = Q[c[s + 1]] - Q[c[s]]
-            moves += 1
-            if moves >= limit:
-                status = "iteration limit"
-                break
-            if time_budget is not None and moves % 256 == 0 \
-                    and time.perf_counter() - t0 > time_budget:
-                return BGResult(None, moves, time.perf_counter() - t0,
-                                "skipped (too slow: O(kn^3))")
-            if h == p:
-                break
-    # The algorithm never moves an element out of an empty block; a block can only be empty at
-    # the end if all block sums are <= 1.  Keep the cuts strictly increasing regardless.
-    repaired = sum(1 for s in range(k) if c[s + 1] <= c[s])
-    for s in range(1, k):
-        c[s] = max(c[s], c[s - 1] + 1)
-    for s in range(k - 1, 0, -1):
-        c[s] = min(c[s], c[s + 1] - 1)
-    return BGResult(tuple(c), moves, time.perf_counter() - t0,
-                    "ok" if status == "done" else status, repaired)
-
-
-# --------------------------------------------------------------------------------------------
-# the exact oracle
-# --------------------------------------------------------------------------------------------
-
-
-def dp_partition(problem: PartitionProblem, *, upper: float | None = None,
-                 chunk: int = 256) -> Partition:
-    """The bottleneck-optimal k-stage partition by D[s][j] = min_i max(D[s-1][i], T(i, j)) with
-    T(i, j) = sum(compute[i:j]) + cut_comm[i] + cut_comm[j] (ends 0), vectorised over blocks of j.
-
-    upper: the bottleneck of any k-stage partition (an upper bound on the optimum); stages with
-    compute alone above it cannot be in an optimal partition, so i starts at the first position
-    with P[j] - P[i] <= upper.  Costs use float prefix sums; the result is re-scored by evaluate.
-    """
-    x = np.asarray(problem.compute, dtype=np.float64)
-    n, k = problem.num_atoms, problem.num_stages
-    c = np.asarray(problem.cut_comm, dtype=np.float64)  # the ends are 0
-    P = np.concatenate(([0.0], np.cumsum(x)))
-    band = math.inf if upper is None else upper * (1 + 1e-9) + 1e-12 * float(P[-1])
-    prev = np.full(n + 1, math.inf)
-    prev[0] = 0.0
-    arg = np.zeros((k + 1, n + 1), dtype=np.int64)
-    for s in range(1, k + 1):
-        cur = np.full(n + 1, math.inf)
-        for j0 in range(s, n - k + s + 1, chunk):
-            js = np.arange(j0, min(j0 + chunk, n - k + s + 1))
-            i_lo = s - 1
-            if not math.isinf(band):
-                i_lo = max(i_lo, int(np.searchsorted(P, P[j0] - band, side="left")))
-            starts = np.arange(i_lo, int(js[-1]))  # the i of every candidate stage [i, j)
-            T = (P[js][None, :] - P[starts][:, None]) + c[starts][:, None] + c[js][None, :]
-            T[starts[:, None] >= js[None, :]] = math.inf
-            V = np.maximum(prev[starts][:, None], T)
-            best = np.argmin(V, axis=0)
-            cur[js] = V[best, np.arange(js.shape[0])]
-            arg[s, js] = starts[best]
-        prev = cur
-    if not math.isfinite(prev[n]):
-        raise AssertionError("dp_partition: no partition within the upper bound")
-    cuts = [n]
-    for s in range(k, 0, -1):
-        cuts.append(int(arg[s, cuts[-1]]))
-    return evaluate(problem, tuple(reversed(cuts)))
-
-
-# --------------------------------------------------------------------------------------------
-# instances
-# --------------------------------------------------------------------------------------------
-
-
-class InstanceInfo(TypedDict, total=False):
-    """How an instance was made (bench_partition.json), by kind of instance."""
-
-    profile: str  # model
-    microbatch: int
-    remat: str
-    comm: str  # synthetic
-    seed: int
-    compute: str
-    edges: int  # dag
-    skip_edges: int
-    bandwidth_bytes_per_unit: float
-    comm_frac: float
-
-
-def synthetic_chain(n: int, seed: int) -> tuple[FloatArray, FloatArray, InstanceInfo]:
-    """Log-normal compute (mean 1) and cut communication uniform in [0, 0.3 x mean compute]."""
-    rng = np.random.default_rng(seed)
-    compute = rng.lognormal(mean=-0.5, sigma=1.0, size=n)
-    comm = rng.uniform(0.0, 0.3 * float(compute.mean()), size=n + 1)
-    return compute, comm, {"comm": "uniform [0, 0.3 x mean compute]"}
-
-
-def live_bytes(n: int, src: npt.ArrayLike, dst: npt.ArrayLike,
-               nbytes: npt.ArrayLike) -> FloatArray:
-    """Bytes live across each cut 0..n: edge u -> v (u < v) spans cuts u+1 .. v (difference
-    array); cuts 0 and n are the model's input and output and carry 0."""
-    diff = np.zeros(n + 2)
-    np.add.at(diff, np.asarray(src) + 1, nbytes)
-    np.subtract.at(diff, np.asarray(dst) + 1, nbytes)
-    live = np.cumsum(diff)[: n + 1]
-    live[0] = live[n] = 0.0
-    return live
-
-
-def synthetic_dag(n: int, seed: int, k: int, *, skip_prob: float = 0.3, reach: int = 50,
-                  comm_frac: float = 0.1) -> tuple[FloatArray, FloatArray, InstanceInfo]:
-    """A random DAG in topological order: edge i -> i+1 for every i and, with probability
-    skip_prob, a skip edge i -> i+d (d uniform in 2..reach).  Cut p (between atoms p-1 and p)
-    carries the bytes of every edge u -> v with u < p <= v; seconds = bytes / bandwidth, with the
-    bandwidth set so that the mean cut costs comm_frac of an ideal stage (total compute / k)."""
-    rng = np.random.default_rng(seed)
-    compute = rng.lognormal(mean=-0.5, sigma=1.0, size=n)
-    src = np.arange(n - 1)
-    dst = src + 1
-    chain_bytes = rng.lognormal(mean=0.0, sigma=0.5, size=n - 1)
-    has_skip = rng.random(n) < skip_prob
-    s_src = np.flatnonzero(has_skip)
-    s_dst = np.minimum(s_src + rng.integers(2, reach + 1, size=s_src.shape[0]), n - 1)
-    keep = s_dst > s_src + 1
-    s_src, s_dst = s_src[keep], s_dst[keep]
-    skip_bytes = rng.lognormal(mean=1.0, sigma=1.5, size=s_src.shape[0])
-    live = live_bytes(n, np.concatenate((src, s_src)), np.concatenate((dst, s_dst)),
-                      np.concatenate((chain_bytes, skip_bytes)))
-    bandwidth = float(live[1:n].mean()) / (comm_frac * float(compute.sum()) / k)
-    info: InstanceInfo = {"edges": int(n - 1 + s_src.shape[0]), "skip_edges": int(s_src.shape[0]),
-                          "bandwidth_bytes_per_unit": bandwidth, "comm_frac": comm_frac,
-                          "comm": f"live bytes across the cut / bandwidth "
-                                  f"(mean = {comm_frac} x total/K)"}
-    return compute, live / bandwidth, info
-
-
-class Instance(TypedDict):
-    """One partition problem of the benchmark."""
-
-    name: str
-    kind: str  # "model", "chain" or "dag"
-    n: int  # atoms
-    K: int  # stages
-    unit: str  # of the bottlenecks in the tables: "us" (models) or "u" (mean atom compute)
-    scale: float  # bottleneck x scale is in `unit`
-    problem: PartitionProblem  # compute and cut communication, no memory model
-    info: InstanceInfo
-
-
-def model_instances(stages: int, log: Callable[[str], object] = print,
-                    names: Sequence[str] | None = None) -> list[Instance]:
-    """The reference models' (names, default all) atoms and cut times (preset "a100" profile,
-    micro-batch batch/4, remat "never", 4 chunks) for K in {2, 4, min(stages, atoms)}."""
-    out: list[Instance] = []
-    for name in MODELS if names is None else names:
-        t0 = time.perf_counter()
-        module = importlib.import_module(f"fxpipe.models.{name}")
-        config = {"dropout": 0.0} if name == "gpt" else {}
-        model, inputs = module.build(**config)
-        if name == "resnet":
-            model.eval()
-        kwargs = module.example_kwargs(inputs) if hasattr(module, "example_kwargs") else {}
-        gm = fxpipe.capture(model, inputs, kwargs, inline_modules=True)
-        annotate_costs(gm)
-        groups = atoms_of(gm)
-        b = max(1, int(inputs[0].shape[0]) // 4)
-        atoms = measure_atoms(gm, groups, balance="cost", profile=get_profile("a100"), b=b,
-                               remat="never", chunks=4)
-        n = len(groups)
-        log(f"  captured {name}: {n} atoms ({time.perf_counter() - t0:.1f} s)")
-        for k in sorted({2, 4, min(stages, n)}):
-            if k <= n:
-                out.append({"name": f"{name}", "kind": "model", "n": n, "K": k, "unit": "us",
-                            "scale": 1e6,
-                            "problem": partition_problem(atoms.compute, k,
-                                                         cut_comm=atoms.cut_comm),
-                            "info": {"profile": "a100", "microbatch": b, "remat": "never"}})
-    return out
 
 
 # --------------------------------------------------------------------------------------------
