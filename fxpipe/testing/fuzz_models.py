@@ -1,30 +1,23 @@
 """The random DAG models of the fuzzer (see fxpipe.tools.fuzz): specs, the network they build, and
-the configs a model is compiled with; driven by a seeded RNG or by hypothesis."""
+their generator, driven by a seeded RNG or by hypothesis (fxpipe.testing.fuzz_choices). The
+options a model is compiled with are fxpipe.testing.fuzz_examples'."""
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeAlias, TypedDict, TypeVar
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias, TypedDict
 
 import torch
 from torch import nn
 
-from fxpipe.testing.transparency import PROFILE, check_dropout_remat, check_transparent
+from fxpipe.testing.fuzz_choices import Choices, Randomness, choices
 
-if TYPE_CHECKING:  # hypothesis is a test extra: only its draws and strategies need it
-    from hypothesis.strategies import DrawFn, SearchStrategy
+if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
-__all__ = ["BATCHES", "REMATS", "ACTIVATIONS", "EDGE_FEATURES", "KINDS", "PROFILE", "CutOptions",
-           "Example", "FuzzNet", "FuzzOutput", "Op", "Randomness", "Spec", "SpecOptions",
-           "example_batch", "models_and_configs", "random_config", "random_example",
-           "random_model", "random_spec"]
+__all__ = ["BATCHES", "REMATS", "ACTIVATIONS", "EDGE_FEATURES", "KINDS", "FuzzNet", "FuzzOutput",
+           "Op", "Spec", "SpecOptions", "example_batch", "random_model", "random_spec"]
 
-T = TypeVar("T")
-
-Randomness: TypeAlias = "int | random.Random | DrawFn"
-"""Where the generator's decisions come from: a seed, a random.Random or a hypothesis draw."""
 FuzzOutput: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
 """What a FuzzNet returns: one tensor, a tuple or a dict of them (Spec.output_kind)."""
 
@@ -227,70 +220,11 @@ def example_batch(spec: Spec) -> tuple[tuple[torch.Tensor, ...], dict[str, torch
     return inputs, kwargs
 
 
-# -- choices: from a seed or from hypothesis ------------------------------------------------------
-
-
-class _Choices:
-    """The generator's decisions. Every decision's first/smallest option is the simplest, so
-    hypothesis shrinks towards small plain models."""
-
-    def integer(self, lo: int, hi: int) -> int:
-        raise NotImplementedError
-
-    def choice(self, options: Sequence[T]) -> T:
-        return options[self.integer(0, len(options) - 1)]
-
-    def chance(self, p: float) -> bool:
-        """True with probability p; shrinks to False."""
-        return self.integer(0, 999) >= round(1000 * (1 - p))
-
-    def weighted(self, options: Sequence[tuple[T, int]]) -> T:
-        total = sum(w for _, w in options)
-        k = self.integer(0, total - 1)
-        for value, w in options:
-            if k < w:
-                return value
-            k -= w
-        raise AssertionError("unreachable")
-
-
-class _RngChoices(_Choices):
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def integer(self, lo: int, hi: int) -> int:
-        return self.rng.randint(lo, hi)
-
-
-class _DrawChoices(_Choices):
-    def __init__(self, draw: DrawFn) -> None:
-        from hypothesis import strategies as st
-
-        self.draw = draw
-        self.integers: Callable[[int, int], SearchStrategy[int]] = st.integers
-
-    def integer(self, lo: int, hi: int) -> int:
-        return self.draw(self.integers(lo, hi))
-
-
-def _choices(draw_or_rng: Randomness | _Choices) -> _Choices:
-    if isinstance(draw_or_rng, _Choices):
-        return draw_or_rng
-    if isinstance(draw_or_rng, random.Random):
-        return _RngChoices(draw_or_rng)
-    if isinstance(draw_or_rng, int) and not isinstance(draw_or_rng, bool):
-        return _RngChoices(random.Random(draw_or_rng))
-    if callable(draw_or_rng):
-        return _DrawChoices(draw_or_rng)
-    raise TypeError(f"random_model takes a seed, a random.Random or a hypothesis draw "
-                    f"(got {type(draw_or_rng).__name__})")
-
-
 # -- the generator --------------------------------------------------------------------------------
 
 
 class _Builder:
-    def __init__(self, c: _Choices, widths: list[int], avoid: frozenset[str]) -> None:
+    def __init__(self, c: Choices, widths: list[int], avoid: frozenset[str]) -> None:
         self.c = c
         self.widths = list(widths)
         self.ops: list[Op] = []
@@ -438,7 +372,7 @@ def random_spec(draw_or_rng: Randomness, *, max_layers: int = 10, max_inputs: in
     up to about 2.5 x max_layers ops). `avoid` switches features off (kinds of KINDS, or
     EDGE_FEATURES), e.g. while a bug they trigger is open.
     """
-    c = _choices(draw_or_rng)
+    c = choices(draw_or_rng)
     avoid = frozenset(avoid)
     unknown = avoid - {k for k, _ in KINDS} - set(EDGE_FEATURES)
     if unknown:
@@ -511,100 +445,3 @@ def random_model(draw_or_rng: Randomness, **options: Unpack[SpecOptions]
     spec = random_spec(draw_or_rng, **options)
     inputs, kwargs = example_batch(spec)
     return FuzzNet(spec), inputs, kwargs
-
-
-# -- configs --------------------------------------------------------------------------------------
-
-
-def kernel_count(spec: Spec) -> int:
-    """Ops that surely launch a kernel (the partitioner's atoms): a bound on the stages."""
-    return sum(1 for op in spec.ops if op.kind not in ("gate", "dropout", "relu_"))
-
-
-class CutOptions(TypedDict, total=False):
-    """The fxpipe.compile options of an Example: where its stages begin, when it says."""
-
-    split_points: list[str]
-
-
-@dataclass
-class Example:
-    spec: Spec
-    stages: int
-    chunks: int
-    remat: str
-    seed: int | None = None
-    split_points: tuple[str, ...] | None = None  # else the cost model balances the stages
-    model: FuzzNet = field(init=False, repr=False)
-    inputs: tuple[torch.Tensor, ...] = field(init=False, repr=False)
-    kwargs: dict[str, torch.Tensor] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.model = FuzzNet(self.spec)
-        self.model.fuzz_seed = self.seed
-        self.inputs, self.kwargs = example_batch(self.spec)
-
-    @property
-    def options(self) -> CutOptions:
-        return {} if self.split_points is None else {"split_points": list(self.split_points)}
-
-    def check(self) -> None:
-        check_transparent(self.model, self.inputs, self.kwargs, self.stages, self.chunks,
-                          self.remat, **self.options)
-        if any(op.kind == "dropout" and op.p > 0 for op in self.spec.ops):
-            check_dropout_remat(self.model, self.inputs, self.kwargs, self.stages, self.chunks,
-                                self.remat, **self.options)
-
-
-_CUT_KINDS = ("linear", "tied", "layernorm", *ACTIVATIONS)  # modules that are their own atom
-_KERNEL_KINDS = (*_CUT_KINDS, "reuse", "add", "mul", "cat")
-
-
-def random_config(draw_or_rng: Randomness, spec: Spec,
-                  max_stages: int = 4) -> tuple[int, int, str, tuple[str, ...] | None]:
-    """stages (1 .. min(max_stages, kernel_count)), chunks (a divisor of the batch), remat, and
-    split points: None (the cost model cuts) or, sometimes, stages - 1 random layers where
-    stages 1.. begin, so that cuts also fall where the cost model would not put them.
-
-    The first option is what hypothesis draws most and shrinks to: 2 stages and 2 chunks,
-    the smallest real pipeline, rather than 1 stage or 1 chunk.
-    """
-    c = _choices(draw_or_rng)
-    bound = max(1, min(max_stages, kernel_count(spec)))
-    stages = c.choice([s for s in (2, 1, 3, 4) if s <= bound])
-    divisors = [d for d in range(1, spec.batch + 1) if spec.batch % d == 0]
-    chunks = c.choice(sorted(divisors, key=lambda d: (d != 2, d)))
-    remat = c.choice(REMATS)
-    split_points: tuple[str, ...] | None = None
-    if stages > 1 and c.chance(0.3):
-        first = next((i for i, op in enumerate(spec.ops) if op.kind in _KERNEL_KINDS), None)
-        reused = {op.tie for op in spec.ops if op.kind == "reuse"}  # two places: ambiguous
-        candidates = [i for i, op in enumerate(spec.ops) if op.kind in _CUT_KINDS
-                      and first is not None and i > first and i not in reused]
-        if len(candidates) >= stages - 1:
-            chosen: list[int] = []
-            for _ in range(stages - 1):
-                chosen.append(c.choice([i for i in candidates if i not in chosen]))
-            split_points = tuple(f"layers.l{i}" for i in sorted(chosen))
-    return stages, chunks, remat, split_points
-
-
-def random_example(seed: int, **options: Unpack[SpecOptions]) -> Example:
-    """The example `python -m fxpipe.tools.fuzz` runs for `seed`."""
-    rng = random.Random(seed)
-    spec = random_spec(rng, **options)
-    stages, chunks, remat, split_points = random_config(rng, spec)
-    return Example(spec, stages, chunks, remat, seed, split_points)
-
-
-def models_and_configs(**options: Unpack[SpecOptions]) -> SearchStrategy[Example]:
-    """A hypothesis strategy of Examples (a random model, its batch, stages, chunks, remat)."""
-    from hypothesis import strategies as st
-
-    @st.composite
-    def examples(draw: DrawFn) -> Example:
-        spec = random_spec(draw, **options)
-        stages, chunks, remat, split_points = random_config(draw, spec)
-        return Example(spec, stages, chunks, remat, split_points=split_points)
-
-    return examples()

@@ -57,25 +57,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fxpipe.testing.fuzz_examples import (  # noqa: F401 - re-exported: the fuzzer's whole API
+    Example,
+    models_and_configs,
+    random_config,
+    random_example,
+)
 from fxpipe.testing.fuzz_models import (  # noqa: F401 - re-exported: the fuzzer's whole API
     ACTIVATIONS,
     BATCHES,
     EDGE_FEATURES,
     KINDS,
-    PROFILE,
     REMATS,
-    Example,
     FuzzNet,
     Op,
     Spec,
     SpecOptions,
     example_batch,
-    models_and_configs,
-    random_config,
-    random_example,
     random_model,
     random_spec,
 )
+from fxpipe.testing.transparency import PROFILE  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
