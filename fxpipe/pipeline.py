@@ -34,6 +34,7 @@ from fxpipe.frontend.meta import is_meta_model
 from fxpipe.full_gc import full_collections_deferred
 from fxpipe.losses import loss_saved_bytes, loss_time
 from fxpipe.optimizers import OptimizerMemory
+from fxpipe.passes.batch_free import mark_batch_free_outputs
 from fxpipe.passes.batchnorm import defer_batch_norm
 from fxpipe.passes.cost import annotate_costs
 from fxpipe.passes.partition import PartitionPlan, choose_chunks, partition
@@ -131,6 +132,7 @@ def capture_and_cost(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     with _timed(timings, cpu, "annotate_costs"):
         annotate_costs(gm)
         ir.verify(gm, after="cost")
+    mark_batch_free_outputs(gm)  # after the costs, which say which nodes draw random numbers
     return gm
 
 

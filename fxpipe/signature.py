@@ -69,7 +69,8 @@ class Signature:
     def __init__(self, in_spec: pytree.TreeSpec, leaves: Sequence[LeafSpec],
                  out_spec: pytree.TreeSpec, out_batch_dims: Sequence[int | None],
                  out_is_tensor: Sequence[bool],
-                 forward: Sequence[tuple[str, str]] | None = None) -> None:
+                 forward: Sequence[tuple[str, str]] | None = None,
+                 out_batch_free: Sequence[bool] | None = None) -> None:
         self.in_spec = in_spec
         self.leaves = tuple(leaves)
         # the model forward's parameters, (name, kind) as inspect names the kind: a written
@@ -78,6 +79,11 @@ class Signature:
         self.out_spec = out_spec
         self.out_batch_dims = tuple(out_batch_dims)
         self.out_is_tensor = tuple(out_is_tensor)
+        # outputs computed from no batched input nor a random draw (a learned temperature, a
+        # penalty on the weights): the same on every micro-batch, so one of them is the
+        # batch's (fxpipe.passes.batch_free finds them in the graph)
+        self.out_batch_free = tuple(out_batch_free) if out_batch_free is not None else \
+            (False,) * len(self.out_is_tensor)
         # what a target is split and checked along: the first batched output's batch dimension
         self.target_batch_dim = next((d for d in self.out_batch_dims if d is not None), 0)
 
@@ -321,13 +327,13 @@ class Signature:
         return [f"output{paths[i]}" if i in paths else f"output {i}" for i in range(count)]
 
     def unjoinable_outputs(self) -> list[str]:
-        """The tensor outputs without a batch dimension (a loss the model computes, a
-        statistic over the batch): micro-batches' values of them cannot be joined into the
-        batch's, so only a program of one micro-batch can return them."""
+        """The tensor outputs without a batch dimension that the batch computes (a loss the
+        model computes, a statistic over the batch): micro-batches' values of them cannot be
+        joined into the batch's, so only a program of one micro-batch can return them."""
         names = self.output_names()
-        return [names[i] for i, (is_t, dim) in enumerate(zip(self.out_is_tensor,
-                                                             self.out_batch_dims))
-                if is_t and dim is None]
+        return [names[i] for i, (is_t, dim, free) in enumerate(zip(
+                    self.out_is_tensor, self.out_batch_dims, self.out_batch_free))
+                if is_t and dim is None and not free]
 
     @property
     def keywords(self) -> list[str]:
@@ -335,9 +341,11 @@ class Signature:
         return _call_shape(self.in_spec)[1]
 
     def join_outputs(self, per_microbatch: Sequence[Sequence[Any]]) -> list[Any]:
-        """Concatenates each output leaf along its batch dimension."""
+        """Concatenates each output leaf along its batch dimension; of a batch-free one (see
+        out_batch_free), the same on every micro-batch, the first micro-batch's."""
         joined: list[Any] = []
-        for i, (is_t, dim) in enumerate(zip(self.out_is_tensor, self.out_batch_dims)):
+        for i, (is_t, dim, free) in enumerate(zip(self.out_is_tensor, self.out_batch_dims,
+                                                  self.out_batch_free)):
             values = [mb[i] for mb in per_microbatch]
             first = values[0]
             if is_t != isinstance(first, torch.Tensor) or (
@@ -353,7 +361,7 @@ class Signature:
             if not is_t:
                 joined.append(values[0])
             elif dim is None:
-                if len(values) == 1:
+                if len(values) == 1 or free:
                     joined.append(values[0])
                     continue
                 raise RuntimeInputError(

@@ -119,6 +119,7 @@ def signature_to_json(sig: Signature) -> SignatureJSON:
                     "constant": _json_constant(leaf.constant)} for leaf in sig.leaves],
         "out_batch_dims": list(sig.out_batch_dims),
         "out_is_tensor": list(sig.out_is_tensor),
+        "out_batch_free": list(sig.out_batch_free),
         "out_spec": out_spec,
         "pytree_modules": _pytree_modules(sig.out_spec) if out_spec else [],
     }
@@ -175,7 +176,8 @@ def signature_from_json(data: SignatureJSON) -> Signature:
         pytree.tree_flatten((tuple(range(len(leaves))), {}))[1]  # flat: as older programs
     forward = data.get("forward")
     return Signature(in_spec, leaves, out_spec, data["out_batch_dims"], data["out_is_tensor"],
-                     [(name, kind) for name, kind in forward] if forward is not None else None)
+                     [(name, kind) for name, kind in forward] if forward is not None else None,
+                     data.get("out_batch_free"))  # absent from older programs: none
 
 
 def stage_to_json(stage: StageSpec) -> StageJSON:

@@ -172,6 +172,14 @@ def _signature_problems(sig: object) -> list[str]:
               and all(d is None or (_is_int(d) and d >= 0) for d in dims)):
         problems.append(f"signature.out_batch_dims is {dims!r:.120} (allowed: a batch dimension "
                         f"or null for each of the {len(tensors)} outputs)")
+    free = sig.get("out_batch_free", [False] * len(tensors) if isinstance(tensors, list) else [])
+    if not (isinstance(free, list) and isinstance(tensors, list) and len(free) == len(tensors)
+            and all(isinstance(f, bool) for f in free)):
+        problems.append(f"signature.out_batch_free is {free!r:.120} (allowed: true or false for "
+                        f"each output)")
+    elif isinstance(dims, list) and any(f and d is not None for f, d in zip(free, dims)):
+        problems.append(f"signature.out_batch_free is {free!r:.120}, but an output it marks has "
+                        f"a batch dimension in out_batch_dims {dims!r:.120}")
     modules = sig["pytree_modules"]
     if not (isinstance(modules, list) and all(isinstance(m, str) and m for m in modules)):
         problems.append(f"signature.pytree_modules is {modules!r:.120} (allowed: module names)")

@@ -63,6 +63,7 @@ class SignatureJSON(_SignatureFields, total=False):
     # programs written before these were kept lack them, and take their inputs flat
     in_spec: str | None  # the inputs' structure (args, kwargs), None when it does not serialise
     forward: list[list[str]] | None  # the forward's parameters, [name, kind] (inspect's kinds)
+    out_batch_free: list[bool]  # per output: the same on every micro-batch (Signature)
 
 
 class _CommFields(TypedDict):
