@@ -105,3 +105,29 @@ def test_the_cpu_by_thread_names_the_calling_thread_step_and_sees_another_thread
     assert during["step"] - before["step"] >= 0.05  # in clock ticks of 10 ms
     others = sum(during.values()) - during["step"] - (sum(before.values()) - before["step"])
     assert others >= 0.05
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_the_cpu_by_thread_of_programs_taking_turns_is_per_step_and_per_program() -> None:
+    import time
+
+    from fxpipe.tools.split_cost import _cpu_by_thread
+
+    class Busy:  # a program whose step holds the CPU for `seconds`
+        def __init__(self, seconds: float) -> None:
+            self.seconds, self.steps = seconds, 0
+
+        def zero_grad(self) -> None:
+            pass
+
+        def step(self, *_: object, **__: object) -> None:
+            self.steps += 1
+            end = time.process_time() + self.seconds
+            while time.process_time() < end:
+                pass
+
+    programs = {"light": Busy(0.002), "heavy": Busy(0.008)}
+    spent = _cpu_by_thread(programs, None, None, blocks=2, steps=10)  # type: ignore[arg-type]
+    assert [p.steps for p in programs.values()] == [20, 20]
+    assert spent["light"]["step"] == pytest.approx(0.002, abs=0.0015)  # clock ticks: 0.5 ms
+    assert spent["heavy"]["step"] == pytest.approx(0.008, abs=0.0015)

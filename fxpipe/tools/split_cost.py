@@ -9,14 +9,18 @@ seconds (time.process_time, one thread), with autograd engine calls and Python c
 * `ranks`: the tiny GPT (fxpipe.models.gpt defaults, batch 16 unless --batch says otherwise; the
   model's own default is 8) on 2 gloo ranks x 8 micro-batches, 1F1B against ZB-H1 (remat
   "never" unless --remat says otherwise); each rank reports its CPU
-  time (waits for messages included), engine calls per step, and the Python calls of a step
+  time (waits for messages included), its ratio to 1F1B's taken round by round (the median of
+  the per-round ratios and its bootstrap 95% interval, fxpipe.tools.bench_stats: the machine's
+  drift between rounds cancels), engine calls per step, and the Python calls of a step
   (cProfile's count, builtins included; profiled apart from the timed steps). Rank 0 also times,
   in the same rotation while rank 1 waits, the plain model's step in one process (8 micro-batches
   accumulated): the compute both ranks share, so that the ranks' summed CPU less it is the host
   work the pipeline adds. Of that, what the messages cost at least: each rank's messages per
   1F1B step times the CPU of one message of the boundary's shape in a plain gloo ping-pong.
-  Last, each rank's CPU per 1F1B step by thread (Linux): the step's own thread apart from
-  gloo's and fxpipe's send thread.
+  Last, each rank's CPU per step of each schedule by thread (Linux): the step's own thread,
+  whose work fxpipe's executor does, apart from gloo's (its TCP loop's CPU varies with when
+  messages arrive against their receives, which the schedule's order moves) and fxpipe's send
+  thread.
 
 `--also FILE` races another implementation of `input_backward` (a module file with the same
 function, e.g. an earlier version of fxpipe/runtime/execution/split_backward.py) beside the current
@@ -51,6 +55,7 @@ from fxpipe.models import gpt
 from fxpipe.runtime.communication import dist_comm, transport
 from fxpipe.runtime.execution import split_backward
 from fxpipe.testing.engine_calls import EngineCalls
+from fxpipe.tools.bench_stats import paired_ratio, rotated
 from fxpipe.tools.bench_worker import accumulate, micro_batches
 
 __all__ = ["main"]
@@ -208,7 +213,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, also: str | None, rema
         python = {label: _python_calls(programs[schedule], idx, y)
                   for schedule, label in (("1f1b", "1f1b"), ("zb-h1", "zb-h1 split"))}
         messages = _messages(programs["1f1b"], idx, y)
-        threads = _cpu_by_thread(programs["1f1b"], idx, y)
+        threads = _cpu_by_thread(programs, idx, y)
         width = dict(model.named_parameters())["ln_f.weight"].numel()  # d_model
         shape = (idx.shape[0] // 8, idx.shape[1], width)  # what crosses the cut
         out.put((rank, cpu, engine, python, messages, _message_cpu(rank, shape), threads))
@@ -274,17 +279,25 @@ def _thread_cpu() -> dict[str, float]:
     return found
 
 
-def _cpu_by_thread(program: Any, idx: torch.Tensor, y: torch.Tensor,
-                   steps: int = 60) -> dict[str, float]:
-    """CPU seconds per step of each thread of this process over `steps` steps in a row: the
-    step's own thread apart from gloo's (its TCP loop) and fxpipe's send thread ("python")."""
-    before = _thread_cpu()
-    for _ in range(steps):
-        program.zero_grad()
-        program.step(idx, target=y)
-    after = _thread_cpu()
-    return {name: (seconds - before.get(name, 0.0)) / steps for name, seconds in after.items()
-            if seconds > before.get(name, 0.0)}
+def _cpu_by_thread(programs: dict[str, Any], idx: torch.Tensor, y: torch.Tensor,
+                   blocks: int = 4, steps: int = 15) -> dict[str, dict[str, float]]:
+    """Per program, CPU seconds per step of each thread of this process: the step's own
+    thread apart from gloo's (its TCP loop) and fxpipe's send thread ("python"). The programs
+    take turns in blocks of `steps` steps in a row (clock ticks of 10 ms need many steps to
+    resolve a step; turns spread the machine's drift over them alike); both ranks step
+    together."""
+    spent: dict[str, dict[str, float]] = {name: {} for name in programs}
+    for block in range(blocks):
+        for name in rotated(list(programs), block):
+            before = _thread_cpu()
+            for _ in range(steps):
+                programs[name].zero_grad()
+                programs[name].step(idx, target=y)
+            for thread, seconds in _thread_cpu().items():
+                used = seconds - before.get(thread, 0.0)
+                if used > 0:
+                    spent[name][thread] = spent[name].get(thread, 0.0) + used / (blocks * steps)
+    return spent
 
 
 def _message_cpu(rank: int, shape: tuple[int, ...], count: int = 400) -> float:
@@ -323,12 +336,12 @@ def measure_ranks(repeats: int, also: str | None, remat: str, batch: int = 16) -
           f"{repeats} steps per variant, interleaved; CPU time per step (waits included)")
     for rank in sorted(results):
         cpu, engine, python = results[rank][:3]
-        base = statistics.median(cpu["1f1b"])
         for label in [k for k in cpu if k != "plain"]:
             calls = f"  Python calls per step {python[label]:.0f}" if label in python else ""
+            ratio = paired_ratio(cpu[label], cpu["1f1b"])  # step by step: the same round's
             print(f"  rank {rank} {label:14s} {_summary(cpu[label])}  x1F1B "
-                  f"{statistics.median(cpu[label]) / base:.2f}  engine calls per step "
-                  f"{statistics.median(engine[label]):.0f}{calls}")
+                  f"{ratio.median:.2f} [95% {ratio.low:.2f}-{ratio.high:.2f}]  engine calls per "
+                  f"step {statistics.median(engine[label]):.0f}{calls}")
     plain = results[0][0]["plain"]
     print(f"  one process, the plain model, 8 micro-batches accumulated: {_summary(plain)}")
     for label in results[0][0]:
@@ -347,17 +360,22 @@ def measure_ranks(repeats: int, also: str | None, remat: str, batch: int = 16) -
         f"{(added - sum(floor.values())) * 1e3:.2f} ms is neither the model nor its messages")
     for r in sorted(results):
         threads = results[r][5]
-        if threads:
-            print(f"  1f1b, rank {r}'s CPU per step by thread (60 steps in a row, in clock ticks): "
+        for schedule, spent in threads.items():
+            if not spent:
+                continue
+            own = spent.get("step", 0.0) / max(threads["1f1b"].get("step", 0.0), 1e-9)
+            print(f"  {schedule}, rank {r}'s CPU per step by thread (4 blocks of 15 steps, "
+                  "taking turns; clock ticks): "
                   + ", ".join(f"{name} {seconds * 1e3:.2f} ms"
-                              for name, seconds in sorted(threads.items(), key=lambda t: -t[1])))
+                              for name, seconds in sorted(spent.items(), key=lambda t: -t[1]))
+                  + (f"; its step thread x1F1B {own:.2f}" if schedule != "1f1b" else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxpipe.tools.split_cost",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("what", nargs="*", help="stage, ranks or both (the default)")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--also", help="another split_backward.py to race beside this one")
     parser.add_argument("--batch", type=int, default=16,
                         help="the ranks' batch (sequences; 8 micro-batches of it)")
