@@ -326,6 +326,11 @@ class Signature:
             paths = {}
         return [f"output{paths[i]}" if i in paths else f"output {i}" for i in range(count)]
 
+    def batch_free_outputs(self) -> list[str]:
+        """The outputs the same on every micro-batch (out_batch_free), for messages."""
+        names = self.output_names()
+        return [names[i] for i, free in enumerate(self.out_batch_free) if free]
+
     def unjoinable_outputs(self) -> list[str]:
         """The tensor outputs without a batch dimension that the batch computes (a loss the
         model computes, a statistic over the batch): micro-batches' values of them cannot be

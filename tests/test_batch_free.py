@@ -16,6 +16,8 @@ import fxpipe
 from fxpipe.errors import ConfigError, LossError
 from fxpipe.runtime.program.spec import signature_from_json, spec_problems
 
+BATCH = 8
+
 
 class Tempered(nn.Module):
     """Logits scaled by a learned temperature, returned apart, and a penalty on the first
@@ -44,14 +46,20 @@ def summed_loss(outputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torc
     return nn.functional.cross_entropy(logits * scale, target, reduction="sum") + penalty
 
 
+def proportional_loss(outputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    logits, scale, penalty = outputs
+    return nn.functional.cross_entropy(logits * scale, target, reduction="sum") + \
+        penalty * len(target) / BATCH
+
+
 def _case() -> tuple[Tempered, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    return Tempered(), torch.randn(8, 6), torch.randint(0, 3, (8,))
+    return Tempered(), torch.randn(BATCH, 6), torch.randint(0, 3, (BATCH,))
 
 
-def _plain() -> tuple[float, dict[str, torch.Tensor]]:
+def _plain(loss_fn=tempered_loss) -> tuple[float, dict[str, torch.Tensor]]:
     model, x, y = _case()
-    loss = tempered_loss(model(x), y)
+    loss = loss_fn(model(x), y)
     loss.backward()
     return float(loss), {n: p.grad for n, p in model.named_parameters()}
 
@@ -140,11 +148,20 @@ def _ranks(rank: int, world: int) -> dict:
         out["summed"] = "stepped"
     except LossError as e:
         out["summed"] = str(e)
+    model, x, y = _case()  # as the refusal's hint says: the term in proportion to the examples
+    program = fxpipe.compile(model, (x,), stages=2, chunks=4, profile="a100",
+                             split_points=["body.1"])
+    loss = program.step(x, target=y, loss_fn=proportional_loss)
+    own = {id(p) for p in program.parameters()}
+    out["proportional"] = (loss, {n: p.grad.clone() for n, p in model.named_parameters()
+                                  if id(p) in own and p.grad is not None})
     return out
 
 
 @pytest.mark.distributed
 def test_under_torchrun_every_schedule_trains_like_the_plain_model():
+    """And a summed loss with the penalty added whole is refused, its hint naming the outputs
+    and the way out, which then trains like the plain model."""
     want_loss, want = _plain()
     ranks = spawn(2, __name__, "_ranks", bound=300)
     for schedule in ("gpipe", "1f1b", "zb-h1"):
@@ -156,5 +173,15 @@ def test_under_torchrun_every_schedule_trains_like_the_plain_model():
         assert grads.keys() == want.keys(), schedule
         for name, grad in want.items():
             torch.testing.assert_close(grads[name], grad, msg=f"{schedule} {name}")
+    want_loss, want = _plain(proportional_loss)
+    grads = {}
     for rank in ranks:
         assert "The loss is neither a mean nor a sum over examples" in rank["summed"]
+        assert "output[1], output[2] of the model is the same on every micro-batch, so a term " \
+            "of it added to the loss counts once per micro-batch" in rank["summed"]
+        loss, mine = rank["proportional"]
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        grads.update(mine)
+    assert grads.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, msg=f"proportional {name}")

@@ -120,28 +120,36 @@ _HINT = ("write the loss as a mean or a sum over examples: for a mean over the r
 
 
 def refusal(loss_fn: Callable[..., Any], full: float, parts: Sequence[float],
-            assumed: str | None, halves: bool = False) -> LossError:
+            assumed: str | None, halves: bool = False,
+            batch_free: Sequence[str] = ()) -> LossError:
     """The error every rank raises for a loss that does not split over micro-batches.
 
     assumed: the kind the step's backward used (None: the step added nothing to the
-    gradients); halves: `parts` are the two halves of the replica's one micro-batch."""
+    gradients); halves: `parts` are the two halves of the replica's one micro-batch;
+    batch_free: the model's outputs that are the same on every micro-batch (a term of one
+    added to a summed loss is the usual cause)."""
     values = ", ".join(f"{p:.6g}" for p in parts)
     mean = sum(parts) / len(parts)
     whose = "the two halves of its one micro-batch" if halves else \
         f"its {len(parts)} micro-batches"
     what = (f"the loss {_name(loss_fn)} of the whole batch is {full:.6g}, but the losses of "
             f"{whose} are [{values}]: mean {mean:.6g}, sum {sum(parts):.6g}")
+    hint = _HINT if not batch_free else (
+        f"{', '.join(batch_free)} of the model is the same on every micro-batch, so a term "
+        "of it added to the loss counts once per micro-batch: average the loss over examples, "
+        "or add the term in proportion to the examples the loss sees (e.g. + penalty * "
+        f"len(target) / batch_size); else {_HINT}")
     if assumed is None:
         return LossError(f"{what}. The loss is neither a mean nor a sum over examples, so the "
                          "ranks, which compute it per micro-batch, cannot give the plain "
                          "model's loss and gradients; this step added nothing to the gradients",
-                         hint=_HINT)
+                         hint=hint)
     kind = split_kind(full, parts, torch.float64) or NEITHER
     return LossError(f"{what}. Earlier steps found it a {assumed} over micro-batches, and in this "
                      f"one it is {'a ' + kind if kind != NEITHER else 'neither a mean nor a sum'}"
                      f": this step's gradients were scaled as a {assumed} and are not the plain "
                      "model's; zero them (optimizer.zero_grad()) before the next step",
-                     hint=f"{_HINT}; or use schedule='gpipe', whose last stage finds the kind "
+                     hint=f"{hint}; or use schedule='gpipe', whose last stage finds the kind "
                           "from every step's outputs before its backward")
 
 
