@@ -86,5 +86,7 @@ class Handover:
         """Block 2's cost of the node's twin, with the producers it keeps named as the node's."""
         source, renamed = self.source[node]
         cost: ir.Cost = source.meta[ir.COST]
+        if not cost.saves:  # most nodes: the twin's own (frozen) cost, not a copy per block
+            return cost
         return replace(cost, saves=tuple(sorted((renamed.get(name, name), nbytes)
                                                 for name, nbytes in cost.saves)))
