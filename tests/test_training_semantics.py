@@ -114,7 +114,8 @@ def _hook_warnings(program: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[floa
 
 def _distributed_step(rank: int, world: int) -> dict:
     """The seeded step's loss and this rank's gradients; then the gradient-hook warnings of
-    that step, of one after a hook is put on a parameter, and of one more."""
+    that step, of one after a hook is put on a parameter, and of one more; last, those of two
+    steps of a program with a post-accumulate-grad hook, and how often it ran."""
     model, x, y = _case()
     program = fxpipe.compile(model, (x,), stages=world, chunks=2, profile="a100",
                              split_points=["blocks.2"])
