@@ -32,7 +32,7 @@ from fxpipe.errors import (
 )
 from fxpipe.frontend.meta import is_meta_model
 from fxpipe.full_gc import full_collections_deferred
-from fxpipe.held import hold_built
+from fxpipe.held import held_tensors, hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
 from fxpipe.passes.partition import PartitionPlan
 from fxpipe.pipeline import broadcast_plan, build
@@ -43,6 +43,7 @@ from fxpipe.reference import (
     reference_losses,
     replica_counts,
 )
+from fxpipe.replaced import ModelSlots
 from fxpipe.report import Report, build_report
 from fxpipe.runtime.communication.mesh import GroupCache, Mesh
 from fxpipe.runtime.execution.amp import compiled_autocast
@@ -83,6 +84,7 @@ class Program(ProgramBalance):
         self._classes: list[type[StageModule]] = []
         self._meta: list[str] = []  # tensors of this process's stages without weights yet
         self._held: HeldStages | None = None
+        self._slots = ModelSlots()  # where the stages' tensors sit in the model
         self.stage_modules = nn.ModuleList()
         self.measured: dict[str, Any] = {}
         self._last_batches: tuple[Batch, ...] = ()
@@ -179,6 +181,8 @@ class Program(ProgramBalance):
         self._held = held
         self.stage_modules = nn.ModuleList(held.modules)
         self._local, self._rank, self._meta = held.local, held.rank, held.meta
+        assert self._names is not None  # set with the plan
+        self._slots = ModelSlots.of(self.model, self._names, held_tensors(held)[0])
         if held.rank is not None:  # a loss may read only this rank's parameters
             own = {id(p) for p in held.rank.executor.parameters()}
             held.rank.executor.foreign = {

@@ -16,6 +16,7 @@ from fxpipe.built import Built
 from fxpipe.config import CompileConfig
 from fxpipe.errors import ConfigError, NotBuiltError, RuntimeInputError
 from fxpipe.held import held_tensors
+from fxpipe.replaced import ModelSlots
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.execution.hold import HeldStages
 from fxpipe.runtime.execution.rank import RankPipeline
@@ -44,6 +45,7 @@ class ProgramState(nn.Module):
     _names: StateNames | None
     _held: HeldStages | None
     _meta: list[str]  # tensors of this process's stages without weights yet
+    _slots: ModelSlots  # where the stages' tensors sit in the model (fxpipe.replaced)
     _mesh: Mesh | None
     _rank: RankPipeline | None
 
@@ -160,6 +162,8 @@ class ProgramState(nn.Module):
                 f"(e.g. {self._meta[:3]}): the model was built without weights",
                 hint="call program.load_weights(path) (a checkpoint of the model) or "
                      "program.init_weights() first")
+        if (replaced := self._slots.replaced()) is not None:
+            raise replaced
 
     # -- training -------------------------------------------------------------------------------
 
