@@ -31,6 +31,7 @@ from fxpipe.errors import (
     RuntimeInputError,
 )
 from fxpipe.frontend.meta import is_meta_model
+from fxpipe.frontend.module_hooks import HookWatch
 from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import held_tensors, hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
@@ -85,6 +86,7 @@ class Program(ProgramBalance):
         self._meta: list[str] = []  # tensors of this process's stages without weights yet
         self._held: HeldStages | None = None
         self._slots = ModelSlots()  # where the stages' tensors sit in the model
+        self._hooks = HookWatch()  # the model's forward hooks seen (made at the first install)
         self.stage_modules = nn.ModuleList()
         self.measured: dict[str, Any] = {}
         self._last_batches: tuple[Batch, ...] = ()
@@ -123,6 +125,8 @@ class Program(ProgramBalance):
         rank's under torchrun); `device` is this rank's, None in one process; `held`: tensors
         the stages take instead of the plan's (by qualified name)."""
         self._built = built
+        if not self._hooks.modules:
+            self._hooks = HookWatch.of(self.model)
         if self._local is not None:
             self._local.close()
             self._local = None
@@ -203,6 +207,7 @@ class Program(ProgramBalance):
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()
+        self._hooks.warn_added(stacklevel=4)
         try:
             built, flat = self._variant(self._require_built("forward"), args, kwargs, caller=5)
             executor = self._local_executor("calling a program")
@@ -333,6 +338,7 @@ class Program(ProgramBalance):
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()
+        self._hooks.warn_added(stacklevel=3)
         _, flat = self._variant(self._require_built(what), args, kwargs, caller=4)
         return flat, loss_fn
 

@@ -43,6 +43,7 @@ from fxpipe.frontend.meta import (
     to_meta,
     validate_check,
 )
+from fxpipe.frontend.module_hooks import warn_hooks_run_while_compiling
 from fxpipe.frontend.mutation import (
     StateSnapshot,
     attributes_kept,
@@ -179,6 +180,7 @@ def capture(
                                           "capture(method=...)), or drop leaf_modules")
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     check_fits_forward(model, args, kwargs)
+    warn_hooks_run_while_compiling(model, stacklevel=2)
     validate_check(check, model, (args, kwargs))
     if check is not None:  # a meta model: checked on a twin or by shapes, run on meta inputs
         method, batch_dims = _check_twin(check, model, args, kwargs, method, leaf_modules,
