@@ -394,6 +394,52 @@ def test_a_sum_loss_under_data_parallelism_sums_over_the_replicas():
                         for name, _ in cases for schedule in ("gpipe", "1f1b")}
 
 
+CLASS_WEIGHTS = torch.tensor([1.0, 5.0, 0.2, 2.0])
+
+
+def _weighted_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A classifier of imbalanced classes: its micro-batches hold different mixes of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 4))
+    return model, torch.randn(8, 8), torch.tensor([0, 0, 0, 1, 2, 2, 3, 3])
+
+
+def _weighted_steps(rank: int, world: int) -> list[Any]:
+    model, x, y = _weighted_case()
+    total = CLASS_WEIGHTS[y].sum()  # the hint's form: a sum over the whole batch's weight
+    out: list[Any] = []
+    for fn in (nn.CrossEntropyLoss(weight=CLASS_WEIGHTS),
+               lambda o, t: nn.functional.cross_entropy(o, t, weight=CLASS_WEIGHTS,
+                                                        reduction="sum") / total):
+        program = fxpipe.compile(model, (x,), stages=2, chunks=2)
+        model.zero_grad(set_to_none=True)
+        try:
+            loss: Any = program.step(x, target=y, loss_fn=fn)
+        except fxpipe.FxPipeError as e:
+            loss = str(e)
+        own = {id(p) for p in program.parameters()}
+        out.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()
+                           if id(p) in own and p.grad is not None}))
+    return out
+
+
+@pytest.mark.distributed
+def test_a_class_weighted_mean_is_refused_saying_how_to_weigh_it_and_that_form_trains():
+    ranks = spawn(2, __name__, "_weighted_steps")
+    plain, x, y = _weighted_case()
+    expected = nn.functional.cross_entropy(plain(x), y, weight=CLASS_WEIGHTS)
+    expected.backward()
+    for (refused, _), (loss, grads) in ranks:
+        assert "neither a mean nor a sum" in refused
+        assert "CrossEntropyLoss(weight=...) with reduction='mean' divides by the weights of " \
+               "its own targets" in refused
+        assert loss == pytest.approx(expected.item(), rel=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, dict(plain.named_parameters())[name].grad)
+    assert set().union(*(g for _, (_, g) in ranks)) == {n for n, _ in plain.named_parameters()}
+
+
 ONE_MICROBATCH = [("mean", False), ("mse_sum", False), ("std", False)]
 
 

@@ -119,6 +119,13 @@ _HINT = ("write the loss as a mean or a sum over examples: for a mean over the r
          "the loss)")
 
 
+def _class_weighted_mean(loss_fn: Callable[..., Any]) -> bool:
+    """A CrossEntropyLoss or NLLLoss with class weights and reduction="mean": a mean weighted
+    by the batch's own targets, not a mean over examples."""
+    return isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and \
+        loss_fn.weight is not None and loss_fn.reduction == "mean"
+
+
 def refusal(loss_fn: Callable[..., Any], full: float, parts: Sequence[float],
             assumed: str | None, halves: bool = False,
             batch_free: Sequence[str] = ()) -> LossError:
@@ -139,6 +146,12 @@ def refusal(loss_fn: Callable[..., Any], full: float, parts: Sequence[float],
         "of it added to the loss counts once per micro-batch: average the loss over examples, "
         "or add the term in proportion to the examples the loss sees (e.g. + penalty * "
         f"len(target) / batch_size); else {_HINT}")
+    if _class_weighted_mean(loss_fn):
+        hint = (f"{type(loss_fn).__name__}(weight=...) with reduction='mean' divides by the "
+                "weights of its own targets, which differ between micro-batches: sum it and "
+                "divide by the whole batch's total, e.g. total = weight[target].sum() (the "
+                "batch's targets) and loss_fn=lambda out, t: F.cross_entropy(out, t, "
+                "weight=weight, reduction='sum') / total")
     if assumed is None:
         return LossError(f"{what}. The loss is neither a mean nor a sum over examples, so the "
                          "ranks, which compute it per micro-batch, cannot give the plain "
