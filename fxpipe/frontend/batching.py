@@ -120,17 +120,17 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                        before: StateSnapshot | None = None,
                        cut: Callable[[], AbstractContextManager[None]] | None = None,
                        derive: bool = False) -> BatchLayout:
-    """Finds (or checks the given) batch dims; runs the model in eval mode, without grad.
+    """Finds (or checks the given) batch dims; runs the model in eval mode, without grad, and
+    puts every module's own training flag back.
 
     The first run, in the model's own mode, is checked against `before` (state and inputs
     written in place are refused: fxpipe.frontend.mutation). The caller restores the model's
-    training flags and buffers afterwards. `cut`, for a model on meta: a context in which the
+    buffers afterwards. `cut`, for a model on meta: a context in which the
     model is cut short, for the trial runs (see the module's docstring); with `derive`, every
     run is of the cut model, the example batch's too: the whole model's outputs are then derived
     from the stamped graph, which the caller must check (fxpipe.frontend.capture).
     """
     tensors = [x for x in leaves if is_tensor(x)]
-    training = model.training
     modes = [m.training for m in model.modules()]
     any_training = any(modes)
     whole: Callable[[], AbstractContextManager[None]] = cut if derive and cut else nullcontext
@@ -168,8 +168,9 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                         return replace(layout, eager_outputs=_own_mode_outputs(
                             model, modes, args, kwargs, out_leaves, layout, whole))
                     return replace(layout, eager_outputs=())
-    finally:
-        model.train(training)
+    finally:  # each module's own flag: a BatchNorm frozen in a training model stays frozen
+        for module, mode in zip(model.modules(), modes):
+            module.training = mode
     raise _no_batch_dim(model, tensors, batch_dims, tried)
 
 
