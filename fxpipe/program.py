@@ -35,6 +35,7 @@ from fxpipe.frontend.module_hooks import HookWatch
 from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import held_tensors, hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
+from fxpipe.model_modes import ModeWatch
 from fxpipe.passes.partition import PartitionPlan
 from fxpipe.pipeline import broadcast_plan, build
 from fxpipe.program_balance import Batch, ProgramBalance
@@ -87,6 +88,7 @@ class Program(ProgramBalance):
         self._held: HeldStages | None = None
         self._slots = ModelSlots()  # where the stages' tensors sit in the model
         self._hooks = HookWatch()  # the model's forward hooks seen (made at the first install)
+        self._modes = ModeWatch()  # the model's modules' train/eval flags (made by build)
         self.stage_modules = nn.ModuleList()
         self.measured: dict[str, Any] = {}
         self._last_batches: tuple[Batch, ...] = ()
@@ -111,6 +113,8 @@ class Program(ProgramBalance):
                 in_mode(self.model, self.training):
             built = build(self.model, args, kwargs, self.config,
                           agree=broadcast_plan if distributed else None)
+        self._modes = ModeWatch.of(self.model, self.training,
+                                   uniform=self.training != self.model.training)
         self._names = StateNames.of_model(self.model, built.captured)
         self._example = [t.detach() for t in self._flat_inputs(built, args, kwargs)]
         self._compiled_training = built.capture_info.training
@@ -157,6 +161,7 @@ class Program(ProgramBalance):
         clone._example = copy.deepcopy(self._example, memo)
         clone._compiled_training = self._compiled_training
         clone._install(built, None, tensors)
+        clone._modes = copy.deepcopy(self._modes, memo)  # over the copy's modules
         return clone
 
     def __getstate__(self) -> dict[str, Any]:
@@ -208,6 +213,7 @@ class Program(ProgramBalance):
             self.build(*args, **kwargs)
         self._require_weights()
         self._hooks.warn_added(stacklevel=4)
+        self._follow_model_mode()
         try:
             built, flat = self._variant(self._require_built("forward"), args, kwargs, caller=5)
             executor = self._local_executor("calling a program")
@@ -321,6 +327,13 @@ class Program(ProgramBalance):
                 raise
             raise converted from e
 
+    def _follow_model_mode(self) -> None:
+        """Takes the mode the model was put in since the last call (model.eval() before
+        validating), as program.eval() would (fxpipe.model_modes)."""
+        mode = self._modes.followed()
+        if mode is not None and mode != self.training:
+            self.train(mode)
+
     def _converted(self) -> ConfigError | None:
         """After a call failed: the error that says the model was converted since compiling
         (what failed is then the conversion's doing), if it was."""
@@ -339,6 +352,7 @@ class Program(ProgramBalance):
             self.build(*args, **kwargs)
         self._require_weights()
         self._hooks.warn_added(stacklevel=3)
+        self._follow_model_mode()
         _, flat = self._variant(self._require_built(what), args, kwargs, caller=4)
         return flat, loss_fn
 
@@ -399,7 +413,10 @@ class Program(ProgramBalance):
                 f"{mode_name(self.training)} mode{where}")
 
     def train(self, mode: bool = True) -> Program:
+        """The program's mode (program.eval() is train(False)); the model's flags as they are
+        now count as seen, so a call follows only the model's changes after this."""
         super().train(mode)
+        self._modes.look()
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> Program:
