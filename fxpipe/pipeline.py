@@ -37,6 +37,7 @@ from fxpipe.optimizers import OptimizerMemory
 from fxpipe.passes.batch_free import mark_batch_free_outputs
 from fxpipe.passes.batchnorm import defer_batch_norm
 from fxpipe.passes.cost import annotate_costs
+from fxpipe.passes.freq_scaled import freq_scaled_embeddings
 from fxpipe.passes.partition import PartitionPlan, choose_chunks, partition
 from fxpipe.passes.remat import RematRegion, mark_remat
 from fxpipe.passes.split import StageGraph, shared_parameters, split_stages
@@ -164,6 +165,7 @@ def _stages(gm: GraphModule, config: CompileConfig, profile: DeviceProfile, mode
     with _timed(timings, cpu, "partition"):
         plan, config = _partition(gm, config, info.batch_size, profile, corrections, starts)
         _check_joinable(info, plan.chunks)
+        _check_gradients_split(gm, plan.chunks)
         if agree is not None:
             plan = agree(gm, plan)
         ir.verify(gm, after="partition")
@@ -217,6 +219,21 @@ def _check_joinable(info: CaptureInfo, chunks: int) -> None:
               if labels else
               "return per-example values from forward and compute the loss in the step "
               "(program.step(inputs, target=y, loss_fn=...))") + ", or compile with chunks=1")
+
+
+def _check_gradients_split(gm: GraphModule, chunks: int) -> None:
+    """Refuses embeddings whose gradient counts each index's occurrences in the batch: over
+    several micro-batches it would count each one's (fxpipe.passes.freq_scaled)."""
+    scaled = freq_scaled_embeddings(gm) if chunks > 1 else []
+    if not scaled:
+        return
+    names = ", ".join(scaled[:4]) + (f" and {len(scaled) - 4} more" if len(scaled) > 4 else "")
+    raise ConfigError(
+        f"{names} scales its embedding's gradient by how often each index occurs in the batch "
+        f"(scale_grad_by_freq=True); a pipeline runs the backward of each of its {chunks} "
+        "micro-batches apart, so it would count each micro-batch's occurrences and give other "
+        "gradients than the plain model",
+        hint="construct the embedding with scale_grad_by_freq=False, or compile with chunks=1")
 
 
 def _profile_device(config: CompileConfig) -> torch.device:
