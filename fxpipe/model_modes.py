@@ -21,7 +21,8 @@ class ModeWatch:
     """The model's modules, their flags when the program's first plan was captured (in mode
     `compiled_training`), and their flags when the program last looked."""
 
-    modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)
     compiled: list[bool] = field(default_factory=list)
     compiled_training: bool = True
     seen: list[bool] = field(default_factory=list)
@@ -30,20 +31,20 @@ class ModeWatch:
     def of(model: nn.Module, compiled_training: bool, uniform: bool) -> ModeWatch:
         """`uniform`: the capture set every module to `compiled_training` (the model was in
         the other mode), else it ran with the model's own flags, as they are now."""
-        modules = list(model.named_modules())
-        now = [m.training for _, m in modules]
+        names, modules = zip(*model.named_modules())
+        now = [m.training for m in modules]
         compiled = [compiled_training] * len(modules) if uniform else now
-        return ModeWatch(modules, compiled, compiled_training, now)
+        return ModeWatch(list(names), list(modules), compiled, compiled_training, now)
 
     def look(self) -> None:
         """Takes the flags as they are now as seen (the program set its mode itself)."""
-        self.seen = [m.training for _, m in self.modules]
+        self.seen = [m.training for m in self.modules]
 
     def followed(self) -> bool | None:
         """The mode the whole model was put in since the last look (for the program to take),
         or None when no flag changed. Raises ConfigError for modes the program has no graph
         for: one module's alone, or the compiled mode without the compiled modules' modes."""
-        now = [m.training for _, m in self.modules]
+        now = [m.training for m in self.modules]
         if now == self.seen:
             return None
         if now == self.compiled:
@@ -56,8 +57,8 @@ class ModeWatch:
             against = self.compiled
         else:
             against = self.seen
-        differ = [(name or "(the model)", flag) for (name, _), flag, was
-                  in zip(self.modules, now, against) if flag != was]
+        differ = [(name or "(the model)", flag) for name, flag, was
+                  in zip(self.names, now, against) if flag != was]
         names = ", ".join(f"{n!r} ({'train' if f else 'eval'})" for n, f in differ[:3])
         more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
         raise ConfigError(

@@ -53,21 +53,21 @@ class HookWatch:
     """The modules of a compiled model, and the newest forward hook id seen: a call warns of
     hooks added after it, once each."""
 
-    modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)
     seen: int = -1
 
     @staticmethod
     def of(model: nn.Module) -> HookWatch:
-        modules = list(model.named_modules())
-        ids = [k for _, m in modules for k in _hook_ids(m)] + _global_hook_ids()
-        return HookWatch(modules, max(ids, default=-1))
+        names, modules = zip(*model.named_modules())
+        ids = [k for m in modules for k in _hook_ids(m)] + _global_hook_ids()
+        return HookWatch(list(names), list(modules), max(ids, default=-1))
 
     def warn_added(self, stacklevel: int) -> None:
         """Warns of forward hooks added since the last look (a comparison per module)."""
-        hooked = [(name, m) for name, m in self.modules
-                  if m._forward_hooks or m._forward_pre_hooks]
-        added = [(name or "(the model)", k) for name, m in hooked for k in _hook_ids(m)
-                 if k > self.seen]
+        hooked = [m for m in self.modules if m._forward_hooks or m._forward_pre_hooks]
+        added = [(self.names[self.modules.index(m)] or "(the model)", k) for m in hooked
+                 for k in _hook_ids(m) if k > self.seen]
         added += [("(every module)", k) for k in _global_hook_ids() if k > self.seen]
         if not added:
             return
