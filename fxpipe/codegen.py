@@ -134,6 +134,9 @@ def _literal(value: Any, node: Node) -> str:
         if math.isinf(value):
             return "float('inf')" if value > 0 else "float('-inf')"
         return repr(value)
+    if isinstance(value, complex):  # 1j, or complex(float('nan'), 1.0) where repr is no code
+        return repr(value) if all(math.isfinite(x) for x in (value.real, value.imag)) else \
+            f"complex({_literal(value.real, node)}, {_literal(value.imag, node)})"
     if isinstance(value, torch.dtype):
         return str(value)
     if isinstance(value, torch.device):

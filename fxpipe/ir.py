@@ -34,7 +34,7 @@ __all__ = [
     "TensorInfo", "ScalarInfo", "ValueInfo", "Cost", "ClassWork", "MeasuredTime", "CommInfo",
     "GradMode", "AutocastMode", "Mode", "mode", "entered",
     "value_info", "tensor_info", "cost", "measured_time", "stage", "comm", "leaves",
-    "carries_grad",
+    "carries_grad", "differentiable",
     "is_comm", "is_inplace", "compute_nodes", "module_path", "format_shape", "dtype_abbr",
     "evaluate", "verify",
 ]
@@ -121,6 +121,11 @@ ValueInfo: TypeAlias = TensorInfo | ScalarInfo | tuple["ValueInfo", ...]
 def leaves(info: ValueInfo) -> list[ValueInfo]:
     """The tensors and scalars of a value, tuples flattened in order (one message each)."""
     return [x for i in info for x in leaves(i)] if isinstance(info, tuple) else [info]
+
+
+def differentiable(tensor: torch.Tensor) -> bool:
+    """Whether autograd may track `tensor`: floating-point and complex dtypes, as is_float."""
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def carries_grad(info: ValueInfo) -> bool:

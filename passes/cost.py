@@ -426,7 +426,7 @@ class _CostRunner(Interpreter):
                 shape = [int(ir.evaluate(self._expr(d), b)) for d in x.shape]
                 t = torch.randn(shape, dtype=x.dtype) if x.is_floating_point() \
                     else torch.zeros(shape, dtype=x.dtype)
-                return t.requires_grad_(x.requires_grad and x.is_floating_point())
+                return t.requires_grad_(x.requires_grad and ir.differentiable(x))
             if isinstance(x, torch.SymInt):
                 return int(ir.evaluate(self._expr(x), b))
             return x
@@ -615,7 +615,7 @@ def _fresh_leaf(x: Any) -> Any:
     """The node's own input: same storage, no history, so its backward is the node's alone."""
     if isinstance(x, torch.Tensor):
         leaf = x.detach()
-        return leaf.requires_grad_(x.requires_grad) if x.is_floating_point() else leaf
+        return leaf.requires_grad_(x.requires_grad) if ir.differentiable(x) else leaf
     return x
 
 
@@ -624,7 +624,7 @@ def _fresh_like(x: Any) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
     t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-    return t.requires_grad_(x.requires_grad) if x.is_floating_point() else t
+    return t.requires_grad_(x.requires_grad) if ir.differentiable(x) else t
 
 
 def _value_bytes(info: ir.ValueInfo | None) -> sympy.Expr:

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpipe import source
+from fxpipe import ir, source
 from fxpipe.errors import CaptureError, ConfigError
 from fxpipe.untouched import seeded
 
@@ -60,7 +60,7 @@ def to_meta(values: Any) -> Any:
     def convert(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not x.is_meta:
             out = torch.empty_like(x, device="meta")
-            return out.requires_grad_(x.requires_grad) if x.is_floating_point() else out
+            return out.requires_grad_(x.requires_grad) if ir.differentiable(x) else out
         return x
 
     return pytree.tree_map(convert, values)

@@ -270,7 +270,7 @@ def at_size(values: Any, sym: sympy.Symbol, b: int, static: FakeTensorMode) -> A
             shape = [int(ir.evaluate(_expr(d, {sym: ir.BATCH}), b)) for d in x.shape]
             with static:
                 t = torch.empty(shape, dtype=x.dtype, device=x.device)
-            return t.requires_grad_(x.requires_grad) if x.is_floating_point() else t
+            return t.requires_grad_(x.requires_grad) if ir.differentiable(x) else t
         if isinstance(x, torch.SymInt):
             return int(ir.evaluate(_expr(x, {sym: ir.BATCH}), b))
         return x
@@ -286,7 +286,7 @@ def symbolic_like(samples: dict[int, Any], shape_env: ShapeEnv, sym: sympy.Symbo
         shape = [_symint(interpolate([(b, samples[b].shape[d]) for b in sizes]), shape_env, sym)
                  for d in range(first.dim())]
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
-        return out.requires_grad_(first.requires_grad) if first.is_floating_point() else out
+        return out.requires_grad_(first.requires_grad) if ir.differentiable(first) else out
     if isinstance(first, (tuple, list)):
         return type(first)(symbolic_like({b: s[i] for b, s in samples.items()}, shape_env, sym)
                            for i in range(len(first)))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxpipe import ir
 from fxpipe.losses import loss_of
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.comm import MicrobatchComm
@@ -43,7 +44,7 @@ class _Mailbox:
             if not isinstance(t, torch.Tensor):
                 return t
             out = to_device(t.detach(), device)
-            return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
+            return out.requires_grad_(t.requires_grad) if ir.differentiable(t) else out
         return pytree.tree_map(leaf, self.box[(tag, src, dst, mb)])
 
 
