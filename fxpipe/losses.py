@@ -176,10 +176,12 @@ def resolve_loss(name: str) -> Any:
 
 
 def _prediction(gm: GraphModule) -> ir.TensorInfo | None:
-    """The output the default loss reads: the first floating-point one."""
+    """The output the default loss reads: the first floating-point one (not a complex one,
+    which default_loss leaves out too)."""
     outputs = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     infos = [n.meta.get(ir.TENSOR) for n in outputs]
-    return next((i for i in infos if isinstance(i, ir.TensorInfo) and i.is_float), None)
+    return next((i for i in infos if isinstance(i, ir.TensorInfo)
+                 and i.dtype.is_floating_point), None)
 
 
 def loss_saved_bytes(gm: GraphModule, b: int) -> float:
