@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 from torch.nn.modules import module as module_globals
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["hooked_modules", "warn_hooks_run_while_compiling", "HookWatch"]
 
@@ -51,20 +52,28 @@ def warn_hooks_run_while_compiling(model: nn.Module, stacklevel: int) -> None:
 @dataclass
 class HookWatch:
     """The modules of a compiled model, and the newest forward hook id seen: a call warns of
-    hooks added after it, once each."""
+    hooks added after it, once each. Every hook handle torch makes takes the next of one
+    counter (RemovableHandle.next_id), so while it stands still nothing was added anywhere
+    and the modules need no look."""
 
     names: list[str] = field(default_factory=list)
     modules: list[nn.Module] = field(default_factory=list)
     seen: int = -1
+    counted: int = -1  # RemovableHandle.next_id at the last look
 
     @staticmethod
     def of(model: nn.Module) -> HookWatch:
         names, modules = zip(*model.named_modules())
         ids = [k for m in modules for k in _hook_ids(m)] + _global_hook_ids()
-        return HookWatch(list(names), list(modules), max(ids, default=-1))
+        return HookWatch(list(names), list(modules), max(ids, default=-1),
+                         RemovableHandle.next_id)
 
     def warn_added(self, stacklevel: int) -> None:
-        """Warns of forward hooks added since the last look (a comparison per module)."""
+        """Warns of forward hooks added since the last look (a comparison per module, when
+        any hook handle was made since)."""
+        if RemovableHandle.next_id == self.counted:
+            return
+        self.counted = RemovableHandle.next_id
         hooked = [m for m in self.modules if m._forward_hooks or m._forward_pre_hooks]
         added = [(self.names[self.modules.index(m)] or "(the model)", k) for m in hooked
                  for k in _hook_ids(m) if k > self.seen]
