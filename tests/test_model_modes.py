@@ -38,6 +38,17 @@ def _compile(model: nn.Module, x: torch.Tensor) -> fxpipe.Program:
     return fxpipe.compile(model, (x,), stages=2, chunks=2)
 
 
+def _assert_steps_as_plain(program: fxpipe.Program, model: nn.Module, plain: nn.Module,
+                           x: torch.Tensor, y: torch.Tensor) -> None:
+    """A seeded step equals the seeded plain step: the loss and every gradient."""
+    torch.manual_seed(3)
+    loss = program.step(x, target=y)
+    torch.manual_seed(3)
+    assert loss == pytest.approx(reference_step(program, plain, x, target=y), rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_model_eval_switches_the_program_and_model_train_switches_it_back():
     model, plain, x, y = _case()
     program = _compile(model, x)
@@ -50,13 +61,8 @@ def test_model_eval_switches_the_program_and_model_train_switches_it_back():
     assert program.evaluate(x, target=y) == pytest.approx(expected, rel=1e-6)
     model.train()
     plain.train()
-    torch.manual_seed(5)
-    loss = program.step(x, target=y)
-    torch.manual_seed(5)
-    assert loss == pytest.approx(reference_step(program, plain, x, target=y), rel=1e-6)
+    _assert_steps_as_plain(program, model, plain, x, y)
     assert program.training
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_the_last_of_program_and_model_mode_changes_counts():
@@ -95,26 +101,18 @@ def test_a_model_compiled_with_a_frozen_batchnorm_keeps_it_frozen():
     with pytest.raises(ConfigError, match=r"'bn' \(train\)"):
         program(x)
     model.bn.eval()  # the compiled modes again
-    torch.manual_seed(3)
-    loss = program.step(x, target=y)
-    torch.manual_seed(3)
-    assert loss == pytest.approx(reference_step(program, plain, x, target=y), rel=1e-6)
+    _assert_steps_as_plain(program, model, plain, x, y)
 
 
 def test_a_batchnorm_frozen_in_a_training_model_stays_frozen():
-    """Fine-tuning with frozen statistics: the capture kept bn's own eval flag (it used to
-    take the model's), so bn normalises with its running statistics and leaves them alone."""
+    """Fine-tuning with frozen statistics: the capture keeps bn's own eval flag, so bn
+    normalises with its running statistics and leaves them alone."""
     model, plain, x, y = _case()
     model.bn.eval()
     plain.bn.eval()
     before = model.bn.running_mean.clone()
     program = _compile(model, x)
-    torch.manual_seed(3)
-    loss = program.step(x, target=y)
-    torch.manual_seed(3)
-    assert loss == pytest.approx(reference_step(program, plain, x, target=y), rel=1e-6)
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    _assert_steps_as_plain(program, model, plain, x, y)
     torch.testing.assert_close(model.bn.running_mean, before, rtol=0, atol=0)
     assert model.training and not model.bn.training
 
