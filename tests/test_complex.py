@@ -12,6 +12,7 @@ from ranks import spawn
 from torch import nn
 
 import fxpipe
+from fxpipe.errors import PipelineRuntimeError
 
 
 class Spectral(nn.Module):
@@ -132,3 +133,15 @@ def test_a_complex_output_compiles_and_trains_as_the_plain_model():
         assert loss == pytest.approx(expected.item(), rel=1e-6)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, dict(plain.named_parameters())[name].grad)
+
+
+def test_the_finite_check_names_the_first_complex_value_that_is_not():
+    model, x, _ = _case()
+    program = fxpipe.compile(model, (x,), stages=2, chunks=4, split_points=CUTS["complex"],
+                             check_finite=True)
+    program(x)
+    with torch.no_grad():
+        model.mix.phase[3] = float("nan")
+    with pytest.raises(PipelineRuntimeError,
+                       match="first appear in stage 1, micro-batch 0 at node mix_mul "):
+        program(x)

@@ -21,7 +21,7 @@ __all__ = ["check_finite"]
 
 def _finite(value: Any) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(value)
-               if isinstance(t, torch.Tensor) and t.is_floating_point())
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
 class _Replay:
