@@ -212,7 +212,7 @@ class Program(ProgramBalance):
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()
-        self._hooks.warn_added(stacklevel=4)
+        self._hooks.check_added(stacklevel=4)
         self._follow_model_mode()
         try:
             built, flat = self._variant(self._require_built("forward"), args, kwargs, caller=5)
@@ -351,7 +351,7 @@ class Program(ProgramBalance):
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()
-        self._hooks.warn_added(stacklevel=3)
+        self._hooks.check_added(stacklevel=3)
         self._follow_model_mode()
         _, flat = self._variant(self._require_built(what), args, kwargs, caller=4)
         return flat, loss_fn

@@ -1,7 +1,8 @@
-"""Forward hooks on the model's modules (fxpipe.frontend.module_hooks): what a hook returns is
+"""Hooks on the model's modules (fxpipe.frontend.module_hooks): what a forward hook returns is
 captured and trains as in the plain model; the capture warns that anything else a hook does
 happens only while compiling, and a call warns once of each hook added after compiling, which
-no call runs."""
+no call runs. Backward hooks, which could change gradients no program step would change, are
+refused at compile and when added after it."""
 from __future__ import annotations
 
 import warnings
@@ -94,3 +95,33 @@ def test_a_global_hook_added_after_compiling_is_warned_of():
     finally:
         handle.remove()
     assert len(said) == 1 and "(every module)" in said[0]
+
+
+def _halves_gradient(module: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+    return (grad_input[0] * 0.5,)
+
+
+@pytest.mark.parametrize("register", ["register_full_backward_hook",
+                                      "register_full_backward_pre_hook"])
+def test_a_backward_hook_is_refused_at_compile(register):
+    model = _model()
+    hook = _halves_gradient if register == "register_full_backward_hook" else \
+        (lambda module, grad_output: None)
+    getattr(model[2], register)(hook)
+    with pytest.raises(fxpipe.errors.CaptureError,
+                       match=r"backward hooks on '2' cannot run in a program") as error:
+        fxpipe.compile(model, (X,), stages=2, chunks=4)
+    assert "p.register_hook" in str(error.value)
+
+
+def test_a_backward_hook_added_after_compiling_is_refused_until_removed():
+    model, plain = _model(), _model()
+    program, _ = _compile(model)
+    handle = model[2].register_full_backward_hook(_halves_gradient)
+    for _ in range(2):  # every call, not once
+        with pytest.raises(fxpipe.errors.ConfigError,
+                           match=r"backward hooks on '2' added after compiling"):
+            program.step(X, target=Y)
+    assert all(p.grad is None for p in model.parameters())
+    handle.remove()
+    _assert_trains_as(model, plain, program)

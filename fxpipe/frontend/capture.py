@@ -43,7 +43,7 @@ from fxpipe.frontend.meta import (
     to_meta,
     validate_check,
 )
-from fxpipe.frontend.module_hooks import warn_hooks_run_while_compiling
+from fxpipe.frontend.module_hooks import refuse_backward_hooks, warn_hooks_run_while_compiling
 from fxpipe.frontend.mutation import (
     StateSnapshot,
     attributes_kept,
@@ -180,6 +180,7 @@ def capture(
                                           "capture(method=...)), or drop leaf_modules")
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     check_fits_forward(model, args, kwargs)
+    refuse_backward_hooks(model)
     warn_hooks_run_while_compiling(model, stacklevel=2)
     validate_check(check, model, (args, kwargs))
     if check is not None:  # a meta model: checked on a twin or by shapes, run on meta inputs

@@ -1,9 +1,11 @@
-"""Forward hooks on a model's modules. A capture runs them: what a hook returns (or writes into
-its output in place) is in the graph, so a hook that scales an output runs in every call. What
-else it does (keep an activation, log a statistic, count calls) happens only in the compile's
-trial runs: a program runs its graph, not the model's modules. The capture warns of such hooks,
-naming the modules, and a program warns once of each hook added after compiling, which no call
-runs (`HookWatch`)."""
+"""Hooks on a model's modules. A capture runs the forward ones: what a hook returns (or writes
+into its output in place) is in the graph, so a hook that scales an output runs in every call.
+What else it does (keep an activation, log a statistic, count calls) happens only in the
+compile's trial runs: a program runs its graph, not the model's modules. The capture warns of
+such hooks, naming the modules, and a program warns once of each hook added after compiling,
+which no call runs (`HookWatch`). Backward hooks (`register_full_backward_hook` and the like)
+never run in a program, whose backward is its graph's, and may change the gradients they are
+given: the capture refuses them, and a call one added after compiling."""
 from __future__ import annotations
 
 import warnings
@@ -13,23 +15,45 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["hooked_modules", "warn_hooks_run_while_compiling", "HookWatch"]
+from fxpipe.errors import CaptureError, ConfigError
+
+__all__ = ["hooked_modules", "refuse_backward_hooks", "warn_hooks_run_while_compiling",
+           "HookWatch"]
+
+_FORWARD = ("_forward_hooks", "_forward_pre_hooks")
+_BACKWARD = ("_backward_hooks", "_backward_pre_hooks")
 
 
-def _hook_ids(module: nn.Module) -> list[int]:
-    return [*module._forward_hooks, *module._forward_pre_hooks]
+def _hook_ids(module: nn.Module, tables: tuple[str, str] = _FORWARD) -> list[int]:
+    return [k for table in tables for k in getattr(module, table)]
 
 
-def _global_hook_ids() -> list[int]:
-    return [*module_globals._global_forward_hooks, *module_globals._global_forward_pre_hooks]
+def _global_hook_ids(tables: tuple[str, str] = _FORWARD) -> list[int]:
+    return [k for table in tables for k in getattr(module_globals, "_global" + table)]
 
 
-def hooked_modules(model: nn.Module) -> list[str]:
-    """The names of `model`'s modules with forward hooks or pre-hooks ("(the model)" for the
-    model itself, "(every module)" for a global one)."""
-    names = ["(every module)"] if _global_hook_ids() else []
+def hooked_modules(model: nn.Module, tables: tuple[str, str] = _FORWARD) -> list[str]:
+    """The names of `model`'s modules with hooks in `tables` (forward hooks and pre-hooks by
+    default; "(the model)" for the model itself, "(every module)" for a global one)."""
+    names = ["(every module)"] if _global_hook_ids(tables) else []
     return names + [name or "(the model)" for name, module in model.named_modules()
-                    if module._forward_hooks or module._forward_pre_hooks]
+                    if _hook_ids(module, tables)]
+
+
+def _backward_refusal(names: list[str], when: str) -> tuple[str, str]:
+    return (f"backward hooks on {_listed(names)}{when} cannot run in a program: its backward "
+            f"is its graph's, and such a hook may change the gradients it is given, so the "
+            f"program would train otherwise than the model without saying so",
+            "remove them (handle.remove()) before compiling or calling; a hook on a parameter "
+            "(p.register_hook(...)) runs, on that parameter's gradient")
+
+
+def refuse_backward_hooks(model: nn.Module) -> None:
+    """Raises CaptureError when a module of `model` has backward hooks or pre-hooks."""
+    names = hooked_modules(model, _BACKWARD)
+    if names:
+        message, hint = _backward_refusal(names, "")
+        raise CaptureError(message, hint=hint)
 
 
 def _listed(names: list[str]) -> str:
@@ -51,10 +75,10 @@ def warn_hooks_run_while_compiling(model: nn.Module, stacklevel: int) -> None:
 
 @dataclass
 class HookWatch:
-    """The modules of a compiled model, and the newest forward hook id seen: a call warns of
-    hooks added after it, once each. Every hook handle torch makes takes the next of one
-    counter (RemovableHandle.next_id), so while it stands still nothing was added anywhere
-    and the modules need no look."""
+    """The modules of a compiled model, and the newest hook id seen: a call warns once of
+    each forward hook added after it and refuses a backward one. Every hook handle torch
+    makes takes the next of one counter (RemovableHandle.next_id), so while it stands still
+    nothing was added anywhere and the modules need no look."""
 
     names: list[str] = field(default_factory=list)
     modules: list[nn.Module] = field(default_factory=list)
@@ -64,15 +88,23 @@ class HookWatch:
     @staticmethod
     def of(model: nn.Module) -> HookWatch:
         names, modules = zip(*model.named_modules())
-        ids = [k for m in modules for k in _hook_ids(m)] + _global_hook_ids()
+        ids = [k for m in modules for tables in (_FORWARD, _BACKWARD)
+               for k in _hook_ids(m, tables)] + _global_hook_ids() + _global_hook_ids(_BACKWARD)
         return HookWatch(list(names), list(modules), max(ids, default=-1),
                          RemovableHandle.next_id)
 
-    def warn_added(self, stacklevel: int) -> None:
-        """Warns of forward hooks added since the last look (a comparison per module, when
-        any hook handle was made since)."""
+    def check_added(self, stacklevel: int) -> None:
+        """Warns of forward hooks added since the last look, and refuses backward ones (a
+        comparison per module, when any hook handle was made since)."""
         if RemovableHandle.next_id == self.counted:
             return
+        backward = [m for m in self.modules if m._backward_hooks or m._backward_pre_hooks]
+        names = [self.names[self.modules.index(m)] or "(the model)" for m in backward
+                 if any(k > self.seen for k in _hook_ids(m, _BACKWARD))]
+        names += ["(every module)"] * any(k > self.seen for k in _global_hook_ids(_BACKWARD))
+        if names:  # refused on every call until removed
+            message, hint = _backward_refusal(names, " added after compiling")
+            raise ConfigError(message, hint=hint)
         self.counted = RemovableHandle.next_id
         hooked = [m for m in self.modules if m._forward_hooks or m._forward_pre_hooks]
         added = [(self.names[self.modules.index(m)] or "(the model)", k) for m in hooked
