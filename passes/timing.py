@@ -143,12 +143,8 @@ def _fresh_leaf(x: Any) -> Any:
         return x  # the model's own parameter: autograd.grad w.r.t. it never touches .grad
     if isinstance(x, torch.Tensor):
         leaf = x.detach()
-        return leaf.requires_grad_(x.requires_grad) if _is_float(x) else leaf
+        return leaf.requires_grad_(x.requires_grad) if ir.differentiable(x) else leaf
     return x
-
-
-def _is_float(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
 
 
 # --- one node -----------------------------------------------------------------------------------
@@ -226,7 +222,7 @@ class _NodeTimer:
     def _inputs(self) -> _Inputs:
         """(args, kwargs, leaves to differentiate with respect to)."""
         leaves = [t for t in pytree.tree_leaves((self.args, self.kwargs))
-                  if isinstance(t, torch.Tensor) and _is_float(t) and t.requires_grad]
+                  if isinstance(t, torch.Tensor) and ir.differentiable(t) and t.requires_grad]
         if not self.inplace:
             return self.args, self.kwargs, leaves
         # An in-place node gets copies, made inside autograd so that in-place ops on them are
@@ -243,7 +239,7 @@ class _NodeTimer:
         with torch.enable_grad():
             out = shapes.call_node(self.gm, self.node, args, kwargs)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
-                and _is_float(t) and t.requires_grad and t.grad_fn is not None]
+                and ir.differentiable(t) and t.requires_grad and t.grad_fn is not None]
         if self.node.op == "call_module":
             wrt = wrt + [p for p in self.gm.get_submodule(str(self.node.target)).parameters()
                          if p.requires_grad]
