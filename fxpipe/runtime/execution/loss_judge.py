@@ -191,9 +191,10 @@ class LossJudge:
             self.kinds[key] = kind if kind is not None else MEAN
         elif assumed is None and kind in (MEAN, SUM):  # for a later step that cannot judge
             self.kinds[key] = kind
-        free = self.signature.batch_free_outputs()
         if kind == NEITHER and (probe or assumed is None):
-            raise refusal(loss_fn, full, parts, None, halves, free)
+            raise refusal(loss_fn, full, parts, None, halves,
+                          self.signature.batch_free_outputs())
         if assumed is not None and not probe and changed(kind, assumed):
-            raise refusal(loss_fn, full, parts, assumed, halves, free)
+            raise refusal(loss_fn, full, parts, assumed, halves,
+                          self.signature.batch_free_outputs())
         return assumed or kind or self.kinds.get(key, MEAN)
