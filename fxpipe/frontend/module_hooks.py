@@ -98,16 +98,16 @@ class HookWatch:
         comparison per module, when any hook handle was made since)."""
         if RemovableHandle.next_id == self.counted:
             return
-        backward = [m for m in self.modules if m._backward_hooks or m._backward_pre_hooks]
-        names = [self.names[self.modules.index(m)] or "(the model)" for m in backward
-                 if any(k > self.seen for k in _hook_ids(m, _BACKWARD))]
+        names = [name or "(the model)" for name, m in zip(self.names, self.modules)
+                 if (m._backward_hooks or m._backward_pre_hooks)
+                 and any(k > self.seen for k in _hook_ids(m, _BACKWARD))]
         names += ["(every module)"] * any(k > self.seen for k in _global_hook_ids(_BACKWARD))
         if names:  # refused on every call until removed
             message, hint = _backward_refusal(names, " added after compiling")
             raise ConfigError(message, hint=hint)
         self.counted = RemovableHandle.next_id
-        hooked = [m for m in self.modules if m._forward_hooks or m._forward_pre_hooks]
-        added = [(self.names[self.modules.index(m)] or "(the model)", k) for m in hooked
+        added = [(name or "(the model)", k) for name, m in zip(self.names, self.modules)
+                 if m._forward_hooks or m._forward_pre_hooks
                  for k in _hook_ids(m) if k > self.seen]
         added += [("(every module)", k) for k in _global_hook_ids() if k > self.seen]
         if not added:
