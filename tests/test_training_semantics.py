@@ -92,6 +92,23 @@ def test_seeded_pipelined_step_draws_the_masks_of_the_seeded_plain_step(remat):
         torch.testing.assert_close(ours[name], grad, msg=name)
 
 
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy", "default"])
+def test_the_reference_step_takes_a_loss_by_name_as_step_does(loss):
+    model, x, y = _case()
+    target = torch.randn(8, 4) if loss == "mse" else y
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2)
+    torch.manual_seed(7)
+    value = program.step(x, target=target, loss_fn=loss)
+    torch.manual_seed(7)
+    expected = reference_step(program, plain, x, target=target, loss_fn=loss)
+    assert value == pytest.approx(expected, rel=1e-6)
+    ours, theirs = _grads(model), _grads(plain)
+    assert ours.keys() == theirs.keys()
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, msg=name)
+
+
 def test_two_seeds_draw_different_masks_and_one_seed_the_same():
     model, x, _ = _case()
     program = fxpipe.compile(model, (x,), stages=2, chunks=2)

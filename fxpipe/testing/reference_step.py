@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.losses import LossFn, default_loss
+from fxpipe.losses import LossFn, default_loss, resolve_loss
 from fxpipe.program import Program
 from fxpipe.reference import microbatched_forward
 from fxpipe.targets import Target
@@ -32,11 +32,12 @@ def reference_forward(program: Program, model: nn.Module, *args: Any, **kwargs: 
 
 
 def reference_step(program: Program, model: nn.Module, *args: Any,
-                   target: Target = None, loss_fn: LossFn | None = None,
+                   target: Target = None, loss_fn: LossFn | str | None = None,
                    **kwargs: Any) -> float:
     """What `program.step(*args, target=target, loss_fn=loss_fn, **kwargs)` does, done by
-    `model`: its gradients accumulate as the pipeline's do; returns the loss."""
-    loss_fn = loss_fn or default_loss
+    `model`: its gradients accumulate as the pipeline's do; returns the loss. `loss_fn` is
+    what step takes: a function, or a name of fxpipe.losses.NAMED ("mse", ...)."""
+    loss_fn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn or default_loss
     output = reference_forward(program, model, *args, **kwargs)
     value = loss_fn(output, target) if target is not None else loss_fn(output)
     torch.autograd.backward(value)
