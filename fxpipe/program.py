@@ -36,6 +36,7 @@ from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import held_tensors, hold_built
 from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
 from fxpipe.model_modes import ModeWatch
+from fxpipe.module_settings import SettingWatch
 from fxpipe.passes.partition import PartitionPlan
 from fxpipe.pipeline import broadcast_plan, build
 from fxpipe.program_balance import Batch, ProgramBalance
@@ -89,6 +90,7 @@ class Program(ProgramBalance):
         self._slots = ModelSlots()  # where the stages' tensors sit in the model
         self._hooks = HookWatch()  # the model's forward hooks seen (made at the first install)
         self._modes = ModeWatch()  # the model's modules' train/eval flags (made by build)
+        self._settings = SettingWatch()  # their plain attributes, read as constants (build)
         self.stage_modules = nn.ModuleList()
         self.measured: dict[str, Any] = {}
         self._last_batches: tuple[Batch, ...] = ()
@@ -115,6 +117,7 @@ class Program(ProgramBalance):
                           agree=broadcast_plan if distributed else None)
         self._modes = ModeWatch.of(self.model, self.training,
                                    uniform=self.training != self.model.training)
+        self._settings = SettingWatch.of(self.model)
         self._names = StateNames.of_model(self.model, built.captured)
         self._example = [t.detach() for t in self._flat_inputs(built, args, kwargs)]
         self._compiled_training = built.capture_info.training
@@ -162,6 +165,7 @@ class Program(ProgramBalance):
         clone._compiled_training = self._compiled_training
         clone._install(built, None, tensors)
         clone._modes = copy.deepcopy(self._modes, memo)  # over the copy's modules
+        clone._settings = copy.deepcopy(self._settings, memo)
         return clone
 
     def __getstate__(self) -> dict[str, Any]:
@@ -213,6 +217,7 @@ class Program(ProgramBalance):
             self.build(*args, **kwargs)
         self._require_weights()
         self._hooks.check_added(stacklevel=4)
+        self._settings.check(stacklevel=4)
         self._follow_model_mode()
         try:
             built, flat = self._variant(self._require_built("forward"), args, kwargs, caller=5)
@@ -352,6 +357,7 @@ class Program(ProgramBalance):
             self.build(*args, **kwargs)
         self._require_weights()
         self._hooks.check_added(stacklevel=3)
+        self._settings.check(stacklevel=3)
         self._follow_model_mode()
         _, flat = self._variant(self._require_built(what), args, kwargs, caller=4)
         return flat, loss_fn
@@ -390,10 +396,12 @@ class Program(ProgramBalance):
                 if built.signature.call_shapes(args, kwargs) in (None, built.signature.shapes):
                     raise  # not a matter of shapes: the error says what differs
         rank = self._rank
-        variant = self._variants.plan_for(
-            built, self.model, args, kwargs, self.training,
-            agree=broadcast_plan if self._mesh is not None else None, caller=caller + 1,
-            sharded=self.config.shard == "full" and rank is not None and rank.mesh.replicas > 1)
+        with self._settings.capturing():
+            variant = self._variants.plan_for(
+                built, self.model, args, kwargs, self.training,
+                agree=broadcast_plan if self._mesh is not None else None, caller=caller + 1,
+                sharded=self.config.shard == "full" and rank is not None
+                and rank.mesh.replicas > 1)
         held, _ = self._held_tensors()
         self._install(variant, self._device, held)
         return variant, self._flat_inputs(variant, args, kwargs)

@@ -1,0 +1,142 @@
+"""Plain settings on a model's modules (dropout's `p`, a norm's `eps`, a model's own
+`self.use_gate`), changed after compiling. A capture reads them as constants: the graph holds
+`dropout(x, 0.5, True)`, not `self.p`, so a program keeps running the values it was compiled
+with while the plain model would run the new ones. Each call compares every module's public
+attributes of plain types (bool, int, float, str, None, tuples of them) with those seen last,
+one C-level lookup and tuple comparison per module, and warns once of each one changed from its
+compiled value, naming it with both values. An attribute that forward does not read (a counter a
+training loop keeps on the model) changes nothing a program runs; a leading underscore in its
+name keeps it out of this check, as it keeps train/eval out (fxpipe.model_modes has those)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import operator
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+__all__ = ["SettingWatch"]
+
+_PLAIN = (bool, int, float, str, type(None))
+_MISSING = object()
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or bool(a == b)
+
+
+def _settings(module: nn.Module) -> tuple[str, ...]:
+    return tuple(k for k, v in vars(module).items()
+                 if not k.startswith("_") and k != "training" and _plain(v))
+
+
+def _getter(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], Any]:
+    """keys' values of a module's __dict__ in one C call (a tuple for several keys)."""
+    return operator.itemgetter(*keys)
+
+
+@dataclass
+class SettingWatch:
+    """Each watched module's name, its __dict__ and the names of its settings, their values
+    when the program was compiled and when it last looked."""
+
+    names: list[str] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)
+    keys: list[tuple[str, ...]] = field(default_factory=list)
+    compiled: list[dict[str, Any]] = field(default_factory=list)
+    seen: list[Any] = field(default_factory=list)
+    warned: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._pairs = [(_getter(k), vars(m)) for k, m in zip(self.keys, self.modules)]
+
+    @staticmethod
+    def of(model: nn.Module) -> SettingWatch:
+        """The settings of `model`'s modules as they are now (after the capture's runs)."""
+        watched = [(name, module, found) for name, module in model.named_modules()
+                   if (found := _settings(module))]
+        names = [name for name, _, _ in watched]
+        modules = [module for _, module, _ in watched]
+        keys = [k for _, _, k in watched]
+        compiled = [{k: vars(m)[k] for k in ks} for m, ks in zip(modules, keys)]
+        watch = SettingWatch(names, modules, keys, compiled)
+        watch.seen = watch._now()
+        return watch
+
+    def _now(self) -> list[Any]:
+        out = []
+        for get, table in self._pairs:
+            try:
+                out.append(get(table))
+            except KeyError:  # deleted: the slow path names it
+                out.append(_MISSING)
+        return out
+
+    def check(self, stacklevel: int) -> None:
+        """Warns once of each setting that differs from its compiled value since last looked."""
+        try:
+            if [get(table) for get, table in self._pairs] == self.seen:
+                return
+        except KeyError:
+            pass
+        now = self._now()
+        for i, (values, seen) in enumerate(zip(now, self.seen)):
+            if _same(values, seen):
+                continue
+            table = vars(self.modules[i])
+            for key, was in self.compiled[i].items():
+                value = table.get(key, _MISSING)
+                name = f"{self.names[i]}.{key}" if self.names[i] else key
+                if _same(value, was) or name in self.warned:
+                    continue
+                self.warned.add(name)
+                shown = "deleted" if value is _MISSING else repr(value)
+                warnings.warn(
+                    f"the model's {name} changed after compiling ({was!r} -> {shown}): a "
+                    f"program runs the graph captured with {was!r}, so if forward reads it, "
+                    f"the program no longer computes what the model does; compile again "
+                    f"(fxpipe.compile(model, ...)) to run the new value, or set it back (an "
+                    f"attribute forward does not read, such as a counter, changes nothing; a "
+                    f"name beginning with '_' is not watched)", UserWarning,
+                    stacklevel=stacklevel + 1)
+        self.seen = now
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around a capture of the model by the program (a variant): an attribute its runs of
+        forward write is the model's own state, not a setting, and is not watched from then
+        on."""
+        before = [{k: vars(m).get(k, _MISSING) for k in keys}
+                  for m, keys in zip(self.modules, self.keys)]
+        yield
+        rows = []
+        for name, module, keys, compiled, was in zip(self.names, self.modules, self.keys,
+                                                     self.compiled, before):
+            table = vars(module)
+            kept = tuple(k for k in keys if _same(table.get(k, _MISSING), was[k]))
+            if kept:
+                rows.append((name, module, kept, {k: compiled[k] for k in kept}))
+        self.names = [r[0] for r in rows]
+        self.modules = [r[1] for r in rows]
+        self.keys = [r[2] for r in rows]
+        self.compiled = [r[3] for r in rows]
+        self._pairs = [(_getter(k), vars(m)) for k, m in zip(self.keys, self.modules)]
+        self.seen = self._now()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SettingWatch:
+        """The watch of a copied model: its modules the copies (memo), their own __dicts__."""
+        clone = SettingWatch(list(self.names), copy.deepcopy(self.modules, memo),
+                             list(self.keys), copy.deepcopy(self.compiled, memo),
+                             warned=set(self.warned))
+        clone.seen = list(self.seen)
+        return clone
