@@ -1,6 +1,8 @@
 """fxpipe.capture: any model to a checked GraphModule with symbolic shapes."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import sympy
 import torch
@@ -11,6 +13,7 @@ from fxpipe import ir
 from fxpipe.errors import CaptureError, ConfigError, RuntimeInputError
 from fxpipe.models import MODELS
 from fxpipe.models import load as load_model
+from fxpipe.testing.reference_step import reference_step
 from fxpipe.untouched import seeded
 
 
@@ -213,6 +216,48 @@ def test_recurrent_model_has_its_batch_in_dim_1():
     assert info.signature.input_batch_dims == (1,)
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
     assert ir.tensor_info(out).batch_dim == 1
+
+
+class _TimeFirstClassifier(nn.Module):
+    """A sequence-first encoder ([time, batch, features]) whose output is a mean over time: cut
+    along time, every output keeps its shape, so only the cut along dim 1 shows the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)  # batch_first=False
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x)).mean(0)
+
+
+def test_a_time_first_model_pooled_over_time_has_its_batch_in_dim_1_and_trains():
+    torch.manual_seed(0)
+    model = _TimeFirstClassifier()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(6, 8, 16), torch.randint(0, 3, (8,))
+    gm = fxpipe.capture(model, (x,))
+    assert gm.meta[ir.CAPTURE].signature.input_batch_dims == (1,)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=4)
+    loss = program.step(x, target=y)
+    expected = reference_step(program, plain, x, target=y)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+
+
+def test_a_model_returning_only_a_mean_over_the_batch_keeps_dim_0():
+    class MeanLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).pow(2).mean()
+
+    gm = fxpipe.capture(MeanLoss(), (torch.randn(8, 4),))
+    assert gm.meta[ir.CAPTURE].signature.input_batch_dims == (0,)
 
 
 def test_keyword_inputs_and_dict_outputs():

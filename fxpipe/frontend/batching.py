@@ -154,20 +154,30 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                     pytree.tree_leaves(model(*args, **kwargs))
             trials, trial_full = (whole, full) if whole is not nullcontext else \
                 _trial_model(model, args, kwargs, full, cut)
+            # A split whose halves leave every output's shape as it is (a sequence-first
+            # input cut along time, the output a mean over time) is taken only when no other
+            # split gives an output a batch dimension: a loss over the batch is then all
+            # the model returns.
+            fallback: BatchLayout | None = None
             for dims in candidates:
                 tried.append(dims)
                 with trials():
                     layout = _try(model, args, kwargs, dims, trial_full, out_spec, out_is_tensor,
                                   tensors)
-                if layout is not None:
-                    _check_numbers(model, out, full, layout)
-                    if not any_training:
-                        return replace(layout, eager_outputs=(full, layout.eager_outputs[0]))
-                    if any(is_tensor(x) for x in out_leaves) and \
-                            all(x.is_meta for x in out_leaves if is_tensor(x)):
-                        return replace(layout, eager_outputs=_own_mode_outputs(
-                            model, modes, args, kwargs, out_leaves, layout, whole))
-                    return replace(layout, eager_outputs=())
+                if layout is not None and any(d is not None for d in layout.output_dims):
+                    break
+                fallback = fallback or layout
+            else:
+                layout = fallback
+            if layout is not None:
+                _check_numbers(model, out, full, layout)
+                if not any_training:
+                    return replace(layout, eager_outputs=(full, layout.eager_outputs[0]))
+                if any(is_tensor(x) for x in out_leaves) and \
+                        all(x.is_meta for x in out_leaves if is_tensor(x)):
+                    return replace(layout, eager_outputs=_own_mode_outputs(
+                        model, modes, args, kwargs, out_leaves, layout, whole))
+                return replace(layout, eager_outputs=())
     finally:  # each module's own flag: a BatchNorm frozen in a training model stays frozen
         for module, mode in zip(model.modules(), modes):
             module.training = mode
