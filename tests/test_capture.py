@@ -260,6 +260,52 @@ def test_a_model_returning_only_a_mean_over_the_batch_keeps_dim_0():
     assert gm.meta[ir.CAPTURE].signature.input_batch_dims == (0,)
 
 
+class _BufferArithmetic(nn.Module):
+    """An operation on buffers alone (a rotary table from its frequencies, a mask from a
+    buffer): fx's tracer by default runs it once and freezes its result into the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", torch.linspace(0.1, 1.0, 8))
+        self.register_buffer("gate", torch.ones(8), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * torch.cos(self.inv_freq * 2.0) + self.gate * self.inv_freq
+
+
+class _BufferAsPythonValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("table", torch.arange(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.table.shape[0]):  # a buffer's size as a Python int
+            x = self.fc(x) + self.table[i]
+        return x
+
+
+@pytest.mark.parametrize("method", ["fx", "auto", "export"])
+def test_buffers_changed_after_compiling_are_what_the_program_runs(method):
+    torch.manual_seed(0)
+    model = _BufferArithmetic().eval()
+    x = torch.randn(8, 8)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, capture=method)
+    state = {k: v * 3.0 for k, v in model.state_dict().items()}
+    model.load_state_dict(state)  # in place: the stages hold these tensors
+    model.gate.fill_(2.0)
+    torch.testing.assert_close(program(x), model(x))
+
+
+def test_a_buffer_read_as_a_python_value_is_still_traced_by_fx():
+    torch.manual_seed(0)
+    model = _BufferAsPythonValue().eval()
+    x = torch.randn(4, 8)
+    gm = fxpipe.capture(model, (x,), method="fx")
+    torch.testing.assert_close(gm(x), model(x))
+
+
 def test_keyword_inputs_and_dict_outputs():
     model, inputs, kwargs = _load("branchy")
     gm = fxpipe.capture(model, inputs, kwargs)

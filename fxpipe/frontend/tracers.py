@@ -69,11 +69,24 @@ def _flat_root(model: nn.Module, signature: Signature, leaves: Sequence[Any]) ->
     return root
 
 
+# NOTE [Buffers are graph values]
+# fx's tracer hands a module's buffers to forward as the tensors themselves unless asked
+# otherwise, so an operation on buffers alone (`self.mask == 0`, `self.inv_freq * self.scale`)
+# runs once while tracing and its result is frozen into the graph as a constant: after
+# `model.load_state_dict(...)` or any in-place change of those buffers the program would still
+# run the old values. Buffers are proxies here, like parameters, so such operations are graph
+# operations on the stages' own buffers. A forward that reads a buffer as a Python value
+# (`range(self.table.shape[0])`, `if self.count > 0:`) cannot be traced so; it is traced again
+# with buffers as tensors, as fx does by default, and such constants then stay.
+
+
 class _Tracer(fx.Tracer):
-    def __init__(self, leaf_modules: Sequence[LeafModule], inline: bool) -> None:
+    def __init__(self, leaf_modules: Sequence[LeafModule], inline: bool,
+                 proxy_buffers: bool = True) -> None:
         super().__init__()
         self.record_stack_traces = True
         self.inline = inline
+        self.proxy_buffer_attributes = proxy_buffers  # NOTE [Buffers are graph values]
         self.leaf_types = tuple(x for x in leaf_modules if isinstance(x, type))
         self.leaf_names = {x for x in leaf_modules if isinstance(x, str)}
         self.leaf_ids = {id(x) for x in leaf_modules if isinstance(x, nn.Module)}
@@ -154,7 +167,11 @@ def trace_fx(model: nn.Module, signature: Signature, leaves: Sequence[Any],
     tracer = _Tracer(leaf_modules, inline)
     try:
         with traceable_batch_norm(), _python_state_kept(model):
-            graph = tracer.trace(root)
+            try:
+                graph = tracer.trace(root)
+            except Exception:  # noqa: BLE001 - a buffer read as a Python value (NOTE above)
+                tracer = _Tracer(leaf_modules, inline, proxy_buffers=False)
+                graph = tracer.trace(root)
     except Exception as e:  # noqa: BLE001 - fx raises TraceError, TypeError, AttributeError ...
         where = source.from_exception(e)
         raise CaptureError(
