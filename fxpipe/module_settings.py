@@ -1,12 +1,14 @@
 """Plain settings on a model's modules (dropout's `p`, a norm's `eps`, a model's own
-`self.use_gate`), changed after compiling. A capture reads them as constants: the graph holds
-`dropout(x, 0.5, True)`, not `self.p`, so a program keeps running the values it was compiled
-with while the plain model would run the new ones. Each call compares every module's public
-attributes of plain types (bool, int, float, str, None, tuples of them) with those seen last,
-one C-level lookup and tuple comparison per module, and warns once of each one changed from its
-compiled value, naming it with both values. An attribute that forward does not read (a counter a
-training loop keeps on the model) changes nothing a program runs; a leading underscore in its
-name keeps it out of this check, as it keeps train/eval out (fxpipe.model_modes has those)."""
+`self.use_gate`, a tensor kept as a plain attribute such as a mask), changed after compiling. A
+capture reads them as constants: the graph holds `dropout(x, 0.5, True)`, not `self.p`, and the
+tensor the attribute held then, so a program keeps running those while the plain model would
+run the new ones. Each call compares every module's public attributes of plain types (bool, int,
+float, str, None, tensors by identity, tuples of them) with those seen last, one C-level lookup
+and tuple comparison per module, and warns once of each one changed from its compiled value,
+naming it with both values. (A tensor changed in place needs nothing: the stages hold it.) An
+attribute that forward does not read (a counter a training loop keeps on the model) changes
+nothing a program runs; a leading underscore in its name keeps it out of this check, as it keeps
+train/eval out (fxpipe.model_modes has those)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["SettingWatch"]
@@ -28,11 +31,28 @@ _MISSING = object()
 def _plain(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(_plain(v) for v in value)
-    return isinstance(value, _PLAIN)
+    return isinstance(value, (*_PLAIN, torch.Tensor))
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a is b or bool(a == b)
+    """Equal settings: tensors the same object, the rest equal values."""
+    if a is b:
+        return True
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return bool(a == b)
+
+
+def _shown(value: Any) -> str:
+    if value is _MISSING:
+        return "deleted"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+        return "(" + ", ".join(_shown(v) for v in value) + ")"
+    return repr(value)
 
 
 def _settings(module: nn.Module) -> tuple[str, ...]:
@@ -87,7 +107,7 @@ class SettingWatch:
         try:
             if [get(table) for get, table in self._pairs] == self.seen:
                 return
-        except KeyError:
+        except Exception:  # noqa: BLE001 - a key deleted, or tensors compared by value
             pass
         now = self._now()
         for i, (values, seen) in enumerate(zip(now, self.seen)):
@@ -100,10 +120,11 @@ class SettingWatch:
                 if _same(value, was) or name in self.warned:
                     continue
                 self.warned.add(name)
-                shown = "deleted" if value is _MISSING else repr(value)
                 warnings.warn(
-                    f"the model's {name} changed after compiling ({was!r} -> {shown}): a "
-                    f"program runs the graph captured with {was!r}, so if forward reads it, "
+                    f"the model's {name} changed after compiling ({_shown(was)} -> "
+                    f"{_shown(value)}): a program runs the graph captured with "
+                    f"{'that tensor' if isinstance(was, torch.Tensor) else repr(was)}, so if "
+                    f"forward reads it, "
                     f"the program no longer computes what the model does; compile again "
                     f"(fxpipe.compile(model, ...)) to run the new value, or set it back (an "
                     f"attribute forward does not read, such as a counter, changes nothing; a "
@@ -138,5 +159,5 @@ class SettingWatch:
         clone = SettingWatch(list(self.names), copy.deepcopy(self.modules, memo),
                              list(self.keys), copy.deepcopy(self.compiled, memo),
                              warned=set(self.warned))
-        clone.seen = list(self.seen)
+        clone.seen = copy.deepcopy(self.seen, memo)
         return clone

@@ -125,3 +125,31 @@ def test_a_copied_program_watches_its_own_model():
     clone.model.drop.p = 0.3
     with pytest.warns(UserWarning, match=r"drop\.p changed after compiling \(0\.5 -> 0\.3\)"):
         clone(x)
+
+
+class _Masked(nn.Module):
+    """A tensor kept as a plain attribute (not a buffer): the graph holds that tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.mask = torch.ones(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.mask
+
+
+def test_a_tensor_attribute_changed_in_place_runs_and_one_put_in_its_place_is_warned_of():
+    torch.manual_seed(0)
+    model = _Masked().eval()
+    x = torch.randn(8, 8)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2)
+    model.mask[::2] = 0.0  # in place: the program's own tensor
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(program(x), model(x))
+    assert _settings_warnings(caught) == []
+    model.mask = torch.full((8,), 3.0)
+    with pytest.warns(UserWarning, match=r"the model's mask changed after compiling \(a tensor "
+                                         r"of shape \(8,\) -> a tensor of shape \(8,\)\)"):
+        program(x)
