@@ -65,15 +65,20 @@ def _getter(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], Any]:
     return operator.itemgetter(*keys)
 
 
+def _by_key(keys: tuple[str, ...], values: Any) -> dict[str, Any]:
+    """A getter's result as {key: value}."""
+    return dict(zip(keys, values if len(keys) > 1 else (values,)))
+
+
 @dataclass
 class SettingWatch:
-    """Each watched module's name, its __dict__ and the names of its settings, their values
-    when the program was compiled and when it last looked."""
+    """Each watched module's name, the module and the names of its settings, their values
+    (as its getter returns them) when the program was compiled and when it last looked."""
 
     names: list[str] = field(default_factory=list)
     modules: list[nn.Module] = field(default_factory=list)
     keys: list[tuple[str, ...]] = field(default_factory=list)
-    compiled: list[dict[str, Any]] = field(default_factory=list)
+    compiled: list[Any] = field(default_factory=list)
     seen: list[Any] = field(default_factory=list)
     warned: set[str] = field(default_factory=set)
 
@@ -88,9 +93,9 @@ class SettingWatch:
         names = [name for name, _, _ in watched]
         modules = [module for _, module, _ in watched]
         keys = [k for _, _, k in watched]
-        compiled = [{k: vars(m)[k] for k in ks} for m, ks in zip(modules, keys)]
-        watch = SettingWatch(names, modules, keys, compiled)
-        watch.seen = watch._now()
+        watch = SettingWatch(names, modules, keys)
+        watch.compiled = watch._now()
+        watch.seen = list(watch.compiled)
         return watch
 
     def _now(self) -> list[Any]:
@@ -114,7 +119,7 @@ class SettingWatch:
             if _same(values, seen):
                 continue
             table = vars(self.modules[i])
-            for key, was in self.compiled[i].items():
+            for key, was in _by_key(self.keys[i], self.compiled[i]).items():
                 value = table.get(key, _MISSING)
                 name = f"{self.names[i]}.{key}" if self.names[i] else key
                 if _same(value, was) or name in self.warned:
@@ -146,7 +151,8 @@ class SettingWatch:
             table = vars(module)
             kept = tuple(k for k in keys if _same(table.get(k, _MISSING), was[k]))
             if kept:
-                rows.append((name, module, kept, {k: compiled[k] for k in kept}))
+                values = _by_key(keys, compiled)
+                rows.append((name, module, kept, _getter(kept)(values)))
         self.names = [r[0] for r in rows]
         self.modules = [r[1] for r in rows]
         self.keys = [r[2] for r in rows]
