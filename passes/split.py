@@ -160,6 +160,8 @@ class _StageBuilder:
 
     def add_compute(self, node: Node) -> None:
         self.env[node] = self.graph.node_copy(node, self.value)  # its meta a copy of node's
+        if node.op == "call_module" and str(node.target) not in self.attrs:
+            self.attrs.append(str(node.target))  # a leaf module the stage calls whole
 
     def add_rng_recv(self, src: int) -> None:
         info = ir.CommInfo("recv", src, RNG_TAG, _RNG_STATE)

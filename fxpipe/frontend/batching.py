@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.errors import CaptureError
+from fxpipe.frontend.custom_functions import custom_functions_applied
 from fxpipe.frontend.mutation import StateSnapshot, check_unchanged
 from fxpipe.signature import ModelArgs, ModelKwargs, is_tensor
 from fxpipe.untouched import seeded
@@ -41,6 +42,8 @@ class BatchLayout:
     # compute them again: a model in eval mode, or a meta model (shapes only) run in its own
     # mode; empty otherwise.
     eager_outputs: tuple[list[Any], ...] = ()
+    # The model's own autograd.Functions its first run applied (fxpipe.frontend.custom_functions)
+    custom_functions: tuple[str, ...] = ()
 
     def slice_inputs(self, args: ModelArgs, kwargs: ModelKwargs, start: int,
                      length: int) -> tuple[ModelArgs, ModelKwargs]:
@@ -134,7 +137,8 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
     modes = [m.training for m in model.modules()]
     any_training = any(modes)
     whole: Callable[[], AbstractContextManager[None]] = cut if derive and cut else nullcontext
-    with torch.no_grad(), seeded(0), whole():
+    functions: list[str] = []
+    with torch.no_grad(), seeded(0), whole(), custom_functions_applied(functions):
         out = model(*args, **kwargs)
     if before is not None:
         check_unchanged(model, before)
@@ -171,6 +175,7 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
                 layout = fallback
             if layout is not None:
                 _check_numbers(model, out, full, layout)
+                layout = replace(layout, custom_functions=tuple(functions))
                 if not any_training:
                     return replace(layout, eager_outputs=(full, layout.eager_outputs[0]))
                 if any(is_tensor(x) for x in out_leaves) and \

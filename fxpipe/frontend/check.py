@@ -1,6 +1,8 @@
 """The check of a captured graph against the eager model: its outputs on the example batch and on
 a smaller one, within float tolerances scaled to the outputs' magnitude, and its gradients
-(fxpipe.frontend.regions); for a meta model, which has no values, shapes and dtypes only."""
+(fxpipe.frontend.regions; their values where the model applies its own autograd.Functions,
+fxpipe.frontend.custom_functions); for a meta model, which has no values, shapes and dtypes
+only."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 from fxpipe import ir
 from fxpipe.frontend import regions
 from fxpipe.frontend.batching import BatchLayout, finite_scale
+from fxpipe.frontend.custom_functions import check_custom_backward
 from fxpipe.frontend.meta import eager_runs
 from fxpipe.signature import ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.untouched import seeded
@@ -49,7 +52,11 @@ def compare_with_eager(gm: fx.GraphModule, model: nn.Module, signature: Signatur
                 if not _close(e, g):
                     diff = (e.double() - g.double()).abs().max().item()
                     return f"output {i} differs by up to {diff:.3g}"
-    return regions.gradient_difference(gm, model, signature, args, kwargs)
+    problem = regions.gradient_difference(gm, model, signature, args, kwargs)
+    if problem is None and layout.custom_functions:
+        check_custom_backward(layout.custom_functions, model, lambda: model(*args, **kwargs),
+                              lambda: regions.call(gm, signature, args, kwargs), _close)
+    return problem
 
 
 def compare_shapes(gm: fx.GraphModule, infos: dict[fx.Node, ir.ValueInfo],
