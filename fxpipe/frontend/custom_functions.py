@@ -13,11 +13,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.errors import CaptureError
-from fxpipe.untouched import seeded
+from fxpipe.frontend.regions import output_gradients
 
 __all__ = ["custom_functions_applied", "check_custom_backward"]
 
@@ -42,17 +41,6 @@ def custom_functions_applied(found: list[str]) -> Iterator[None]:
         torch.autograd.Function.apply = original  # type: ignore[method-assign]
 
 
-def _gradients(run: Callable[[], Any], params: Sequence[torch.Tensor]
-               ) -> list[torch.Tensor | None] | None:
-    with seeded(0), torch.enable_grad():
-        outs = [t for t in pytree.tree_leaves(run())
-                if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not outs:
-            return None
-        total = torch.stack([t.float().sum() for t in outs]).sum()
-        return list(torch.autograd.grad(total, list(params), allow_unused=True))
-
-
 def check_custom_backward(functions: Sequence[str], model: nn.Module, run_model: Callable[[], Any],
                           run_graph: Callable[[], Any],
                           close: Callable[[torch.Tensor, torch.Tensor], bool]) -> None:
@@ -61,8 +49,8 @@ def check_custom_backward(functions: Sequence[str], model: nn.Module, run_model:
     params = {n: p for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
     if not functions or not params:
         return
-    eager = _gradients(run_model, list(params.values()))
-    graph = _gradients(run_graph, list(params.values()))
+    eager = output_gradients(run_model, list(params.values()))
+    graph = output_gradients(run_graph, list(params.values()))
     if eager is None or graph is None:
         return
     for name, e, g in zip(params, eager, graph):

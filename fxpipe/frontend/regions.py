@@ -14,7 +14,7 @@ Writes: ir.MODE on the operations of a region.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,8 @@ from fxpipe.errors import CaptureError
 from fxpipe.signature import Signature
 from fxpipe.untouched import seeded
 
-__all__ = ["inline_regions", "ModeWatch", "RegionInterpreter", "call", "gradient_difference"]
+__all__ = ["inline_regions", "ModeWatch", "RegionInterpreter", "call", "gradient_difference",
+           "output_gradients"]
 
 _HIGHER_ORDER = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}  # args before submod
 _DEVICES = ("cpu", "cuda")  # autocast states the fx front end watches
@@ -179,6 +180,19 @@ def call(gm: fx.GraphModule, signature: Signature, args: Sequence[Any],
     return signature.unflatten_outputs(out)
 
 
+def output_gradients(run: Callable[[], Any], params: Sequence[torch.Tensor]
+                     ) -> list[torch.Tensor | None] | None:
+    """The gradients of `params` (None where unused) of the sum of what `run()` returns, seeded;
+    None when no output requires grad."""
+    with seeded(0), torch.enable_grad():
+        outs = [t for t in pytree.tree_leaves(run())
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outs:
+            return None
+        total = torch.stack([t.float().sum() for t in outs]).sum()
+        return list(torch.autograd.grad(total, list(params), allow_unused=True))
+
+
 def gradient_difference(gm: fx.GraphModule, model: nn.Module, signature: Signature,
                         args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
     """None when the graph's regions give gradients to the parameters the model's give them to.
@@ -192,14 +206,8 @@ def gradient_difference(gm: fx.GraphModule, model: nn.Module, signature: Signatu
     if not params:
         return None
 
-    def reached(run: Any) -> set[str]:
-        with seeded(0), torch.enable_grad():
-            outs = [t for t in pytree.tree_leaves(run()) if isinstance(t, torch.Tensor)
-                    and t.requires_grad]
-            if not outs:
-                return set()
-            total = torch.stack([t.float().sum() for t in outs]).sum()
-            grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+    def reached(run: Callable[[], Any]) -> set[str]:
+        grads = output_gradients(run, list(params.values())) or []
         return {n for n, g in zip(params, grads) if g is not None}
 
     try:
