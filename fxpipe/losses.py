@@ -18,7 +18,8 @@ from fxpipe import ir
 from fxpipe.errors import ConfigError, LossError
 from fxpipe.profile import DeviceProfile, median_time
 
-__all__ = ["default_loss", "loss_of", "needs_target", "loss_name", "resolve_loss", "loss_time",
+__all__ = ["default_loss", "loss_of", "needs_target", "loss_name", "resolve_loss",
+           "loss_function", "loss_time",
            "loss_saved_bytes", "NAMED", "LossFn", "counted", "IGNORED"]
 
 LossFn = Callable[..., torch.Tensor]
@@ -173,6 +174,13 @@ def resolve_loss(name: str) -> Any:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def loss_function(loss_fn: LossFn | str | None) -> LossFn:
+    """The loss a step runs: a function as given, a name of NAMED resolved, None the default."""
+    resolved: LossFn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else \
+        loss_fn or default_loss
+    return resolved
 
 
 def _prediction(gm: GraphModule) -> ir.TensorInfo | None:

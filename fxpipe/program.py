@@ -34,7 +34,7 @@ from fxpipe.frontend.meta import is_meta_model
 from fxpipe.frontend.module_hooks import HookWatch
 from fxpipe.full_gc import full_collections_deferred
 from fxpipe.held import held_tensors, hold_built
-from fxpipe.losses import LossFn, default_loss, loss_name, needs_target, resolve_loss
+from fxpipe.losses import LossFn, loss_function, loss_name, needs_target, resolve_loss
 from fxpipe.model_modes import ModeWatch
 from fxpipe.module_settings import SettingWatch
 from fxpipe.passes.partition import PartitionPlan
@@ -352,7 +352,7 @@ class Program(ProgramBalance):
         """A step's or an evaluation's flat inputs and loss function (a built-in by name, by
         default the default loss), the program built on this batch when it is lazy, with
         weights and in the mode it was compiled in."""
-        loss_fn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn or default_loss
+        loss_fn = loss_function(loss_fn)
         if self._built is None:
             self.build(*args, **kwargs)
         self._require_weights()

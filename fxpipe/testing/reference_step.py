@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.losses import LossFn, default_loss, resolve_loss
+from fxpipe.losses import LossFn, loss_function
 from fxpipe.program import Program
 from fxpipe.reference import microbatched_forward
 from fxpipe.targets import Target
@@ -37,7 +37,7 @@ def reference_step(program: Program, model: nn.Module, *args: Any,
     """What `program.step(*args, target=target, loss_fn=loss_fn, **kwargs)` does, done by
     `model`: its gradients accumulate as the pipeline's do; returns the loss. `loss_fn` is
     what step takes: a function, or a name of fxpipe.losses.NAMED ("mse", ...)."""
-    loss_fn = resolve_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn or default_loss
+    loss_fn = loss_function(loss_fn)
     output = reference_forward(program, model, *args, **kwargs)
     value = loss_fn(output, target) if target is not None else loss_fn(output)
     torch.autograd.backward(value)
