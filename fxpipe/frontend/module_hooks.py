@@ -93,23 +93,24 @@ class HookWatch:
         return HookWatch(list(names), list(modules), max(ids, default=-1),
                          RemovableHandle.next_id)
 
+    def _added(self, tables: tuple[str, str]) -> list[tuple[str, int]]:
+        """(module name, hook id) of each hook in `tables` newer than the last look."""
+        added = [(name or "(the model)", k) for name, m in zip(self.names, self.modules)
+                 if getattr(m, tables[0]) or getattr(m, tables[1])
+                 for k in _hook_ids(m, tables) if k > self.seen]
+        return added + [("(every module)", k) for k in _global_hook_ids(tables) if k > self.seen]
+
     def check_added(self, stacklevel: int) -> None:
         """Warns of forward hooks added since the last look, and refuses backward ones (a
         comparison per module, when any hook handle was made since)."""
         if RemovableHandle.next_id == self.counted:
             return
-        names = [name or "(the model)" for name, m in zip(self.names, self.modules)
-                 if (m._backward_hooks or m._backward_pre_hooks)
-                 and any(k > self.seen for k in _hook_ids(m, _BACKWARD))]
-        names += ["(every module)"] * any(k > self.seen for k in _global_hook_ids(_BACKWARD))
-        if names:  # refused on every call until removed
-            message, hint = _backward_refusal(names, " added after compiling")
+        backward = list(dict.fromkeys(name for name, _ in self._added(_BACKWARD)))
+        if backward:  # refused on every call until removed
+            message, hint = _backward_refusal(backward, " added after compiling")
             raise ConfigError(message, hint=hint)
         self.counted = RemovableHandle.next_id
-        added = [(name or "(the model)", k) for name, m in zip(self.names, self.modules)
-                 if m._forward_hooks or m._forward_pre_hooks
-                 for k in _hook_ids(m) if k > self.seen]
-        added += [("(every module)", k) for k in _global_hook_ids() if k > self.seen]
+        added = self._added(_FORWARD)
         if not added:
             return
         self.seen = max(k for _, k in added)
