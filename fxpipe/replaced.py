@@ -1,15 +1,19 @@
-"""A model tensor replaced after compiling (`model.fc.weight = nn.Parameter(...)`,
-`model.load_state_dict(state, assign=True)`, two weights tied after the fact): the stages hold
-the tensors the model had when the program was built, so they would run and train the old one
-while the model's new one got no gradient. Every call compares the slots the stages' tensors
+"""A model tensor or module replaced after compiling (`model.fc.weight = nn.Parameter(...)`,
+`model.load_state_dict(state, assign=True)`, two weights tied after the fact, a new head
+`model.fc = nn.Linear(...)`): the stages hold the tensors the model had when the program was
+built and run the graph captured from its modules, so they would run and train the old ones
+while the model's new ones got no gradient. Every call compares the slots the stages' tensors
 came from with what the model holds there now (one reference comparison per tensor, no
-function call) and refuses a replaced one, naming it. Values changed in place (`copy_`,
+function call), and each module's children with those it had (one C-level lookup per module
+with children), and refuses a replaced one, naming it. Values changed in place (`copy_`,
 `load_state_dict` without `assign`, an optimizer's step, `model.to(dtype)`) are the stages'
 own and need no check."""
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +30,18 @@ class ModelSlots:
     `_buffers`, the attribute, the tensor the stages hold, its state_dict key)."""
 
     slots: tuple[tuple[Mapping[str, torch.Tensor | None], str, torch.Tensor, str], ...] = ()
+    # per module with children: its name, its `_modules`, their names and the children
+    children: tuple[tuple[str, Mapping[str, nn.Module | None], tuple[str, ...],
+                          tuple[nn.Module | None, ...]], ...] = ()
+    _lookups: list[tuple[Callable[[Mapping[str, Any]], Any], Mapping[str, Any]]] = field(
+        init=False, repr=False, compare=False)
+    _expected: list[Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        lookups = [(_getter(keys), table) for _, table, keys, _ in self.children]
+        expected = [kids if len(kids) > 1 else kids[0] for _, _, _, kids in self.children]
+        object.__setattr__(self, "_lookups", lookups)
+        object.__setattr__(self, "_expected", expected)
 
     @staticmethod
     def of(model: nn.Module, names: StateNames, held: Mapping[str, torch.Tensor]) -> ModelSlots:
@@ -47,10 +63,20 @@ class ModelSlots:
                 for table in (module._parameters, module._buffers):
                     if table.get(attribute) is tensor:
                         slots.append((table, attribute, tensor, key))
-        return ModelSlots(tuple(slots))
+        children = tuple((name, module._modules, tuple(module._modules),
+                          tuple(module._modules.values()))
+                         for name, module in model.named_modules() if module._modules)
+        return ModelSlots(tuple(slots), children)
 
     def replaced(self) -> ConfigError | None:
-        """The error to raise when a slot holds another tensor now, or None."""
+        """The error to raise when a slot holds another tensor, or a module another child,
+        now; or None."""
+        try:  # modules compare by identity
+            same = [get(table) for get, table in self._lookups] == self._expected
+        except KeyError:  # a child deleted
+            same = False
+        if not same:
+            return self._replaced_module()
         changed = [key for table, attribute, tensor, key in self.slots
                    if attribute not in table or table[attribute] is not tensor]
         if not changed:
@@ -65,3 +91,24 @@ class ModelSlots:
             hint="change values in place (with torch.no_grad(): param.copy_(new), or "
                  "load_state_dict(state) without assign=True), or put the compiled tensor back; "
                  "to tie or replace weights, do it before fxpipe.compile")
+
+    def _replaced_module(self) -> ConfigError:
+        changed = [(f"{name}.{key}" if name else key, key not in table)
+                   for name, table, keys, kids in self.children
+                   for key, kid in zip(keys, kids) if table.get(key) is not kid]
+        (first, deleted), more = changed[0], len(changed) - 1
+        return ConfigError(
+            f"the model's submodule {first}{f' (and {more} more)' if more else ''} was "
+            f"{'deleted' if deleted else 'replaced by another module'} after compiling (an "
+            f"assignment such as model.{first} = nn.Linear(...)); the program runs the graph "
+            f"captured from the one it was compiled with and its stages hold that one's "
+            f"weights, so they would run and train it while the model's new one got no "
+            f"gradient",
+            hint="replace modules (a new head, another activation) before fxpipe.compile, or "
+                 "compile again: fxpipe.compile(model, ...); putting the compiled module back "
+                 "runs the program again")
+
+
+def _getter(keys: tuple[str, ...]) -> Callable[[Mapping[str, Any]], Any]:
+    """keys' values of a `_modules` table in one C call (a tuple for several keys)."""
+    return operator.itemgetter(*keys)

@@ -1,7 +1,8 @@
-"""A model tensor replaced after compiling (an assignment, load_state_dict(assign=True), a weight
-tied after the fact) is refused by the next call, naming it, before anything runs: the stages
-hold the tensors the model was compiled with (fxpipe.replaced). Values changed in place keep
-training as the plain model does."""
+"""A model tensor or module replaced after compiling (an assignment, load_state_dict(assign=True),
+a weight tied after the fact, a new head or activation) is refused by the next call, naming it,
+before anything runs: the stages hold the tensors the model was compiled with and run the graph
+captured from its modules (fxpipe.replaced). Values changed in place keep training as the plain
+model does."""
 from __future__ import annotations
 
 import copy
@@ -70,6 +71,40 @@ def test_a_tensor_replaced_after_compiling_is_refused_before_anything_runs(chang
         run()
     assert "before fxpipe.compile" in str(error.value)
     assert all(g is None for g in _gradients(model).values())
+
+
+def _new_head(model: nn.Module) -> None:
+    model.head = nn.Linear(12, 3)
+
+
+def _other_activation(model: nn.Module) -> None:
+    model.body[3] = nn.ReLU()  # no weights: only the graph knows it
+
+
+@pytest.mark.parametrize("change, name", [(_new_head, "head"), (_other_activation, "body.3")])
+@pytest.mark.parametrize("call", ["forward", "step", "evaluate"])
+def test_a_module_replaced_after_compiling_is_refused_before_anything_runs(change, name, call):
+    model, program, x, y = _case()
+    change(model)
+    run = {"forward": lambda: program(x), "step": lambda: program.step(x, target=y),
+           "evaluate": lambda: program.evaluate(x, target=y)}[call]
+    with pytest.raises(ConfigError, match=rf"the model's submodule {name} was replaced by "
+                                          r"another module after compiling") as error:
+        run()
+    assert "before fxpipe.compile" in str(error.value)
+    assert all(g is None for g in _gradients(model).values())
+
+
+def test_the_compiled_module_put_back_runs_again_and_a_new_compile_runs_the_new_one():
+    model, program, x, y = _case()
+    compiled = model.body[3]
+    _other_activation(model)
+    with pytest.raises(ConfigError, match="body.3"):
+        program(x)
+    model.body[3] = compiled
+    torch.testing.assert_close(program(x), model(x))
+    _other_activation(model)
+    torch.testing.assert_close(fxpipe.compile(model, (x,), stages=2, chunks=4)(x), model(x))
 
 
 def test_the_compiled_tensor_put_back_runs_again():
