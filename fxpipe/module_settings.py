@@ -8,7 +8,8 @@ and tuple comparison per module, and warns once of each one changed from its com
 naming it with both values. (A tensor changed in place needs nothing: the stages hold it.) An
 attribute that forward does not read (a counter a training loop keeps on the model) changes
 nothing a program runs; a leading underscore in its name keeps it out of this check, as it keeps
-train/eval out (fxpipe.model_modes has those)."""
+train/eval out (fxpipe.model_modes has those), and so does a weight that torch's weight_norm or
+prune derives before every forward (fxpipe.reparametrized)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from fxpipe.reparametrized import derived_attributes
 
 __all__ = ["SettingWatch"]
 
@@ -88,8 +91,10 @@ class SettingWatch:
     @staticmethod
     def of(model: nn.Module) -> SettingWatch:
         """The settings of `model`'s modules as they are now (after the capture's runs)."""
+        derived = derived_attributes(model)  # a weight_norm's weight: made by every call
         watched = [(name, module, found) for name, module in model.named_modules()
-                   if (found := _settings(module))]
+                   if (found := tuple(k for k in _settings(module)
+                                      if (f"{name}.{k}" if name else k) not in derived))]
         names = [name for name, _, _ in watched]
         modules = [module for _, module, _ in watched]
         keys = [k for _, _, k in watched]

@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
      "fxpipe.storage.resume", "fxpipe.storage.weights",
      "fxpipe.optimizers", "fxpipe.sharding", "fxpipe.models",
      "fxpipe.remat_policy", "fxpipe.conversion", "fxpipe.replaced", "fxpipe.model_modes",
-     "fxpipe.module_settings", "fxpipe.targets"),  # contracts: metadata, names, formats, policies
+     "fxpipe.module_settings", "fxpipe.reparametrized",
+     "fxpipe.targets"),  # contracts: metadata, names, formats, policies
     ("fxpipe.runtime",),  # schedules, communication, executors, rank setup, launcher
     ("fxpipe.frontend", "fxpipe.passes", "fxpipe.codegen",
      "fxpipe.callable_names"),  # the compiler's passes

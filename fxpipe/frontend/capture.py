@@ -55,6 +55,7 @@ from fxpipe.frontend.mutation import (
 from fxpipe.frontend.naming import name_nodes_after_modules
 from fxpipe.frontend.stamp import Stamper
 from fxpipe.frontend.tracers import LeafModule
+from fxpipe.reparametrized import derived_attributes
 from fxpipe.signature import ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.untouched import modes_kept
 
@@ -228,6 +229,7 @@ def capture(
         regions.inline_regions(gm)  # no_grad / autocast regions: marked operations
         front_s = lap()
         _annotate_shapes(gm, used, tensors, signature, runs)
+    stored = [name for name in stored if name not in derived_attributes(model)]
     if stored:
         raise stored_error(model, stored)
     inlined = leaf_labels if used == "export" else ()

@@ -16,6 +16,7 @@ from torch.nn.modules import module as module_globals
 from torch.utils.hooks import RemovableHandle
 
 from fxpipe.errors import CaptureError, ConfigError
+from fxpipe.reparametrized import is_reparametrization
 
 __all__ = ["hooked_modules", "refuse_backward_hooks", "warn_hooks_run_while_compiling",
            "HookWatch"]
@@ -25,7 +26,10 @@ _BACKWARD = ("_backward_hooks", "_backward_pre_hooks")
 
 
 def _hook_ids(module: nn.Module, tables: tuple[str, str] = _FORWARD) -> list[int]:
-    return [k for table in tables for k in getattr(module, table)]
+    """The ids of the module's hooks in `tables`, but torch's reparametrizations (weight_norm,
+    prune), whose pre-hook's weight is in the graph and which do nothing else."""
+    return [k for table in tables for k, hook in getattr(module, table).items()
+            if not is_reparametrization(hook)]
 
 
 def _global_hook_ids(tables: tuple[str, str] = _FORWARD) -> list[int]:

@@ -426,7 +426,7 @@ def _quiet_export() -> Iterator[None]:
     logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.filterwarnings("ignore", message=".*were assigned during export.*")
+            warnings.filterwarnings("ignore", message=".*(was|were) assigned during export.*")
             yield
     finally:
         logger.setLevel(level)
