@@ -209,6 +209,18 @@ def test_uncapturable_model_names_the_source_line_and_gives_a_hint():
     assert "hint:" in message and "torch.cond" in message
 
 
+@pytest.mark.parametrize("how", ["script", "trace"])
+@pytest.mark.parametrize("method", ["auto", "fx", "export"])
+def test_a_torchscript_submodule_is_refused_naming_it(how, method):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[1] = torch.jit.script(model[1]) if how == "script" else \
+        torch.jit.trace(model[1], torch.randn(2, 8))
+    with pytest.raises(CaptureError, match=r"holds TorchScript modules \('1', made by "
+                                           r"torch.jit.script or torch.jit.trace\)") as error:
+        fxpipe.capture(model, (torch.randn(4, 4),), method=method)
+    assert "before torch.jit.script" in error.value.hint
+
+
 def test_recurrent_model_has_its_batch_in_dim_1():
     model, inputs, _ = _load("recurrent")
     gm = fxpipe.capture(model, inputs)

@@ -54,7 +54,7 @@ from fxpipe.frontend.mutation import (
 )
 from fxpipe.frontend.naming import name_nodes_after_modules
 from fxpipe.frontend.stamp import Stamper
-from fxpipe.frontend.tracers import LeafModule
+from fxpipe.frontend.tracers import LeafModule, refuse_scripted_modules
 from fxpipe.reparametrized import derived_attributes
 from fxpipe.signature import ModelArgs, ModelKwargs, Signature, is_tensor
 from fxpipe.untouched import modes_kept
@@ -182,6 +182,7 @@ def capture(
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     check_fits_forward(model, args, kwargs)
     refuse_backward_hooks(model)
+    refuse_scripted_modules(model)
     warn_hooks_run_while_compiling(model, stacklevel=2)
     validate_check(check, model, (args, kwargs))
     if check is not None:  # a meta model: checked on a twin or by shapes, run on meta inputs

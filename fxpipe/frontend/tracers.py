@@ -31,10 +31,30 @@ from fxpipe.frontend.regions import ModeWatch
 from fxpipe.runtime.execution.batchnorm import cumulative_batch_norm
 from fxpipe.signature import Signature
 
-__all__ = ["trace_fx", "export", "LeafModule"]
+__all__ = ["trace_fx", "export", "LeafModule", "refuse_scripted_modules"]
 
 LeafModule: TypeAlias = type[nn.Module] | nn.Module | str
 """A module kept opaque under fx: its type, the instance, or its qualified name."""
+
+
+def refuse_scripted_modules(model: nn.Module) -> None:
+    """Raises CaptureError when `model` is or holds a TorchScript module: neither front end sees
+    into one (fx cannot trace a script method, export keeps it as an opaque script object that
+    no stage code can hold)."""
+    scripted: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule) \
+                and not any(name.startswith(f"{outer}.") for outer in scripted):
+            scripted.append(name)
+    if scripted:
+        more = f" (and {len(scripted) - 3} more)" if len(scripted) > 3 else ""
+        raise CaptureError(
+            f"{type(model).__name__} holds TorchScript modules "
+            f"({', '.join(repr(n) if n else 'the model itself' for n in scripted[:3])}{more}, "
+            f"made by torch.jit.script or torch.jit.trace): neither torch.fx nor torch.export "
+            f"can see into one, so fxpipe cannot capture what it computes",
+            hint="compile the model with its eager modules (before torch.jit.script/trace); "
+                 "a pipeline runs the graph it captures, so scripting gains it nothing")
 
 
 def _flat_root(model: nn.Module, signature: Signature, leaves: Sequence[Any]) -> nn.Module:
