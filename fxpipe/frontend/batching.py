@@ -13,6 +13,7 @@ runs cut too, and capture derives the whole model's outputs from the stamped gra
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from torch import nn
 from fxpipe.errors import CaptureError
 from fxpipe.frontend.custom_functions import custom_functions_applied
 from fxpipe.frontend.mutation import StateSnapshot, check_unchanged
+from fxpipe.frontend.zero_noise import NoiseAsZeros
 from fxpipe.signature import ModelArgs, ModelKwargs, is_tensor
 from fxpipe.untouched import seeded
 
@@ -148,13 +150,17 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
         candidates: Iterator[tuple[int | None, ...]] = iter([_check_given(batch_dims, tensors)])
     else:
         candidates = _candidates(tensors)
+    candidates_tried = list(candidates)
     model.eval()
     tried: list[tuple[int | None, ...]] = []
-    try:
-        with torch.no_grad():
+
+    def search(noise: NoiseAsZeros | None) -> tuple[BatchLayout | None, list[Any]]:
+        """The layout the trials find (None if none) and the outputs on the example batch
+        they compared with; under `noise`, every random draw is zeros."""
+        with contextlib.nullcontext() if noise is None else noise:
             # In eval mode the seeded run above is already the eval-mode result.
             with whole():
-                full = out_leaves if not any_training else \
+                full = out_leaves if not any_training and noise is None else \
                     pytree.tree_leaves(model(*args, **kwargs))
             trials, trial_full = (whole, full) if whole is not nullcontext else \
                 _trial_model(model, args, kwargs, full, cut)
@@ -163,19 +169,31 @@ def infer_batch_layout(model: nn.Module, args: ModelArgs, kwargs: ModelKwargs,
             # split gives an output a batch dimension: a loss over the batch is then all
             # the model returns.
             fallback: BatchLayout | None = None
-            for dims in candidates:
-                tried.append(dims)
+            for dims in candidates_tried:
+                if noise is None:
+                    tried.append(dims)
                 with trials():
-                    layout = _try(model, args, kwargs, dims, trial_full, out_spec, out_is_tensor,
-                                  tensors)
+                    layout = _try(model, args, kwargs, dims, trial_full, out_spec,
+                                  out_is_tensor, tensors)
                 if layout is not None and any(d is not None for d in layout.output_dims):
-                    break
+                    return layout, full
                 fallback = fallback or layout
-            else:
-                layout = fallback
+            return fallback, full
+
+    try:
+        with torch.no_grad(), seeded(0):  # a draw's numbers are the same on every search
+            layout, full = search(None)
+            zeroed = False
+            if layout is None:  # noise drawn over the batch, or examples that interact
+                noise = NoiseAsZeros()
+                layout, full = search(noise)
+                zeroed = noise.drew
+                layout = layout if zeroed else None
             if layout is not None:
                 _check_numbers(model, out, full, layout)
                 layout = replace(layout, custom_functions=tuple(functions))
+                if zeroed:  # the trials' outputs are not the model's: the check runs it
+                    return replace(layout, eager_outputs=())
                 if not any_training:
                     return replace(layout, eager_outputs=(full, layout.eager_outputs[0]))
                 if any(is_tensor(x) for x in out_leaves) and \
