@@ -46,6 +46,7 @@ from fxpipe.reference import (
     reference_losses,
     replica_counts,
 )
+from fxpipe.reparametrized import derived_memo
 from fxpipe.replaced import ModelSlots
 from fxpipe.report import Report, build_report
 from fxpipe.runtime.communication.mesh import GroupCache, Mesh
@@ -153,6 +154,7 @@ class Program(ProgramBalance):
             raise ConfigError("this program holds one rank's stages of a distributed pipeline, "
                               "whose process groups cannot be copied",
                               hint="copy the model and compile it on every rank")
+        memo.update(derived_memo(self.model))  # a weight_norm's weight: derived anew
         clone = Program(copy.deepcopy(self.model, memo), self.config)
         clone.train(self.training)
         clone.measured = copy.deepcopy(self.measured, memo)

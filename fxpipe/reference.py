@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.losses import LossFn
+from fxpipe.reparametrized import derived_memo
 from fxpipe.runtime.communication.mesh import Mesh
 from fxpipe.runtime.execution.amp import compiled_autocast
 from fxpipe.runtime.execution.devices import stage_devices
@@ -117,9 +118,9 @@ def reference_device(model: nn.Module, first_stage: torch.device) -> torch.devic
 def copy_to(model: nn.Module, device: torch.device | None) -> nn.Module:
     """A deep copy of `model` whose tensors are made on `device` one by one (never a second
     copy of a tensor on the device it sits on, on the way)."""
+    memo = derived_memo(model)  # a weight_norm's weight: derived anew by the copy
     if device is None:
-        return copy.deepcopy(model)
-    memo: dict[int, Any] = {}
+        return copy.deepcopy(model, memo)
     for t in [*model.parameters(), *model.buffers()]:
         moved = t.detach().to(device, copy=True)
         memo[id(t)] = nn.Parameter(moved, requires_grad=t.requires_grad) \

@@ -5,6 +5,9 @@ refusal of a stored tensor, no warning of a hook and none of a changed setting
 (fxpipe.reparametrized)."""
 from __future__ import annotations
 
+import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -86,3 +89,20 @@ def test_pruning_after_compiling_is_refused_naming_the_weight():
     _pruned(model[2])  # moves the weight to weight_orig: the program's graph has no mask
     with pytest.raises(fxpipe.errors.ConfigError, match=r"the model's 2.weight was replaced"):
         program(x)
+
+
+@pytest.mark.parametrize("reparametrize", [_weight_norm, _pruned])
+def test_a_reparametrized_program_copies_and_writes_a_program_that_verifies(reparametrize,
+                                                                            tmp_path):
+    # torch refuses to deep-copy the derived weight (a tensor with a history): the copies
+    # behind copy.deepcopy(program) and the written program's reference losses must not
+    model = _model(reparametrize)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2)
+    clone = copy.deepcopy(program)
+    torch.testing.assert_close(clone(x), model(x))
+    program.write(str(tmp_path / "out"), target=y, loss_fn="mse")
+    result = subprocess.run([sys.executable, str(tmp_path / "out" / "program.py"), "--steps",
+                             "2", "--verify"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verify: OK: steps 0..1" in result.stdout

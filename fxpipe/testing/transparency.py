@@ -9,7 +9,6 @@ batch); check_dropout_remat compares the program with remat against the program 
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
@@ -22,6 +21,7 @@ from fxpipe import ir
 from fxpipe.losses import default_loss
 from fxpipe.profile import DeviceProfile
 from fxpipe.program import Program
+from fxpipe.reference import copy_to
 
 __all__ = ["PROFILE", "check_dropout_remat", "check_transparent"]
 
@@ -69,7 +69,7 @@ def _results(output: Any, loss: torch.Tensor, model: nn.Module, inputs: Any) -> 
 
 def _run_plain(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
                dtype: torch.dtype | None = None) -> tuple[Any, Results]:
-    model = copy.deepcopy(model)
+    model = copy_to(model, None)
     if dtype is not None:
         model = model.to(dtype)
     args, kw = _clone((inputs, kwargs), dtype)
@@ -182,7 +182,7 @@ def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict[str,
     if spec is not None:
         where += f"\n  spec={spec!r}"
 
-    piped = copy.deepcopy(model)
+    piped = copy_to(model, None)
     step = "compile"
     batches: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [(inputs, kwargs, "")]
     if rerun:
@@ -229,7 +229,7 @@ def check_transparent(model: nn.Module, inputs: Sequence[Any], kwargs: dict[str,
         raise AssertionError(f"fxpipe failed at run under torch.no_grad(): {type(e).__name__}: "
                              f"{e}\n  {where}") from e
     with torch.no_grad():
-        expected_output = copy.deepcopy(model)(*_clone(inputs), **_clone(kwargs))
+        expected_output = copy_to(model, None)(*_clone(inputs), **_clone(kwargs))
     outputs = {f"output leaf {k}": t for k, t in enumerate(pytree.tree_leaves(output))}
     expected = {f"output leaf {k}": t for k, t in enumerate(pytree.tree_leaves(expected_output))}
     _compare(outputs, expected, _float64(model, inputs, kwargs),
@@ -273,7 +273,7 @@ def check_dropout_remat(model: nn.Module, inputs: Sequence[Any], kwargs: dict[st
             # model's cuts, and each (stage, micro-batch) draws from its own RNG stream. The
             # cost model's stages need not be contiguous in node order, so both programs get
             # the node counts of a first one.
-            probe = fxpipe.compile(copy.deepcopy(model).train(), _clone(tuple(inputs)),
+            probe = fxpipe.compile(copy_to(model, None).train(), _clone(tuple(inputs)),
                                    example_kwargs=_clone(kwargs), stages=stages, chunks=chunks,
                                    remat="never", profile=profile, **fixed)
             fixed["balance"] = _node_counts(probe)
@@ -281,7 +281,7 @@ def check_dropout_remat(model: nn.Module, inputs: Sequence[Any], kwargs: dict[st
         raise AssertionError(f"fxpipe failed: {type(e).__name__}: {e}\n  {where}") from e
     cuts: list[list[tuple[str, int]]] = []
     for mode in ("never", other):
-        piped = copy.deepcopy(model).train()
+        piped = copy_to(model, None).train()
         try:
             program = fxpipe.compile(piped, _clone(tuple(inputs)), example_kwargs=_clone(kwargs),
                                      stages=stages, chunks=chunks, remat=mode, profile=profile,
