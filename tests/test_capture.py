@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import sympy
@@ -219,6 +220,54 @@ def test_a_torchscript_submodule_is_refused_naming_it(how, method):
                                            r"torch.jit.script or torch.jit.trace\)") as error:
         fxpipe.capture(model, (torch.randn(4, 4),), method=method)
     assert "before torch.jit.script" in error.value.hint
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    layers: int = 2
+
+
+@dataclasses.dataclass
+class _RegisteredOut(_Out):
+    pass
+
+
+torch.export.register_dataclass(_RegisteredOut)
+
+
+class _DataclassOut(nn.Module):
+    def __init__(self, out: type[_Out]) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(8, 16), nn.Linear(16, 4), out
+
+    def forward(self, x: torch.Tensor) -> _Out:
+        h = torch.tanh(self.a(x))
+        return self.out(self.b(h), h)
+
+
+def test_a_dataclass_output_is_refused_unless_registered_then_trains_as_the_plain_model():
+    # unregistered, pytree takes it for one opaque output: a program would return the first
+    # micro-batch's object
+    x = torch.randn(8, 8)
+    with pytest.raises(CaptureError, match=r"output of _DataclassOut is an object of type "
+                                           r"_Out") as error:
+        fxpipe.compile(_DataclassOut(_Out), (x,), stages=2, chunks=2)
+    assert "torch.export.register_dataclass(_Out)" in error.value.hint
+    torch.manual_seed(0)
+    model = _DataclassOut(_RegisteredOut)
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2)
+    out = program(x)
+    assert isinstance(out, _RegisteredOut) and out.layers == 2
+    torch.testing.assert_close(out.logits, plain(x).logits)
+    loss = program.step(x, target=None, loss_fn=lambda o: o.logits.pow(2).sum())
+    expected = plain(x).logits.pow(2).sum()
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_recurrent_model_has_its_batch_in_dim_1():

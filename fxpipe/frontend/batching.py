@@ -311,7 +311,9 @@ def _opaque_output(model: nn.Module, out: Any, index: int, value: object) -> Cap
         f"along the batch, and cannot join this one",
         hint="return tensors only" + (": pass use_cache=False in example_kwargs and in every "
                                       "call" if cache else
-                                      " (or a list, tuple or dict of them)"))
+                                      " (or a list, tuple or dict of them); a dataclass of "
+                                      "outputs is one once registered: "
+                                      f"torch.export.register_dataclass({kind})"))
 
 
 def _output_path(out: Any, index: int) -> str:
@@ -327,8 +329,18 @@ def _output_path(out: Any, index: int) -> str:
 def _same_number(a: object, b: object) -> bool:
     try:
         return type(a) is type(b) and bool(a == b)
-    except Exception:  # noqa: BLE001 - exotic __eq__: nothing to compare, keep the old behaviour
-        return True
+    except Exception:  # noqa: BLE001 - an __eq__ that compares tensors, or an exotic one
+        # An object holding tensors (a dataclass of outputs, which pytree does not flatten)
+        # holds the batch's: not the same. Anything else has nothing to compare.
+        return not (_holds_tensors(a) or _holds_tensors(b))
+
+
+def _holds_tensors(value: object) -> bool:
+    """Whether an object's attributes hold a tensor (directly or in lists, tuples, dicts)."""
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict):
+        attributes = {k: getattr(value, k, None) for k in getattr(value, "__slots__", ())}
+    return any(is_tensor(leaf) for leaf in pytree.tree_leaves(list(attributes.values())))
 
 
 def _check_given(batch_dims: Sequence[int | None],
