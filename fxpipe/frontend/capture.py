@@ -205,7 +205,8 @@ def capture(
     named_inputs = [(n, x) for n, x in zip(names, leaves) if is_tensor(x)]
     held = tensor_attributes(model)  # put back after the trial runs (attributes_kept)
     if check is None:  # buffers a forward fills once are filled before capture
-        lazy.run_first_forward(model, args, kwargs, named_inputs)
+        with _attention_fast_path_off():
+            lazy.run_first_forward(model, args, kwargs, named_inputs)
     before = snapshot_state(model, named_inputs)
     meta = check is not None  # every run of the model is on fake tensors
     stamper = Stamper(model) if stamp else None
@@ -213,7 +214,7 @@ def capture(
     # A meta model with lists of alike blocks runs cut to three blocks a list only: the whole
     # model's outputs are derived from the stamped graph (see _derived_capture).
     with attributes_kept(model, held) as stored, preserved_state(model, before), \
-            runs.calls(model, meta):
+            runs.calls(model, meta), _attention_fast_path_off():
         found = _derived_capture(method, model, args, kwargs, leaves, in_spec, names, tensors,
                                  batch_dims, before, leaf_modules, inline_modules, runs,
                                  stamper, lap) \
@@ -250,6 +251,20 @@ def capture(
                                       stamper.stamped if stamper else 0,
                                       stamper.note if stamper else None, runs.cut, inlined)
     return gm
+
+
+@contextlib.contextmanager
+def _attention_fast_path_off() -> Iterator[None]:
+    """The capture's runs of the model take the attention path its graph takes. In eval mode
+    without gradients (the trial runs), nn.TransformerEncoder's fast path returns zeros at the
+    positions src_key_padding_mask pads, where the traced layers compute values (as the plain
+    model does with gradients): the graph would look wrong."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
 
 
 def _first_line(text: str) -> str:
