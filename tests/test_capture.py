@@ -270,6 +270,35 @@ def test_a_dataclass_output_is_refused_unless_registered_then_trains_as_the_plai
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.reentrant = nn.Linear(8, 16), nn.Linear(16, 4), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.a(t)), x,
+                                              use_reentrant=self.reentrant)
+        return self.b(h)
+
+
+def test_reentrant_checkpointing_under_export_is_refused_with_the_way_out():
+    # export loses the reentrant region's gradients; the refusal says which flag keeps them
+    x = torch.randn(4, 8)
+    with pytest.raises(CaptureError, match="gives gradients to other parameters") as error:
+        fxpipe.compile(_Checkpointed(True), (x,), stages=2, chunks=2, capture="export")
+    assert "use_reentrant=False" in error.value.hint
+    torch.manual_seed(0)
+    model = _Checkpointed(False)
+    plain = copy.deepcopy(model)
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, capture="export")
+    loss = program.step(x, target=None, loss_fn=lambda out: out.pow(2).mean())
+    expected = plain(x).pow(2).mean()
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_recurrent_model_has_its_batch_in_dim_1():
     model, inputs, _ = _load("recurrent")
     gm = fxpipe.capture(model, inputs)

@@ -430,7 +430,8 @@ def _capture_with(method: str, model: nn.Module, signature: Signature, leaves: S
     gm, problem = _stamped_or_whole(exported, export_check, stamper)
     if problem is not None:
         raise CaptureError(f"the exported graph computes something else than the model: {problem}",
-                           hint="please report this model; as a workaround capture a submodule")
+                           hint=regions.LOST_REGION_HINT if problem.startswith(regions.LOST_REGION)
+                           else "please report this model; as a workaround capture a submodule")
     return gm, "export", reason
 
 

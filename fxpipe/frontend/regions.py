@@ -29,7 +29,7 @@ from fxpipe.signature import Signature
 from fxpipe.untouched import seeded
 
 __all__ = ["inline_regions", "ModeWatch", "RegionInterpreter", "call", "gradient_difference",
-           "output_gradients"]
+           "output_gradients", "LOST_REGION", "LOST_REGION_HINT"]
 
 _HIGHER_ORDER = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}  # args before submod
 _DEVICES = ("cpu", "cuda")  # autocast states the fx front end watches
@@ -193,6 +193,13 @@ def output_gradients(run: Callable[[], Any], params: Sequence[torch.Tensor]
         return list(torch.autograd.grad(total, list(params), allow_unused=True))
 
 
+LOST_REGION = "the graph gives gradients to other parameters than the model"
+LOST_REGION_HINT = (
+    "torch.utils.checkpoint(..., use_reentrant=True) is such a region under torch.export: pass "
+    "use_reentrant=False (a transformers model: model.gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={'use_reentrant': False})), or compile with capture='fx'")
+
+
 def gradient_difference(gm: fx.GraphModule, model: nn.Module, signature: Signature,
                         args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
     """None when the graph's regions give gradients to the parameters the model's give them to.
@@ -218,7 +225,7 @@ def gradient_difference(gm: fx.GraphModule, model: nn.Module, signature: Signatu
     if eager == graph:
         return None
     extra, missing = sorted(graph - eager), sorted(eager - graph)
-    return "the graph gives gradients to other parameters than the model (a grad-mode region " \
+    return f"{LOST_REGION} (a grad-mode region " \
         "lost while tracing; torch.fx keeps them, method='fx')" + \
         (f": only the graph to {', '.join(extra)}" if extra else "") + \
         (f"; only the model to {', '.join(missing)}" if missing else "")
