@@ -288,6 +288,18 @@ class ProgramState(nn.Module):
         return ((dot + canonical.get(id(p), name), p)
                 for name, p in super().named_parameters("", recurse, remove_duplicate))
 
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stages' buffers under the model's names, as named_parameters names parameters
+        (what `torch.optim.swa_utils.AveragedModel(program, use_buffers=True)` or a match by
+        name reads); before a lazy program's first call, the model's own."""
+        if self._built is None:
+            return self.model.named_buffers(prefix, recurse, remove_duplicate)
+        canonical = self._state_names().canonical(self._stage_modules())
+        dot = f"{prefix}." if prefix else ""
+        return ((dot + canonical.get(id(b), name), b)
+                for name, b in super().named_buffers("", recurse, remove_duplicate))
+
     def state_dict(self, *, destination: dict[str, Any] | None = None,  # type: ignore[override]
                    prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """This process's parameters and buffers under the model's state_dict keys, whole (under

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import fxpipe
 from fxpipe import cli
@@ -827,6 +828,17 @@ def test_program_parameters_are_named_as_the_model_names_them():
     names = [name for name, _ in program.named_parameters()]
     assert names and set(names) <= set(program.state_dict())
     assert set(names) == {n for n, _ in model.named_parameters()}
+
+
+def test_program_buffers_are_named_as_the_model_names_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8),
+                          nn.BatchNorm1d(8), nn.Linear(8, 2))
+    program = fxpipe.compile(model, (torch.randn(8, 6),), stages=2, chunks=2)
+    buffers = dict(program.named_buffers())
+    assert set(buffers) == {n for n, _ in model.named_buffers()}
+    assert all(buffers[n] is b for n, b in model.named_buffers())  # the stages hold them
+    assert [n for n, _ in program.named_buffers(prefix="p")] == [f"p.{n}" for n in buffers]
 
 
 def test_run_help_lists_the_options_of_program_py(capsys):
