@@ -85,7 +85,8 @@ def annotate_costs(gm: GraphModule, *, batch_hint: int | None = None) -> CostSum
     while True:
         runner = _CostRunner(gm, hint, sampled)
         try:
-            runner.run_all()
+            with shapes.quiet_fake_tensor_log():
+                runner.run_all()
             return runner.summary()
         except shapes.Specialised as e:  # costed again, with that operation sampled
             if e.key in sampled:

@@ -19,8 +19,10 @@ parameters laid out as their twins in block 2 take their twins' fakes (one conve
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeAlias
 
 import sympy  # type: ignore[import-untyped]  # sympy ships no type annotations
@@ -37,7 +39,8 @@ from fxpipe.frontend.stamp import BLOCKS, StampedBlocks
 
 __all__ = ["propagate_shapes", "symbolic_inputs", "op_key", "specialised", "OpKey",
            "Specialised", "known_specialising", "SAMPLE_SIZES", "plain_containers",
-           "export_infos", "write_infos", "known_sampled", "interpolate", "fit_line"]
+           "export_infos", "write_infos", "known_sampled", "interpolate", "fit_line",
+           "quiet_fake_tensor_log"]
 
 OpKey: TypeAlias = object
 """What identifies an operation across nodes: a function or aten overload, ("method", name), or
@@ -231,6 +234,21 @@ def _symbolic(value: Any) -> Any:
         else value
 
 
+@contextlib.contextmanager
+def quiet_fake_tensor_log() -> Iterator[None]:
+    """Keeps torch's fake-tensor log quiet while operations run on symbolic shapes: an
+    operation whose meta kernel cannot take a symbolic size (baddbmm's broadcast bias in
+    nn.MultiheadAttention with a padding mask) logs a traceback at ERROR level before torch
+    falls back to another way of running it, which succeeds; one that fails raises."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def call_node(module: torch.nn.Module, n: Node, args: Sequence[Any],
               kwargs: dict[str, Any]) -> Any:
     """Runs one node's operation on the given values, in its grad-mode and autocast regions;
@@ -354,7 +372,8 @@ def propagate_shapes(gm: GraphModule, tensors: Sequence[torch.Tensor],
     sampled = known_sampled(gm)
     while True:
         try:
-            values = _propagate(gm, tensors, batch_dims, sampled)
+            with quiet_fake_tensor_log():
+                values = _propagate(gm, tensors, batch_dims, sampled)
             break
         except Specialised as e:
             if e.key in sampled:  # cannot happen: sampled operations run on static fakes
