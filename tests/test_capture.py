@@ -299,6 +299,24 @@ def test_reentrant_checkpointing_under_export_is_refused_with_the_way_out():
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+class _Packed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        return self.head(self.rnn(packed)[1][0][-1])
+
+
+def test_an_rnn_over_a_packed_sequence_is_refused_saying_how_to_run_it_padded():
+    with pytest.raises(CaptureError) as error:
+        fxpipe.compile(_Packed(), (torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])),
+                       stages=2, chunks=2)
+    assert "PackedSequence" in error.value.hint and "lengths - 1" in error.value.hint
+
+
 def test_recurrent_model_has_its_batch_in_dim_1():
     model, inputs, _ = _load("recurrent")
     gm = fxpipe.capture(model, inputs)

@@ -287,8 +287,9 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
         raise CaptureError(
             f"neither torch.fx nor torch.export can capture {type(model).__name__}: "
             f"{type(error).__name__}: {first}" + (f"\n  at {where}" if where else ""),
-            hint="data-dependent control flow (if on tensor values, .item(), nonzero) cannot be "
-                 "captured: rewrite it with torch.where or torch.cond, or move it out of forward",
+            hint=_PACKED_HINT if _ran_on_packed_sequence(error) else
+            "data-dependent control flow (if on tensor values, .item(), nonzero) cannot be "
+            "captured: rewrite it with torch.where or torch.cond, or move it out of forward",
         ) from error
     _refuse_fixed_batch(ep, type(model).__name__, layout, fixed)
     gm = ep.module()
@@ -299,6 +300,23 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
     _bind_model_state(gm, model)
     gm.graph.eliminate_dead_code()
     return gm
+
+
+_PACKED_HINT = (
+    "an RNN over a PackedSequence (pack_padded_sequence) runs as many steps on each example as "
+    "its length says, which no graph can hold: run it over the padded batch and read each "
+    "example's last valid step with its length (out[torch.arange(n), lengths - 1]), or mask "
+    "the padded steps")
+
+
+def _ran_on_packed_sequence(error: BaseException) -> bool:
+    """Whether a frame the error passed through held a PackedSequence."""
+    tb = error.__traceback__
+    while tb is not None:
+        if any(isinstance(v, nn.utils.rnn.PackedSequence) for v in tb.tb_frame.f_locals.values()):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _is_data_dependent(error: Exception) -> bool:
