@@ -38,8 +38,19 @@ def callable_name(target: Any, node_name: str, imports: set[str], from_imports: 
     qualname: str | None = getattr(target, "__qualname__", None)
     if not module or not qualname or "<" in qualname or module == "__main__":
         raise CodegenError(f"{node_name} calls {target!r}, which cannot be imported by name",
-                           hint="define the function at module level in an importable module")
+                           hint=_unimportable_hint(module, qualname))
     return _importable_name(target, module, qualname, imports, from_imports)
+
+
+def _unimportable_hint(module: str | None, qualname: str | None) -> str:
+    """How to make a callable importable by name, for why it is not."""
+    if module == "__main__" and qualname and "<" not in qualname:
+        return ("it is defined in the script run as __main__, which stage code cannot import "
+                "(a written program's __main__ is its own program.py): move it into a module "
+                "of its own and import it from there")
+    if qualname and "<lambda>" in qualname:
+        return "give it a name: a function defined with def at module level of a module"
+    return "define it at module level of an importable module (not inside a function)"
 
 
 def _importable_name(target: Any, module: str, qualname: str, imports: set[str],
