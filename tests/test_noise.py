@@ -91,3 +91,21 @@ def test_a_random_draw_that_mixes_examples_is_still_refused():
     with pytest.raises(CaptureError, match="found no batch dimension along which RandomPartner "
                                            "is separable"):
         fxpipe.compile(RandomPartner(), (torch.randn(8, 12),), stages=2, chunks=2)
+
+
+class _OwnGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(12, 12)
+        self.noise = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x + torch.randn(x.shape, generator=self.noise))
+
+
+@pytest.mark.parametrize("capture", ["auto", "fx", "export"])
+def test_a_model_drawing_from_a_generator_of_its_own_is_refused_naming_it(capture):
+    with pytest.raises(CaptureError) as error:
+        fxpipe.compile(_OwnGenerator(), (torch.randn(8, 12),), stages=2, chunks=2,
+                       capture=capture)
+    assert "holds a torch.Generator of its own (noise)" in error.value.hint

@@ -214,7 +214,7 @@ def capture(
     # A meta model with lists of alike blocks runs cut to three blocks a list only: the whole
     # model's outputs are derived from the stamped graph (see _derived_capture).
     with attributes_kept(model, held) as stored, preserved_state(model, before), \
-            runs.calls(model, meta), _attention_fast_path_off():
+            runs.calls(model, meta), _attention_fast_path_off(), _own_generators_named(model):
         found = _derived_capture(method, model, args, kwargs, leaves, in_spec, names, tensors,
                                  batch_dims, before, leaf_modules, inline_modules, runs,
                                  stamper, lap) \
@@ -251,6 +251,28 @@ def capture(
                                       stamper.stamped if stamper else 0,
                                       stamper.note if stamper else None, runs.cut, inlined)
     return gm
+
+
+@contextlib.contextmanager
+def _own_generators_named(model: nn.Module) -> Iterator[None]:
+    """A capture that fails on a model holding a torch.Generator of its own says so: its draws
+    differ from run to run, so no graph matches the model run beside it (and a pipeline could
+    not give each micro-batch the plain model's numbers), and export cannot take a symbolic
+    size from one."""
+    try:
+        yield
+    except CaptureError as error:
+        held = [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+                for name, value in vars(module).items() if isinstance(value, torch.Generator)]
+        if not held:
+            raise
+        raise CaptureError(
+            error.message,
+            hint=f"{type(model).__name__} holds a torch.Generator of its own "
+                 f"({', '.join(held[:3])}): draw from torch's default generator instead "
+                 f"(generator=None), which a pipeline seeds per micro-batch as the plain model "
+                 f"runs (README: \"Training semantics: what equals what\")"
+                 + (f"; otherwise: {error.hint}" if error.hint else "")) from error
 
 
 @contextlib.contextmanager
