@@ -310,7 +310,7 @@ FALLBACKS = {
                                        for i in range(5)]), "blocks 1 and 3 of blocks differ"),
     "hook": (_hooked, "blocks.3 has a hook (forward hook)"),
     "own index": (lambda: _Net([_IndexBlock(8, i) for i in range(5)]),
-                  "blocks 1 and 2 of blocks differ at"),
+                  "the blocks of blocks read their position (layer_idx) in forward"),
     "shared weights": (_shared, "blocks 3 and 4 of blocks share the weight 'fc.weight'"),
     "not a chain": (lambda: _SkipNet([_SkipBlock(8, i) for i in range(5)]), "not a chain"),
     "between": (lambda: _BetweenNet([_Block(8, i) for i in range(5)]), "between the blocks"),
@@ -348,20 +348,58 @@ def test_the_report_says_why_blocks_were_not_stamped() -> None:
     torch.testing.assert_close(program(x), model(x))
 
 
-def test_a_block_branching_on_its_index_is_caught_by_the_check_against_eager() -> None:
-    class Late(_Block):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = x + torch.tanh(self.fc(x))
-            return y * 2 if self.layer_idx == 3 else y  # blocks 1, 2 and the last agree
+class _Detached(_Block):  # the values of every block alike, the gradient not
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer_idx == 2:
+            x = x.detach()
+        return x + torch.tanh(self.fc(x))
 
+
+class _Clamped(_Block):  # a clamp the example batch does not reach
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer_idx == 2:
+            x = x.clamp(-5, 5)
+        return x + torch.tanh(self.fc(x))
+
+
+class _Late(_Block):  # blocks 1, 2 and the last agree
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + torch.tanh(self.fc(x))
+        return y * 2 if self.layer_idx == 3 else y
+
+
+@pytest.mark.parametrize("block", [_Detached, _Clamped, _Late])
+def test_blocks_reading_their_position_are_not_stamped_and_train_as_the_plain_model(block):
+    # a block not traced (2, 3) branches where the traced ones (0, 1, 5) do not: no check of
+    # values finds a detach, or a clamp the example batch does not reach
     torch.manual_seed(0)
-    model = _Net([Late(8, i) for i in range(5)]).eval()
+    model = _Net([block(8, i) for i in range(6)])
+    plain = copy.deepcopy(model)
     x = torch.randn(4, 4)
-    gm = capture(model, (x,), method="fx", inline_modules=True, stamp=True)
-    info = gm.meta[ir.CAPTURE]
+    program = fxpipe.compile(model, (x,), stages=2, chunks=2, stamp=True)
+    info = program.built.capture_info
     assert info.stamped == 0
-    assert "the stamped graph computes something else than the model" in info.stamp_note
-    torch.testing.assert_close(gm(x), model(x))
+    assert "the blocks of blocks read their position (layer_idx) in forward" in info.stamp_note
+    loss = program.step(x, target=None, loss_fn=lambda out: out.pow(2).mean())
+    expected = plain(x).pow(2).mean()
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+    theirs = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (theirs[name].grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, theirs[name].grad, msg=name)
+    big = 100 * torch.randn(4, 4)
+    torch.testing.assert_close(program(big), plain(big))
+
+
+def test_a_block_whose_position_is_kept_but_not_read_is_stamped() -> None:
+    torch.manual_seed(0)
+    model = _Net([_Block(8, i) for i in range(6)])  # layer_idx kept for bookkeeping only
+    gm = capture(model.eval(), (torch.randn(4, 4),), method="fx", inline_modules=True,
+                 stamp=True)
+    assert gm.meta[ir.CAPTURE].stamped == 3
+    assert all(type(b.layer_idx) is int for b in model.blocks)  # put back
 
 
 def test_a_stamped_capture_leaves_the_model_as_it_was() -> None:

@@ -5,7 +5,10 @@ Alike means one class, the same parameter and buffer names, shapes, dtypes and r
 same attributes apart from an int equal to the block's position (transformers' `layer_idx`), no
 hooks and no weights shared, between blocks or with the rest of the model. Block 0 is traced
 apart, so it may differ (T5's first block owns the position bias). `reduced` cuts such a list
-to its first, second and last block for the length of a trace.
+to its first, second and last block for the length of a trace, and `indices_watched` notes a
+traced block that reads its position while it runs: a block that branches on it (`if
+self.layer_idx == 2: x = x.detach()`) may compute otherwise than the blocks traced, in ways no
+check of values finds, so its list is not stamped.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MIN_BLOCKS", "BlockRun", "alike", "find_blocks", "find_runs", "reduced"]
+__all__ = ["MIN_BLOCKS", "BlockRun", "alike", "find_blocks", "find_runs", "reduced",
+           "indices_watched"]
 
 MIN_BLOCKS = 4  # three are traced; below four nothing is left to stamp
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -188,3 +192,75 @@ def reduced(model: nn.Module, run: BlockRun) -> Iterator[None]:
         yield
     finally:
         blocks.__dict__["_modules"] = kept
+
+
+# --- blocks that read their position --------------------------------------------------------------
+
+class _WatchedIndex:
+    """Stands for a block's position while a traced block runs: anything that reads its value
+    (a comparison, arithmetic, indexing with it, printing) notes the block's attribute in
+    `reads`; C code that takes it for an int reads it through __index__ or raises, which the
+    trace reports. It is no int (isinstance says so), so that isinstance checks over a module's
+    attributes (fxpipe's own, as the trace starts) are no reads."""
+
+    def __init__(self, value: int, name: str, reads: list[str]) -> None:
+        object.__setattr__(self, "_watched", (value, name, reads))
+
+    def _read(self) -> int:
+        value, name, reads = object.__getattribute__(self, "_watched")
+        if name not in reads:
+            reads.append(name)
+        return int(value)
+
+
+
+def _reading(name: str) -> Any:
+    def method(self: _WatchedIndex, *args: Any) -> Any:
+        return getattr(self._read(), name)(*args)
+    method.__name__ = name
+    return method
+
+
+for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__",
+              "__index__", "__int__", "__float__", "__hash__", "__str__", "__repr__",
+              "__format__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+              "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
+              "__rmod__", "__divmod__", "__rdivmod__", "__pow__", "__rpow__", "__neg__",
+              "__pos__", "__abs__", "__invert__", "__and__", "__rand__", "__or__", "__ror__",
+              "__xor__", "__rxor__", "__lshift__", "__rlshift__", "__rshift__", "__rrshift__",
+              "__round__", "__trunc__", "__floor__", "__ceil__"):
+    setattr(_WatchedIndex, _name, _reading(_name))
+
+
+def _indices(blocks: list[nn.Module]) -> list[tuple[nn.Module, str, int, str]]:
+    """(module, attribute, value, name) of each int attribute that holds its block's position
+    in every block from 1 on (the differences `_difference` lets pass), and in block 0 where
+    block 0 holds it too."""
+    def ints(block: nn.Module) -> dict[tuple[str, str], tuple[nn.Module, int]]:
+        return {(name, key): (m, value) for name, m in block.named_modules(remove_duplicate=False)
+                for key, value in vars(m).items() if key not in _SKIPPED and type(value) is int}
+
+    found = [ints(block) for block in blocks]
+    positions = [k for k in found[1] if all(k in f and f[k][1] == i
+                                            for i, f in enumerate(found) if i > 0)]
+    return [(f[k][0], k[1], i, f"{k[0]}.{k[1]}" if k[0] else k[1])
+            for k in positions for i, f in enumerate(found) if k in f and f[k][1] == i]
+
+
+@contextlib.contextmanager
+def indices_watched(model: nn.Module, runs: list[BlockRun]) -> Iterator[dict[str, list[str]]]:
+    """While each block of `runs` (whole lists: cut them after) holds a watcher in place of
+    each position it keeps (see _WatchedIndex), yields {list path: the attributes its blocks
+    read}; puts the ints back afterwards, also on error."""
+    reads: dict[str, list[str]] = {run.path: [] for run in runs}
+    swapped: list[tuple[nn.Module, str, int]] = []
+    try:
+        for run in runs:
+            blocks = [b for b in model.get_submodule(run.path)._modules.values() if b is not None]
+            for module, key, value, name in _indices(blocks):
+                vars(module)[key] = _WatchedIndex(value, name, reads[run.path])
+                swapped.append((module, key, value))
+        yield reads
+    finally:
+        for module, key, value in swapped:
+            vars(module)[key] = value

@@ -12,8 +12,10 @@ list whose graph does not show this is left whole (the model traced again withou
 anything else falls back to the full capture, and the reasons are kept for the report.
 
 The reduced model is the user's model with each list's children swapped for three, put back
-when the trace ends (also on error). Taking the last block as the third catches a block whose
-forward branches on its own index in a way the first blocks do not show.
+when the trace ends (also on error). A list whose traced blocks read their position while
+traced (`layer_idx`, fxpipe.frontend.blocks.indices_watched) is left whole: a block not traced
+could branch otherwise in ways no check of values finds (a detach, a clamp the example batch
+does not reach).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe import ir
-from fxpipe.frontend.blocks import BlockRun, alike, find_runs, reduced
+from fxpipe.frontend.blocks import BlockRun, alike, find_runs, indices_watched, reduced
 from fxpipe.frontend.lazy_code import recompile_lazily
 
 __all__ = ["BLOCKS", "StampedBlocks", "Stamper"]
@@ -97,7 +99,7 @@ class Stamper:
         refused = self.refused
         while self.runs:
             try:
-                with self.cut():
+                with indices_watched(self.model, self.runs) as reads, self.cut():
                     gm = front()
             except Exception as error:  # noqa: BLE001 - then the whole model says what is wrong
                 whole = front()  # a front end that fails on the whole model too raises here
@@ -106,6 +108,14 @@ class Stamper:
                 self.refuse(f"the model with 3 blocks of {lists} was not captured: "
                             f"{type(error).__name__}: {first}"[:300])
                 return whole
+            reading = [run for run in self.runs if reads[run.path]]
+            if reading:  # a block not traced may branch otherwise: those lists left whole
+                for run in reading:
+                    refused.append(f"the blocks of {run.path} read their position "
+                                   f"({', '.join(reads[run.path][:2])}) in forward, so a "
+                                   f"block not traced may compute otherwise")
+                    self.runs.remove(run)
+                continue
             try:
                 for run in self.runs:
                     gm = stamp(gm, run, self.model, self.outputs)
