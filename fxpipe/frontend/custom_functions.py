@@ -25,14 +25,16 @@ __all__ = ["custom_functions_applied", "check_custom_backward"]
 def custom_functions_applied(found: list[str]) -> Iterator[None]:
     """Appends to `found` the name of each autograd.Function outside torch applied in the
     block (each once)."""
-    original = torch.autograd.Function.__dict__["apply"]  # a classmethod
+    # a classmethod, or (torch 2.14) a classmethod_descriptor of C code, which has no __func__:
+    # either binds to a class through __get__
+    original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         if cls.__module__.split(".")[0] != "torch":
             name = f"{cls.__module__}.{cls.__qualname__}"
             if name not in found:
                 found.append(name)
-        return original.__func__(cls, *args, **kwargs)
+        return original.__get__(None, cls)(*args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
     try:
