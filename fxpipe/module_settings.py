@@ -144,9 +144,9 @@ class SettingWatch:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Around a capture of the model by the program (a variant): an attribute its runs of
-        forward write is the model's own state, not a setting, and is not watched from then
-        on."""
+        """Around a capture of the model by the program (the first, or a variant): an
+        attribute its runs of forward write is the model's own state, not a setting, and is not
+        watched from then on."""
         before = [{k: vars(m).get(k, _MISSING) for k in keys}
                   for m, keys in zip(self.modules, self.keys)]
         yield

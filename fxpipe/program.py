@@ -112,13 +112,14 @@ class Program(ProgramBalance):
         device = rank_device() if distributed else None
         args, kwargs = copy_inputs(args, kwargs)  # compiling runs the model, not on the caller's
         # in the program's mode: program.eval() before a lazy program's first call
+        settings = SettingWatch.of(self.model)  # what forward writes is state, not settings
         with contextlib.nullcontext() if self.training == self.model.training else \
-                in_mode(self.model, self.training):
+                in_mode(self.model, self.training), settings.capturing():
             built = build(self.model, args, kwargs, self.config,
                           agree=broadcast_plan if distributed else None)
         self._modes = ModeWatch.of(self.model, self.training,
                                    uniform=self.training != self.model.training)
-        self._settings = SettingWatch.of(self.model)
+        self._settings = settings
         self._names = StateNames.of_model(self.model, built.captured)
         self._example = [t.detach() for t in self._flat_inputs(built, args, kwargs)]
         self._compiled_training = built.capture_info.training
