@@ -317,6 +317,29 @@ def test_an_rnn_over_a_packed_sequence_is_refused_saying_how_to_run_it_padded():
     assert "PackedSequence" in error.value.hint and "lengths - 1" in error.value.hint
 
 
+class _LayerDrop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([]) < 0.2:  # skips a layer now and then
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_branch_on_a_random_draw_in_training_is_refused_saying_how_to_compile_it():
+    with pytest.raises(CaptureError, match="decides what to compute from the values") as error:
+        fxpipe.compile(_LayerDrop().train(), (torch.randn(4, 8),), stages=2, chunks=2)
+    assert "config.layerdrop = 0.0" in error.value.hint and "eval mode" in error.value.hint
+    torch.manual_seed(0)
+    model = _LayerDrop().eval()  # the way out the hint gives
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(fxpipe.compile(model, (x,), stages=2, chunks=2)(x), model(x))
+
+
 def test_recurrent_model_has_its_batch_in_dim_1():
     model, inputs, _ = _load("recurrent")
     gm = fxpipe.capture(model, inputs)

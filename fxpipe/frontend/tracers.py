@@ -282,7 +282,8 @@ def export(model: nn.Module, signature: Signature, leaves: Sequence[Any],
         error = errors[0]
         where = source.from_exception(error)
         if _is_data_dependent(error):
-            raise _data_dependent_error(type(model).__name__, error, where) from error
+            raise _data_dependent_error(type(model).__name__, error, where,
+                                        training=model.training) from error
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CaptureError(
             f"neither torch.fx nor torch.export can capture {type(model).__name__}: "
@@ -323,8 +324,8 @@ def _is_data_dependent(error: Exception) -> bool:
     return "data-dependent" in str(error) or "DataDependent" in type(error).__name__
 
 
-def _data_dependent_error(model: str, error: Exception,
-                          where: source.SourceLine | None) -> CaptureError:
+def _data_dependent_error(model: str, error: Exception, where: source.SourceLine | None,
+                          training: bool = False) -> CaptureError:
     """Says which line of the model decides on a tensor's values, and what to write instead;
     torch's symbolic expression (Eq(u0, 1): a value it cannot know while tracing) is a detail."""
     found = re.search(r"expression (.+?)(?: \(unhinted|\.?$)", str(error).splitlines()[0]
@@ -340,7 +341,11 @@ def _data_dependent_error(model: str, error: Exception,
              "(if, bool(), .item() and nonzero on a tensor all read its values); where it is an "
              "`if` on a tensor that goes the same way on every batch (a guard against rare "
              "values, such as a clamp of non-finite ones), pass capture='follow_branches': the "
-             "graph takes the example batch's way and checks it on every micro-batch")
+             "graph takes the example batch's way and checks it on every micro-batch"
+             + ("; an `if` on a random draw in training (LayerDrop's `torch.rand([]) < p`) goes "
+                "its own way on every step, so follow_branches would fail: set its probability "
+                "to 0 (transformers: config.layerdrop = 0.0) or compile in eval mode"
+                if training else ""))
 
 
 @contextlib.contextmanager
