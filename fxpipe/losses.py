@@ -56,6 +56,10 @@ def default_loss(output: Any, target: torch.Tensor | None = None) -> torch.Tenso
         return F.mse_loss(prediction, target)
     if _classes_in_dim_1(prediction, target):  # torch's [N, C, d1, ...] against [N, d1, ...]
         return F.cross_entropy(prediction, target)
+    return _classes_last(prediction, target)
+
+
+def _classes_last(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1))
 
 
@@ -246,7 +250,10 @@ def loss_saved_bytes(gm: GraphModule, b: int) -> float:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        default_loss(logits, target)
+        if target is None:
+            default_loss(logits)
+        else:  # the classes where the estimate assumes them, whatever the shapes look like
+            _classes_last(logits, target)
     return float(sum(saved.values()))
 
 
@@ -266,7 +273,8 @@ def loss_time(gm: GraphModule, b: int, profile: DeviceProfile, measured: bool,
             if len(shape) > 1 else None
 
         def run() -> None:
-            torch.autograd.backward(default_loss(logits, target))
+            torch.autograd.backward(default_loss(logits) if target is None
+                                    else _classes_last(logits, target))
             if device.type == "cuda":  # the kernels are asynchronous: time them, not the launch
                 torch.cuda.synchronize(device)
 
