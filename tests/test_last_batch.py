@@ -40,6 +40,13 @@ def test_a_micro_batch_too_small_for_the_model_says_how_the_batch_was_split_and_
                      loss_fn=F.cross_entropy)
     assert "(a batch of 7 in 7 micro-batches of 1): ValueError" in str(err.value)
     assert "chunks=4 does not divide 7" in err.value.hint and "drop_last=True" in err.value.hint
+    assert "BatchNorm in train mode normalises each micro-batch" in err.value.hint
+    program = fxpipe.compile(model, (torch.randn(4, 8),), stages=2, chunks=4)
+    with pytest.raises(PipelineRuntimeError) as err:  # the compiled chunks: one example each
+        program.step(torch.randn(4, 8), target=torch.randint(0, 3, (4,)),
+                     loss_fn=F.cross_entropy)
+    assert err.value.hint.startswith("BatchNorm in train mode normalises each micro-batch by "
+                                     "its own statistics") and "use fewer chunks" in err.value.hint
     assert Signature.split_text(16, 4, 4) == ("a batch of 16 in 4 micro-batches of 4", None)
 
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = ["deferred_batch_norm", "commit_batch_norms", "discard_batch_norms",
-           "cumulative_batch_norm", "average_statistics", "RUNNING_STATISTICS"]
+           "cumulative_batch_norm", "average_statistics", "RUNNING_STATISTICS",
+           "too_few_values_hint"]
 
 RUNNING_STATISTICS = ("running_mean", "running_var")  # what replicas average after a step
 
@@ -148,3 +149,15 @@ def cumulative_batch_norm(x: torch.Tensor, running_mean: torch.Tensor, running_v
         running_mean.mul_(1 - factor).add_(per_channel.mean(1) * factor)
         running_var.mul_(1 - factor).add_(per_channel.var(1) * factor)
     return out
+
+
+def too_few_values_hint(error: BaseException, microbatch: int) -> str | None:
+    """The hint for BatchNorm's refusal of a training micro-batch with one value per channel
+    (a micro-batch of one example without spatial dimensions), else None: the plain model
+    normalises over the whole batch, a pipeline over each micro-batch."""
+    if "Expected more than 1 value per channel when training" not in str(error):
+        return None
+    return (f"BatchNorm in train mode normalises each micro-batch by its own statistics (as "
+            f"GPipe does), which needs more than one value per channel, and these micro-batches "
+            f"hold {microbatch} example{'s' if microbatch != 1 else ''}: use fewer chunks, so "
+            f"that each micro-batch has 2 or more examples")

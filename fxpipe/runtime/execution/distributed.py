@@ -46,6 +46,7 @@ from fxpipe.runtime.execution.batchnorm import (
     average_statistics,
     commit_batch_norms,
     discard_batch_norms,
+    too_few_values_hint,
 )
 from fxpipe.runtime.execution.devices import (
     make_timeline,
@@ -411,7 +412,9 @@ class DistributedExecutor:
                 raise PipelineRuntimeError(
                     f"stage {stage} (rank {self.mesh.rank}) failed in {action.kind}{mb} "
                     f"({how}): {type(e).__name__}: {e}",
-                    hint=uneven or "the other ranks stop when this one exits") from e
+                    hint="; ".join(h for h in (too_few_values_hint(e, batch // chunks),
+                                               uneven) if h)
+                    or "the other ranks stop when this one exits") from e
         comm.finish()
         self._learned(comm, key)
         # what the last stage found of the loss: [loss, kind, replicas finding each kind...,

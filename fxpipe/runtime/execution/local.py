@@ -28,7 +28,11 @@ from fxpipe.errors import FxPipeError, PipelineRuntimeError
 from fxpipe.remat_policy import RematPolicy, remat_policy
 from fxpipe.runtime.comm import LocalComm
 from fxpipe.runtime.execution.amp import AutocastState
-from fxpipe.runtime.execution.batchnorm import commit_batch_norms, discard_batch_norms
+from fxpipe.runtime.execution.batchnorm import (
+    commit_batch_norms,
+    discard_batch_norms,
+    too_few_values_hint,
+)
 from fxpipe.runtime.execution.devices import pin_for, stage_devices
 from fxpipe.runtime.execution.forward import draw_base, run_forward
 from fxpipe.runtime.execution.memory import KeptMemory
@@ -102,7 +106,9 @@ class LocalExecutor:
                     raise PipelineRuntimeError(
                         f"stage {s} failed on micro-batch {mb} ({split}): "
                         f"{type(e).__name__}: {e}",
-                        hint=uneven or "run the stage alone (program.stages[i]) to debug it"
+                        hint="; ".join(h for h in (too_few_values_hint(
+                            e, self.signature.batch_size(tensors) // chunks), uneven) if h)
+                        or "run the stage alone (program.stages[i]) to debug it"
                     ) from e
                 if s == k - 1:
                     outputs[mb] = result
