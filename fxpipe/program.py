@@ -78,6 +78,8 @@ class Program(ProgramBalance):
         self.config = config
         self._built: Built | None = None
         self._names: StateNames | None = None
+        # every tensor this process's stages held under any plan installed, by qualified name
+        self._owned: dict[str, torch.Tensor] = {}
         self._example: list[torch.Tensor] = []
         self._compiled_training = True  # the mode of the first build
         self._local: LocalExecutor | None = None
@@ -163,7 +165,8 @@ class Program(ProgramBalance):
             return clone
         held, _ = self._held_tensors()  # the model's tensors copied first: the same copies
         built, tensors = copy.deepcopy((self._built, held), memo)
-        clone._names = StateNames.of_model(clone.model, built.captured)
+        clone._names = self._names
+        clone._owned = copy.deepcopy(self._owned, memo)  # the copies of the model's tensors
         clone._example = copy.deepcopy(self._example, memo)
         clone._compiled_training = self._compiled_training
         clone._install(built, None, tensors)
@@ -198,7 +201,9 @@ class Program(ProgramBalance):
         self.stage_modules = nn.ModuleList(held.modules)
         self._local, self._rank, self._meta = held.local, held.rank, held.meta
         assert self._names is not None  # set with the plan
-        self._slots = ModelSlots.of(self.model, self._names, held_tensors(held)[0])
+        tensors_held = held_tensors(held)[0]
+        self._owned.update(tensors_held)
+        self._slots = ModelSlots.of(self.model, self._names, tensors_held)
         if held.rank is not None:  # a loss may read only this rank's parameters
             own = {id(p) for p in held.rank.executor.parameters()}
             held.rank.executor.foreign = {
@@ -406,6 +411,8 @@ class Program(ProgramBalance):
                 sharded=self.config.shard == "full" and rank is not None
                 and rank.mesh.replicas > 1)
         held, _ = self._held_tensors()
+        assert self._names is not None  # set with the plan
+        self._names = self._names.merged(StateNames.of_model(self.model, variant.captured))
         self._install(variant, self._device, held)
         return variant, self._flat_inputs(variant, args, kwargs)
 

@@ -28,7 +28,7 @@ from fxpipe.storage.checkpoint import load_checkpoint, save_shard
 from fxpipe.storage.loss_scale import restore_scaler, scaler_state
 from fxpipe.storage.random_state import restore_random_state
 from fxpipe.storage.resume import fit_state, restore_optimizer
-from fxpipe.storage.state import StateNames, graph_tensors
+from fxpipe.storage.state import HoldsModelTensors, StateNames, graph_tensors
 from fxpipe.storage.structure import Structure
 from fxpipe.storage.weights import WeightsSource, open_weights
 
@@ -42,7 +42,8 @@ class ProgramState(nn.Module):
     config: CompileConfig
     stage_modules: nn.ModuleList
     _built: Built | None
-    _names: StateNames | None
+    _names: StateNames | None  # those of every plan installed (fxpipe.program)
+    _owned: dict[str, torch.Tensor]  # every tensor this process's stages held, any plan
     _held: HeldStages | None
     _meta: list[str]  # tensors of this process's stages without weights yet
     _slots: ModelSlots  # where the stages' tensors sit in the model (fxpipe.replaced)
@@ -238,7 +239,7 @@ class ProgramState(nn.Module):
     def _optimizer_names(self, optimizer: torch.optim.Optimizer) -> dict[int, str]:
         """id(parameter) -> the model key its optimizer state is saved under; refuses an
         optimizer that holds a parameter this process's stages do not."""
-        names = self._state_names().canonical(self._stage_modules())
+        names = self._state_names().canonical(self._holders())
         model = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
         outside = [f"group {g} position {i}: " + (f"the model's {model[id(p)]} (not held here)"
                                                   if id(p) in model else
@@ -272,6 +273,16 @@ class ProgramState(nn.Module):
             assert isinstance(module, StageModule)
             yield module
 
+    def _holders(self) -> list[HoldsModelTensors]:
+        """The stage modules, and the tensors this process's stages held under another plan
+        (another mode or input shapes) that the installed one does not read: a layer used in
+        training only, while an eval-mode plan is installed, is still this process's, trained
+        here and named, saved and loaded here (the model's copy elsewhere is not)."""
+        stages = list(self._stage_modules())
+        installed = {id(t) for stage in stages for t in stage.named_model_tensors().values()}
+        return [*stages, _Held({q: t for q, t in self._owned.items()
+                                if id(t) not in installed and not t.is_meta})]
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The stages' parameters under the model's names (as state_dict() names them); before
@@ -283,7 +294,7 @@ class ProgramState(nn.Module):
         """
         if self._built is None:
             return self.model.named_parameters(prefix, recurse, remove_duplicate)
-        canonical = self._state_names().canonical(self._stage_modules())
+        canonical = self._state_names().canonical(self._holders())
         dot = f"{prefix}." if prefix else ""
         return ((dot + canonical.get(id(p), name), p)
                 for name, p in super().named_parameters("", recurse, remove_duplicate))
@@ -295,7 +306,7 @@ class ProgramState(nn.Module):
         name reads); before a lazy program's first call, the model's own."""
         if self._built is None:
             return self.model.named_buffers(prefix, recurse, remove_duplicate)
-        canonical = self._state_names().canonical(self._stage_modules())
+        canonical = self._state_names().canonical(self._holders())
         dot = f"{prefix}." if prefix else ""
         return ((dot + canonical.get(id(b), name), b)
                 for name, b in super().named_buffers("", recurse, remove_duplicate))
@@ -311,7 +322,7 @@ class ProgramState(nn.Module):
                 return self.model.state_dict(prefix=prefix, keep_vars=keep_vars)
             return self.model.state_dict(destination=destination, prefix=prefix,
                                          keep_vars=keep_vars)
-        out = self._state_names().state_dict(self._stage_modules())
+        out = self._state_names().state_dict(self._holders())
         if self._holds_first_stage():
             # State no stage reads (unused parameters, BatchNorm counters in eval mode) stays
             # with the model; the process of stage 0 carries it, so shards add up to the model.
@@ -325,9 +336,12 @@ class ProgramState(nn.Module):
         return self._mesh is None or 0 in self._mesh.held
 
     def _unused_state(self) -> dict[str, torch.Tensor]:
+        """The model's state no plan installed so far reads (a stage holds the rest, on the
+        process that trains it)."""
         used = {id(t) for t in graph_tensors(self._require_built("graph").captured).values()}
+        named = {k for keys in self._state_names().keys.values() for k in keys}
         return {k: v for k, v in self.model.state_dict(keep_vars=True).items()
-                if id(v) not in used and not v.is_meta}  # a meta model's has no values
+                if id(v) not in used and k not in named and not v.is_meta}  # meta: no values
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:
@@ -343,7 +357,7 @@ class ProgramState(nn.Module):
         if missing:
             raise RuntimeInputError(f"state_dict lacks {len(missing)} keys this program needs "
                                     f"(e.g. {missing[:3]})", hint="save it from the same model")
-        self._state_names().load(self._stage_modules(), state_dict)
+        self._state_names().load(self._holders(), state_dict)
         if self._holds_first_stage():
             with torch.no_grad():
                 for name, tensor in self._unused_state().items():
@@ -379,3 +393,13 @@ class ProgramState(nn.Module):
         inner = f"{module.__dict__.pop('_loading_prefix', '')}stage_modules."
         keys.missing_keys[:] = [k for k in keys.missing_keys if not k.startswith(inner)]
         keys.unexpected_keys[:] = [k for k in keys.unexpected_keys if not k.startswith(inner)]
+
+
+class _Held:
+    """Tensors by qualified name, named as a stage's are (StateNames takes either)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def named_model_tensors(self) -> dict[str, torch.Tensor]:
+        return self.tensors

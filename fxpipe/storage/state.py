@@ -56,6 +56,11 @@ class StateNames:
         return StateNames({q: tuple(by_id[id(t)]) for q, t in sorted(graph_tensors(gm).items())
                            if id(t) in by_id})
 
+    def merged(self, other: StateNames) -> StateNames:
+        """These names and `other`'s (a plan of another mode or shape names the tensors it
+        reads, which this one may not)."""
+        return StateNames({**other.keys, **self.keys})
+
     @staticmethod
     def from_json(data: Mapping[str, Iterable[str]]) -> StateNames:
         return StateNames({str(q): tuple(str(k) for k in keys) for q, keys in data.items()})
