@@ -134,8 +134,12 @@ class Program(ProgramBalance):
                  held: Mapping[str, torch.Tensor] | None = None) -> None:
         """Builds the stage modules and the executor of a built plan (every stage locally, this
         rank's under torchrun); `device` is this rank's, None in one process; `held`: tensors
-        the stages take instead of the plan's (by qualified name)."""
+        the stages take instead of the plan's (by qualified name): a plan of another mode or
+        shape, cut where this one is, whose process keeps what its stages held before
+        (`_owned`); without them, a new cut (a build, a rebalance) starts afresh."""
         self._built = built
+        if held is None:
+            self._owned = {}
         if not self._hooks.modules:
             self._hooks = HookWatch.of(self.model)
         if self._local is not None:
