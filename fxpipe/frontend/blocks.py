@@ -213,7 +213,6 @@ class _WatchedIndex:
         return int(value)
 
 
-
 def _reading(name: str) -> Any:
     def method(self: _WatchedIndex, *args: Any) -> Any:
         return getattr(self._read(), name)(*args)
