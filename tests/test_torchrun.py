@@ -77,3 +77,14 @@ def test_a_rank_that_neither_finished_nor_reported_is_told_as_hung(tmp_path):
     assert rank_failure(tmp_path, 2) == (
         "rank 1 (stage 1) hung or was stopped: it neither finished nor reported an error, and "
         f"rank 0 (stage 0) stopped waiting for it after --timeout (full log: {log})")
+
+
+def test_an_fxpipe_error_of_several_lines_is_told_whole_before_its_hint(tmp_path):
+    log = _log(tmp_path, 1, "rank 1 (stage 1): error: the checkpoint is of another model "
+                            "(2 problems):\n  - model class Other, not Net\n"
+                            "  - missing keys: head.weight\nhint: resume from this model's\n"
+                            "W1202 00:00:00 a later log line\n")
+    assert rank_failure(tmp_path, 2) == (
+        "rank 1 (stage 1) failed: the checkpoint is of another model (2 problems): - model "
+        "class Other, not Net - missing keys: head.weight; hint: resume from this model's "
+        f"(full log: {log})")

@@ -9,6 +9,7 @@ failed: CAUSE (full log: PATH)` (exit 1); debug=True shows every process's outpu
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import shutil
@@ -226,6 +227,8 @@ def _failed(logs: Path) -> bool:
 
 _ERROR = re.compile(r"^rank \d+(?: \(stages? [^)]*\))?: error: (?P<cause>.*)$", re.MULTILINE)
 _STOPPED = "stopping, another rank failed or exited"
+_OTHER = re.compile(r"^(?:[EWIF]\d{4} |\[[EWIF]|Traceback|rank \d+)")  # a log line, not a message's
+_MESSAGE_LINES = 8
 _PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:", re.MULTILINE)  # torch's on a rank's stderr
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+).*\n\s*exitcode\s*:\s*(?P<code>-?\d+)",
                       re.MULTILINE)
@@ -248,7 +251,13 @@ def _cause(text: str) -> str | None:
         match = _ERROR.match(line)
         if match:
             hint = next((h for h in lines[i + 1:] if h.startswith("hint: ")), None)
-            return match["cause"] + (f"; {hint}" if hint else "")
+            # the message's own lines (a list of problems) up to its hint or the next log line
+            more = list(itertools.takewhile(
+                lambda rest: not rest.startswith("hint: ") and not _OTHER.match(rest),
+                lines[i + 1:]))
+            told = " ".join([match["cause"], *more[:_MESSAGE_LINES]])
+            return told + (" ..." if len(more) > _MESSAGE_LINES else "") + \
+                (f"; {hint}" if hint else "")
     if any(line.startswith("Traceback") for line in lines):
         return lines[-1]
     return None
