@@ -31,7 +31,7 @@ def default_loss(output: Any, target: torch.Tensor | None = None) -> torch.Tenso
 
     The first floating-point tensor of the output is the prediction (logits over its last
     dimension for cross-entropy, or over dimension 1 when the target has the prediction's shape
-    without that one: `_classes_in_dim_1`). Every variant is a mean over the batch, so
+    without that one: `_refuse_class_dimension`). Every variant is a mean over the batch, so
     micro-batch losses weighted by their share of the batch add up to the full-batch loss.
     """
     floats = [t for t in pytree.tree_leaves(output)
@@ -54,26 +54,30 @@ def default_loss(output: Any, target: torch.Tensor | None = None) -> torch.Tenso
                              "target's parts") from None
     if floating:
         return F.mse_loss(prediction, target)
-    if _classes_in_dim_1(prediction, target):  # torch's [N, C, d1, ...] against [N, d1, ...]
-        return F.cross_entropy(prediction, target)
-    return _classes_last(prediction, target)
+    shape, wanted = prediction.shape, target.shape
+    last = wanted == shape[:-1]  # compared inline: the last stage runs this per micro-batch
+    second = wanted == shape[:1] + shape[2:] and len(shape) > 2
+    if last != second:  # one reading fits: classes last, or in dim 1 as torch reads them
+        return F.cross_entropy(prediction.reshape(-1, shape[-1]), target.reshape(-1)) if last \
+            else F.cross_entropy(prediction, target)
+    _refuse_class_dimension(prediction, target, ambiguous=last)
+    return _classes_last(prediction, target)  # a target with one entry per row, flattened
 
 
 def _classes_last(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1))
 
 
-def _classes_in_dim_1(prediction: torch.Tensor, target: torch.Tensor) -> bool:
+def _refuse_class_dimension(prediction: torch.Tensor, target: torch.Tensor,
+                            ambiguous: bool) -> None:
     """Where cross-entropy finds the classes: the prediction's last dimension (a language
     model's [batch, tokens, vocabulary] against [batch, tokens], or any target with one entry
     per row of it), or dimension 1 as torch's F.cross_entropy does, when the target has the
     prediction's shape without it and not without the last (a segmentation's [N, C, H, W]
-    against [N, H, W]). A shape that fits both (every dimension but the batch's alike) is
-    refused: either reading would be a guess."""
+    against [N, H, W]). Raises for a shape that fits both (every dimension but the batch's
+    alike: either reading would be a guess) or neither."""
     shape, wanted = tuple(prediction.shape), tuple(target.shape)
-    last = wanted == shape[:-1]
-    second = prediction.dim() > 2 and wanted == shape[:1] + shape[2:]
-    if last and second:
+    if ambiguous:
         raise LossError(
             f"cross-entropy cannot tell the class dimension of a prediction of shape {shape} "
             f"against a target of shape {wanted}: it could be the last (a language model's "
@@ -81,9 +85,7 @@ def _classes_in_dim_1(prediction: torch.Tensor, target: torch.Tensor) -> bool:
             hint="pass loss_fn=torch.nn.functional.cross_entropy for classes in dimension 1, "
                  "or loss_fn=lambda out, t: torch.nn.functional.cross_entropy(out.flatten(0, "
                  "-2), t.flatten()) for the last")
-    if second:
-        return True
-    if not last and target.numel() * shape[-1] != prediction.numel():
+    if target.numel() * shape[-1] != prediction.numel():
         raise LossError(
             f"cross-entropy takes a target with one class index per row of the prediction: "
             f"the prediction has shape {shape}, so the target's shape is {shape[:-1]} (classes "
@@ -92,7 +94,6 @@ def _classes_in_dim_1(prediction: torch.Tensor, target: torch.Tensor) -> bool:
                f"F.cross_entropy)" if prediction.dim() > 2 else "")
             + f", but it is {wanted}",
             hint="pass targets of that shape, or loss_fn= a function of (outputs, target)")
-    return False
 
 
 def loss_of(loss_fn: LossFn, output: Any, target: torch.Tensor | None) -> torch.Tensor:

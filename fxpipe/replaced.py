@@ -4,16 +4,14 @@
 built and run the graph captured from its modules, so they would run and train the old ones
 while the model's new ones got no gradient. Every call compares the slots the stages' tensors
 came from with what the model holds there now (one reference comparison per tensor, no
-function call), and each module's children with those it had (one C-level lookup per module
-with children), and refuses a replaced one, naming it. Values changed in place (`copy_`,
-`load_state_dict` without `assign`, an optimizer's step, `model.to(dtype)`) are the stages'
-own and need no check."""
+function call), and each module's children with those it had (`dict.get` mapped over every
+child in C, no Python call per module), and refuses a replaced one, naming it. Values changed
+in place (`copy_`, `load_state_dict` without `assign`, an optimizer's step, `model.to(dtype)`)
+are the stages' own and need no check."""
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -31,17 +29,19 @@ class ModelSlots:
 
     slots: tuple[tuple[Mapping[str, torch.Tensor | None], str, torch.Tensor, str], ...] = ()
     # per module with children: its name, its `_modules`, their names and the children
-    children: tuple[tuple[str, Mapping[str, nn.Module | None], tuple[str, ...],
+    children: tuple[tuple[str, dict[str, nn.Module | None], tuple[str, ...],
                           tuple[nn.Module | None, ...]], ...] = ()
-    _lookups: list[tuple[Callable[[Mapping[str, Any]], Any], Mapping[str, Any]]] = field(
-        init=False, repr=False, compare=False)
-    _expected: list[Any] = field(init=False, repr=False, compare=False)
+    _tables: tuple[dict[str, nn.Module | None], ...] = field(init=False, repr=False,
+                                                            compare=False)
+    _keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _expected: list[nn.Module | None] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        lookups = [(_getter(keys), table) for _, table, keys, _ in self.children]
-        expected = [kids if len(kids) > 1 else kids[0] for _, _, _, kids in self.children]
-        object.__setattr__(self, "_lookups", lookups)
-        object.__setattr__(self, "_expected", expected)
+        rows = [(table, key, kid) for _, table, keys, kids in self.children
+                for key, kid in zip(keys, kids)]
+        object.__setattr__(self, "_tables", tuple(t for t, _, _ in rows))
+        object.__setattr__(self, "_keys", tuple(k for _, k, _ in rows))
+        object.__setattr__(self, "_expected", [kid for _, _, kid in rows])
 
     @staticmethod
     def of(model: nn.Module, names: StateNames, held: Mapping[str, torch.Tensor]) -> ModelSlots:
@@ -71,11 +71,9 @@ class ModelSlots:
     def replaced(self) -> ConfigError | None:
         """The error to raise when a slot holds another tensor, or a module another child,
         now; or None."""
-        try:  # modules compare by identity
-            same = [get(table) for get, table in self._lookups] == self._expected
-        except KeyError:  # a child deleted
-            same = False
-        if not same:
+        # each child where it was: dict.get mapped in C (no Python call per module), and
+        # modules compare by identity (a deleted one is None)
+        if list(map(dict.get, self._tables, self._keys)) != self._expected:
             return self._replaced_module()
         changed = [key for table, attribute, tensor, key in self.slots
                    if attribute not in table or table[attribute] is not tensor]
@@ -108,7 +106,3 @@ class ModelSlots:
                  "compile again: fxpipe.compile(model, ...); putting the compiled module back "
                  "runs the program again")
 
-
-def _getter(keys: tuple[str, ...]) -> Callable[[Mapping[str, Any]], Any]:
-    """keys' values of a `_modules` table in one C call (a tuple for several keys)."""
-    return operator.itemgetter(*keys)
